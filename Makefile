@@ -1,0 +1,55 @@
+# osd: the two commands are `make demo` and `make test`. Each sets itself up on a fresh
+# machine: a virtualenv, torch (the local CPU build here, pip's wheel elsewhere), the
+# package in editable mode with its dev extra, and the native extension.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.osd-installed
+NVCC ?= $(shell command -v nvcc 2>/dev/null)
+CU_SOURCES := $(wildcard csrc/kernels/*.cu)
+export PYTHONUNBUFFERED := 1
+
+.PHONY: all venv install build test test-fast cuda-check bench demo gpu-check clean
+
+all: test
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch first (unless one is present), then our package without build isolation so the
+# extension builds against that torch.
+$(STAMP): $(PY) pyproject.toml setup.py
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q --no-build-isolation -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# (Re)build the native extension in place; ninja only recompiles what changed.
+build: $(STAMP)
+	flock /tmp/osd-build.lock $(PY) setup.py -q build_ext --inplace
+
+# Compile every torch-free CUDA source for sm_90a (compile-only when no GPU is present).
+cuda-check:
+ifneq ($(strip $(NVCC)),)
+	@$(PY) scripts/cuda_check.py --nvcc "$(NVCC)" $(CU_SOURCES)
+else
+	@echo "cuda-check: nvcc not found, skipped"
+endif
+
+test: build cuda-check
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider --benchmark-disable tests
+
+bench: build
+	$(PY) -m pytest -q -p no:cacheprovider bench --benchmark-json=docs/bench_results.json
+
+gpu-check: build
+	bash scripts/gpu_check.sh
+
+demo: build
+	$(PY) -m osd.cli demo
+
+clean:
+	rm -rf build osd_kernels/*.so *.egg-info

@@ -1,0 +1,91 @@
+"""Loading of the native extension and backend selection shared by every op.
+
+Every op in ``osd_kernels`` has up to four implementations that share one name:
+
+- ``reference``: pure PyTorch, product code, the ground truth in tests;
+- ``native``: ``torch.ops.osd.<op>``, the C++ CPU kernel or the CUDA kernel, dispatched
+  on the device of the inputs;
+- ``triton``: a Triton kernel (on CPU tensors it runs under ``TRITON_INTERPRET=1``);
+- ``auto`` (default): the fastest one available for the inputs' device.
+
+If ``osd_kernels._C`` is missing, ``native`` falls back to ``reference`` with a one-time
+warning, so the package imports and runs without a compiler.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+
+BACKENDS = ("auto", "reference", "native", "triton")
+
+
+@functools.lru_cache(maxsize=None)
+def native_available() -> bool:
+    """True when ``osd_kernels._C`` imported and registered its ops."""
+    if os.environ.get("OSD_DISABLE_NATIVE", "0") == "1":
+        return False
+    try:
+        from osd_kernels import _C  # noqa: F401  (registers torch.ops.osd.*)
+    except ImportError as exc:  # pragma: no cover - exercised only without a build
+        warnings.warn(
+            f"osd_kernels._C is not built ({exc}); falling back to the PyTorch reference "
+            "ops. Run `make build` (or `pip install -e .`) for the native kernels.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
+def native_has_device(device: torch.device) -> bool:
+    """True when the native extension has kernels for ``device`` (CPU always, CUDA if built)."""
+    if not native_available():
+        return False
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        from osd_kernels import _C
+
+        return bool(getattr(_C, "WITH_CUDA", False))
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when triton imports (on CPU it is usable only under TRITON_INTERPRET=1)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend: str, device: torch.device, *, has_triton: bool = True,
+                    prefer_triton_on_gpu: bool = True) -> str:
+    """Turn ``backend`` (one of BACKENDS) into a concrete one for tensors on ``device``.
+
+    ``auto`` picks Triton on CUDA when the op has a Triton kernel (and the caller prefers
+    it), else the native kernel, else the reference. An explicit ``native`` without a
+    build falls back to ``reference`` (the one-time warning was already given).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "auto":
+        if device.type == "cuda" and has_triton and prefer_triton_on_gpu and triton_available():
+            return "triton"
+        return "native" if native_has_device(device) else "reference"
+    if backend == "native" and not native_has_device(device):
+        return "reference"
+    if backend == "triton":
+        if not has_triton:
+            raise ValueError("this op has no Triton kernel")
+        if device.type == "cpu" and not triton_interpret():
+            raise ValueError("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    return backend
