@@ -45,7 +45,7 @@ test: build cuda-check
 bench: build
 	$(PY) -m pytest -q -p no:cacheprovider bench --benchmark-json=docs/bench_results.json
 
-gpu-check: build
+gpu-check:
 	bash scripts/gpu_check.sh
 
 demo: build

@@ -30,7 +30,7 @@ def _extension():
     cxx = ["-O3", "-fopenmp", "-std=c++20"]
     if _with_cuda():
         sources += sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/kernels/*.cu"))
-        nvcc = ["-O3", "-std=c++20", "-lineinfo"]
+        nvcc = ["-O3", "-std=c++17", "-lineinfo"]
         return CUDAExtension(
             "osd_kernels._C", sources, include_dirs=include,
             define_macros=[("OSD_WITH_CUDA", "1")],

@@ -14,7 +14,7 @@ ARCH = "-gencode=arch=compute_90a,code=sm_90a"
 
 def compile_one(nvcc: str, src: str, outdir: str) -> tuple[str, int, str]:
     out = os.path.join(outdir, os.path.basename(src) + ".o")
-    cmd = [nvcc, ARCH, "-std=c++20", "-O3", "-Icsrc", "-c", src, "-o", out]
+    cmd = [nvcc, ARCH, "-std=c++17", "-O3", "-Icsrc", "-c", src, "-o", out]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     return src, proc.returncode, proc.stdout + proc.stderr
 

@@ -1,0 +1,109 @@
+"""Replay buffer of the target's verdicts, collected while serving.
+
+Every verify step already computes the target's distribution at each drafted position,
+so training never runs the target again. For each served request we keep the committed
+token sequence and, for the generated positions, the target's distribution that decided
+the token there, stored compactly:
+
+- top-k: ``ids [m, k]`` int32 and ``probs [m, k]`` float16/32 of the target's k most likely
+  tokens; the leftover mass ``1 - probs.sum()`` is implicit (see ``osd_kernels.distill_loss``
+  for how the losses treat it);
+- or full logits ``[m, V]`` when ``keep_full_logits`` is set.
+
+Positions are absolute indices into the sequence: position ``t`` holds the distribution
+of token ``t`` given tokens ``< t``. Which positions are kept is a policy: all verified
+positions (default) or only those where the target corrected the draft (OSD's choice).
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Example:
+    """One served request's training signal (CPU tensors)."""
+
+    tokens: torch.Tensor             # [n] int64: prompt + generated tokens
+    positions: torch.Tensor          # [m] int64: positions with a stored target distribution
+    topk_ids: torch.Tensor | None    # [m, k] int64 (top-k storage)
+    topk_probs: torch.Tensor | None  # [m, k] float32
+    logits: torch.Tensor | None      # [m, V] float32 (full storage)
+    domain: str | None = None        # optional label (used only for reporting)
+
+    @property
+    def num_positions(self) -> int:
+        return int(self.positions.numel())
+
+
+def compress_target(logits: torch.Tensor, topk: int | None):
+    """``logits [m, V]`` -> (topk_ids, topk_probs, None) or (None, None, logits) on CPU.
+
+    ``logits`` must already be warped the way the draft is trained (plain softmax of the
+    target's logits; temperature is a decoding choice, not part of the teacher).
+    """
+    logits = logits.detach().float()
+    if topk is None:
+        return None, None, logits.cpu()
+    probs = torch.softmax(logits, dim=-1)
+    p, i = torch.topk(probs, min(topk, probs.shape[-1]), dim=-1)
+    return i.cpu(), p.cpu(), None
+
+
+class ReplayBuffer:
+    """A bounded FIFO of :class:`Example`, thread-safe (serving appends, training samples).
+
+    Capacity is counted in stored positions, so long requests do not crowd the memory.
+    A fixed fraction of requests (every ``holdout_every``-th) goes to a held-out slice used
+    only to accept or reject an update.
+    """
+
+    def __init__(self, capacity_positions: int = 65536, holdout_every: int = 5,
+                 holdout_capacity: int = 64):
+        self.capacity = int(capacity_positions)
+        self.holdout_every = int(holdout_every)
+        self._train: deque[Example] = deque()
+        self._holdout: deque[Example] = deque(maxlen=int(holdout_capacity))
+        self._positions = 0
+        self._seen = 0
+        self._lock = threading.Lock()
+
+    def add(self, ex: Example) -> None:
+        if ex.num_positions == 0:
+            return
+        with self._lock:
+            self._seen += 1
+            if self.holdout_every > 0 and self._seen % self.holdout_every == 0:
+                self._holdout.append(ex)
+                return
+            self._train.append(ex)
+            self._positions += ex.num_positions
+            while self._positions > self.capacity and len(self._train) > 1:
+                self._positions -= self._train.popleft().num_positions
+
+    def recent(self, max_positions: int) -> list[Example]:
+        """The newest examples holding about ``max_positions`` positions (newest last)."""
+        out, n = [], 0
+        with self._lock:
+            for ex in reversed(self._train):
+                if n >= max_positions and out:
+                    break
+                out.append(ex)
+                n += ex.num_positions
+        return out[::-1]
+
+    def holdout(self) -> list[Example]:
+        with self._lock:
+            return list(self._holdout)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._train)
+
+    @property
+    def num_positions(self) -> int:
+        with self._lock:
+            return self._positions

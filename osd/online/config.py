@@ -1,0 +1,58 @@
+"""Configuration of online distillation (``osd.OnlineConfig``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from osd.online.router import RouterConfig
+
+LOSSES = ("fkl", "rkl", "jsd", "tvd")
+POSITION_POLICIES = ("all", "corrected")
+
+
+@dataclass
+class OnlineConfig:
+    """How the draft learns from the target's verdicts while serving.
+
+    Defaults follow OSD (update every 8 requests, AdamW at lr 1e-4, no weight decay) with
+    forward KL against the target's stored top-k distribution.
+    """
+
+    loss: str = "fkl"                  # fkl | rkl | jsd | tvd (osd_kernels.distill_loss)
+    beta: float = 0.5                  # JSD mixing weight beta (jsd only)
+    positions: str = "all"             # "all" verified positions, or "corrected" (OSD's choice)
+    topk: int | None = 32              # target top-k stored per position; None = full logits
+    update_every_requests: int = 8     # an update after this many finished requests ...
+    update_every_tokens: int | None = None  # ... or after this many collected positions
+    steps_per_update: int = 2          # optimizer steps per update
+    batch_positions: int = 4096        # newest buffered positions used per update
+    lr: float = 1e-4                   # AdamW learning rate
+    weight_decay: float = 0.0          # AdamW weight decay
+    max_grad_norm: float = 1.0         # gradient clipping (<= 0 disables)
+    buffer_positions: int = 65536      # replay buffer capacity, in stored positions
+    holdout_every: int = 5             # every n-th request goes to the held-out slice
+    guard_tolerance: float = 0.005     # keep an update unless held-out alpha drops by more
+    background: bool = True            # train in a thread (CPU) / side stream (GPU)
+    wait_for_update: bool = False      # serving waits for each update to finish
+    checkpoint_dir: str | None = None  # where learned weights are checkpointed (and resumed)
+    checkpoint_every: int = 10         # applied updates between checkpoints
+    max_train_len: int = 512           # newest tokens of a request fed to the draft
+    cuda_graphs: bool = True           # capture the training step on CUDA (bucketed shapes)
+    seed: int = 0                      # seed of the learner's sampling of batches
+    router: RouterConfig = field(default_factory=RouterConfig)  # used with several drafts
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise ValueError(f"OnlineConfig.loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.positions not in POSITION_POLICIES:
+            raise ValueError(f"OnlineConfig.positions must be one of {POSITION_POLICIES}, "
+                             f"got {self.positions!r}")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"OnlineConfig.beta must be in [0, 1], got {self.beta}")
+        if self.topk is not None and self.topk < 1:
+            raise ValueError(f"OnlineConfig.topk must be >= 1 or None, got {self.topk}")
+        for name in ("update_every_requests", "steps_per_update", "batch_positions",
+                     "buffer_positions", "checkpoint_every", "max_train_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"OnlineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"OnlineConfig.lr must be > 0, got {self.lr}")

@@ -1,0 +1,72 @@
+"""Configuration of speculative decoding (``osd.SpecConfig``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from osd.tree import MAX_TREE_NODES, StaticTree
+
+DRAFTERS = ("model", "self", "ngram")
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """A tree grown per step from the draft's own probabilities (EAGLE-2 style).
+
+    Each level expands the ``topk`` most likely children of every frontier node, then
+    keeps the ``max_nodes`` nodes (root excluded) with the highest path probability.
+    """
+
+    topk: int = 4         # children tried per node
+    depth: int = 4        # levels below the root
+    max_nodes: int = 16   # node budget, root excluded (<= 63)
+
+    def __post_init__(self):
+        if self.topk < 1 or self.depth < 1:
+            raise ValueError(f"DynamicTree needs topk >= 1 and depth >= 1, got {self}")
+        if not 1 <= self.max_nodes < MAX_TREE_NODES:
+            raise ValueError(f"DynamicTree.max_nodes must be in 1..{MAX_TREE_NODES - 1}, "
+                             f"got {self.max_nodes}")
+
+
+@dataclass
+class SpecConfig:
+    """How drafts are proposed and verified.
+
+    ``tree=None`` drafts a chain of ``num_draft_tokens``; a list of child-rank paths gives
+    a static tree (e.g. ``[(0,), (1,), (0, 0)]``); a :class:`DynamicTree` grows one per
+    step. Trees use the draft's top-ranked children (deterministic), verified with the
+    multi-draft rule, which is lossless for sampling too.
+    """
+
+    num_draft_tokens: int = 4            # k: chain length / most drafts per step
+    tree: object = None                  # None | list of rank paths | DynamicTree
+    drafter: str = "model"               # "model" (separate draft), "self" (layer skip), "ngram"
+    skip_layers: tuple[int, ...] | None = None  # self: target layers skipped (default: odd ones)
+    ngram_max: int = 3                   # ngram: longest suffix matched in the context
+    ngram_min: int = 1                   # ngram: shortest suffix matched
+    adaptive: bool = False               # stop drafting a row when the draft is unsure
+    adaptive_floor: float = 0.35         # adaptive: stop when P(accept | confidence) < floor
+    adaptive_init_threshold: float = 0.3  # adaptive: confidence threshold before calibration
+    exact_alpha: bool = True             # report 1 - TV(p, q) (one softmax per drafted row)
+    cuda_graphs: bool = True             # capture draft and verify forwards on CUDA
+
+    def __post_init__(self):
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"SpecConfig.drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if not 1 <= self.num_draft_tokens < MAX_TREE_NODES:
+            raise ValueError(f"SpecConfig.num_draft_tokens must be in 1..{MAX_TREE_NODES - 1}, "
+                             f"got {self.num_draft_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"SpecConfig needs 1 <= ngram_min <= ngram_max, got "
+                             f"{self.ngram_min}, {self.ngram_max}")
+        if not 0.0 < self.adaptive_floor < 1.0:
+            raise ValueError(f"SpecConfig.adaptive_floor must be in (0, 1), got "
+                             f"{self.adaptive_floor}")
+        if self.tree is not None and not isinstance(self.tree, (DynamicTree, StaticTree)):
+            self.tree = StaticTree.from_paths(self.tree)
+        if self.tree is not None and self.drafter == "ngram":
+            raise ValueError("the ngram drafter proposes a chain; use tree=None")
+
+    @property
+    def is_tree(self) -> bool:
+        return self.tree is not None
