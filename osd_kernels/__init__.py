@@ -6,10 +6,26 @@ function of the same name checks its inputs and dispatches (``backend="auto"``).
 """
 from osd_kernels._ops import native_available
 from osd_kernels.kv_rollback import chain_rollback, kv_rollback, kv_rollback_reference
+from osd_kernels.rejection_sample import rejection_sample, rejection_sample_reference
+from osd_kernels.distill_loss import distill_loss, distill_loss_reference
+from osd_kernels.tree_attention import (causal_tree_mask, tree_attention, tree_attention_reference,
+                                        tree_mask_from_parents)
+from osd_kernels.tree_rejection_sample import (tree_rejection_sample,
+                                               tree_rejection_sample_reference)
 
 __all__ = [
     "native_available",
     "kv_rollback",
     "kv_rollback_reference",
     "chain_rollback",
+    "rejection_sample",
+    "rejection_sample_reference",
+    "tree_attention",
+    "tree_attention_reference",
+    "causal_tree_mask",
+    "tree_mask_from_parents",
+    "distill_loss",
+    "distill_loss_reference",
+    "tree_rejection_sample",
+    "tree_rejection_sample_reference",
 ]

@@ -1,0 +1,43 @@
+// philox_uniform: the C++ side of the shared counter-based generator (kernels/philox.h),
+// exposed so tests can compare it word for word with the PyTorch and Triton versions.
+#include <ATen/ATen.h>
+
+#include "cpu/glue.h"
+#include "kernels/philox.h"
+
+namespace osd {
+namespace {
+
+at::Tensor philox_uniform_cpu_op(const at::Tensor& seed, const at::Tensor& offset, int64_t stream,
+                                 int64_t num) {
+  check_dtype(seed, at::kLong, "seed");
+  check_dtype(offset, at::kLong, "offset");
+  OSD_CHECK(seed.dim() == 1 && offset.sizes() == seed.sizes(),
+            "seed and offset must be [B] with the same size, got ", seed.sizes(), " and ",
+            offset.sizes());
+  OSD_CHECK(stream >= 0 && stream <= 0xFFFFFFFFll, "stream must fit in 32 bits, got ", stream);
+  OSD_CHECK(num >= 0 && num <= 0x100000000ll, "num must be in [0, 2^32], got ", num);
+  const auto s = seed.contiguous();
+  const auto o = offset.contiguous();
+  auto out = at::empty({seed.size(0), num}, seed.options().dtype(at::kFloat));
+  const int64_t* sp = s.data_ptr<int64_t>();
+  const int64_t* op = o.data_ptr<int64_t>();
+  float* outp = out.data_ptr<float>();
+  for (int64_t b = 0; b < seed.size(0); ++b) {
+    for (int64_t i = 0; i < num; ++i) {
+      outp[b * num + i] = philox_uniform(static_cast<uint64_t>(sp[b]), static_cast<uint64_t>(op[b]),
+                                         static_cast<uint32_t>(stream), static_cast<uint32_t>(i));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace osd
+
+TORCH_LIBRARY_FRAGMENT(osd, m) {
+  // Philox uniforms u(seed[b], offset[b], stream, i) for i < num: [B, num] float32.
+  m.def("philox_uniform(Tensor seed, Tensor offset, int stream, int num) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(osd, CPU, m) { m.impl("philox_uniform", &osd::philox_uniform_cpu_op); }

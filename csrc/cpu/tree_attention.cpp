@@ -1,0 +1,376 @@
+// tree_attention: schema, argument checks, and the C++ CPU kernel.
+//
+// Semantics (osd_kernels/tree_attention.py): query t of row b sees the prefix keys
+// [0, lens[b]) unmasked and the tree key lens[b] + t' iff bit t' of tree_mask[b, t] is set
+// (causal bits 0..t when no mask is given). GQA: query head h reads KV head h / (Hq / Hkv).
+//
+// One task per (row, query head). The task streams the row's keys in blocks of kKeyBlock:
+// each block is converted to fp32 once and scored against all T queries of the head, and
+// every query keeps an online softmax (running max m, running sum l, fp32 accumulator):
+//   m' = max(m, max_j s_j);  l' = l * e^(m - m') + sum_j e^(s_j - m');
+//   acc' = acc * e^(m - m') + sum_j e^(s_j - m') v_j;  out = acc / l.
+// Prefix blocks need no mask; only the last block (the T tree keys) tests the bitmask.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include "cpu/fast_math.h"
+#include "cpu/glue.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace osd {
+namespace {
+
+constexpr int64_t kKeyBlock = 64;  // also the largest tree (T <= 64 bits)
+constexpr int64_t kRowBlock = 32;  // query rows per task (at most)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+
+struct TreeAttentionArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;                  // [B, T, Hq, D] contiguous
+  const int32_t* lens;        // [B_max]
+  const int64_t* tree_mask;   // [B, T] or nullptr (causal)
+  int64_t mask_stride_b, mask_stride_t;
+  int64_t batch, num_q, hq, hkv, head_dim;
+  int64_t row_block;          // query rows (of one KV head's G * T) per task
+  int64_t q_stride[4], k_stride[4], v_stride[4];
+  float scale;
+};
+
+// Dot product with sixteen independent partial sums, so it vectorises without reassociation.
+OSD_INLINE float dot(const float* a, const float* b, int64_t n) {
+  float part[16] = {};
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    for (int u = 0; u < 16; ++u) part[u] += a[d + u] * b[d + u];
+  }
+  float s = 0.f;
+  for (; d < n; ++d) s += a[d] * b[d];
+  for (int u = 0; u < 16; ++u) s += part[u];
+  return s;
+}
+
+// acc[0, dim) += sum_j p[j] * v[j][0, dim).
+OSD_INLINE void accumulate_pv(const float* p, const float* const* v, int64_t n, int64_t dim,
+                              float* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float pj = p[j];
+    const float* vj = v[j];
+    for (int64_t d = 0; d < dim; ++d) acc[d] += pj * vj[d];
+  }
+}
+
+#if defined(__x86_64__)
+
+// AVX2 versions of scores / accumulate_pv; accumulators stay in registers.
+// scores_avx2: four keys at a time, so each load of q feeds four independent FMA chains;
+// the four 8-lane sums are reduced together with two rounds of hadd.
+OSD_AVX2 inline void scores_avx2(const float* q, const float* const* k, int64_t n, int64_t dim,
+                                 float* s) {
+  const int64_t dv = dim - dim % 8;
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+    for (int64_t d = 0; d < dv; d += 8) {
+      const __m256 x = _mm256_loadu_ps(q + d);
+      for (int i = 0; i < 4; ++i) a[i] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[j + i] + d), a[i]);
+    }
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    _mm_storeu_ps(s + j, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    for (int i = 0; i < 4; ++i) {
+      for (int64_t d = dv; d < dim; ++d) s[j + i] += q[d] * k[j + i][d];
+    }
+  }
+  for (; j < n; ++j) s[j] = dot(q, k[j], dim);
+}
+
+template <int kVecs>
+OSD_AVX2 inline void accumulate_pv_avx2_cols(const float* p, const float* const* v, int64_t n,
+                                             int64_t d0, float* acc) {
+  __m256 a[kVecs];
+  for (int i = 0; i < kVecs; ++i) a[i] = _mm256_loadu_ps(acc + d0 + 8 * i);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const float* vj = v[j] + d0;
+    for (int i = 0; i < kVecs; ++i) a[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), a[i]);
+  }
+  for (int i = 0; i < kVecs; ++i) _mm256_storeu_ps(acc + d0 + 8 * i, a[i]);
+}
+
+OSD_AVX2 inline void accumulate_pv_avx2(const float* p, const float* const* v, int64_t n,
+                                        int64_t dim, float* acc) {
+  int64_t d = 0;
+  for (; d + 64 <= dim; d += 64) accumulate_pv_avx2_cols<8>(p, v, n, d, acc);
+  for (; d + 32 <= dim; d += 32) accumulate_pv_avx2_cols<4>(p, v, n, d, acc);
+  for (; d + 8 <= dim; d += 8) accumulate_pv_avx2_cols<1>(p, v, n, d, acc);
+  for (; d < dim; ++d) {
+    float x = acc[d];
+    for (int64_t j = 0; j < n; ++j) x += p[j] * v[j][d];
+    acc[d] = x;
+  }
+}
+#endif
+
+OSD_INLINE uint64_t causal_bits(int64_t t) {
+  return t >= 63 ? ~uint64_t{0} : (uint64_t{1} << (t + 1)) - 1;
+}
+
+// Points rows[j] at key/value row start + j as fp32: in place when the cache is fp32 with a
+// contiguous head dim, else converted into buf.
+template <typename scalar_t>
+OSD_INLINE void fp32_rows(const scalar_t* base, int64_t stride_s, int64_t stride_d,
+                          int64_t start, int64_t n, int64_t dim, float* buf,
+                          const float** rows) {
+  for (int64_t j = 0; j < n; ++j) {
+    const scalar_t* src = base + (start + j) * stride_s;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (stride_d == 1) {
+        rows[j] = src;
+        continue;
+      }
+    }
+    float* dst = buf + j * dim;
+    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d * stride_d]);
+    rows[j] = dst;
+  }
+}
+
+// Per-thread scratch of one task.
+struct Scratch {
+  std::vector<float> q, acc, kbuf, vbuf, s, m, l;
+  std::vector<const float*> krow, vrow;
+  std::vector<uint64_t> bits;
+  std::vector<int64_t> head, t;
+  Scratch(int64_t rows, int64_t dim)
+      : q(rows * dim), acc(rows * dim), kbuf(kKeyBlock * dim), vbuf(kKeyBlock * dim),
+        s(rows * kKeyBlock), m(rows), l(rows), krow(kKeyBlock), vrow(kKeyBlock), bits(rows),
+        head(rows), t(rows) {}
+};
+
+// Online-softmax update of R rows with keys [start, start + n) of one KV head; the tree
+// block (start = L) tests each row's bitmask.
+template <typename scalar_t, bool kAvx2>
+OSD_INLINE void process_keys(const TreeAttentionArgs& a, const scalar_t* kb, const scalar_t* vb,
+                             int64_t start, int64_t n, int64_t R, bool tree, Scratch& w) {
+  const int64_t D = a.head_dim;
+  fp32_rows(kb, a.k_stride[2], a.k_stride[3], start, n, D, w.kbuf.data(), w.krow.data());
+  fp32_rows(vb, a.v_stride[2], a.v_stride[3], start, n, D, w.vbuf.data(), w.vrow.data());
+  for (int64_t r = 0; r < R; ++r) {
+    float* s = &w.s[r * kKeyBlock];
+    const float* qr = &w.q[r * D];
+    float mx = w.m[r];
+#if defined(__x86_64__)
+    if constexpr (kAvx2) {
+      scores_avx2(qr, w.krow.data(), n, D, s);
+    } else {
+      for (int64_t j = 0; j < n; ++j) s[j] = dot(qr, w.krow[j], D);
+    }
+#else
+    for (int64_t j = 0; j < n; ++j) s[j] = dot(qr, w.krow[j], D);
+#endif
+    for (int64_t j = 0; j < n; ++j) {
+      if (tree && !((w.bits[r] >> j) & 1)) s[j] = kNegInf;
+      mx = std::max(mx, s[j]);
+    }
+    if (mx == kNegInf) continue;  // nothing visible to this row yet
+    const float corr = exp_nonpos(w.m[r] - mx);
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = exp_nonpos(s[j] - mx);
+      sum += s[j];
+    }
+    w.l[r] = w.l[r] * corr + sum;
+    w.m[r] = mx;
+    float* acc = &w.acc[r * D];
+    for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
+#if defined(__x86_64__)
+    if constexpr (kAvx2) {
+      accumulate_pv_avx2(s, w.vrow.data(), n, D, acc);
+    } else {
+      accumulate_pv(s, w.vrow.data(), n, D, acc);
+    }
+#else
+    accumulate_pv(s, w.vrow.data(), n, D, acc);
+#endif
+  }
+}
+
+// Task = (row b, KV head hk, block of query rows r0 .. r0 + R of the G * T that share hk).
+template <typename scalar_t, bool kAvx2>
+OSD_INLINE void run_task(const TreeAttentionArgs& a, int64_t task, Scratch& w) {
+  const int64_t T = a.num_q, D = a.head_dim, group = a.hq / a.hkv;
+  const int64_t blocks = (group * T + a.row_block - 1) / a.row_block;
+  const int64_t b = task / (a.hkv * blocks);
+  const int64_t hk = (task / blocks) % a.hkv;
+  const int64_t r0 = (task % blocks) * a.row_block;
+  const int64_t R = std::min(a.row_block, group * T - r0);
+  const int64_t L = a.lens[b];
+  const auto* q = static_cast<const scalar_t*>(a.q);
+  const auto* kb = static_cast<const scalar_t*>(a.k) + b * a.k_stride[0] + hk * a.k_stride[1];
+  const auto* vb = static_cast<const scalar_t*>(a.v) + b * a.v_stride[0] + hk * a.v_stride[1];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = (r0 + r) / group, h = hk * group + (r0 + r) % group;
+    w.t[r] = t;
+    w.head[r] = h;
+    const scalar_t* row = q + b * a.q_stride[0] + t * a.q_stride[1] + h * a.q_stride[2];
+    for (int64_t d = 0; d < D; ++d) {
+      w.q[r * D + d] = static_cast<float>(row[d * a.q_stride[3]]) * a.scale;
+    }
+    w.bits[r] = a.tree_mask == nullptr
+                    ? causal_bits(t)
+                    : static_cast<uint64_t>(a.tree_mask[b * a.mask_stride_b + t * a.mask_stride_t]);
+    w.m[r] = kNegInf;
+    w.l[r] = 0.f;
+  }
+  std::fill(w.acc.begin(), w.acc.begin() + R * D, 0.f);
+  for (int64_t start = 0; start < L; start += kKeyBlock) {
+    process_keys<scalar_t, kAvx2>(a, kb, vb, start, std::min(kKeyBlock, L - start), R, false, w);
+  }
+  process_keys<scalar_t, kAvx2>(a, kb, vb, L, T, R, true, w);
+  auto* out = static_cast<scalar_t*>(a.out);
+  for (int64_t r = 0; r < R; ++r) {
+    const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;
+    scalar_t* row = out + ((b * T + w.t[r]) * a.hq + w.head[r]) * D;
+    for (int64_t d = 0; d < D; ++d) row[d] = static_cast<scalar_t>(w.acc[r * D + d] * inv);
+  }
+}
+
+template <typename scalar_t>
+void run_tasks_base(const TreeAttentionArgs& a, int64_t begin, int64_t end, Scratch& w) {
+  for (int64_t task = begin; task < end; ++task) run_task<scalar_t, false>(a, task, w);
+}
+
+#if defined(__x86_64__)
+template <typename scalar_t>
+OSD_AVX2 void run_tasks_avx2(const TreeAttentionArgs& a, int64_t begin, int64_t end,
+                             Scratch& w) {
+  for (int64_t task = begin; task < end; ++task) run_task<scalar_t, true>(a, task, w);
+}
+#endif
+
+template <typename scalar_t>
+void tree_attention_cpu_kernel(const TreeAttentionArgs& a, int64_t num_tasks) {
+#if defined(__x86_64__)
+  // OSD_NO_AVX2=1 forces the portable path (tests use it to cover that path).
+  static const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx2 = has_avx2 && std::getenv("OSD_NO_AVX2") == nullptr;
+#else
+  constexpr bool avx2 = false;
+#endif
+  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+    Scratch w(a.row_block, a.head_dim);
+#if defined(__x86_64__)
+    if (avx2) {
+      run_tasks_avx2<scalar_t>(a, begin, end, w);
+      return;
+    }
+#endif
+    run_tasks_base<scalar_t>(a, begin, end, w);
+  });
+}
+
+at::Tensor tree_attention_cpu_op(const at::Tensor& q, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& cache_lens,
+                                 const std::optional<at::Tensor>& tree_mask, double scale) {
+  OSD_CHECK(q.device().is_cpu(), "tree_attention CPU kernel got a ", q.device(), " tensor");
+  OSD_CHECK(q.dim() == 4, "q must be [B, T, Hq, D], got ", q.sizes());
+  OSD_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+            "k_cache and v_cache must both be [B_max, Hkv, S, D], got ", k_cache.sizes(),
+            " and ", v_cache.sizes());
+  to_dtype(q, "q");
+  OSD_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+            "k_cache/v_cache dtype must match q (", q.scalar_type(), ")");
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
+  const int64_t B_max = k_cache.size(0), Hkv = k_cache.size(1), S = k_cache.size(2);
+  OSD_CHECK(k_cache.size(3) == D, "head dim of q (", D, ") and of the cache (", k_cache.size(3),
+            ") differ");
+  OSD_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads (", Hq, ") must be a multiple of KV heads (",
+            Hkv, ")");
+  OSD_CHECK(B <= B_max, "q has ", B, " rows but the cache holds only ", B_max);
+  OSD_CHECK(T <= kKeyBlock, "T=", T, " queries per row exceeds the bitmask limit 64");
+  check_dtype(cache_lens, at::kInt, "cache_lens");
+  OSD_CHECK(cache_lens.dim() == 1 && cache_lens.size(0) == B_max && cache_lens.is_contiguous(),
+            "cache_lens must be contiguous [B_max=", B_max, "], got ", cache_lens.sizes());
+  check_same_device(q, k_cache, "q", "k_cache");
+  check_same_device(q, v_cache, "q", "v_cache");
+  check_same_device(q, cache_lens, "q", "cache_lens");
+  TreeAttentionArgs a{};
+  a.tree_mask = nullptr;
+  if (tree_mask.has_value()) {
+    const at::Tensor& tm = *tree_mask;
+    check_dtype(tm, at::kLong, "tree_mask");
+    OSD_CHECK(tm.dim() == 2 && tm.size(0) == B && tm.size(1) == T, "tree_mask must be [B=", B,
+              ", T=", T, "], got ", tm.sizes());
+    check_same_device(q, tm, "q", "tree_mask");
+    a.tree_mask = tm.data_ptr<int64_t>();
+    a.mask_stride_b = tm.stride(0);
+    a.mask_stride_t = tm.stride(1);
+  }
+  const int32_t* lens = cache_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    OSD_CHECK(lens[b] >= 0 && lens[b] + T <= S, "cache_lens[", b, "]=", lens[b], " plus T=", T,
+              " keys do not fit the cache capacity ", S);
+  }
+  at::Tensor out = at::empty({B, T, Hq, D}, q.options());
+  if (out.numel() == 0) return out;
+  a.q = q.data_ptr();
+  a.k = k_cache.data_ptr();
+  a.v = v_cache.data_ptr();
+  a.out = out.data_ptr();
+  a.lens = lens;
+  a.batch = B;
+  a.num_q = T;
+  a.hq = Hq;
+  a.hkv = Hkv;
+  a.head_dim = D;
+  for (int i = 0; i < 4; ++i) {
+    a.q_stride[i] = q.stride(i);
+    a.k_stride[i] = k_cache.stride(i);
+    a.v_stride[i] = v_cache.stride(i);
+  }
+  a.scale = static_cast<float>(scale);
+  // Largest row block (<= kRowBlock) that still gives every thread a task.
+  const int64_t rows = (Hq / Hkv) * T, threads = at::get_num_threads();
+  a.row_block = std::min(kRowBlock, rows);
+  while (a.row_block > 1 && B * Hkv * ((rows + a.row_block - 1) / a.row_block) < threads) {
+    a.row_block = (a.row_block + 1) / 2;
+  }
+  const int64_t num_tasks = B * Hkv * ((rows + a.row_block - 1) / a.row_block);
+  switch (q.scalar_type()) {
+    case at::kFloat: tree_attention_cpu_kernel<float>(a, num_tasks); break;
+    case at::kHalf: tree_attention_cpu_kernel<c10::Half>(a, num_tasks); break;
+    default: tree_attention_cpu_kernel<c10::BFloat16>(a, num_tasks); break;
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace osd
+
+TORCH_LIBRARY_FRAGMENT(osd, m) {
+  // Attention of T tree queries per row over the row's cached prefix plus the bitmasked tree.
+  m.def(
+      "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, "
+      "Tensor? tree_mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(osd, CPU, m) { m.impl("tree_attention", &osd::tree_attention_cpu_op); }

@@ -1,0 +1,301 @@
+// CUDA kernel for tree_rejection_sample. Semantics and the walk: kernels/tree_rejection_sample.h.
+//
+// One block per sequence. Every thread runs the same scalar walk (node loads are broadcast
+// reads and every reduction is broadcast back), and the threads share the passes over the
+// vocabulary: warping a row (online max / sum-exp, plus bisection passes for top-k and
+// top-p on the float's ordered bits), a residual update with its sum after a rejection,
+// and the final exponential race (four vocab ids per Philox call). The current node's
+// warped target p and its residual r live in a [B, 2, V] float workspace.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/rejection_sample.h"
+#include "kernels/tree_rejection_sample.h"
+#include "kernels/tree_rejection_sample_cuda.h"
+
+namespace osd {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+struct Shared {
+  float f[kWarps];
+  float g[kWarps];
+  int64_t i[kWarps];
+};
+
+// Block-wide reductions. Each thread combines the per-warp partials in the same order, so
+// every thread gets the same result.
+__device__ float block_sum(float v, Shared& sh) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) sh.f[threadIdx.x / 32] = v;
+  __syncthreads();
+  float t = 0.0f;
+  for (int w = 0; w < kWarps; ++w) t += sh.f[w];
+  return t;
+}
+
+__device__ int64_t block_count(int64_t v, Shared& sh) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) sh.i[threadIdx.x / 32] = v;
+  __syncthreads();
+  int64_t t = 0;
+  for (int w = 0; w < kWarps; ++w) t += sh.i[w];
+  return t;
+}
+
+__device__ float block_max(float v, Shared& sh) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) sh.f[threadIdx.x / 32] = v;
+  __syncthreads();
+  float t = sh.f[0];
+  for (int w = 1; w < kWarps; ++w) t = fmaxf(t, sh.f[w]);
+  return t;
+}
+
+__device__ LseState block_lse(LseState s, Shared& sh) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const LseState other{__shfl_xor_sync(0xffffffffu, s.max, o),
+                         __shfl_xor_sync(0xffffffffu, s.sum, o)};
+    s = lse_merge(s, other);
+  }
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) {
+    sh.f[threadIdx.x / 32] = s.max;
+    sh.g[threadIdx.x / 32] = s.sum;
+  }
+  __syncthreads();
+  LseState t = lse_init();
+  for (int w = 0; w < kWarps; ++w) t = lse_merge(t, LseState{sh.f[w], sh.g[w]});
+  return t;
+}
+
+// Largest key with the lowest index on ties (argmax and race winners).
+__device__ int64_t block_argmax(float key, int64_t idx, Shared& sh) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float k2 = __shfl_xor_sync(0xffffffffu, key, o);
+    const int64_t i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+    if (k2 > key || (k2 == key && i2 < idx)) {
+      key = k2;
+      idx = i2;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) {
+    sh.f[threadIdx.x / 32] = key;
+    sh.i[threadIdx.x / 32] = idx;
+  }
+  __syncthreads();
+  float best = sh.f[0];
+  int64_t best_i = sh.i[0];
+  for (int w = 1; w < kWarps; ++w) {
+    if (sh.f[w] > best || (sh.f[w] == best && sh.i[w] < best_i)) {
+      best = sh.f[w];
+      best_i = sh.i[w];
+    }
+  }
+  return best_i;
+}
+
+__device__ float logit(const TreeRejectionSampleArgs& a, int64_t base, int64_t v) {
+  return load_float(a.logits, a.logits_dtype, base + v * a.logits_stride_v);
+}
+
+__device__ int64_t row_argmax(const TreeRejectionSampleArgs& a, int64_t b, int64_t node,
+                              Shared& sh) {
+  const int64_t base = b * a.logits_stride_b + node * a.logits_stride_t;
+  float best = -INFINITY;
+  int64_t best_v = 0;
+  for (int64_t v = threadIdx.x; v < a.vocab; v += kThreads) {
+    argmax_update(logit(a, base, v), v, best, best_v);
+  }
+  return block_argmax(best, best_v, sh);
+}
+
+// p = r = the warped target row of `node` (osd_kernels.warp.warp_probs).
+__device__ void warp_row(const TreeRejectionSampleArgs& a, const RowSampling& rs, int64_t b,
+                         int64_t node, float* p, float* r, Shared& sh) {
+  const int64_t V = a.vocab;
+  const int64_t base = b * a.logits_stride_b + node * a.logits_stride_t;
+  const float t = rs.temperature;
+  // top-k: the largest key K with count(key >= K) >= k
+  int64_t kth = INT32_MIN;
+  if (rs.top_k > 0) {
+    int64_t lo = INT32_MIN, hi = INT32_MAX;
+    for (int it = 0; it < 32; ++it) {
+      const int64_t mid = lo + (hi - lo + 1) / 2;
+      int64_t n = 0;
+      for (int64_t v = threadIdx.x; v < V; v += kThreads) {
+        n += float_order_key(logit(a, base, v) / t) >= mid;
+      }
+      if (block_count(n, sh) >= rs.top_k) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    kth = lo;
+  }
+  LseState st = lse_init();
+  for (int64_t v = threadIdx.x; v < V; v += kThreads) {
+    const float s = logit(a, base, v) / t;
+    if (float_order_key(s) >= kth) st = lse_merge(st, LseState{s, 1.0f});
+  }
+  st = block_lse(st, sh);
+  for (int64_t v = threadIdx.x; v < V; v += kThreads) {
+    const float s = logit(a, base, v) / t;
+    p[v] = float_order_key(s) >= kth ? expf(s - st.max) / st.sum : 0.0f;
+  }
+  // top-p: the smallest key K >= 0 with mass(p with key > K) < top_p; keep key >= K
+  int32_t keep = 0;
+  float z = 1.0f;
+  if (rs.top_p < 1.0f) {
+    int32_t lo = 0, hi = 0x7F800000;
+    for (int it = 0; it < 31; ++it) {
+      const int32_t mid = lo + (hi - lo) / 2;
+      float mass = 0.0f;
+      for (int64_t v = threadIdx.x; v < V; v += kThreads) {
+        mass += __float_as_int(p[v]) > mid ? p[v] : 0.0f;
+      }
+      if (block_sum(mass, sh) < rs.top_p) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    keep = lo;
+    float kept = 0.0f;
+    for (int64_t v = threadIdx.x; v < V; v += kThreads) {
+      kept += __float_as_int(p[v]) >= keep ? p[v] : 0.0f;
+    }
+    z = block_sum(kept, sh);
+  }
+  for (int64_t v = threadIdx.x; v < V; v += kThreads) {
+    float x = p[v];
+    if (rs.top_p < 1.0f) x = __float_as_int(x) >= keep ? x / z : 0.0f;
+    p[v] = x;
+    r[v] = x;
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kThreads) tree_rejection_sample_kernel(TreeRejectionSampleArgs a) {
+  __shared__ Shared sh;
+  const int64_t b = blockIdx.x;
+  const int64_t V = a.vocab;
+  const bool lead = threadIdx.x == 0;
+  if (lead) tree_init_row(a, b);
+  const RowSampling rs = tree_row_sampling(a, b);
+  int64_t cur = 0, depth = 0;
+  if (rs.greedy) {
+    int64_t best = row_argmax(a, b, cur, sh);
+    for (int64_t c = 1; c < a.num_nodes; ++c) {
+      const int64_t x = tree_candidate(a, b, c, cur, depth);
+      if (x < 0 || x != best) continue;
+      if (lead) tree_record_accept(a, b, depth, c, x);
+      ++depth;
+      cur = c;
+      best = row_argmax(a, b, cur, sh);
+    }
+    if (lead) tree_record_emit(a, b, depth, best);
+    return;
+  }
+  const bool has_q = a.draft_probs != nullptr;
+  float* p = a.workspace + b * 2 * V;
+  float* r = p + V;
+  warp_row(a, rs, b, cur, p, r, sh);
+  float s = 1.0f, z = 1.0f, tried = 0.0f;
+  int64_t rank = 0;
+  float u_node = tree_accept_uniform(rs, cur, 0);
+  for (int64_t c = 1; c < a.num_nodes; ++c) {
+    const int64_t x = tree_candidate(a, b, c, cur, depth);
+    if (x < 0) continue;
+    const int64_t j = rank++;
+    const float rx = r[x];
+    bool ok;
+    if (!has_q) {
+      const float next = tried + rx;
+      ok = u_node < next;
+      if (!ok) {
+        tried = next;
+        __syncthreads();  // every thread has read r[x]
+        if (lead) r[x] = 0.0f;
+        __syncthreads();
+      }
+    } else {
+      if (a.without_replacement) {
+        // every earlier candidate of `cur` was rejected: a repeated token is skipped
+        bool repeat = false;
+        for (int64_t c2 = 1; c2 < c && !repeat; ++c2) {
+          repeat = tree_candidate(a, b, c2, cur, depth) == x;
+        }
+        if (repeat) continue;
+      }
+      const int64_t qbase = b * a.draft_probs_stride_b + cur * a.draft_probs_stride_t;
+      const float qx = load_float(a.draft_probs, a.draft_probs_dtype,
+                                  qbase + x * a.draft_probs_stride_v);
+      const float scale = tree_draft_scale(s, z);
+      ok = tree_accept_draft(tree_accept_uniform(rs, cur, j), scale, qx, rx);
+      if (!ok) {
+        __syncthreads();  // every thread has read r[x]
+        float part = 0.0f;
+        for (int64_t v = threadIdx.x; v < V; v += kThreads) {
+          const float q = load_float(a.draft_probs, a.draft_probs_dtype,
+                                     qbase + v * a.draft_probs_stride_v);
+          r[v] = tree_residual(r[v], scale, q);
+          part += r[v];
+        }
+        s = block_sum(part, sh);
+        if (a.without_replacement) z = z - qx;
+      }
+    }
+    if (ok) {
+      if (lead) tree_record_accept(a, b, depth, c, x);
+      ++depth;
+      cur = c;
+      __syncthreads();  // every thread has read r[x] before the rows are rewritten
+      warp_row(a, rs, b, cur, p, r, sh);
+      s = 1.0f;
+      z = 1.0f;
+      tried = 0.0f;
+      rank = 0;
+      u_node = tree_accept_uniform(rs, cur, 0);
+    }
+  }
+  bool empty;
+  if (has_q) {
+    empty = s <= kTreeResidualEps;
+  } else {
+    float m = 0.0f;
+    for (int64_t v = threadIdx.x; v < V; v += kThreads) m = fmaxf(m, r[v]);
+    empty = !(block_max(m, sh) > 0.0f);
+  }
+  const float* w = empty ? p : r;
+  const uint32_t stream = philox_stream(static_cast<uint32_t>(cur), kPhiloxSample);
+  float best = -1.0f;
+  int64_t best_v = 0;
+  for (int64_t blk = threadIdx.x; blk < (V + 3) / 4; blk += kThreads) {
+    const Philox4 u = philox_block(rs.seed, rs.offset, stream, static_cast<uint32_t>(blk));
+    for (int i = 0; i < 4; ++i) {
+      const int64_t v = 4 * blk + i;
+      if (v < V && w[v] > 0.0f) race_update(race_key(w[v], philox_to_uniform(u.x[i])), v, best, best_v);
+    }
+  }
+  const int64_t token = block_argmax(best, best_v, sh);
+  if (lead) tree_record_emit(a, b, depth, token);
+}
+
+}  // namespace
+
+cudaError_t tree_rejection_sample_cuda(const TreeRejectionSampleArgs& a, cudaStream_t stream) {
+  if (a.batch == 0) return cudaSuccess;
+  tree_rejection_sample_kernel<<<static_cast<unsigned>(a.batch), kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace osd

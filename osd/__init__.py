@@ -1,0 +1,20 @@
+"""osd: online speculative decoding on a lean Llama-family runtime.
+
+``Engine.from_pretrained(target, draft=None, ...)`` loads a checkpoint directory or a
+transformers model; ``Engine.generate(prompts, SamplingParams(...))`` returns one
+``Output`` per prompt.
+"""
+from osd.cache import KVCache
+from osd.engine import Engine
+from osd.models import DecoderLM, ModelConfig, load_model
+from osd.sampling import Output, SamplingParams
+
+__all__ = [
+    "Engine",
+    "SamplingParams",
+    "Output",
+    "KVCache",
+    "DecoderLM",
+    "ModelConfig",
+    "load_model",
+]

@@ -1,0 +1,309 @@
+"""Drafters: who proposes the tokens the target verifies.
+
+All drafters feed the same verify path (``osd.speculative``):
+
+- :class:`ModelDrafter` runs a draft model with its own KV cache. With
+  ``skip_layers`` and the target's own weights it is *self-speculation* (the target with
+  some layers skipped, as in Draft & Verify / LayerSkip).
+- :class:`NGramDrafter` is prompt lookup: it proposes the continuation of the latest
+  earlier occurrence of the context's suffix. Its proposals are point masses (one-hot q).
+
+Draft-cache invariant (model drafters): the cache holds the K/V of the committed tokens
+``seq[:lens[b]]``; the tokens after that (the accepted drafts and the newly emitted token
+of the last step) are *pending* and are fed by the first forward of the next step, which
+also yields the distribution at the root (the last committed token). Chain and tree drafts
+are written past that point and simply dropped afterwards (``reset_to``), so the draft
+cache needs no compaction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from osd.models.llama import DecoderLM
+from osd.sampling import SamplingParams
+from osd.spec import DynamicTree
+from osd.tree import StaticTree, depths_from_parents, mask_from_parents
+from osd_kernels.warp import warp_probs
+
+
+@dataclass
+class ChainProposal:
+    """A chain of drafts per row."""
+
+    tokens: torch.Tensor                # [B, k] int64 (entries past num_drafted are padding)
+    probs: torch.Tensor | None          # [B, k, V] warped q the tokens were drawn from
+    logits: torch.Tensor | None         # [B, k, V] raw draft logits (statistics)
+    num_drafted: torch.Tensor | None    # [B] int32, None = k for every row
+    max_drafted: int                    # host-side max of num_drafted (k if None)
+
+
+@dataclass
+class TreeProposal:
+    """A token tree per row; node 0 is the root (the last committed token)."""
+
+    tokens: torch.Tensor    # [B, T] int64
+    parents: torch.Tensor   # [B, T] int32
+    depths: torch.Tensor    # [B, T] int64
+    mask: torch.Tensor      # [B, T] int64 ancestor bitmask
+    max_depth: int
+
+
+class ModelDrafter:
+    """A draft model (or the target with skipped layers) and its own KV cache.
+
+    Args:
+        model: the draft :class:`~osd.models.DecoderLM`.
+        max_batch_size, capacity: of its cache.
+        skip_layers: layers of ``model`` to bypass (self-speculation).
+    """
+
+    has_model = True
+
+    def __init__(self, model: DecoderLM, max_batch_size: int, capacity: int,
+                 skip_layers: frozenset[int] = frozenset()):
+        self.model = model
+        self.skip_layers = frozenset(skip_layers)
+        self.cache = model.new_cache(max_batch_size, capacity)
+        self.device = model.device
+        dev = self.device
+        self._pending = torch.zeros(max_batch_size, 72, dtype=torch.int64, device=dev)
+        self._pending_len = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
+        self._pending_max = 0
+        self._one = torch.ones(max_batch_size, dtype=torch.int32, device=dev)
+
+    def _forward(self, ids, **kw):
+        return self.model(ids, self.cache, skip_layers=self.skip_layers, **kw)
+
+    # -- bookkeeping ---------------------------------------------------------------
+    def reset(self) -> None:
+        self.cache.reset()
+        self._pending_len.zero_()
+        self._pending_max = 0
+
+    def prefill(self, prompts: list[list[int]], start_row: int, first_tokens: torch.Tensor) -> None:
+        """Run ``prompts`` into rows ``start_row ..``; ``first_tokens [n]`` become pending."""
+        n, longest = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros(n, longest, dtype=torch.int64)
+        for b, p in enumerate(prompts):
+            ids[b, :len(p)] = torch.tensor(p)
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=self.device)
+        rows = self.cache.rows(start_row, n)
+        rows.reset()
+        self.model(ids.to(self.device), rows, skip_layers=self.skip_layers,
+                   logits_index=(lens.long() - 1)[:, None])
+        rows.commit(lens, longest)
+        self.cache.set_bound(max(self.cache.bound, longest))
+        self._pending[start_row:start_row + n, 0] = first_tokens
+        self._pending_len[start_row:start_row + n] = 1
+        self._pending_max = max(self._pending_max, 1)
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.cache.move_row(src, dst)
+        self._pending[dst] = self._pending[src]
+        self._pending_len[dst] = self._pending_len[src]
+
+    def set_pending(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
+                    committed_lens: torch.Tensor, bound: int) -> None:
+        """After a verify step: rows ``< B`` keep ``committed_lens`` cached tokens (the
+        target's pre-step length + 1: everything up to the old root) and queue
+        ``tokens[:, :lengths]`` (the accepted drafts and the emitted token); drafts written
+        past that are dropped. Invariant: ``lens + pending = target lens + 1``."""
+        self.cache.lens[:B] = committed_lens.to(torch.int32)
+        self.cache.set_bound(min(bound, self.cache.capacity))
+        width = tokens.shape[1]
+        self._pending[:B, :width] = tokens.clamp(min=0)
+        self._pending_len[:B] = lengths
+        self._pending_max = max_len
+
+    def _root(self, B: int) -> torch.Tensor:
+        """Feed the pending tokens; return the logits at the root ``[B, V]``."""
+        P = self._pending_max
+        logits = self._forward(self._pending[:B, :P], logits_index=(self._pending_len[:B] - 1)[:, None])
+        self.cache.commit(self._pending_len[:B].to(torch.int32), P)
+        return logits[:, 0]
+
+    # -- proposals -----------------------------------------------------------------
+    def propose_chain(self, B: int, k: int, params: SamplingParams, generators,
+                      stopper=None) -> ChainProposal:
+        """Draft ``k`` tokens per row autoregressively.
+
+        Greedy params draft the argmax (one-hot q, ``probs`` None); otherwise each token is
+        drawn from the warped draft distribution, which is returned as ``probs``. A
+        ``stopper`` (adaptive draft length) may end rows early.
+        """
+        from osd.sampling import sample_tokens
+
+        logits = self._root(B)
+        toks, probs, raw = [], [], []
+        active = None
+        num = None
+        for i in range(k):
+            raw.append(logits)
+            if params.greedy:
+                x = logits.argmax(-1)
+                q = None
+            else:
+                q = warp_probs(logits, params.temperature, params.top_k, params.top_p)
+                x = torch.cat([torch.multinomial(q[b:b + 1], 1, generator=g)[:, 0]
+                               for b, g in enumerate(generators)])
+                probs.append(q)
+            toks.append(x)
+            if stopper is not None:
+                active = stopper.keep_going(logits, x, q, active)
+                num = active.to(torch.int32) if num is None else num + active.to(torch.int32)
+                # Deliberate host sync (adaptive mode only): stop when every row stopped.
+                if not bool(active.any()):
+                    break
+            if i + 1 < k:
+                logits = self._forward(x[:, None])[:, 0]
+                self.cache.commit(self._one[:B], 1)
+        n = len(toks)
+        tokens = torch.stack(toks, 1)
+        max_drafted = n
+        if num is not None:
+            max_drafted = int(num.max())      # host sync (adaptive mode only)
+            tokens = tokens[:, :max(max_drafted, 1)]
+            num = num.clamp(max=tokens.shape[1])
+        return ChainProposal(
+            tokens=tokens,
+            probs=torch.stack(probs, 1)[:, :tokens.shape[1]] if probs else None,
+            logits=torch.stack(raw, 1)[:, :tokens.shape[1]],
+            num_drafted=num, max_drafted=max_drafted)
+
+    def propose_tree(self, B: int, tree, root_tokens: torch.Tensor) -> TreeProposal:
+        """Expand a token tree from the draft's top-ranked children (deterministic)."""
+        logits = self._root(B)
+        if isinstance(tree, StaticTree):
+            return self._static_tree(B, tree, root_tokens, logits)
+        return self._dynamic_tree(B, tree, root_tokens, logits)
+
+    def _forward_nodes(self, tokens, parents, depths, upto: int, at: torch.Tensor):
+        """Logits of nodes ``at [B, m]`` after a forward over nodes ``1..upto-1`` (root in
+        the cache, not re-fed)."""
+        mask = _mask_with_roots(parents[:, 1:upto] - 1)   # the root's children become roots
+        logits = self._forward(tokens[:, 1:upto], tree_mask=mask, depths=depths[:, 1:upto] - 1,
+                               logits_index=at - 1)
+        return logits
+
+    def _static_tree(self, B, tree: StaticTree, root_tokens, root_logits) -> TreeProposal:
+        T = tree.num_nodes
+        dev = self.device
+        parents = torch.tensor(tree.parents, dtype=torch.int32, device=dev).expand(B, T)
+        depths = torch.tensor(tree.depths, dtype=torch.int64, device=dev).expand(B, T)
+        tokens = torch.zeros(B, T, dtype=torch.int64, device=dev)
+        tokens[:, 0] = root_tokens
+        dist = {0: root_logits}                          # node -> logits over its children
+        levels = tree.levels()
+        for d in range(1, len(levels)):
+            for node in levels[d]:
+                par = tree.parents[node]
+                rank = tree.ranks[node]
+                top = torch.topk(dist[par], rank + 1, dim=-1).indices
+                tokens[:, node] = top[:, rank]
+            if d + 1 < len(levels):
+                parents_next = {tree.parents[n] for n in levels[d + 1]}
+                need = sorted(n for n in levels[d] if n in parents_next)
+                upto = max(levels[d]) + 1
+                at = torch.tensor(need, dtype=torch.int64, device=dev).expand(B, len(need))
+                logits = self._forward_nodes(tokens, parents, depths, upto, at)
+                for j, n in enumerate(need):
+                    dist[n] = logits[:, j]
+        return TreeProposal(tokens, parents.contiguous(), depths.contiguous(),
+                            mask_from_parents(parents), tree.max_depth)
+
+    def _dynamic_tree(self, B, tree: DynamicTree, root_tokens, root_logits) -> TreeProposal:
+        dev = self.device
+        k = tree.topk
+        # Expansion buffers (root + k nodes per level), filled level by level.
+        n_exp = 1 + k * tree.depth
+        tokens = torch.zeros(B, n_exp, dtype=torch.int64, device=dev)
+        parents = torch.full((B, n_exp), -1, dtype=torch.int64, device=dev)
+        depths = torch.zeros(B, n_exp, dtype=torch.int64, device=dev)
+        score = torch.full((B, n_exp), float("-inf"), device=dev)
+        tokens[:, 0] = root_tokens
+        score[:, 0] = 0.0
+        logp = torch.log_softmax(root_logits.float(), -1)
+        cand = torch.topk(logp, k, dim=-1)
+        tokens[:, 1:1 + k] = cand.indices
+        parents[:, 1:1 + k] = 0
+        depths[:, 1:1 + k] = 1
+        score[:, 1:1 + k] = cand.values
+        for d in range(1, tree.depth):
+            lo, hi = 1 + k * (d - 1), 1 + k * d           # the level-d frontier
+            at = torch.arange(lo, hi, device=dev).expand(B, k)
+            logits = self._forward_nodes(tokens, parents.to(torch.int32), depths, hi, at)
+            logp = torch.log_softmax(logits.float(), -1) + score[:, lo:hi, None]   # [B, k, V]
+            best = torch.topk(logp.reshape(B, -1), k, dim=-1)
+            V = logp.shape[-1]
+            tokens[:, hi:hi + k] = best.indices % V
+            parents[:, hi:hi + k] = lo + best.indices // V
+            depths[:, hi:hi + k] = d + 1
+            score[:, hi:hi + k] = best.values
+        # Keep the best max_nodes by path log-probability; a parent scores at least as
+        # high as its children and ties favour the shallower node, so the kept set is
+        # closed under ancestors. Keep expansion order (parents before children).
+        keep_n = min(tree.max_nodes, n_exp - 1)
+        rank_key = score[:, 1:] - 1e-6 * depths[:, 1:].float()
+        kept = torch.topk(rank_key, keep_n, dim=-1).indices.sort(-1).values + 1   # [B, keep]
+        kept = torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=dev), kept], 1)
+        remap = torch.full((B, n_exp), -1, dtype=torch.int64, device=dev)
+        remap.scatter_(1, kept, torch.arange(keep_n + 1, device=dev).expand(B, -1))
+        new_tokens = tokens.gather(1, kept)
+        old_par = parents.gather(1, kept)
+        new_par = torch.where(old_par >= 0, remap.gather(1, old_par.clamp(min=0)), old_par)
+        new_par = new_par.to(torch.int32)
+        return TreeProposal(new_tokens, new_par, depths_from_parents(new_par),
+                            mask_from_parents(new_par), tree.depth)
+
+
+def _mask_with_roots(parents: torch.Tensor) -> torch.Tensor:
+    """Ancestor bitmask for a forest: nodes with parent -1 are roots of their own."""
+    T = parents.shape[-1]
+    mask = torch.zeros(parents.shape, dtype=torch.int64, device=parents.device)
+    par = parents.to(torch.int64)
+    one = torch.ones((), dtype=torch.int64, device=parents.device)
+    for i in range(T):
+        own = torch.bitwise_left_shift(one, i)
+        up = mask.gather(-1, par[..., i:i + 1].clamp(min=0))[..., 0]
+        mask[..., i] = torch.where(par[..., i] >= 0, up | own, own)
+    return mask
+
+
+class NGramDrafter:
+    """Prompt lookup: propose what followed the latest earlier match of the context's
+    suffix (longest suffix first, ``ngram_max`` down to ``ngram_min`` tokens)."""
+
+    has_model = False
+
+    def __init__(self, ngram_min: int, ngram_max: int):
+        self.ngram_min = ngram_min
+        self.ngram_max = ngram_max
+
+    def propose_chain(self, histories: list[list[int]], k: int, device) -> ChainProposal:
+        B = len(histories)
+        tokens = torch.zeros(B, k, dtype=torch.int64)
+        num = torch.zeros(B, dtype=torch.int32)
+        for b, hist in enumerate(histories):
+            cont = self.lookup(hist, k)
+            tokens[b, :len(cont)] = torch.tensor(cont, dtype=torch.int64)
+            num[b] = len(cont)
+        max_drafted = int(num.max())
+        width = max(max_drafted, 1)
+        return ChainProposal(tokens[:, :width].to(device), None, None, num.to(device),
+                             max_drafted)
+
+    def lookup(self, hist: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of a suffix."""
+        seq = torch.tensor(hist, dtype=torch.int64)
+        L = seq.numel()
+        for n in range(self.ngram_max, self.ngram_min - 1, -1):
+            if L <= n:
+                continue
+            windows = seq[:L - 1].unfold(0, n, 1)             # starts 0 .. L-1-n
+            hits = (windows == seq[L - n:]).all(1).nonzero()
+            if hits.numel():
+                start = int(hits[-1]) + n
+                return seq[start:start + k].tolist()
+        return []

@@ -1,0 +1,13 @@
+"""Model runtime: our Llama-family decoder, its config, attention dispatch and loading."""
+from osd.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from osd.models.llama import DecoderLM
+from osd.models.loading import load_hf_state_dict, load_model, load_tokenizer
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "ModelConfig",
+    "DecoderLM",
+    "load_model",
+    "load_hf_state_dict",
+    "load_tokenizer",
+]

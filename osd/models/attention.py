@@ -1,0 +1,118 @@
+"""The one attention dispatch point of the runtime.
+
+Every cached forward (prefill, decode, chain or tree verify) calls :func:`attention`,
+which hands the queries, the layer's cache views and the tree mask to
+``osd_kernels.tree_attention``. Backends (``ModelConfig.attention_backend``):
+
+- ``reference``: ``osd_kernels``' SDPA reference with a boolean mask (default on CPU);
+- ``native``: the C++ / CUDA kernel behind ``torch.ops.osd.tree_attention``;
+- ``triton``: the Triton tree-attention kernel (default on CUDA);
+- ``flash``: flash-attn's ``flash_attn_with_kvcache`` for causal forwards (prefill, decode,
+  chain verify) on CUDA in fp16/bf16 when the ``flash`` extra is installed; forwards with a
+  tree mask still go to Triton.
+
+:func:`causal_attention` is the cacheless full-sequence path used for training
+(differentiable, plain SDPA).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from osd_kernels import tree_attention
+
+
+@functools.lru_cache(maxsize=None)
+def flash_available() -> bool:
+    """True when flash-attn (the optional ``flash`` extra) imports."""
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Turn a configured backend into the one used for a model on ``device`` in ``dtype``.
+
+    ``auto`` is ``reference`` on CPU and ``triton`` on CUDA. ``flash`` needs CUDA, fp16 or
+    bf16 and an importable flash-attn (ValueError otherwise).
+    """
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    if backend == "flash":
+        if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the flash attention backend needs CUDA and fp16/bf16, got "
+                             f"{device.type} {dtype}")
+        if not flash_available():
+            raise ValueError("the flash attention backend needs flash-attn "
+                             "(pip install 'osd[flash]')")
+    return backend
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: torch.Tensor,
+              tree_mask: torch.Tensor | None, *, scale: float, max_kv_len: int,
+              backend: str) -> torch.Tensor:
+    """Attention of ``T`` new queries per row over the row's cache (prefix + new keys).
+
+    Args:
+        q: ``[B, T, Hq, D]``.
+        k_cache, v_cache: ``[B_max, Hkv, S, D]`` views of one layer of the ``KVCache``; the
+            new keys are already written at ``lens[b] + i``.
+        lens: ``[B_max]`` int32, committed lengths (the new tokens not included).
+        tree_mask: ``[B, T]`` int64 bitmask per query, or None for causal.
+        scale: softmax scale.
+        max_kv_len: host-side upper bound of ``max(lens[:B]) + T``.
+        backend: a resolved backend (:func:`resolve_attention_backend`).
+
+    Returns:
+        ``[B, T, Hq, D]`` in the dtype of ``q``.
+    """
+    if backend == "flash":
+        if tree_mask is None:
+            return _flash_causal(q, k_cache, v_cache, lens, scale)
+        backend = "triton"
+    return tree_attention(q, k_cache, v_cache, lens, tree_mask, scale=scale,
+                          max_kv_len=max_kv_len, backend=backend)
+
+
+def _flash_causal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """flash-attn over keys ``[0, lens[b] + T)``; its causal mask is aligned to the end,
+    so query ``i`` sees keys ``j <= lens[b] + i``, as the causal tree mask does."""
+    from flash_attn import flash_attn_with_kvcache
+
+    B, T = q.shape[:2]
+    # flash-attn reads the cache as [B, S, Hkv, D] with any row/head strides.
+    return flash_attn_with_kvcache(q, k_cache[:B].transpose(1, 2), v_cache[:B].transpose(1, 2),
+                                   cache_seqlens=lens[:B] + T, softmax_scale=scale, causal=True)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     key_padding_mask: torch.Tensor | None, *, scale: float) -> torch.Tensor:
+    """Cacheless causal self-attention over whole sequences (training; differentiable).
+
+    Args:
+        q: ``[N, T, Hq, D]``; k, v: ``[N, T, Hkv, D]``.
+        key_padding_mask: ``[N, T]`` bool, False for padding keys; None when unpadded. A
+            query always sees itself, so no row is fully masked.
+        scale: softmax scale.
+
+    Returns:
+        ``[N, T, Hq, D]``.
+    """
+    T = q.shape[1]
+    gqa = q.shape[2] != k.shape[2]
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if key_padding_mask is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                             enable_gqa=gqa)
+    else:
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        eye = torch.eye(T, dtype=torch.bool, device=q.device)
+        mask = (causal & key_padding_mask[:, None, :]) | eye      # [N, T, T]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None], scale=scale,
+                                             enable_gqa=gqa)
+    return out.transpose(1, 2)

@@ -1,0 +1,166 @@
+"""``ModelConfig``: the few numbers our decoder needs, parsed from a Hugging Face config.
+
+Accepts a ``config.json`` dict (old style ``rope_theta`` / ``rope_scaling`` or the newer
+``rope_parameters``) or a transformers config object. Only Llama-family decoders are
+supported: see :data:`SUPPORTED_ARCHITECTURES`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+# model_type -> architecture, for configs that do not list ``architectures``.
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM"}
+
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+ATTENTION_BACKENDS = ("auto", "reference", "native", "triton", "flash")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder (Llama, Llama-3, Mistral, Qwen2)."""
+
+    architecture: str                 # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int                   # rows of the embedding and of the LM head
+    hidden_size: int                  # model width
+    intermediate_size: int            # SwiGLU width
+    num_layers: int                   # decoder blocks
+    num_heads: int                    # query heads
+    num_kv_heads: int                 # key/value heads (grouped-query attention)
+    head_dim: int                     # per-head width (may differ from hidden / heads)
+    rms_norm_eps: float = 1e-6        # epsilon inside every RMSNorm
+    rope_theta: float = 10000.0       # RoPE base
+    rope_type: str = "default"        # one of ROPE_TYPES
+    rope_factor: float = 1.0          # "linear" and "llama3": frequency division factor
+    rope_low_freq_factor: float = 1.0     # "llama3" only
+    rope_high_freq_factor: float = 4.0    # "llama3" only
+    rope_original_max_positions: int = 8192   # "llama3" only: pre-training context
+    max_position_embeddings: int = 2048   # the context the checkpoint was trained for
+    tie_word_embeddings: bool = False     # LM head shares the embedding matrix
+    qkv_bias: bool = False            # bias on q/k/v projections (Qwen2; Llama attention_bias)
+    o_bias: bool = False              # bias on the output projection (Llama attention_bias)
+    mlp_bias: bool = False            # bias on gate/up/down (Llama mlp_bias)
+    sliding_window: int | None = None     # Mistral/Qwen2 window; contexts must fit inside it
+    eos_token_ids: tuple[int, ...] = ()   # every id that ends a sequence
+    bos_token_id: int | None = None
+    attention_backend: str = "auto"   # one of ATTENTION_BACKENDS (see osd.models.attention)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(unsupported_message(self.architecture))
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {self.rope_type!r}; supported: {ROPE_TYPES}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {self.attention_backend!r}; expected "
+                             f"one of {ATTENTION_BACKENDS}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"config {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameter count of the decoder described by this config."""
+        d, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = d * (q + 2 * kv) + q * d + (q + 2 * kv) * self.qkv_bias + d * self.o_bias
+        mlp = 3 * d * i + (2 * i + d) * self.mlp_bias
+        per_layer = attn + mlp + 2 * d
+        return v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + d
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any] | Any, *, architecture: str | None = None,
+                attention_backend: str = "auto") -> "ModelConfig":
+        """Parse a ``config.json`` dict or a transformers ``PretrainedConfig``.
+
+        ``architecture`` overrides the one named in the config (e.g. the class name of an
+        in-memory model). Raises ValueError for unsupported architectures, rope types or
+        activations.
+        """
+        d = dict(config) if isinstance(config, Mapping) else config.to_dict()
+        arch = architecture or _architecture_of(d)
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(unsupported_message(arch))
+        missing = [k for k in _REQUIRED if d.get(k) is None]
+        if missing:
+            raise ValueError(f"config is missing {', '.join(missing)}")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}: only SwiGLU (silu) decoders")
+        hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+        rope = _rope_parameters(d)
+        eos = d.get("eos_token_id")
+        eos = [] if eos is None else eos if isinstance(eos, (list, tuple)) else [eos]
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(d.get("attention_bias", False))
+        window = d.get("sliding_window")
+        if is_qwen2 and not d.get("use_sliding_window", False):
+            window = None
+        return cls(
+            architecture=arch,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            rope_type=rope.get("rope_type", "default"),
+            rope_factor=float(rope.get("factor", 1.0)),
+            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            rope_original_max_positions=int(rope.get("original_max_position_embeddings",
+                                                     d.get("max_position_embeddings", 8192))),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            sliding_window=None if window is None else int(window),
+            eos_token_ids=tuple(int(e) for e in eos),
+            bos_token_id=d.get("bos_token_id"),
+            attention_backend=attention_backend,
+        )
+
+
+def unsupported_message(architecture: str | None) -> str:
+    return (f"unsupported architecture {architecture!r}; supported architectures: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _architecture_of(d: Mapping[str, Any]) -> str | None:
+    archs = d.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    if archs:
+        return archs[0]
+    return _MODEL_TYPES.get(d.get("model_type"), d.get("model_type"))
+
+
+def _rope_parameters(d: Mapping[str, Any]) -> dict:
+    """Merge the new ``rope_parameters`` and the old ``rope_theta`` + ``rope_scaling``."""
+    rope: dict = {}
+    if d.get("rope_theta") is not None:
+        rope["rope_theta"] = d["rope_theta"]
+    for key in ("rope_scaling", "rope_parameters"):
+        extra = d.get(key)
+        if isinstance(extra, Mapping):
+            rope.update({k: v for k, v in extra.items() if v is not None})
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    return rope

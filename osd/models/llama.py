@@ -1,0 +1,280 @@
+"""Our Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+One class, :class:`DecoderLM`, serves ``LlamaForCausalLM`` (including Llama-3 RoPE
+scaling), ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (q/k/v bias); the differences are
+fields of :class:`~osd.models.config.ModelConfig`. Weights are stored fused for a lean
+forward: ``wqkv = [q; k; v]`` and ``w_gate_up = [gate; up]`` (``osd.models.loading`` maps
+Hugging Face names onto them).
+
+Two forwards:
+
+- ``model(input_ids, cache, *, tree_mask=None, depths=None)``: the cached forward of
+  docs/design.md (prefill, decode, chain and tree verify). It writes the new K/V at
+  ``cache.lens[b] + i``, never changes ``cache.lens`` and needs no host sync.
+- ``model.forward_train(input_ids, attention_mask=None)``: cacheless, causal, over whole
+  sequences, differentiable (distillation of draft models).
+
+Both accept ``skip_layers`` (a set of layer indices to bypass, for self-speculation).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from osd.cache import KVCache
+from osd.models.attention import attention, causal_attention, resolve_attention_backend
+from osd.models.config import ModelConfig
+
+MAX_TREE = 64  # tree_mask is one int64 bitmask per query
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]`` float32, as transformers computes them.
+
+    ``default``: ``theta^(-2i/d)``; ``linear``: divided by ``factor``; ``llama3``: low
+    frequencies divided by ``factor``, high ones kept, the band between interpolated.
+    """
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    if config.rope_type == "linear":
+        return inv_freq / config.rope_factor
+    if config.rope_type == "llama3":
+        factor, old_len = config.rope_factor, config.rope_original_max_positions
+        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_tables(inv_freq: torch.Tensor, n: int, dtype: torch.dtype, device: torch.device):
+    """``cos, sin`` tables ``[n, D]`` for positions ``0..n-1``, in the layout of
+    :func:`apply_rope`: ``cos = [c, c]`` and ``sin = [-s, s]`` (computed in float32 as
+    transformers does, then cast)."""
+    freqs = torch.arange(n, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    return (torch.cat((cos, cos), dim=-1).to(device=device, dtype=dtype),
+            torch.cat((-sin, sin), dim=-1).to(device=device, dtype=dtype))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, T, H, D]`` by ``cos, sin [B, T, 1, D]`` from :func:`rope_tables`.
+
+    Half-split convention: ``[x1, x2] -> [x1 c - x2 s, x2 c + x1 s]``, written as
+    ``x * cos + roll(x, D/2) * sin`` with ``sin = [-s, s]``.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` (``F.rms_norm``; identical to transformers in
+    fp32, within one rounding in half precision)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + SwiGLU(norm(x))``.
+
+    The forward is split around attention (:meth:`qkv`, then :meth:`finish`) so that the
+    cached and the training forward share everything but the attention call. Linear layers
+    are called through ``F.linear`` to keep per-token overhead low.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.wqkv = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
+                              bias=c.qkv_bias)
+        self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
+        self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries ``[B, T, Hq, D]`` and keys, values ``[B, T, Hkv, D]``, RoPE applied."""
+        B, T, _ = x.shape
+        hq, hkv = self.num_heads, self.num_kv_heads
+        qkv = F.linear(self.input_norm(x), self.wqkv.weight, self.wqkv.bias)
+        qkv = qkv.view(B, T, hq + 2 * hkv, self.head_dim)
+        q, k = apply_rope(qkv[:, :, :hq + hkv], cos, sin).split((hq, hkv), dim=2)
+        return q, k, qkv[:, :, hq + hkv:]
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual after attention output ``attn [B, T, Hq, D]``, then the SwiGLU block."""
+        x = x + F.linear(attn.flatten(2), self.wo.weight, self.wo.bias)
+        h = F.linear(self.post_attention_norm(x), self.w_gate_up.weight, self.w_gate_up.bias)
+        gate, up = h.chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.w_down.weight, self.w_down.bias)
+
+
+class DecoderLM(nn.Module):
+    """A Llama-family causal LM (``LlamaForCausalLM``, ``MistralForCausalLM``,
+    ``Qwen2ForCausalLM``).
+
+    Parameters are created uninitialised on ``device`` in ``dtype``: load weights with
+    ``osd.models.load_model`` (or ``load_hf_state_dict``), or call
+    :meth:`init_weights` for a fresh model.
+    """
+
+    def __init__(self, config: ModelConfig, *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.to_empty(device=torch.device(device))
+        self.to(dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.scale = config.head_dim ** -0.5
+        self.attention_backend = resolve_attention_backend(config.attention_backend,
+                                                           self.device, dtype)
+        self._inv_freq = rope_inv_freq(config)
+        self._cos = self._sin = self._arange = torch.empty(0)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """Fresh weights: normal(0, std) matrices and embeddings, zero biases, unit norms."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, std, generator=generator)
+
+    def new_cache(self, max_batch_size: int, max_seq_len: int) -> KVCache:
+        """A :class:`~osd.cache.KVCache` for this model on its device and dtype."""
+        return KVCache.for_model(self.config, max_batch_size, max_seq_len, dtype=self.dtype,
+                                 device=self.device)
+
+    def _iota(self, n: int) -> torch.Tensor:
+        """``arange(n)`` int64 on the model's device, sliced from a cached buffer."""
+        if self._arange.shape[0] < n or self._arange.device != self.device:
+            self._arange = torch.arange(max(n, 64), device=self.device)
+        return self._arange[:n]
+
+    def _rope_tables(self, positions: torch.Tensor, needed: int):
+        """``cos, sin [B, T, 1, D]`` at ``positions [B, T]``; grows the tables (host-side
+        size check only) so that they cover ``needed`` positions."""
+        if self._cos.shape[0] < needed or self._cos.device != self.device:
+            n = max(needed, 2 * self._cos.shape[0], 256)
+            self._cos, self._sin = rope_tables(self._inv_freq, n, self.dtype, self.device)
+        return self._cos[positions].unsqueeze(2), self._sin[positions].unsqueeze(2)
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, *,
+                tree_mask: torch.Tensor | None = None, depths: torch.Tensor | None = None,
+                skip_layers: frozenset[int] = frozenset(),
+                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Cached forward of ``T`` new tokens per row (prefill, decode, verify).
+
+        Args:
+            input_ids: ``[B, T]`` int64 token ids, rows ``0..B-1`` of ``cache``.
+            cache: the model's :class:`~osd.cache.KVCache`. Token ``i`` of row ``b`` writes
+                its K/V at slot ``cache.lens[b] + i``; ``cache.lens`` is not changed (the
+                caller commits). ``cache.bound + T`` must fit the capacity.
+            tree_mask: ``[B, T]`` int64, bit ``i'`` of ``tree_mask[b, i]`` lets token ``i`` see
+                token ``i'`` of the same forward (``T <= 64``). None is causal.
+            depths: ``[B, T]`` int64 tree depth of each token: its position is
+                ``cache.lens[b] + depths[b, i]``. None is ``arange(T)``.
+            skip_layers: indices of decoder layers to bypass (their cache is not written).
+            logits_index: ``[B, K]`` int64, compute logits only at these token indices.
+
+        Returns:
+            ``[B, T, V]`` float32 logits (``[B, K, V]`` with ``logits_index``).
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if B > cache.max_batch_size:
+            raise ValueError(f"batch of {B} rows but the cache holds {cache.max_batch_size}")
+        if cache.bound + T > cache.capacity:
+            raise ValueError(f"{T} new tokens on top of up to {cache.bound} cached ones exceed "
+                             f"the cache capacity {cache.capacity}")
+        if tree_mask is not None and T > MAX_TREE:
+            raise ValueError(f"a tree mask allows at most {MAX_TREE} tokens per row, got {T}")
+        lens = cache.lens[:B, None].to(torch.int64)                        # [B, 1]
+        slots = lens + self._iota(T)                                       # [B, T] K/V slots
+        positions = slots if depths is None else lens + depths
+        cos, sin = self._rope_tables(positions, cache.capacity)
+        rows = self._iota(B)[:, None]                                      # [B, 1]
+        max_kv_len = cache.bound + T
+        x = self.embed_tokens(input_ids)
+        for index, layer in enumerate(self.layers):
+            if index in skip_layers:
+                continue
+            q, k, v = layer.qkv(x, cos, sin)
+            kv = cache.kv[index]                                            # [2, B_max, H, S, D]
+            # write K/V at [row, slot]: a [B_max, S, 2, H, D] view indexed by (rows, slots)
+            kv.permute(1, 3, 0, 2, 4).index_put_((rows, slots), torch.stack((k, v), dim=2))
+            out = attention(q, kv[0], kv[1], cache.lens, tree_mask, scale=self.scale,
+                            max_kv_len=max_kv_len, backend=self.attention_backend)
+            x = layer.finish(x, out)
+        return self._logits(x, logits_index)
+
+    def forward_train(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      *, skip_layers: frozenset[int] = frozenset()) -> torch.Tensor:
+        """Cacheless causal forward over whole sequences; supports autograd.
+
+        Args:
+            input_ids: ``[N, T]`` int64.
+            attention_mask: ``[N, T]`` (1 = token, 0 = padding) or None. Positions count
+                only real tokens, so left padding works as in transformers.
+            skip_layers: indices of decoder layers to bypass.
+
+        Returns:
+            ``[N, T, V]`` float32 logits.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [N, T], got {tuple(input_ids.shape)}")
+        N, T = input_ids.shape
+        if attention_mask is None:
+            positions = torch.arange(T, device=input_ids.device).expand(N, T)
+            key_mask = None
+        else:
+            key_mask = attention_mask.to(device=input_ids.device).bool()
+            positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)
+        cos, sin = self._rope_tables(positions, T)
+        x = self.embed_tokens(input_ids)
+        for index, layer in enumerate(self.layers):
+            if index in skip_layers:
+                continue
+            q, k, v = layer.qkv(x, cos, sin)
+            x = layer.finish(x, causal_attention(q, k, v, key_mask, scale=self.scale))
+        return self._logits(x, None)
+
+    def _logits(self, x: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
+        if logits_index is not None:
+            x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
+        return self.lm_head(self.norm(x)).float()

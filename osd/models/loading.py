@@ -1,0 +1,259 @@
+"""Loading our decoder from a Hugging Face checkpoint directory or a transformers model.
+
+A checkpoint directory holds ``config.json`` and the weights in one of
+``model.safetensors``, ``model.safetensors.index.json`` (sharded), ``pytorch_model.bin``
+or ``pytorch_model.bin.index.json`` (sharded). Safetensors are read lazily, tensor by
+tensor, straight into the preallocated parameters.
+
+Errors name the problem: FileNotFoundError for a missing directory, config or weight
+file; ValueError for a corrupt file, an unsupported architecture (listing the supported
+ones), missing/unexpected/mis-shaped tensors, or an unknown device; TypeError for an
+unsupported dtype or source type.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+from osd.models.config import ModelConfig
+from osd.models.llama import DecoderLM
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+# Checkpoint tensors that carry no weights (old checkpoints saved the RoPE buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``device`` as a ``torch.device``; ValueError for an unknown string or missing CUDA."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"unknown device {device!r}; expected 'cpu', 'cuda' or 'cuda:N' "
+                         f"({exc})") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device!r}; expected 'cpu', 'cuda' or 'cuda:N'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return dev
+
+
+def check_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise TypeError(f"unsupported dtype {dtype!r}; expected one of torch.float32, "
+                        "torch.bfloat16, torch.float16")
+    return dtype
+
+
+def is_transformers_model(obj) -> bool:
+    """True for an in-memory transformers model (an ``nn.Module`` with a ``config``)."""
+    return isinstance(obj, nn.Module) and hasattr(getattr(obj, "config", None), "to_dict")
+
+
+def load_model(source, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               attention_backend: str = "auto") -> DecoderLM:
+    """Build a :class:`DecoderLM` from ``source``: a checkpoint directory (str / PathLike)
+    or an in-memory transformers ``*ForCausalLM`` model. Weights are converted to ``dtype``
+    and placed on ``device``."""
+    device = resolve_device(device)
+    check_dtype(dtype)
+    if is_transformers_model(source):
+        config = ModelConfig.from_hf(source.config, architecture=type(source).__name__,
+                                     attention_backend=attention_backend)
+        state = source.state_dict()
+        getter: Callable[[str], torch.Tensor] = state.__getitem__
+        keys = set(state)
+    elif isinstance(source, (str, os.PathLike)):
+        path = checkpoint_dir(source)
+        try:
+            config = ModelConfig.from_hf(read_config(path), attention_backend=attention_backend)
+        except ValueError as exc:
+            raise ValueError(f"checkpoint {str(path)!r}: {exc}") from None
+        keys, getter = _open_weights(path)
+    else:
+        raise TypeError(f"expected a checkpoint directory path or a transformers model, got "
+                        f"{type(source).__name__}")
+    model = DecoderLM(config, device=device, dtype=dtype)
+    load_hf_state_dict(model, keys, getter)
+    return model.eval()
+
+
+def checkpoint_dir(source: str | os.PathLike) -> Path:
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint path {str(path)!r} is not a directory")
+    return path
+
+
+def read_config(path: Path) -> dict:
+    """The parsed ``config.json`` of a checkpoint directory."""
+    file = path / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"no config.json in checkpoint directory {str(path)!r}")
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"corrupt config.json in {str(path)!r}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"corrupt config.json in {str(path)!r}: not a JSON object")
+    return config
+
+
+def _open_weights(path: Path):
+    """``(keys, get)`` over the checkpoint's tensors, reading lazily where possible."""
+    present = [name for name in WEIGHT_FILES if (path / name).is_file()]
+    if not present:
+        raise FileNotFoundError(f"no weights in checkpoint directory {str(path)!r}; expected "
+                                f"one of {', '.join(WEIGHT_FILES)}")
+    name = present[0]
+    if name.endswith(".index.json"):
+        try:
+            weight_map = json.loads((path / name).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"corrupt index {str(path / name)!r}: {exc}") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        files = [name]
+    readers = {}
+    for file in files:
+        full = path / file
+        if not full.is_file():
+            raise FileNotFoundError(f"checkpoint shard {str(full)!r} listed in the index is "
+                                    "missing")
+        readers[file] = _read_file(full)
+    owner = {key: file for file, reader in readers.items() for key in reader.keys()}
+
+    def get(key: str) -> torch.Tensor:
+        try:
+            return readers[owner[key]].get_tensor(key)
+        except Exception as exc:  # a damaged tensor surfaces only when it is read
+            raise ValueError(f"corrupt checkpoint file {str(path / owner[key])!r}: "
+                             f"tensor {key}: {exc}") from None
+
+    return set(owner), get
+
+
+class _BinReader:
+    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.state = state
+
+    def keys(self):
+        return self.state.keys()
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self.state[key]
+
+
+def _read_file(file: Path):
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            return safe_open(str(file), framework="pt", device="cpu")
+        try:
+            state = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # legacy (non-zip) .bin files cannot be memory-mapped
+            state = torch.load(str(file), map_location="cpu", weights_only=True)
+        return _BinReader(state)
+    except Exception as exc:  # safetensors / pickle raise many types for a corrupt file
+        raise ValueError(f"corrupt checkpoint file {str(file)!r}: {exc}") from None
+
+
+def _hf_sources(name: str) -> list[str]:
+    """Hugging Face tensor names that make up our parameter ``name`` (concatenated)."""
+    if not name.startswith("layers."):
+        return {"embed_tokens.weight": ["model.embed_tokens.weight"],
+                "norm.weight": ["model.norm.weight"],
+                "lm_head.weight": ["lm_head.weight"]}[name]
+    _, index, module, kind = name.split(".")
+    pre = f"model.layers.{index}."
+    return {
+        "input_norm": [pre + "input_layernorm." + kind],
+        "post_attention_norm": [pre + "post_attention_layernorm." + kind],
+        "wqkv": [pre + f"self_attn.{p}_proj.{kind}" for p in "qkv"],
+        "wo": [pre + "self_attn.o_proj." + kind],
+        "w_gate_up": [pre + f"mlp.{p}_proj.{kind}" for p in ("gate", "up")],
+        "w_down": [pre + "mlp.down_proj." + kind],
+    }[module]
+
+
+def load_hf_state_dict(model: DecoderLM, keys, get: Callable[[str], torch.Tensor]) -> None:
+    """Copy Hugging Face named tensors into ``model``'s (fused) parameters.
+
+    Args:
+        model: the decoder to fill (in place).
+        keys: the tensor names available.
+        get: returns the tensor of a name.
+
+    Raises ValueError naming missing, unexpected or mis-shaped tensors.
+    """
+    keys = set(keys)
+    used: set[str] = set()
+    missing: list[str] = []
+    tied = model.config.tie_word_embeddings
+    with torch.no_grad():
+        for name, param in model.named_parameters(remove_duplicate=True):
+            sources = _hf_sources(name)
+            absent = [s for s in sources if s not in keys]
+            if absent:
+                missing += absent
+                continue
+            offset = 0
+            for src in sources:
+                tensor = get(src)
+                rows = tensor.shape[0]
+                want = (rows,) + tuple(param.shape[1:])
+                if tuple(tensor.shape) != want or offset + rows > param.shape[0]:
+                    raise ValueError(f"tensor {src} has shape {tuple(tensor.shape)}, expected "
+                                     f"{want} for this config")
+                param[offset:offset + rows].copy_(tensor)
+                offset += rows
+                used.add(src)
+            if offset != param.shape[0]:
+                raise ValueError(f"tensors {sources} give {offset} rows, expected {param.shape[0]}")
+    if tied:
+        used.add("lm_head.weight")
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors: "
+                         f"{', '.join(sorted(missing)[:8])}{' ...' if len(missing) > 8 else ''}")
+    unexpected = sorted(k for k in keys - used if not k.endswith(_IGNORED_SUFFIXES))
+    if unexpected:
+        raise ValueError(f"checkpoint has {len(unexpected)} tensors this architecture does not "
+                         f"use: {', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}")
+
+
+def load_tokenizer(source):
+    """The tokenizer saved in checkpoint directory ``source`` (local files only), or None
+    when the directory has no tokenizer files (or ``source`` is not a directory)."""
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    path = Path(source)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    # A plain tokenizers-library tokenizer (tokenizer.json) is loaded as is: AutoTokenizer
+    # would rebuild it as the model type's tokenizer class.
+    generic = _tokenizer_class(path) in ("PreTrainedTokenizerFast", "TokenizersBackend")
+    try:
+        if generic and (path / "tokenizer.json").is_file():
+            return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"cannot load the tokenizer in {str(path)!r}: {exc}") from None
+
+
+def _tokenizer_class(path: Path) -> str | None:
+    try:
+        return json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None

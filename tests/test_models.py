@@ -1,0 +1,352 @@
+"""Our Llama-family runtime against transformers, on tiny random models built in the test.
+
+Every family (Llama, Llama with Llama-3 RoPE scaling, Llama with biases, Mistral, Qwen2
+with q/k/v bias) is compared in fp32 with max abs diff <= 1e-4: prefill logits,
+step-by-step decode logits, the training forward, and checkpoint directories written by
+``save_pretrained`` (safetensors, sharded safetensors, .bin and sharded .bin).
+"""
+import copy
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, \
+    Qwen2Config, Qwen2ForCausalLM
+
+from osd.cache import KVCache
+from osd.models import DecoderLM, ModelConfig, load_model
+from osd_kernels.tree_attention import causal_tree_mask
+
+FAMILIES = ("llama", "llama3", "llama_bias", "mistral", "qwen2")
+VOCAB = 131
+ATOL = 1e-4
+
+
+def tiny_hf_model(family: str, *, seed: int = 0, eos_token_id=None) -> torch.nn.Module:
+    """A random 2-layer transformers model: hidden 64, 4 heads, 2 KV heads, vocab 131.
+
+    Weights are drawn wide (std 0.3, norms around 1) so that logits are well separated
+    and greedy decoding has no near-ties.
+    """
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **common))
+    elif family == "llama3":
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        model = LlamaForCausalLM(LlamaConfig(rope_scaling=rope, rope_theta=500000.0, **common))
+    elif family == "llama_bias":
+        model = LlamaForCausalLM(LlamaConfig(attention_bias=True, mlp_bias=True, **common))
+    elif family == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        raise ValueError(family)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request):
+    hf = tiny_hf_model(request.param)
+    return request.param, hf, load_model(hf)
+
+
+def _hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(ids).logits.float()
+
+
+def test_prefill_and_decode_match_transformers(pair):
+    _, hf, model = pair
+    ids = torch.randint(0, VOCAB, (3, 13), generator=torch.Generator().manual_seed(1))
+    ref = _hf_logits(hf, ids)
+    cache = model.new_cache(4, 32)
+    prefix = 8
+    with torch.no_grad():
+        got = model(ids[:, :prefix], cache)
+        assert got.dtype == torch.float32 and got.shape == (3, prefix, VOCAB)
+        assert (got - ref[:, :prefix]).abs().max() <= ATOL
+        assert cache.lens.tolist() == [0, 0, 0, 0]        # the forward does not commit
+        cache.commit(torch.full((3,), prefix, dtype=torch.int32), prefix)
+        for t in range(prefix, ids.shape[1]):
+            step = model(ids[:, t:t + 1], cache)
+            cache.commit(torch.ones(3, dtype=torch.int32), 1)
+            assert (step[:, 0] - ref[:, t]).abs().max() <= ATOL, f"decode step {t}"
+
+
+def test_ragged_prefill_and_logits_index(pair):
+    """Rows of different lengths padded into one forward; logits_index picks each row's last."""
+    _, hf, model = pair
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (5, 9, 2)]
+    ids = torch.zeros(3, 9, dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = p
+    last = torch.tensor([[len(p) - 1] for p in prompts])
+    with torch.no_grad():
+        got = model(ids, model.new_cache(3, 16), logits_index=last)
+    for b, p in enumerate(prompts):
+        ref = _hf_logits(hf, p[None])[0, -1]
+        assert (got[b, 0] - ref).abs().max() <= ATOL
+
+
+def test_forward_train_matches_and_backprops(pair):
+    _, hf, model = pair
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+    ref = _hf_logits(hf, ids)
+    with torch.no_grad():
+        assert (model.forward_train(ids) - ref).abs().max() <= ATOL
+    # left padding: positions count real tokens only, so row 1 equals running it alone
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.int64), ids[1:, :8]], dim=1)
+    mask = torch.tensor([[0, 0, 0] + [1] * 8])
+    with torch.no_grad():
+        got = model.forward_train(padded, attention_mask=mask)
+    assert (got[0, 3:] - _hf_logits(hf, ids[1:, :8])[0]).abs().max() <= ATOL
+    loss = model.forward_train(ids).logsumexp(-1).mean()
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    model.zero_grad(set_to_none=True)
+
+
+def test_skip_layers_consistent_between_forwards(pair):
+    _, _, model = pair
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        cached = model(ids, model.new_cache(2, 8), skip_layers=frozenset({1}))
+        train = model.forward_train(ids, skip_layers=frozenset({1}))
+        full = model.forward_train(ids)
+        no_layers = model.forward_train(ids, skip_layers=frozenset({0, 1}))
+        direct = model.lm_head(model.norm(model.embed_tokens(ids))).float()
+    assert (cached - train).abs().max() <= ATOL
+    assert (train - full).abs().max() > 1e-2
+    assert (no_layers - direct).abs().max() <= ATOL
+
+
+def _tree(parents):
+    """Bitmask ``[T]`` (ancestors and self) and depths ``[T]`` of a tree given parents."""
+    masks, depths = [], []
+    for i, p in enumerate(parents):
+        masks.append((1 << i) | (masks[p] if p >= 0 else 0))
+        depths.append(depths[p] + 1 if p >= 0 else 0)
+    return masks, depths
+
+
+def test_tree_verify_matches_each_path_as_a_chain(pair):
+    _, _, model = pair
+    parents = [-1, 0, 0, 1, 1, 2, 3, 5]
+    masks, depths = _tree(parents)
+    leaves = [i for i in range(len(parents)) if i not in parents]
+    gen = torch.Generator().manual_seed(5)
+    prefixes = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (6, 3)]
+    nodes = torch.randint(0, VOCAB, (2, len(parents)), generator=gen)
+
+    def prefilled(rows_prefix):
+        cache = model.new_cache(2, 32)
+        for b, p in enumerate(rows_prefix):
+            view = cache.rows(b, 1)
+            model(p[None], view)
+            view.commit(torch.tensor([len(p)], dtype=torch.int32), len(p))
+        cache.set_bound(max(len(p) for p in rows_prefix))
+        return cache
+
+    with torch.no_grad():
+        cache = prefilled(prefixes)
+        tree_logits = model(nodes, cache, tree_mask=torch.tensor([masks, masks]),
+                            depths=torch.tensor([depths, depths]))
+        for b in range(2):
+            for leaf in leaves:
+                path = [leaf]
+                while parents[path[-1]] >= 0:
+                    path.append(parents[path[-1]])
+                path = path[::-1]
+                chain_cache = prefilled([prefixes[b]])
+                chain = model(nodes[b, path][None], chain_cache)
+                assert (chain[0] - tree_logits[b, path]).abs().max() <= ATOL, (b, path)
+
+
+def test_tree_commit_then_decode_matches_chain(pair):
+    """After tree verify, compacting the accepted path makes the cache equal to a chain."""
+    _, _, model = pair
+    parents = [-1, 0, 0, 1, 2, 4]
+    masks, depths = _tree(parents)
+    accepted = [0, 2, 4]
+    gen = torch.Generator().manual_seed(6)
+    prefix = torch.randint(0, VOCAB, (1, 5), generator=gen)
+    nodes = torch.randint(0, VOCAB, (1, len(parents)), generator=gen)
+    nxt = torch.randint(0, VOCAB, (1, 1), generator=gen)
+    with torch.no_grad():
+        cache = model.new_cache(1, 32)
+        model(prefix, cache)
+        cache.commit(torch.tensor([5], dtype=torch.int32), 5)
+        model(nodes, cache, tree_mask=torch.tensor([masks]), depths=torch.tensor([depths]))
+        cache.commit_tree(torch.tensor([accepted]), torch.tensor([3], dtype=torch.int32), 3)
+        assert cache.lens.tolist() == [8]
+        got = model(nxt, cache)[0, -1]
+        chain = torch.cat([prefix, nodes[:, accepted], nxt], dim=1)
+        ref = model(chain, model.new_cache(1, 32))[0, -1]
+    assert (got - ref).abs().max() <= ATOL
+
+
+def test_causal_tree_mask_equals_default(pair):
+    _, _, model = pair
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        a = model(ids, model.new_cache(2, 8))
+        b = model(ids, model.new_cache(2, 8), tree_mask=causal_tree_mask(2, 7))
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "sharded", "bin", "legacy_bin", "sharded_bin"])
+def test_checkpoint_directory_loads_same_logits(layout, tmp_path):
+    hf = tiny_hf_model("qwen2", seed=8)
+    if layout in ("safetensors", "sharded"):
+        hf.save_pretrained(tmp_path, max_shard_size="40KB" if layout == "sharded" else "50GB")
+    else:
+        hf.config.save_pretrained(tmp_path)
+        state = {k: v.clone() for k, v in hf.state_dict().items()}
+        if layout in ("bin", "legacy_bin"):
+            torch.save(state, tmp_path / "pytorch_model.bin",
+                       _use_new_zipfile_serialization=layout == "bin")
+        else:
+            keys = sorted(state)
+            shards = {"pytorch_model-00001-of-00002.bin": keys[::2],
+                      "pytorch_model-00002-of-00002.bin": keys[1::2]}
+            weight_map = {}
+            for file, names in shards.items():
+                torch.save({k: state[k] for k in names}, tmp_path / file)
+                weight_map.update({k: file for k in names})
+            (tmp_path / "pytorch_model.bin.index.json").write_text(
+                json.dumps({"metadata": {}, "weight_map": weight_map}))
+    files = sorted(p.name for p in tmp_path.iterdir())
+    if layout == "sharded":
+        assert "model.safetensors.index.json" in files and len(files) > 3
+    model = load_model(tmp_path)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        got = model(ids, model.new_cache(2, 16))
+    assert (got - _hf_logits(hf, ids)).abs().max() <= ATOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_loads_and_runs(dtype, tmp_path):
+    hf = tiny_hf_model("llama3", seed=10)
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype=dtype)
+    assert all(p.dtype == dtype for p in model.parameters())
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(11))
+    cache = model.new_cache(2, 16)
+    assert cache.kv.dtype == dtype
+    with torch.no_grad():
+        got = model(ids, cache)
+    ref = _hf_logits(hf, ids)
+    hf_half = _hf_logits(copy.deepcopy(hf).to(dtype), ids)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    # our half-precision error is at most twice transformers' in the same precision
+    assert (got - ref).abs().max() <= 2 * (hf_half - ref).abs().max()
+
+
+def test_config_parsing_old_and_new_styles():
+    old = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+           "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "rope_theta": 500000.0, "eos_token_id": [5, 7],
+           "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
+    cfg = ModelConfig.from_hf(old)
+    assert (cfg.rope_type, cfg.rope_theta, cfg.rope_original_max_positions) == ("llama3", 5e5, 64)
+    assert cfg.num_kv_heads == 4 and cfg.head_dim == 16 and cfg.eos_token_ids == (5, 7)
+    qwen = ModelConfig.from_hf(Qwen2Config(vocab_size=100, hidden_size=64, num_attention_heads=4,
+                                           num_key_value_heads=2, intermediate_size=96))
+    assert qwen.architecture == "Qwen2ForCausalLM" and qwen.qkv_bias and not qwen.o_bias
+    assert qwen.sliding_window is None
+    with pytest.raises(ValueError, match="rope type 'yarn'"):
+        ModelConfig.from_hf({**old, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig.from_hf({**old, "hidden_act": "gelu"})
+
+
+def test_param_count_and_init_weights():
+    hf = tiny_hf_model("llama_bias")
+    model = load_model(hf)
+    assert model.config.num_parameters == sum(p.numel() for p in hf.parameters())
+    fresh = DecoderLM(model.config)
+    fresh.init_weights(generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, VOCAB, (1, 4))
+    with torch.no_grad():
+        assert torch.isfinite(fresh(ids, fresh.new_cache(1, 8))).all()
+
+
+def test_kv_cache_rows_and_move():
+    cache = KVCache(2, 4, 2, 16, 8)
+    cache.kv.normal_()
+    cache.lens.copy_(torch.tensor([3, 5, 7, 2], dtype=torch.int32))
+    cache.set_bound(7)
+    view = cache.rows(2, 2)
+    assert view.kv.data_ptr() == cache.kv[:, :, 2].data_ptr() and view.bound == 7
+    view.reset()
+    assert cache.lens.tolist() == [3, 5, 0, 0]
+    cache.lens[2] = 6
+    before = cache.kv[:, :, 2, :, :7].clone()
+    cache.move_row(2, 0)
+    assert torch.equal(cache.kv[:, :, 0, :, :7], before) and cache.lens[0] == 6
+    cache.commit(torch.tensor([1, 2], dtype=torch.int32), 2)
+    assert cache.lens.tolist() == [7, 7, 6, 0] and cache.bound == 9
+    with pytest.raises(ValueError, match="rows"):
+        cache.rows(3, 2)
+    with pytest.raises(ValueError, match="bound"):
+        cache.set_bound(17)
+
+
+@pytest.mark.parametrize("backend", ["native", "triton"])
+def test_attention_backends_match_reference(backend):
+    """The same model through each tree-attention backend: prefill, tree verify, decode."""
+    hf = tiny_hf_model("qwen2", seed=12)
+    ref_model, model = load_model(hf), load_model(hf, attention_backend=backend)
+    parents = [-1, 0, 0, 1]
+    masks, depths = _tree(parents)
+    gen = torch.Generator().manual_seed(13)
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=gen)
+    nodes = torch.randint(0, VOCAB, (2, 4), generator=gen)
+    outs = []
+    for m in (ref_model, model):
+        cache = m.new_cache(3, 16)
+        with torch.no_grad():
+            a = m(prompt, cache)
+            cache.commit(torch.tensor([5, 5], dtype=torch.int32), 5)
+            b = m(nodes, cache, tree_mask=torch.tensor([masks] * 2),
+                  depths=torch.tensor([depths] * 2))
+            cache.commit(torch.tensor([1, 1], dtype=torch.int32), 1)
+            c = m(nodes[:, 1:2], cache)
+        outs.append(torch.cat([a, b, c], dim=1))
+    assert (outs[0] - outs[1]).abs().max() <= ATOL
+
+
+@pytest.mark.parametrize("rope", [
+    None,
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+])
+def test_rope_frequencies_match_transformers(rope):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from osd.models.llama import rope_inv_freq
+
+    hf_cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, num_attention_heads=4,
+                         rope_theta=500000.0, rope_scaling=rope)
+    ours = rope_inv_freq(ModelConfig.from_hf(hf_cfg))
+    if rope is None:
+        ref = 1.0 / (500000.0 ** (torch.arange(0, 32, 2).float() / 32))
+    else:
+        ref, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_cfg)
+    assert torch.equal(ours, ref)

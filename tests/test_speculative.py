@@ -1,0 +1,202 @@
+"""Speculative decoding is lossless: greedy output equals the target alone token for token
+(fp32), and sampled output follows the target's warped distribution exactly."""
+import copy
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import osd
+from osd.spec import DynamicTree
+from osd_kernels.warp import warp_probs
+from tests.test_models import VOCAB, tiny_hf_model
+
+TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]
+
+
+def perturbed(hf, scale: float, seed: int):
+    """A draft: the target's weights plus noise (agrees often, not always)."""
+    draft = copy.deepcopy(hf)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(scale * p.abs().mean() * torch.randn(p.shape, generator=gen))
+    return draft
+
+
+def prompts_of(lengths, vocab=VOCAB, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def llama_pair():
+    target = tiny_hf_model("llama", seed=11)
+    return target, perturbed(target, 0.35, seed=12)
+
+
+@pytest.fixture(scope="module")
+def plain(llama_pair):
+    return osd.Engine.from_pretrained(llama_pair[0], max_batch_size=8, max_seq_len=96)
+
+
+def _spec_engine(target, draft, **spec):
+    return osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(**spec),
+                                      max_batch_size=8, max_seq_len=96)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama3", "mistral", "qwen2"])
+def test_greedy_chain_equals_target_and_transformers(family):
+    target = tiny_hf_model(family, seed=21)
+    draft = perturbed(target, 0.3, seed=22)
+    prompts = prompts_of([5, 9, 2], seed=23)
+    ref = osd.Engine.from_pretrained(target, max_batch_size=4, max_seq_len=64).generate(
+        prompts, osd.SamplingParams(24))
+    eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(num_draft_tokens=3),
+                                     max_batch_size=4, max_seq_len=64)
+    outs = eng.generate(prompts, osd.SamplingParams(24))
+    for prompt, o, r in zip(prompts, outs, ref):
+        assert o.token_ids == r.token_ids
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            hf = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                                 do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        assert o.token_ids == hf
+    st = eng.stats
+    assert st["drafted"] > 0 and 0 < st["accepted"] <= st["drafted"]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_greedy_chain_k_and_batch(llama_pair, plain, k, batch):
+    target, draft = llama_pair
+    prompts = prompts_of([3 + 4 * i for i in range(batch)], seed=k * 10 + batch)
+    ref = plain.generate(prompts, osd.SamplingParams(20))
+    outs = _spec_engine(target, draft, num_draft_tokens=k).generate(prompts, osd.SamplingParams(20))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+
+
+@pytest.mark.parametrize("tree", [TREE, DynamicTree(topk=3, depth=3, max_nodes=10)],
+                         ids=["static", "dynamic"])
+def test_greedy_tree_equals_target(llama_pair, plain, tree):
+    target, draft = llama_pair
+    prompts = prompts_of([4, 11, 7], seed=31)
+    ref = plain.generate(prompts, osd.SamplingParams(22))
+    eng = _spec_engine(target, draft, tree=tree)
+    outs = eng.generate(prompts, osd.SamplingParams(22))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert eng.stats["accepted"] > 0
+
+
+@pytest.mark.parametrize("spec", [dict(drafter="self", skip_layers=(1,), num_draft_tokens=4),
+                                  dict(drafter="ngram", num_draft_tokens=4),
+                                  dict(num_draft_tokens=6, adaptive=True)],
+                         ids=["self", "ngram", "adaptive"])
+def test_greedy_other_drafters_equal_target(llama_pair, plain, spec):
+    target, draft = llama_pair
+    prompts = prompts_of([6, 3, 12, 5], seed=41)
+    prompts[1] = prompts[1] * 4           # repetition gives the n-gram drafter matches
+    ref = plain.generate(prompts, osd.SamplingParams(25))
+    eng = osd.Engine.from_pretrained(target, draft=draft if spec.get("drafter") is None else None,
+                                     spec=osd.SpecConfig(**spec), max_batch_size=3,
+                                     max_seq_len=96)
+    outs = eng.generate(prompts, osd.SamplingParams(25))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+
+
+def test_stop_tokens_and_refill(llama_pair, plain):
+    target, draft = llama_pair
+    prompts = prompts_of([5, 8, 3, 10, 6, 4, 9, 7, 2, 12], seed=51)
+    free = plain.generate(prompts, osd.SamplingParams(18))
+    stops = [free[0].token_ids[4], free[5].token_ids[9]]
+    params = osd.SamplingParams(18, stop_token_ids=stops)
+    ref = plain.generate(prompts, params)
+    outs = _spec_engine(target, draft, num_draft_tokens=4).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert [o.finish_reason for o in outs] == [r.finish_reason for r in ref]
+
+
+def test_stream_yields_the_generated_tokens(llama_pair, plain):
+    target, draft = llama_pair
+    prompt = prompts_of([7], seed=61)[0]
+    ref = plain.generate([prompt], osd.SamplingParams(15))[0].token_ids
+    eng = _spec_engine(target, draft, num_draft_tokens=4)
+    chunks = list(eng.stream(prompt, osd.SamplingParams(15)))
+    assert [t for c in chunks for t in c] == ref
+    assert len(chunks) < len(ref)          # several tokens per step when drafts are accepted
+
+
+# -- sampling: the joint of the first three tokens equals the target's, exactly --------
+V_SMALL = 16
+
+
+def _small_pair():
+    cfg = LlamaConfig(vocab_size=V_SMALL, hidden_size=32, intermediate_size=48,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, eos_token_id=None, bos_token_id=None,
+                      pad_token_id=None)
+    torch.manual_seed(71)
+    target = LlamaForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(72)
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if "norm" not in name:
+                p.copy_(0.25 * torch.randn(p.shape, generator=gen))
+    return target, perturbed(target, 0.5, seed=73)
+
+
+def _exact_joint(target, prompt, params, n=3):
+    """P(first n tokens) of the target alone, by enumeration, with the same warping."""
+    def warped(ctxs):
+        with torch.no_grad():
+            logits = target(torch.tensor(ctxs)).logits[:, -1].float()
+        if params.temperature == 0:
+            raise ValueError("sampling only")
+        B = logits.shape[0]
+        return warp_probs(logits, torch.full((B,), params.temperature),
+                          torch.full((B,), params.top_k), torch.full((B,), params.top_p))
+
+    joint = torch.ones(1)
+    ctxs = [list(prompt)]
+    for _ in range(n):
+        p = warped(ctxs)                                   # [len(ctxs), V]
+        joint = (joint[:, None] * p).reshape(-1)
+        ctxs = [c + [t] for c in ctxs for t in range(V_SMALL)]
+    return joint                                            # [V^n], lexicographic
+
+
+def _chi2(counts, expected_p):
+    """Chi-square goodness of fit, pooling the cells expected to hold fewer than 5."""
+    exp = expected_p * counts.sum()
+    small = exp < 5
+    obs = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)])
+    ex = torch.cat([exp[~small], exp[small].sum(0, keepdim=True)])
+    if ex[-1] == 0:
+        obs, ex = obs[:-1], ex[:-1]
+    return chisquare(obs.numpy(), ex.numpy() * (obs.sum() / ex.sum()).item())
+
+
+@pytest.mark.parametrize("spec,params", [
+    (dict(num_draft_tokens=2), dict(temperature=1.0)),
+    (dict(num_draft_tokens=2), dict(temperature=0.7, top_k=6, top_p=0.9)),
+    (dict(tree=[(0,), (1,), (0, 0)]), dict(temperature=1.0)),
+    (dict(tree=[(0,), (1,), (2,), (0, 0)]), dict(temperature=0.8, top_p=0.85)),
+], ids=["chain", "chain-warped", "tree", "tree-warped"])
+def test_sampled_joint_follows_target(spec, params):
+    """50,000 samples; chi-square p > 1e-3 (cells with expectation < 5 are pooled)."""
+    target, draft = _small_pair()
+    prompt = [3, 1, 4, 1]
+    N = 50_000
+    sp = osd.SamplingParams(3, seed=1234, **params)
+    eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(**spec),
+                                     max_batch_size=1024, max_seq_len=16)
+    outs = eng.generate([prompt] * N, sp)
+    codes = torch.tensor([o.token_ids[0] * V_SMALL ** 2 + o.token_ids[1] * V_SMALL
+                          + o.token_ids[2] for o in outs])
+    counts = torch.bincount(codes, minlength=V_SMALL ** 3).double()
+    expected = _exact_joint(target, prompt, sp).double()
+    assert counts[expected == 0].sum() == 0, "emitted a sequence the warped target excludes"
+    stat = _chi2(counts, expected)
+    assert stat.pvalue > 1e-3, stat
+    st = eng.stats
+    assert 0 < st["accepted"] < st["drafted"]     # the test exercised accepts and rejects

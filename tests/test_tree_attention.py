@@ -1,0 +1,221 @@
+"""tree_attention: the reference against a brute-force loop, every backend against the
+reference (odd shapes, ragged and empty prefixes, GQA, strided views, every dtype),
+tree masks from random parent arrays, and opcheck.
+
+Low-precision tolerance (flash-attention's rule): a backend's error against the fp32
+reference must be within twice the error of the reference itself run in that precision,
+plus a small floor.
+"""
+import math
+
+import pytest
+import torch
+
+from osd_kernels import (causal_tree_mask, tree_attention, tree_attention_reference,
+                         tree_mask_from_parents)
+from tests.conftest import backends_for
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+FLOOR = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def _signed(bits: int) -> int:
+    return bits - (1 << 64) if bits >= 1 << 63 else bits
+
+
+def random_parents(gen, batch: int, num_nodes: int) -> torch.Tensor:
+    """Random trees [batch, num_nodes] int32: parents[:, 0] = -1, parents[:, i] < i."""
+    cols = [torch.full((batch,), -1)] + [torch.randint(0, i, (batch,), generator=gen)
+                                         for i in range(1, num_nodes)]
+    return torch.stack(cols, 1).to(torch.int32)
+
+
+def masks_from_parents_loop(parents: torch.Tensor) -> torch.Tensor:
+    """Ancestor-or-self bitmasks, built node by node in Python (the test's own construction)."""
+    rows = []
+    for row in parents.tolist():
+        masks = []
+        for i, parent in enumerate(row):
+            masks.append((1 << i) | (masks[parent] if parent >= 0 else 0))
+        rows.append([_signed(m) for m in masks])
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def random_tree_mask(gen, batch: int, num_nodes: int) -> torch.Tensor:
+    """Ancestor-or-self bitmasks [batch, num_nodes] of random trees."""
+    return masks_from_parents_loop(random_parents(gen, batch, num_nodes))
+
+
+def test_tree_mask_from_parents():
+    gen = torch.Generator().manual_seed(8)
+    for T in (1, 2, 7, 33, 64):
+        parents = random_parents(gen, 4, T)
+        assert torch.equal(tree_mask_from_parents(parents), masks_from_parents_loop(parents))
+    chain = torch.arange(-1, 63, dtype=torch.int32).unsqueeze(0)
+    assert torch.equal(tree_mask_from_parents(chain), causal_tree_mask(1, 64))
+
+
+def _case(gen, B, T, Hq, Hkv, D, dtype, device, *, B_max=None, L=2, max_prefix=90):
+    """q, a [L, 2, B_max, Hkv, S, D] cache (callers use views of it), ragged lens incl. 0."""
+    B_max = B_max or B + 1
+    S = max_prefix + T + 3
+    lens = torch.randint(0, max_prefix + 1, (B_max,), generator=gen, dtype=torch.int32)
+    lens[0] = 0
+    q = torch.randn(B, T, Hq, D, generator=gen).to(dtype).to(device)
+    kv = torch.randn(L, 2, B_max, Hkv, S, D, generator=gen).to(dtype).to(device)
+    return q, kv, lens.to(device)
+
+
+def _check_close(out, q, k, v, lens, mask, dtype, what):
+    """Compare with the fp32 reference using the dtype-tied rule above."""
+    exact = tree_attention_reference(q.float(), k.float(), v.float(), lens, mask)
+    err = (out.float() - exact).abs().max().item()
+    if dtype == torch.float32:
+        bound = FLOOR[dtype]
+    else:
+        low = tree_attention_reference(q, k, v, lens, mask)
+        bound = 2 * (low.float() - exact).abs().max().item() + FLOOR[dtype]
+    assert out.dtype == dtype and out.shape == q.shape
+    assert err <= bound, f"{what}: error {err:.3g} > bound {bound:.3g}"
+
+
+def test_reference_matches_brute_force():
+    """The SDPA reference against an explicit softmax over each query's visible keys."""
+    gen = torch.Generator().manual_seed(1)
+    B, T, Hq, Hkv, D = 3, 6, 4, 2, 8
+    q, kv, lens = _case(gen, B, T, Hq, Hkv, D, torch.float64, "cpu", max_prefix=11)
+    mask = random_tree_mask(gen, B, T)
+    mask[1, 3] = 0  # a query that sees only the prefix
+    out = tree_attention_reference(q, kv[1, 0], kv[1, 1], lens, mask)
+    for b in range(B):
+        L = int(lens[b])
+        for i in range(T):
+            keys = list(range(L)) + [L + j for j in range(T) if (int(mask[b, i]) >> j) & 1]
+            for h in range(Hq):
+                k = kv[1, 0, b, h // 2, keys]
+                v = kv[1, 1, b, h // 2, keys]
+                expect = torch.softmax(k @ q[b, i, h] / math.sqrt(D), 0) @ v
+                if not keys:
+                    expect = torch.zeros(D, dtype=torch.float64)
+                torch.testing.assert_close(out[b, i, h], expect)
+
+
+SHAPES = [  # B, T, Hq, Hkv, D
+    (1, 1, 4, 2, 16),
+    (3, 7, 3, 3, 40),
+    (3, 1, 8, 1, 64),
+    (1, 64, 4, 2, 16),
+    (3, 64, 3, 3, 40),
+    (1, 7, 8, 1, 64),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_reference(device, dtype, shape):
+    B, T, Hq, Hkv, D = shape
+    gen = torch.Generator().manual_seed(hash((shape, str(dtype))) % 2**31)
+    q, kv, lens = _case(gen, B, T, Hq, Hkv, D, dtype, device)
+    k, v = kv[1, 0], kv[1, 1]  # strided views of the runtime's cache layout
+    tree = random_tree_mask(gen, B, T).to(device)
+    for backend in backends_for(device):
+        for mask in (None, tree):
+            out = tree_attention(q, k, v, lens, mask, backend=backend)
+            _check_close(out, q, k, v, lens, mask, dtype, f"{backend} mask={mask is not None}")
+
+
+def test_portable_cpu_path(monkeypatch):
+    """The C++ kernel's non-AVX2 path (used on other CPUs) against the reference."""
+    monkeypatch.setenv("OSD_NO_AVX2", "1")
+    gen = torch.Generator().manual_seed(7)
+    for dtype in DTYPES:
+        q, kv, lens = _case(gen, 3, 7, 8, 2, 40, dtype, "cpu")
+        mask = random_tree_mask(gen, 3, 7)
+        out = tree_attention(q, kv[1, 0], kv[1, 1], lens, mask, backend="native")
+        _check_close(out, q, kv[1, 0], kv[1, 1], lens, mask, dtype, "native portable")
+
+
+def test_chain_mask_equals_causal(device):
+    gen = torch.Generator().manual_seed(2)
+    for T in (1, 7, 64):
+        q, kv, lens = _case(gen, 2, T, 4, 2, 16, torch.float32, device, max_prefix=40)
+        chain = causal_tree_mask(2, T, device)
+        for backend in ["reference"] + backends_for(device):
+            a = tree_attention(q, kv[0, 0], kv[0, 1], lens, None, backend=backend)
+            b = tree_attention(q, kv[0, 0], kv[0, 1], lens, chain, backend=backend)
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_causal_tree_mask_bits():
+    m = causal_tree_mask(2, 64)
+    assert m.shape == (2, 64) and m.dtype == torch.int64
+    assert m[1, 0] == 1 and m[0, 2] == 0b111 and m[0, 62] == (1 << 63) - 1 and m[0, 63] == -1
+
+
+def test_strided_inputs(device):
+    """q sliced from a fused qkv projection, a cache with a padded head dim, a row-strided mask."""
+    gen = torch.Generator().manual_seed(3)
+    B, T, Hq, Hkv, D = 3, 5, 4, 2, 24
+    qkv = torch.randn(B, T, 3 * Hq, D + 8, generator=gen).to(device)
+    q = qkv[:, :, Hq:2 * Hq, :D]
+    big = torch.randn(2, 2, B + 2, Hkv, 60, D + 8, generator=gen).to(device)
+    k, v = big[1, 0, ..., :D], big[1, 1, ..., 3:D + 3]
+    lens = torch.tensor([0, 17, 40, 2, 9], dtype=torch.int32, device=device)
+    mask = random_tree_mask(gen, B, 2 * T).to(device)[:, ::2]
+    assert not (q.is_contiguous() or k.is_contiguous() or mask.is_contiguous())
+    for backend in backends_for(device):
+        out = tree_attention(q, k, v, lens, mask, backend=backend)
+        _check_close(out, q, k, v, lens, mask, torch.float32, backend)
+
+
+def test_query_that_sees_nothing_is_zero(device):
+    gen = torch.Generator().manual_seed(4)
+    q, kv, lens = _case(gen, 1, 3, 2, 1, 16, torch.float32, device)
+    lens.zero_()
+    mask = torch.tensor([[1, 0, 0b110]], device=device)
+    for backend in ["reference"] + backends_for(device):
+        out = tree_attention(q, kv[0, 0], kv[0, 1], lens, mask, backend=backend)
+        assert torch.isfinite(out).all(), backend
+        assert out[0, 1].abs().max() == 0, backend
+        torch.testing.assert_close(out[0, 0], kv[0, 1, 0, :, 0].expand(2, 16))
+
+
+def test_max_kv_len_bound(device):
+    """A loose host-side bound gives the same result as the exact one."""
+    gen = torch.Generator().manual_seed(5)
+    q, kv, lens = _case(gen, 3, 4, 4, 2, 16, torch.float32, device)
+    exact = tree_attention(q, kv[0, 0], kv[0, 1], lens, backend="reference")
+    loose = tree_attention(q, kv[0, 0], kv[0, 1], lens, backend="reference",
+                           max_kv_len=kv.shape[4])
+    torch.testing.assert_close(exact, loose)
+
+
+def test_bad_input_names_the_problem():
+    q = torch.zeros(2, 3, 4, 8)
+    k = torch.zeros(3, 2, 16, 8)
+    lens = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        tree_attention(q[:, :, :3], k, k, lens)
+    with pytest.raises(ValueError, match="cache_lens"):
+        tree_attention(q, k, k, lens.long())
+    with pytest.raises(ValueError, match="tree_mask"):
+        tree_attention(q, k, k, lens, torch.zeros(2, 3, dtype=torch.int32))
+    with pytest.raises(TypeError, match="k_cache"):
+        tree_attention(q, k.half(), k.half(), lens)
+    with pytest.raises(ValueError, match="head dim"):
+        tree_attention(q, k[..., :4], k[..., :4], lens)
+    with pytest.raises(ValueError, match="bitmask limit"):
+        tree_attention(torch.zeros(1, 65, 2, 8), k, k, lens)
+    with pytest.raises(ValueError, match="max_kv_len"):
+        tree_attention(q, k, k, lens, max_kv_len=17)
+    with pytest.raises(RuntimeError, match="capacity"):
+        tree_attention(q, k, k, torch.tensor([14, 0, 0], dtype=torch.int32), backend="native")
+
+
+def test_opcheck():
+    gen = torch.Generator().manual_seed(6)
+    q, kv, lens = _case(gen, 2, 3, 4, 2, 8, torch.float32, "cpu", max_prefix=7)
+    mask = random_tree_mask(gen, 2, 3)
+    for m in (mask, None):
+        torch.library.opcheck(torch.ops.osd.tree_attention.default,
+                              (q, kv[0, 0], kv[0, 1], lens, m, 0.3))

@@ -1,0 +1,133 @@
+"""The built-in model pair (osd.zoo): checkpoints, tokenizer, corpus split, query streams."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from osd import zoo
+from osd.zoo import corpus
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return zoo.default_pair()
+
+
+@pytest.fixture(scope="module")
+def models(pair):
+    from transformers import LlamaForCausalLM
+
+    return tuple(LlamaForCausalLM.from_pretrained(p).eval() for p in pair)
+
+
+def _params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_pair_loads_with_transformers_in_float32(pair, models):
+    for path, model in zip(pair, models):
+        assert type(model).__name__ == "LlamaForCausalLM"
+        assert model.dtype == torch.float32
+        with open(os.path.join(path, "config.json")) as f:
+            assert json.load(f)["dtype"] == "float32"
+        with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+            stored = f.get_tensor("lm_head.weight")
+        assert stored.dtype == torch.float16
+        assert torch.equal(model.lm_head.weight, stored.float())
+
+
+def test_shared_tokenizer(pair, models):
+    from transformers import AutoTokenizer
+
+    files = [open(os.path.join(p, "tokenizer.json"), "rb").read() for p in pair]
+    assert files[0] == files[1]
+    tok = zoo.tokenizer()
+    for path, model in zip(pair, models):
+        other = AutoTokenizer.from_pretrained(path)
+        assert other.get_vocab() == tok.get_vocab()
+        assert model.config.vocab_size == len(tok)
+        assert model.config.eos_token_id == tok.eos_token_id == tok.bos_token_id
+        assert os.path.isfile(os.path.join(path, "special_tokens_map.json"))
+    text = "def f(x):\n    return x  # done\n"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+def test_draft_is_wide_shallow_and_cheaper(models):
+    target, draft = models
+    assert draft.config.num_hidden_layers == 1
+    assert target.config.num_hidden_layers >= 4 * draft.config.num_hidden_layers
+    layer = lambda m: _params(m.model.layers[0])  # noqa: E731
+    assert _params(target) > 3 * _params(draft)
+    assert layer(target) * target.config.num_hidden_layers > 4 * layer(draft)
+
+
+def test_split_source_separates_prose_from_code():
+    source = ('#!/usr/bin/env python\n"""Module doc."""\nimport os  # for paths\n\n\n'
+              "# first line of a block\n# second line\nclass A:\n"
+              "    '''Class doc\n\n    more.'''\n    x = '# not a comment'\n")
+    prose, code = corpus.split_source(source)
+    assert prose == ("Module doc.\n\nfor paths\n\nfirst line of a block second line\n\n"
+                     "Class doc\n\nmore.")
+    assert code == "import os\n\nclass A:\n    x = '# not a comment'"
+    assert corpus.split_source("def broken(:\n") is None
+
+
+def test_corpus_files_exclude_tests_and_generated_data():
+    files = corpus.source_files()
+    assert files == sorted(files) and len(files) > 200
+    for path in files:
+        parts = path.split("/")
+        assert not {"test", "tests", "idle_test", "site-packages", "encodings"} & set(parts[:-1])
+        assert not parts[-1].startswith(("test_", "_sysconfigdata"))
+    held = [f for f in files if corpus.split_of(f) == "heldout"]
+    assert 0.05 < len(held) / len(files) < 0.25
+    with pytest.raises(ValueError, match="domain"):
+        corpus.documents("poetry", "train")
+    with pytest.raises(ValueError, match="split"):
+        corpus.documents("code", "dev")
+
+
+def test_query_stream_is_deterministic_and_held_out():
+    records = zoo.query_records("code", n=24, prompt_tokens=48, seed=0)
+    assert zoo.query_records("code", n=24, prompt_tokens=48, seed=0) == records
+    assert zoo.query_stream("code", n=24, prompt_tokens=48, seed=0) == [q.ids for q in records]
+    assert zoo.query_stream("code", n=24, prompt_tokens=48, seed=1) != [q.ids for q in records]
+    assert len({q.source for q in records}) > 5
+    tok = zoo.tokenizer()
+    docs = {d.path: d.text for d in corpus.documents("code", "heldout")}
+    for q in records:
+        assert len(q.ids) == 48 and all(isinstance(t, int) for t in q.ids)
+        assert corpus.split_of(q.source) == "heldout"
+        doc_ids = tok.backend_tokenizer.encode(docs[q.source], add_special_tokens=False).ids
+        assert doc_ids[q.start:q.start + 48] == q.ids
+        assert len(doc_ids) >= q.start + 48 + 32
+    prose = zoo.query_stream("prose", n=3, prompt_tokens=16, seed=0)
+    assert len(prose) == 3 and all(len(p) == 16 for p in prose)
+    with pytest.raises(ValueError, match="domain"):
+        zoo.query_stream("poetry")
+    with pytest.raises(ValueError, match="n >= 1"):
+        zoo.query_stream("code", n=0)
+
+
+def _mean_nll(model, ids: torch.Tensor) -> float:
+    with torch.no_grad():
+        return model(input_ids=ids, labels=ids).loss.item()
+
+
+def test_target_is_fluent_on_code_and_the_draft_is_shifted(models):
+    target, draft = models
+    code = torch.tensor(zoo.query_stream("code", n=4, prompt_tokens=96, seed=5))
+    prose = torch.tensor(zoo.query_stream("prose", n=4, prompt_tokens=96, seed=5))
+    # The draft learned mostly prose: it trails the target by more on code than on prose.
+    code_gap = _mean_nll(draft, code) - _mean_nll(target, code)
+    prose_gap = _mean_nll(draft, prose) - _mean_nll(target, prose)
+    assert _mean_nll(target, code) < 3.0
+    assert code_gap > prose_gap > 0
+    prompt = code[:1, :48]
+    with torch.no_grad():
+        out = target.generate(prompt, max_new_tokens=32, do_sample=False,
+                              pad_token_id=target.config.pad_token_id)[0, 48:].tolist()
+    assert len(out) == 32
+    assert len(set(out)) >= 8, zoo.tokenizer().decode(out)
