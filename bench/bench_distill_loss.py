@@ -1,11 +1,10 @@
 """Distillation loss (``distill_loss``): forward + backward time and peak memory per provider.
 
-Each round computes the loss and the gradient w.r.t. the draft logits ``[N, V]``. Peak
-memory is the extra memory the round needed above what existed before it (inputs
-excluded): on CUDA from ``torch.cuda.max_memory_allocated``; on Linux CPUs from the
-process's peak resident set (``/proc/self/status`` VmHWM, reset through
-``/proc/self/clear_refs``); elsewhere it is not reported. The gradient itself is
-``N * V * bytes`` of it.
+Each round computes the loss and the gradient w.r.t. the draft logits ``[N, V]``.
+``peak_mb`` is the peak of the tensor memory the round allocated (inputs excluded),
+tracked through a ``TorchDispatchMode``; it includes the gradient (``grad_mb``) and, for
+the fused providers, autograd's copy of it into ``.grad`` (the saved gradient is still
+referenced when it is accumulated).
 
 Providers: ``autograd`` (``distill_loss_reference`` + ``backward``, several fp32 ``[N, V]``
 temporaries), ``chunked`` (the fused op's ``reference`` backend: autograd on row chunks),
@@ -18,9 +17,12 @@ Default sweep: N = 256, V = 32000, losses fkl and jsd, full and top-20 targets.
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_distill_loss.py
 """
 import os
+import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from osd_kernels import distill_loss, distill_loss_reference
 from osd_kernels._ops import native_available
@@ -33,37 +35,35 @@ FORMS = ("full", "top20")
 PROVIDERS = ("autograd", "chunked", "cpp", "triton")
 
 
-def _peak_cpu_supported() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+class _PeakTensorBytes(TorchDispatchMode):
+    """Peak bytes of tensor storages created inside the mode (inputs' storages excluded).
 
+    Every op output whose storage is new is counted until that storage is freed; kernel
+    scratch that is not a tensor (the C++ kernel's per-thread row buffers of V floats)
+    is not.
+    """
 
-def _rss_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+    def __init__(self, existing):
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr() for t in existing}
+        self.live, self.current, self.peak = {}, 0, 0
 
+    def _free(self, key):
+        self.current -= self.live.pop(key, 0)
 
-def _peak_extra_bytes(fn, device: str):
-    """Memory ``fn`` needed above the memory in use before it, or None if unmeasurable."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-    if not _peak_cpu_supported():
-        return None
-    before = _rss_kb("VmRSS")
-    fn()
-    return max(_rss_kb("VmHWM") - before, 0) * 1024
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key and key not in self.known and key not in self.live:
+                self.live[key] = storage.nbytes()
+                self.current += storage.nbytes()
+                self.peak = max(self.peak, self.current)
+                weakref.finalize(storage, self._free, key)
+        return out
 
 
 def _case(N, V, form, dtype, device):
@@ -110,9 +110,11 @@ def test_distill_loss(benchmark, N, V, loss, form, provider):
     torch.testing.assert_close(got_loss.float(), want.detach(), rtol=1e-3, atol=1e-5)
     torch.testing.assert_close(got_grad.float(), z.grad, rtol=2e-2, atol=1e-6)
     del got_grad, z
-    peak = _peak_extra_bytes(run, device)
+    inputs = [draft] + ([target] if torch.is_tensor(target) else list(target))
+    with _PeakTensorBytes(inputs) as mode:
+        run()
     benchmark.pedantic(run, rounds=3 if provider in ("autograd", "chunked") else 10,
                        warmup_rounds=1)
     benchmark.extra_info.update(provider=provider, N=N, V=V, loss=loss, target=form,
                                 grad_mb=N * V * draft.element_size() / 2**20,
-                                peak_extra_mb=None if peak is None else peak / 2**20)
+                                peak_mb=mode.peak / 2**20)

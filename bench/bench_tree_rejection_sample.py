@@ -12,7 +12,9 @@ Providers: ``reference`` and ``cpp`` on CPU (float32); ``triton`` and ``cuda`` o
 reference before it is timed.
 
 Default sweep: B in {1, 8}, K = 4, V = 32000. ``OSD_BENCH_FULL=1``: B in {1, 8, 64},
-K in {4, 8}, V in {32000, 128256}.
+K in {4, 8}, V in {32000, 128256}. ``OSD_BENCH_THREADS`` sets torch's CPU thread count
+(default 1: the benchmark machine's 2 cores are shared, and spinning intra-op threads make
+both providers erratic).
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_tree_rejection_sample.py
 """
@@ -31,6 +33,15 @@ VOCABS = (32000, 128256) if FULL else (32000,)
 MODES = ("greedy", "probs", "point")
 WIDTH = 4  # children of the root; each heads a chain
 PROVIDERS = ("reference", "cpp", "triton", "cuda")
+THREADS = int(os.environ.get("OSD_BENCH_THREADS", "1"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(before)
 
 
 def _tree(B: int, K: int, V: int, mode: str, dtype: torch.dtype, device: str):
@@ -88,6 +99,6 @@ def test_tree_rejection_sample(benchmark, B, K, V, mode, provider):
     if draft is not None:
         nbytes += draft.numel() * draft.element_size()
     benchmark.extra_info.update(
-        provider=provider, mode=mode, B=B, K=K, V=V,
+        provider=provider, mode=mode, B=B, K=K, V=V, threads=THREADS,
         accepted_mean=float(want[2].float().mean()),
         gbps=nbytes / benchmark.stats.stats.median / 1e9)

@@ -7,12 +7,19 @@ transformers model; ``Engine.generate(prompts, SamplingParams(...))`` returns on
 from osd.cache import KVCache
 from osd.engine import Engine
 from osd.models import DecoderLM, ModelConfig, load_model
+from osd.online.config import OnlineConfig
+from osd.online.router import RouterConfig
 from osd.sampling import Output, SamplingParams
+from osd.spec import DynamicTree, SpecConfig
 
 __all__ = [
     "Engine",
     "SamplingParams",
     "Output",
+    "SpecConfig",
+    "DynamicTree",
+    "OnlineConfig",
+    "RouterConfig",
     "KVCache",
     "DecoderLM",
     "ModelConfig",

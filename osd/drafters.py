@@ -25,7 +25,21 @@ from osd.models.llama import DecoderLM
 from osd.sampling import SamplingParams
 from osd.spec import DynamicTree
 from osd.tree import StaticTree, depths_from_parents, mask_from_parents
+from osd_kernels.philox import philox_uniform_rows
 from osd_kernels.warp import warp_probs
+
+# The draft's sampling noise uses its own Philox key (seed ^ DRAFT_KEY), so it is
+# independent of the verifier's accept/resample noise drawn with the same seed and offset.
+DRAFT_KEY = 0x5DEECE66D
+
+
+def sample_draft(q: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
+                 position: int) -> torch.Tensor:
+    """Draw one token per row from ``q [B, V]`` by an exponential race with counter-based
+    noise keyed on ``(seed[b], offset[b], position)``: ``argmax_x q(x) / E_x`` with
+    ``E_x = -log u_x`` is distributed as ``q``. No generator state, no host sync."""
+    u = philox_uniform_rows(seed ^ DRAFT_KEY, offset, position, q.shape[-1])
+    return (q / -torch.log(u)).argmax(-1)
 
 
 @dataclass
@@ -125,16 +139,15 @@ class ModelDrafter:
         return logits[:, 0]
 
     # -- proposals -----------------------------------------------------------------
-    def propose_chain(self, B: int, k: int, params: SamplingParams, generators,
-                      stopper=None) -> ChainProposal:
+    def propose_chain(self, B: int, k: int, params: SamplingParams, seed: torch.Tensor,
+                      offset: torch.Tensor, stopper=None) -> ChainProposal:
         """Draft ``k`` tokens per row autoregressively.
 
         Greedy params draft the argmax (one-hot q, ``probs`` None); otherwise each token is
-        drawn from the warped draft distribution, which is returned as ``probs``. A
-        ``stopper`` (adaptive draft length) may end rows early.
+        drawn from the warped draft distribution (``sample_draft`` with the rows' ``seed``
+        and ``offset``), which is returned as ``probs``. A ``stopper`` (adaptive draft
+        length) may end rows early.
         """
-        from osd.sampling import sample_tokens
-
         logits = self._root(B)
         toks, probs, raw = [], [], []
         active = None
@@ -146,8 +159,7 @@ class ModelDrafter:
                 q = None
             else:
                 q = warp_probs(logits, params.temperature, params.top_k, params.top_p)
-                x = torch.cat([torch.multinomial(q[b:b + 1], 1, generator=g)[:, 0]
-                               for b, g in enumerate(generators)])
+                x = sample_draft(q, seed, offset, i)
                 probs.append(q)
             toks.append(x)
             if stopper is not None:

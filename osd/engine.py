@@ -12,6 +12,12 @@ then **retires** finished sequences: the last active row moves into the hole (on
 row copy), so the hot path never gathers rows. Every request samples with its own seeded
 ``torch.Generator``, so its output does not depend on which requests share its batch.
 
+With a draft (or ``spec``), step 2 is a **speculative step** instead (``osd.speculative``):
+the drafter proposes a chain or a tree, the target verifies it in one forward, the
+rejection sampler decides, and both caches roll back in place. With ``online``, the draft
+learns from the target's verdicts while serving (``osd.online``); with several drafts a
+router picks one per request and requests are served in groups by draft.
+
 The context limit is ``max_seq_len`` tokens per sequence, prompt included: a prompt must
 leave room for one generated token, and generation stops with ``finish_reason="length"``
 when the sequence reaches ``max_seq_len``.
@@ -22,12 +28,20 @@ import collections
 import dataclasses
 import operator
 import os
+import time
 
 import torch
 
+from osd.drafters import ModelDrafter, NGramDrafter
 from osd.models.llama import DecoderLM
 from osd.models.loading import is_transformers_model, load_model, load_tokenizer
+from osd.online.config import OnlineConfig
+from osd.online.serving import OnlineManager
 from osd.sampling import Output, SamplingParams, make_generator, sample_tokens
+from osd.spec import SpecConfig
+from osd.speculative import Speculator
+from osd.stats import SpecStats
+from osd.tree import StaticTree
 
 
 @dataclasses.dataclass
@@ -41,6 +55,11 @@ class RequestState:
     generator: torch.Generator        # this request's sampling generator
     generated: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    draft_index: int = 0              # which draft serves it (routing)
+    spec_seed: int = 0                # Philox seed of its rejection sampling
+    spec_steps: int = 0               # speculative steps so far (the Philox offset)
+    spec_stats: SpecStats | None = None
+    teacher: list = dataclasses.field(default_factory=list)  # collected target distributions
 
     @property
     def length(self) -> int:
@@ -72,8 +91,9 @@ class Engine:
         max_seq_len: the maximum context per sequence, prompt included.
     """
 
-    def __init__(self, model: DecoderLM, *, draft: DecoderLM | None = None, tokenizer=None,
-                 max_batch_size: int = 8, max_seq_len: int = 2048) -> None:
+    def __init__(self, model: DecoderLM, *, draft: DecoderLM | list[DecoderLM] | None = None,
+                 tokenizer=None, max_batch_size: int = 8, max_seq_len: int = 2048,
+                 spec: SpecConfig | None = None, online: OnlineConfig | None = None) -> None:
         max_batch_size = operator.index(max_batch_size)
         max_seq_len = operator.index(max_seq_len)
         if max_batch_size < 1:
@@ -85,44 +105,109 @@ class Engine:
             raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's sliding window "
                              f"({window}); sliding-window attention is not implemented, so "
                              f"contexts must fit inside the window")
-        if draft is not None and draft.vocab_size != model.vocab_size:
-            raise ValueError(f"draft vocabulary size {draft.vocab_size} differs from the "
-                             f"target vocabulary size {model.vocab_size}")
+        drafts = [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) \
+            else [draft]
+        for i, d in enumerate(drafts):
+            if not isinstance(d, DecoderLM):
+                raise TypeError(f"draft {i} must be an osd DecoderLM, got {type(d).__name__}")
+            if d.vocab_size != model.vocab_size:
+                raise ValueError(f"draft vocabulary size {d.vocab_size} differs from the "
+                                 f"target vocabulary size {model.vocab_size}")
+            if d.device != model.device:
+                raise ValueError(f"draft is on {d.device} but the target is on {model.device}")
+        if spec is not None and not isinstance(spec, SpecConfig):
+            raise TypeError(f"spec must be an osd.SpecConfig, got {type(spec).__name__}")
+        if online is not None and not isinstance(online, OnlineConfig):
+            raise TypeError(f"online must be an osd.OnlineConfig, got {type(online).__name__}")
+        if spec is None and drafts:
+            spec = SpecConfig()
+        if spec is not None and spec.drafter == "model" and not drafts:
+            raise ValueError("SpecConfig(drafter='model') needs a draft model: pass draft=...")
+        if spec is not None and spec.drafter != "model" and drafts:
+            raise ValueError(f"SpecConfig(drafter={spec.drafter!r}) uses no draft model, but "
+                             f"draft=... was given")
+        if online is not None and (spec is None or spec.drafter == "ngram"):
+            raise ValueError("online learning needs a model drafter (a draft or "
+                             "SpecConfig(drafter='self'))")
         self.model = model
-        self.draft = draft
+        self.drafts = drafts
+        self.draft = drafts[0] if drafts else None
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.device = model.device
-        self.cache = model.new_cache(max_batch_size, max_seq_len)
+        self.spec = spec
+        # Speculative steps write up to a whole tree past a row's length: room for it.
+        self._headroom = 0 if spec is None else _spec_width(spec) + 2
+        self.cache = model.new_cache(max_batch_size, max_seq_len + self._headroom)
+        self.speculators: list[Speculator] = []
+        if spec is not None:
+            self.speculators = [Speculator(self, spec, d)
+                                for d in self._make_drafters(spec, drafts)]
+        self.online = None
+        if online is not None:
+            self.online = OnlineManager([sp.drafter.model for sp in self.speculators], online)
+            for i, sp in enumerate(self.speculators):
+                sp.collect_topk = online.topk
+                sp.collect_full = online.topk is None
+                sp.collect_policy = online.positions
+                sp.on_swap = (lambda i=i: self.online.swap(i))
+        self._wall, self._generated, self._requests_served = 0.0, 0, 0
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
         self._ones = torch.ones(max_batch_size, dtype=torch.int32, device=self.device)
         # next_tokens[b]: the last sampled token of row b, the input of its next decode.
         self._next_tokens = torch.zeros(max_batch_size, dtype=torch.int64, device=self.device)
 
+    def _make_drafters(self, spec: SpecConfig, drafts: list[DecoderLM]) -> list:
+        capacity = self.max_seq_len + self._headroom + 72
+        if spec.drafter == "ngram":
+            return [NGramDrafter(spec.ngram_min, spec.ngram_max)]
+        if spec.drafter == "self":
+            n = self.model.config.num_layers
+            skip = frozenset(spec.skip_layers) if spec.skip_layers is not None else \
+                frozenset(range(1, n, 2))
+            bad = [i for i in skip if not 0 <= i < n]
+            if bad or len(skip) >= n:
+                raise ValueError(f"skip_layers must name some (not all) of the target's "
+                                 f"{n} layers, got {sorted(skip)}")
+            return [ModelDrafter(self.model, self.max_batch_size, capacity, skip)]
+        return [ModelDrafter(d, self.max_batch_size, capacity) for d in drafts]
+
     @classmethod
     def from_pretrained(cls, target, draft=None, *, device: torch.device | str = "cpu",
                         dtype: torch.dtype = torch.float32, max_batch_size: int = 8,
-                        max_seq_len: int = 2048, attention_backend: str = "auto",
+                        max_seq_len: int = 2048, spec: SpecConfig | None = None,
+                        online: OnlineConfig | None = None, attention_backend: str = "auto",
                         tokenizer=None) -> "Engine":
-        """Load ``target`` (and ``draft``): each a checkpoint directory or a transformers model.
+        """Load ``target`` (and drafts): each a checkpoint directory or a transformers model.
+
+        Args:
+            target: checkpoint directory (config.json + safetensors/.bin) or a transformers
+                ``*ForCausalLM``.
+            draft: the same for a draft model, or a list of them (routed per request), or
+                None (plain decoding, or a draft-free ``spec``: self-speculation, n-gram).
+            spec: :class:`~osd.SpecConfig`; defaults to a chain of 4 when a draft is given.
+            online: :class:`~osd.OnlineConfig` to let the draft(s) learn while serving.
 
         The tokenizer is loaded from the target directory when it has one (local files
         only); pass ``tokenizer`` to override. ``attention_backend``: see
         ``osd.models.attention``.
         """
-        for name, source in (("target", target), ("draft", draft)):
+        drafts = [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) \
+            else [draft]
+        for name, source in [("target", target)] + [("draft", d) for d in drafts]:
             if source is not None and not (isinstance(source, (str, os.PathLike))
                                            or is_transformers_model(source)):
                 raise TypeError(f"{name} must be a checkpoint directory path or a transformers "
                                 f"model, got {type(source).__name__}")
         model = load_model(target, device=device, dtype=dtype, attention_backend=attention_backend)
-        draft_model = None if draft is None else load_model(
-            draft, device=device, dtype=dtype, attention_backend=attention_backend)
+        draft_models = [load_model(d, device=device, dtype=dtype,
+                                   attention_backend=attention_backend) for d in drafts]
         if tokenizer is None:
             tokenizer = load_tokenizer(target)
-        return cls(model, draft=draft_model, tokenizer=tokenizer,
-                   max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+        return cls(model, draft=draft_models or None, tokenizer=tokenizer,
+                   max_batch_size=max_batch_size, max_seq_len=max_seq_len, spec=spec,
+                   online=online)
 
     def encode(self, prompts) -> list[list[int]]:
         """Validate ``prompts`` (token-id lists or strings) and return token-id lists."""
@@ -163,7 +248,17 @@ class Engine:
             out.append(ids)
         return out
 
-    @torch.inference_mode()
+    def _requests(self, prompts, params: SamplingParams) -> list[RequestState]:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be an osd.SamplingParams, got {type(params).__name__}")
+        token_lists = self.encode(prompts)
+        base_seed = params.seed if params.seed is not None else \
+            int(torch.randint(0, 2**62, (1,)))
+        stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids or ())
+        return [RequestState(i, ids, params.max_new_tokens, stop_ids,
+                             make_generator(base_seed + i, self.device))
+                for i, ids in enumerate(token_lists)]
+
     def generate(self, prompts, params: SamplingParams) -> list[Output]:
         """Generate a continuation of every prompt.
 
@@ -175,28 +270,63 @@ class Engine:
         Returns:
             One :class:`~osd.Output` per prompt, in order.
         """
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be an osd.SamplingParams, got {type(params).__name__}")
-        token_lists = self.encode(prompts)
-        base_seed = params.seed if params.seed is not None else \
-            int(torch.randint(0, 2**62, (1,)))
-        stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids or ())
-        requests = [RequestState(i, ids, params.max_new_tokens, stop_ids,
-                                 make_generator(base_seed + i, self.device))
-                    for i, ids in enumerate(token_lists)]
-        waiting = collections.deque(requests)
-        active: list[RequestState] = []          # active[b] occupies cache row b
-        self.cache.reset()
-        while waiting or active:
-            free = self.max_batch_size - len(active)
-            if waiting and free > 0:
-                new = [waiting.popleft() for _ in range(min(free, len(waiting)))]
-                self.prefill(new, start_row=len(active), params=params)
-                active += new
-            else:
-                self.decode_step(active, params)
-            self.retire(active)
+        requests = self._requests(prompts, params)
+        steps = self._serve(requests, params)
+        while True:
+            with torch.inference_mode():
+                if next(steps, None) is None:
+                    break
         return [self._output(r) for r in requests]
+
+    def stream(self, prompt, params: SamplingParams):
+        """Generate one prompt, yielding each step's new token ids (a list) as soon as the
+        target has accepted them: one token per step for plain decoding, up to k + 1 with
+        speculation."""
+        requests = self._requests([prompt], params)
+        r = requests[0]
+        steps = self._serve(requests, params)
+        seen = 0
+        while True:
+            with torch.inference_mode():
+                done = next(steps, None) is None
+            if len(r.generated) > seen:
+                yield list(r.generated[seen:])
+                seen = len(r.generated)
+            if done:
+                return
+
+    def _serve(self, requests: list[RequestState], params: SamplingParams):
+        """The serving loop as a generator: yields after every prefill or decode step."""
+        t0 = time.perf_counter()
+        groups: dict[int, list[RequestState]] = collections.defaultdict(list)
+        for r in requests:
+            r.draft_index = self.online.choose(r.prompt) if self.online is not None else 0
+            groups[r.draft_index].append(r)
+        for d in sorted(groups):
+            spec = self.speculators[d] if self.speculators else None
+            waiting = collections.deque(groups[d])
+            active: list[RequestState] = []          # active[b] occupies cache row b
+            self.cache.reset()
+            if spec is not None:
+                spec.reset()
+            while waiting or active:
+                free = self.max_batch_size - len(active)
+                if waiting and free > 0:
+                    new = [waiting.popleft() for _ in range(min(free, len(waiting)))]
+                    start = len(active)
+                    self.prefill(new, start_row=start, params=params)
+                    if spec is not None:
+                        spec.prefill(new, start, self._next_tokens[start:start + len(new)])
+                    active += new
+                elif spec is not None:
+                    spec.step(active, params)
+                else:
+                    self.decode_step(active, params)
+                self.retire(active, spec)
+                yield True
+        self._wall += time.perf_counter() - t0
+        self._generated += sum(len(r.generated) for r in requests)
+        self._requests_served += len(requests)
 
     def prefill(self, new: list[RequestState], start_row: int, params: SamplingParams) -> None:
         """Run the prompts of ``new`` into cache rows ``start_row ..`` and sample each one's
@@ -230,22 +360,72 @@ class Engine:
         for r, t in zip(requests, tokens.tolist()):
             r.append(t, self.max_seq_len)
 
-    def retire(self, active: list[RequestState]) -> None:
-        """Drop finished sequences, moving the last active row into each hole, and tighten
-        the cache's host-side length bound to the exact longest cached sequence."""
+    def retire(self, active: list[RequestState], speculator: Speculator | None = None) -> None:
+        """Drop finished sequences, moving the last active row into each hole (in the
+        draft's cache too), hand finished requests to online learning, and tighten the
+        cache's host-side length bound to the exact longest cached sequence."""
         for b in reversed(range(len(active))):
             if active[b].finish_reason is None:
                 continue
+            if self.online is not None:
+                st = active[b].spec_stats
+                alpha = st.alpha if st.alpha is not None else st.acceptance_rate
+                self.online.finish(active[b], active[b].draft_index, alpha)
             last = len(active) - 1
             if b != last:
                 self.cache.move_row(last, b)
+                if speculator is not None:
+                    speculator.move_row(last, b)
                 self._next_tokens[b] = self._next_tokens[last]
                 active[b] = active[last]
             active.pop()
         self.cache.set_bound(max((r.cached_length for r in active), default=0))
 
+    @property
+    def stats(self) -> dict:
+        """Engine statistics (``osd.stats.SpecStats`` fields, see there), plus
+        ``per_draft`` when several drafts are routed and ``online`` (the learning history:
+        updates applied and rejected, losses, α per window of requests) when learning."""
+        total = SpecStats()
+        for sp in self.speculators:
+            total.merge(sp.stats)
+        out = total.as_dict()
+        out["requests"] = self._requests_served
+        out["generated_tokens"] = self._generated
+        out["wall_s"] = self._wall
+        out["tokens_per_s"] = self._generated / self._wall if self._wall > 0 else None
+        if len(self.speculators) > 1:
+            out["per_draft"] = [sp.stats.as_dict() for sp in self.speculators]
+        if self.online is not None:
+            out["online"] = self.online.history()
+        return out
+
+    def reset_stats(self) -> None:
+        """Zero the statistics (learned weights and learning history are kept)."""
+        for sp in self.speculators:
+            sp.stats = SpecStats()
+        self._wall, self._generated, self._requests_served = 0.0, 0, 0
+
+    def close(self) -> None:
+        """Finish pending online updates and stop the learner threads."""
+        if self.online is not None:
+            self.online.close()
+
     def _output(self, r: RequestState) -> Output:
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(r.generated, skip_special_tokens=True)
-        return Output(token_ids=list(r.generated), text=text, finish_reason=r.finish_reason)
+        stats = r.spec_stats.as_dict() if r.spec_stats is not None else None
+        if stats is not None:
+            stats["draft_index"] = r.draft_index
+        return Output(token_ids=list(r.generated), text=text, finish_reason=r.finish_reason,
+                      stats=stats)
+
+
+def _spec_width(spec: SpecConfig) -> int:
+    """Most tokens one verify forward feeds per row (root included)."""
+    if spec.tree is None:
+        return spec.num_draft_tokens + 1
+    if isinstance(spec.tree, StaticTree):
+        return spec.tree.num_nodes
+    return spec.tree.max_nodes + 1

@@ -89,11 +89,14 @@ class Output:
         text: ``token_ids`` decoded (special tokens skipped) when a tokenizer exists.
         finish_reason: ``"stop"`` (EOS or a stop token) or ``"length"`` (``max_new_tokens``
             or the maximum context reached).
+        stats: per-request speculative statistics (``osd.stats.SpecStats.as_dict``), or
+            None for plain decoding.
     """
 
     token_ids: list[int]
     text: str | None
     finish_reason: str
+    stats: dict | None = None
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:

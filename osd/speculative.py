@@ -132,6 +132,7 @@ class Speculator:
         dev = eng.device
         roots = eng._next_tokens[:B]
         t0 = time.perf_counter()
+        sampling = self._sampling_tensors(active, params, dev)
         tree = self.spec.tree
         if tree is not None:
             prop = self.drafter.propose_tree(B, tree, roots)
@@ -142,8 +143,8 @@ class Speculator:
             if isinstance(self.drafter, NGramDrafter):
                 prop = self.drafter.propose_chain([r.prompt + r.generated for r in active], k, dev)
             else:
-                prop = self.drafter.propose_chain(B, k, params, [r.generator for r in active],
-                                                  self.stopper)
+                prop = self.drafter.propose_chain(B, k, params, sampling["seed"],
+                                                  sampling["offset"], self.stopper)
             inputs = torch.cat([roots[:, None], prop.tokens], 1)
             mask = depths = None
             drafted = prop.num_drafted
@@ -151,7 +152,6 @@ class Speculator:
         lens_before = eng.cache.lens[:B].clone()
         logits = eng.model(inputs, eng.cache, tree_mask=mask, depths=depths)    # [B, T, V]
         t2 = time.perf_counter()
-        sampling = self._sampling_tensors(active, params, dev)
         if tree is not None:
             path, out, n = osd_kernels.tree_rejection_sample(
                 logits, prop.tokens, prop.parents, None, **sampling, max_depth=prop.max_depth)

@@ -55,8 +55,8 @@ RKL_LOG_P_FLOOR = math.log(RKL_P_FLOOR)
 # as 0 (otherwise reverse KL would weigh the draft's other mass by log of that noise).
 TOPK_LEFTOVER_EPS = 1e-6
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-# Default rows per chunk of the reference backend: about 4M fp32 elements per temporary.
-_CHUNK_ELEMENTS = 1 << 22
+# Default rows per chunk of the reference backend: about 1M fp32 elements per temporary.
+_CHUNK_ELEMENTS = 1 << 20
 
 def _split_target(target) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(target_logits, topk_ids, topk_probs), exactly one form set."""
@@ -205,19 +205,19 @@ class _FusedDistillLoss(torch.autograd.Function):
                 draft_logits, target_logits, topk_ids, topk_probs, mask, loss, beta)
         count = (mask.sum().clamp_min(1).float() if mask is not None
                  else torch.tensor(float(max(draft_logits.shape[0], 1)), device=grad.device))
-        ctx.save_for_backward(grad, count)
-        ctx.used = False
+        # Kept as attributes, not saved tensors: backward drops its reference before
+        # returning the gradient, so autograd can accumulate it into .grad without a copy.
+        ctx.grad, ctx.count = grad, count
         return loss_rows.sum() / count
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        if ctx.used:
+        if ctx.grad is None:
             raise RuntimeError("distill_loss: backward through the fused loss can run only once "
-                               "(its saved gradient is rescaled in place)")
-        ctx.used = True
-        grad, count = ctx.saved_tensors
-        grad.mul_((grad_output / count).to(grad.dtype))
+                               "(its saved gradient is rescaled in place and handed over)")
+        grad, ctx.grad = ctx.grad, None
+        grad.mul_((grad_output / ctx.count).to(grad.dtype))
         return grad, None, None, None, None, None, None, None, None
 
 
@@ -236,7 +236,7 @@ def distill_loss(draft_logits: torch.Tensor, target, *, loss: str = "fkl", beta:
         loss: ``"fkl"`` | ``"rkl"`` | ``"jsd"`` | ``"tvd"``.
         beta: JSD weight in ``[0, 1]`` (ignored by the other losses).
         mask: optional ``[N]`` bool; rows with False do not count.
-        chunk_size: rows per chunk of the ``reference`` backend (default: about 4M elements
+        chunk_size: rows per chunk of the ``reference`` backend (default: about 1M elements
             per chunk); the native and Triton kernels stream rows and ignore it.
         backend: ``auto`` | ``reference`` | ``native`` | ``triton`` (``auto``: Triton on CUDA,
             C++ on CPU).

@@ -247,8 +247,9 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
             each row. Reusing a (seed, offset) pair reuses its randomness, so advance
             ``offset`` every step (e.g. the committed length). Passing both as device
             tensors keeps the op free of host syncs (CUDA-graph safe).
-        generator: a CPU ``torch.Generator`` used to draw ``seed`` when it is None (the
-            global generator if None too); ``offset`` defaults to 0.
+        generator: a CPU ``torch.Generator`` used to draw ``seed`` when it is None
+            (``torch.randint(2**63 - 1, (B,), generator=generator)``; the global generator
+            if None too); ``offset`` defaults to 0.
         backend: ``auto`` | ``reference`` | ``native`` | ``triton``.
 
     Returns:

@@ -91,10 +91,7 @@ def tree_depths(parents: torch.Tensor) -> torch.Tensor:
 
 def tree_max_depth(parents: torch.Tensor) -> int:
     """The depth of the deepest present node over the batch (a host sync on GPU)."""
-    return _max_depth(tree_depths(parents))
-
-
-def _max_depth(depths: torch.Tensor) -> int:
+    depths = tree_depths(parents)
     return int(depths.max()) if depths.numel() else 0
 
 
@@ -130,7 +127,7 @@ def tree_rejection_sample_reference(
     D = tree_max_depth(parents) if max_depth is None else int(max_depth)
     logits = target_logits.float()
     rows = torch.arange(B, device=dev)
-    greedy = params.temperature == 0
+    greedy = ~(params.temperature > 0)
     par = parents.long()
     tokens = node_token_ids
     amax = logits.argmax(-1)  # [B, T], lowest index on ties
@@ -202,9 +199,11 @@ def tree_rejection_sample_reference(
                 t[acc] = v
             excluded[acc] = False
 
-    empty = ~(r > 0).any(-1) if q_all is None else s <= RESIDUAL_EPS
-    weights = torch.where(empty[:, None], p_cur, r)
-    emitted = torch.where(greedy, amax[rows, cur], _race(weights, seed, offset, cur))
+    emitted = amax[rows, cur]
+    if not bool(greedy.all()):
+        empty = ~(r > 0).any(-1) if q_all is None else s <= RESIDUAL_EPS
+        weights = torch.where(empty[:, None], p_cur, r)
+        emitted = torch.where(greedy, emitted, _race(weights, seed, offset, cur))
     out[rows, depth] = emitted
     return accepted_nodes, out, depth.to(torch.int32)
 
@@ -245,9 +244,9 @@ def _check_tensors(target_logits, node_token_ids, parents, draft_probs, max_dept
         raise ValueError(f"max_depth must lie in [0, T={T}), got {max_depth}")
 
 
-def _check_values(node_token_ids, parents, depths, vocab: int, params) -> None:
+def _check_values(node_token_ids, parents, vocab: int, params) -> None:
     """Value checks, on CPU only: on CUDA they would need a host sync (kernels skip
-    nodes with an out-of-range parent or token). ``depths``: :func:`tree_depths`."""
+    nodes with an out-of-range parent or token)."""
     if parents.device.type != "cpu":
         return
     B, T = parents.shape
@@ -255,10 +254,9 @@ def _check_values(node_token_ids, parents, depths, vocab: int, params) -> None:
         raise ValueError("parents[:, 0] must be -1 (node 0 is the root)")
     if not bool(((parents >= -1) & (parents < torch.arange(T, dtype=torch.int32))).all()):
         raise ValueError("parents[b, i] must be -1 (an absent node) or a node index < i")
-    present = depths[:, 1:] >= 0
     tok = node_token_ids[:, 1:]
-    if not bool((((tok >= 0) & (tok < vocab)) | ~present).all()):
-        raise ValueError(f"node_token_ids of the tree's nodes must lie in [0, V={vocab})")
+    if not bool((((tok >= 0) & (tok < vocab)) | (parents[:, 1:] < 0)).all()):
+        raise ValueError(f"node_token_ids of nodes with a parent must lie in [0, V={vocab})")
     t, tk, tp = params.temperature, params.top_k, params.top_p
     if not bool((torch.isfinite(t) & (t >= 0)).all()):
         raise ValueError(f"temperature must be finite and >= 0, got {t.tolist()}")
@@ -281,7 +279,8 @@ def tree_rejection_sample(
     Args:
         target_logits: ``[B, T, V]`` float32/float16/bfloat16; row ``i`` scores node ``i``'s
             children. Any strides.
-        node_token_ids: ``[B, T]`` int64, the token of each node (node 0's is unused).
+        node_token_ids: ``[B, T]`` int64, the token of each node (in ``[0, V)``; unused for
+            the root and absent nodes).
         parents: ``[B, T]`` int32, ``parents[b, 0] = -1``, ``parents[b, i] < i``; -1 at
             ``i > 0`` marks an absent node.
         draft_probs: ``[B, T, V]`` float32/float16/bfloat16, the already-warped distribution
@@ -317,13 +316,10 @@ def tree_rejection_sample(
     params = sampling_params(target_logits, node_token_ids, temperature=temperature,
                              top_k=top_k, top_p=top_p, seed=seed, offset=offset,
                              generator=generator)
-    device = target_logits.device
-    depths = None
-    if device.type == "cpu" or max_depth is None:
-        depths = tree_depths(parents)
-    _check_values(node_token_ids, parents, depths, target_logits.shape[2], params)
+    _check_values(node_token_ids, parents, target_logits.shape[2], params)
     if max_depth is None:
-        max_depth = _max_depth(depths)  # host sync: the output width depends on it
+        max_depth = tree_max_depth(parents)  # host sync: the output width depends on it
+    device = target_logits.device
     impl = resolve_backend(backend, device, prefer_triton_on_gpu=not native_has_device(device))
     if impl == "reference":
         return tree_rejection_sample_reference(

@@ -40,6 +40,16 @@ def test_matches_reference(device, dtype, shape):
         assert torch.equal(kv, kv_ref), backend
 
 
+def test_parallel_rows(threads):
+    """Many rows and heads through the C++ kernel's parallel loop."""
+    gen = torch.Generator().manual_seed(5)
+    kv, lens, slots, keep = _random_case(gen, 3, 16, 16, 4, 90, 32, 17, torch.float32, "cpu")
+    ref, ref_lens = kv.clone(), lens.clone()
+    kv_rollback_reference(ref, ref_lens, slots, keep)
+    kv_rollback(kv, lens, slots, keep, backend="native")
+    assert torch.equal(kv, ref) and torch.equal(lens, ref_lens)
+
+
 def test_overlapping_source_and_destination(device):
     """Path [0, 1, 3, 4, 6]: slot 3 -> 2 and 4 -> 3 overlap (4's destination is 3's source)."""
     L, H, S, D = 2, 2, 12, 5

@@ -66,8 +66,7 @@ def test_greedy_chain_equals_target_and_transformers(family):
     assert st["drafted"] > 0 and 0 < st["accepted"] <= st["drafted"]
 
 
-@pytest.mark.parametrize("k", [1, 3, 5, 8])
-@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("k,batch", [(1, 3), (3, 3), (5, 3), (8, 3), (3, 1), (4, 8)])
 def test_greedy_chain_k_and_batch(llama_pair, plain, k, batch):
     target, draft = llama_pair
     prompts = prompts_of([3 + 4 * i for i in range(batch)], seed=k * 10 + batch)
@@ -117,10 +116,10 @@ def test_stop_tokens_and_refill(llama_pair, plain):
 
 
 def test_stream_yields_the_generated_tokens(llama_pair, plain):
-    target, draft = llama_pair
+    target, _ = llama_pair
     prompt = prompts_of([7], seed=61)[0]
     ref = plain.generate([prompt], osd.SamplingParams(15))[0].token_ids
-    eng = _spec_engine(target, draft, num_draft_tokens=4)
+    eng = _spec_engine(target, target, num_draft_tokens=4)   # a perfect draft
     chunks = list(eng.stream(prompt, osd.SamplingParams(15)))
     assert [t for c in chunks for t in c] == ref
     assert len(chunks) < len(ref)          # several tokens per step when drafts are accepted
@@ -177,11 +176,9 @@ def _chi2(counts, expected_p):
 
 
 @pytest.mark.parametrize("spec,params", [
-    (dict(num_draft_tokens=2), dict(temperature=1.0)),
     (dict(num_draft_tokens=2), dict(temperature=0.7, top_k=6, top_p=0.9)),
-    (dict(tree=[(0,), (1,), (0, 0)]), dict(temperature=1.0)),
-    (dict(tree=[(0,), (1,), (2,), (0, 0)]), dict(temperature=0.8, top_p=0.85)),
-], ids=["chain", "chain-warped", "tree", "tree-warped"])
+    (dict(tree=[(0,), (1,), (2,), (0, 0)]), dict(temperature=0.8, top_k=8, top_p=0.85)),
+], ids=["chain", "tree"])
 def test_sampled_joint_follows_target(spec, params):
     """50,000 samples; chi-square p > 1e-3 (cells with expectation < 5 are pooled)."""
     target, draft = _small_pair()
@@ -189,7 +186,7 @@ def test_sampled_joint_follows_target(spec, params):
     N = 50_000
     sp = osd.SamplingParams(3, seed=1234, **params)
     eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(**spec),
-                                     max_batch_size=1024, max_seq_len=16)
+                                     max_batch_size=4096, max_seq_len=16)
     outs = eng.generate([prompt] * N, sp)
     codes = torch.tensor([o.token_ids[0] * V_SMALL ** 2 + o.token_ids[1] * V_SMALL
                           + o.token_ids[2] for o in outs])

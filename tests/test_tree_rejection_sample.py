@@ -10,7 +10,6 @@ from osd_kernels.tree_rejection_sample import tree_depths
 from osd_kernels.warp import warp_probs
 from tests.conftest import backends_for
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MODES = ["greedy", "point_mass", "with_replacement", "without_replacement"]
 ALPHA = 1e-3  # significance of the chi-square tests: each fails by chance with prob 1e-3
 N_DRAWS = 150_000

@@ -38,6 +38,18 @@ def test_pair_loads_with_transformers_in_float32(pair, models):
         assert torch.equal(model.lm_head.weight, stored.float())
 
 
+def test_pair_loads_with_osd_and_matches_transformers(pair, models):
+    import osd
+
+    ids = torch.randint(0, models[0].config.vocab_size, (2, 37),
+                        generator=torch.Generator().manual_seed(0))
+    for path, model in zip(pair, models):
+        ours = osd.load_model(path)
+        with torch.no_grad():
+            torch.testing.assert_close(ours.forward_train(ids), model(ids).logits,
+                                       rtol=1e-4, atol=1e-4)
+
+
 def test_shared_tokenizer(pair, models):
     from transformers import AutoTokenizer
 

@@ -12,7 +12,8 @@
 //        lm = log(beta p + (1 - beta) q)
 //   tvd  l = 0.5 |p - q|                               h = 0.5 q sign(q - p)
 // One row per thread at a time, with fp32 row buffers of V elements (the "chunk" is one row
-// per thread); sums in double. Masked rows get loss 0 and a zero gradient.
+// per thread); the vocabulary sums are reassociated (vectorised) fp32 sums. Masked rows
+// get loss 0 and a zero gradient.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -62,7 +63,11 @@ struct DistillArgs {
 
 template <typename scalar_t>
 OSD_INLINE void load_typed(const scalar_t* src, int64_t stride, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i * stride]);
+  if (stride == 1) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i * stride]);
+  }
 }
 
 // Row n of a float/half/bfloat16 matrix, as fp32.
@@ -82,28 +87,30 @@ OSD_INLINE void load_row(const RowView& m, int64_t n, int64_t count, float* dst)
   }
 }
 
-// log sum_i e^x[i] (-inf when every x[i] is -inf).
+// log sum_i e^x[i] (-inf when every x[i] is -inf). The max runs in eight explicit lanes
+// (GCC does not vectorise a max reduction that must respect NaN); the sum is reassociated.
 OSD_INLINE float logsumexp(const float* x, int64_t n) {
-  float mx = kNegInf;
-  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i]);
-  if (mx == kNegInf) return kNegInf;
-  float part[8] = {};
+  float lane[8] = {kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    for (int u = 0; u < 8; ++u) part[u] += exp_nonpos(x[i + u] - mx);
+    for (int u = 0; u < 8; ++u) lane[u] = x[i + u] > lane[u] ? x[i + u] : lane[u];
   }
-  double s = 0.0;
-  for (; i < n; ++i) s += exp_nonpos(x[i] - mx);
-  for (int u = 0; u < 8; ++u) s += part[u];
-  return mx + static_cast<float>(std::log(s));
+  float mx = kNegInf;
+  for (; i < n; ++i) mx = std::max(mx, x[i]);
+  for (int u = 0; u < 8; ++u) mx = std::max(mx, lane[u]);
+  if (mx == kNegInf) return kNegInf;
+  float s = 0.f;
+  for (i = 0; i < n; ++i) s += exp_nonpos(x[i] - mx);
+  return mx + std::log(s);
 }
 
-// Loss term l and h = Q dL/dQ of one bucket with log probabilities lp (target), lq (draft).
+// Loss term l and h = Q dL/dQ of one bucket with log probabilities lp (target), lq (draft);
+// zero probabilities contribute exactly 0 (0 log 0 = 0).
 template <Loss kLoss>
 OSD_INLINE void bucket_term(float lp, float lq, float beta, float log_beta, float log_1mb,
                             float& l, float& h) {
-  const float p = lp == kNegInf ? 0.f : std::exp(lp);
-  const float q = lq == kNegInf ? 0.f : std::exp(lq);
+  const float p = exp_nonpos(lp);  // lp, lq <= 0 (up to rounding); -inf gives 0
+  const float q = exp_nonpos(lq);
   if constexpr (kLoss == Loss::kFkl) {
     l = p > 0.f ? p * (lp - lq) : 0.f;
     h = -p;
@@ -113,8 +120,8 @@ OSD_INLINE void bucket_term(float lp, float lq, float beta, float log_beta, floa
     h = q * (d + 1.f);
   } else if constexpr (kLoss == Loss::kJsd) {
     const float a = lp + log_beta, b = lq + log_1mb;
-    const float hi = std::max(a, b);
-    const float lm = hi == kNegInf ? kNegInf : hi + std::log1p(std::exp(-std::fabs(a - b)));
+    const float hi = a > b ? a : b, lo = a > b ? b : a;
+    const float lm = hi == kNegInf ? kNegInf : hi + log_pos(1.f + exp_nonpos(lo - hi));
     const float kq = q > 0.f ? q * (lq - lm) : 0.f;
     l = beta * (p > 0.f ? p * (lp - lm) : 0.f) + (1.f - beta) * kq;
     h = (1.f - beta) * kq;
@@ -154,7 +161,7 @@ OSD_INLINE void full_row(const DistillArgs& a, int64_t n, RowScratch& w) {
   load_row(a.target, n, V, t);
   const float lse_z = logsumexp(z, V), lse_t = logsumexp(t, V);
   const float log_beta = std::log(a.beta), log_1mb = std::log1p(-a.beta);
-  double loss = 0.0, hsum = 0.0;
+  float loss = 0.f, hsum = 0.f;
   for (int64_t v = 0; v < V; ++v) {
     float l, h;
     bucket_term<kLoss>(t[v] - lse_t, z[v] - lse_z, a.beta, log_beta, log_1mb, l, h);
@@ -162,9 +169,9 @@ OSD_INLINE void full_row(const DistillArgs& a, int64_t n, RowScratch& w) {
     hsum += h;
     t[v] = h;  // t now holds h_v
   }
-  const float H = static_cast<float>(hsum);
+  const float H = hsum;
   for (int64_t v = 0; v < V; ++v) z[v] = t[v] - exp_nonpos(z[v] - lse_z) * H;
-  a.loss_rows[n] = static_cast<float>(loss);
+  a.loss_rows[n] = loss;
   store_grad_row(a, n, z);
 }
 
@@ -189,7 +196,7 @@ OSD_INLINE void topk_row(const DistillArgs& a, int64_t n, RowScratch& w) {
   for (int64_t i = 0; i < K; ++i) {
     float l, h;
     kept_mass += probs[i];
-    const float lp = probs[i] > 0.f ? std::log(probs[i]) : kNegInf;
+    const float lp = probs[i] > 0.f ? log_pos(probs[i]) : kNegInf;
     bucket_term<kLoss>(lp, w.top_lq[i], a.beta, log_beta, log_1mb, l, h);
     loss += l;
     hsum += h;

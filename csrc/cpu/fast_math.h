@@ -3,6 +3,11 @@
 #include <cstdint>
 #include <cstring>
 
+// Floating-point operations are assumed not to trap (as in torch's own build) and sums may
+// be reassociated, so GCC can if-convert the selects below and vectorise reductions.
+// Applies to the functions defined after this header in the including file.
+#pragma GCC optimize("no-trapping-math", "no-signed-zeros", "associative-math")
+
 // Hot helpers are force-inlined so that they are compiled for the ISA of the entry point
 // they end up in (the kernels compile an AVX2 entry point with a target attribute and a
 // portable one, and choose at run time).
@@ -32,6 +37,36 @@ OSD_INLINE float exp_nonpos(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return x < -87.f ? 0.f : p * scale;
+}
+
+// Natural log for x > 0, branch-free (vectorisable). Cephes logf: x = 2^e m with
+// m in [sqrt(1/2), sqrt(2)), log m by a degree-9 polynomial in m - 1. Relative error
+// about 2e-7. x = 0 gives a large negative number, not -inf: callers handle 0 themselves.
+OSD_INLINE float log_pos(float x) {
+  int32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  int32_t e = ((bits >> 23) & 0xff) - 126;
+  bits = (bits & 0x007fffff) | 0x3f000000;  // m in [0.5, 1)
+  float m;
+  std::memcpy(&m, &bits, sizeof(m));
+  const bool small = m < 0.707106781186547524f;
+  e -= small ? 1 : 0;
+  m = small ? m + m - 1.f : m - 1.f;
+  const float fe = static_cast<float>(e);
+  const float z = m * m;
+  float y = 7.0376836292e-2f;
+  y = y * m - 1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m - 1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m - 1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m - 2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  y = y * m * z;
+  y += -2.12194440e-4f * fe;
+  y += -0.5f * z;
+  return m + y + 0.693359375f * fe;
 }
 
 }  // namespace osd

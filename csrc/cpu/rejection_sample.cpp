@@ -5,8 +5,8 @@
 // once into a float scratch row s = logits / temperature; (max, sum exp) come from two
 // vectorisable passes, the accept test needs only the draft token's log-probability, and
 // only the one rejected or bonus row runs the exponential race. Rows after the first
-// rejection are never read. Top-k uses nth_element and top-p a three-way quickselect on
-// probability mass (expected O(V), no sort).
+// rejection are never read. Top-k uses a size-k heap (nth_element for large k) and top-p a
+// three-way quickselect on probability mass (expected O(V), no sort).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -27,6 +27,10 @@ namespace osd {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// The vector loops are compiled twice, for AVX2 and for the baseline, and picked at load
+// time. No FMA is enabled, so both clones round identically.
+#define OSD_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
 
 // exp(x) in float for x <= 0 (the callers pass s - max), Cephes expf polynomial, within
 // 1 ulp, written without float comparisons so the compiler vectorises the loops that
@@ -111,7 +115,7 @@ void load_row_any(const void* base, DType dtype, int64_t offset, int64_t stride,
   }
 }
 
-float row_max(const float* x, int64_t n) {
+OSD_VECTOR_CLONES float row_max(const float* x, int64_t n) {
   constexpr int kLanes = 16;
   float acc[kLanes];
   for (int l = 0; l < kLanes; ++l) acc[l] = kNegInf;
@@ -134,7 +138,7 @@ int64_t row_argmax(const float* x, int64_t n) {
   return 0;
 }
 
-float sum(const float* x, int64_t n) {
+OSD_VECTOR_CLONES float sum(const float* x, int64_t n) {
   constexpr int kLanes = 16;
   float acc[kLanes] = {};
   int64_t v = 0;
@@ -148,16 +152,30 @@ float sum(const float* x, int64_t n) {
 }
 
 // e[v] = exp(s[v] - max); returns sum e.
-float exp_and_sum(const float* s, float max, int64_t n, float* e) {
+OSD_VECTOR_CLONES float exp_and_sum(const float* s, float max, int64_t n, float* e) {
   for (int64_t v = 0; v < n; ++v) e[v] = fast_exp(s[v] - max);
   return sum(e, n);
 }
 
-// The k-th largest value of s (1 <= k < n), by selection on a copy.
+// The k-th largest value of s (1 <= k < n). Small k: a size-k min-heap, where almost every
+// element is rejected by one comparison with the heap's top; large k: nth_element on a copy.
 float kth_largest(const float* s, int64_t n, int64_t k, float* tmp) {
-  std::copy(s, s + n, tmp);
-  std::nth_element(tmp, tmp + (k - 1), tmp + n, std::greater<float>());
-  return tmp[k - 1];
+  if (k > 1024) {
+    std::copy(s, s + n, tmp);
+    std::nth_element(tmp, tmp + (k - 1), tmp + n, std::greater<float>());
+    return tmp[k - 1];
+  }
+  float* heap = tmp;
+  std::copy(s, s + k, heap);
+  std::make_heap(heap, heap + k, std::greater<float>());
+  for (int64_t v = k; v < n; ++v) {
+    if (s[v] > heap[0]) {
+      std::pop_heap(heap, heap + k, std::greater<float>());
+      heap[k - 1] = s[v];
+      std::push_heap(heap, heap + k, std::greater<float>());
+    }
+  }
+  return heap[0];
 }
 
 // Top-p threshold on probabilities p (normalised over the top-k set): the smallest value
@@ -194,8 +212,18 @@ float top_p_threshold(const float* e, int64_t n, float inv_z, float top_p, float
   return best;
 }
 
+// d[v] = residual_mass(p[v], d[v]) = max(0, p - q), zeroing the non-positive differences
+// by their sign bit so the loop vectorises.
+OSD_VECTOR_CLONES void residual_row(const float* p, float* d, int64_t n) {
+  for (int64_t v = 0; v < n; ++v) {
+    const int32_t diff = std::bit_cast<int32_t>(p[v] - d[v]);
+    d[v] = std::bit_cast<float>(diff & ~(diff >> 31));
+  }
+}
+
 // Uniforms u(seed, offset, stream, v) for v in [0, 4 * nblocks), four per Philox call.
 // The rounds are spelled out on plain integers so the compiler vectorises across blocks.
+OSD_VECTOR_CLONES
 void philox_row(uint64_t seed, uint64_t offset, uint32_t stream, int64_t nblocks, float* u) {
   const uint32_t o0 = static_cast<uint32_t>(offset), o1 = static_cast<uint32_t>(offset >> 32);
   const uint32_t s0 = static_cast<uint32_t>(seed), s1 = static_cast<uint32_t>(seed >> 32);
@@ -217,6 +245,11 @@ void philox_row(uint64_t seed, uint64_t offset, uint32_t stream, int64_t nblocks
     u[4 * blk + 2] = philox_to_uniform(c2);
     u[4 * blk + 3] = philox_to_uniform(c3);
   }
+}
+
+// Exponential-race keys in place: u[v] <- r[v] / -log(u[v]).
+OSD_VECTOR_CLONES void race_keys(const float* r, float* u, int64_t n) {
+  for (int64_t v = 0; v < n; ++v) u[v] = r[v] / -fast_log(u[v]);
 }
 
 struct Scratch {
@@ -268,7 +301,7 @@ int64_t race_row(const RejectionSampleArgs& a, const RowSampling& rs, int64_t b,
     if (a.draft_probs != nullptr) {
       const int64_t base = b * a.draft_probs_stride_b + j * a.draft_probs_stride_k;
       load_row_any(a.draft_probs, a.draft_probs_dtype, base, a.draft_probs_stride_v, V, 1.0f, d);
-      for (int64_t v = 0; v < V; ++v) d[v] = residual_mass(r[v], d[v]);
+      residual_row(r, d, V);
       any = row_max(d, V) > 0.0f;
       if (any) std::copy(d, d + V, r);
     } else if (x >= 0 && x < V) {
@@ -280,9 +313,8 @@ int64_t race_row(const RejectionSampleArgs& a, const RowSampling& rs, int64_t b,
   const int64_t nblocks = (V + 3) / 4;
   philox_row(rs.seed, rs.offset, philox_stream(static_cast<uint32_t>(j), kPhiloxSample),
              nblocks, u);
-  for (int64_t v = 0; v < V; ++v) u[v] = -fast_log(u[v]);
+  race_keys(r, u, V);
   // r >= 0 and some r > 0, so the first maximal key has r > 0
-  for (int64_t v = 0; v < V; ++v) u[v] = r[v] / u[v];
   return row_argmax(u, V);
 }
 

@@ -18,7 +18,6 @@
 #include <limits>
 #include <vector>
 
-#include "cpu/fast_math.h"
 #include "cpu/glue.h"
 #include "kernels/philox.h"
 #include "kernels/tree_rejection_sample.h"
@@ -119,6 +118,7 @@ float top_p_threshold(const float* p, int64_t n, float top_p, float* tmp) {
 
 struct Scratch {
   std::vector<float> p, r, q, t;
+  std::vector<int64_t> rejected;  // tokens of the rejected siblings (without replacement)
   explicit Scratch(int64_t v) : p(v), r(v), q(v), t(4 * ((v + 3) / 4)) {}
 };
 
@@ -137,7 +137,7 @@ void warp_row(const TreeRejectionSampleArgs& a, const RowSampling& rs, int64_t b
     for (int64_t v = 0; v < V; ++v) p[v] = p[v] < kth ? -kInf : p[v];
   }
   const float max = row_max(p, V);
-  for (int64_t v = 0; v < V; ++v) p[v] = exp_nonpos(p[v] - max);
+  for (int64_t v = 0; v < V; ++v) p[v] = std::exp(p[v] - max);
   const float inv = 1.0f / row_sum(p, V);
   for (int64_t v = 0; v < V; ++v) p[v] = p[v] * inv;
   if (rs.top_p < 1.0f) {
@@ -192,7 +192,7 @@ void stochastic_walk(const TreeRejectionSampleArgs& a, const RowSampling& rs, in
   float* q = w.q.data();
   int64_t cur = 0, depth = 0, rank = 0;
   float s = 1.0f, z = 1.0f, tried = 0.0f, u_node = 0.0f;
-  std::vector<int64_t> rejected;  // tokens of the rejected siblings (without replacement)
+  std::vector<int64_t>& rejected = w.rejected;
   auto enter = [&](int64_t node) {
     warp_row(a, rs, b, node, w);
     std::copy(p, p + V, r);

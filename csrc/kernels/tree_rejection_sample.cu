@@ -184,7 +184,8 @@ __device__ void warp_row(const TreeRejectionSampleArgs& a, const RowSampling& rs
   __syncthreads();
 }
 
-__global__ void __launch_bounds__(kThreads) tree_rejection_sample_kernel(TreeRejectionSampleArgs a) {
+__global__ void __launch_bounds__(kThreads)
+    tree_rejection_sample_kernel(TreeRejectionSampleArgs a) {
   __shared__ Shared sh;
   const int64_t b = blockIdx.x;
   const int64_t V = a.vocab;
@@ -283,7 +284,9 @@ __global__ void __launch_bounds__(kThreads) tree_rejection_sample_kernel(TreeRej
     const Philox4 u = philox_block(rs.seed, rs.offset, stream, static_cast<uint32_t>(blk));
     for (int i = 0; i < 4; ++i) {
       const int64_t v = 4 * blk + i;
-      if (v < V && w[v] > 0.0f) race_update(race_key(w[v], philox_to_uniform(u.x[i])), v, best, best_v);
+      if (v < V && w[v] > 0.0f) {
+        race_update(race_key(w[v], philox_to_uniform(u.x[i])), v, best, best_v);
+      }
     }
   }
   const int64_t token = block_argmax(best, best_v, sh);

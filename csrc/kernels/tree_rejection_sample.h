@@ -26,8 +26,10 @@
 // has no mass: s <= kTreeResidualEps with draft probs (s is exactly the probability of
 // having rejected every sibling, so this moves the output by at most 1e-5 in total
 // variation and keeps round-off in max(0, p - q) from being sampled), no positive entry
-// with point masses (whose residual has no round-off). Outputs (D = max_depth): accepted_nodes[b] = 0, then the accepted nodes;
-// out_tokens[b] = their tokens, then the emitted token; both -1 padded to D + 1.
+// with point masses (whose residual has no round-off).
+//
+// Outputs (D = max_depth): accepted_nodes[b] = 0, then the accepted nodes; out_tokens[b] =
+// their tokens, then the emitted token; both -1 padded to D + 1.
 //
 // Warping of p is osd_kernels.warp.warp_probs (see kernels/rejection_sample.h).
 #pragma once
@@ -61,7 +63,7 @@ struct TreeRejectionSampleArgs {
   int64_t* accepted_nodes;        // [B, D+1] contiguous
   int64_t* out_tokens;            // [B, D+1] contiguous
   int32_t* num_accepted;          // [B]
-  float* workspace;               // [B, 2, V] residual and draft rows (CUDA only)
+  float* workspace;               // [B, 2, V] warped target and residual rows (CUDA only)
   int64_t batch;
   int64_t num_nodes;              // T
   int64_t vocab;                  // V

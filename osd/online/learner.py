@@ -234,6 +234,11 @@ class OnlineLearner:
         return float(loss)
 
     def _update(self) -> UpdateRecord:
+        # Serving runs under inference mode; training needs autograd on normal tensors.
+        with torch.inference_mode(False), torch.enable_grad():
+            return self._update_impl()
+
+    def _update_impl(self) -> UpdateRecord:
         cfg = self.config
         t0 = time.perf_counter()
         index = len(self.history.records) + 1

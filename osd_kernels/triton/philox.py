@@ -32,15 +32,15 @@ def to_uniform(w):
 @triton.jit
 def philox_uniform(seed, offset, stream, index):
     """u(seed, offset, stream, index) in (0, 1) as float32 (broadcast over the arguments)."""
-    seed = seed.to(tl.int64)
-    offset = offset.to(tl.int64)
-    index = index.to(tl.int64)
+    seed = tl.to_tensor(seed).to(tl.int64)
+    offset = tl.to_tensor(offset).to(tl.int64)
+    index = tl.to_tensor(index).to(tl.int64)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     o0 = (offset & 0xFFFFFFFF).to(tl.uint32)
     o1 = ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
     c0 = ((index >> 2) & 0xFFFFFFFF).to(tl.uint32)
-    c1 = (stream.to(tl.int64) & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (tl.to_tensor(stream).to(tl.int64) & 0xFFFFFFFF).to(tl.uint32)
     w0, w1, w2, w3 = philox4x32_10(c0, c1, o0, o1, k0, k1)
     lane = index & 3
     w = tl.where(lane == 0, w0, w1)

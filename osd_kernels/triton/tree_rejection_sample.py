@@ -4,30 +4,16 @@ the walk: ``csrc/kernels/tree_rejection_sample.h``).
 Program ``b`` walks sequence ``b``'s tree: one scalar pass over the nodes, and passes over
 the vocabulary in ``BLOCK`` chunks where a row is needed. Two float32 workspace rows per
 sequence hold the current node's warped target ``p`` and its residual ``r``. Warping
-finds the top-k threshold (the k-th largest scaled logit) and the top-p threshold (the
-smallest kept probability) by bisection on the float's ordered bit pattern, so no sort is
-needed. Divisions are round-to-nearest and products never fuse into FMAs, as in the
-other backends.
+reuses the row statistics of the chain sampler's kernel (top-k and top-p thresholds by
+bisection on the float's ordered bit pattern, no sort). On a GPU the kernel is compiled
+without FMA contraction, so the residual update rounds as in the other backends.
 """
 import torch
 import triton
 import triton.language as tl
 
 from osd_kernels.triton.philox import philox_uniform
-
-
-@triton.jit
-def _order_key(x):
-    """float32 -> int32 with a < b iff key(a) < key(b)."""
-    i = x.to(tl.int32, bitcast=True)
-    return tl.where(i >= 0, i, i ^ 0x7FFFFFFF)
-
-
-@triton.jit
-def _scaled(row, stride_v, offs, V, temperature):
-    """Logits of ``offs`` divided by the temperature (-inf past V)."""
-    x = tl.load(row + offs * stride_v, mask=offs < V, other=float("-inf")).to(tl.float32)
-    return tl.math.div_rn(x, tl.zeros_like(x) + temperature)
+from osd_kernels.triton.rejection_sample import _row_stats, _scaled, _warped
 
 
 @triton.jit
@@ -37,7 +23,8 @@ def _row_argmax(row, stride_v, V, BLOCK: tl.constexpr):
     best_i = tl.zeros((), dtype=tl.int64)
     for v0 in range(0, V, BLOCK):
         offs = v0 + tl.arange(0, BLOCK)
-        x = tl.load(row + offs * stride_v, mask=offs < V, other=float("-inf")).to(tl.float32)
+        x = tl.load(row + offs.to(tl.int64) * stride_v, mask=offs < V,
+                    other=float("-inf")).to(tl.float32)
         m = tl.max(x, axis=0)
         i = tl.argmax(x, axis=0).to(tl.int64) + v0
         take = m > best
@@ -48,71 +35,19 @@ def _row_argmax(row, stride_v, V, BLOCK: tl.constexpr):
 
 @triton.jit
 def _warp(row, stride_v, V, temperature, top_k, top_p, p_row, r_row, BLOCK: tl.constexpr):
-    """Writes the warped target (``osd_kernels.warp.warp_probs``) to ``p_row`` and ``r_row``."""
-    # top-k: the largest key K with count(key >= K) >= k, by bisection over all int32 keys
-    kth = tl.full((), -2147483648, tl.int64)
-    if top_k > 0:
-        lo = tl.full((), -2147483648, tl.int64)
-        hi = tl.full((), 2147483647, tl.int64)
-        for _ in range(32):
-            mid = lo + (hi - lo + 1) // 2
-            n = tl.zeros((), dtype=tl.int32)
-            for v0 in range(0, V, BLOCK):
-                offs = v0 + tl.arange(0, BLOCK)
-                key = _order_key(_scaled(row, stride_v, offs, V, temperature)).to(tl.int64)
-                n += tl.sum(((key >= mid) & (offs < V)).to(tl.int32), axis=0)
-            ok = n >= top_k
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid - 1)
-        kth = lo
-    mx = tl.full((), float("-inf"), tl.float32)
+    """Writes the warped target (``osd_kernels.warp.warp_probs``) to ``p_row`` and ``r_row``,
+    with the row statistics of the chain sampler's kernel."""
+    kth, row_max, inv_z1, p_key, z2 = _row_stats(row, stride_v, V, temperature, top_k, top_p,
+                                                 BLOCK)
+    z = tl.zeros((BLOCK,), dtype=tl.float32) + z2
     for v0 in range(0, V, BLOCK):
         offs = v0 + tl.arange(0, BLOCK)
-        s = _scaled(row, stride_v, offs, V, temperature)
-        s = tl.where(_order_key(s).to(tl.int64) >= kth, s, float("-inf"))
-        mx = tl.maximum(mx, tl.max(s, axis=0))
-    z = tl.zeros((), dtype=tl.float32)
-    for v0 in range(0, V, BLOCK):
-        offs = v0 + tl.arange(0, BLOCK)
-        s = _scaled(row, stride_v, offs, V, temperature)
-        s = tl.where(_order_key(s).to(tl.int64) >= kth, s, float("-inf"))
-        e = tl.exp(s - mx)
-        z += tl.sum(e, axis=0)
-        tl.store(p_row + offs, e, mask=offs < V)
-    zz = tl.zeros((BLOCK,), dtype=tl.float32) + z
-    for v0 in range(0, V, BLOCK):
-        offs = v0 + tl.arange(0, BLOCK)
-        e = tl.load(p_row + offs, mask=offs < V, other=0.0)
-        tl.store(p_row + offs, tl.math.div_rn(e, zz), mask=offs < V)
-    # top-p: the smallest key K >= 0 with mass(p with key > K) < top_p; keep key >= K
-    keep = tl.zeros((), dtype=tl.int32)
-    if top_p < 1.0:
-        lo = tl.zeros((), dtype=tl.int32)
-        hi = tl.full((), 0x7F800000, tl.int32)
-        for _ in range(31):
-            mid = lo + (hi - lo) // 2
-            mass = tl.zeros((), dtype=tl.float32)
-            for v0 in range(0, V, BLOCK):
-                offs = v0 + tl.arange(0, BLOCK)
-                p = tl.load(p_row + offs, mask=offs < V, other=0.0)
-                mass += tl.sum(tl.where(p.to(tl.int32, bitcast=True) > mid, p, 0.0), axis=0)
-            ok = mass < top_p
-            hi = tl.where(ok, mid, hi)
-            lo = tl.where(ok, lo, mid + 1)
-        keep = lo
-        z = tl.zeros((), dtype=tl.float32)
-        for v0 in range(0, V, BLOCK):
-            offs = v0 + tl.arange(0, BLOCK)
-            p = tl.load(p_row + offs, mask=offs < V, other=0.0)
-            z += tl.sum(tl.where(p.to(tl.int32, bitcast=True) >= keep, p, 0.0), axis=0)
-    zz = tl.zeros((BLOCK,), dtype=tl.float32) + z
-    for v0 in range(0, V, BLOCK):
-        offs = v0 + tl.arange(0, BLOCK)
-        p = tl.load(p_row + offs, mask=offs < V, other=0.0)
-        if top_p < 1.0:
-            p = tl.math.div_rn(tl.where(p.to(tl.int32, bitcast=True) >= keep, p, 0.0), zz)
-        tl.store(p_row + offs, p, mask=offs < V)
-        tl.store(r_row + offs, p, mask=offs < V)
+        mask = offs < V
+        e = _warped(_scaled(row, stride_v, offs, mask, temperature), mask, kth, row_max,
+                    inv_z1, p_key)
+        p = tl.math.div_rn(e, z)
+        tl.store(p_row + offs, p, mask=mask)
+        tl.store(r_row + offs, p, mask=mask)
 
 
 @triton.jit
@@ -187,7 +122,7 @@ def _tree_rejection_sample_kernel(
                             for v0 in range(0, V, BLOCK):
                                 offs = v0 + tl.arange(0, BLOCK)
                                 r = tl.load(r_row + offs, mask=offs < V, other=0.0)
-                                q = tl.load(q_row + offs * sq_v, mask=offs < V,
+                                q = tl.load(q_row + offs.to(tl.int64) * sq_v, mask=offs < V,
                                             other=0.0).to(tl.float32)
                                 r = tl.maximum(r - scale * q, 0.0)
                                 tl.store(r_row + offs, r, mask=offs < V)

@@ -1,0 +1,35 @@
+// rejection_sample: CUDA glue (checks, stream, launch). Kernel: kernels/rejection_sample.cu.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "cpu/glue.h"
+#include "kernels/rejection_sample_cuda.h"
+
+namespace osd {
+RejectionSampleArgs make_rejection_sample_args(
+    const at::Tensor& logits, const at::Tensor& draft_ids,
+    const std::optional<at::Tensor>& draft_probs, const at::Tensor& num_draft,
+    const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+    const at::Tensor& seed, const at::Tensor& offset, at::Tensor& out, at::Tensor& accepted);
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda_op(
+    const at::Tensor& logits, const at::Tensor& draft_ids,
+    const std::optional<at::Tensor>& draft_probs, const at::Tensor& num_draft,
+    const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+    const at::Tensor& seed, const at::Tensor& offset) {
+  OSD_CHECK(logits.is_cuda(), "rejection_sample CUDA kernel got a ", logits.device(), " tensor");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  at::Tensor out, accepted;
+  const auto a = make_rejection_sample_args(logits, draft_ids, draft_probs, num_draft,
+                                            temperature, top_k, top_p, seed, offset, out,
+                                            accepted);
+  const cudaError_t err = rejection_sample_cuda(a, c10::cuda::getCurrentCUDAStream());
+  OSD_CHECK(err == cudaSuccess, "rejection_sample launch failed: ", cudaGetErrorString(err));
+  return {out, accepted};
+}
+
+}  // namespace
+}  // namespace osd
+
+TORCH_LIBRARY_IMPL(osd, CUDA, m) { m.impl("rejection_sample", &osd::rejection_sample_cuda_op); }
