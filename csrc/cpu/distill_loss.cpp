@@ -29,10 +29,18 @@
 #include <optional>
 #include <string_view>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
-#include "cpu/fast_math.h"
 #include "cpu/glue.h"
+
+// Floating-point operations are assumed not to trap (as in torch's own build) and sums may
+// be reassociated, so GCC can if-convert the selects of the helpers below and vectorise the
+// vocabulary loops and their reductions. Applies to everything defined after this line;
+// bfloat16 conversions are therefore done here (fast_math.h), not by c10's helpers, which
+// GCC would not inline across differing optimisation options.
+#pragma GCC optimize("no-trapping-math", "no-signed-zeros", "associative-math")
+#include "cpu/fast_math.h"
 
 namespace osd {
 namespace {
@@ -62,11 +70,20 @@ struct DistillArgs {
 };
 
 template <typename scalar_t>
+OSD_INLINE float to_float(scalar_t x) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    return bf16_bits_to_float(x.x);
+  } else {
+    return static_cast<float>(x);
+  }
+}
+
+template <typename scalar_t>
 OSD_INLINE void load_typed(const scalar_t* src, int64_t stride, int64_t n, float* dst) {
   if (stride == 1) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+    for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
   } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i * stride]);
+    for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i * stride]);
   }
 }
 
@@ -134,7 +151,12 @@ OSD_INLINE void bucket_term(float lp, float lq, float beta, float log_beta, floa
 template <typename scalar_t>
 OSD_INLINE void store_row(void* grad, int64_t n, int64_t vocab, const float* g) {
   scalar_t* dst = static_cast<scalar_t*>(grad) + n * vocab;
-  for (int64_t v = 0; v < vocab; ++v) dst[v] = static_cast<scalar_t>(g[v]);
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    auto* bits = reinterpret_cast<uint16_t*>(dst);
+    for (int64_t v = 0; v < vocab; ++v) bits[v] = float_to_bf16_bits(g[v]);
+  } else {
+    for (int64_t v = 0; v < vocab; ++v) dst[v] = static_cast<scalar_t>(g[v]);
+  }
 }
 
 OSD_INLINE void store_grad_row(const DistillArgs& a, int64_t n, const float* g) {

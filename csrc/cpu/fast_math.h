@@ -1,12 +1,9 @@
-// Small math helpers for the C++ CPU kernels (tree_attention, distill_loss).
+// Small math helpers for the C++ CPU kernels (tree_attention, distill_loss). A file that
+// wants loops over them vectorised compiles with no-trapping-math (see distill_loss.cpp),
+// so that GCC may if-convert their selects.
 #pragma once
 #include <cstdint>
 #include <cstring>
-
-// Floating-point operations are assumed not to trap (as in torch's own build) and sums may
-// be reassociated, so GCC can if-convert the selects below and vectorise reductions.
-// Applies to the functions defined after this header in the including file.
-#pragma GCC optimize("no-trapping-math", "no-signed-zeros", "associative-math")
 
 // Hot helpers are force-inlined so that they are compiled for the ISA of the entry point
 // they end up in (the kernels compile an AVX2 entry point with a target attribute and a
@@ -67,6 +64,23 @@ OSD_INLINE float log_pos(float x) {
   y += -2.12194440e-4f * fe;
   y += -0.5f * z;
   return m + y + 0.693359375f * fe;
+}
+
+// bfloat16 <-> float by bit manipulation (round to nearest even; NaN stays NaN), inlined
+// where c10's out-of-line helpers would not be.
+OSD_INLINE float bf16_bits_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+OSD_INLINE uint16_t float_to_bf16_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>(nan ? 0x7fc0u : rounded);
 }
 
 }  // namespace osd

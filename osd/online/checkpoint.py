@@ -53,7 +53,15 @@ def save_checkpoint(ckpt_dir: str, step: int, state_dict: dict, optim_state: dic
             shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
     name = f"step-{step:06d}-{uuid.uuid4().hex[:8]}"  # never reuses a live name
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=ckpt_dir)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    tensors, aliases, seen = {}, {}, {}
+    for k, v in state_dict.items():      # tied weights (e.g. embeddings) are stored once
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        if key in seen:
+            aliases[k] = seen[key]
+        else:
+            seen[key] = k
+            tensors[k] = v.detach().to("cpu").contiguous()
+    meta = dict(meta, aliases=aliases)
     save_file(tensors, os.path.join(tmp, "draft.safetensors"))
     with open(os.path.join(tmp, "draft.safetensors"), "rb+") as f:
         os.fsync(f.fileno())
@@ -94,4 +102,6 @@ def load_checkpoint(path: str):
     optim_state = torch.load(os.path.join(path, "optim.pt"), weights_only=False)
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
+    for alias, name in meta.get("aliases", {}).items():
+        state[alias] = state[name]
     return state, optim_state, meta

@@ -231,7 +231,7 @@ class OnlineLearner:
         if self.config.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         self.optim.step()
-        return float(loss)
+        return float(loss.detach())
 
     def _update(self) -> UpdateRecord:
         # Serving runs under inference mode; training needs autograd on normal tensors.

@@ -1,0 +1,138 @@
+"""Online distillation: learning changes speed, never output; updates are guarded,
+non-finite losses are discarded, and what was learned survives a restart."""
+import copy
+
+import pytest
+import torch
+
+import osd
+from osd.online.distill import heldout_alpha
+from tests.test_models import tiny_hf_model
+from tests.test_speculative import perturbed, prompts_of
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_hf_model("llama", seed=81)
+    return target, perturbed(target, 0.6, seed=82)
+
+
+def _engine(pair, **online):
+    cfg = dict(update_every_requests=2, steps_per_update=2, lr=3e-3, background=False,
+               holdout_every=4, guard_tolerance=0.02)
+    cfg.update(online)
+    return osd.Engine.from_pretrained(pair[0], draft=pair[1],
+                                      spec=osd.SpecConfig(num_draft_tokens=4),
+                                      online=osd.OnlineConfig(**cfg), max_batch_size=4,
+                                      max_seq_len=96)
+
+
+def _draft_state(engine):
+    return {k: v.clone() for k, v in engine.speculators[0].drafter.model.state_dict().items()}
+
+
+def test_outputs_unchanged_and_alpha_rises(pair):
+    prompts = prompts_of([6, 9, 4, 7] * 6, seed=83)
+    plain = osd.Engine.from_pretrained(pair[0], max_batch_size=4, max_seq_len=96)
+    ref = plain.generate(prompts, osd.SamplingParams(24))
+    eng = _engine(pair)
+    before = _draft_state(eng)
+    outs = []
+    for i in range(0, len(prompts), 4):             # a stream of small batches
+        outs += eng.generate(prompts[i:i + 4], osd.SamplingParams(24))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]   # learning never changes output
+    hist = eng.stats["online"]
+    assert hist["updates_applied"] >= 3
+    after = _draft_state(eng)
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # weights were swapped in
+    # held-out alpha (against the stored target distributions) rose over the start
+    learner = eng.online.learners[0]
+    start = copy.deepcopy(learner.serving)
+    start.load_state_dict(before)
+    holdout = learner.buffer.holdout()
+    assert len(holdout) >= 3
+    a0 = heldout_alpha(start, holdout, 512, "cpu")
+    a1 = heldout_alpha(learner.serving, holdout, 512, "cpu")
+    assert a1 > a0 + 0.01, (a0, a1)
+    assert len(hist["alpha_per_window"]) >= 2 and hist["loss"][0]
+
+
+def test_guard_rejects_an_update_that_hurts(pair):
+    eng = _engine(pair, lr=3.0, steps_per_update=3, guard_tolerance=0.0)
+    before = _draft_state(eng)
+    eng.generate(prompts_of([5, 8, 6, 7, 9, 4, 5, 6, 8, 7], seed=84), osd.SamplingParams(20))
+    hist = eng.stats["online"]
+    reasons = [u["reason"] for u in hist["drafts"][0]["updates"]]
+    assert "guard" in reasons and hist["updates_rejected"] >= 1
+    if hist["updates_applied"] == 0:
+        after = _draft_state(eng)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_non_finite_loss_is_discarded(pair, monkeypatch):
+    eng = _engine(pair)
+    learner = eng.online.learners[0]
+    before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    monkeypatch.setattr(learner, "_loss", lambda batch: torch.tensor(float("nan"),
+                                                                      requires_grad=True))
+    prompts = prompts_of([5, 8, 6, 7], seed=85)
+    plain = osd.Engine.from_pretrained(pair[0], max_batch_size=4, max_seq_len=96)
+    outs = eng.generate(prompts, osd.SamplingParams(16))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in
+                                           plain.generate(prompts, osd.SamplingParams(16))]
+    hist = eng.stats["online"]
+    assert hist["updates_applied"] == 0 and hist["updates_rejected"] >= 1
+    assert {u["reason"] for u in hist["drafts"][0]["updates"]} == {"non-finite loss"}
+    after = learner.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_checkpoint_resume(pair, tmp_path):
+    ck = str(tmp_path / "ckpt")
+    eng = _engine(pair, checkpoint_dir=ck, checkpoint_every=1)
+    eng.generate(prompts_of([5, 8, 6, 7, 9, 4, 6, 5], seed=86), osd.SamplingParams(20))
+    eng.close()
+    learned = {k: v.clone() for k, v in eng.online.learners[0].model.state_dict().items()}
+    assert eng.stats["online"]["updates_applied"] >= 1
+    resumed = _engine(pair, checkpoint_dir=ck)
+    state = resumed.speculators[0].drafter.model.state_dict()
+    assert all(torch.allclose(state[k], learned[k]) for k in learned)
+    assert resumed.online.learners[0].history.updates_applied == \
+        eng.online.learners[0].history.updates_applied
+
+
+def test_background_learning_swaps_between_steps(pair):
+    eng = _engine(pair, background=True, wait_for_update=True)
+    prompts = prompts_of([6, 5, 7, 8] * 3, seed=87)
+    plain = osd.Engine.from_pretrained(pair[0], max_batch_size=4, max_seq_len=96)
+    ref = plain.generate(prompts, osd.SamplingParams(20))
+    outs = []
+    for i in range(0, len(prompts), 2):
+        outs += eng.generate(prompts[i:i + 2], osd.SamplingParams(20))
+    eng.close()
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert eng.stats["online"]["updates_applied"] >= 1
+
+
+def test_corrected_positions_policy_and_full_logits(pair):
+    eng = _engine(pair, positions="corrected", topk=None)
+    eng.generate(prompts_of([6, 9, 4, 7], seed=88), osd.SamplingParams(20))
+    ex = eng.online.learners[0].buffer.recent(10_000)
+    assert ex and all(e.logits is not None and e.topk_ids is None for e in ex)
+
+
+def test_learner_rejects_bad_configs():
+    with pytest.raises(ValueError, match="loss"):
+        osd.OnlineConfig(loss="kl")
+    with pytest.raises(ValueError, match="positions"):
+        osd.OnlineConfig(positions="some")
+    with pytest.raises(ValueError, match="beta"):
+        osd.OnlineConfig(beta=1.5)
+    with pytest.raises(ValueError, match="lr"):
+        osd.OnlineConfig(lr=0)
+
+
+def test_online_needs_a_model_drafter(pair):
+    with pytest.raises(ValueError, match="online learning needs a model drafter"):
+        osd.Engine.from_pretrained(pair[0], spec=osd.SpecConfig(drafter="ngram"),
+                                   online=osd.OnlineConfig())
