@@ -24,9 +24,10 @@ Targets come in two forms:
   ids, ``q_o = sum_{v not kept} q_v`` (computed by a log-sum-exp over those ids, not as
   ``1 - sum``, so it is exact even when tiny). This is an exact divergence between two
   proper distributions on k + 1 outcomes, hence a lower bound of the full divergence
-  (data processing inequality for f-divergences), equal to it when the target puts no mass
-  outside the top-k or the draft matches the target's shape inside the other bucket. Its
-  gradient pushes the draft's other tokens together, each in proportion to its own q.
+  (data processing inequality for f-divergences). It equals the full divergence when the
+  draft's and the target's distributions inside the other bucket are proportional; in
+  particular fkl, jsd and tvd are exact when the target has no mass outside the top-k.
+  Its gradient moves the draft's other tokens together, each in proportion to its own q.
 
 Gradient: with bucket probabilities ``Q_B`` and ``h_B = Q_B dL/dQ_B`` (``-p`` for fkl,
 ``q (log q - log p + 1)`` for rkl, ``(1 - beta) q log(q / m)`` for jsd,
@@ -72,7 +73,8 @@ def _check(draft_logits, target_logits, topk_ids, topk_probs, loss, beta, mask) 
         raise ValueError("draft_logits must be a [N, V] tensor, got "
                          f"{getattr(draft_logits, 'shape', type(draft_logits))}")
     if draft_logits.dtype not in _FLOATS:
-        raise TypeError(f"draft_logits must be float32, float16 or bfloat16, got {draft_logits.dtype}")
+        raise TypeError("draft_logits must be float32, float16 or bfloat16, got "
+                        f"{draft_logits.dtype}")
     N, V = draft_logits.shape
     if loss not in LOSSES:
         raise ValueError(f"unknown loss {loss!r}; expected one of {LOSSES}")
@@ -80,7 +82,8 @@ def _check(draft_logits, target_logits, topk_ids, topk_probs, loss, beta, mask) 
         raise ValueError(f"beta must be in [0, 1], got {beta}")
     if target_logits is not None:
         if target_logits.shape != (N, V):
-            raise ValueError(f"target logits must be [N={N}, V={V}], got {tuple(target_logits.shape)}")
+            raise ValueError(f"target logits must be [N={N}, V={V}], got "
+                             f"{tuple(target_logits.shape)}")
         if target_logits.dtype not in _FLOATS:
             raise TypeError(f"target logits must be floating point, got {target_logits.dtype}")
     else:
@@ -97,7 +100,8 @@ def _check(draft_logits, target_logits, topk_ids, topk_probs, loss, beta, mask) 
     for name, t in (("target logits", target_logits), ("topk_ids", topk_ids),
                     ("topk_probs", topk_probs), ("mask", mask)):
         if t is not None and t.device != draft_logits.device:
-            raise ValueError(f"{name} is on {t.device} but draft_logits is on {draft_logits.device}")
+            raise ValueError(f"{name} is on {t.device} but draft_logits is on "
+                             f"{draft_logits.device}")
 
 
 def bucket_logprobs(draft_logits: torch.Tensor, target) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +124,8 @@ def bucket_logprobs(draft_logits: torch.Tensor, target) -> tuple[torch.Tensor, t
     return log_p, torch.cat([log_q.gather(1, topk_ids), log_q_other], -1)
 
 
-def divergence_rows(log_p: torch.Tensor, log_q: torch.Tensor, loss: str, beta: float) -> torch.Tensor:
+def divergence_rows(log_p: torch.Tensor, log_q: torch.Tensor, loss: str,
+                    beta: float) -> torch.Tensor:
     """Row-wise divergence ``[N]`` between distributions given by log-probabilities ``[N, K]``.
 
     Differentiable w.r.t. ``log_q`` (``log_p`` is a constant); zero probabilities are exact
@@ -203,8 +208,10 @@ class _FusedDistillLoss(torch.autograd.Function):
         else:
             loss_rows, grad = torch.ops.osd.distill_loss_fwd_bwd(
                 draft_logits, target_logits, topk_ids, topk_probs, mask, loss, beta)
+        # A device tensor with a mask (no host sync), else a Python number (no host-to-device
+        # copy, so the op can be captured in a CUDA graph either way).
         count = (mask.sum().clamp_min(1).float() if mask is not None
-                 else torch.tensor(float(max(draft_logits.shape[0], 1)), device=grad.device))
+                 else float(max(draft_logits.shape[0], 1)))
         # Kept as attributes, not saved tensors: backward drops its reference before
         # returning the gradient, so autograd can accumulate it into .grad without a copy.
         ctx.grad, ctx.count = grad, count

@@ -83,10 +83,12 @@ def sampling_params(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, 
         if not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         if generator.device.type != "cpu":
-            raise ValueError(f"generator must be a CPU torch.Generator, got one on {generator.device}")
+            raise ValueError(f"generator must be a CPU torch.Generator, got one on "
+                             f"{generator.device}")
     if num_draft_tokens is not None and torch.is_tensor(num_draft_tokens) and \
             num_draft_tokens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"num_draft_tokens must be int32, got {num_draft_tokens.dtype}")
+        raise TypeError(f"num_draft_tokens must be int32 (or int64), got "
+                        f"{num_draft_tokens.dtype}")
     n = _per_row("num_draft_tokens", num_draft_tokens, batch, k, torch.int32, device, (int,))
     t = _per_row("temperature", temperature, batch, 0.0, torch.float32, device, (int, float))
     tk = _per_row("top_k", top_k, batch, 0, torch.int32, device, (int,))

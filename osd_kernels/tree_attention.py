@@ -64,7 +64,8 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
 
 
-def causal_tree_mask(batch: int, num_nodes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def causal_tree_mask(batch: int, num_nodes: int,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
     """The chain (causal) bitmask ``[batch, num_nodes]`` int64: row ``i`` has bits ``0..i``."""
     if not 0 < num_nodes <= MAX_TREE:
         raise ValueError(f"num_nodes must be in 1..{MAX_TREE}, got {num_nodes}")

@@ -3,6 +3,8 @@ lower-bound properties, every backend's loss and gradient against autograd of th
 (every loss, beta in {0, 0.1, 0.5, 0.9, 1}, full and top-k targets, masks including
 all-masked), dtypes, strided inputs, what the fused op keeps for backward, and opcheck.
 """
+import zlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +17,8 @@ from tests.conftest import backends_for
 # the NaN (e.g. 0 * -inf) in the side that is thrown away.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
-LOSS_BETAS = [("fkl", 0.5), ("rkl", 0.5), ("tvd", 0.5)] + [("jsd", b) for b in (0.0, 0.1, 0.5, 0.9, 1.0)]
+LOSS_BETAS = ([("fkl", 0.5), ("rkl", 0.5), ("tvd", 0.5)]
+              + [("jsd", b) for b in (0.0, 0.1, 0.5, 0.9, 1.0)])
 BACKENDS = ["reference", "native", "triton"]
 
 
@@ -62,7 +65,7 @@ def _compare(draft, target, backend, what, **kw):
         # fp32 rounding of the terms (of size |log p|, up to 69 at the floor, for rkl).
         rtol = 2e-3 if kw.get("loss") == "rkl" else 2e-4
         scale = grad_ref.abs().max().item() + 1e-12
-        torch.testing.assert_close(grad, grad_ref, rtol=rtol, atol=5e-5 * scale, msg=msg)
+        torch.testing.assert_close(grad, grad_ref, rtol=rtol, atol=1e-4 * scale, msg=msg)
     else:  # both are fp32 gradients rounded once to the draft dtype
         torch.testing.assert_close(grad.float(), grad_ref.float(), rtol=2e-2, atol=1e-5, msg=msg)
 
@@ -124,7 +127,7 @@ def test_topk_is_a_lower_bound_of_the_full_divergence():
 @pytest.mark.parametrize("form", ["full", "topk"])
 @pytest.mark.parametrize("loss,beta", LOSS_BETAS)
 def test_gradients_match_autograd(device, form, loss, beta):
-    gen = torch.Generator().manual_seed(hash((form, loss, beta)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((form, loss, beta)).encode()))
     for backend in ["reference"] + backends_for(device):
         # the Triton interpreter costs ~30 ms per row: small N for it on CPU
         N, V = (5, 203) if backend == "triton" and device.type == "cpu" else (41, 1271)
@@ -223,7 +226,7 @@ def test_backward_keeps_only_the_gradient():
     for backend in ("reference", "native"):
         loss = distill_loss(z, target, loss="jsd", backend=backend)
         ctx = loss.grad_fn
-        assert ctx.saved_tensors == () and ctx.count.dim() == 0, backend
+        assert ctx.saved_tensors == () and ctx.count == N, backend
         assert ctx.grad.shape == (N, V) and ctx.grad.dtype == torch.bfloat16, backend
         kept = ctx.grad.data_ptr()
         del ctx
@@ -265,6 +268,9 @@ def test_bad_input_names_the_problem():
     ids = torch.tensor([[1, 1], [0, 2], [0, 3]])
     with pytest.raises(RuntimeError, match="repeated id"):
         distill_loss(z, (ids, torch.full((3, 2), 0.3)), backend="native")
+    # padding in masked-out rows is never read, so it is allowed
+    keep = torch.tensor([False, True, True])
+    distill_loss(z, (ids, torch.full((3, 2), 0.3)), mask=keep, backend="native")
     with pytest.raises(RuntimeError, match="outside the vocabulary"):
         distill_loss(z, (ids + 9, torch.full((3, 2), 0.3)), backend="native")
 

@@ -7,6 +7,7 @@ reference must be within twice the error of the reference itself run in that pre
 plus a small floor.
 """
 import math
+import zlib
 
 import pytest
 import torch
@@ -114,7 +115,7 @@ SHAPES = [  # B, T, Hq, Hkv, D
 @pytest.mark.parametrize("shape", SHAPES)
 def test_matches_reference(device, dtype, shape):
     B, T, Hq, Hkv, D = shape
-    gen = torch.Generator().manual_seed(hash((shape, str(dtype))) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, dtype)).encode()))
     q, kv, lens = _case(gen, B, T, Hq, Hkv, D, dtype, device)
     k, v = kv[1, 0], kv[1, 1]  # strided views of the runtime's cache layout
     tree = random_tree_mask(gen, B, T).to(device)

@@ -308,6 +308,14 @@ std::tuple<at::Tensor, at::Tensor> distill_loss_fwd_bwd_cpu(
   a.rows = N;
   a.vocab = V;
   a.beta = static_cast<float>(beta);
+  if (mask.has_value()) {
+    check_dtype(*mask, at::kBool, "mask");
+    OSD_CHECK(mask->dim() == 1 && mask->size(0) == N, "mask must be [N=", N, "], got ",
+              mask->sizes());
+    check_same_device(draft_logits, *mask, "draft_logits", "mask");
+    a.mask = mask->data_ptr<bool>();
+    a.mask_stride = mask->stride(0);
+  }
   const bool full = target_logits.has_value();
   OSD_CHECK(full != (topk_ids.has_value() && topk_probs.has_value()) &&
                 topk_ids.has_value() == topk_probs.has_value(),
@@ -335,9 +343,11 @@ std::tuple<at::Tensor, at::Tensor> distill_loss_fwd_bwd_cpu(
     a.ids_stride_row = ids.stride(0);
     a.ids_stride_col = ids.stride(1);
     a.probs = row_view(probs);
-    // Ids index the row buffers: they must be in range and distinct within a row.
+    // Ids index the row buffers: they must be in range and distinct within every row that
+    // is not masked out (masked rows are never read, so padding there is allowed).
     std::vector<int64_t> sorted(a.topk);
     for (int64_t n = 0; n < N; ++n) {
+      if (a.mask != nullptr && !a.mask[n * a.mask_stride]) continue;
       for (int64_t i = 0; i < a.topk; ++i) {
         sorted[i] = a.ids[n * a.ids_stride_row + i * a.ids_stride_col];
         OSD_CHECK(sorted[i] >= 0 && sorted[i] < V, "topk_ids[", n, ", ", i, "]=", sorted[i],
@@ -347,14 +357,6 @@ std::tuple<at::Tensor, at::Tensor> distill_loss_fwd_bwd_cpu(
       OSD_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), "topk_ids row ",
                 n, " has a repeated id");
     }
-  }
-  if (mask.has_value()) {
-    check_dtype(*mask, at::kBool, "mask");
-    OSD_CHECK(mask->dim() == 1 && mask->size(0) == N, "mask must be [N=", N, "], got ",
-              mask->sizes());
-    check_same_device(draft_logits, *mask, "draft_logits", "mask");
-    a.mask = mask->data_ptr<bool>();
-    a.mask_stride = mask->stride(0);
   }
   at::Tensor loss_rows = at::empty({N}, draft_logits.options().dtype(at::kFloat));
   at::Tensor grad = at::empty({N, V}, draft_logits.options());

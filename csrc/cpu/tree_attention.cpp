@@ -4,12 +4,15 @@
 // [0, lens[b]) unmasked and the tree key lens[b] + t' iff bit t' of tree_mask[b, t] is set
 // (causal bits 0..t when no mask is given). GQA: query head h reads KV head h / (Hq / Hkv).
 //
-// One task per (row, query head). The task streams the row's keys in blocks of kKeyBlock:
-// each block is converted to fp32 once and scored against all T queries of the head, and
-// every query keeps an online softmax (running max m, running sum l, fp32 accumulator):
+// One task per (row b, KV head, block of the G * T query rows that share that KV head;
+// G = Hq / Hkv). The task streams the row's keys in blocks of kKeyBlock: each block is
+// converted to fp32 once (read in place for fp32 caches) and scored against all rows of the
+// task, and every row keeps an online softmax (running max m, sum l, fp32 accumulator):
 //   m' = max(m, max_j s_j);  l' = l * e^(m - m') + sum_j e^(s_j - m');
 //   acc' = acc * e^(m - m') + sum_j e^(s_j - m') v_j;  out = acc / l.
 // Prefix blocks need no mask; only the last block (the T tree keys) tests the bitmask.
+// Scores and P.V use AVX2/FMA intrinsics when the CPU has them (chosen at run time), else
+// portable loops.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

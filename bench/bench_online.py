@@ -1,0 +1,106 @@
+"""Online learning: its cost on serving throughput, and α over requests.
+
+Built-in pair (``osd.zoo``), code queries (the draft's shifted domain), greedy, batch 1,
+CPU fp32, k = 4.
+
+- ``test_learning_overhead``: tokens/s of serving with a static draft against serving
+  with online learning in a background thread whose learning rate is 1e-12, so every
+  update runs (collection, buffer, forward/backward/AdamW, guard, swap) but acceptance
+  stays that of the static draft: the ratio is the pure cost of learning. Goal: < 10% on
+  CPU. The two providers alternate request by request so both see the same machine load.
+- ``test_alpha_over_requests``: α per request for a static and an online draft (lr 3e-4),
+  written as ``docs/online_alpha.png`` and a table in ``docs/online_bench.md``.
+
+    .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_online.py \\
+        --benchmark-json=docs/bench_online.json
+"""
+import os
+import time
+
+import pytest
+import torch
+
+import osd
+from osd import zoo
+
+FULL = os.environ.get("OSD_BENCH_FULL", "0") == "1"
+N = 160 if FULL else 64
+PARAMS = osd.SamplingParams(32)
+SPEC = osd.SpecConfig(num_draft_tokens=4)
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+
+
+def _engine(online=None):
+    target, draft = zoo.default_pair()
+    return osd.Engine.from_pretrained(target, draft=draft, spec=SPEC, online=online,
+                                      max_batch_size=1, max_seq_len=128)
+
+
+def test_learning_overhead(benchmark):
+    torch.set_num_threads(int(os.environ.get("OSD_BENCH_THREADS", "2")))
+    prompts = zoo.query_stream("code", n=N, prompt_tokens=48, seed=3)
+    static = _engine()
+    frozen = _engine(osd.OnlineConfig(lr=1e-12, update_every_requests=8, background=True))
+    spent = {"static": [0.0, 0], "online": [0.0, 0]}
+
+    def serve():
+        for p in prompts:
+            for name, eng in (("static", static), ("online", frozen)):
+                t0 = time.perf_counter()
+                out = eng.generate([p], PARAMS)[0]
+                spent[name][0] += time.perf_counter() - t0
+                spent[name][1] += len(out.token_ids)
+        frozen.online.wait()
+
+    benchmark.pedantic(serve, rounds=1, iterations=1)
+    frozen.close()
+    tps = {k: v[1] / v[0] for k, v in spent.items()}
+    hist = frozen.stats["online"]
+    assert hist["updates_applied"] + hist["updates_rejected"] >= N // 8 - 1
+    benchmark.extra_info.update({
+        "static_tokens_per_s": tps["static"], "online_tokens_per_s": tps["online"],
+        "overhead": 1 - tps["online"] / tps["static"], "updates": hist["updates_applied"],
+        "threads": torch.get_num_threads()})
+
+
+def test_alpha_over_requests(benchmark):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    prompts = zoo.query_stream("code", n=N, prompt_tokens=48, seed=4)
+    static = _engine()
+    online = _engine(osd.OnlineConfig(lr=3e-4, update_every_requests=8, background=False))
+    alphas = {"static": [], "online": []}
+
+    def serve():
+        for p in prompts:
+            for name, eng in (("static", static), ("online", online)):
+                alphas[name].append(eng.generate([p], PARAMS)[0].stats["alpha"])
+
+    benchmark.pedantic(serve, rounds=1, iterations=1)
+    w = 16
+    rows = []
+    for i in range(0, N, w):
+        rows.append((i, *(sum(alphas[k][i:i + w]) / len(alphas[k][i:i + w])
+                          for k in ("static", "online"))))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k in ("static", "online"):
+        ax.plot(range(N), [sum(alphas[k][max(0, i - w + 1):i + 1]) / len(alphas[k][max(0, i - w + 1):i + 1])
+                           for i in range(N)], label=f"{k} draft")
+    ax.set_xlabel("request")
+    ax.set_ylabel(f"α = 1 − TV (rolling mean of {w})")
+    ax.set_title("Built-in pair, code stream: static vs online draft")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(DOCS, "online_alpha.png"), dpi=120)
+    plt.close(fig)
+    lines = ["| requests | static α | online α |", "|---|---|---|"]
+    lines += [f"| {i}–{min(i + w, N) - 1} | {a:.3f} | {b:.3f} |" for i, a, b in rows]
+    with open(os.path.join(DOCS, "online_bench.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    benchmark.extra_info.update({"static_alpha_last": rows[-1][1],
+                                 "online_alpha_last": rows[-1][2],
+                                 "updates": online.stats["online"]["updates_applied"]})
+    assert rows[-1][2] > rows[-1][1]

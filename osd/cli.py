@@ -1,0 +1,140 @@
+"""The ``osd`` command line: ``osd demo``, ``osd generate``, ``osd bench``.
+
+Errors in what the user asked for (bad paths, bad parameters, over-long prompts) print
+one ``error:`` line and exit with status 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+
+def _demo(args) -> int:
+    from osd.demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(requests=args.requests, baseline_requests=min(args.baseline, args.requests),
+                     max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k,
+                     out_dir=args.out, seed=args.seed, threads=args.threads)
+    run_demo(cfg)
+    return 0
+
+
+def _generate(args) -> int:
+    import torch
+
+    import osd
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16}[args.dtype]
+    spec = None
+    if args.draft or args.drafter != "model":
+        spec = osd.SpecConfig(num_draft_tokens=args.k, drafter=args.drafter)
+    online = osd.OnlineConfig(background=False) if args.online else None
+    engine = osd.Engine.from_pretrained(args.target, draft=args.draft, device=args.device,
+                                        dtype=dtype, spec=spec, online=online,
+                                        max_batch_size=1, max_seq_len=args.max_seq_len)
+    params = osd.SamplingParams(args.max_new_tokens, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    prompt = args.prompt
+    if engine.tokenizer is None:
+        prompt = [int(t) for t in prompt.split()]
+    tokens = []
+    for chunk in engine.stream(prompt, params):
+        tokens += chunk
+        if engine.tokenizer is not None:
+            sys.stdout.write(engine.tokenizer.decode(chunk))
+        else:
+            sys.stdout.write(" ".join(map(str, chunk)) + " ")
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    st = engine.stats
+    if spec is not None:
+        alpha = st["alpha"]
+        print(f"[{len(tokens)} tokens, {st['tokens_per_s'] or 0:.1f} tok/s, "
+              f"acceptance {st['acceptance_rate'] or 0:.2f}"
+              + (f", alpha {alpha:.3f}" if alpha is not None else "") + "]", file=sys.stderr)
+    engine.close()
+    return 0
+
+
+def _bench(args) -> int:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bench_dir = os.path.join(root, "bench")
+    if not os.path.isdir(bench_dir):
+        raise FileNotFoundError(f"benchmarks live in the source tree; {bench_dir!r} not found "
+                                "(run `osd bench` from a checkout)")
+    target = os.path.join(bench_dir, f"bench_{args.only}.py") if args.only else bench_dir
+    if not os.path.exists(target):
+        raise FileNotFoundError(f"no benchmark {target!r}")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", target,
+           f"--benchmark-json={args.json}"]
+    print("osd bench:", " ".join(cmd), flush=True)
+    return subprocess.call(cmd, cwd=root)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="osd", description="Online speculative decoding.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="serve a shifted query stream with online speculative "
+                       "decoding on the built-in pair and write a report",
+                       description="Serve code queries on the built-in pair (osd.zoo): the "
+                       "target alone, a static draft, and an online draft; show rolling "
+                       "alpha, tokens/s and speedup; write markdown + PNG plots.")
+    d.add_argument("--requests", type=int, default=200, help="queries served (default 200)")
+    d.add_argument("--baseline", type=int, default=40,
+                   help="queries also served by the target alone (default 40)")
+    d.add_argument("--max-new-tokens", type=int, default=32)
+    d.add_argument("-k", type=int, default=4, help="draft tokens per step (default 4)")
+    d.add_argument("--seed", type=int, default=0, help="query-stream seed")
+    d.add_argument("--threads", type=int, default=None, help="torch threads")
+    d.add_argument("--out", default="reports/demo", help="report directory")
+    d.set_defaults(func=_demo)
+
+    g = sub.add_parser("generate", help="generate a continuation of one prompt",
+                       description="Generate from a local HF checkpoint (Llama, Mistral, "
+                       "Qwen2). With --draft, speculative decoding; with --online, the draft "
+                       "learns while serving. Tokens are streamed as they are accepted. "
+                       "Without a tokenizer, the prompt is space-separated token ids.")
+    g.add_argument("prompt", help="the prompt text (or token ids without a tokenizer)")
+    g.add_argument("--target", required=True, help="target checkpoint directory")
+    g.add_argument("--draft", default=None, help="draft checkpoint directory")
+    g.add_argument("--drafter", default="model", choices=["model", "self", "ngram"],
+                   help="who drafts: a draft model, the target with skipped layers, or "
+                   "prompt lookup")
+    g.add_argument("--online", action="store_true", help="let the draft learn while serving")
+    g.add_argument("-k", type=int, default=4, help="draft tokens per step")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--max-seq-len", type=int, default=2048)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.set_defaults(func=_generate)
+
+    b = sub.add_parser("bench", help="run the benchmarks (pytest-benchmark)",
+                       description="Run bench/ from a source checkout and write JSON results.")
+    b.add_argument("--only", default=None, help="one benchmark, e.g. e2e or rejection_sample")
+    b.add_argument("--json", default="bench_results.json", help="results file")
+    b.set_defaults(func=_bench)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
