@@ -17,7 +17,6 @@ tokens and takes more rounds; ``OSD_BENCH_THREADS`` sets torch's thread count (d
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_decode.py \\
         --benchmark-json=docs/bench_decode.json
 """
-import os
 import time
 
 import pytest
@@ -25,8 +24,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import osd
+from bench.common import FULL
 
-FULL = os.environ.get("OSD_BENCH_FULL", "0") == "1"
 NEW_TOKENS = 128 if FULL else 32
 ROUNDS = {"4M": 10 if FULL else 5, "90M": 5 if FULL else 3}
 PROMPT_LEN = 16
@@ -38,20 +37,9 @@ SIZES = {
 }
 PROVIDERS = ["osd", "osd-native-attn"]
 CASES = [(size, batch, provider) for size in SIZES for batch in (1, 8) for provider in PROVIDERS]
-
-# The 2 cores of the benchmark machine are shared with other jobs; intra-op threads then
-# spin against each other and both runtimes become erratic, so torch runs on one thread.
-THREADS = int(os.environ.get("OSD_BENCH_THREADS", "1"))
+pytestmark = pytest.mark.usefixtures("torch_threads")
 
 _models: dict = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    yield
-    torch.set_num_threads(before)
 
 
 def _hf_model(size: str) -> LlamaForCausalLM:

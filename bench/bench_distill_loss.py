@@ -16,7 +16,6 @@ Default sweep: N = 256, V = 32000, losses fkl and jsd, full and top-20 targets.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_distill_loss.py
 """
-import os
 import weakref
 
 import pytest
@@ -24,10 +23,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from bench.common import FULL, provider_device
 from osd_kernels import distill_loss, distill_loss_reference
-from osd_kernels._ops import native_available
 
-FULL = os.environ.get("OSD_BENCH_FULL", "0") == "1"
 ROWS = (256, 1024) if FULL else (256,)
 VOCABS = (32000, 128256) if FULL else (32000,)
 LOSSES = ("fkl", "rkl", "jsd", "tvd") if FULL else ("fkl", "jsd")
@@ -82,13 +80,7 @@ CASES = [(N, V, loss, form, p) for p in PROVIDERS for V in VOCABS for N in ROWS
 
 @pytest.mark.parametrize("N,V,loss,form,provider", CASES)
 def test_distill_loss(benchmark, N, V, loss, form, provider):
-    on_gpu = provider == "triton"
-    if on_gpu and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    if provider == "cpp" and not native_available():
-        pytest.skip("osd_kernels._C is not built")
-    device = "cuda" if on_gpu else "cpu"
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    device, dtype = provider_device(provider)
     draft, target = _case(N, V, form, dtype, device)
     backend = {"chunked": "reference", "cpp": "native", "triton": "triton"}.get(provider)
 
@@ -99,7 +91,7 @@ def test_distill_loss(benchmark, N, V, loss, form, provider):
         else:
             out = distill_loss(z, target, loss=loss, beta=0.5, backend=backend)
         out.backward()
-        if on_gpu:
+        if device == "cuda":
             torch.cuda.synchronize()
         return out.detach(), z.grad
 

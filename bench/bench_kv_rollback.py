@@ -15,15 +15,12 @@ Default sweep: L = 12, H = 12, D = 64, S = 2048, B in {1, 8}, prefix 1000.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_kv_rollback.py
 """
-import os
-
 import pytest
 import torch
 
+from bench.common import BACKENDS, FULL, gbps, provider_device
 from osd_kernels import kv_rollback, kv_rollback_reference
-from osd_kernels._ops import native_available
 
-FULL = os.environ.get("OSD_BENCH_FULL", "0") == "1"
 BATCHES = (1, 8, 64) if FULL else (1, 8)
 LAYERS, HEADS, DIM, CAPACITY, PREFIX = 12, 12, 64, 2048, 1000
 PATH = [0, 1, 3, 5, 7]
@@ -33,21 +30,14 @@ PROVIDERS = ("reference", "cpp", "triton", "cuda")
 @pytest.mark.parametrize("B", BATCHES)
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_kv_rollback(benchmark, provider, B):
-    on_gpu = provider in ("triton", "cuda")
-    if on_gpu and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    if provider in ("cpp", "cuda") and not native_available():
-        pytest.skip("osd_kernels._C is not built")
-    device = "cuda" if on_gpu else "cpu"
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    device, dtype = provider_device(provider)
     gen = torch.Generator().manual_seed(B)
     kv = torch.randn(LAYERS, 2, B, HEADS, CAPACITY, DIM, generator=gen).to(dtype).to(device)
     lens0 = torch.full((B,), PREFIX, dtype=torch.int32, device=device)
     slots = torch.tensor([PATH] * B, device=device)
     keep = torch.full((B,), len(PATH), dtype=torch.int32, device=device)
     lens = lens0.clone()
-    backend = {"reference": "reference", "cpp": "native", "cuda": "native",
-               "triton": "triton"}[provider]
+    backend = BACKENDS[provider]
 
     want, want_lens = kv.clone(), lens0.clone()
     kv_rollback_reference(want, want_lens, slots, keep)
@@ -59,11 +49,11 @@ def test_kv_rollback(benchmark, provider, B):
     def run():
         lens.copy_(lens0)
         kv_rollback(kv, lens, slots, keep, backend=backend)
-        if on_gpu:
+        if device == "cuda":
             torch.cuda.synchronize()
 
     benchmark.pedantic(run, rounds=10 if provider == "reference" else 50, warmup_rounds=2)
     moved = sum(1 for j, s in enumerate(PATH) if s != j)
     nbytes = 2 * B * LAYERS * 2 * HEADS * moved * DIM * kv.element_size()
     benchmark.extra_info.update(provider=provider, B=B, L=LAYERS, H=HEADS, D=DIM, S=CAPACITY,
-                                gbps=nbytes / benchmark.stats.stats.median / 1e9)
+                                gbps=gbps(nbytes, benchmark))

@@ -16,16 +16,13 @@ Default sweep: B in {1, 8}, T in {1, 8, 64}, L = 1024, Hq/Hkv = 8/2, D = 64.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_tree_attention.py
 """
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from bench.common import BACKENDS, FULL, gbps, provider_device
 from osd_kernels import tree_attention, tree_attention_reference, tree_mask_from_parents
-from osd_kernels._ops import native_available
 
-FULL = os.environ.get("OSD_BENCH_FULL", "0") == "1"
 BATCHES = (1, 8, 32) if FULL else (1, 8)
 TREES = (1, 8, 64)
 PREFIXES = (1024, 4096) if FULL else (1024,)
@@ -50,15 +47,10 @@ CASES = [(B, T, L, p) for p in PROVIDERS for L in PREFIXES for T in TREES for B 
 
 @pytest.mark.parametrize("B,T,L,provider", CASES)
 def test_tree_attention(benchmark, B, T, L, provider):
-    on_gpu = provider == "triton"
-    if on_gpu and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    if provider == "cpp" and not native_available():
-        pytest.skip("osd_kernels._C is not built")
-    device = "cuda" if on_gpu else "cpu"
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    device, dtype = provider_device(provider)
+    on_gpu = device == "cuda"
     q, k, v, lens, mask = _case(B, T, L, HQ, HKV, D, dtype, device)
-    backend = {"reference": "reference", "cpp": "native", "triton": "triton"}[provider]
+    backend = BACKENDS[provider]
 
     def run():
         out = tree_attention(q, k, v, lens, mask, max_kv_len=L + T, backend=backend)
@@ -72,7 +64,7 @@ def test_tree_attention(benchmark, B, T, L, provider):
     benchmark.pedantic(run, rounds=5 if provider == "reference" else 20, warmup_rounds=2)
     nbytes = 2 * B * HKV * (L + T) * D * k.element_size()
     benchmark.extra_info.update(provider=provider, B=B, T=T, L=L, Hq=HQ, Hkv=HKV, D=D,
-                                gbps=nbytes / benchmark.stats.stats.median / 1e9)
+                                gbps=gbps(nbytes, benchmark))
 
 
 def _cuda_ms(fn, iters=50):

@@ -18,30 +18,21 @@ both providers erratic).
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_tree_rejection_sample.py
 """
-import os
-
 import pytest
 import torch
 
+from bench.common import (BACKENDS, FULL, THREADS, assert_same, gbps, provider_device,
+                          tensor_bytes, to_device)
 from osd_kernels import tree_rejection_sample, tree_rejection_sample_reference
-from osd_kernels._ops import native_available
 
-FULL = os.environ.get("OSD_BENCH_FULL", "0") == "1"
 BATCHES = (1, 8, 64) if FULL else (1, 8)
 DEPTHS = (4, 8) if FULL else (4,)
 VOCABS = (32000, 128256) if FULL else (32000,)
 MODES = ("greedy", "probs", "point")
 WIDTH = 4  # children of the root; each heads a chain
 PROVIDERS = ("reference", "cpp", "triton", "cuda")
-THREADS = int(os.environ.get("OSD_BENCH_THREADS", "1"))
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_threads")
 
 
 def _tree(B: int, K: int, V: int, mode: str, dtype: torch.dtype, device: str):
@@ -59,9 +50,8 @@ def _tree(B: int, K: int, V: int, mode: str, dtype: torch.dtype, device: str):
     if mode != "greedy":
         kw["temperature"] = torch.ones(B)
     draft = q.to(dtype) if mode == "probs" else None
-    move = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return (move(logits.to(dtype)), move(tokens), move(parents.expand(B, T).contiguous()),
-            move(draft), {k: move(v) if torch.is_tensor(v) else v for k, v in kw.items()})
+    return to_device((logits.to(dtype), tokens, parents.expand(B, T).contiguous(), draft, kw),
+                     device)
 
 
 CASES = [(B, K, V, mode, provider) for provider in PROVIDERS for V in VOCABS
@@ -70,35 +60,21 @@ CASES = [(B, K, V, mode, provider) for provider in PROVIDERS for V in VOCABS
 
 @pytest.mark.parametrize("B,K,V,mode,provider", CASES)
 def test_tree_rejection_sample(benchmark, B, K, V, mode, provider):
-    on_gpu = provider in ("triton", "cuda")
-    if on_gpu and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    if provider in ("cpp", "cuda") and not native_available():
-        pytest.skip("osd_kernels._C is not built")
-    device = "cuda" if on_gpu else "cpu"
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    device, dtype = provider_device(provider)
     logits, tokens, parents, draft, kw = _tree(B, K, V, mode, dtype, device)
-    backend = {"reference": "reference", "cpp": "native", "cuda": "native",
-               "triton": "triton"}[provider]
+    backend = BACKENDS[provider]
 
     def run():
         out = tree_rejection_sample(logits, tokens, parents, draft, backend=backend, **kw)
-        if on_gpu:
+        if device == "cuda":
             torch.cuda.synchronize()
         return out
 
-    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
-    want = tree_rejection_sample_reference(
-        cpu(logits), cpu(tokens), cpu(parents), cpu(draft),
-        **{k: cpu(v) if torch.is_tensor(v) else v for k, v in kw.items()})
-    got = run()
-    for g, w in zip(got, want):
-        assert torch.equal(g.cpu(), w), provider
+    want = tree_rejection_sample_reference(*to_device((logits, tokens, parents, draft), "cpu"),
+                                           **to_device(kw, "cpu"))
+    assert_same(run(), want, provider)
     benchmark.pedantic(run, rounds=3 if provider == "reference" else 10, warmup_rounds=1)
-    nbytes = logits.numel() * logits.element_size()
-    if draft is not None:
-        nbytes += draft.numel() * draft.element_size()
     benchmark.extra_info.update(
         provider=provider, mode=mode, B=B, K=K, V=V, threads=THREADS,
         accepted_mean=float(want[2].float().mean()),
-        gbps=nbytes / benchmark.stats.stats.median / 1e9)
+        gbps=gbps(tensor_bytes(logits, draft), benchmark))

@@ -46,7 +46,7 @@ def sample_draft(q: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
 class ChainProposal:
     """A chain of drafts per row."""
 
-    tokens: torch.Tensor                # [B, k] int64 (entries past num_drafted are padding)
+    tokens: torch.Tensor                # [B, k] int64, k >= 0 (past num_drafted: padding)
     probs: torch.Tensor | None          # [B, k, V] warped q the tokens were drawn from
     logits: torch.Tensor | None         # [B, k, V] raw draft logits (statistics)
     num_drafted: torch.Tensor | None    # [B] int32, None = k for every row
@@ -176,7 +176,8 @@ class ModelDrafter:
         max_drafted = n
         if num is not None:
             max_drafted = int(num.max())      # host sync (adaptive mode only)
-            tokens = tokens[:, :max(max_drafted, 1)]
+            # When no row drafts, the verify forward is a plain decode step (T = 1).
+            tokens = tokens[:, :max_drafted]
             num = num.clamp(max=tokens.shape[1])
         return ChainProposal(
             tokens=tokens,
@@ -302,8 +303,7 @@ class NGramDrafter:
             tokens[b, :len(cont)] = torch.tensor(cont, dtype=torch.int64)
             num[b] = len(cont)
         max_drafted = int(num.max())
-        width = max(max_drafted, 1)
-        return ChainProposal(tokens[:, :width].to(device), None, None, num.to(device),
+        return ChainProposal(tokens[:, :max_drafted].to(device), None, None, num.to(device),
                              max_drafted)
 
     def lookup(self, hist: list[int], k: int) -> list[int]:

@@ -53,6 +53,30 @@ class SamplingParams(NamedTuple):
     offset: torch.Tensor  # int64 Philox stream selector
 
 
+def check_float_dtype(name: str, tensor: torch.Tensor) -> None:
+    """Raise TypeError unless ``tensor`` is float32, bfloat16 or float16."""
+    if tensor.dtype not in LOGIT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {tensor.dtype}")
+
+
+def check_on_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
+    """Raise ValueError unless ``tensor`` is on ``device`` (the device of target_logits)."""
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device} but target_logits is on {device}")
+
+
+def check_sampling_values(params: SamplingParams) -> None:
+    """Range checks of temperature (finite, >= 0), top_k (>= 0) and top_p (in (0, 1]).
+    They read the values on the host: call them on CPU tensors only."""
+    t, tk, tp = params.temperature, params.top_k, params.top_p
+    if not bool((torch.isfinite(t) & (t >= 0)).all()):
+        raise ValueError(f"temperature must be finite and >= 0, got {t.tolist()}")
+    if bool((tk < 0).any()):
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {tk.tolist()}")
+    if not bool(((tp > 0) & (tp <= 1)).all()):
+        raise ValueError(f"top_p must lie in (0, 1] (1 = off), got {tp.tolist()}")
+
+
 def _per_row(name: str, value, batch: int, default, dtype: torch.dtype, device,
              kinds: tuple) -> torch.Tensor:
     if value is None:
@@ -66,8 +90,7 @@ def _per_row(name: str, value, batch: int, default, dtype: torch.dtype, device,
         return torch.full((batch,), value, dtype=dtype, device=device)
     if value.shape != (batch,):
         raise ValueError(f"{name} must have shape [B={batch}], got {tuple(value.shape)}")
-    if value.device != device:
-        raise ValueError(f"{name} is on {value.device} but target_logits is on {device}")
+    check_on_device(name, value, device)
     if kinds == (int,) and value.is_floating_point():
         raise TypeError(f"{name} must be an integer tensor, got {value.dtype}")
     return value.to(dtype)
@@ -106,9 +129,7 @@ def _check_tensors(target_logits, draft_token_ids, draft_probs) -> None:
     if not torch.is_tensor(target_logits) or target_logits.dim() != 3:
         raise ValueError("target_logits must be a [B, K+1, V] tensor, got "
                          f"{getattr(target_logits, 'shape', type(target_logits).__name__)}")
-    if target_logits.dtype not in LOGIT_DTYPES:
-        raise TypeError(f"target_logits must be float32, bfloat16 or float16, got "
-                        f"{target_logits.dtype}")
+    check_float_dtype("target_logits", target_logits)
     batch, k1, vocab = target_logits.shape
     if vocab < 1:
         raise ValueError("target_logits has an empty vocabulary")
@@ -120,24 +141,18 @@ def _check_tensors(target_logits, draft_token_ids, draft_probs) -> None:
         raise ValueError(f"draft_token_ids must be [B={batch}, K={k1 - 1}] to match "
                          f"target_logits [B, K+1, V]={tuple(target_logits.shape)}, got "
                          f"{tuple(draft_token_ids.shape)}")
-    if draft_token_ids.device != target_logits.device:
-        raise ValueError(f"draft_token_ids is on {draft_token_ids.device} but target_logits "
-                         f"is on {target_logits.device}")
+    check_on_device("draft_token_ids", draft_token_ids, target_logits.device)
     if draft_probs is not None:
         if not torch.is_tensor(draft_probs) or draft_probs.dim() != 3:
             raise ValueError("draft_probs must be a [B, K, V] tensor or None")
-        if draft_probs.dtype not in LOGIT_DTYPES:
-            raise TypeError(f"draft_probs must be float32, bfloat16 or float16, got "
-                            f"{draft_probs.dtype}")
+        check_float_dtype("draft_probs", draft_probs)
         if draft_probs.shape[2] != vocab:
             raise ValueError(f"draft_probs vocab size {draft_probs.shape[2]} does not match "
                              f"target_logits vocab size {vocab}")
         if tuple(draft_probs.shape[:2]) != (batch, k1 - 1):
             raise ValueError(f"draft_probs must be [B={batch}, K={k1 - 1}, V], got "
                              f"{tuple(draft_probs.shape)}")
-        if draft_probs.device != target_logits.device:
-            raise ValueError(f"draft_probs is on {draft_probs.device} but target_logits is on "
-                             f"{target_logits.device}")
+        check_on_device("draft_probs", draft_probs, target_logits.device)
 
 
 def _check_values(target_logits, draft_token_ids, params: SamplingParams) -> None:
@@ -147,15 +162,10 @@ def _check_values(target_logits, draft_token_ids, params: SamplingParams) -> Non
     _, k1, vocab = target_logits.shape
     if bool(((draft_token_ids < 0) | (draft_token_ids >= vocab)).any()):
         raise ValueError(f"draft_token_ids must lie in [0, V={vocab})")
-    n, t, tk, tp = params.num_draft_tokens, params.temperature, params.top_k, params.top_p
+    n = params.num_draft_tokens
     if bool(((n < 0) | (n > k1 - 1)).any()):
         raise ValueError(f"num_draft_tokens must lie in [0, K={k1 - 1}], got {n.tolist()}")
-    if not bool((torch.isfinite(t) & (t >= 0)).all()):
-        raise ValueError(f"temperature must be finite and >= 0, got {t.tolist()}")
-    if bool((tk < 0).any()):
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {tk.tolist()}")
-    if not bool(((tp > 0) & (tp <= 1)).all()):
-        raise ValueError(f"top_p must lie in (0, 1] (1 = off), got {tp.tolist()}")
+    check_sampling_values(params)
 
 
 def _race(resid: torch.Tensor, params: SamplingParams, position: torch.Tensor) -> torch.Tensor:

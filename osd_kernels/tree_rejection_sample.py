@@ -67,7 +67,8 @@ import torch
 
 from osd_kernels import philox
 from osd_kernels._ops import native_available, native_has_device, resolve_backend
-from osd_kernels.rejection_sample import LOGIT_DTYPES, sampling_params
+from osd_kernels.rejection_sample import (check_float_dtype, check_on_device,
+                                          check_sampling_values, sampling_params)
 from osd_kernels.warp import warp_probs
 
 RESIDUAL_EPS = 1e-5  # residual mass treated as round-off (see the module docstring)
@@ -212,9 +213,7 @@ def _check_tensors(target_logits, node_token_ids, parents, draft_probs, max_dept
     if not torch.is_tensor(target_logits) or target_logits.dim() != 3:
         raise ValueError("target_logits must be a [B, T, V] tensor, got "
                          f"{getattr(target_logits, 'shape', type(target_logits).__name__)}")
-    if target_logits.dtype not in LOGIT_DTYPES:
-        raise TypeError(f"target_logits must be float32, bfloat16 or float16, got "
-                        f"{target_logits.dtype}")
+    check_float_dtype("target_logits", target_logits)
     B, T, V = target_logits.shape
     if T < 1 or V < 1:
         raise ValueError(f"target_logits needs T >= 1 nodes and V >= 1 tokens, got {(B, T, V)}")
@@ -226,18 +225,13 @@ def _check_tensors(target_logits, node_token_ids, parents, draft_probs, max_dept
                              f"{getattr(t, 'shape', type(t).__name__)}")
         if t.dtype != dtype:
             raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-        if t.device != dev:
-            raise ValueError(f"{name} is on {t.device} but target_logits is on {dev}")
+        check_on_device(name, t, dev)
     if draft_probs is not None:
         if not torch.is_tensor(draft_probs) or draft_probs.shape != (B, T, V):
             raise ValueError(f"draft_probs must be a [B={B}, T={T}, V={V}] tensor or None, got "
                              f"{getattr(draft_probs, 'shape', type(draft_probs).__name__)}")
-        if draft_probs.dtype not in LOGIT_DTYPES:
-            raise TypeError(f"draft_probs must be float32, bfloat16 or float16, got "
-                            f"{draft_probs.dtype}")
-        if draft_probs.device != dev:
-            raise ValueError(f"draft_probs is on {draft_probs.device} but target_logits is on "
-                             f"{dev}")
+        check_float_dtype("draft_probs", draft_probs)
+        check_on_device("draft_probs", draft_probs, dev)
     if max_depth is not None and (isinstance(max_depth, bool) or not isinstance(max_depth, int)):
         raise TypeError(f"max_depth must be an int, got {type(max_depth).__name__}")
     if max_depth is not None and not 0 <= max_depth < T:
@@ -257,13 +251,7 @@ def _check_values(node_token_ids, parents, vocab: int, params) -> None:
     tok = node_token_ids[:, 1:]
     if not bool((((tok >= 0) & (tok < vocab)) | (parents[:, 1:] < 0)).all()):
         raise ValueError(f"node_token_ids of nodes with a parent must lie in [0, V={vocab})")
-    t, tk, tp = params.temperature, params.top_k, params.top_p
-    if not bool((torch.isfinite(t) & (t >= 0)).all()):
-        raise ValueError(f"temperature must be finite and >= 0, got {t.tolist()}")
-    if bool((tk < 0).any()):
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {tk.tolist()}")
-    if not bool(((tp > 0) & (tp <= 1)).all()):
-        raise ValueError(f"top_p must lie in (0, 1] (1 = off), got {tp.tolist()}")
+    check_sampling_values(params)
 
 
 def tree_rejection_sample(

@@ -1,7 +1,7 @@
 """Regenerate the built-in model pair, or measure how much online distillation helps it.
 
-    python scripts/build_zoo.py                      # train both into osd/zoo/weights
-    python scripts/build_zoo.py --only draft         # retrain the draft only
+    python scripts/build_zoo.py                      # train all into osd/zoo/weights
+    python scripts/build_zoo.py --only draft         # retrain one model only
     python scripts/build_zoo.py --scale 0.05 --out /tmp/zoo   # a quick smoke build
     python scripts/build_zoo.py --check-alpha        # static vs online-distilled alpha
 
@@ -58,8 +58,8 @@ def _score(draft, served) -> tuple[float, float, int]:
 def check_alpha(args) -> None:
     from transformers import LlamaForCausalLM
 
-    target_dir, draft_dir = (os.path.join(args.out, "target"), os.path.join(args.out, "draft")) \
-        if args.out else zoo.default_pair()
+    base = args.out or os.path.dirname(zoo.default_pair()[0])
+    target_dir, draft_dir = os.path.join(base, "target"), os.path.join(base, args.draft)
     target = LlamaForCausalLM.from_pretrained(target_dir).eval()
     draft = LlamaForCausalLM.from_pretrained(draft_dir)
     stream = zoo.query_stream("code", n=args.queries, prompt_tokens=args.prompt_tokens, seed=0)
@@ -108,12 +108,15 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--out", default=None,
-                        help="pair directory (default: osd/zoo/weights when building, the "
+                        help="zoo directory (default: osd/zoo/weights when building, the "
                              "default pair when checking)")
+    parser.add_argument("--draft", default="draft",
+                        help="with --check-alpha: the draft's subdirectory (default: draft)")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply every training step count (default 1.0)")
-    parser.add_argument("--only", choices=("target", "draft"), default=None,
-                        help="retrain one model only")
+    parser.add_argument("--only", choices=tuple(train.MODELS), default=None,
+                        help="retrain one model only (default: all of "
+                             f"{', '.join(train.MODELS)})")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     parser.add_argument("--check-alpha", action="store_true",
                         help="measure static vs online-distilled alpha instead of building")
@@ -131,7 +134,7 @@ def main(argv=None) -> int:
         check_alpha(args)
         return 0
     start = time.perf_counter()
-    roles = (args.only,) if args.only else ("target", "draft")
+    roles = (args.only,) if args.only else tuple(train.MODELS)
     train.build(args.out or zoo.WEIGHTS_DIR, scale=args.scale, roles=roles)
     print(f"built {', '.join(roles)} in {time.perf_counter() - start:.0f} s")
     return 0

@@ -39,7 +39,7 @@ def test_online_alpha_rises_over_static_draft():
                                         max_seq_len=128)
     online = osd.Engine.from_pretrained(
         target, draft=draft, spec=spec, max_batch_size=1, max_seq_len=128,
-        online=osd.OnlineConfig(update_every_requests=8, steps_per_update=2, lr=3e-4,
+        online=osd.OnlineConfig(update_every_requests=8, steps_per_update=4, lr=1e-3,
                                 background=False, seed=0))
     a_static = _alphas(static, prompts)
     a_online = _alphas(online, prompts)

@@ -6,20 +6,19 @@
 // vectorisable passes, the accept test needs only the draft token's log-probability, and
 // only the one rejected or bonus row runs the exponential race. Rows after the first
 // rejection are never read. Top-k uses a size-k heap (nth_element for large k) and top-p a
-// three-way quickselect on probability mass (expected O(V), no sort).
+// three-way quickselect on probability mass (expected O(V), no sort): cpu/warp_cpu.h.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
-#include <functional>
 #include <limits>
 #include <vector>
 
+#include "cpu/cephes.h"
 #include "cpu/glue.h"
+#include "cpu/warp_cpu.h"
 #include "kernels/philox.h"
 #include "kernels/rejection_sample.h"
 
@@ -27,10 +26,6 @@ namespace osd {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// The vector loops are compiled twice, for AVX2 and for the baseline, and picked at load
-// time. No FMA is enabled, so both clones round identically.
-#define OSD_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
 
 // exp(x) in float for x <= 0 (the callers pass s - max), Cephes expf polynomial, within
 // 1 ulp, written without float comparisons so the compiler vectorises the loops that
@@ -40,13 +35,7 @@ inline float fast_exp(float x) {
   const float shifted = x * 1.44269504088896341f + 12582912.0f;
   const float n = shifted - 12582912.0f;
   const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.0f;
+  const float y = exp_poly(r) * (r * r) + r + 1.0f;
   const int32_t ni = std::bit_cast<int32_t>(shifted) - 0x4B400000;
   const int32_t n1 = ni >> 1;
   const int32_t n2 = ni - n1;
@@ -57,159 +46,10 @@ inline float fast_exp(float x) {
   return std::bit_cast<float>(std::bit_cast<int32_t>(y * s1 * s2) & keep);
 }
 
-// log(u) for normal u > 0 (Cephes logf polynomial, within 2 ulp), branch-free.
-inline float fast_log(float u) {
-  const int32_t bits = std::bit_cast<int32_t>(u);
-  const int32_t mant = bits & 0x007FFFFF;
-  const float m = std::bit_cast<float>(mant | 0x3F000000);  // [0.5, 1)
-  // 1 when m < sqrt(1/2), from the sign of an integer difference (a comparison would stop
-  // the compiler from vectorising the loop)
-  const float small = static_cast<float>(-((mant - 0x3504F3) >> 31));
-  const float e = static_cast<float>((bits >> 23) - 126) - small;
-  const float x = (m - 1.0f) + m * small;  // 2m - 1 below sqrt(1/2), else m - 1
-  const float z = x * x;
-  float y = 7.0376836292e-2f;
-  y = y * x - 1.1514610310e-1f;
-  y = y * x + 1.1676998740e-1f;
-  y = y * x - 1.2420140846e-1f;
-  y = y * x + 1.4249322787e-1f;
-  y = y * x - 1.6668057665e-1f;
-  y = y * x + 2.0000714765e-1f;
-  y = y * x - 2.4999993993e-1f;
-  y = y * x + 3.3333331174e-1f;
-  y = y * x * z;
-  y += -2.12194440e-4f * e;
-  y += -0.5f * z;
-  return (x + y) + 0.693359375f * e;
-}
-
-template <typename T>
-inline float to_float(T x) {
-  return static_cast<float>(x);
-}
-
-// dst[v] = src[v * stride] (as float), divided by `temperature` when it is not 1.
-template <typename T>
-void load_row(const T* src, int64_t stride, int64_t n, float temperature, float* dst) {
-  if (stride == 1) {
-    for (int64_t v = 0; v < n; ++v) dst[v] = to_float(src[v]);
-  } else {
-    for (int64_t v = 0; v < n; ++v) dst[v] = to_float(src[v * stride]);
-  }
-  if (temperature != 1.0f) {
-    for (int64_t v = 0; v < n; ++v) dst[v] = dst[v] / temperature;
-  }
-}
-
-void load_row_any(const void* base, DType dtype, int64_t offset, int64_t stride, int64_t n,
-                  float temperature, float* dst) {
-  switch (dtype) {
-    case DType::kFloat16:
-      load_row(static_cast<const c10::Half*>(base) + offset, stride, n, temperature, dst);
-      break;
-    case DType::kBFloat16:
-      load_row(static_cast<const c10::BFloat16*>(base) + offset, stride, n, temperature, dst);
-      break;
-    default:
-      load_row(static_cast<const float*>(base) + offset, stride, n, temperature, dst);
-  }
-}
-
-OSD_VECTOR_CLONES float row_max(const float* x, int64_t n) {
-  constexpr int kLanes = 16;
-  float acc[kLanes];
-  for (int l = 0; l < kLanes; ++l) acc[l] = kNegInf;
-  int64_t v = 0;
-  for (; v + kLanes <= n; v += kLanes) {
-    for (int l = 0; l < kLanes; ++l) acc[l] = std::max(acc[l], x[v + l]);
-  }
-  float m = kNegInf;
-  for (int l = 0; l < kLanes; ++l) m = std::max(m, acc[l]);
-  for (; v < n; ++v) m = std::max(m, x[v]);
-  return m;
-}
-
-// Index of the first maximum of x (lowest index on ties).
-int64_t row_argmax(const float* x, int64_t n) {
-  const float m = row_max(x, n);
-  for (int64_t v = 0; v < n; ++v) {
-    if (x[v] == m) return v;
-  }
-  return 0;
-}
-
-OSD_VECTOR_CLONES float sum(const float* x, int64_t n) {
-  constexpr int kLanes = 16;
-  float acc[kLanes] = {};
-  int64_t v = 0;
-  for (; v + kLanes <= n; v += kLanes) {
-    for (int l = 0; l < kLanes; ++l) acc[l] += x[v + l];
-  }
-  float total = 0.0f;
-  for (int l = 0; l < kLanes; ++l) total += acc[l];
-  for (; v < n; ++v) total += x[v];
-  return total;
-}
-
 // e[v] = exp(s[v] - max); returns sum e.
 OSD_VECTOR_CLONES float exp_and_sum(const float* s, float max, int64_t n, float* e) {
   for (int64_t v = 0; v < n; ++v) e[v] = fast_exp(s[v] - max);
-  return sum(e, n);
-}
-
-// The k-th largest value of s (1 <= k < n). Small k: a size-k min-heap, where almost every
-// element is rejected by one comparison with the heap's top; large k: nth_element on a copy.
-float kth_largest(const float* s, int64_t n, int64_t k, float* tmp) {
-  if (k > 1024) {
-    std::copy(s, s + n, tmp);
-    std::nth_element(tmp, tmp + (k - 1), tmp + n, std::greater<float>());
-    return tmp[k - 1];
-  }
-  float* heap = tmp;
-  std::copy(s, s + k, heap);
-  std::make_heap(heap, heap + k, std::greater<float>());
-  for (int64_t v = k; v < n; ++v) {
-    if (s[v] > heap[0]) {
-      std::pop_heap(heap, heap + k, std::greater<float>());
-      heap[k - 1] = s[v];
-      std::push_heap(heap, heap + k, std::greater<float>());
-    }
-  }
-  return heap[0];
-}
-
-// Top-p threshold on probabilities p (normalised over the top-k set): the smallest value
-// tau among the positive p such that the mass of values strictly greater than tau is
-// < top_p. Three-way quickselect on a copy of the positive entries, expected O(n).
-float top_p_threshold(const float* e, int64_t n, float inv_z, float top_p, float* tmp) {
-  int64_t m = 0;
-  for (int64_t v = 0; v < n; ++v) {
-    if (e[v] > 0.0f) tmp[m++] = e[v] * inv_z;
-  }
-  const double target = top_p;
-  double above = 0.0;  // mass of every value greater than those left in tmp[0, m)
-  float best = 0.0f;
-  float* lo = tmp;
-  while (m > 0) {
-    const float a = lo[0], b = lo[m / 2], c = lo[m - 1];
-    const float pivot = std::max(std::min(a, b), std::min(std::max(a, b), c));
-    // [0, g): > pivot, [g, g + q): == pivot, [g + q, m): < pivot
-    float* mid = std::partition(lo, lo + m, [pivot](float x) { return x > pivot; });
-    float* low = std::partition(mid, lo + m, [pivot](float x) { return x == pivot; });
-    double mass_g = 0.0, mass_e = 0.0;
-    for (float* p = lo; p < mid; ++p) mass_g += *p;
-    for (float* p = mid; p < low; ++p) mass_e += *p;
-    if (above + mass_g >= target) {
-      m = mid - lo;  // the pivot is dropped: the threshold lies among the larger values
-      continue;
-    }
-    best = pivot;  // the pivot is kept; try the smaller values
-    above += mass_g + mass_e;
-    if (above >= target) break;
-    m = (lo + m) - low;
-    lo = low;
-  }
-  return best;
+  return row_sum(e, n);
 }
 
 // d[v] = residual_mass(p[v], d[v]) = max(0, p - q), zeroing the non-positive differences
@@ -249,7 +89,7 @@ void philox_row(uint64_t seed, uint64_t offset, uint32_t stream, int64_t nblocks
 
 // Exponential-race keys in place: u[v] <- r[v] / -log(u[v]).
 OSD_VECTOR_CLONES void race_keys(const float* r, float* u, int64_t n) {
-  for (int64_t v = 0; v < n; ++v) u[v] = r[v] / -fast_log(u[v]);
+  for (int64_t v = 0; v < n; ++v) u[v] = r[v] / -log_pos(u[v]);
 }
 
 struct Scratch {
@@ -270,10 +110,7 @@ WarpedRow warp_row(const RejectionSampleArgs& a, const RowSampling& rs, int64_t 
   float* s = w.s.data();
   load_row_any(a.logits, a.logits_dtype, b * a.logits_stride_b + i * a.logits_stride_k,
                a.logits_stride_v, V, rs.temperature, s);
-  if (rs.top_k > 0) {
-    const float kth = kth_largest(s, V, rs.top_k, w.t.data());
-    for (int64_t v = 0; v < V; ++v) s[v] = s[v] < kth ? kNegInf : s[v];
-  }
+  if (rs.top_k > 0) keep_top_k(s, V, rs.top_k, w.t.data());
   const float max = row_max(s, V);
   float* e = w.e.data();
   float z = exp_and_sum(s, max, V, e);
@@ -281,7 +118,7 @@ WarpedRow warp_row(const RejectionSampleArgs& a, const RowSampling& rs, int64_t 
     const float inv_z = 1.0f / z;
     const float tau = top_p_threshold(e, V, inv_z, rs.top_p, w.t.data());
     for (int64_t v = 0; v < V; ++v) e[v] = e[v] * inv_z < tau ? 0.0f : e[v];
-    z = sum(e, V);
+    z = row_sum(e, V);
   }
   return WarpedRow{max, z};
 }
@@ -391,17 +228,9 @@ RejectionSampleArgs make_rejection_sample_args(
   OSD_CHECK(draft_ids.dim() == 2 && draft_ids.size(0) == B && draft_ids.size(1) == K,
             "draft_token_ids must be [B=", B, ", K=", K, "], got ", draft_ids.sizes());
   check_same_device(logits, draft_ids, "target_logits", "draft_token_ids");
-  const struct { const at::Tensor& t; at::ScalarType st; const char* name; } params[] = {
-      {num_draft, at::kInt, "num_draft_tokens"}, {temperature, at::kFloat, "temperature"},
-      {top_k, at::kInt, "top_k"}, {top_p, at::kFloat, "top_p"}, {seed, at::kLong, "seed"},
-      {offset, at::kLong, "offset"}};
-  for (const auto& p : params) {
-    check_dtype(p.t, p.st, p.name);
-    OSD_CHECK(p.t.dim() == 1 && p.t.size(0) == B && p.t.is_contiguous(), p.name,
-              " must be contiguous [B=", B, "], got ", p.t.sizes());
-    check_same_device(logits, p.t, "target_logits", p.name);
-  }
+  check_per_sequence(num_draft, at::kInt, "num_draft_tokens", B, logits);
   RejectionSampleArgs a{};
+  set_sampling_params(a, logits, B, temperature, top_k, top_p, seed, offset);
   a.logits = logits.data_ptr();
   a.logits_dtype = to_dtype(logits, "target_logits");
   a.logits_stride_b = logits.stride(0);
@@ -426,11 +255,6 @@ RejectionSampleArgs make_rejection_sample_args(
   out = at::empty({B, K + 1}, logits.options().dtype(at::kLong));
   accepted = at::empty({B}, logits.options().dtype(at::kInt));
   a.num_draft = num_draft.data_ptr<int32_t>();
-  a.temperature = temperature.data_ptr<float>();
-  a.top_k = top_k.data_ptr<int32_t>();
-  a.top_p = top_p.data_ptr<float>();
-  a.seed = seed.data_ptr<int64_t>();
-  a.offset = offset.data_ptr<int64_t>();
   a.out_tokens = out.data_ptr<int64_t>();
   a.num_accepted = accepted.data_ptr<int32_t>();
   a.batch = B;

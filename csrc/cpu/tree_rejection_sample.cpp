@@ -3,118 +3,24 @@
 //
 // One sequence per task (at::parallel_for over the batch), with four float scratch rows
 // of V: the warped target p of the current node, its residual r, its draft row q and a
-// selection buffer. Entering a node warps its logits row once (top-k by nth_element,
-// top-p by a three-way quickselect on probability mass, no sort); a rejection costs one
-// pass over V (residual update and its sum); the emitted token costs one race pass.
-// Greedy rows only take the argmax of each row on the path.
+// selection buffer. Entering a node warps its logits row once (top-k and top-p thresholds
+// by selection, no sort: cpu/warp_cpu.h); a rejection costs one pass over V (residual
+// update and its sum); the emitted token costs one race pass. Greedy rows only take the
+// argmax of each row on the path.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
-#include <limits>
 #include <vector>
 
 #include "cpu/glue.h"
+#include "cpu/warp_cpu.h"
 #include "kernels/philox.h"
 #include "kernels/tree_rejection_sample.h"
 
 namespace osd {
 namespace {
-
-constexpr float kInf = std::numeric_limits<float>::infinity();
-constexpr int kLanes = 16;
-
-// dst[v] = src[v * stride] as float, divided by `temperature` (the reference's x / t).
-template <typename T>
-void load_row(const T* src, int64_t stride, int64_t n, float temperature, float* dst) {
-  for (int64_t v = 0; v < n; ++v) dst[v] = static_cast<float>(src[v * stride]);
-  if (temperature != 1.0f) {
-    for (int64_t v = 0; v < n; ++v) dst[v] = dst[v] / temperature;
-  }
-}
-
-void load_row_any(const void* base, DType dtype, int64_t offset, int64_t stride, int64_t n,
-                  float temperature, float* dst) {
-  switch (dtype) {
-    case DType::kFloat16:
-      load_row(static_cast<const c10::Half*>(base) + offset, stride, n, temperature, dst);
-      break;
-    case DType::kBFloat16:
-      load_row(static_cast<const c10::BFloat16*>(base) + offset, stride, n, temperature, dst);
-      break;
-    default:
-      load_row(static_cast<const float*>(base) + offset, stride, n, temperature, dst);
-  }
-}
-
-float row_max(const float* x, int64_t n) {
-  float acc[kLanes];
-  std::fill(acc, acc + kLanes, -kInf);
-  int64_t v = 0;
-  for (; v + kLanes <= n; v += kLanes) {
-    for (int l = 0; l < kLanes; ++l) acc[l] = std::max(acc[l], x[v + l]);
-  }
-  float m = -kInf;
-  for (int l = 0; l < kLanes; ++l) m = std::max(m, acc[l]);
-  for (; v < n; ++v) m = std::max(m, x[v]);
-  return m;
-}
-
-float row_sum(const float* x, int64_t n) {
-  float acc[kLanes] = {};
-  int64_t v = 0;
-  for (; v + kLanes <= n; v += kLanes) {
-    for (int l = 0; l < kLanes; ++l) acc[l] += x[v + l];
-  }
-  float s = 0.0f;
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
-  for (; v < n; ++v) s += x[v];
-  return s;
-}
-
-// Index of the first maximum (lowest index on ties).
-int64_t row_argmax(const float* x, int64_t n) {
-  const float m = row_max(x, n);
-  for (int64_t v = 0; v < n; ++v) {
-    if (x[v] == m) return v;
-  }
-  return 0;
-}
-
-// Top-p threshold of probabilities p (sum ~1): the smallest kept value, where value x is
-// kept iff the mass of values strictly greater than x is < top_p. Three-way quickselect
-// on a copy of the positive entries (expected O(n)); ties are kept or dropped together.
-float top_p_threshold(const float* p, int64_t n, float top_p, float* tmp) {
-  int64_t m = 0;
-  for (int64_t v = 0; v < n; ++v) {
-    if (p[v] > 0.0f) tmp[m++] = p[v];
-  }
-  double above = 0.0;  // mass of the values larger than everything left in [lo, lo + m)
-  float best = kInf;
-  float* lo = tmp;
-  while (m > 0) {
-    const float a = lo[0], b = lo[m / 2], c = lo[m - 1];
-    const float pivot = std::max(std::min(a, b), std::min(std::max(a, b), c));
-    float* mid = std::partition(lo, lo + m, [pivot](float x) { return x > pivot; });
-    float* low = std::partition(mid, lo + m, [pivot](float x) { return x == pivot; });
-    double mass_gt = 0.0, mass_eq = 0.0;
-    for (float* q = lo; q < mid; ++q) mass_gt += *q;
-    for (float* q = mid; q < low; ++q) mass_eq += *q;
-    if (above + mass_gt >= top_p) {  // the pivot is dropped: look among the larger values
-      m = mid - lo;
-      continue;
-    }
-    best = pivot;  // the pivot and everything larger is kept: look among the smaller
-    above += mass_gt + mass_eq;
-    m = (lo + m) - low;
-    lo = low;
-  }
-  return best;
-}
 
 struct Scratch {
   std::vector<float> p, r, q, t;
@@ -129,19 +35,13 @@ void warp_row(const TreeRejectionSampleArgs& a, const RowSampling& rs, int64_t b
   float* p = w.p.data();
   load_row_any(a.logits, a.logits_dtype, b * a.logits_stride_b + node * a.logits_stride_t,
                a.logits_stride_v, V, rs.temperature, p);
-  if (rs.top_k > 0) {
-    float* t = w.t.data();
-    std::copy(p, p + V, t);
-    std::nth_element(t, t + (rs.top_k - 1), t + V, std::greater<float>());
-    const float kth = t[rs.top_k - 1];
-    for (int64_t v = 0; v < V; ++v) p[v] = p[v] < kth ? -kInf : p[v];
-  }
+  if (rs.top_k > 0) keep_top_k(p, V, rs.top_k, w.t.data());
   const float max = row_max(p, V);
   for (int64_t v = 0; v < V; ++v) p[v] = std::exp(p[v] - max);
   const float inv = 1.0f / row_sum(p, V);
   for (int64_t v = 0; v < V; ++v) p[v] = p[v] * inv;
   if (rs.top_p < 1.0f) {
-    const float tau = top_p_threshold(p, V, rs.top_p, w.t.data());
+    const float tau = top_p_threshold(p, V, 1.0f, rs.top_p, w.t.data());
     for (int64_t v = 0; v < V; ++v) p[v] = p[v] < tau ? 0.0f : p[v];
     const float z = row_sum(p, V);
     for (int64_t v = 0; v < V; ++v) p[v] = p[v] / z;
@@ -256,7 +156,7 @@ void tree_rejection_sample_cpu(const TreeRejectionSampleArgs& a) {
     Scratch w(a.vocab);
     for (int64_t b = begin; b < end; ++b) {
       tree_init_row(a, b);
-      const RowSampling rs = tree_row_sampling(a, b);
+      const RowSampling rs = sequence_sampling(a, b);
       if (rs.greedy) {
         greedy_walk(a, b, w);
       } else {
@@ -286,16 +186,8 @@ TreeRejectionSampleArgs make_tree_rejection_sample_args(
             "parents must be [B=", B, ", T=", T, "], got ", parents.sizes());
   check_same_device(logits, tokens, "target_logits", "node_token_ids");
   check_same_device(logits, parents, "target_logits", "parents");
-  const struct { const at::Tensor& t; at::ScalarType st; const char* name; } params[] = {
-      {temperature, at::kFloat, "temperature"}, {top_k, at::kInt, "top_k"},
-      {top_p, at::kFloat, "top_p"}, {seed, at::kLong, "seed"}, {offset, at::kLong, "offset"}};
-  for (const auto& p : params) {
-    check_dtype(p.t, p.st, p.name);
-    OSD_CHECK(p.t.dim() == 1 && p.t.size(0) == B && p.t.is_contiguous(), p.name,
-              " must be contiguous [B=", B, "], got ", p.t.sizes());
-    check_same_device(logits, p.t, "target_logits", p.name);
-  }
   TreeRejectionSampleArgs a{};
+  set_sampling_params(a, logits, B, temperature, top_k, top_p, seed, offset);
   a.logits = logits.data_ptr();
   a.logits_dtype = to_dtype(logits, "target_logits");
   a.logits_stride_b = logits.stride(0);
@@ -323,11 +215,6 @@ TreeRejectionSampleArgs make_tree_rejection_sample_args(
   accepted_nodes = at::empty({B, max_depth + 1}, logits.options().dtype(at::kLong));
   out_tokens = at::empty({B, max_depth + 1}, logits.options().dtype(at::kLong));
   num_accepted = at::empty({B}, logits.options().dtype(at::kInt));
-  a.temperature = temperature.data_ptr<float>();
-  a.top_k = top_k.data_ptr<int32_t>();
-  a.top_p = top_p.data_ptr<float>();
-  a.seed = seed.data_ptr<int64_t>();
-  a.offset = offset.data_ptr<int64_t>();
   a.accepted_nodes = accepted_nodes.data_ptr<int64_t>();
   a.out_tokens = out_tokens.data_ptr<int64_t>();
   a.num_accepted = num_accepted.data_ptr<int32_t>();

@@ -111,7 +111,11 @@ struct RowSampling {
   int32_t num_draft;
 };
 
-OSD_HD RowSampling row_sampling(const RejectionSampleArgs& a, int64_t b) {
+// Sampling parameters of sequence b from the per-sequence arrays (temperature, top_k,
+// top_p, seed, offset) and vocab of the kernel arguments Args (RejectionSampleArgs,
+// TreeRejectionSampleArgs); num_draft = 0.
+template <typename Args>
+OSD_HD RowSampling sequence_sampling(const Args& a, int64_t b) {
   RowSampling r;
   r.temperature = a.temperature[b];
   r.greedy = !(r.temperature > 0.0f);
@@ -120,6 +124,12 @@ OSD_HD RowSampling row_sampling(const RejectionSampleArgs& a, int64_t b) {
   r.top_p = a.top_p[b] < 1.0f ? a.top_p[b] : 1.0f;
   r.seed = static_cast<uint64_t>(a.seed[b]);
   r.offset = static_cast<uint64_t>(a.offset[b]);
+  r.num_draft = 0;
+  return r;
+}
+
+OSD_HD RowSampling row_sampling(const RejectionSampleArgs& a, int64_t b) {
+  RowSampling r = sequence_sampling(a, b);
   const int32_t n = a.num_draft[b];
   r.num_draft = n < 0 ? 0 : (n > a.num_draft_max ? static_cast<int32_t>(a.num_draft_max) : n);
   return r;

@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t V = a.vocab;
   const bool lead = threadIdx.x == 0;
   if (lead) tree_init_row(a, b);
-  const RowSampling rs = tree_row_sampling(a, b);
+  const RowSampling rs = sequence_sampling(a, b);
   int64_t cur = 0, depth = 0;
   if (rs.greedy) {
     int64_t best = row_argmax(a, b, cur, sh);

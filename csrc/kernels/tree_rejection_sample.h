@@ -74,19 +74,6 @@ struct TreeRejectionSampleArgs {
 // CPU kernel (parallel over the batch). Defined in csrc/cpu/tree_rejection_sample.cpp.
 void tree_rejection_sample_cpu(const TreeRejectionSampleArgs& args);
 
-OSD_HD RowSampling tree_row_sampling(const TreeRejectionSampleArgs& a, int64_t b) {
-  RowSampling r;
-  r.temperature = a.temperature[b];
-  r.greedy = !(r.temperature > 0.0f);
-  const int32_t k = a.top_k[b];
-  r.top_k = (k > 0 && k < a.vocab) ? k : 0;
-  r.top_p = a.top_p[b] < 1.0f ? a.top_p[b] : 1.0f;
-  r.seed = static_cast<uint64_t>(a.seed[b]);
-  r.offset = static_cast<uint64_t>(a.offset[b]);
-  r.num_draft = 0;
-  return r;
-}
-
 // Token of node c if it is a candidate child of `cur` at depth `depth`, else -1.
 OSD_HD int64_t tree_candidate(const TreeRejectionSampleArgs& a, int64_t b, int64_t c,
                               int64_t cur, int64_t depth) {

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from osd_kernels import tree_attention
-from osd_kernels._ops import native_has_device
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,15 +37,14 @@ def flash_available() -> bool:
 def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     """Turn a configured backend into the one used for a model on ``device`` in ``dtype``.
 
-    ``auto`` is the C++ kernel (``native``) on CPU when the extension is built (it measured
-    several times faster than the SDPA reference here, see docs/benchmarks.md), else the
-    reference; ``triton`` on CUDA. ``flash`` needs CUDA, fp16 or bf16 and an importable
-    flash-attn (ValueError otherwise).
+    ``auto`` is ``triton`` on CUDA; on CPU it stays ``auto``, so ``tree_attention`` picks
+    per call: the C++ kernel for few query rows (decode, chain and small-tree verify; it
+    measured several times faster than the SDPA reference there) and the SDPA reference
+    for large blocks such as prefill. ``flash`` needs CUDA, fp16 or bf16 and an
+    importable flash-attn (ValueError otherwise).
     """
     if backend == "auto":
-        if device.type == "cuda":
-            return "triton"
-        return "native" if native_has_device(device) else "reference"
+        return "triton" if device.type == "cuda" else "auto"
     if backend == "flash":
         if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"the flash attention backend needs CUDA and fp16/bf16, got "

@@ -1,14 +1,18 @@
 """Query routing across several drafts.
 
 Each request is described by cheap prompt features: hashed unigram and bigram counts of
-its token ids, L2-normalised (``prompt_features``). Per draft, a ridge regression
-predicts that draft's acceptance α from the features (LinUCB, Li et al. 2010), kept with
-Sherman-Morrison updates so each update is O(dim^2) and no matrix is ever inverted.
+its token ids, L2-normalised (``prompt_features``). The router remembers the features of
+recent requests together with the acceptance α each draft achieved (or would have
+achieved) on them, and predicts a draft's α on a new request as the similarity-weighted
+mean over its ``neighbors`` most similar remembered requests, shrunk towards a prior
+(a k-nearest-neighbour contextual bandit). Similar prompts (same domain, same kind of
+text) have similar drafts' fortunes, and nothing is lost to a linear model's shared
+intercept.
 
 Two kinds of feedback (``RouterConfig.feedback``):
 
 - ``"bandit"``: only the draft that served the request learns its observed α; the
-  choice adds an upper-confidence bonus ``explore * sqrt(x^T A^-1 x)`` to explore.
+  choice adds an exploration bonus ``explore / sqrt(1 + neighbours that saw the draft)``.
 - ``"score"`` (default): after a request, every draft is scored on the tokens the target
   already verified (a draft forward over the committed sequence against the stored target
   distributions; no extra target cost, as in HedgeSpec), so all drafts learn from every
@@ -25,9 +29,12 @@ import torch
 @dataclass
 class RouterConfig:
     feedback: str = "score"   # "score" (full information) or "bandit" (chosen draft only)
-    dim: int = 512            # hashed feature dimension
-    ridge: float = 1.0        # prior precision lambda of each draft's regression
-    explore: float = 0.5      # UCB bonus weight (bandit feedback only)
+    dim: int = 1024           # hashed feature dimension
+    memory: int = 2048        # remembered requests (oldest forgotten first)
+    neighbors: int = 16       # most similar remembered requests used per prediction
+    temperature: float = 0.1  # neighbour weight exp((cos - best cos) / temperature)
+    prior_weight: float = 0.1  # weight of the prior in the shrunk mean
+    explore: float = 0.2      # exploration bonus (bandit feedback only)
     prior_alpha: float = 0.5  # predicted alpha before any data
 
     def __post_init__(self):
@@ -36,27 +43,28 @@ class RouterConfig:
                              f"{self.feedback!r}")
         if self.dim < 8:
             raise ValueError(f"RouterConfig.dim must be >= 8, got {self.dim}")
+        if self.memory < 1 or self.neighbors < 1:
+            raise ValueError(f"RouterConfig.memory and neighbors must be >= 1, got "
+                             f"{self.memory}, {self.neighbors}")
 
 
 _MULT1, _MULT2 = 0x9E3779B1, 0x85EBCA77
 
 
 def prompt_features(tokens, dim: int) -> torch.Tensor:
-    """Hashed unigram + bigram counts of ``tokens`` -> ``[dim]`` float64, unit L2 norm.
+    """Which hashed unigrams and bigrams of ``tokens`` occur -> ``[dim]`` float32, unit L2.
 
-    A constant bias feature sits in slot 0 so the regression has an intercept.
+    Presence rather than counts, so that frequent tokens (spaces, newlines) do not
+    dominate the similarity between two prompts.
     """
     t = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
-    x = torch.zeros(dim, dtype=torch.float64)
+    x = torch.zeros(dim, dtype=torch.float32)
     if t.numel():
-        uni = (t * _MULT1) % (dim - 1) + 1
-        x.index_add_(0, uni, torch.ones_like(uni, dtype=torch.float64))
+        x[(t * _MULT1) % dim] = 1.0
         if t.numel() > 1:
-            bi = ((t[:-1] * _MULT1) ^ (t[1:] * _MULT2)) % (dim - 1) + 1
-            x.index_add_(0, bi, torch.ones_like(bi, dtype=torch.float64))
+            x[((t[:-1] * _MULT1) ^ (t[1:] * _MULT2)) % dim] = 1.0
         x = x / x.norm()
-    x[0] = 1.0
-    return x / x.norm()
+    return x
 
 
 class Router:
@@ -67,51 +75,79 @@ class Router:
             raise ValueError("Router needs at least one draft")
         self.config = config or RouterConfig()
         self.num_drafts = num_drafts
-        d = self.config.dim
-        self._a_inv = torch.eye(d, dtype=torch.float64).repeat(num_drafts, 1, 1) / self.config.ridge
-        self._b = torch.zeros(num_drafts, d, dtype=torch.float64)
-        self._bias = self.config.prior_alpha
+        cfg = self.config
+        self._x = torch.zeros(cfg.memory, cfg.dim, dtype=torch.float32)
+        self._y = torch.full((cfg.memory, num_drafts), float("nan"), dtype=torch.float32)
+        self._count = 0                   # requests remembered so far (ring buffer)
         self._lock = threading.Lock()
         self.choices = [0] * num_drafts
 
     def features(self, prompt_tokens) -> torch.Tensor:
         return prompt_features(prompt_tokens, self.config.dim)
 
+    def _neighbours(self, x: torch.Tensor):
+        n = min(self._count, self.config.memory)
+        if n == 0:
+            return None, None
+        sims = self._x[:n] @ x
+        # Few neighbours while little is remembered (they must come from the request's own
+        # kind of text), up to ``neighbors`` later; the most similar count most.
+        k = max(1, min(self.config.neighbors, n // 4))
+        top = torch.topk(sims, k)
+        w = torch.exp((top.values - top.values[0]) / self.config.temperature)
+        return w, self._y[top.indices]
+
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """Predicted α of every draft for features ``x [dim]`` -> ``[num_drafts]``."""
         with self._lock:
-            theta = torch.einsum("nij,nj->ni", self._a_inv, self._b)
-            return self._bias + theta @ x
+            return self._predict(x)[0]
+
+    def _predict(self, x: torch.Tensor):
+        cfg = self.config
+        w, y = self._neighbours(x)
+        prior = torch.full((self.num_drafts,), cfg.prior_alpha)
+        if w is None:
+            return prior, torch.zeros(self.num_drafts)
+        seen = ~torch.isnan(y)                                   # [k, D]
+        wk = w[:, None] * seen
+        total = wk.sum(0)
+        mean = (cfg.prior_weight * prior + (wk * torch.nan_to_num(y)).sum(0)) / \
+            (cfg.prior_weight + total)
+        return mean, seen.sum(0).float()
 
     def choose(self, x: torch.Tensor) -> int:
         with self._lock:
-            theta = torch.einsum("nij,nj->ni", self._a_inv, self._b)
-            score = self._bias + theta @ x
+            score, support = self._predict(x)
             if self.config.feedback == "bandit":
-                var = torch.einsum("i,nij,j->n", x, self._a_inv, x).clamp(min=0)
-                score = score + self.config.explore * var.sqrt()
+                score = score + self.config.explore / torch.sqrt(1.0 + support)
             choice = int(torch.argmax(score))
             self.choices[choice] += 1
             return choice
 
+    def _remember(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        with self._lock:
+            slot = self._count % self.config.memory
+            self._x[slot] = x
+            self._y[slot] = y
+            self._count += 1
+
     def update(self, x: torch.Tensor, draft: int, alpha: float) -> None:
         """Learn that ``draft`` achieved acceptance ``alpha`` on a request with features x."""
-        with self._lock:
-            a_inv = self._a_inv[draft]
-            ax = a_inv @ x
-            self._a_inv[draft] = a_inv - torch.outer(ax, ax) / (1.0 + x @ ax)
-            self._b[draft] += (float(alpha) - self._bias) * x
+        y = torch.full((self.num_drafts,), float("nan"))
+        y[draft] = float(alpha)
+        self._remember(x, y)
 
     def update_all(self, x: torch.Tensor, alphas) -> None:
         """Full-information update: the α every draft would have had on this request."""
-        for d, a in enumerate(alphas):
-            if a is not None:
-                self.update(x, d, a)
+        self._remember(x, torch.tensor([float("nan") if a is None else float(a)
+                                        for a in alphas]))
 
     def state_dict(self) -> dict:
-        return {"a_inv": self._a_inv.clone(), "b": self._b.clone(), "choices": list(self.choices)}
+        return {"x": self._x.clone(), "y": self._y.clone(), "count": self._count,
+                "choices": list(self.choices)}
 
     def load_state_dict(self, state: dict) -> None:
-        self._a_inv = state["a_inv"].clone()
-        self._b = state["b"].clone()
+        self._x = state["x"].clone()
+        self._y = state["y"].clone()
+        self._count = int(state["count"])
         self.choices = list(state["choices"])

@@ -58,12 +58,16 @@ class ModelSpec:
 
 # Target: trained on both domains. Draft: one wide layer, mostly prose, so that its
 # acceptance on the code stream starts low and has room to rise with online distillation.
+# Code draft: the same shape mostly on code, the matching draft for a router to find.
 TARGET = ModelSpec(hidden_size=320, num_layers=6, num_heads=5, intermediate_size=864,
                    steps=480, batch_size=8, seq_len=TRAIN_CONTEXT, lr=2e-3, warmup=30,
                    code_fraction=0.7, seed=0)
 DRAFT = ModelSpec(hidden_size=256, num_layers=1, num_heads=4, intermediate_size=768,
                   steps=220, batch_size=8, seq_len=TRAIN_CONTEXT, lr=3e-3, warmup=20,
                   code_fraction=0.1, seed=1)
+DRAFT_CODE = replace(DRAFT, code_fraction=0.9, seed=2)
+# Checkpoint directory name -> recipe.
+MODELS = {"target": TARGET, "draft": DRAFT, "draft_code": DRAFT_CODE}
 
 
 def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
@@ -210,25 +214,32 @@ def scaled(spec: ModelSpec, scale: float) -> ModelSpec:
 
 
 def build(out_dir: str, *, scale: float = 1.0, root: str | None = None,
-          target: ModelSpec = TARGET, draft: ModelSpec = DRAFT,
-          roles: tuple[str, ...] = ("target", "draft")) -> tuple[str, str]:
-    """Train the tokenizer, target and draft; write ``out_dir/target`` and ``out_dir/draft``.
+          roles: tuple[str, ...] = tuple(MODELS),
+          specs: dict[str, ModelSpec] | None = None) -> dict[str, str]:
+    """Train the tokenizer and the models named in ``roles``; write ``out_dir/<role>``.
 
-    The two checkpoints are first written to a temporary directory beside ``out_dir``
-    and then moved into place, so an interrupted build never leaves a half-written pair.
+    The checkpoints are first written to a temporary directory beside ``out_dir`` and
+    then moved into place, so an interrupted build never leaves a half-written model.
+    Other subdirectories of ``out_dir`` are left alone.
 
     Args:
-        out_dir: destination; existing ``target``/``draft`` subdirectories are replaced.
+        out_dir: destination; existing subdirectories named in ``roles`` are replaced.
         scale: multiplies every training step count (1.0 = the shipped recipe).
         root: stdlib directory (default: the running interpreter's).
-        target, draft: model shapes and schedules.
-        roles: which of ``"target"`` and ``"draft"`` to (re)train; the tokenizer is
-            retrained either way (deterministically, so a pair built in two runs
-            shares it).
+        roles: which of :data:`MODELS` to (re)train. The tokenizer is retrained either
+            way, deterministically, so models built in separate runs share it.
+        specs: recipes by role (default :data:`MODELS`).
 
     Returns:
-        ``(target_dir, draft_dir)``.
+        ``{role: checkpoint directory}`` for every role built.
+
+    Raises:
+        ValueError: on an unknown role.
     """
+    specs = MODELS if specs is None else specs
+    unknown = [r for r in roles if r not in specs]
+    if unknown:
+        raise ValueError(f"unknown zoo roles {unknown}; known: {sorted(specs)}")
     texts = {dom: corpus.documents(dom, "train", root) for dom in corpus.DOMAINS}
     tokenizer = train_tokenizer([d.text for dom in corpus.DOMAINS for d in texts[dom]])
     streams = {dom: encode_documents(tokenizer, texts[dom]) for dom in corpus.DOMAINS}
@@ -239,9 +250,8 @@ def build(out_dir: str, *, scale: float = 1.0, root: str | None = None,
     os.makedirs(os.path.dirname(out_dir) or ".", exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".zoo-build-", dir=os.path.dirname(out_dir))
     try:
-        specs = {"target": scaled(target, scale), "draft": scaled(draft, scale)}
         for name in roles:
-            spec = specs[name]
+            spec = scaled(specs[name], scale)
             model, info = train_model(spec, tokenizer, streams, desc=f"zoo {name}")
             meta = {"role": name, "spec": asdict(spec), **info, **common}
             save_checkpoint(model, tokenizer, os.path.join(tmp, name), meta=meta)
@@ -253,5 +263,6 @@ def build(out_dir: str, *, scale: float = 1.0, root: str | None = None,
             os.replace(os.path.join(tmp, name), dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"zoo: wrote {', '.join(os.path.join(out_dir, r) for r in roles)}", file=sys.stderr)
-    return os.path.join(out_dir, "target"), os.path.join(out_dir, "draft")
+    built = {name: os.path.join(out_dir, name) for name in roles}
+    print(f"zoo: wrote {', '.join(built.values())}", file=sys.stderr)
+    return built

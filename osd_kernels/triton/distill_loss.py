@@ -20,7 +20,6 @@ import triton.language as tl
 
 from osd_kernels.distill_loss import LOSSES, RKL_LOG_P_FLOOR, TOPK_LEFTOVER_EPS
 
-_NEG_INF = float("-inf")
 
 
 @triton.jit

@@ -1,0 +1,1 @@
+"""pytest-benchmark suites (``bench_<op>.py``) and their shared helpers (``bench.common``)."""
