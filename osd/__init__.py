@@ -4,6 +4,7 @@
 transformers model; ``Engine.generate(prompts, SamplingParams(...))`` returns one
 ``Output`` per prompt.
 """
+from osd import zoo
 from osd.cache import KVCache
 from osd.engine import Engine
 from osd.models import DecoderLM, ModelConfig, load_model
@@ -24,4 +25,5 @@ __all__ = [
     "DecoderLM",
     "ModelConfig",
     "load_model",
+    "zoo",
 ]

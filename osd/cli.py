@@ -89,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=32)
     d.add_argument("-k", type=int, default=4, help="draft tokens per step (default 4)")
     d.add_argument("--seed", type=int, default=0, help="query-stream seed")
-    d.add_argument("--threads", type=int, default=None, help="torch threads")
+    d.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: serving and the learner thread "
+                   "each use one core)")
     d.add_argument("--out", default="reports/demo", help="report directory")
     d.set_defaults(func=_demo)
 

@@ -39,7 +39,8 @@ class DemoConfig:
     prompt_tokens: int = 48         # prompt length
     num_draft_tokens: int = 4       # k
     seed: int = 0                   # query-stream seed
-    threads: int | None = None      # torch intra-op threads (None: torch's default)
+    threads: int | None = 1         # torch intra-op threads: serving and the learner thread
+                                    # then each keep one core of a 2-core machine busy
     out_dir: str = "reports/demo"   # report directory
     online: osd.OnlineConfig = dataclasses.field(default_factory=lambda: osd.OnlineConfig(
         update_every_requests=8, steps_per_update=2, lr=3e-4, batch_positions=2048,
