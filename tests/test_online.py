@@ -7,6 +7,7 @@ import torch
 
 import osd
 from osd.online.distill import heldout_alpha
+from osd.online.router import Router, RouterConfig
 from tests.test_models import tiny_hf_model
 from tests.test_speculative import perturbed, prompts_of
 
@@ -136,3 +137,25 @@ def test_online_needs_a_model_drafter(pair):
     with pytest.raises(ValueError, match="online learning needs a model drafter"):
         osd.Engine.from_pretrained(pair[0], spec=osd.SpecConfig(drafter="ngram"),
                                    online=osd.OnlineConfig())
+
+
+@pytest.mark.parametrize("feedback", ["score", "bandit"])
+def test_router_learns_which_draft_suits_which_prompts(feedback):
+    """Two kinds of prompts (disjoint token ranges); draft d is better on kind d."""
+    router = Router(2, RouterConfig(feedback=feedback))
+    gen = torch.Generator().manual_seed(0)
+    correct = 0
+    for i in range(120):
+        kind = i % 2
+        prompt = (torch.randint(0, 60, (40,), generator=gen) + 60 * kind).tolist()
+        x = router.features(prompt)
+        choice = router.choose(x)
+        correct += i >= 40 and choice == kind
+        alphas = [0.7 if d == kind else 0.4 for d in range(2)]
+        if feedback == "score":
+            router.update_all(x, alphas)
+        else:
+            router.update(x, choice, alphas[choice])
+    assert correct >= 0.9 * 80
+    with pytest.raises(ValueError, match="feedback"):
+        RouterConfig(feedback="oracle")

@@ -2,7 +2,7 @@
 
 - α test: the prose-trained draft serving code queries. The online draft's α over the
   last third of the stream must beat the same draft kept static by at least 0.05. The
-  project's goal is +0.1; on the shipped pair we measured +0.07 to +0.08 here (see
+  project's goal is +0.1; on the shipped pair we measured +0.097 with this config (see
   docs/online.md), so the goal is not met yet and this test guards the measured gain.
 - routing test: two drafts, one pretrained mostly on prose and one mostly on code, an
   interleaved stream of both domains. After warm-up, >= 90% of the code requests go to
@@ -43,7 +43,7 @@ def test_online_alpha_rises_over_static_draft():
                                         max_seq_len=128)
     online = osd.Engine.from_pretrained(
         target, draft=draft, spec=spec, max_batch_size=1, max_seq_len=128,
-        online=osd.OnlineConfig(update_every_requests=8, steps_per_update=4, lr=1e-3,
+        online=osd.OnlineConfig(update_every_requests=8, steps_per_update=8, lr=5e-4,
                                 background=False, seed=0))
     a_static = _alphas(static, prompts)
     a_online = _alphas(online, prompts)
