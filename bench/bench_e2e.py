@@ -16,7 +16,7 @@ Providers (``k`` = ``K`` draft tokens unless named otherwise):
   ``K_MAX``; ``osd-adaptive``: adaptive draft length with at most ``K_MAX`` (the same
   ``k_max`` as the fixed row, so the two rows show what adaptivity buys);
   ``osd-tree``: the static tree ``TREE``;
-- ``osd-plain-b8``, ``osd-spec-b8``: batch 8 (the workload's prompts in one ``generate``
+- ``osd-plain-b8``, ``osd-spec-b8``: batch 8 (8 prompts in one ``generate``
   call), which transformers' assisted generation cannot do.
 
 Batch-1 providers serve ``NUM_PROMPTS`` prompts one at a time; batch-8 providers serve the
@@ -33,13 +33,14 @@ Recorded per provider in ``extra_info``: tokens/s, ``vs_plain`` (over our plain 
 1 - TV(p, q) of the softmaxed target and draft, averaged over drafted positions),
 ``acceptance_rate``, ``mean_accepted_length`` (tokens per verify step of one sequence) and
 the time split; ``c_engine`` (fixed chains) is the engine's draft time per draft forward
-over its verify time per verify forward. ``c`` is the cost of one draft forward relative to one target forward, measured by
-timing single one-token decode forwards of the two models side by side (interleaved, best
-of ``COST_REPS``); ``verify_cost`` is the target's (k+1)-token verify forward over its
-one-token forward. ``bound`` is the analytic speedup (1 - α^(k+1)) / ((1 - α)(c k + 1));
-``bound_tau`` is τ / (c k + 1) with the measured tokens per step τ (``mean_accepted_length``)
-in place of the i.i.d. expectation: with greedy decoding a draft is accepted when the argmax
-agrees, which can be much rarer than α = 1 - TV suggests.
+over its verify time per verify forward. ``c`` is the cost of one draft forward relative
+to one target forward, measured by timing single one-token decode forwards of the two
+models side by side (interleaved, best of ``COST_REPS``); ``verify_cost`` is the target's
+(K+1)-token verify forward over its one-token forward. ``bound`` is the analytic speedup
+(1 - α^(k+1)) / ((1 - α)(c k + 1)); ``bound_tau`` is τ / (c k + 1) with the measured
+tokens per step τ (``mean_accepted_length``) in place of the i.i.d. expectation: with
+greedy decoding a draft is accepted when the argmax agrees, which can be much rarer than
+α = 1 - TV suggests.
 
 ``OSD_BENCH_FULL=1`` serves more prompts and tokens with more rounds;
 ``OSD_BENCH_THREADS`` sets torch's thread count (default 1); ``OSD_BENCH_E2E_OUT=DIR``
