@@ -197,3 +197,15 @@ def test_sampled_joint_follows_target(spec, params):
     assert stat.pvalue > 1e-3, stat
     st = eng.stats
     assert 0 < st["accepted"] < st["drafted"]     # the test exercised accepts and rejects
+
+
+def test_steps_where_no_row_drafts(llama_pair, plain):
+    """Prompt lookup on prompts without repeats: whole steps draft nothing (a plain
+    one-token verify) and the output is still the target's."""
+    target, _ = llama_pair
+    prompts = [list(range(10, 30)), list(range(40, 47))]
+    ref = plain.generate(prompts, osd.SamplingParams(12))
+    eng = osd.Engine.from_pretrained(target, spec=osd.SpecConfig(drafter="ngram"),
+                                     max_batch_size=2, max_seq_len=96)
+    outs = eng.generate(prompts, osd.SamplingParams(12))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
