@@ -83,6 +83,8 @@ def test_split_source_separates_prose_from_code():
     assert prose == ("Module doc.\n\nfor paths\n\nfirst line of a block second line\n\n"
                      "Class doc\n\nmore.")
     assert code == "import os\n\nclass A:\n    x = '# not a comment'"
+    assert corpus.split_source("a = 1\r\n\x0c# note\r\nb = 2  # two\r\n") == \
+        ("note\n\ntwo", "a = 1\nb = 2")
     assert corpus.split_source("def broken(:\n") is None
 
 

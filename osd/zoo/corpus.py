@@ -125,12 +125,13 @@ def split_source(source: str) -> tuple[str, str] | None:
         with docstring lines and comments removed and blank-line runs collapsed. None when
         the running Python cannot parse or tokenize the source.
     """
+    source = source.replace("\r\n", "\n").replace("\r", "\n")
     try:
         tree = ast.parse(source)
         tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
     except (SyntaxError, ValueError, tokenize.TokenError, RecursionError, MemoryError):
         return None
-    lines = source.splitlines()
+    lines = source.split("\n")  # the rows of tokenize and ast (not str.splitlines)
     drop = set()  # 0-based line numbers removed from the code
     cut = {}  # 0-based line number -> column where a trailing comment starts
     pieces = []  # (line, column, prose text)
