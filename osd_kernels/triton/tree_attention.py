@@ -121,7 +121,8 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     on_gpu = q.is_cuda
     block_m = max(16, min(64 if on_gpu else 32, triton.next_power_of_2(T * group)))
     block_n = 64 if on_gpu else 32
-    mask = tree_mask if tree_mask is not None else cache_lens  # placeholder pointer if causal
+    # Causal: the kernel never reads the mask (HAS_MASK is False) but needs a valid pointer.
+    mask = tree_mask if tree_mask is not None else cache_lens
     grid = (B * Hkv, triton.cdiv(T * group, block_m))
     _tree_attention_kernel[grid](
         q, k_cache, v_cache, out, cache_lens, mask,
