@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from osd.graphs import StepGraphs, batch_bucket
 from osd.models.llama import DecoderLM
 from osd.sampling import SamplingParams
 from osd.spec import DynamicTree
@@ -86,6 +87,7 @@ class ModelDrafter:
         self._pending_len = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
         self._pending_max = 0
         self._one = torch.ones(max_batch_size, dtype=torch.int32, device=dev)
+        self.graphs: StepGraphs | None = None   # CUDA graphs of the chain loop (osd.graphs)
 
     def _forward(self, ids, **kw):
         return self.model(ids, self.cache, skip_layers=self.skip_layers, **kw)
@@ -146,8 +148,32 @@ class ModelDrafter:
         Greedy params draft the argmax (one-hot q, ``probs`` None); otherwise each token is
         drawn from the warped draft distribution (``sample_draft`` with the rows' ``seed``
         and ``offset``), which is returned as ``probs``. A ``stopper`` (adaptive draft
-        length) may end rows early.
+        length) may end rows early; without one, the loop replays a CUDA graph when
+        :attr:`graphs` is set.
         """
+        if self.graphs is not None and stopper is None:
+            tokens, probs, raw = self._chain_graphed(B, k, params, seed, offset)
+            return ChainProposal(tokens=tokens, probs=probs, logits=raw, num_drafted=None,
+                                 max_drafted=k)
+        toks, probs, raw, num = self._chain(B, k, params, seed, offset, stopper)
+        n = len(toks)
+        tokens = torch.stack(toks, 1)
+        max_drafted = n
+        if num is not None:
+            max_drafted = int(num.max())      # host sync (adaptive mode only)
+            # When no row drafts, the verify forward is a plain decode step (T = 1).
+            tokens = tokens[:, :max_drafted]
+            num = num.clamp(max=tokens.shape[1])
+        return ChainProposal(
+            tokens=tokens,
+            probs=torch.stack(probs, 1)[:, :tokens.shape[1]] if probs else None,
+            logits=torch.stack(raw, 1)[:, :tokens.shape[1]],
+            num_drafted=num, max_drafted=max_drafted)
+
+    def _chain(self, B: int, k: int, params: SamplingParams, seed: torch.Tensor,
+               offset: torch.Tensor, stopper=None):
+        """The draft loop: lists of ``[B]`` tokens, ``[B, V]`` warped q (sampling only) and
+        ``[B, V]`` raw logits per position, and the stopper's ``[B]`` counts (or None)."""
         logits = self._root(B)
         toks, probs, raw = [], [], []
         active = None
@@ -171,19 +197,48 @@ class ModelDrafter:
             if i + 1 < k:
                 logits = self._forward(x[:, None])[:, 0]
                 self.cache.commit(self._one[:B], 1)
-        n = len(toks)
-        tokens = torch.stack(toks, 1)
-        max_drafted = n
-        if num is not None:
-            max_drafted = int(num.max())      # host sync (adaptive mode only)
-            # When no row drafts, the verify forward is a plain decode step (T = 1).
-            tokens = tokens[:, :max_drafted]
-            num = num.clamp(max=tokens.shape[1])
-        return ChainProposal(
-            tokens=tokens,
-            probs=torch.stack(probs, 1)[:, :tokens.shape[1]] if probs else None,
-            logits=torch.stack(raw, 1)[:, :tokens.shape[1]],
-            num_drafted=num, max_drafted=max_drafted)
+        return toks, probs, raw, num
+
+    def _chain_graphed(self, B: int, k: int, params: SamplingParams, seed: torch.Tensor,
+                       offset: torch.Tensor):
+        """:meth:`_chain` replayed from a CUDA graph of the batch bucket (``osd.graphs``):
+        ``tokens [B, k]``, ``probs [B, k, V]`` or None, ``logits [B, k, V]``."""
+        cache = self.cache
+        P = self._pending_max
+        width = P + k - 1                     # tokens the loop commits to the draft cache
+        bound = cache.bound
+        if bound + width > cache.capacity:    # the eager path raises the capacity error
+            toks, probs, raw, _ = self._chain(B, k, params, seed, offset)
+            return torch.stack(toks, 1), torch.stack(probs, 1) if probs else None, \
+                torch.stack(raw, 1)
+        Bb = batch_bucket(B, cache.max_batch_size)
+        warp = None if params.greedy else (params.temperature, params.top_k, params.top_p)
+
+        def build():
+            static = {"seed": torch.zeros(Bb, dtype=torch.int64, device=self.device),
+                      "offset": torch.zeros(Bb, dtype=torch.int64, device=self.device)}
+
+            def body(s):
+                toks, probs, raw, _ = self._chain(Bb, k, params, s["seed"], s["offset"])
+                return (torch.stack(toks, 1), torch.stack(probs, 1) if probs else None,
+                        torch.stack(raw, 1))
+            return static, body
+
+        def fill(s):
+            s["seed"][:B].copy_(seed)
+            s["offset"][:B].copy_(offset)
+            cache.lens[B:Bb].zero_()          # padding rows are free rows
+            self._pending_len[B:Bb] = 1
+
+        def host_state():
+            saved = cache.bound
+            cache.bound = cache.capacity - width   # capture with the widest key range
+            return lambda: setattr(cache, "bound", saved)
+
+        tokens, probs, raw = self.graphs.run(("chain", id(self), Bb, P, k, warp), build, fill,
+                                             state=(cache.lens,), host_state=host_state)
+        cache.bound = min(bound + width, cache.capacity)   # what the eager commits add
+        return tokens[:B], None if probs is None else probs[:B], raw[:B]
 
     def propose_tree(self, B: int, tree, root_tokens: torch.Tensor) -> TreeProposal:
         """Expand a token tree from the draft's top-ranked children (deterministic)."""

@@ -33,6 +33,7 @@ import time
 import torch
 
 from osd.drafters import ModelDrafter, NGramDrafter
+from osd.graphs import StepGraphs
 from osd.models.llama import DecoderLM
 from osd.models.loading import is_transformers_model, load_model, load_tokenizer
 from osd.online.config import OnlineConfig
@@ -144,6 +145,9 @@ class Engine:
         if spec is not None:
             self.speculators = [Speculator(self, spec, d)
                                 for d in self._make_drafters(spec, drafts)]
+        self.graphs: StepGraphs | None = None
+        if spec is not None and spec.cuda_graphs and self.device.type == "cuda":
+            self.use_graphs(StepGraphs(self.device))
         self.online = None
         if online is not None:
             self.online = OnlineManager([sp.drafter.model for sp in self.speculators], online)
@@ -398,7 +402,23 @@ class Engine:
             out["per_draft"] = [sp.stats.as_dict() for sp in self.speculators]
         if self.online is not None:
             out["online"] = self.online.history()
+        if self.graphs is not None:
+            out["cuda_graphs"] = {"graphs": len(self.graphs.entries),
+                                  "captures": self.graphs.captures,
+                                  "replays": self.graphs.replays}
         return out
+
+    def use_graphs(self, graphs: StepGraphs | None) -> None:
+        """Replay the speculative step's forwards from ``graphs`` (None: eager).
+
+        On CUDA the engine does this itself when ``SpecConfig.cuda_graphs`` is set;
+        ``StepGraphs(device, emulate=True)`` runs the same static-buffer path eagerly.
+        """
+        if self.spec is None:
+            raise ValueError("CUDA graphs capture speculative steps; this engine has no spec")
+        self.graphs = graphs
+        for sp in self.speculators:
+            sp.use_graphs(graphs)
 
     def reset_stats(self) -> None:
         """Zero the statistics (learned weights and learning history are kept)."""

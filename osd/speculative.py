@@ -24,6 +24,7 @@ import torch
 
 import osd_kernels
 from osd.drafters import ModelDrafter, NGramDrafter
+from osd.graphs import StepGraphs, batch_bucket
 from osd.online.buffer import compress_target
 from osd.sampling import SamplingParams
 from osd.spec import SpecConfig
@@ -103,6 +104,7 @@ class Speculator:
         self.collect_full: bool = False
         self.collect_policy: str = "all"
         self.on_swap = None                         # callable run between steps (weights)
+        self.graphs: StepGraphs | None = None       # CUDA graphs of the forwards (use_graphs)
 
     # -- row bookkeeping (mirrors the engine's cache rows) ---------------------------
     def prefill(self, requests, start_row: int, first_tokens: torch.Tensor) -> None:
@@ -150,7 +152,7 @@ class Speculator:
             drafted = prop.num_drafted
         t1 = time.perf_counter()
         lens_before = eng.cache.lens[:B].clone()
-        logits = eng.model(inputs, eng.cache, tree_mask=mask, depths=depths)    # [B, T, V]
+        logits = self._verify(inputs, mask, depths)                            # [B, T, V]
         t2 = time.perf_counter()
         if tree is not None:
             path, out, n = osd_kernels.tree_rejection_sample(
@@ -200,6 +202,54 @@ class Speculator:
         for phase, dt in (("draft", t1 - t0), ("verify", t2 - t1), ("sample", t3 - t2),
                           ("rollback", t4 - t3), ("other", t5 - t4)):
             self.stats.add_time(phase, dt)
+
+    def use_graphs(self, graphs: StepGraphs | None) -> None:
+        """Replay the verify forward (and a model drafter's chain loop) from ``graphs``."""
+        self.graphs = graphs
+        if isinstance(self.drafter, ModelDrafter):
+            self.drafter.graphs = graphs
+
+    def _verify(self, inputs: torch.Tensor, mask: torch.Tensor | None,
+                depths: torch.Tensor | None) -> torch.Tensor:
+        """The target's forward over ``inputs [B, T]`` (tree: ``mask``, ``depths [B, T]``)
+        -> ``[B, T, V]`` logits, from a CUDA graph of the batch bucket when enabled."""
+        eng = self.engine
+        cache = eng.cache
+        B, T = inputs.shape
+        if self.graphs is None or cache.bound + T > cache.capacity:
+            return eng.model(inputs, cache, tree_mask=mask, depths=depths)
+        Bb = batch_bucket(B, cache.max_batch_size)
+        tree = mask is not None
+
+        def build():
+            dev = inputs.device
+            static = {"ids": torch.zeros(Bb, T, dtype=torch.int64, device=dev)}
+            if tree:
+                static["mask"] = torch.zeros(Bb, T, dtype=torch.int64, device=dev)
+                static["depths"] = torch.zeros(Bb, T, dtype=torch.int64, device=dev)
+
+            def body(s):
+                return eng.model(s["ids"], cache, tree_mask=s.get("mask"), depths=s.get("depths"))
+            return static, body
+
+        def fill(s):
+            s["ids"][:B].copy_(inputs)
+            if tree:
+                s["mask"][:B].copy_(mask)
+                s["depths"][:B].copy_(depths)
+                if Bb > B:                 # padding rows: a causal chain
+                    i = torch.arange(T, dtype=torch.int64, device=inputs.device)
+                    s["mask"][B:] = (2 << i) - 1
+                    s["depths"][B:] = i
+            cache.lens[B:Bb].zero_()       # padding rows are free rows
+
+        def host_state():
+            saved = cache.bound
+            cache.bound = cache.capacity - T   # capture with the widest key range
+            return lambda: setattr(cache, "bound", saved)
+
+        logits = self.graphs.run(("verify", Bb, T, tree), build, fill, host_state=host_state)
+        return logits[:B]
 
     def _sampling_tensors(self, active, params: SamplingParams, dev) -> dict:
         B = len(active)

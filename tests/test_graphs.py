@@ -1,0 +1,104 @@
+"""CUDA graphs of the speculative step (``osd.graphs``).
+
+On CPU the static-buffer path runs emulated (``StepGraphs(emulate=True)``: the same
+bucketing, padding, static inputs, warm-up with state restore and cache-bound bookkeeping,
+with plain calls in place of capture and replay); it must emit exactly what the eager
+engine emits. The real capture runs only where CUDA is present."""
+import pytest
+import torch
+
+import osd
+from osd.graphs import StepGraphs, batch_bucket
+from tests.test_models import tiny_hf_model
+from tests.test_speculative import perturbed, prompts_of
+
+TREE = [(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (2,)]
+CASES = {
+    "greedy-chain": (dict(num_draft_tokens=3), dict(temperature=0.0)),
+    "sampled-chain": (dict(num_draft_tokens=4), dict(temperature=0.8, top_k=20, top_p=0.9)),
+    "greedy-tree": (dict(num_draft_tokens=len(TREE), tree=TREE), dict(temperature=0.0)),
+    "sampled-tree": (dict(num_draft_tokens=len(TREE), tree=TREE), dict(temperature=1.0)),
+    "self-speculation": (dict(num_draft_tokens=3, drafter="self"), dict(temperature=0.0)),
+}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_hf_model("llama", seed=31)
+    return target, perturbed(target, 0.3, seed=32)
+
+
+def _engine(pair, spec, device="cpu", max_batch_size=4):
+    target, draft = pair
+    spec = osd.SpecConfig(**spec)
+    return osd.Engine.from_pretrained(target, draft=draft if spec.drafter == "model" else None,
+                                      spec=spec, device=device, max_batch_size=max_batch_size,
+                                      max_seq_len=80)
+
+
+def test_batch_bucket():
+    assert [batch_bucket(b, 8) for b in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert batch_bucket(5, 6) == 6
+    assert batch_bucket(3, 3) == 3
+
+
+def test_step_graphs_need_cuda_unless_emulated():
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        StepGraphs(torch.device("cpu"))
+
+
+def test_graphs_need_a_spec(pair):
+    eng = osd.Engine.from_pretrained(pair[0], max_batch_size=2, max_seq_len=32)
+    with pytest.raises(ValueError, match="no spec"):
+        eng.use_graphs(StepGraphs(eng.device, emulate=True))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_emulated_graphs_emit_what_eager_emits(pair, case):
+    spec, sampling = CASES[case]
+    # 5 ragged prompts on 4 rows: batches of 4, 3 (padded to 4), 2 and 1, with refills.
+    prompts = prompts_of([7, 3, 11, 5, 9], seed=33)
+    params = osd.SamplingParams(20, seed=34, **sampling)
+    eager = _engine(pair, spec).generate(prompts, params)
+    eng = _engine(pair, spec)
+    eng.use_graphs(StepGraphs(eng.device, emulate=True))
+    graphed = eng.generate(prompts, params)
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    info = eng.stats["cuda_graphs"]
+    assert info["captures"] == info["graphs"] > 0 and info["replays"] > info["captures"]
+    # A second call reuses the captured graphs (same buckets, same sampling params).
+    again = eng.generate(prompts, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in eager]
+    assert eng.stats["cuda_graphs"]["captures"] == info["captures"]
+
+
+def test_emulated_graphs_leave_the_draft_cache_as_eager_does(pair):
+    spec, _ = CASES["greedy-chain"]
+    prompts = prompts_of([6, 10], seed=35)
+    engines = [_engine(pair, spec), _engine(pair, spec)]
+    engines[1].use_graphs(StepGraphs(engines[1].device, emulate=True))
+    for eng in engines:
+        eng.generate(prompts, osd.SamplingParams(12))
+    a, b = (e.speculators[0].drafter for e in engines)
+    assert torch.equal(a.cache.lens[:2], b.cache.lens[:2])
+    assert a.cache.bound == b.cache.bound
+    assert torch.equal(a._pending_len[:2], b._pending_len[:2])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@pytest.mark.parametrize("case", list(CASES))
+def test_cuda_graphs_emit_what_eager_emits(pair, case):
+    spec, sampling = CASES[case]
+    prompts = prompts_of([7, 3, 11, 5, 9], seed=36)
+    params = osd.SamplingParams(20, seed=37, **sampling)
+    eager_engine = _engine(pair, dict(spec, cuda_graphs=False), device="cuda")
+    eager = eager_engine.generate(prompts, params)
+    eng = _engine(pair, spec, device="cuda")
+    assert eng.graphs is not None and not eng.graphs.emulate
+    graphed = eng.generate(prompts, params)
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    assert eng.stats["cuda_graphs"]["replays"] > 0
+    if sampling["temperature"] == 0.0:
+        plain = osd.Engine.from_pretrained(pair[0], device="cuda", max_batch_size=4,
+                                           max_seq_len=80).generate(prompts, params)
+        assert [o.token_ids for o in graphed] == [o.token_ids for o in plain]
