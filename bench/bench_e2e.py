@@ -16,6 +16,11 @@ Providers (``k`` = ``K`` draft tokens unless named otherwise):
   ``K_MAX``; ``osd-adaptive``: adaptive draft length with at most ``K_MAX`` (the same
   ``k_max`` as the fixed row, so the two rows show what adaptivity buys);
   ``osd-tree``: the static tree ``TREE``;
+- ``osd-online``: ``osd-spec`` with online distillation (``ONLINE``: the demo's schedule,
+  background learner). Before its timed rounds it serves ``WARMUP`` other code queries
+  (a different seed of the same stream), learning as it goes; it keeps learning while
+  timed, so its tokens/s include the learner's share of the cores. Its α next to
+  ``osd-spec``'s is the static-versus-online comparison on the shifted stream.
 - ``osd-plain-b8``, ``osd-spec-b8``: batch 8 (8 prompts in one ``generate``
   call), which transformers' assisted generation cannot do.
 
@@ -69,6 +74,8 @@ K = 4
 K_MAX = 8
 TREE = [(0,), (1,), (2,), (3,), (0, 0), (1, 0)]   # top 4 at the root, best child of 2
 COST_REPS = 400 if FULL else 200
+WARMUP = 160 if FULL else 96
+ONLINE = osd.OnlineConfig(update_every_requests=8, steps_per_update=8, lr=5e-4, seed=0)
 THREADS = int(os.environ.get("OSD_BENCH_THREADS", "1"))
 OUT_DIR = os.environ.get("OSD_BENCH_E2E_OUT")
 
@@ -76,6 +83,7 @@ OUT_DIR = os.environ.get("OSD_BENCH_E2E_OUT")
 OSD_PROVIDERS = {
     "osd-plain": (1, None),
     "osd-spec": (1, osd.SpecConfig(num_draft_tokens=K)),
+    "osd-online": (1, osd.SpecConfig(num_draft_tokens=K)),
     f"osd-spec-k{K_MAX}": (1, osd.SpecConfig(num_draft_tokens=K_MAX)),
     "osd-adaptive": (1, osd.SpecConfig(num_draft_tokens=K_MAX, adaptive=True)),
     "osd-tree": (1, osd.SpecConfig(num_draft_tokens=len(TREE), tree=TREE)),
@@ -83,7 +91,7 @@ OSD_PROVIDERS = {
     "osd-spec-b8": (BATCH, osd.SpecConfig(num_draft_tokens=K)),
 }
 HF_PROVIDERS = ("transformers", "transformers-assisted")
-PROVIDERS = ["osd-plain", "transformers", "transformers-assisted", "osd-spec",
+PROVIDERS = ["osd-plain", "transformers", "transformers-assisted", "osd-spec", "osd-online",
              f"osd-spec-k{K_MAX}", "osd-adaptive", "osd-tree", "osd-plain-b8", "osd-spec-b8"]
 
 
@@ -109,19 +117,40 @@ def pair():
     hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
     hf_draft.generation_config.assistant_confidence_threshold = 0.0
     engines = {}
+    warmup_alpha: list = []
 
     def engine(name):
         if name not in engines:
             batch, spec = OSD_PROVIDERS[name]
             engines[name] = osd.Engine.from_pretrained(
                 target_dir, draft=draft_dir if spec is not None else None, spec=spec,
-                max_batch_size=batch, max_seq_len=PROMPT_TOKENS + NEW_TOKENS)
+                max_batch_size=batch, max_seq_len=PROMPT_TOKENS + NEW_TOKENS,
+                online=ONLINE if name == "osd-online" else None)
+            if name == "osd-online":
+                warmup_alpha.extend(warm_up(engines[name]))
         return engines[name]
 
     params = osd.SamplingParams(NEW_TOKENS)
     reference = [engine("osd-plain").generate([p], params)[0].token_ids for p in prompts]
     return dict(target_dir=target_dir, draft_dir=draft_dir, prompts=prompts, params=params,
-                hf_target=hf_target, hf_draft=hf_draft, engine=engine, reference=reference)
+                hf_target=hf_target, hf_draft=hf_draft, engine=engine, reference=reference,
+                warmup_alpha=warmup_alpha)
+
+
+def warm_up(engine) -> list:
+    """Serve ``WARMUP`` code queries (seed 7, unseen by the timed prompts) with learning on,
+    printing the rolling α; wait for the last update; return α per query."""
+    stream = zoo.query_stream("code", n=WARMUP, prompt_tokens=PROMPT_TOKENS, seed=7)
+    params = osd.SamplingParams(NEW_TOKENS)
+    alphas = []
+    for i, prompt in enumerate(stream, 1):
+        alphas.append(engine.generate([prompt], params)[0].stats["alpha"])
+        if i % 16 == 0 or i == len(stream):
+            window = [a for a in alphas[-16:] if a is not None]
+            print(f"osd-online warm-up: {i}/{len(stream)} queries, α (last 16) "
+                  f"{sum(window) / max(len(window), 1):.3f}", flush=True)
+    engine.online.wait()
+    return alphas
 
 
 def _hf_generate(pair, prompt: list[int], assisted: bool) -> list[int]:
@@ -321,6 +350,12 @@ def test_e2e(benchmark, pair, costs, report, provider):
                    c=round(costs["c"], 4), verify_cost=round(costs["verify_cost"], 3),
                    target_forward_ms=round(costs["target_forward_ms"], 3),
                    draft_forward_ms=round(costs["draft_forward_ms"], 3))
+        if provider == "osd-online":
+            hist = st["online"]
+            first = [a for a in pair["warmup_alpha"][:16] if a is not None]
+            row.update(warmup_queries=WARMUP, updates_applied=hist["updates_applied"],
+                       updates_rejected=hist["updates_rejected"],
+                       warmup_alpha_first16=round(sum(first) / len(first), 4))
         if not (spec.is_tree or spec.adaptive):
             # In the engine a fixed chain runs k draft forwards per verify forward.
             t = st["time_s"]

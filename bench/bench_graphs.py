@@ -1,0 +1,62 @@
+"""CUDA graphs of the speculative step: tokens/s eager against graphed, side by side.
+
+GPU only (skipped without CUDA; `make gpu-check` runs it). The built-in pair
+(``osd.zoo``) in bfloat16, greedy chain speculation with k = 4, code prompts of 48 tokens,
+``NEW_TOKENS`` new tokens each, batch 1 and 8. Two engines differ only in
+``SpecConfig(cuda_graphs=...)``; their outputs are asserted equal before timing, and their
+rounds alternate so both see the same machine state. Recorded in ``extra_info``: best-round
+tokens/s of each and ``graphs_over_eager``.
+
+    python -m pytest -q -p no:cacheprovider bench/bench_graphs.py
+"""
+import time
+
+import pytest
+import torch
+
+import osd
+from osd import zoo
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+NEW_TOKENS = 64
+ROUNDS = 5
+K = 4
+
+
+def _engine(graphs: bool, batch: int):
+    target, draft = zoo.default_pair()
+    return osd.Engine.from_pretrained(
+        target, draft=draft, device="cuda", dtype=torch.bfloat16, max_batch_size=batch,
+        max_seq_len=48 + NEW_TOKENS, spec=osd.SpecConfig(num_draft_tokens=K, cuda_graphs=graphs))
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_cuda_graphs_speedup(benchmark, batch):
+    prompts = zoo.query_stream("code", n=batch, prompt_tokens=48)
+    params = osd.SamplingParams(NEW_TOKENS)
+    engines = {"eager": _engine(False, batch), "graphs": _engine(True, batch)}
+    outs = {name: [o.token_ids for o in e.generate(prompts, params)] for name, e in engines.items()}
+    assert outs["graphs"] == outs["eager"], "graphed output differs from eager"
+    tokens = sum(len(t) for t in outs["eager"])
+    best = dict.fromkeys(engines, float("inf"))
+
+    def eager_round():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engines["eager"].generate(prompts, params)
+        torch.cuda.synchronize()
+        best["eager"] = min(best["eager"], time.perf_counter() - start)
+
+    def graphs_round():
+        engines["graphs"].generate(prompts, params)
+        torch.cuda.synchronize()
+
+    benchmark.pedantic(graphs_round, setup=eager_round, rounds=ROUNDS, iterations=1)
+    best["graphs"] = benchmark.stats.stats.min
+    tps = {name: tokens / t for name, t in best.items()}
+    benchmark.extra_info.update(
+        batch=batch, k=K, new_tokens=NEW_TOKENS, dtype="bfloat16",
+        eager_tokens_per_s=round(tps["eager"], 1), graphs_tokens_per_s=round(tps["graphs"], 1),
+        graphs_over_eager=round(tps["graphs"] / tps["eager"], 2),
+        graphs=engines["graphs"].stats["cuda_graphs"])
