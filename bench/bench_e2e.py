@@ -16,8 +16,8 @@ Providers (``k`` = ``K`` draft tokens unless named otherwise):
   ``K_MAX``; ``osd-adaptive``: adaptive draft length with at most ``K_MAX`` (the same
   ``k_max`` as the fixed row, so the two rows show what adaptivity buys);
   ``osd-tree``: the static tree ``TREE``;
-- ``osd-online``: ``osd-spec`` with online distillation (``ONLINE``: the demo's schedule,
-  background learner). Before its timed rounds it serves ``WARMUP`` other code queries
+- ``osd-online``: ``osd-spec`` with online distillation (``ONLINE``: 8 AdamW steps at
+  lr 5e-4 every 4 requests, background learner). Before its timed rounds it serves ``WARMUP`` other code queries
   (a different seed of the same stream), learning as it goes; it keeps learning while
   timed, so its tokens/s include the learner's share of the cores. Its α next to
   ``osd-spec``'s is the static-versus-online comparison on the shifted stream.
@@ -75,7 +75,7 @@ K_MAX = 8
 TREE = [(0,), (1,), (2,), (3,), (0, 0), (1, 0)]   # top 4 at the root, best child of 2
 COST_REPS = 400 if FULL else 200
 WARMUP = 160 if FULL else 96
-ONLINE = osd.OnlineConfig(update_every_requests=8, steps_per_update=8, lr=5e-4, seed=0)
+ONLINE = osd.OnlineConfig(update_every_requests=4, steps_per_update=8, lr=5e-4, seed=0)
 THREADS = int(os.environ.get("OSD_BENCH_THREADS", "1"))
 OUT_DIR = os.environ.get("OSD_BENCH_E2E_OUT")
 
