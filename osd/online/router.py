@@ -1,13 +1,13 @@
 """Query routing across several drafts.
 
-Each request is described by cheap prompt features: hashed unigram and bigram counts of
-its token ids, L2-normalised (``prompt_features``). The router remembers the features of
-recent requests together with the acceptance α each draft achieved (or would have
-achieved) on them, and predicts a draft's α on a new request as the similarity-weighted
-mean over its ``neighbors`` most similar remembered requests, shrunk towards a prior
-(a k-nearest-neighbour contextual bandit). Similar prompts (same domain, same kind of
-text) have similar drafts' fortunes, and nothing is lost to a linear model's shared
-intercept.
+Each request is described by cheap prompt features: which hashed unigrams and bigrams
+of its token ids occur, L2-normalised (``prompt_features``). The router remembers the
+features of recent requests together with the acceptance α each draft achieved (or
+would have achieved) on them, and predicts a draft's α on a new request as the
+similarity-weighted geometric mean over its ``neighbors`` most similar remembered
+requests, shrunk towards a prior (a k-nearest-neighbour contextual bandit). Similar
+prompts (same domain, same kind of text) have similar drafts' fortunes, and nothing is
+lost to a linear model's shared intercept.
 
 Two kinds of feedback (``RouterConfig.feedback``):
 
@@ -20,6 +20,7 @@ Two kinds of feedback (``RouterConfig.feedback``):
 """
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 
@@ -29,8 +30,9 @@ import torch
 @dataclass
 class RouterConfig:
     feedback: str = "score"   # "score" (full information) or "bandit" (chosen draft only)
-    dim: int = 1024           # hashed feature dimension
-    memory: int = 2048        # remembered requests (oldest forgotten first)
+    dim: int = 4096           # hashed feature dimension (see prompt_features)
+    memory: int = 2048        # remembered requests (oldest forgotten first; dim * memory
+                              # float32 features: 32 MiB at the defaults)
     neighbors: int = 16       # most similar remembered requests used per prediction
     temperature: float = 0.1  # neighbour weight exp((cos - best cos) / temperature)
     prior_weight: float = 0.1  # weight of the prior in the shrunk mean
@@ -43,19 +45,30 @@ class RouterConfig:
                              f"{self.feedback!r}")
         if self.dim < 8:
             raise ValueError(f"RouterConfig.dim must be >= 8, got {self.dim}")
+        if not 0.0 < self.prior_alpha <= 1.0:
+            raise ValueError(f"RouterConfig.prior_alpha must be in (0, 1], got "
+                             f"{self.prior_alpha}")
         if self.memory < 1 or self.neighbors < 1:
             raise ValueError(f"RouterConfig.memory and neighbors must be >= 1, got "
                              f"{self.memory}, {self.neighbors}")
 
 
 _MULT1, _MULT2 = 0x9E3779B1, 0x85EBCA77
+_ALPHA_FLOOR = 1e-3       # α below this counts as this in the (log-space) mean
 
 
 def prompt_features(tokens, dim: int) -> torch.Tensor:
     """Which hashed unigrams and bigrams of ``tokens`` occur -> ``[dim]`` float32, unit L2.
 
     Presence rather than counts, so that frequent tokens (spaces, newlines) do not
-    dominate the similarity between two prompts.
+    dominate the similarity between two prompts. ``dim`` must be large against the
+    number ``m`` of distinct n-grams of a prompt: two unrelated prompts share about
+    ``m * m / dim`` buckets by chance, which adds up to about ``m / dim`` to their cosine.
+    On the zoo's 48-token prompts (``query_stream(domain, n=36, prompt_tokens=48,
+    seed=2)``, m = 76 on average) the mean cosine of prose/prose, code/code and
+    prose/code pairs measured 0.128, 0.138, 0.099 at ``dim`` 1024; 0.086, 0.097, 0.054
+    at 4096; 0.073, 0.086, 0.042 at 2**20 (almost no collisions). At 1024 the collision
+    noise exceeded the gap between same-domain and cross-domain pairs.
     """
     t = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
     x = torch.zeros(dim, dtype=torch.float32)
@@ -105,15 +118,22 @@ class Router:
     def _predict(self, x: torch.Tensor):
         cfg = self.config
         w, y = self._neighbours(x)
-        prior = torch.full((self.num_drafts,), cfg.prior_alpha)
+        prior = torch.full((self.num_drafts,), math.log(cfg.prior_alpha))
         if w is None:
-            return prior, torch.zeros(self.num_drafts)
+            return prior.exp(), torch.zeros(self.num_drafts)
         seen = ~torch.isnan(y)                                   # [k, D]
         wk = w[:, None] * seen
         total = wk.sum(0)
-        mean = (cfg.prior_weight * prior + (wk * torch.nan_to_num(y)).sum(0)) / \
+        # Geometric, not arithmetic, mean: a score against top-k target distributions
+        # misses the overlap outside the top k, so it is roughly the exact α times the
+        # request's captured fraction, a factor shared by every draft on that request. In
+        # log space that factor adds the same term to every draft and drops out of the
+        # comparison; an arithmetic mean would let requests whose targets are peaked (more
+        # mass captured) outweigh the rest.
+        logy = torch.log(torch.nan_to_num(y).clamp_min(_ALPHA_FLOOR))
+        mean = (cfg.prior_weight * prior + (wk * logy).sum(0)) / \
             (cfg.prior_weight + total)
-        return mean, seen.sum(0).float()
+        return mean.exp(), seen.sum(0).float()
 
     def choose(self, x: torch.Tensor) -> int:
         with self._lock:

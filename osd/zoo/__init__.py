@@ -67,8 +67,8 @@ def default_pair() -> tuple[str, str]:
 
 
 def code_draft() -> str:
-    """Directory of a second draft, the same shape as the default one but trained mostly
-    on code: the matching draft for the ``code`` stream (e.g. for routing tests)."""
+    """Directory of a second draft, the same shape as the default one but trained on code
+    only: the matching draft for the ``code`` stream (e.g. for routing tests)."""
     return _checkpoints("draft_code")[0]
 
 
