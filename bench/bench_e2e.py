@@ -16,11 +16,13 @@ Providers (``k`` = ``K`` draft tokens unless named otherwise):
   ``K_MAX``; ``osd-adaptive``: adaptive draft length with at most ``K_MAX`` (the same
   ``k_max`` as the fixed row, so the two rows show what adaptivity buys);
   ``osd-tree``: the static tree ``TREE``;
-- ``osd-online``: ``osd-spec`` with online distillation (``ONLINE``: 8 AdamW steps at
-  lr 5e-4 every 4 requests, background learner). Before its timed rounds it serves ``WARMUP`` other code queries
-  (a different seed of the same stream), learning as it goes; it keeps learning while
-  timed, so its tokens/s include the learner's share of the cores. Its α next to
-  ``osd-spec``'s is the static-versus-online comparison on the shifted stream.
+- ``osd-online``: ``osd-spec`` with the draft that online distillation produced
+  (``ONLINE``: 8 AdamW steps at lr 5e-4 every 4 requests, background learner) while
+  serving ``WARMUP`` other code queries (a different seed of the same stream). The learned
+  draft is then frozen for the timed rounds, because they serve the same few prompts
+  again and again, which a learning draft would memorise; the cost of learning while
+  serving is ``bench_online.py``'s. Its α next to ``osd-spec``'s is the static-versus-
+  online comparison on the shifted stream, on prompts the draft never trained on.
 - ``osd-plain-b8``, ``osd-spec-b8``: batch 8 (8 prompts in one ``generate``
   call), which transformers' assisted generation cannot do.
 
@@ -117,7 +119,7 @@ def pair():
     hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
     hf_draft.generation_config.assistant_confidence_threshold = 0.0
     engines = {}
-    warmup_alpha: list = []
+    warmup: dict = {}       # osd-online: α per warm-up query and the learning history
 
     def engine(name):
         if name not in engines:
@@ -127,14 +129,22 @@ def pair():
                 max_batch_size=batch, max_seq_len=PROMPT_TOKENS + NEW_TOKENS,
                 online=ONLINE if name == "osd-online" else None)
             if name == "osd-online":
-                warmup_alpha.extend(warm_up(engines[name]))
+                learner = engines[name]
+                warmup["alpha"] = warm_up(learner)
+                learner.close()
+                warmup["history"] = learner.stats["online"]
+                # Serve the timed prompts with the learned draft, frozen: the timed rounds
+                # repeat the same prompts, which a learning draft would memorise.
+                engines[name] = osd.Engine(learner.model, draft=learner.draft, spec=spec,
+                                           max_batch_size=batch,
+                                           max_seq_len=PROMPT_TOKENS + NEW_TOKENS)
         return engines[name]
 
     params = osd.SamplingParams(NEW_TOKENS)
     reference = [engine("osd-plain").generate([p], params)[0].token_ids for p in prompts]
     return dict(target_dir=target_dir, draft_dir=draft_dir, prompts=prompts, params=params,
                 hf_target=hf_target, hf_draft=hf_draft, engine=engine, reference=reference,
-                warmup_alpha=warmup_alpha)
+                warmup=warmup)
 
 
 def warm_up(engine) -> list:
@@ -351,8 +361,8 @@ def test_e2e(benchmark, pair, costs, report, provider):
                    target_forward_ms=round(costs["target_forward_ms"], 3),
                    draft_forward_ms=round(costs["draft_forward_ms"], 3))
         if provider == "osd-online":
-            hist = st["online"]
-            first = [a for a in pair["warmup_alpha"][:16] if a is not None]
+            hist = pair["warmup"]["history"]
+            first = [a for a in pair["warmup"]["alpha"][:16] if a is not None]
             row.update(warmup_queries=WARMUP, updates_applied=hist["updates_applied"],
                        updates_rejected=hist["updates_rejected"],
                        warmup_alpha_first16=round(sum(first) / len(first), 4))
