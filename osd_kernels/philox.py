@@ -94,9 +94,14 @@ def philox_uniform_rows(seed, offset, stream, n: int) -> torch.Tensor:
     Equal to ``philox_uniform(seed[..., None], offset[..., None], stream[..., None],
     arange(n))`` but runs one Philox call per four indices.
     """
-    seed = torch.as_tensor(seed, dtype=torch.int64)[..., None]
-    offset = torch.as_tensor(offset, dtype=torch.int64)[..., None]
-    stream = torch.as_tensor(stream, dtype=torch.int64)[..., None]
+    seed = torch.as_tensor(seed, dtype=torch.int64)
+    dev = seed.device
+    seed = seed[..., None]
+    offset = torch.as_tensor(offset, dtype=torch.int64, device=dev)[..., None]
+    # A Python stream number becomes a device scalar by a fill, not a host copy (safe
+    # inside a CUDA graph capture).
+    stream = (stream.to(device=dev, dtype=torch.int64) if torch.is_tensor(stream)
+              else torch.full((), int(stream), dtype=torch.int64, device=dev))[..., None]
     blocks = torch.arange((n + 3) // 4, dtype=torch.int64, device=seed.device)
     words = philox4x32_10(blocks, stream, offset & MASK32, (offset >> 32) & MASK32,
                           seed & MASK32, (seed >> 32) & MASK32)

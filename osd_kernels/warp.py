@@ -44,13 +44,20 @@ def warp_probs(logits: torch.Tensor, temperature=None, top_k=None, top_p=None) -
     t = torch.where(t > 0, t, torch.ones_like(t))
     x = x / t[:, None]
     k = _per_row(top_k, n, 0, x.device, torch.int64)
-    if bool((k > 0).any()):
-        kk = k.clamp(1, v)
-        kth = torch.topk(x, int(kk.max()), dim=-1).values.gather(1, (kk - 1)[:, None])
+    kk = k.clamp(1, v)
+    # Scalar parameters decide on the host; per-row tensors need a host sync here. With
+    # scalars the function has none, so it can run inside a CUDA graph capture.
+    if torch.is_tensor(top_k):
+        k_max = int(kk.max()) if bool((k > 0).any()) else 0
+    else:
+        k_max = min(int(top_k), v) if top_k is not None and int(top_k) > 0 else 0
+    if k_max:
+        kth = torch.topk(x, k_max, dim=-1).values.gather(1, (kk - 1)[:, None])
         x = torch.where((k[:, None] > 0) & (x < kth), torch.full_like(x, float("-inf")), x)
     probs = torch.softmax(x, dim=-1)
     p = _per_row(top_p, n, 1.0, x.device, torch.float32)
-    if bool((p < 1).any()):
+    use_p = bool((p < 1).any()) if torch.is_tensor(top_p) else top_p is not None and top_p < 1
+    if use_p:
         sorted_p, _ = torch.sort(probs, dim=-1, descending=True)
         # mass strictly above each sorted value: cumsum minus the mass of all its ties
         csum = torch.cumsum(sorted_p, dim=-1)
