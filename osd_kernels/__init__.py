@@ -5,6 +5,7 @@ kernel behind ``torch.ops.osd.<op>``, and (where useful) a Triton kernel. The pu
 function of the same name checks its inputs and dispatches (``backend="auto"``).
 """
 from osd_kernels._ops import native_available
+from osd_kernels.decode_linear import decode_linear, decode_linear_reference
 from osd_kernels.kv_rollback import chain_rollback, kv_rollback, kv_rollback_reference
 from osd_kernels.rejection_sample import rejection_sample, rejection_sample_reference
 from osd_kernels.distill_loss import distill_loss, distill_loss_reference
@@ -15,6 +16,8 @@ from osd_kernels.tree_rejection_sample import (tree_rejection_sample,
 
 __all__ = [
     "native_available",
+    "decode_linear",
+    "decode_linear_reference",
     "kv_rollback",
     "kv_rollback_reference",
     "chain_rollback",

@@ -27,6 +27,7 @@ from torch import nn
 from osd.cache import KVCache
 from osd.models.attention import attention, causal_attention, resolve_attention_backend
 from osd.models.config import ModelConfig
+from osd_kernels.decode_linear import decode_linear
 
 MAX_TREE = 64  # tree_mask is one int64 bitmask per query
 
@@ -110,17 +111,17 @@ class DecoderLayer(nn.Module):
         """Queries ``[B, T, Hq, D]`` and keys, values ``[B, T, Hkv, D]``, RoPE applied."""
         B, T, _ = x.shape
         hq, hkv = self.num_heads, self.num_kv_heads
-        qkv = F.linear(self.input_norm(x), self.wqkv.weight, self.wqkv.bias)
+        qkv = decode_linear(self.input_norm(x), self.wqkv.weight, self.wqkv.bias)
         qkv = qkv.view(B, T, hq + 2 * hkv, self.head_dim)
         q, k = apply_rope(qkv[:, :, :hq + hkv], cos, sin).split((hq, hkv), dim=2)
         return q, k, qkv[:, :, hq + hkv:]
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual after attention output ``attn [B, T, Hq, D]``, then the SwiGLU block."""
-        x = x + F.linear(attn.flatten(2), self.wo.weight, self.wo.bias)
-        h = F.linear(self.post_attention_norm(x), self.w_gate_up.weight, self.w_gate_up.bias)
+        x = x + decode_linear(attn.flatten(2), self.wo.weight, self.wo.bias)
+        h = decode_linear(self.post_attention_norm(x), self.w_gate_up.weight, self.w_gate_up.bias)
         gate, up = h.chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.w_down.weight, self.w_down.bias)
+        return x + decode_linear(F.silu(gate) * up, self.w_down.weight, self.w_down.bias)
 
 
 class DecoderLM(nn.Module):
@@ -277,4 +278,4 @@ class DecoderLM(nn.Module):
     def _logits(self, x: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
         if logits_index is not None:
             x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
-        return self.lm_head(self.norm(x)).float()
+        return decode_linear(self.norm(x), self.lm_head.weight).float()

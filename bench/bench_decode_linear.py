@@ -1,0 +1,62 @@
+"""``decode_linear`` against ``F.linear`` at decode and verify sizes, side by side.
+
+The weight shapes of the built-in target (``osd.zoo``: hidden 320, MLP 864, vocabulary
+2048) and of a 1B-class model layer (hidden 2048, MLP 8192); M rows (1 = decode at batch
+1, 5 = a k = 4 verify, 8 = decode at batch 8). CPU, float32, torch on
+``OSD_BENCH_THREADS`` threads (default 1). Each round of ``cpp`` is preceded by one timed
+round of ``F.linear`` on the same inputs (its ``setup``); ``cpp`` calls
+``decode_linear`` with ``backend="auto"``, as the model does (the C++ kernel at these
+sizes, plus the wrapper's per-call cost). ``extra_info`` records both
+best rounds and ``speedup``; the outputs are checked to agree first.
+
+    .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_decode_linear.py
+"""
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bench.common import FULL
+from osd_kernels import decode_linear
+
+pytestmark = pytest.mark.usefixtures("torch_threads")
+
+SHAPES = {   # name: (N, K)
+    "zoo-qkv": (960, 320), "zoo-gate-up": (1728, 320), "zoo-down": (320, 864),
+    "zoo-lm-head": (2048, 320),
+}
+if FULL:
+    SHAPES.update({"1b-qkv": (6144, 2048), "1b-down": (2048, 8192)})
+ROWS = (1, 2, 5, 8)
+CALLS = 200   # calls per timed round
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_decode_linear(benchmark, shape, rows):
+    n, k = SHAPES[shape]
+    gen = torch.Generator().manual_seed(n + rows)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k ** 0.5
+    b = torch.randn(n, generator=gen)
+    torch.testing.assert_close(decode_linear(x, w, b, backend="native"), F.linear(x, w, b),
+                               rtol=1e-4, atol=1e-4)
+    best = {"linear": float("inf")}
+
+    def linear_round():
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            F.linear(x, w, b)
+        best["linear"] = min(best["linear"], time.perf_counter() - start)
+
+    def ours():
+        for _ in range(CALLS):
+            decode_linear(x, w, b)
+
+    benchmark.pedantic(ours, setup=linear_round, rounds=10, iterations=1, warmup_rounds=1)
+    cpp = benchmark.stats.stats.min
+    benchmark.extra_info.update(
+        N=n, K=k, M=rows, threads=torch.get_num_threads(),
+        linear_us=round(best["linear"] / CALLS * 1e6, 2), cpp_us=round(cpp / CALLS * 1e6, 2),
+        speedup=round(best["linear"] / cpp, 2))

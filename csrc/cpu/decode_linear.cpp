@@ -1,0 +1,192 @@
+// decode_linear: schema, checks and the C++ CPU kernel of y = x W^T + b for few rows.
+//
+// Decode and verify forwards multiply 1 to ~8 rows by every weight matrix. A general GEMM
+// handles so few rows poorly on one core; here one pass over W serves up to kMaxPass rows:
+// each block of NB weight rows is loaded once per 8-float step and multiplied into
+// M x NB running sums, which stay in registers. More rows run in passes of 4.
+// The AVX2 + FMA clone is picked at load time (OSD_NO_AVX2=1 forces the portable loop);
+// the two round differently (FMA), which a linear layer tolerates.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <algorithm>
+#include <cstdlib>
+#include <optional>
+
+#include "cpu/fast_math.h"
+#include "cpu/glue.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace osd {
+namespace {
+
+constexpr int kMaxPass = 6;   // rows served by one pass over W
+constexpr int kSplitRows = 4; // rows per pass when there are more than kMaxPass
+
+struct LinearArgs {
+  const float* x;      // [M, K], rows ldx apart
+  const float* w;      // [N, K] contiguous
+  const float* bias;   // [N] or nullptr
+  float* y;            // [M, N] contiguous
+  int64_t M, N, K, ldx;
+};
+
+// Weight rows per block for a pass of M rows: M * NB sums + NB weights + 1 input in the
+// 16 vector registers of AVX2.
+template <int M>
+constexpr int block_rows() {
+  return M <= 2 ? 4 : (M <= 4 ? 3 : 2);
+}
+
+// Portable: 8 partial sums per (row, weight row), the same association as the AVX2 path.
+template <int M, int NB>
+void block_portable(const LinearArgs& a, const float* x, float* y, int64_t n0) {
+  float acc[M][NB][8] = {};
+  const int64_t K = a.K;
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    for (int m = 0; m < M; ++m) {
+      const float* xr = x + m * a.ldx + k;
+      for (int j = 0; j < NB; ++j) {
+        const float* wr = a.w + (n0 + j) * K + k;
+        for (int l = 0; l < 8; ++l) acc[m][j][l] += xr[l] * wr[l];
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int j = 0; j < NB; ++j) {
+      float s = ((acc[m][j][0] + acc[m][j][4]) + (acc[m][j][2] + acc[m][j][6])) +
+                ((acc[m][j][1] + acc[m][j][5]) + (acc[m][j][3] + acc[m][j][7]));
+      for (int64_t t = k; t < K; ++t) s += x[m * a.ldx + t] * a.w[(n0 + j) * K + t];
+      y[m * a.N + n0 + j] = s + (a.bias != nullptr ? a.bias[n0 + j] : 0.0f);
+    }
+  }
+}
+
+#if defined(__x86_64__)
+template <int M, int NB>
+OSD_AVX2 void block_avx2(const LinearArgs& a, const float* x, float* y, int64_t n0) {
+  __m256 acc[M][NB];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
+  const int64_t K = a.K;
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = _mm256_loadu_ps(a.w + (n0 + j) * K + k);
+    for (int m = 0; m < M; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * a.ldx + k);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_fmadd_ps(xv, w[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int j = 0; j < NB; ++j) {
+      // lanes (0+4, 2+6, 1+5, 3+7), then pairs: the portable path's association
+      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m][j]),
+                                  _mm256_extractf128_ps(acc[m][j], 1));
+      const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      float s = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+      for (int64_t t = k; t < K; ++t) s += x[m * a.ldx + t] * a.w[(n0 + j) * K + t];
+      y[m * a.N + n0 + j] = s + (a.bias != nullptr ? a.bias[n0 + j] : 0.0f);
+    }
+  }
+}
+#endif
+
+// One pass of M rows (x, y point at its first row) over weight rows [n_begin, n_end).
+template <int M>
+void pass(const LinearArgs& a, const float* x, float* y, int64_t n_begin, int64_t n_end,
+          bool avx2) {
+  constexpr int NB = block_rows<M>();
+  int64_t n = n_begin;
+#if defined(__x86_64__)
+  if (avx2) {
+    for (; n + NB <= n_end; n += NB) block_avx2<M, NB>(a, x, y, n);
+    for (; n < n_end; ++n) block_avx2<M, 1>(a, x, y, n);
+    return;
+  }
+#endif
+  (void)avx2;
+  for (; n + NB <= n_end; n += NB) block_portable<M, NB>(a, x, y, n);
+  for (; n < n_end; ++n) block_portable<M, 1>(a, x, y, n);
+}
+
+void run_pass(const LinearArgs& a, int64_t row, int rows, int64_t n_begin, int64_t n_end,
+              bool avx2) {
+  const float* x = a.x + row * a.ldx;
+  float* y = a.y + row * a.N;
+  switch (rows) {
+    case 1: pass<1>(a, x, y, n_begin, n_end, avx2); break;
+    case 2: pass<2>(a, x, y, n_begin, n_end, avx2); break;
+    case 3: pass<3>(a, x, y, n_begin, n_end, avx2); break;
+    case 4: pass<4>(a, x, y, n_begin, n_end, avx2); break;
+    case 5: pass<5>(a, x, y, n_begin, n_end, avx2); break;
+    default: pass<6>(a, x, y, n_begin, n_end, avx2); break;
+  }
+}
+
+void decode_linear_cpu_kernel(const LinearArgs& a) {
+#if defined(__x86_64__)
+  static const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx2 = has_avx2 && std::getenv("OSD_NO_AVX2") == nullptr;
+#else
+  const bool avx2 = false;
+#endif
+  // Threads split the weight rows (each streams its share of W once per pass).
+  at::parallel_for(0, a.N, 256, [&](int64_t n_begin, int64_t n_end) {
+    if (a.M <= kMaxPass) {
+      run_pass(a, 0, static_cast<int>(a.M), n_begin, n_end, avx2);
+      return;
+    }
+    for (int64_t row = 0; row < a.M; row += kSplitRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kSplitRows, a.M - row));
+      run_pass(a, row, rows, n_begin, n_end, avx2);
+    }
+  });
+}
+
+at::Tensor decode_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
+                             const std::optional<at::Tensor>& bias) {
+  OSD_CHECK(x.device().is_cpu(), "decode_linear CPU kernel got a ", x.device(), " tensor");
+  check_dtype(x, at::kFloat, "x");
+  check_dtype(weight, at::kFloat, "weight");
+  OSD_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows, got ",
+            x.sizes(), " strides ", x.strides());
+  OSD_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be contiguous [N, K], got ",
+            weight.sizes());
+  OSD_CHECK(weight.size(1) == x.size(1), "x has ", x.size(1), " features but weight expects ",
+            weight.size(1));
+  check_same_device(x, weight, "x", "weight");
+  LinearArgs a;
+  a.M = x.size(0);
+  a.K = x.size(1);
+  a.N = weight.size(0);
+  a.ldx = x.stride(0);
+  a.x = x.data_ptr<float>();
+  a.w = weight.data_ptr<float>();
+  a.bias = nullptr;
+  if (bias.has_value()) {
+    const at::Tensor& b = *bias;
+    check_dtype(b, at::kFloat, "bias");
+    check_same_device(x, b, "x", "bias");
+    OSD_CHECK(b.dim() == 1 && b.size(0) == a.N && b.is_contiguous(),
+              "bias must be contiguous [N=", a.N, "], got ", b.sizes());
+    a.bias = b.data_ptr<float>();
+  }
+  at::Tensor y = at::empty({a.M, a.N}, x.options());
+  a.y = y.data_ptr<float>();
+  if (a.M > 0 && a.N > 0) decode_linear_cpu_kernel(a);
+  return y;
+}
+
+}  // namespace
+}  // namespace osd
+
+TORCH_LIBRARY_FRAGMENT(osd, m) {
+  // y = x W^T + b for a few rows (decode and verify); x [M, K], weight [N, K], bias [N].
+  m.def("decode_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(osd, CPU, m) { m.impl("decode_linear", &osd::decode_linear_cpu); }

@@ -1,0 +1,85 @@
+"""``decode_linear``: ``y = x W^T + b`` for the few rows of a decode or verify forward.
+
+A decode step multiplies 1 row per sequence (a verify step k + 1) by every weight matrix.
+On one CPU core a general GEMM handles so few rows poorly; the C++ kernel streams each
+weight matrix once per pass for up to 6 rows, holding every row's running sums in
+registers (``csrc/cpu/decode_linear.cpp``). ``auto`` uses it for float32 CPU inputs of at
+most :data:`MAX_ROWS` rows outside autograd, and ``F.linear`` otherwise: on CUDA the
+vendor GEMM is the kernel (this op has no Triton or CUDA kernel of its own).
+
+The reference is ``F.linear``. The kernel sums in a different order (8 partial sums per
+output, FMA on AVX2), so results agree to float32 rounding, not bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from osd_kernels._ops import native_available, resolve_backend
+
+# auto picks the C++ kernel up to this many rows (bench/bench_decode_linear.py: faster than
+# the GEMM from 1 to 8 rows on the development machine).
+MAX_ROWS = 8
+
+
+def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor,
+                            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``."""
+    return F.linear(x, weight, bias)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [N, K], got {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x must be [..., K={weight.shape[1]}], got {tuple(x.shape)}")
+    if x.dtype != weight.dtype or not x.dtype.is_floating_point:
+        raise TypeError(f"x ({x.dtype}) and weight ({weight.dtype}) must share a float dtype")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be {x.dtype} [N={weight.shape[0]}], got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
+    if x.device != weight.device or (bias is not None and bias.device != x.device):
+        raise ValueError(f"x, weight and bias must be on one device, got {x.device}, "
+                         f"{weight.device}, {None if bias is None else bias.device}")
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  backend: str = "auto") -> torch.Tensor:
+    """``x @ weight.T + bias``.
+
+    Args:
+        x: ``[..., K]`` float (``M`` rows in all).
+        weight: ``[N, K]`` of the same dtype.
+        bias: ``[N]`` or None.
+        backend: ``auto`` (the C++ kernel for float32 CPU inputs with ``M <= MAX_ROWS``
+            outside autograd, else ``F.linear``) | ``reference`` | ``native`` (the C++
+            kernel for any ``M``; float32 CPU only).
+
+    Returns:
+        ``[..., N]``.
+    """
+    if backend == "auto":
+        # The per-call cost matters at these sizes: cheap tests here, and the C++ op
+        # checks shapes and dtypes itself.
+        if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 1
+                or x.numel() > MAX_ROWS * x.shape[-1] or x.stride(-1) != 1
+                or not weight.is_contiguous() or not native_available()
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            return F.linear(x, weight, bias)
+        y = torch.ops.osd.decode_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    impl = resolve_backend(backend, x.device, has_triton=False)
+    _check(x, weight, bias)
+    if impl == "reference" or x.device.type != "cpu":
+        return decode_linear_reference(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > 0 and rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.ops.osd.decode_linear(rows, weight.contiguous(), bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+if native_available():
+    @torch.library.register_fake("osd::decode_linear")
+    def _decode_linear_fake(x, weight, bias):
+        return x.new_empty((x.shape[0], weight.shape[0]))

@@ -1,0 +1,95 @@
+"""decode_linear: the C++ kernel against F.linear on odd shapes, both ISA paths, the auto
+dispatch rules, bad input, opcheck."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import osd_kernels
+from osd_kernels.decode_linear import MAX_ROWS
+
+SHAPES = [(1, 1, 1), (1, 7, 3), (2, 320, 960), (3, 33, 17), (5, 257, 131), (6, 864, 320),
+          (7, 15, 9), (8, 64, 2048), (13, 40, 29)]    # (M, K, N)
+
+
+def _inputs(m, k, n, seed, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    b = torch.randn(n, generator=g) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_native_matches_reference(monkeypatch, m, k, n, portable):
+    if portable:
+        monkeypatch.setenv("OSD_NO_AVX2", "1")
+    for seed, bias in ((m * 100 + k, True), (n, False)):
+        x, w, b = _inputs(m, k, n, seed, bias)
+        got = osd_kernels.decode_linear(x, w, b, backend="native")
+        want = osd_kernels.decode_linear_reference(x, w, b)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_and_strided_inputs():
+    x, w, b = _inputs(6, 40, 24, 1)
+    x3 = x.view(2, 3, 40)
+    torch.testing.assert_close(osd_kernels.decode_linear(x3, w, b), F.linear(x3, w, b),
+                               rtol=1e-5, atol=1e-5)
+    wide = torch.randn(6, 80)[:, ::2]                     # non-unit stride in the last dim
+    torch.testing.assert_close(osd_kernels.decode_linear(wide, w, backend="native"),
+                               F.linear(wide, w), rtol=1e-5, atol=1e-5)
+    rows = torch.randn(12, 40)[::2]                       # rows further apart than K
+    torch.testing.assert_close(osd_kernels.decode_linear(rows, w, b, backend="native"),
+                               F.linear(rows, w, b), rtol=1e-5, atol=1e-5)
+    empty = torch.zeros(0, 40)
+    assert osd_kernels.decode_linear(empty, w, backend="native").shape == (0, 24)
+
+
+def test_auto_uses_the_kernel_only_where_it_is_meant_to(monkeypatch):
+    calls = []
+    real = torch.ops.osd.decode_linear
+
+    class Spy:
+        def __call__(self, *args):
+            calls.append(args[0].shape[0])
+            return real(*args)
+
+    monkeypatch.setattr(torch.ops.osd, "decode_linear", Spy())
+    x, w, b = _inputs(MAX_ROWS + 1, 16, 8, 2)
+    osd_kernels.decode_linear(x[:MAX_ROWS], w, b)
+    osd_kernels.decode_linear(x, w, b)                           # too many rows
+    osd_kernels.decode_linear(x[:2].double(), w.double(), None)  # not float32
+    with torch.no_grad():
+        osd_kernels.decode_linear(x[:2], w.requires_grad_(), b)
+    assert calls == [MAX_ROWS, 2]
+    y = osd_kernels.decode_linear(x[:2], w, b)                    # autograd needs F.linear
+    y.sum().backward()
+    assert w.grad is not None and calls == [MAX_ROWS, 2]
+
+
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_bad_input_names_the_problem(backend):
+    x, w, b = _inputs(2, 8, 4, 3)
+    with pytest.raises(ValueError, match="x must be"):
+        osd_kernels.decode_linear(torch.randn(2, 7), w, backend=backend)
+    with pytest.raises(ValueError, match="weight must be"):
+        osd_kernels.decode_linear(x, w[0], backend=backend)
+    with pytest.raises(TypeError, match="float dtype"):
+        osd_kernels.decode_linear(x.double(), w, backend=backend)
+    with pytest.raises(ValueError, match="bias must be"):
+        osd_kernels.decode_linear(x, w, b[:3], backend=backend)
+    with pytest.raises(ValueError, match="unknown backend"):
+        osd_kernels.decode_linear(x, w, backend="fast")
+
+
+def test_native_rejects_other_dtypes():
+    x, w, _ = _inputs(2, 8, 4, 4)
+    with pytest.raises(RuntimeError, match="x must be Float"):
+        osd_kernels.decode_linear(x.bfloat16(), w.bfloat16(), backend="native")
+
+
+def test_opcheck():
+    x, w, b = _inputs(3, 24, 10, 5)
+    torch.library.opcheck(torch.ops.osd.decode_linear.default, (x, w, b))
+    torch.library.opcheck(torch.ops.osd.decode_linear.default, (x, w, None))
