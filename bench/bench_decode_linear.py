@@ -2,7 +2,7 @@
 
 The weight shapes of the built-in target (``osd.zoo``: hidden 320, MLP 864, vocabulary
 2048) and of a 1B-class model layer (hidden 2048, MLP 8192); M rows (1 = decode at batch
-1, 5 = a k = 4 verify, 8 = decode at batch 8). CPU, float32, torch on
+1, 5 = a k = 4 verify, 6 = the most rows auto sends to the kernel). CPU, float32, torch on
 ``OSD_BENCH_THREADS`` threads (default 1). Each round of ``cpp`` is preceded by one timed
 round of ``F.linear`` on the same inputs (its ``setup``); ``cpp`` calls
 ``decode_linear`` with ``backend="auto"``, as the model does (the C++ kernel at these
@@ -28,7 +28,7 @@ SHAPES = {   # name: (N, K)
 }
 if FULL:
     SHAPES.update({"1b-qkv": (6144, 2048), "1b-down": (2048, 8192)})
-ROWS = (1, 2, 5, 8)
+ROWS = (1, 2, 5, 6)
 CALLS = 200   # calls per timed round
 
 

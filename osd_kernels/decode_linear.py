@@ -4,7 +4,7 @@ A decode step multiplies 1 row per sequence (a verify step k + 1) by every weigh
 On one CPU core a general GEMM handles so few rows poorly; the C++ kernel streams each
 weight matrix once per pass for up to 6 rows, holding every row's running sums in
 registers (``csrc/cpu/decode_linear.cpp``). ``auto`` uses it for float32 CPU inputs of at
-most :data:`MAX_ROWS` rows outside autograd, and ``F.linear`` otherwise: on CUDA the
+most :data:`MAX_ROWS` (6) rows outside autograd, and ``F.linear`` otherwise: on CUDA the
 vendor GEMM is the kernel (this op has no Triton or CUDA kernel of its own).
 
 The reference is ``F.linear``. The kernel sums in a different order (8 partial sums per
@@ -17,9 +17,11 @@ import torch.nn.functional as F
 
 from osd_kernels._ops import native_available, resolve_backend
 
-# auto picks the C++ kernel up to this many rows (bench/bench_decode_linear.py: faster than
-# the GEMM from 1 to 8 rows on the development machine).
-MAX_ROWS = 8
+# auto picks the C++ kernel up to this many rows: the rows one pass over the weights serves
+# (kMaxPass in csrc/cpu/decode_linear.cpp). More rows take several passes, which for weights
+# larger than the caches costs more memory traffic than the GEMM (bench/bench_decode.py,
+# 90M model at batch 8).
+MAX_ROWS = 6
 
 
 def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor,
