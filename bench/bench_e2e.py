@@ -22,7 +22,8 @@ Providers (``k`` = ``K`` draft tokens unless named otherwise):
   draft is then frozen for the timed rounds, because they serve the same few prompts
   again and again, which a learning draft would memorise; the cost of learning while
   serving is ``bench_online.py``'s. Its α next to ``osd-spec``'s is the static-versus-
-  online comparison on the shifted stream, on prompts the draft never trained on.
+  online comparison on the shifted stream, on prompts the draft never trained on; the
+  same comparison over ``EVAL`` further unseen queries is recorded as ``eval_alpha_*``.
 - ``osd-plain-b8``, ``osd-spec-b8``: batch 8 (8 prompts in one ``generate``
   call), which transformers' assisted generation cannot do.
 
@@ -76,7 +77,8 @@ K = 4
 K_MAX = 8
 TREE = [(0,), (1,), (2,), (3,), (0, 0), (1, 0)]   # top 4 at the root, best child of 2
 COST_REPS = 400 if FULL else 200
-WARMUP = 160 if FULL else 96
+WARMUP = 400 if FULL else 200
+EVAL = 64 if FULL else 32
 ONLINE = osd.OnlineConfig(update_every_requests=4, steps_per_update=8, lr=5e-4, seed=0)
 THREADS = int(os.environ.get("OSD_BENCH_THREADS", "1"))
 OUT_DIR = os.environ.get("OSD_BENCH_E2E_OUT")
@@ -138,6 +140,8 @@ def pair():
                 engines[name] = osd.Engine(learner.model, draft=learner.draft, spec=spec,
                                            max_batch_size=batch,
                                            max_seq_len=PROMPT_TOKENS + NEW_TOKENS)
+                warmup["eval"] = {"static": mean_alpha(engine("osd-spec")),
+                                  "online": mean_alpha(engines[name])}
         return engines[name]
 
     params = osd.SamplingParams(NEW_TOKENS)
@@ -145,6 +149,16 @@ def pair():
     return dict(target_dir=target_dir, draft_dir=draft_dir, prompts=prompts, params=params,
                 hf_target=hf_target, hf_draft=hf_draft, engine=engine, reference=reference,
                 warmup=warmup)
+
+
+def mean_alpha(engine) -> float:
+    """Mean α per query over ``EVAL`` code queries that neither the warm-up nor the timed
+    rounds serve (seed 9)."""
+    stream = zoo.query_stream("code", n=EVAL, prompt_tokens=PROMPT_TOKENS, seed=9)
+    alphas = [engine.generate([p], osd.SamplingParams(NEW_TOKENS))[0].stats["alpha"]
+              for p in stream]
+    alphas = [a for a in alphas if a is not None]
+    return sum(alphas) / len(alphas)
 
 
 def warm_up(engine) -> list:
@@ -365,7 +379,12 @@ def test_e2e(benchmark, pair, costs, report, provider):
             first = [a for a in pair["warmup"]["alpha"][:16] if a is not None]
             row.update(warmup_queries=WARMUP, updates_applied=hist["updates_applied"],
                        updates_rejected=hist["updates_rejected"],
-                       warmup_alpha_first16=round(sum(first) / len(first), 4))
+                       warmup_alpha_first16=round(sum(first) / len(first), 4),
+                       eval_queries=EVAL,
+                       eval_alpha_static=round(pair["warmup"]["eval"]["static"], 4),
+                       eval_alpha_online=round(pair["warmup"]["eval"]["online"], 4),
+                       eval_alpha_gain=round(pair["warmup"]["eval"]["online"]
+                                             - pair["warmup"]["eval"]["static"], 4))
         if not (spec.is_tree or spec.adaptive):
             # In the engine a fixed chain runs k draft forwards per verify forward.
             t = st["time_s"]

@@ -13,8 +13,9 @@ CPU fp32, k = 4.
   recorded: the learner's own seconds, as a share of the online engine's serving time.
   Torch runs on ``OSD_BENCH_THREADS`` threads (default 1: serving on one core leaves the
   other to the learner).
-- ``test_alpha_over_requests``: α per request for a static and an online draft (lr 3e-4),
-  written as ``docs/online_alpha.png`` and printed as a table (``pytest -s``).
+- ``test_alpha_over_requests``: α per request for a static and an online draft (the α
+  test's schedule: 8 AdamW steps at lr 5e-4 every 4 requests, inline), written as
+  ``docs/online_alpha.png`` and printed as a table (``pytest -s``).
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_online.py \\
         --benchmark-json=docs/bench_online.json
@@ -89,7 +90,8 @@ def test_alpha_over_requests(benchmark):
 
     prompts = zoo.query_stream("code", n=N, prompt_tokens=48, seed=4)
     static = _engine()
-    online = _engine(osd.OnlineConfig(lr=3e-4, update_every_requests=8, background=False))
+    online = _engine(osd.OnlineConfig(update_every_requests=4, steps_per_update=8, lr=5e-4,
+                                      background=False, seed=0))
     alphas = {"static": [], "online": []}
 
     def serve():
