@@ -92,7 +92,8 @@ class DecoderLayer(nn.Module):
 
     The forward is split around attention (:meth:`qkv`, then :meth:`finish`) so that the
     cached and the training forward share everything but the attention call. Linear layers
-    are called through ``F.linear`` to keep per-token overhead low.
+    are called through ``decode_linear`` (``F.linear`` outside its few-row CPU case) to keep
+    per-token overhead low.
     """
 
     def __init__(self, config: ModelConfig) -> None:
