@@ -1,11 +1,11 @@
-"""CUDA graphs of the speculative step: tokens/s eager against graphed, side by side.
+"""CUDA graphs of decoding: tokens/s eager against graphed, side by side.
 
 GPU only (skipped without CUDA; `make gpu-check` runs it). The built-in pair
-(``osd.zoo``) in bfloat16, greedy chain speculation with k = 4, code prompts of 48 tokens,
-``NEW_TOKENS`` new tokens each, batch 1 and 8. Two engines differ only in
-``SpecConfig(cuda_graphs=...)``; their outputs are asserted equal before timing, and their
-rounds alternate so both see the same machine state. Recorded in ``extra_info``: best-round
-tokens/s of each and ``graphs_over_eager``.
+(``osd.zoo``) in bfloat16, greedy chain speculation with k = 4 (``spec``) or the target
+alone (``plain``), code prompts of 48 tokens, ``NEW_TOKENS`` new tokens each, batch 1 and
+8. Two engines differ only in ``cuda_graphs``; their outputs are asserted equal before
+timing, and their rounds alternate so both see the same machine state. Recorded in
+``extra_info``: best-round tokens/s of each and ``graphs_over_eager``.
 
     python -m pytest -q -p no:cacheprovider bench/bench_graphs.py
 """
@@ -24,18 +24,20 @@ ROUNDS = 5
 K = 4
 
 
-def _engine(graphs: bool, batch: int):
+def _engine(graphs: bool, batch: int, mode: str):
     target, draft = zoo.default_pair()
+    spec = osd.SpecConfig(num_draft_tokens=K) if mode == "spec" else None
     return osd.Engine.from_pretrained(
-        target, draft=draft, device="cuda", dtype=torch.bfloat16, max_batch_size=batch,
-        max_seq_len=48 + NEW_TOKENS, spec=osd.SpecConfig(num_draft_tokens=K, cuda_graphs=graphs))
+        target, draft=draft if spec is not None else None, device="cuda", dtype=torch.bfloat16,
+        max_batch_size=batch, max_seq_len=48 + NEW_TOKENS, spec=spec, cuda_graphs=graphs)
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-def test_cuda_graphs_speedup(benchmark, batch):
+@pytest.mark.parametrize("mode", ["spec", "plain"])
+def test_cuda_graphs_speedup(benchmark, mode, batch):
     prompts = zoo.query_stream("code", n=batch, prompt_tokens=48)
     params = osd.SamplingParams(NEW_TOKENS)
-    engines = {"eager": _engine(False, batch), "graphs": _engine(True, batch)}
+    engines = {"eager": _engine(False, batch, mode), "graphs": _engine(True, batch, mode)}
     outs = {name: [o.token_ids for o in e.generate(prompts, params)] for name, e in engines.items()}
     assert outs["graphs"] == outs["eager"], "graphed output differs from eager"
     tokens = sum(len(t) for t in outs["eager"])
@@ -56,7 +58,8 @@ def test_cuda_graphs_speedup(benchmark, batch):
     best["graphs"] = benchmark.stats.stats.min
     tps = {name: tokens / t for name, t in best.items()}
     benchmark.extra_info.update(
-        batch=batch, k=K, new_tokens=NEW_TOKENS, dtype="bfloat16",
+        mode=mode, batch=batch, k=K if mode == "spec" else None, new_tokens=NEW_TOKENS,
+        dtype="bfloat16",
         eager_tokens_per_s=round(tps["eager"], 1), graphs_tokens_per_s=round(tps["graphs"], 1),
         graphs_over_eager=round(tps["graphs"] / tps["eager"], 2),
         graphs=engines["graphs"].stats["cuda_graphs"])

@@ -33,7 +33,7 @@ import time
 import torch
 
 from osd.drafters import ModelDrafter, NGramDrafter
-from osd.graphs import StepGraphs
+from osd.graphs import StepGraphs, graphed_forward
 from osd.models.llama import DecoderLM
 from osd.models.loading import is_transformers_model, load_model, load_tokenizer
 from osd.online.config import OnlineConfig
@@ -82,19 +82,26 @@ class RequestState:
 
 
 class Engine:
-    """Batched generation with a target model (and, later, a draft for speculation).
+    """Batched generation with a target model, and speculative decoding with drafts.
 
     Args:
         model: the target :class:`~osd.models.DecoderLM`.
-        draft: an optional draft model with the same vocabulary (ValueError otherwise).
+        draft: an optional draft model with the same vocabulary (ValueError otherwise), or
+            a list of them (routed per request).
         tokenizer: a transformers tokenizer for string prompts and ``Output.text``, or None.
         max_batch_size: cache rows; larger requests lists are served by continuous refill.
         max_seq_len: the maximum context per sequence, prompt included.
+        spec: :class:`~osd.SpecConfig` for speculative decoding, or None.
+        online: :class:`~osd.OnlineConfig` to let the drafts learn while serving.
+        cuda_graphs: on CUDA, replay the decode forward (and, unless
+            ``spec.cuda_graphs`` is False, the draft loop and verify forward) from CUDA
+            graphs per batch-size bucket (``osd.graphs``). CPU always runs eagerly.
     """
 
     def __init__(self, model: DecoderLM, *, draft: DecoderLM | list[DecoderLM] | None = None,
                  tokenizer=None, max_batch_size: int = 8, max_seq_len: int = 2048,
-                 spec: SpecConfig | None = None, online: OnlineConfig | None = None) -> None:
+                 spec: SpecConfig | None = None, online: OnlineConfig | None = None,
+                 cuda_graphs: bool = True) -> None:
         max_batch_size = operator.index(max_batch_size)
         max_seq_len = operator.index(max_seq_len)
         if max_batch_size < 1:
@@ -146,7 +153,7 @@ class Engine:
             self.speculators = [Speculator(self, spec, d)
                                 for d in self._make_drafters(spec, drafts)]
         self.graphs: StepGraphs | None = None
-        if spec is not None and spec.cuda_graphs and self.device.type == "cuda":
+        if cuda_graphs and (spec is None or spec.cuda_graphs) and self.device.type == "cuda":
             self.use_graphs(StepGraphs(self.device))
         self.online = None
         if online is not None:
@@ -182,7 +189,7 @@ class Engine:
                         dtype: torch.dtype = torch.float32, max_batch_size: int = 8,
                         max_seq_len: int = 2048, spec: SpecConfig | None = None,
                         online: OnlineConfig | None = None, attention_backend: str = "auto",
-                        tokenizer=None) -> "Engine":
+                        tokenizer=None, cuda_graphs: bool = True) -> "Engine":
         """Load ``target`` (and drafts): each a checkpoint directory or a transformers model.
 
         Args:
@@ -195,7 +202,7 @@ class Engine:
 
         The tokenizer is loaded from the target directory when it has one (local files
         only); pass ``tokenizer`` to override. ``attention_backend``: see
-        ``osd.models.attention``.
+        ``osd.models.attention``. ``cuda_graphs``: see :class:`Engine`.
         """
         drafts = [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) \
             else [draft]
@@ -211,7 +218,7 @@ class Engine:
             tokenizer = load_tokenizer(target)
         return cls(model, draft=draft_models or None, tokenizer=tokenizer,
                    max_batch_size=max_batch_size, max_seq_len=max_seq_len, spec=spec,
-                   online=online)
+                   online=online, cuda_graphs=cuda_graphs)
 
     def encode(self, prompts) -> list[list[int]]:
         """Validate ``prompts`` (token-id lists or strings) and return token-id lists."""
@@ -352,7 +359,9 @@ class Engine:
     def decode_step(self, active: list[RequestState], params: SamplingParams) -> None:
         """One token for every active row."""
         B = len(active)
-        logits = self.model(self._next_tokens[:B, None], self.cache)
+        ids = self._next_tokens[:B, None]
+        logits = (self.model(ids, self.cache) if self.graphs is None
+                  else graphed_forward(self.graphs, self.model, self.cache, ids))
         self.cache.commit(self._ones[:B], 1)
         tokens = sample_tokens(logits[:, 0], params, [r.generator for r in active])
         self._next_tokens[:B] = tokens
@@ -409,13 +418,12 @@ class Engine:
         return out
 
     def use_graphs(self, graphs: StepGraphs | None) -> None:
-        """Replay the speculative step's forwards from ``graphs`` (None: eager).
+        """Replay the decode forward and the speculative step's forwards from ``graphs``
+        (None: eager).
 
-        On CUDA the engine does this itself when ``SpecConfig.cuda_graphs`` is set;
+        On CUDA the engine does this itself (``cuda_graphs``, ``SpecConfig.cuda_graphs``);
         ``StepGraphs(device, emulate=True)`` runs the same static-buffer path eagerly.
         """
-        if self.spec is None:
-            raise ValueError("CUDA graphs capture speculative steps; this engine has no spec")
         self.graphs = graphs
         for sp in self.speculators:
             sp.use_graphs(graphs)

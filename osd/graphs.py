@@ -6,7 +6,8 @@ rivals its work. :class:`StepGraphs` captures, per batch-size bucket,
 - the **draft loop** of a chain (``ModelDrafter``: the pending-token forward, then
   ``k - 1`` one-token forwards, each token drawn greedily or from the warped draft with
   counter-based Philox noise), keyed ``(bucket, pending width P, k, sampling params)``;
-- the **verify forward** of the target (chain or tree), keyed ``(bucket, T, tree?)``,
+- the **verify forward** of the target (chain or tree), keyed ``(bucket, T, tree?)``, and
+  the one-token forward of plain decoding (:func:`graphed_forward`, ``T = 1``),
 
 and replays them. Everything that varies per step is a tensor read by the graph: the
 tokens, tree masks and depths, the caches' device-side lengths, and the randomness
@@ -128,3 +129,48 @@ class StepGraphs:
         with torch.cuda.graph(entry.graph, pool=self.pool):
             entry.outputs = entry.body(entry.static)
         restore()
+
+
+def graphed_forward(graphs: StepGraphs, model, cache, inputs: torch.Tensor,
+                    mask: torch.Tensor | None = None,
+                    depths: torch.Tensor | None = None) -> torch.Tensor:
+    """``model(inputs, cache, tree_mask=mask, depths=depths)`` -> ``[B, T, V]`` logits,
+    replayed from the graph of the batch bucket (``inputs [B, T]``, tree ``mask`` and
+    ``depths [B, T]``). Falls back to the eager forward (and its capacity error) when the
+    tokens do not fit the cache."""
+    B, T = inputs.shape
+    if cache.bound + T > cache.capacity:
+        return model(inputs, cache, tree_mask=mask, depths=depths)
+    Bb = batch_bucket(B, cache.max_batch_size)
+    tree = mask is not None
+
+    def build():
+        dev = inputs.device
+        static = {"ids": torch.zeros(Bb, T, dtype=torch.int64, device=dev)}
+        if tree:
+            static["mask"] = torch.zeros(Bb, T, dtype=torch.int64, device=dev)
+            static["depths"] = torch.zeros(Bb, T, dtype=torch.int64, device=dev)
+
+        def body(s):
+            return model(s["ids"], cache, tree_mask=s.get("mask"), depths=s.get("depths"))
+        return static, body
+
+    def fill(s):
+        s["ids"][:B].copy_(inputs)
+        if tree:
+            s["mask"][:B].copy_(mask)
+            s["depths"][:B].copy_(depths)
+            if Bb > B:                 # padding rows: a causal chain
+                i = torch.arange(T, dtype=torch.int64, device=inputs.device)
+                s["mask"][B:] = (2 << i) - 1
+                s["depths"][B:] = i
+        cache.lens[B:Bb].zero_()       # padding rows are free rows
+
+    def host_state():
+        saved = cache.bound
+        cache.bound = cache.capacity - T   # capture with the widest key range
+        return lambda: setattr(cache, "bound", saved)
+
+    logits = graphs.run(("forward", id(model), Bb, T, tree), build, fill,
+                        host_state=host_state)
+    return logits[:B]

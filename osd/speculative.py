@@ -24,7 +24,7 @@ import torch
 
 import osd_kernels
 from osd.drafters import ModelDrafter, NGramDrafter
-from osd.graphs import StepGraphs, batch_bucket
+from osd.graphs import StepGraphs, graphed_forward
 from osd.online.buffer import compress_target
 from osd.sampling import SamplingParams
 from osd.spec import SpecConfig
@@ -214,42 +214,9 @@ class Speculator:
         """The target's forward over ``inputs [B, T]`` (tree: ``mask``, ``depths [B, T]``)
         -> ``[B, T, V]`` logits, from a CUDA graph of the batch bucket when enabled."""
         eng = self.engine
-        cache = eng.cache
-        B, T = inputs.shape
-        if self.graphs is None or cache.bound + T > cache.capacity:
-            return eng.model(inputs, cache, tree_mask=mask, depths=depths)
-        Bb = batch_bucket(B, cache.max_batch_size)
-        tree = mask is not None
-
-        def build():
-            dev = inputs.device
-            static = {"ids": torch.zeros(Bb, T, dtype=torch.int64, device=dev)}
-            if tree:
-                static["mask"] = torch.zeros(Bb, T, dtype=torch.int64, device=dev)
-                static["depths"] = torch.zeros(Bb, T, dtype=torch.int64, device=dev)
-
-            def body(s):
-                return eng.model(s["ids"], cache, tree_mask=s.get("mask"), depths=s.get("depths"))
-            return static, body
-
-        def fill(s):
-            s["ids"][:B].copy_(inputs)
-            if tree:
-                s["mask"][:B].copy_(mask)
-                s["depths"][:B].copy_(depths)
-                if Bb > B:                 # padding rows: a causal chain
-                    i = torch.arange(T, dtype=torch.int64, device=inputs.device)
-                    s["mask"][B:] = (2 << i) - 1
-                    s["depths"][B:] = i
-            cache.lens[B:Bb].zero_()       # padding rows are free rows
-
-        def host_state():
-            saved = cache.bound
-            cache.bound = cache.capacity - T   # capture with the widest key range
-            return lambda: setattr(cache, "bound", saved)
-
-        logits = self.graphs.run(("verify", Bb, T, tree), build, fill, host_state=host_state)
-        return logits[:B]
+        if self.graphs is None:
+            return eng.model(inputs, eng.cache, tree_mask=mask, depths=depths)
+        return graphed_forward(self.graphs, eng.model, eng.cache, inputs, mask, depths)
 
     def _sampling_tensors(self, active, params: SamplingParams, dev) -> dict:
         B = len(active)

@@ -47,10 +47,19 @@ def test_step_graphs_need_cuda_unless_emulated():
         StepGraphs(torch.device("cpu"))
 
 
-def test_graphs_need_a_spec(pair):
-    eng = osd.Engine.from_pretrained(pair[0], max_batch_size=2, max_seq_len=32)
-    with pytest.raises(ValueError, match="no spec"):
-        eng.use_graphs(StepGraphs(eng.device, emulate=True))
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_p=0.8)])
+def test_emulated_graphs_in_plain_decoding(pair, sampling):
+    prompts = prompts_of([7, 3, 11, 5, 9], seed=38)
+    params = osd.SamplingParams(16, seed=39, **sampling)
+
+    def engine():
+        return osd.Engine.from_pretrained(pair[0], max_batch_size=4, max_seq_len=48)
+
+    eager = engine().generate(prompts, params)
+    eng = engine()
+    eng.use_graphs(StepGraphs(eng.device, emulate=True))
+    assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in eager]
+    assert eng.stats["cuda_graphs"]["replays"] > eng.stats["cuda_graphs"]["captures"] > 0
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -100,5 +109,10 @@ def test_cuda_graphs_emit_what_eager_emits(pair, case):
     assert eng.stats["cuda_graphs"]["replays"] > 0
     if sampling["temperature"] == 0.0:
         plain = osd.Engine.from_pretrained(pair[0], device="cuda", max_batch_size=4,
-                                           max_seq_len=80).generate(prompts, params)
-        assert [o.token_ids for o in graphed] == [o.token_ids for o in plain]
+                                           max_seq_len=80)
+        assert plain.graphs is not None                   # plain decoding is graphed too
+        eager_plain = osd.Engine.from_pretrained(pair[0], device="cuda", max_batch_size=4,
+                                                 max_seq_len=80, cuda_graphs=False)
+        want = [o.token_ids for o in eager_plain.generate(prompts, params)]
+        assert [o.token_ids for o in plain.generate(prompts, params)] == want
+        assert [o.token_ids for o in graphed] == want
