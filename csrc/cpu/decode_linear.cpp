@@ -9,7 +9,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <algorithm>
-#include <cstdlib>
 #include <optional>
 
 #include "cpu/fast_math.h"
@@ -128,12 +127,7 @@ void run_pass(const LinearArgs& a, int64_t row, int rows, int64_t n_begin, int64
 }
 
 void decode_linear_cpu_kernel(const LinearArgs& a) {
-#if defined(__x86_64__)
-  static const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const bool avx2 = has_avx2 && std::getenv("OSD_NO_AVX2") == nullptr;
-#else
-  const bool avx2 = false;
-#endif
+  const bool avx2 = use_avx2_fma();
   // Threads split the weight rows (each streams its share of W once per pass).
   at::parallel_for(0, a.N, 256, [&](int64_t n_begin, int64_t n_end) {
     if (a.M <= kMaxPass) {

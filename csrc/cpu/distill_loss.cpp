@@ -270,13 +270,7 @@ OSD_AVX2 void run_rows_avx2(const DistillArgs& a, int64_t begin, int64_t end, Ro
 
 template <Loss kLoss>
 void distill_loss_cpu_kernel(const DistillArgs& a) {
-#if defined(__x86_64__)
-  // OSD_NO_AVX2=1 forces the portable path (tests use it to cover that path).
-  static const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const bool avx2 = has_avx2 && std::getenv("OSD_NO_AVX2") == nullptr;
-#else
-  constexpr bool avx2 = false;
-#endif
+  const bool avx2 = use_avx2_fma();
   at::parallel_for(0, a.rows, 1, [&](int64_t begin, int64_t end) {
     RowScratch w(a.vocab, a.topk);
 #if defined(__x86_64__)

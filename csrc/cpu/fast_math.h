@@ -4,6 +4,7 @@
 // selects.
 #pragma once
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "cpu/cephes.h"
@@ -13,6 +14,18 @@
 #endif
 
 namespace osd {
+
+// True when the AVX2 + FMA clones of the vector loops may run: the CPU has both and
+// OSD_NO_AVX2 is unset (tests set it to cover the portable paths). Read per call, so a
+// test can switch it.
+inline bool use_avx2_fma() {
+#if defined(__x86_64__)
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has && std::getenv("OSD_NO_AVX2") == nullptr;
+#else
+  return false;
+#endif
+}
 
 // bfloat16 <-> float by bit manipulation (round to nearest even; NaN stays NaN), inlined
 // where c10's out-of-line helpers would not be.

@@ -272,13 +272,7 @@ OSD_AVX2 void run_tasks_avx2(const TreeAttentionArgs& a, int64_t begin, int64_t 
 
 template <typename scalar_t>
 void tree_attention_cpu_kernel(const TreeAttentionArgs& a, int64_t num_tasks) {
-#if defined(__x86_64__)
-  // OSD_NO_AVX2=1 forces the portable path (tests use it to cover that path).
-  static const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const bool avx2 = has_avx2 && std::getenv("OSD_NO_AVX2") == nullptr;
-#else
-  constexpr bool avx2 = false;
-#endif
+  const bool avx2 = use_avx2_fma();
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
     Scratch w(a.row_block, a.head_dim);
 #if defined(__x86_64__)

@@ -43,37 +43,39 @@ struct Shared {
   int64_t bcast_i;
 };
 
-__device__ __forceinline__ float block_sum(float x, Shared& sh) {
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+struct AddOp {
+  template <typename T>
+  __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// Reduce x over the block: within each warp by shuffles, then across the kWarps partials
+// in `slots` (every thread returns the result).
+template <typename T, typename Op>
+__device__ __forceinline__ T block_reduce(T x, T init, T* slots, Op op) {
+  for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __syncthreads();
-  if (lane == 0) sh.f[warp] = x;
+  if (lane == 0) slots[warp] = x;
   __syncthreads();
-  float total = 0.0f;
-  for (int w = 0; w < kWarps; ++w) total += sh.f[w];
-  return total;
+  T r = init;
+  for (int w = 0; w < kWarps; ++w) r = op(r, slots[w]);
+  return r;
+}
+
+__device__ __forceinline__ float block_sum(float x, Shared& sh) {
+  return block_reduce(x, 0.0f, sh.f, AddOp{});
 }
 
 __device__ __forceinline__ float block_max(float x, Shared& sh) {
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();
-  if (lane == 0) sh.f[warp] = x;
-  __syncthreads();
-  float m = -INFINITY;
-  for (int w = 0; w < kWarps; ++w) m = fmaxf(m, sh.f[w]);
-  return m;
+  return block_reduce(x, -INFINITY, sh.f, MaxOp{});
 }
 
 __device__ __forceinline__ int64_t block_count(int64_t x, Shared& sh) {
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();
-  if (lane == 0) sh.i[warp] = x;
-  __syncthreads();
-  int64_t total = 0;
-  for (int w = 0; w < kWarps; ++w) total += sh.i[w];
-  return total;
+  return block_reduce(x, int64_t{0}, sh.i, AddOp{});
 }
 
 __device__ __forceinline__ LseState block_lse(LseState s, Shared& sh) {

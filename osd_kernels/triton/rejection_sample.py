@@ -119,6 +119,16 @@ def _row_stats(row_ptr, stride_v, vocab, temperature, top_k, top_p, BLOCK_V: tl.
 
 
 @triton.jit
+def _residual(p, offs, mask, q_row, stride_qv, x_rej, HAS_Q: tl.constexpr):
+    """The residual max(p - q, 0) of one vocabulary tile: q read from the draft
+    probabilities, or (without them) a point mass at the rejected draft ``x_rej``."""
+    if HAS_Q:
+        q = tl.load(q_row + offs.to(tl.int64) * stride_qv, mask=mask, other=0.0).to(tl.float32)
+        return tl.maximum(p - q, 0.0)
+    return tl.where(offs == x_rej, 0.0, p)
+
+
+@triton.jit
 def _warped(s, mask, kth, row_max, inv_z1, p_key):
     """exp(s - M) on the kept set (top-k and top-p), 0 elsewhere."""
     e = tl.where(mask & (s >= kth), tl.exp(s - row_max), 0.0)
@@ -187,14 +197,9 @@ def _rejection_sample_kernel(
             for v0 in range(0, vocab, BLOCK_V):
                 offs = v0 + tl.arange(0, BLOCK_V)
                 mask = offs < vocab
-                s = _scaled(row, stride_lv, offs, mask, temperature)
-                p = _warped(s, mask, kth, row_max, inv_z1, p_key) * inv_z2
-                if HAS_Q:
-                    q = tl.load(q_row + offs.to(tl.int64) * stride_qv, mask=mask,
-                                other=0.0).to(tl.float32)
-                    r = tl.maximum(p - q, 0.0)
-                else:
-                    r = tl.where(offs == x_rej, 0.0, p)
+                p = _warped(_scaled(row, stride_lv, offs, mask, temperature), mask, kth,
+                            row_max, inv_z1, p_key) * inv_z2
+                r = _residual(p, offs, mask, q_row, stride_qv, x_rej, HAS_Q)
                 resid_max = tl.maximum(resid_max, tl.max(r))
             use_resid = resid_max > 0.0
         best_key = tl.full((), -1.0, tl.float32)
@@ -202,15 +207,10 @@ def _rejection_sample_kernel(
         for v0 in range(0, vocab, BLOCK_V):
             offs = v0 + tl.arange(0, BLOCK_V)
             mask = offs < vocab
-            s = _scaled(row, stride_lv, offs, mask, temperature)
-            r = _warped(s, mask, kth, row_max, inv_z1, p_key) * inv_z2
+            r = _warped(_scaled(row, stride_lv, offs, mask, temperature), mask, kth, row_max,
+                        inv_z1, p_key) * inv_z2
             if use_resid:
-                if HAS_Q:
-                    q = tl.load(q_row + offs.to(tl.int64) * stride_qv, mask=mask,
-                                other=0.0).to(tl.float32)
-                    r = tl.maximum(r - q, 0.0)
-                else:
-                    r = tl.where(offs == x_rej, 0.0, r)
+                r = _residual(r, offs, mask, q_row, stride_qv, x_rej, HAS_Q)
             u = philox_uniform(seed, offset, 2 * j + 1, offs)
             key = tl.where(r > 0.0, r / -tl.log(u), -1.0)
             tile_best = tl.max(key)
