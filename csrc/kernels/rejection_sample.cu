@@ -17,6 +17,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/block_reduce.cuh"
 #include "kernels/rejection_sample.h"
 #include "kernels/rejection_sample_cuda.h"
 
@@ -43,39 +44,16 @@ struct Shared {
   int64_t bcast_i;
 };
 
-struct AddOp {
-  template <typename T>
-  __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
-};
-
-struct MaxOp {
-  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
-};
-
-// Reduce x over the block: within each warp by shuffles, then across the kWarps partials
-// in `slots` (every thread returns the result).
-template <typename T, typename Op>
-__device__ __forceinline__ T block_reduce(T x, T init, T* slots, Op op) {
-  for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();
-  if (lane == 0) slots[warp] = x;
-  __syncthreads();
-  T r = init;
-  for (int w = 0; w < kWarps; ++w) r = op(r, slots[w]);
-  return r;
-}
-
 __device__ __forceinline__ float block_sum(float x, Shared& sh) {
-  return block_reduce(x, 0.0f, sh.f, AddOp{});
+  return block_reduce<kWarps>(x, 0.0f, sh.f, AddOp{});
 }
 
 __device__ __forceinline__ float block_max(float x, Shared& sh) {
-  return block_reduce(x, -INFINITY, sh.f, MaxOp{});
+  return block_reduce<kWarps>(x, -INFINITY, sh.f, MaxOp{});
 }
 
 __device__ __forceinline__ int64_t block_count(int64_t x, Shared& sh) {
-  return block_reduce(x, int64_t{0}, sh.i, AddOp{});
+  return block_reduce<kWarps>(x, int64_t{0}, sh.i, AddOp{});
 }
 
 __device__ __forceinline__ LseState block_lse(LseState s, Shared& sh) {

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "kernels/rejection_sample.h"
+#include "kernels/block_reduce.cuh"
 #include "kernels/tree_rejection_sample.h"
 #include "kernels/tree_rejection_sample_cuda.h"
 
@@ -26,36 +27,16 @@ struct Shared {
   int64_t i[kWarps];
 };
 
-// Block-wide reductions. Each thread combines the per-warp partials in the same order, so
-// every thread gets the same result.
-__device__ float block_sum(float v, Shared& sh) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) sh.f[threadIdx.x / 32] = v;
-  __syncthreads();
-  float t = 0.0f;
-  for (int w = 0; w < kWarps; ++w) t += sh.f[w];
-  return t;
+__device__ __forceinline__ float block_sum(float v, Shared& sh) {
+  return block_reduce<kWarps>(v, 0.0f, sh.f, AddOp{});
 }
 
-__device__ int64_t block_count(int64_t v, Shared& sh) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) sh.i[threadIdx.x / 32] = v;
-  __syncthreads();
-  int64_t t = 0;
-  for (int w = 0; w < kWarps; ++w) t += sh.i[w];
-  return t;
+__device__ __forceinline__ int64_t block_count(int64_t v, Shared& sh) {
+  return block_reduce<kWarps>(v, int64_t{0}, sh.i, AddOp{});
 }
 
-__device__ float block_max(float v, Shared& sh) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) sh.f[threadIdx.x / 32] = v;
-  __syncthreads();
-  float t = sh.f[0];
-  for (int w = 1; w < kWarps; ++w) t = fmaxf(t, sh.f[w]);
-  return t;
+__device__ __forceinline__ float block_max(float v, Shared& sh) {
+  return block_reduce<kWarps>(v, -INFINITY, sh.f, MaxOp{});
 }
 
 __device__ LseState block_lse(LseState s, Shared& sh) {
