@@ -413,7 +413,6 @@ class Engine:
             out["online"] = self.online.history()
         if self.graphs is not None:
             out["cuda_graphs"] = {"graphs": len(self.graphs.entries),
-                                  "captures": self.graphs.captures,
                                   "replays": self.graphs.replays}
         return out
 

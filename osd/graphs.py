@@ -71,7 +71,6 @@ class StepGraphs:
         self.emulate = emulate
         self.pool = None if emulate else torch.cuda.graph_pool_handle()
         self.entries: dict[tuple, _Entry] = {}
-        self.captures = 0
         self.replays = 0
 
     def run(self, key: tuple, build: Callable[[], tuple[dict, Callable]],
@@ -112,7 +111,6 @@ class StepGraphs:
                 t.copy_(s)
             restore_host()
 
-        self.captures += 1
         if self.emulate:
             for _ in range(WARMUP_RUNS):
                 entry.body(entry.static)

@@ -59,7 +59,7 @@ def test_emulated_graphs_in_plain_decoding(pair, sampling):
     eng = engine()
     eng.use_graphs(StepGraphs(eng.device, emulate=True))
     assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in eager]
-    assert eng.stats["cuda_graphs"]["replays"] > eng.stats["cuda_graphs"]["captures"] > 0
+    assert eng.stats["cuda_graphs"]["replays"] > eng.stats["cuda_graphs"]["graphs"] > 0
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -74,11 +74,11 @@ def test_emulated_graphs_emit_what_eager_emits(pair, case):
     graphed = eng.generate(prompts, params)
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
     info = eng.stats["cuda_graphs"]
-    assert info["captures"] == info["graphs"] > 0 and info["replays"] > info["captures"]
+    assert info["replays"] > info["graphs"] > 0
     # A second call reuses the captured graphs (same buckets, same sampling params).
     again = eng.generate(prompts, params)
     assert [o.token_ids for o in again] == [o.token_ids for o in eager]
-    assert eng.stats["cuda_graphs"]["captures"] == info["captures"]
+    assert eng.stats["cuda_graphs"]["graphs"] == info["graphs"]
 
 
 def test_emulated_graphs_leave_the_draft_cache_as_eager_does(pair):
