@@ -3,7 +3,8 @@
 // Decode and verify forwards multiply 1 to ~8 rows by every weight matrix. A general GEMM
 // handles so few rows poorly on one core; here one pass over W serves up to kMaxPass rows:
 // each block of NB weight rows is loaded once per 8-float step and multiplied into
-// M x NB running sums, which stay in registers. More rows run in passes of 4.
+// M x NB running sums, which stay in registers, while later blocks are prefetched. More
+// rows run in passes of 4.
 // The AVX2 + FMA clone is picked at load time (OSD_NO_AVX2=1 forces the portable loop);
 // the two round differently (FMA), which a linear layer tolerates.
 #include <ATen/Parallel.h>
@@ -23,6 +24,11 @@ namespace {
 
 constexpr int kMaxPass = 6;   // rows served by one pass over W
 constexpr int kSplitRows = 4; // rows per pass when there are more than kMaxPass
+// Decode streams every weight matrix from DRAM once per forward (a model's weights exceed
+// the cache). The hardware prefetcher alone leaves one core waiting on memory, more so
+// when several rows share each load, so the AVX2 loop prefetches this many weight blocks
+// ahead (docs/benchmarks.md: the zoo target's 5-token forward 6.6 ms -> about 4 ms).
+constexpr int kPrefetchBlocks = 4;
 
 struct LinearArgs {
   const float* x;      // [M, K], rows ldx apart
@@ -65,14 +71,30 @@ void block_portable(const LinearArgs& a, const float* x, float* y, int64_t n0) {
 }
 
 #if defined(__x86_64__)
+// Prefetch of the weight block kPrefetchBlocks ahead, 32 * NB bytes of it per 8-float step.
+// Few rows go into L1 (T0); with more rows, whose inputs fill much of L1, into L2 only (T1).
+template <int M, int NB>
+OSD_AVX2 inline void prefetch_step(const char* p) {
+  if constexpr (M <= 2) {
+    _mm_prefetch(p, _MM_HINT_T0);
+    if constexpr (NB > 2) _mm_prefetch(p + 64, _MM_HINT_T0);
+  } else {
+    _mm_prefetch(p, _MM_HINT_T1);
+    if constexpr (NB > 2) _mm_prefetch(p + 64, _MM_HINT_T1);
+  }
+}
+
 template <int M, int NB>
 OSD_AVX2 void block_avx2(const LinearArgs& a, const float* x, float* y, int64_t n0) {
   __m256 acc[M][NB];
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
   const int64_t K = a.K;
+  const char* ahead = reinterpret_cast<const char*>(
+      a.w + std::min<int64_t>(n0 + kPrefetchBlocks * NB, a.N - NB) * K);
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
+    prefetch_step<M, NB>(ahead + k * 4 * NB);
     __m256 w[NB];
     for (int j = 0; j < NB; ++j) w[j] = _mm256_loadu_ps(a.w + (n0 + j) * K + k);
     for (int m = 0; m < M; ++m) {
