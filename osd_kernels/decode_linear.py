@@ -1,4 +1,5 @@
-"""``decode_linear``: ``y = x W^T + b`` for the few rows of a decode or verify forward.
+"""``decode_linear``: ``y = x W^T + b`` for the few rows of a decode or verify forward,
+optionally behind the RMSNorm that precedes most projections of a Llama layer.
 
 A decode step multiplies 1 row per sequence (a verify step k + 1) by every weight matrix.
 On one CPU core a general GEMM handles so few rows poorly; the C++ kernel streams each
@@ -7,8 +8,9 @@ registers (``csrc/cpu/decode_linear.cpp``). ``auto`` uses it for float32 CPU inp
 most :data:`MAX_ROWS` (6) rows outside autograd, and ``F.linear`` otherwise: on CUDA the
 vendor GEMM is the kernel (this op has no Triton or CUDA kernel of its own).
 
-The reference is ``F.linear``. The kernel sums in a different order (8 partial sums per
-output, FMA on AVX2), so results agree to float32 rounding, not bit for bit.
+The reference is ``F.linear`` (after ``F.rms_norm`` with ``norm_weight``). The kernel sums
+in a different order (8 partial sums per output, FMA on AVX2), so results agree to float32
+rounding, not bit for bit.
 """
 from __future__ import annotations
 
@@ -25,12 +27,18 @@ MAX_ROWS = 6
 
 
 def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor,
-                            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``."""
+                            bias: torch.Tensor | None = None, *,
+                            norm_weight: torch.Tensor | None = None,
+                            eps: float = 1e-6) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, after ``F.rms_norm(x, (K,), norm_weight, eps)`` when
+    ``norm_weight`` is given."""
+    if norm_weight is not None:
+        x = F.rms_norm(x, norm_weight.shape, norm_weight, eps)
     return F.linear(x, weight, bias)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           norm_weight: torch.Tensor | None, eps: float) -> None:
     if weight.dim() != 2:
         raise ValueError(f"weight must be [N, K], got {tuple(weight.shape)}")
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
@@ -40,22 +48,34 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be {x.dtype} [N={weight.shape[0]}], got {bias.dtype} "
                          f"{tuple(bias.shape)}")
-    if x.device != weight.device or (bias is not None and bias.device != x.device):
-        raise ValueError(f"x, weight and bias must be on one device, got {x.device}, "
-                         f"{weight.device}, {None if bias is None else bias.device}")
+    if norm_weight is not None and (norm_weight.shape != (weight.shape[1],)
+                                    or norm_weight.dtype != x.dtype):
+        raise ValueError(f"norm_weight must be {x.dtype} [K={weight.shape[1]}], got "
+                         f"{norm_weight.dtype} {tuple(norm_weight.shape)}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    devices = {t.device for t in (x, weight, bias, norm_weight) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"x, weight, bias and norm_weight must be on one device, got "
+                         f"{sorted(map(str, devices))}")
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                   backend: str = "auto") -> torch.Tensor:
-    """``x @ weight.T + bias``.
+    """``rms_norm(x) @ weight.T + bias`` (no norm without ``norm_weight``).
 
     Args:
         x: ``[..., K]`` float (``M`` rows in all).
         weight: ``[N, K]`` of the same dtype.
         bias: ``[N]`` or None.
+        norm_weight: ``[K]`` or None. When given, each row of ``x`` is first replaced by
+            ``norm_weight * x / sqrt(mean(x^2) + eps)`` (the RMSNorm in front of the
+            attention, MLP and output projections of a Llama layer).
+        eps: the RMSNorm epsilon.
         backend: ``auto`` (the C++ kernel for float32 CPU inputs with ``M <= MAX_ROWS``
-            outside autograd, else ``F.linear``) | ``reference`` | ``native`` (the C++
-            kernel for any ``M``; float32 CPU only).
+            outside autograd, else ``F.rms_norm`` and ``F.linear``) | ``reference`` |
+            ``native`` (the C++ kernel for any ``M``; float32 CPU only).
 
     Returns:
         ``[..., N]``.
@@ -66,22 +86,23 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 1
                 or x.numel() > MAX_ROWS * x.shape[-1] or x.stride(-1) != 1
                 or not weight.is_contiguous() or not native_available()
-                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-            return F.linear(x, weight, bias)
-        y = torch.ops.osd.decode_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (
+                    norm_weight is not None and norm_weight.requires_grad)))):
+            return decode_linear_reference(x, weight, bias, norm_weight=norm_weight, eps=eps)
+        y = torch.ops.osd.decode_linear(x.reshape(-1, x.shape[-1]), weight, bias, norm_weight, eps)
         return y.view(*x.shape[:-1], weight.shape[0])
     impl = resolve_backend(backend, x.device, has_triton=False)
-    _check(x, weight, bias)
+    _check(x, weight, bias, norm_weight, eps)
     if impl == "reference" or x.device.type != "cpu":
-        return decode_linear_reference(x, weight, bias)
+        return decode_linear_reference(x, weight, bias, norm_weight=norm_weight, eps=eps)
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] > 0 and rows.stride(-1) != 1:
         rows = rows.contiguous()
-    y = torch.ops.osd.decode_linear(rows, weight.contiguous(), bias)
+    y = torch.ops.osd.decode_linear(rows, weight.contiguous(), bias, norm_weight, eps)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 if native_available():
     @torch.library.register_fake("osd::decode_linear")
-    def _decode_linear_fake(x, weight, bias):
+    def _decode_linear_fake(x, weight, bias, norm_weight=None, eps=1e-6):
         return x.new_empty((x.shape[0], weight.shape[0]))

@@ -31,6 +31,28 @@ def test_native_matches_reference(monkeypatch, m, k, n, portable):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (2, 320, 960), (5, 257, 131), (7, 15, 9)])
+def test_fused_rms_norm_matches_reference(monkeypatch, m, k, n, portable):
+    if portable:
+        monkeypatch.setenv("OSD_NO_AVX2", "1")
+    x, w, b = _inputs(m, k, n, m + k + n)
+    x = x * 3.0 + 0.5                                # rows far from unit RMS
+    g = torch.rand(k, generator=torch.Generator().manual_seed(k)) + 0.5
+    for eps, bias in ((1e-6, b), (1e-2, None)):
+        want = F.linear(F.rms_norm(x, (k,), g, eps), w, bias)
+        for backend in ("native", "auto", "reference"):
+            got = osd_kernels.decode_linear(x, w, bias, norm_weight=g, eps=eps, backend=backend)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_rms_norm_under_autograd_takes_the_reference():
+    x, w, b = _inputs(3, 16, 8, 9)
+    g = torch.ones(16, requires_grad=True)
+    osd_kernels.decode_linear(x, w, b, norm_weight=g).sum().backward()
+    assert g.grad is not None and g.grad.shape == (16,)
+
+
 def test_batched_and_strided_inputs():
     x, w, b = _inputs(6, 40, 24, 1)
     x3 = x.view(2, 3, 40)
@@ -79,6 +101,10 @@ def test_bad_input_names_the_problem(backend):
         osd_kernels.decode_linear(x.double(), w, backend=backend)
     with pytest.raises(ValueError, match="bias must be"):
         osd_kernels.decode_linear(x, w, b[:3], backend=backend)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        osd_kernels.decode_linear(x, w, norm_weight=torch.ones(7), backend=backend)
+    with pytest.raises(ValueError, match="eps must be"):
+        osd_kernels.decode_linear(x, w, norm_weight=torch.ones(8), eps=-1.0, backend=backend)
     with pytest.raises(ValueError, match="unknown backend"):
         osd_kernels.decode_linear(x, w, backend="fast")
 
@@ -93,3 +119,4 @@ def test_opcheck():
     x, w, b = _inputs(3, 24, 10, 5)
     torch.library.opcheck(torch.ops.osd.decode_linear.default, (x, w, b))
     torch.library.opcheck(torch.ops.osd.decode_linear.default, (x, w, None))
+    torch.library.opcheck(torch.ops.osd.decode_linear.default, (x, w, b, torch.rand(24), 1e-5))

@@ -1,6 +1,7 @@
 // decode_linear: schema, checks and the C++ CPU kernel of y = x W^T + b for few rows.
 //
-// Decode and verify forwards multiply 1 to ~8 rows by every weight matrix. A general GEMM
+// Decode and verify forwards multiply 1 to ~8 rows by every weight matrix, most of them
+// right after an RMSNorm, which the op applies to the rows first when given its weight. A general GEMM
 // handles so few rows poorly on one core; here one pass over W serves up to kMaxPass rows:
 // each block of NB weight rows is loaded once per 8-float step and multiplied into
 // M x NB running sums, which stay in registers, while later blocks are prefetched. More
@@ -10,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <algorithm>
+#include <cmath>
 #include <optional>
 
 #include "cpu/fast_math.h"
@@ -163,8 +165,30 @@ void decode_linear_cpu_kernel(const LinearArgs& a) {
   });
 }
 
+// rows[m] = norm_weight * (x[m] / sqrt(mean(x[m]^2) + eps)), the order of transformers'
+// LlamaRMSNorm (sum of squares in double, so within one rounding of the exact norm).
+at::Tensor rms_norm_rows(const LinearArgs& a, const at::Tensor& norm_weight, double eps) {
+  check_dtype(norm_weight, at::kFloat, "norm_weight");
+  OSD_CHECK(norm_weight.dim() == 1 && norm_weight.size(0) == a.K && norm_weight.is_contiguous(),
+            "norm_weight must be contiguous [K=", a.K, "], got ", norm_weight.sizes());
+  OSD_CHECK(eps >= 0.0, "eps must be >= 0, got ", eps);
+  at::Tensor rows = at::empty({a.M, a.K}, norm_weight.options());
+  const float* g = norm_weight.data_ptr<float>();
+  float* out = rows.data_ptr<float>();
+  for (int64_t m = 0; m < a.M; ++m) {
+    const float* xr = a.x + m * a.ldx;
+    double ss = 0.0;
+    for (int64_t k = 0; k < a.K; ++k) ss += static_cast<double>(xr[k]) * xr[k];
+    const float inv = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(a.K)) +
+                                       static_cast<float>(eps));
+    for (int64_t k = 0; k < a.K; ++k) out[m * a.K + k] = g[k] * (xr[k] * inv);
+  }
+  return rows;
+}
+
 at::Tensor decode_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
-                             const std::optional<at::Tensor>& bias) {
+                             const std::optional<at::Tensor>& bias,
+                             const std::optional<at::Tensor>& norm_weight, double eps) {
   OSD_CHECK(x.device().is_cpu(), "decode_linear CPU kernel got a ", x.device(), " tensor");
   check_dtype(x, at::kFloat, "x");
   check_dtype(weight, at::kFloat, "weight");
@@ -191,6 +215,13 @@ at::Tensor decode_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
               "bias must be contiguous [N=", a.N, "], got ", b.sizes());
     a.bias = b.data_ptr<float>();
   }
+  at::Tensor normed;
+  if (norm_weight.has_value()) {
+    check_same_device(x, *norm_weight, "x", "norm_weight");
+    normed = rms_norm_rows(a, *norm_weight, eps);
+    a.x = normed.data_ptr<float>();
+    a.ldx = a.K;
+  }
   at::Tensor y = at::empty({a.M, a.N}, x.options());
   a.y = y.data_ptr<float>();
   if (a.M > 0 && a.N > 0) decode_linear_cpu_kernel(a);
@@ -202,7 +233,9 @@ at::Tensor decode_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
 
 TORCH_LIBRARY_FRAGMENT(osd, m) {
   // y = x W^T + b for a few rows (decode and verify); x [M, K], weight [N, K], bias [N].
-  m.def("decode_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  // With norm_weight [K], x is first RMS-normalised: norm_weight * x / sqrt(mean(x^2) + eps).
+  m.def("decode_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight=None, "
+        "float eps=1e-6) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(osd, CPU, m) { m.impl("decode_linear", &osd::decode_linear_cpu); }

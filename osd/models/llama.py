@@ -86,14 +86,18 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
+    def fused(self) -> dict:
+        """Keyword arguments that make ``decode_linear`` apply this norm to its input."""
+        return {"norm_weight": self.weight, "eps": self.eps}
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + SwiGLU(norm(x))``.
 
     The forward is split around attention (:meth:`qkv`, then :meth:`finish`) so that the
     cached and the training forward share everything but the attention call. Linear layers
-    are called through ``decode_linear`` (``F.linear`` outside its few-row CPU case) to keep
-    per-token overhead low.
+    are called through ``decode_linear`` (``F.linear`` outside its few-row CPU case), which
+    also applies the RMSNorm in front of them, to keep per-token overhead low.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -112,7 +116,7 @@ class DecoderLayer(nn.Module):
         """Queries ``[B, T, Hq, D]`` and keys, values ``[B, T, Hkv, D]``, RoPE applied."""
         B, T, _ = x.shape
         hq, hkv = self.num_heads, self.num_kv_heads
-        qkv = decode_linear(self.input_norm(x), self.wqkv.weight, self.wqkv.bias)
+        qkv = decode_linear(x, self.wqkv.weight, self.wqkv.bias, **self.input_norm.fused())
         qkv = qkv.view(B, T, hq + 2 * hkv, self.head_dim)
         q, k = apply_rope(qkv[:, :, :hq + hkv], cos, sin).split((hq, hkv), dim=2)
         return q, k, qkv[:, :, hq + hkv:]
@@ -120,7 +124,8 @@ class DecoderLayer(nn.Module):
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual after attention output ``attn [B, T, Hq, D]``, then the SwiGLU block."""
         x = x + decode_linear(attn.flatten(2), self.wo.weight, self.wo.bias)
-        h = decode_linear(self.post_attention_norm(x), self.w_gate_up.weight, self.w_gate_up.bias)
+        h = decode_linear(x, self.w_gate_up.weight, self.w_gate_up.bias,
+                          **self.post_attention_norm.fused())
         gate, up = h.chunk(2, dim=-1)
         return x + decode_linear(F.silu(gate) * up, self.w_down.weight, self.w_down.bias)
 
@@ -279,4 +284,4 @@ class DecoderLM(nn.Module):
     def _logits(self, x: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
         if logits_index is not None:
             x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
-        return decode_linear(self.norm(x), self.lm_head.weight).float()
+        return decode_linear(x, self.lm_head.weight, **self.norm.fused()).float()
