@@ -3,9 +3,10 @@ optionally behind the RMSNorm that precedes most projections of a Llama layer.
 
 A decode step multiplies 1 row per sequence (a verify step k + 1) by every weight matrix.
 On one CPU core a general GEMM handles so few rows poorly; the C++ kernel streams each
-weight matrix once per pass for up to 6 rows, holding every row's running sums in
-registers (``csrc/cpu/decode_linear.cpp``). ``auto`` uses it for float32 CPU inputs of at
-most :data:`MAX_ROWS` (6) rows outside autograd, and ``F.linear`` otherwise: on CUDA the
+weight matrix once per pass for up to 12 rows, holding every row's running sums in
+registers and prefetching the weights ahead of use (``csrc/cpu/decode_linear.cpp``).
+``auto`` uses it for float32 CPU inputs of at most :data:`MAX_ROWS` (24) rows outside
+autograd, and ``F.linear`` otherwise: on CUDA the
 vendor GEMM is the kernel (this op has no Triton or CUDA kernel of its own).
 
 The reference is ``F.linear`` (after ``F.rms_norm`` with ``norm_weight``). The kernel sums
@@ -19,11 +20,12 @@ import torch.nn.functional as F
 
 from osd_kernels._ops import native_available, resolve_backend
 
-# auto picks the C++ kernel up to this many rows: the rows one pass over the weights serves
-# (kMaxPass in csrc/cpu/decode_linear.cpp). More rows take several passes, which for weights
-# larger than the caches costs more memory traffic than the GEMM (bench/bench_decode.py,
-# 90M model at batch 8).
-MAX_ROWS = 6
+# auto picks the C++ kernel up to this many rows (kMaxPass = 12 rows per pass over the
+# weights in csrc/cpu/decode_linear.cpp). A forward of the zoo target (fp32, 1 thread) with
+# every projection on the kernel took 0.46x the time it took on torch's GEMM at 7 rows,
+# 0.65x at 16, 0.88x at 24 (three passes) and 0.97x at 32: past that the GEMM's blocking
+# wins.
+MAX_ROWS = 24
 
 
 def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor,

@@ -8,7 +8,7 @@ import osd_kernels
 from osd_kernels.decode_linear import MAX_ROWS
 
 SHAPES = [(1, 1, 1), (1, 7, 3), (2, 320, 960), (3, 33, 17), (5, 257, 131), (6, 864, 320),
-          (7, 15, 9), (8, 64, 2048), (13, 40, 29)]    # (M, K, N)
+          (7, 15, 9), (8, 64, 2048), (12, 96, 11), (13, 40, 29), (25, 17, 6)]  # (M, K, N)
 
 
 def _inputs(m, k, n, seed, bias=True):

@@ -1,11 +1,11 @@
 // decode_linear: schema, checks and the C++ CPU kernel of y = x W^T + b for few rows.
 //
-// Decode and verify forwards multiply 1 to ~8 rows by every weight matrix, most of them
-// right after an RMSNorm, which the op applies to the rows first when given its weight. A general GEMM
-// handles so few rows poorly on one core; here one pass over W serves up to kMaxPass rows:
-// each block of NB weight rows is loaded once per 8-float step and multiplied into
-// M x NB running sums, which stay in registers, while later blocks are prefetched. More
-// rows run in passes of 4.
+// Decode and verify forwards multiply 1 to ~12 rows by every weight matrix, most of them
+// right after an RMSNorm, which the op applies to the rows first when given its weight. A
+// general GEMM handles so few rows poorly on one core; here one pass over W serves up to
+// kMaxPass rows: each block of NB weight rows is loaded once per 8-float step and
+// multiplied into M x NB running sums, which stay in registers, while later blocks are
+// prefetched. More rows run in as few equal passes as possible.
 // The AVX2 + FMA clone is picked at load time (OSD_NO_AVX2=1 forces the portable loop);
 // the two round differently (FMA), which a linear layer tolerates.
 #include <ATen/Parallel.h>
@@ -24,8 +24,7 @@
 namespace osd {
 namespace {
 
-constexpr int kMaxPass = 6;   // rows served by one pass over W
-constexpr int kSplitRows = 4; // rows per pass when there are more than kMaxPass
+constexpr int kMaxPass = 12;  // rows served by one pass over W
 // Decode streams every weight matrix from DRAM once per forward (a model's weights exceed
 // the cache). The hardware prefetcher alone leaves one core waiting on memory, more so
 // when several rows share each load, so the AVX2 loop prefetches this many weight blocks
@@ -44,7 +43,7 @@ struct LinearArgs {
 // 16 vector registers of AVX2.
 template <int M>
 constexpr int block_rows() {
-  return M <= 2 ? 4 : (M <= 4 ? 3 : 2);
+  return M <= 2 ? 4 : (M <= 4 ? 3 : (M <= 6 ? 2 : 1));
 }
 
 // Portable: 8 partial sums per (row, weight row), the same association as the AVX2 path.
@@ -146,7 +145,13 @@ void run_pass(const LinearArgs& a, int64_t row, int rows, int64_t n_begin, int64
     case 3: pass<3>(a, x, y, n_begin, n_end, avx2); break;
     case 4: pass<4>(a, x, y, n_begin, n_end, avx2); break;
     case 5: pass<5>(a, x, y, n_begin, n_end, avx2); break;
-    default: pass<6>(a, x, y, n_begin, n_end, avx2); break;
+    case 6: pass<6>(a, x, y, n_begin, n_end, avx2); break;
+    case 7: pass<7>(a, x, y, n_begin, n_end, avx2); break;
+    case 8: pass<8>(a, x, y, n_begin, n_end, avx2); break;
+    case 9: pass<9>(a, x, y, n_begin, n_end, avx2); break;
+    case 10: pass<10>(a, x, y, n_begin, n_end, avx2); break;
+    case 11: pass<11>(a, x, y, n_begin, n_end, avx2); break;
+    default: pass<12>(a, x, y, n_begin, n_end, avx2); break;
   }
 }
 
@@ -154,12 +159,11 @@ void decode_linear_cpu_kernel(const LinearArgs& a) {
   const bool avx2 = use_avx2_fma();
   // Threads split the weight rows (each streams its share of W once per pass).
   at::parallel_for(0, a.N, 256, [&](int64_t n_begin, int64_t n_end) {
-    if (a.M <= kMaxPass) {
-      run_pass(a, 0, static_cast<int>(a.M), n_begin, n_end, avx2);
-      return;
-    }
-    for (int64_t row = 0; row < a.M; row += kSplitRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kSplitRows, a.M - row));
+    // More rows than one pass serves: as few passes as possible, of equal size.
+    const int64_t passes = (a.M + kMaxPass - 1) / kMaxPass;
+    const int64_t per_pass = (a.M + passes - 1) / passes;
+    for (int64_t row = 0; row < a.M; row += per_pass) {
+      const int rows = static_cast<int>(std::min<int64_t>(per_pass, a.M - row));
       run_pass(a, row, rows, n_begin, n_end, avx2);
     }
   });
