@@ -2,7 +2,10 @@
 
 The weight shapes of the built-in target (``osd.zoo``: hidden 320, MLP 864, vocabulary
 2048) and of a 1B-class model layer (hidden 2048, MLP 8192); M rows (1 = decode at batch
-1, 5 = a k = 4 verify, 6 = the most rows auto sends to the kernel). CPU, float32, torch on
+1, 5 = a k = 4 verify, 9 = a k = 8 verify, 16 = two passes of the kernel). ``hot``: one
+weight matrix, which stays in the caches between calls; ``cold``: each call takes the
+next of enough copies of it to fill twice ``COLD_BYTES``, so the weights come from memory,
+as in a whole forward of a model larger than the last-level cache. CPU, float32, torch on
 ``OSD_BENCH_THREADS`` threads (default 1). Each round of ``cpp`` is preceded by one timed
 round of ``F.linear`` on the same inputs (its ``setup``); ``cpp`` calls
 ``decode_linear`` with ``backend="auto"``, as the model does (the C++ kernel at these
@@ -28,13 +31,15 @@ SHAPES = {   # name: (N, K)
 }
 if FULL:
     SHAPES.update({"1b-qkv": (6144, 2048), "1b-down": (2048, 8192)})
-ROWS = (1, 2, 5, 6)
+ROWS = (1, 2, 5, 9, 16)
 CALLS = 200   # calls per timed round
+COLD_BYTES = 32 << 20   # the development machine's last-level cache
 
 
+@pytest.mark.parametrize("weights", ["hot", "cold"])
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_decode_linear(benchmark, shape, rows):
+def test_decode_linear(benchmark, shape, rows, weights):
     n, k = SHAPES[shape]
     gen = torch.Generator().manual_seed(n + rows)
     x = torch.randn(rows, k, generator=gen)
@@ -42,21 +47,23 @@ def test_decode_linear(benchmark, shape, rows):
     b = torch.randn(n, generator=gen)
     torch.testing.assert_close(decode_linear(x, w, b, backend="native"), F.linear(x, w, b),
                                rtol=1e-4, atol=1e-4)
+    copies = 1 if weights == "hot" else -(-2 * COLD_BYTES // (4 * n * k))
+    ws = [w] + [w.clone() for _ in range(copies - 1)]
     best = {"linear": float("inf")}
 
     def linear_round():
         start = time.perf_counter()
-        for _ in range(CALLS):
-            F.linear(x, w, b)
+        for i in range(CALLS):
+            F.linear(x, ws[i % copies], b)
         best["linear"] = min(best["linear"], time.perf_counter() - start)
 
     def ours():
-        for _ in range(CALLS):
-            decode_linear(x, w, b)
+        for i in range(CALLS):
+            decode_linear(x, ws[i % copies], b)
 
     benchmark.pedantic(ours, setup=linear_round, rounds=10, iterations=1, warmup_rounds=1)
     cpp = benchmark.stats.stats.min
     benchmark.extra_info.update(
-        N=n, K=k, M=rows, threads=torch.get_num_threads(),
+        N=n, K=k, M=rows, weights=weights, threads=torch.get_num_threads(),
         linear_us=round(best["linear"] / CALLS * 1e6, 2), cpp_us=round(cpp / CALLS * 1e6, 2),
         speedup=round(best["linear"] / cpp, 2))

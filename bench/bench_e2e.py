@@ -15,7 +15,8 @@ Providers (``k`` = ``K`` draft tokens unless named otherwise):
 - ``osd-spec``: our chain speculation with ``K``; ``osd-spec-k{K_MAX}``: a fixed chain of
   ``K_MAX``; ``osd-adaptive``: adaptive draft length with at most ``K_MAX`` (the same
   ``k_max`` as the fixed row, so the two rows show what adaptivity buys);
-  ``osd-tree``: the static tree ``TREE``;
+  ``osd-tree``: the static tree ``TREE``; ``osd-ngram``: prompt lookup (no draft model)
+  with up to ``K`` drafts;
 - ``osd-online``: ``osd-spec`` with the draft that online distillation produced
   (``ONLINE``: 8 AdamW steps at lr 5e-4 every 4 requests, background learner) while
   serving ``WARMUP`` other code queries (a different seed of the same stream). The learned
@@ -91,12 +92,14 @@ OSD_PROVIDERS = {
     f"osd-spec-k{K_MAX}": (1, osd.SpecConfig(num_draft_tokens=K_MAX)),
     "osd-adaptive": (1, osd.SpecConfig(num_draft_tokens=K_MAX, adaptive=True)),
     "osd-tree": (1, osd.SpecConfig(num_draft_tokens=len(TREE), tree=TREE)),
+    "osd-ngram": (1, osd.SpecConfig(num_draft_tokens=K, drafter="ngram")),
     "osd-plain-b8": (BATCH, None),
     "osd-spec-b8": (BATCH, osd.SpecConfig(num_draft_tokens=K)),
 }
 HF_PROVIDERS = ("transformers", "transformers-assisted")
 PROVIDERS = ["osd-plain", "transformers", "transformers-assisted", "osd-spec", "osd-online",
-             f"osd-spec-k{K_MAX}", "osd-adaptive", "osd-tree", "osd-plain-b8", "osd-spec-b8"]
+             f"osd-spec-k{K_MAX}", "osd-adaptive", "osd-tree", "osd-ngram", "osd-plain-b8",
+             "osd-spec-b8"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -127,7 +130,8 @@ def pair():
         if name not in engines:
             batch, spec = OSD_PROVIDERS[name]
             engines[name] = osd.Engine.from_pretrained(
-                target_dir, draft=draft_dir if spec is not None else None, spec=spec,
+                target_dir, draft=draft_dir if spec is not None and spec.drafter == "model"
+                else None, spec=spec,
                 max_batch_size=batch, max_seq_len=PROMPT_TOKENS + NEW_TOKENS,
                 online=ONLINE if name == "osd-online" else None)
             if name == "osd-online":
@@ -370,10 +374,11 @@ def test_e2e(benchmark, pair, costs, report, provider):
                    drafted_per_step=round(drafted / steps, 3),
                    position_acceptance=[None if a is None else round(a, 3)
                                         for a in st["position_acceptance"]],
-                   time_s={p: round(t, 3) for p, t in st["time_s"].items()},
-                   c=round(costs["c"], 4), verify_cost=round(costs["verify_cost"], 3),
-                   target_forward_ms=round(costs["target_forward_ms"], 3),
-                   draft_forward_ms=round(costs["draft_forward_ms"], 3))
+                   time_s={p: round(t, 3) for p, t in st["time_s"].items()})
+        if spec.drafter == "model":
+            row.update(c=round(costs["c"], 4), verify_cost=round(costs["verify_cost"], 3),
+                       target_forward_ms=round(costs["target_forward_ms"], 3),
+                       draft_forward_ms=round(costs["draft_forward_ms"], 3))
         if provider == "osd-online":
             hist = pair["warmup"]["history"]
             first = [a for a in pair["warmup"]["alpha"][:16] if a is not None]
@@ -385,11 +390,10 @@ def test_e2e(benchmark, pair, costs, report, provider):
                        eval_alpha_online=round(pair["warmup"]["eval"]["online"], 4),
                        eval_alpha_gain=round(pair["warmup"]["eval"]["online"]
                                              - pair["warmup"]["eval"]["static"], 4))
-        if not (spec.is_tree or spec.adaptive):
+        if not (spec.is_tree or spec.adaptive) and spec.drafter == "model":
             # In the engine a fixed chain runs k draft forwards per verify forward.
             t = st["time_s"]
             row["c_engine"] = round(t["draft"] / (k * t["verify"]), 4)
-        if not (spec.is_tree or spec.adaptive):
             if st["alpha"] is not None:
                 row["bound"] = round(analytic_bound(st["alpha"], costs["c"], k), 2)
             # The same cost model with the measured tokens per step in place of the i.i.d.
