@@ -5,7 +5,7 @@ A decode step multiplies 1 row per sequence (a verify step k + 1) by every weigh
 On one CPU core a general GEMM handles so few rows poorly; the C++ kernel streams each
 weight matrix once per pass for up to 12 rows, holding every row's running sums in
 registers and prefetching the weights ahead of use (``csrc/cpu/decode_linear.cpp``).
-``auto`` uses it for float32 CPU inputs of at most :data:`MAX_ROWS` (24) rows outside
+``auto`` uses it for float32 CPU inputs of at most :data:`MAX_ROWS` (16) rows outside
 autograd, and ``F.linear`` otherwise: on CUDA the
 vendor GEMM is the kernel (this op has no Triton or CUDA kernel of its own).
 
@@ -21,11 +21,10 @@ import torch.nn.functional as F
 from osd_kernels._ops import native_available, resolve_backend
 
 # auto picks the C++ kernel up to this many rows (kMaxPass = 12 rows per pass over the
-# weights in csrc/cpu/decode_linear.cpp). A forward of the zoo target (fp32, 1 thread) with
-# every projection on the kernel took 0.46x the time it took on torch's GEMM at 7 rows,
-# 0.65x at 16, 0.88x at 24 (three passes) and 0.97x at 32: past that the GEMM's blocking
-# wins.
-MAX_ROWS = 24
+# weights in csrc/cpu/decode_linear.cpp). With weights that come from memory, as in a
+# model's forward, 16 rows (two passes) still took 0.6x to 0.75x the time of torch's GEMM
+# (bench/bench_decode_linear.py, cold rows); with hot weights the GEMM wins there.
+MAX_ROWS = 16
 
 
 def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor,
