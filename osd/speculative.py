@@ -33,18 +33,24 @@ from osd_kernels.warp import warp_probs
 
 
 class AdaptiveStopper:
-    """Adaptive draft length: a row stops drafting when the draft's confidence says the
-    next token is unlikely to be accepted.
+    """Adaptive draft length: a row stops drafting when the next token is unlikely to be
+    accepted together with every draft before it.
 
     Confidence is the draft's probability of the token it proposes. Acceptance is
     calibrated per confidence bin from the verdicts seen so far (a position counts as
     tested when every earlier draft of its step was accepted), with a prior that trusts
-    confidences above ``init_threshold``. A row keeps drafting while the calibrated
-    P(accept | confidence) is at least ``floor``.
+    confidences above ``init_threshold``. Each drafted token multiplies a running product
+    by its bin's calibrated P(accept | confidence) plus an exploration bonus
+    ``EXPLORE / sqrt(tested + prior weight)`` (capped at 1), which shrinks as the bin is
+    tested; a row keeps drafting while the product, its estimated chance of getting this
+    far, is at least ``floor``. Without the bonus a bin whose prior is below the floor would
+    never be drafted, hence never tested: a draft that is accepted more often than its
+    confidence suggests would be stopped for good.
     """
 
     BINS = 10
     PRIOR_WEIGHT = 4.0
+    EXPLORE = 0.7
 
     def __init__(self, floor: float, init_threshold: float):
         self.floor = floor
@@ -53,6 +59,7 @@ class AdaptiveStopper:
         self.tested = torch.zeros(self.BINS, dtype=torch.float64)
         self.accepted = torch.zeros(self.BINS, dtype=torch.float64)
         self._conf: list[torch.Tensor] = []
+        self._reach = torch.ones(0, dtype=torch.float64)   # [B] running product of scores
 
     def _bin(self, conf: torch.Tensor) -> torch.Tensor:
         return (conf.double() * self.BINS).long().clamp(0, self.BINS - 1).cpu()
@@ -62,13 +69,19 @@ class AdaptiveStopper:
         w = self.PRIOR_WEIGHT
         return (self.accepted + w * self.prior) / (self.tested + w)
 
+    def scores(self) -> torch.Tensor:
+        """:meth:`rates` plus the exploration bonus: what ``floor`` is compared with."""
+        return self.rates() + self.EXPLORE / (self.tested + self.PRIOR_WEIGHT).sqrt()
+
     def keep_going(self, logits, tokens, q, active):
         probs = q if q is not None else torch.softmax(logits.float(), -1)
         conf = probs.gather(1, tokens[:, None])[:, 0]
         if active is None:
             self._conf = []
+            self._reach = torch.ones(conf.shape[0], dtype=torch.float64)
         self._conf.append(conf)
-        go = (self.rates()[self._bin(conf)] >= self.floor).to(conf.device)
+        self._reach = self._reach * self.scores().clamp(max=1.0)[self._bin(conf)]
+        go = (self._reach >= self.floor).to(conf.device)
         return go if active is None else active & go
 
     def observe(self, num_drafted: list[int], num_accepted: list[int]) -> None:

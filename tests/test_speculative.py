@@ -8,6 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import osd
 from osd.spec import DynamicTree
+from osd.speculative import AdaptiveStopper
 from osd_kernels.warp import warp_probs
 from tests.test_models import VOCAB, tiny_hf_model
 
@@ -209,3 +210,45 @@ def test_steps_where_no_row_drafts(llama_pair, plain):
                                      max_batch_size=2, max_seq_len=96)
     outs = eng.generate(prompts, osd.SamplingParams(12))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+
+
+# -- adaptive draft length: the stopper learns from verdicts ---------------------------
+def _run_stopper(stopper, conf: float, accept_rate: float, steps: int, k: int = 8,
+                 batch: int = 4) -> float:
+    """Drive ``stopper`` with drafts of confidence ``conf`` accepted i.i.d. with
+    ``accept_rate``; return the mean drafts per row over the last quarter of the steps."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.full((batch, 8), -30.0)
+    logits[:, 0] = 0.0
+    logits[:, 1] = -torch.log(torch.tensor(1.0 / conf - 1.0))   # softmax: conf on token 1
+    tokens = torch.ones(batch, dtype=torch.int64)
+    drafted_tail = []
+    for step in range(steps):
+        active, num = None, torch.zeros(batch, dtype=torch.int32)
+        for _ in range(k):
+            active = stopper.keep_going(logits, tokens, None, active)
+            num += active.to(torch.int32)
+            if not bool(active.any()):
+                break
+        accepted = []
+        for d in num.tolist():
+            a = 0
+            while a < d and torch.rand((), generator=g) < accept_rate:
+                a += 1
+            accepted.append(a)
+        stopper.observe(num.tolist(), accepted)
+        if step >= 3 * steps // 4:
+            drafted_tail.append(num.float().mean().item())
+    return sum(drafted_tail) / len(drafted_tail)
+
+
+def test_adaptive_stopper_explores_and_learns():
+    # A draft less confident than the prior trusts, but always right: drafting resumes
+    # (exploration) and reaches k_max.
+    assert _run_stopper(AdaptiveStopper(0.35, 0.3), conf=0.15, accept_rate=1.0, steps=60) > 7
+    # A confident draft that is never right: drafting stops almost entirely.
+    assert _run_stopper(AdaptiveStopper(0.35, 0.3), conf=0.9, accept_rate=0.0, steps=60) < 0.5
+    # Accepted half of the time: the chance of reaching position i is 0.5^i, so rows stop
+    # after one or two drafts at a floor of 0.35 (0.5 >= 0.35 > 0.25).
+    mid = _run_stopper(AdaptiveStopper(0.35, 0.3), conf=0.5, accept_rate=0.5, steps=200)
+    assert 0.8 <= mid <= 2.2, mid
