@@ -70,7 +70,7 @@ from osd import zoo
 
 FULL = os.environ.get("OSD_BENCH_FULL", "0") == "1"
 NEW_TOKENS = 128 if FULL else 48
-NUM_PROMPTS = 8 if FULL else 3
+NUM_PROMPTS = 8 if FULL else 6
 ROUNDS = 5 if FULL else 3
 BATCH = 8
 PROMPT_TOKENS = 48

@@ -45,7 +45,7 @@ class SpecConfig:
     ngram_max: int = 3                   # ngram: longest suffix matched in the context
     ngram_min: int = 1                   # ngram: shortest suffix matched
     adaptive: bool = False               # stop drafting a row when the draft is unsure
-    adaptive_floor: float = 0.35         # adaptive: stop when P(accept | confidence) < floor
+    adaptive_floor: float = 0.35         # adaptive: stop when P(reach and accept) < floor
     adaptive_init_threshold: float = 0.3  # adaptive: confidence threshold before calibration
     exact_alpha: bool = True             # report 1 - TV(p, q) (one softmax per drafted row)
     cuda_graphs: bool = True             # capture draft and verify forwards on CUDA
