@@ -62,6 +62,7 @@ class AdaptiveStopper:
         self._reach = torch.ones(0, dtype=torch.float64)   # [B] running product of scores
 
     def _bin(self, conf: torch.Tensor) -> torch.Tensor:
+        # Deliberate host sync (adaptive mode only): the calibration table is on the host.
         return (conf.double() * self.BINS).long().clamp(0, self.BINS - 1).cpu()
 
     def rates(self) -> torch.Tensor:
