@@ -75,6 +75,8 @@ class ModelDrafter:
     """
 
     has_model = True
+    # Most pending tokens (steps drafted by prompt lookup) before they are fed (<= 72).
+    PENDING_LIMIT = 24
 
     def __init__(self, model: DecoderLM, max_batch_size: int, capacity: int,
                  skip_layers: frozenset[int] = frozenset()):
@@ -133,12 +135,34 @@ class ModelDrafter:
         self._pending_len[:B] = lengths
         self._pending_max = max_len
 
-    def _root(self, B: int) -> torch.Tensor:
-        """Feed the pending tokens; return the logits at the root ``[B, V]``."""
+    def queue(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int) -> None:
+        """After a verify step the draft did not draft for (prompt lookup): append
+        ``tokens[:, :lengths]`` to the rows' pending tokens; the cache is unchanged. When
+        the pending tokens would pass :attr:`PENDING_LIMIT`, they are fed first."""
+        if self._pending_max + max_len > self.PENDING_LIMIT:
+            self._feed(B)
+        width = tokens.shape[1]
+        j = torch.arange(width, device=self.device)
+        valid = j < lengths[:, None]                                   # [B, width]
+        rows = torch.arange(B, device=self.device)[:, None].expand(B, width)
+        cols = self._pending_len[:B, None] + j
+        self._pending[rows[valid], cols[valid]] = tokens.clamp(min=0)[valid]
+        self._pending_len[:B] += lengths
+        self._pending_max += max_len        # an upper bound of the rows' pending lengths
+
+    def _feed(self, B: int) -> torch.Tensor:
+        """Feed the pending tokens into the cache; the logits at each row's last one
+        ``[B, V]``."""
         P = self._pending_max
         logits = self._forward(self._pending[:B, :P], logits_index=(self._pending_len[:B] - 1)[:, None])
         self.cache.commit(self._pending_len[:B].to(torch.int32), P)
+        self._pending_len[:B] = 0
+        self._pending_max = 0
         return logits[:, 0]
+
+    def _root(self, B: int) -> torch.Tensor:
+        """Feed the pending tokens; return the logits at the root ``[B, V]``."""
+        return self._feed(B)
 
     # -- proposals -----------------------------------------------------------------
     def propose_chain(self, B: int, k: int, params: SamplingParams, seed: torch.Tensor,
@@ -349,12 +373,17 @@ class NGramDrafter:
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
 
-    def propose_chain(self, histories: list[list[int]], k: int, device) -> ChainProposal:
+    def propose_chain(self, histories: list[list[int]], k: int, device,
+                      every_row: bool = False) -> ChainProposal | None:
+        """Up to ``k`` drafts per row from ``histories`` (each row's prompt + output).
+        ``every_row``: return None unless every row has a match."""
         B = len(histories)
         tokens = torch.zeros(B, k, dtype=torch.int64)
         num = torch.zeros(B, dtype=torch.int32)
         for b, hist in enumerate(histories):
             cont = self.lookup(hist, k)
+            if every_row and not cont:
+                return None
             tokens[b, :len(cont)] = torch.tensor(cont, dtype=torch.int64)
             num[b] = len(cont)
         max_drafted = int(num.max())

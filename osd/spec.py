@@ -36,6 +36,13 @@ class SpecConfig:
     a static tree (e.g. ``[(0,), (1,), (0, 0)]``); a :class:`DynamicTree` grows one per
     step. Trees use the draft's top-ranked children (deterministic), verified with the
     multi-draft rule, which is lossless for sampling too.
+
+    ``prompt_lookup=True`` (chains with a draft model or self-speculation) first looks the
+    context's suffix up in the row's own prompt and output, as the ``"ngram"`` drafter
+    does; when every row of the step has a match, those continuations are the drafts and
+    the draft model does not run (its cache catches up on the next step it drafts).
+    Otherwise the draft model drafts every row. Lookup is nearly free and, where text
+    repeats (code, edits, retrieval), long and accurate; the draft model covers the rest.
     """
 
     num_draft_tokens: int = 4            # k: chain length / most drafts per step
@@ -44,6 +51,8 @@ class SpecConfig:
     skip_layers: tuple[int, ...] | None = None  # self: target layers skipped (default: odd ones)
     ngram_max: int = 3                   # ngram: longest suffix matched in the context
     ngram_min: int = 1                   # ngram: shortest suffix matched
+    prompt_lookup: bool = False          # model/self: prompt lookup first, the draft model
+    #                                      only for steps where some row has no match
     adaptive: bool = False               # stop drafting a row when the draft is unsure
     adaptive_floor: float = 0.35         # adaptive: stop when P(reach and accept) < floor
     adaptive_init_threshold: float = 0.3  # adaptive: confidence threshold before calibration
@@ -66,6 +75,11 @@ class SpecConfig:
             self.tree = StaticTree.from_paths(self.tree)
         if self.tree is not None and self.drafter == "ngram":
             raise ValueError("the ngram drafter proposes a chain; use tree=None")
+        if self.prompt_lookup and self.drafter == "ngram":
+            raise ValueError("SpecConfig(prompt_lookup=True) adds prompt lookup to a model "
+                             "drafter; drafter='ngram' already is prompt lookup")
+        if self.prompt_lookup and self.tree is not None:
+            raise ValueError("SpecConfig(prompt_lookup=True) proposes chains; use tree=None")
 
     @property
     def is_tree(self) -> bool:

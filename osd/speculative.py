@@ -112,6 +112,8 @@ class Speculator:
         self.spec = spec
         self.drafter = drafter
         self.stats = SpecStats()
+        self.lookup = (NGramDrafter(spec.ngram_min, spec.ngram_max)
+                       if spec.prompt_lookup and isinstance(drafter, ModelDrafter) else None)
         self.stopper = (AdaptiveStopper(spec.adaptive_floor, spec.adaptive_init_threshold)
                         if spec.adaptive and not spec.is_tree else None)
         self.collect_topk: int | None = None       # set by the online learner
@@ -150,6 +152,7 @@ class Speculator:
         t0 = time.perf_counter()
         sampling = self._sampling_tensors(active, params, dev)
         tree = self.spec.tree
+        looked_up = False      # drafts from prompt lookup (the draft model did not run)
         if tree is not None:
             prop = self.drafter.propose_tree(B, tree, roots)
             inputs, mask, depths = prop.tokens, prop.mask, prop.depths
@@ -159,8 +162,14 @@ class Speculator:
             if isinstance(self.drafter, NGramDrafter):
                 prop = self.drafter.propose_chain([r.prompt + r.generated for r in active], k, dev)
             else:
-                prop = self.drafter.propose_chain(B, k, params, sampling["seed"],
-                                                  sampling["offset"], self.stopper)
+                prop = None
+                if self.lookup is not None:
+                    prop = self.lookup.propose_chain([r.prompt + r.generated for r in active],
+                                                     k, dev, every_row=True)
+                looked_up = prop is not None
+                if prop is None:
+                    prop = self.drafter.propose_chain(B, k, params, sampling["seed"],
+                                                      sampling["offset"], self.stopper)
             inputs = torch.cat([roots[:, None], prop.tokens], 1)
             mask = depths = None
             drafted = prop.num_drafted
@@ -186,7 +195,9 @@ class Speculator:
         n_host = n.tolist()
         out_host = out.tolist()
         eng._next_tokens[:B] = out.gather(1, n[:, None].long())[:, 0]
-        if isinstance(self.drafter, ModelDrafter):
+        if looked_up:
+            self.drafter.queue(B, out, keep.long(), max(n_host) + 1)
+        elif isinstance(self.drafter, ModelDrafter):
             self.drafter.set_pending(B, out, keep.long(), max(n_host) + 1, lens_before + 1,
                                      eng.cache.bound + 1)
         if tree is not None:
@@ -198,7 +209,8 @@ class Speculator:
         if self.stopper is not None:
             self.stopper.observe(drafted_host, n_host)
         self._collect(active, logits, n_host, drafted_host, path if tree is not None else None)
-        if self.spec.exact_alpha and tree is None and isinstance(self.drafter, ModelDrafter):
+        if (self.spec.exact_alpha and tree is None and isinstance(self.drafter, ModelDrafter)
+                and not looked_up):
             self._alpha(active, logits, prop, params, drafted_host)
         emitted_total = 0
         for b, r in enumerate(active):
@@ -211,7 +223,9 @@ class Speculator:
             emitted_total += emitted
             r.spec_steps += 1
             r.spec_stats.add_step([drafted_host[b]], [min(n_host[b], emitted)], emitted)
+            r.spec_stats.lookup_steps += looked_up
         self.stats.add_step(drafted_host, n_host, emitted_total)
+        self.stats.lookup_steps += looked_up
         t5 = time.perf_counter()
         for phase, dt in (("draft", t1 - t0), ("verify", t2 - t1), ("sample", t3 - t2),
                           ("rollback", t4 - t3), ("other", t5 - t4)):

@@ -8,6 +8,8 @@ Reported quantities (REFERENCE.md §1 "α, precisely"):
   1 - TV(p, q)`` of the warped target p and draft q, averaged over drafted positions where
   draft probabilities exist (sampling with a model draft); ``None`` otherwise;
 - ``mean_accepted_length``: tokens emitted per target verify forward;
+- ``lookup_steps``: verify steps whose drafts came from prompt lookup
+  (``SpecConfig(prompt_lookup=True)``; α then averages the draft model's positions only);
 - ``position_acceptance``: at draft position i, accepted / drafted among the steps that
   drafted at least i + 1 tokens (vLLM's per-position rate);
 - ``time_s``: wall time split into draft, verify, sample, rollback (and prefill);
@@ -27,6 +29,7 @@ class SpecStats:
     requests: int = 0
     generated_tokens: int = 0
     target_forwards: int = 0          # verify (or plain decode) forwards of the target
+    lookup_steps: int = 0             # verify steps drafted by prompt lookup (prompt_lookup)
     drafted: int = 0
     accepted: int = 0
     alpha_sum: float = 0.0            # sum over drafted positions of 1 - TV(p, q)
@@ -64,6 +67,7 @@ class SpecStats:
         self.requests += other.requests
         self.generated_tokens += other.generated_tokens
         self.target_forwards += other.target_forwards
+        self.lookup_steps += other.lookup_steps
         self.drafted += other.drafted
         self.accepted += other.accepted
         self.alpha_sum += other.alpha_sum
@@ -99,6 +103,7 @@ class SpecStats:
             "requests": self.requests,
             "generated_tokens": self.generated_tokens,
             "target_forwards": self.target_forwards,
+            "lookup_steps": self.lookup_steps,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "acceptance_rate": self.acceptance_rate,

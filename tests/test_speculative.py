@@ -7,6 +7,7 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import osd
+from osd.drafters import ModelDrafter
 from osd.spec import DynamicTree
 from osd.speculative import AdaptiveStopper
 from osd_kernels.warp import warp_probs
@@ -90,8 +91,9 @@ def test_greedy_tree_equals_target(llama_pair, plain, tree):
 
 @pytest.mark.parametrize("spec", [dict(drafter="self", skip_layers=(1,), num_draft_tokens=4),
                                   dict(drafter="ngram", num_draft_tokens=4),
-                                  dict(num_draft_tokens=6, adaptive=True)],
-                         ids=["self", "ngram", "adaptive"])
+                                  dict(num_draft_tokens=6, adaptive=True),
+                                  dict(num_draft_tokens=4, prompt_lookup=True)],
+                         ids=["self", "ngram", "adaptive", "lookup"])
 def test_greedy_other_drafters_equal_target(llama_pair, plain, spec):
     target, draft = llama_pair
     prompts = prompts_of([6, 3, 12, 5], seed=41)
@@ -179,7 +181,8 @@ def _chi2(counts, expected_p):
 @pytest.mark.parametrize("spec,params", [
     (dict(num_draft_tokens=2), dict(temperature=0.7, top_k=6, top_p=0.9)),
     (dict(tree=[(0,), (1,), (2,), (0, 0)]), dict(temperature=0.8, top_k=8, top_p=0.85)),
-], ids=["chain", "tree"])
+    (dict(num_draft_tokens=2, prompt_lookup=True), dict(temperature=0.9, top_k=0, top_p=1.0)),
+], ids=["chain", "tree", "lookup"])
 def test_sampled_joint_follows_target(spec, params):
     """50,000 samples; chi-square p > 1e-3 (cells with expectation < 5 are pooled)."""
     target, draft = _small_pair()
@@ -210,6 +213,53 @@ def test_steps_where_no_row_drafts(llama_pair, plain):
                                      max_batch_size=2, max_seq_len=96)
     outs = eng.generate(prompts, osd.SamplingParams(12))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+
+
+def test_prompt_lookup_with_a_model_draft(llama_pair, plain):
+    """prompt_lookup: steps where every row has a match are drafted by lookup alone, the
+    others by the draft model; output equals the target's, and a perfect draft is still
+    accepted in full after lookup steps (its cache caught up on the skipped tokens)."""
+    target, draft = llama_pair
+    prompts = [prompts_of([7], seed=81)[0] * 5, prompts_of([9], seed=82)[0] * 3]
+    ref = plain.generate(prompts, osd.SamplingParams(40))
+    for d in (draft, target):
+        eng = osd.Engine.from_pretrained(target, draft=d, spec=osd.SpecConfig(
+            num_draft_tokens=4, prompt_lookup=True), max_batch_size=2, max_seq_len=96)
+        outs = [eng.generate([p], osd.SamplingParams(40))[0] for p in prompts]
+        outs += eng.generate(prompts, osd.SamplingParams(40))
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref] * 2
+        st = eng.stats
+        assert 0 < st["lookup_steps"] < st["target_forwards"]
+        assert sum(o.stats["lookup_steps"] for o in outs[:2]) > 0
+    # Perfect draft: the draft model's own steps accept everything (α is over them only).
+    assert st["alpha"] == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("limit", [6, ModelDrafter.PENDING_LIMIT])
+def test_draft_cache_catches_up_after_lookup_steps(llama_pair, monkeypatch, limit):
+    """Tokens queued over several skipped steps (fed early once past the pending limit)
+    leave the draft cache as if the draft had read them: its next root logits equal a
+    cacheless forward over the whole sequence."""
+    monkeypatch.setattr(ModelDrafter, "PENDING_LIMIT", limit)
+    model = osd.Engine.from_pretrained(llama_pair[1], max_batch_size=2).model
+    prompts = prompts_of([9, 5], seed=91)
+    chunks = [prompts_of([3, 5], seed=92), prompts_of([5, 1], seed=93), prompts_of([2, 4], seed=94)]
+    drafter = ModelDrafter(model, max_batch_size=2, capacity=64)
+    first = torch.tensor([7, 8])
+    drafter.prefill(prompts, 0, first)
+    seqs = [p + [int(t)] for p, t in zip(prompts, first)]
+    for pair in chunks:
+        width = max(len(c) for c in pair)
+        tokens = torch.full((2, width), -1, dtype=torch.int64)
+        for b, c in enumerate(pair):
+            tokens[b, :len(c)] = torch.tensor(c)
+            seqs[b] += c
+        drafter.queue(2, tokens, torch.tensor([len(c) for c in pair]), width)
+    root = drafter._root(2)
+    for b, seq in enumerate(seqs):
+        with torch.no_grad():
+            want = model.forward_train(torch.tensor([seq]))[0, -1]
+        torch.testing.assert_close(root[b], want, atol=1e-4, rtol=1e-4)
 
 
 # -- adaptive draft length: the stopper learns from verdicts ---------------------------
