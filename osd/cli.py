@@ -30,7 +30,8 @@ def _generate(args) -> int:
              "float16": torch.float16}[args.dtype]
     spec = None
     if args.draft or args.drafter != "model":
-        spec = osd.SpecConfig(num_draft_tokens=args.k, drafter=args.drafter)
+        spec = osd.SpecConfig(num_draft_tokens=args.k, drafter=args.drafter,
+                              prompt_lookup=args.prompt_lookup)
     online = osd.OnlineConfig(background=False) if args.online else None
     engine = osd.Engine.from_pretrained(args.target, draft=args.draft, device=args.device,
                                         dtype=dtype, spec=spec, online=online,
@@ -106,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", default="model", choices=["model", "self", "ngram"],
                    help="who drafts: a draft model, the target with skipped layers, or "
                    "prompt lookup")
+    g.add_argument("--prompt-lookup", action="store_true",
+                   help="with a draft model: draft by prompt lookup when the context repeats, "
+                   "and run the draft model only when it does not")
     g.add_argument("--online", action="store_true", help="let the draft learn while serving")
     g.add_argument("-k", type=int, default=4, help="draft tokens per step")
     g.add_argument("--max-new-tokens", type=int, default=64)

@@ -43,7 +43,7 @@ class DemoConfig:
                                     # then each keep one core of a 2-core machine busy
     out_dir: str = "reports/demo"   # report directory
     online: osd.OnlineConfig = dataclasses.field(default_factory=lambda: osd.OnlineConfig(
-        update_every_requests=8, steps_per_update=8, lr=5e-4, batch_positions=2048,
+        update_every_requests=8, steps_per_update=8, lr=5e-4, batch_positions=1024,
         background=True))
 
 

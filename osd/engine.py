@@ -162,6 +162,7 @@ class Engine:
                 sp.collect_topk = online.topk
                 sp.collect_full = online.topk is None
                 sp.collect_policy = online.positions
+                sp.collect_prompt = online.prompt_positions
                 sp.on_swap = (lambda i=i: self.online.swap(i))
         self._wall, self._generated, self._requests_served = 0.0, 0, 0
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
@@ -325,9 +326,12 @@ class Engine:
                 if waiting and free > 0:
                     new = [waiting.popleft() for _ in range(min(free, len(waiting)))]
                     start = len(active)
-                    self.prefill(new, start_row=start, params=params)
+                    prompt_logits = self.prefill(new, start_row=start, params=params,
+                                                 prompt_positions=spec.collect_prompt
+                                                 if spec is not None else 0)
                     if spec is not None:
-                        spec.prefill(new, start, self._next_tokens[start:start + len(new)])
+                        spec.prefill(new, start, self._next_tokens[start:start + len(new)],
+                                     prompt_logits)
                     active += new
                 elif spec is not None:
                     spec.step(active, params)
@@ -339,9 +343,12 @@ class Engine:
         self._generated += sum(len(r.generated) for r in requests)
         self._requests_served += len(requests)
 
-    def prefill(self, new: list[RequestState], start_row: int, params: SamplingParams) -> None:
+    def prefill(self, new: list[RequestState], start_row: int, params: SamplingParams,
+                prompt_positions: int = 0) -> torch.Tensor | None:
         """Run the prompts of ``new`` into cache rows ``start_row ..`` and sample each one's
-        first token."""
+        first token. ``prompt_positions = m > 0``: return the logits at each prompt's last
+        ``m`` positions ``[n, m, V]`` (oldest first; a shorter prompt's row starts with
+        copies of its position 0), which online learning keeps; otherwise None."""
         n, longest = len(new), max(len(r.prompt) for r in new)
         ids = torch.zeros(n, longest, dtype=torch.int64)
         for b, r in enumerate(new):
@@ -349,12 +356,17 @@ class Engine:
         prompt_lens = torch.tensor([len(r.prompt) for r in new], device=self.device)
         rows = self.cache.rows(start_row, n)
         rows.reset()
-        logits = self.model(ids.to(self.device), rows, logits_index=(prompt_lens - 1)[:, None])
+        m = min(prompt_positions, longest)
+        width = max(m, 1)
+        index = (prompt_lens[:, None] - width
+                 + torch.arange(width, device=self.device)).clamp(min=0)
+        logits = self.model(ids.to(self.device), rows, logits_index=index)   # [n, m or 1, V]
         rows.commit(prompt_lens.to(torch.int32), longest)
         self.cache.set_bound(max(self.cache.bound, longest))
-        tokens = sample_tokens(logits[:, 0], params, [r.generator for r in new])
+        tokens = sample_tokens(logits[:, -1], params, [r.generator for r in new])
         self._next_tokens[start_row:start_row + n] = tokens
         self._record(new, tokens)
+        return logits if m > 0 else None
 
     def decode_step(self, active: list[RequestState], params: SamplingParams) -> None:
         """One token for every active row."""

@@ -119,16 +119,29 @@ class Speculator:
         self.collect_topk: int | None = None       # set by the online learner
         self.collect_full: bool = False
         self.collect_policy: str = "all"
+        self.collect_prompt: int = 0                # keep the prefill's logits at this many
+        #                                             last prompt positions (online learning)
         self.on_swap = None                         # callable run between steps (weights)
         self.graphs: StepGraphs | None = None       # CUDA graphs of the forwards (use_graphs)
 
     # -- row bookkeeping (mirrors the engine's cache rows) ---------------------------
-    def prefill(self, requests, start_row: int, first_tokens: torch.Tensor) -> None:
+    def prefill(self, requests, start_row: int, first_tokens: torch.Tensor,
+                prompt_logits: torch.Tensor | None = None) -> None:
+        """New rows ``start_row ..``; ``prompt_logits [n, m, V]`` (the target's logits at
+        each prompt's last ``m`` positions, when :attr:`collect_prompt` is ``m``) become the
+        requests' first teacher positions ``len(prompt) - m + 1 .. len(prompt)``."""
         for r in requests:
             r.spec_seed = int(r.generator.initial_seed()) & ((1 << 63) - 1)
             r.spec_steps = 0
             r.spec_stats = SpecStats(requests=1)
             r.teacher = []     # (positions [m], topk ids, topk probs | logits)
+        if prompt_logits is not None:
+            m = prompt_logits.shape[1]
+            keep = [min(m, len(r.prompt)) for r in requests]   # rows without the copies
+            self._keep_teacher(
+                [(r, torch.arange(len(r.prompt) - j + 1, len(r.prompt) + 1))
+                 for r, j in zip(requests, keep)],
+                [prompt_logits[b, m - j:] for b, j in enumerate(keep)])
         if isinstance(self.drafter, ModelDrafter):
             self.drafter.prefill([r.prompt for r in requests], start_row, first_tokens)
 
@@ -298,6 +311,11 @@ class Speculator:
             node = [path_host[b][j] for j in idx] if path is not None else idx
             rows.append(logits[b, node])
             where.append((r, torch.tensor([base + j for j in idx], dtype=torch.int64)))
+        self._keep_teacher(where, rows)
+
+    def _keep_teacher(self, where, rows) -> None:
+        """Append the target's distributions ``rows`` (``[m_i, V]`` logits each) to the
+        teacher lists of the requests in ``where`` (``(request, positions [m_i])``)."""
         if not rows:
             return
         ids, probs, full = compress_target(torch.cat(rows), None if self.collect_full

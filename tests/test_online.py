@@ -122,6 +122,27 @@ def test_corrected_positions_policy_and_full_logits(pair):
     assert ex and all(e.logits is not None and e.topk_ids is None for e in ex)
 
 
+@pytest.mark.parametrize("m", [0, 5, 256])
+def test_prompt_positions_are_kept(pair, m):
+    """``prompt_positions = m``: each request's example holds the target's logits at its
+    prompt's last m positions (from the prefill) and at every generated position, all
+    equal to a cacheless target forward."""
+    eng = _engine(pair, topk=None, prompt_positions=m, update_every_requests=100,
+                  holdout_every=0)
+    prompts = prompts_of([9, 3], seed=89)
+    eng.generate(prompts, osd.SamplingParams(10))
+    examples = eng.online.learners[0].buffer.recent(10**6)
+    assert len(examples) == 2
+    for ex in examples:
+        L = next(len(p) for p in prompts if ex.tokens[:len(p)].tolist() == p)
+        n = ex.tokens.numel()
+        first = max(1, L - m + 1) if m else L + 1
+        assert sorted(ex.positions.tolist()) == list(range(first, n))
+        with torch.no_grad():
+            want = eng.model.forward_train(ex.tokens[None])[0, ex.positions - 1]
+        torch.testing.assert_close(ex.logits, want, atol=1e-4, rtol=1e-4)
+
+
 def test_learner_rejects_bad_configs():
     with pytest.raises(ValueError, match="loss"):
         osd.OnlineConfig(loss="kl")
@@ -131,6 +152,8 @@ def test_learner_rejects_bad_configs():
         osd.OnlineConfig(beta=1.5)
     with pytest.raises(ValueError, match="lr"):
         osd.OnlineConfig(lr=0)
+    with pytest.raises(ValueError, match="prompt_positions must be >= 0"):
+        osd.OnlineConfig(prompt_positions=-1)
 
 
 def test_online_needs_a_model_drafter(pair):

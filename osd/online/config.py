@@ -14,12 +14,17 @@ class OnlineConfig:
     """How the draft learns from the target's verdicts while serving.
 
     Defaults follow OSD (update every 8 requests, AdamW at lr 1e-4, no weight decay) with
-    forward KL against the target's stored top-k distribution.
+    forward KL against the target's stored top-k distribution. One addition:
+    ``prompt_positions`` keeps the target's distributions at the last n positions of each
+    prompt too (the last one decides the first generated token), which the prefill forward
+    computes anyway: only the lm_head over those positions is extra. The queries' own text
+    is then distilled as well as the continuations. 0 turns it off.
     """
 
     loss: str = "fkl"                  # fkl | rkl | jsd | tvd (osd_kernels.distill_loss)
     beta: float = 0.5                  # JSD mixing weight beta (jsd only)
     positions: str = "all"             # "all" verified positions, or "corrected" (OSD's choice)
+    prompt_positions: int = 256        # ... and the target's at a prompt's last n positions
     topk: int | None = 32              # target top-k stored per position; None = full logits
     update_every_requests: int = 8     # an update after this many finished requests ...
     update_every_tokens: int | None = None  # ... or after this many collected positions
@@ -50,6 +55,9 @@ class OnlineConfig:
             raise ValueError(f"OnlineConfig.beta must be in [0, 1], got {self.beta}")
         if self.topk is not None and self.topk < 1:
             raise ValueError(f"OnlineConfig.topk must be >= 1 or None, got {self.topk}")
+        if self.prompt_positions < 0:
+            raise ValueError(f"OnlineConfig.prompt_positions must be >= 0, got "
+                             f"{self.prompt_positions}")
         for name in ("update_every_requests", "steps_per_update", "batch_positions",
                      "buffer_positions", "checkpoint_every", "max_train_len"):
             if getattr(self, name) < 1:

@@ -1,0 +1,47 @@
+"""The ``osd`` console script: help texts, generation on the built-in pair, and errors
+reported as one ``error:`` line with exit status 2 (no traceback)."""
+import pytest
+
+from osd import cli, zoo
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["generate", "--help"],
+                                  ["bench", "--help"]])
+def test_help(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: osd")
+    if argv[0] == "generate":
+        assert "--prompt-lookup" in out and "--online" in out
+
+
+@pytest.mark.parametrize("extra", [[], ["--prompt-lookup"], ["--online"]],
+                         ids=["spec", "lookup", "online"])
+def test_generate_on_the_zoo_pair(extra, capsys):
+    target, draft = zoo.default_pair()
+    rc = cli.main(["generate", "--target", target, "--draft", draft, "--max-new-tokens", "12",
+                   *extra, "def __init__(self, name):\n    self.name = name\n"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip()                       # the decoded continuation
+    assert "12 tokens" in captured.err and "acceptance" in captured.err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["generate", "--target", "/nonexistent/model", "hi"], "does not exist"),
+    (["generate", "--target", "TARGET", "--drafter", "ngram", "--prompt-lookup", "hi"],
+     "already is prompt lookup"),
+    (["generate", "--target", "TARGET", "--draft", "DRAFT", "-k", "0", "hi"],
+     "num_draft_tokens must be in"),
+    (["generate", "--target", "TARGET", "--temperature", "-1", "hi"], "temperature"),
+    (["bench", "--only", "nothing_like_this"], "no benchmark"),
+])
+def test_errors_are_messages(argv, match, capsys):
+    target, draft = zoo.default_pair()
+    argv = [target if a == "TARGET" else draft if a == "DRAFT" else a for a in argv]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and match in err
+    assert "Traceback" not in err
