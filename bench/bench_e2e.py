@@ -36,10 +36,14 @@ Batch-1 providers serve ``NUM_PROMPTS`` prompts one at a time; batch-8 providers
 first 8 prompts in one call. Before timing, every provider's output is asserted equal to
 our plain greedy output (transformers' too), so all providers emit the same tokens.
 
-Side by side: each timed round of a provider (the pytest-benchmark measurement) is
-preceded, in its setup, by one round of each anchor timed by hand: our plain decoding at
-the same batch size and transformers assisted generation (batch 1). Ratios compare best
-rounds: on a shared machine the minimum is the least disturbed measurement.
+Side by side, interleaved: a timed round (the pytest-benchmark measurement) serves the
+workload unit by unit (a prompt at batch 1, the whole batch at batch 8), each unit first
+by the anchors, our plain decoding at the same batch size and transformers assisted
+generation (batch 1), then by the provider, each timed by hand. A provider's time is the
+sum over units of its fastest of ``ROUNDS`` rounds: on a shared machine the minimum is the
+least disturbed measurement, and a burst of load from elsewhere spoils one unit of one
+round rather than a whole round. The ratios come from these sums; pytest-benchmark's own
+statistics time whole interleaved rounds (provider and anchors together).
 
 Recorded per provider in ``extra_info``: tokens/s, ``vs_plain`` (over our plain decoding),
 ``vs_transformers_assisted``, and for speculation the engine statistics: ``alpha`` (exact
@@ -55,7 +59,7 @@ tokens per step τ (``mean_accepted_length``) in place of the i.i.d. expectation
 greedy decoding a draft is accepted when the argmax agrees, which can be much rarer than
 α = 1 - TV suggests.
 
-``OSD_BENCH_FULL=1`` serves more prompts and tokens with more rounds;
+``OSD_BENCH_FULL=1`` serves more prompts and tokens;
 ``OSD_BENCH_THREADS`` sets torch's thread count (default 1); ``OSD_BENCH_E2E_OUT=DIR``
 writes a markdown table (``bench_e2e.md``) and a plot (``bench_e2e.png``) there:
 
@@ -75,7 +79,7 @@ from osd import zoo
 FULL = os.environ.get("OSD_BENCH_FULL", "0") == "1"
 NEW_TOKENS = 128 if FULL else 48
 NUM_PROMPTS = 8 if FULL else 6
-ROUNDS = 5 if FULL else 3
+ROUNDS = 5
 BATCH = 8
 PROMPT_TOKENS = 48
 K = 4
@@ -206,31 +210,27 @@ def _hf_generate(pair, prompt: list[int], assisted: bool) -> list[int]:
 
 
 def _workload(pair, name: str):
-    """``(run, prompts, outputs)``: ``run()`` serves this provider's prompts and returns the
-    generated token ids; ``outputs`` keeps the last run's ``osd.Output`` objects (osd)."""
+    """``(units, prompts, outputs)``: each of ``units`` serves one unit of this provider's
+    workload (one prompt at batch 1; all prompts in one call at batch 8) and returns the
+    generated token ids of its prompts; ``outputs[i]`` keeps unit ``i``'s last
+    ``osd.Output`` objects (osd providers)."""
     prompts = pair["prompts"]
-    outputs: list = []
     if name in HF_PROVIDERS:
         assisted = name == "transformers-assisted"
         prompts = prompts[:NUM_PROMPTS]
-        return (lambda: [_hf_generate(pair, p, assisted) for p in prompts]), prompts, outputs
+        units = [lambda p=p: [_hf_generate(pair, p, assisted)] for p in prompts]
+        return units, prompts, [None] * len(units)
     engine, params = pair["engine"](name), pair["params"]
-    if OSD_PROVIDERS[name][0] == 1:
-        prompts = prompts[:NUM_PROMPTS]
+    groups = ([[p] for p in prompts[:NUM_PROMPTS]] if OSD_PROVIDERS[name][0] == 1
+              else [prompts[:BATCH]])
+    outputs: list = [None] * len(groups)
 
-        def serve():
-            return [engine.generate([p], params)[0] for p in prompts]
-    else:
-        prompts = prompts[:BATCH]
+    def unit(i):
+        outputs[i] = engine.generate(groups[i], params)
+        return [o.token_ids for o in outputs[i]]
 
-        def serve():
-            return engine.generate(prompts, params)
-
-    def run():
-        outputs[:] = serve()
-        return [o.token_ids for o in outputs]
-
-    return run, prompts, outputs
+    units = [lambda i=i: unit(i) for i in range(len(groups))]
+    return units, [p for g in groups for p in g], outputs
 
 
 @pytest.fixture(scope="module")
@@ -340,32 +340,38 @@ def plot(rows: dict[str, dict], path: str) -> None:
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_e2e(benchmark, pair, costs, report, provider):
-    run, prompts, outputs = _workload(pair, provider)
+    units, prompts, outputs = _workload(pair, provider)
     reference = pair["reference"][:len(prompts)]
-    assert run() == reference, f"{provider}: greedy output differs from our plain decoding"
+    assert [t for u in units for t in u()] == reference, \
+        f"{provider}: greedy output differs from our plain decoding"
     batch = 1 if provider in HF_PROVIDERS else OSD_PROVIDERS[provider][0]
     plain_name = "osd-plain" if batch == 1 else "osd-plain-b8"
-    anchors = {a: _workload(pair, a)[:2] for a in (plain_name, "transformers-assisted")
-               if a != provider}
-    anchor_times = {a: [] for a in anchors}
+    runs = {provider: (units, prompts)}
+    runs.update({a: _workload(pair, a)[:2] for a in (plain_name, "transformers-assisted")
+                 if a != provider})
+    best = {name: [float("inf")] * len(u) for name, (u, _) in runs.items()}
 
-    def anchor_round():
-        for a, (anchor_run, _) in anchors.items():
-            start = time.perf_counter()
-            anchor_run()
-            anchor_times[a].append(time.perf_counter() - start)
+    def interleaved_round():
+        # Unit by unit, the anchors then the provider on the same prompt: a burst of load
+        # from elsewhere on the machine then slows one unit of one round of one of them,
+        # and the per-unit minimum over rounds discards it.
+        for i in range(max(len(u) for u, _ in runs.values())):
+            for name, (u, _) in runs.items():
+                if i < len(u):
+                    start = time.perf_counter()
+                    u[i]()
+                    best[name][i] = min(best[name][i], time.perf_counter() - start)
 
     engine = None if provider in HF_PROVIDERS else pair["engine"](provider)
     if engine is not None:
         engine.reset_stats()
-    benchmark.pedantic(run, setup=anchor_round, rounds=ROUNDS, iterations=1)
+    benchmark.pedantic(interleaved_round, rounds=ROUNDS, iterations=1)
+    outputs = [o for unit_outputs in outputs if unit_outputs for o in unit_outputs]
 
     tokens = sum(len(t) for t in reference)
-    anchor_tokens = {a: sum(len(t) for t in pair["reference"][:len(p)])
-                     for a, (_, p) in anchors.items()}
-    tps = tokens / benchmark.stats.stats.min
-    rates = {a: anchor_tokens[a] / min(ts) for a, ts in anchor_times.items()}
-    rates[provider] = tps
+    rates = {name: sum(len(t) for t in pair["reference"][:len(p)]) / sum(best[name])
+             for name, (_, p) in runs.items()}
+    tps = rates[provider]
     row = dict(provider=provider, batch=batch, prompts=len(prompts), new_tokens=NEW_TOKENS,
                generated_tokens=tokens, rounds=ROUNDS, threads=torch.get_num_threads(),
                tokens_per_s=round(tps, 1),
