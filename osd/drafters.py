@@ -140,7 +140,9 @@ class ModelDrafter:
         ``tokens[:, :lengths]`` to the rows' pending tokens; the cache is unchanged. When
         the pending tokens would pass :attr:`PENDING_LIMIT`, they are fed first."""
         if self._pending_max + max_len > self.PENDING_LIMIT:
-            self._feed(B)
+            self._root(B)                      # feed the pending tokens now
+            self._pending_len[:B] = 0
+            self._pending_max = 0
         width = tokens.shape[1]
         j = torch.arange(width, device=self.device)
         valid = j < lengths[:, None]                                   # [B, width]
@@ -150,19 +152,13 @@ class ModelDrafter:
         self._pending_len[:B] += lengths
         self._pending_max += max_len        # an upper bound of the rows' pending lengths
 
-    def _feed(self, B: int) -> torch.Tensor:
-        """Feed the pending tokens into the cache; the logits at each row's last one
-        ``[B, V]``."""
+    def _root(self, B: int) -> torch.Tensor:
+        """Feed the pending tokens; return the logits at the root ``[B, V]``. The pending
+        state itself is left as it is (a CUDA graph of the draft loop replays this)."""
         P = self._pending_max
         logits = self._forward(self._pending[:B, :P], logits_index=(self._pending_len[:B] - 1)[:, None])
         self.cache.commit(self._pending_len[:B].to(torch.int32), P)
-        self._pending_len[:B] = 0
-        self._pending_max = 0
         return logits[:, 0]
-
-    def _root(self, B: int) -> torch.Tensor:
-        """Feed the pending tokens; return the logits at the root ``[B, V]``."""
-        return self._feed(B)
 
     # -- proposals -----------------------------------------------------------------
     def propose_chain(self, B: int, k: int, params: SamplingParams, seed: torch.Tensor,
