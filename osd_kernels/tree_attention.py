@@ -7,8 +7,9 @@ forward). Query ``i`` of row ``b`` sees
 - every prefix key ``j < cache_lens[b]`` (the prefix is never masked), and
 - tree key ``cache_lens[b] + i'`` iff bit ``i'`` of ``tree_mask[b, i]`` is set.
 
-``tree_mask`` is one int64 bitmask per query (``T <= 64``); ``None`` means causal (bits
-``0..i``), so plain decode, prefill and chain verify are the same call. A chain is the
+``tree_mask`` is one int64 bitmask per query, so a masked call has ``T <= 64``. ``None``
+means causal, for any ``T``: query ``i`` sees keys ``j < cache_lens[b] + i + 1``, so plain
+decode, prefill of any length and chain verify are the same call. A chain is the
 lower-triangular mask. A query that sees no key at all (an empty prefix and an empty mask
 row) gets a zero output.
 
@@ -50,8 +51,9 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
     if B > B_max:
         raise ValueError(f"q has {B} rows but the cache holds only {B_max}")
-    if T > MAX_TREE:
-        raise ValueError(f"T={T} queries per row exceeds the bitmask limit {MAX_TREE}")
+    if tree_mask is not None and T > MAX_TREE:
+        raise ValueError(f"T={T} queries per row exceeds the bitmask limit {MAX_TREE} of "
+                         f"a tree_mask (causal calls, tree_mask=None, take any T)")
     if cache_lens.dtype != torch.int32 or cache_lens.shape != (B_max,):
         raise ValueError(f"cache_lens must be int32 [B_max={B_max}], got {cache_lens.dtype} "
                          f"{tuple(cache_lens.shape)}")
@@ -104,7 +106,9 @@ def tree_attention_mask(cache_lens: torch.Tensor, tree_mask: torch.Tensor | None
                         num_queries: int, kv_len: int) -> torch.Tensor:
     """Boolean visibility ``[B, T, kv_len]``: ``[b, i, j]`` is True iff query ``i`` sees key ``j``.
 
-    Built without a loop over the batch or a host sync.
+    Causal (``tree_mask=None``, any ``T``): ``j <= cache_lens[b] + i``, one comparison per
+    element. With a bitmask (``T <= 64``): the prefix, plus bit ``j - cache_lens[b]`` of
+    ``tree_mask[b, i]``. Built without a loop over the batch or a host sync.
     """
     device = cache_lens.device
     lens = cache_lens[:batch].to(torch.int64).view(batch, 1, 1)
@@ -112,10 +116,8 @@ def tree_attention_mask(cache_lens: torch.Tensor, tree_mask: torch.Tensor | None
     rel = j - lens                                                    # [B, 1, kv]
     bit_idx = torch.arange(num_queries, device=device, dtype=torch.int64)
     if tree_mask is None:
-        bits = bit_idx.view(1, -1, 1) >= bit_idx.view(1, 1, -1)       # [1, T, T]
-        bits = bits.expand(batch, num_queries, num_queries)
-    else:
-        bits = ((tree_mask.unsqueeze(-1) >> bit_idx) & 1).bool()      # [B, T, T]
+        return rel <= bit_idx.view(1, num_queries, 1)                  # [B, T, kv]
+    bits = ((tree_mask.unsqueeze(-1) >> bit_idx) & 1).bool()          # [B, T, T]
     in_tree = (rel >= 0) & (rel < num_queries)
     tree_ok = bits.gather(2, rel.clamp(0, num_queries - 1).expand(batch, num_queries, kv_len))
     return (rel < 0) | (in_tree & tree_ok)
@@ -127,7 +129,9 @@ def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              max_kv_len: int | None = None) -> torch.Tensor:
     """SDPA over keys ``[0, max_kv_len)`` with the boolean mask of :func:`tree_attention_mask`.
 
-    Arguments as :func:`tree_attention`. Computes in the dtype of ``q``.
+    Arguments as :func:`tree_attention`. Computes in the dtype of ``q``. The mask is
+    ``[B, T, max_kv_len]`` booleans (shared by the heads), so memory grows with
+    ``T * max_kv_len``; the runtime bounds ``T`` by prefilling in chunks.
     """
     B, T, Hq, D = q.shape
     if max_kv_len is None:
@@ -142,6 +146,8 @@ def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         q.transpose(1, 2), k_cache[:B, :, :kv_len], v_cache[:B, :, :kv_len],
         attn_mask=visible.unsqueeze(1), scale=scale, enable_gqa=Hq != k_cache.shape[1])
     out = out.transpose(1, 2)
+    if tree_mask is None:
+        return out          # causal: every query sees at least its own key
     # A query that sees nothing outputs zero (SDPA's math path would give NaN).
     return out.masked_fill(~visible.any(-1).view(B, T, 1, 1), 0.0)
 
@@ -153,21 +159,25 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """Attention of ``T`` tree queries per row over the row's cached prefix plus the tree.
 
     Args:
-        q: ``[B, T, Hq, D]`` float32/float16/bfloat16, the queries of the tree nodes
-            (``T <= 64``). Any strides.
+        q: ``[B, T, Hq, D]`` float32/float16/bfloat16, the queries of the new tokens (any
+            ``T`` when causal, ``T <= 64`` with a ``tree_mask``). Any strides.
         k_cache, v_cache: ``[B_max, Hkv, S, D]``, same dtype as ``q``; typically views
             ``kv[l, 0]`` / ``kv[l, 1]`` of the runtime's ``[L, 2, B_max, Hkv, S, D]`` cache.
             Row ``b < B`` holds its prefix at slots ``[0, cache_lens[b])`` and the tree's
             K/V at ``[cache_lens[b], cache_lens[b] + T)``. ``Hq % Hkv == 0``.
         cache_lens: ``[B_max]`` int32, committed prefix length per row (on the device).
         tree_mask: ``[B, T]`` int64; bit ``i'`` of ``tree_mask[b, i]`` lets query ``i``
-            see tree key ``i'``. ``None`` is causal (bits ``0..i``).
+            see tree key ``i'``. ``None`` is causal: query ``i`` sees keys
+            ``j <= cache_lens[b] + i``.
         scale: softmax scale, default ``1 / sqrt(D)``.
         max_kv_len: host-side upper bound of ``max(cache_lens[:B]) + T`` (at most ``S``),
             so no backend needs a host sync. ``None`` computes it (one sync).
         backend: ``auto`` | ``reference`` | ``native`` | ``triton``. ``auto`` is Triton on
-            CUDA; on CPU the C++ kernel when ``T * Hq / Hkv <= CPU_NATIVE_MAX_ROWS``, else the
-            reference.
+            CUDA (its causal path streams key tiles up to each query's diagonal, so a long
+            causal prefill needs no ``[T, S]`` mask); on CPU the C++ kernel when
+            ``T * Hq / Hkv <= CPU_NATIVE_MAX_ROWS`` (decode, chain and small-tree verify),
+            else the reference (SDPA's blocked GEMMs win for large blocks such as prefill).
+            ``native`` on a CUDA tensor runs the reference (the C++ kernel is CPU-only).
 
     Returns:
         ``[B, T, Hq, D]`` in the dtype of ``q``. A query that sees no key gets zeros.

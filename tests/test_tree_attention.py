@@ -1,6 +1,7 @@
 """tree_attention: the reference against a brute-force loop, every backend against the
-reference (odd shapes, ragged and empty prefixes, GQA, strided views, every dtype),
-tree masks from random parent arrays, and opcheck.
+reference (odd shapes, ragged and empty prefixes, GQA, strided views, every dtype, causal
+blocks longer than the 64-bit tree mask), tree masks from random parent arrays, and
+opcheck.
 
 Low-precision tolerance (flash-attention's rule): a backend's error against the fp32
 reference must be within twice the error of the reference itself run in that precision,
@@ -136,6 +137,44 @@ def test_portable_cpu_path(monkeypatch):
         _check_close(out, q, kv[1, 0], kv[1, 1], lens, mask, dtype, "native portable")
 
 
+LONG_SHAPES = [  # B, T, Hq, Hkv, D: causal blocks past the 64-bit tree mask
+    (3, 65, 3, 1, 20),
+    (2, 100, 4, 2, 12),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", LONG_SHAPES)
+def test_long_causal_matches_reference(device, dtype, shape):
+    """Causal calls take any T: every backend against the fp32 reference, which is itself
+    checked against an explicit softmax for some queries (ragged and empty prefixes)."""
+    B, T, Hq, Hkv, D = shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, dtype, "long")).encode()))
+    q, kv, lens = _case(gen, B, T, Hq, Hkv, D, dtype, device, max_prefix=37)
+    k, v = kv[1, 0], kv[1, 1]
+    exact = tree_attention_reference(q.double(), k.double(), v.double(), lens, None)
+    G = Hq // Hkv
+    for b in range(B):
+        L = int(lens[b])
+        for i in (0, 63, 64, T - 1):
+            h = (i + b) % Hq
+            kk, vv = k[b, h // G, :L + i + 1].double(), v[b, h // G, :L + i + 1].double()
+            want = torch.softmax(kk @ q[b, i, h].double() / math.sqrt(D), 0) @ vv
+            torch.testing.assert_close(exact[b, i, h].cpu(), want.cpu())
+    for backend in ["reference"] + backends_for(device):
+        out = tree_attention(q, k, v, lens, None, backend=backend)
+        _check_close(out, q, k, v, lens, None, dtype, f"{backend} T={T}")
+
+
+def test_long_causal_portable_cpu_path(monkeypatch):
+    """The C++ kernel's non-AVX2 causal key tiles (T > 64) against the reference."""
+    monkeypatch.setenv("OSD_NO_AVX2", "1")
+    gen = torch.Generator().manual_seed(9)
+    q, kv, lens = _case(gen, 2, 70, 3, 1, 24, torch.float32, "cpu", max_prefix=30)
+    out = tree_attention(q, kv[0, 0], kv[0, 1], lens, None, backend="native")
+    _check_close(out, q, kv[0, 0], kv[0, 1], lens, None, torch.float32, "native portable")
+
+
 def test_chain_mask_equals_causal(device):
     gen = torch.Generator().manual_seed(2)
     for T in (1, 7, 64):
@@ -206,7 +245,10 @@ def test_bad_input_names_the_problem():
     with pytest.raises(ValueError, match="head dim"):
         tree_attention(q, k[..., :4], k[..., :4], lens)
     with pytest.raises(ValueError, match="bitmask limit"):
-        tree_attention(torch.zeros(1, 65, 2, 8), k, k, lens)
+        tree_attention(torch.zeros(1, 65, 2, 8), k, k, lens, torch.zeros(1, 65, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="bitmask limit"):
+        torch.ops.osd.tree_attention(torch.zeros(1, 65, 2, 8), k[..., :80, :], k[..., :80, :],
+                                     lens, torch.zeros(1, 65, dtype=torch.long), 1.0)
     with pytest.raises(ValueError, match="max_kv_len"):
         tree_attention(q, k, k, lens, max_kv_len=17)
     with pytest.raises(RuntimeError, match="capacity"):

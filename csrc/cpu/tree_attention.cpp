@@ -2,7 +2,8 @@
 //
 // Semantics (osd_kernels/tree_attention.py): query t of row b sees the prefix keys
 // [0, lens[b]) unmasked and the tree key lens[b] + t' iff bit t' of tree_mask[b, t] is set
-// (causal bits 0..t when no mask is given). GQA: query head h reads KV head h / (Hq / Hkv).
+// (T <= 64). Without a mask it is causal for any T: key lens[b] + t' is seen iff t' <= t.
+// GQA: query head h reads KV head h / (Hq / Hkv).
 //
 // One task per (row b, KV head, block of the G * T query rows that share that KV head;
 // G = Hq / Hkv). The task streams the row's keys in blocks of kKeyBlock: each block is
@@ -10,7 +11,10 @@
 // task, and every row keeps an online softmax (running max m, sum l, fp32 accumulator):
 //   m' = max(m, max_j s_j);  l' = l * e^(m - m') + sum_j e^(s_j - m');
 //   acc' = acc * e^(m - m') + sum_j e^(s_j - m') v_j;  out = acc / l.
-// Prefix blocks need no mask; only the last block (the T tree keys) tests the bitmask.
+// Prefix blocks need no mask. With a tree mask, one last block (the T <= 64 tree keys)
+// tests the bitmask; causal, the new keys lens[b] + [0, t_last] (t_last: the task's last
+// query) follow in blocks of kKeyBlock that test t' <= t, so a task reads no key past its
+// own diagonal.
 // Scores and P.V use AVX2/FMA intrinsics when the CPU has them (chosen at run time), else
 // portable loops.
 #include <ATen/Parallel.h>
@@ -39,7 +43,7 @@
 namespace osd {
 namespace {
 
-constexpr int64_t kKeyBlock = 64;  // also the largest tree (T <= 64 bits)
+constexpr int64_t kKeyBlock = 64;  // also the largest masked tree (T <= 64 bits)
 constexpr int64_t kRowBlock = 32;  // query rows per task (at most)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -133,10 +137,6 @@ OSD_AVX2 inline void accumulate_pv_avx2(const float* p, const float* const* v, i
 }
 #endif
 
-OSD_INLINE uint64_t causal_bits(int64_t t) {
-  return t >= 63 ? ~uint64_t{0} : (uint64_t{1} << (t + 1)) - 1;
-}
-
 // Points rows[j] at key/value row start + j as fp32: in place when the cache is fp32 with a
 // contiguous head dim, else converted into buf.
 template <typename scalar_t>
@@ -169,11 +169,16 @@ struct Scratch {
         head(rows), t(rows) {}
 };
 
-// Online-softmax update of R rows with keys [start, start + n) of one KV head; the tree
-// block (start = L) tests each row's bitmask.
+// Which of a block's keys each row sees: all (prefix), bit j of the row's tree mask, or
+// causal (new key first + j is seen by query t iff first + j <= t).
+enum class KeyMask { kNone, kBits, kCausal };
+
+// Online-softmax update of R rows with keys [start, start + n) of one KV head; a block of
+// new keys (start = L + first) is masked by `mask`.
 template <typename scalar_t, bool kAvx2>
 OSD_INLINE void process_keys(const TreeAttentionArgs& a, const scalar_t* kb, const scalar_t* vb,
-                             int64_t start, int64_t n, int64_t R, bool tree, Scratch& w) {
+                             int64_t start, int64_t n, int64_t R, KeyMask mask, int64_t first,
+                             Scratch& w) {
   const int64_t D = a.head_dim;
   fp32_rows(kb, a.k_stride[2], a.k_stride[3], start, n, D, w.kbuf.data(), w.krow.data());
   fp32_rows(vb, a.v_stride[2], a.v_stride[3], start, n, D, w.vbuf.data(), w.vrow.data());
@@ -190,10 +195,14 @@ OSD_INLINE void process_keys(const TreeAttentionArgs& a, const scalar_t* kb, con
 #else
     for (int64_t j = 0; j < n; ++j) s[j] = dot(qr, w.krow[j], D);
 #endif
-    for (int64_t j = 0; j < n; ++j) {
-      if (tree && !((w.bits[r] >> j) & 1)) s[j] = kNegInf;
-      mx = std::max(mx, s[j]);
+    if (mask == KeyMask::kBits) {
+      for (int64_t j = 0; j < n; ++j) {
+        if (!((w.bits[r] >> j) & 1)) s[j] = kNegInf;
+      }
+    } else if (mask == KeyMask::kCausal) {
+      for (int64_t j = std::max<int64_t>(w.t[r] - first + 1, 0); j < n; ++j) s[j] = kNegInf;
     }
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
     if (mx == kNegInf) continue;  // nothing visible to this row yet
     const float corr = exp_nonpos(w.m[r] - mx);
     float sum = 0.f;
@@ -239,16 +248,25 @@ OSD_INLINE void run_task(const TreeAttentionArgs& a, int64_t task, Scratch& w) {
       w.q[r * D + d] = static_cast<float>(row[d * a.q_stride[3]]) * a.scale;
     }
     w.bits[r] = a.tree_mask == nullptr
-                    ? causal_bits(t)
+                    ? 0
                     : static_cast<uint64_t>(a.tree_mask[b * a.mask_stride_b + t * a.mask_stride_t]);
     w.m[r] = kNegInf;
     w.l[r] = 0.f;
   }
   std::fill(w.acc.begin(), w.acc.begin() + R * D, 0.f);
   for (int64_t start = 0; start < L; start += kKeyBlock) {
-    process_keys<scalar_t, kAvx2>(a, kb, vb, start, std::min(kKeyBlock, L - start), R, false, w);
+    process_keys<scalar_t, kAvx2>(a, kb, vb, start, std::min(kKeyBlock, L - start), R,
+                                  KeyMask::kNone, 0, w);
   }
-  process_keys<scalar_t, kAvx2>(a, kb, vb, L, T, R, true, w);
+  if (a.tree_mask != nullptr) {
+    process_keys<scalar_t, kAvx2>(a, kb, vb, L, T, R, KeyMask::kBits, 0, w);
+  } else {
+    const int64_t seen = w.t[R - 1] + 1;  // rows are in query order: the last sees the most
+    for (int64_t first = 0; first < seen; first += kKeyBlock) {
+      process_keys<scalar_t, kAvx2>(a, kb, vb, L + first, std::min(kKeyBlock, seen - first), R,
+                                    KeyMask::kCausal, first, w);
+    }
+  }
   auto* out = static_cast<scalar_t*>(a.out);
   for (int64_t r = 0; r < R; ++r) {
     const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;
@@ -303,7 +321,6 @@ at::Tensor tree_attention_cpu_op(const at::Tensor& q, const at::Tensor& k_cache,
   OSD_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads (", Hq, ") must be a multiple of KV heads (",
             Hkv, ")");
   OSD_CHECK(B <= B_max, "q has ", B, " rows but the cache holds only ", B_max);
-  OSD_CHECK(T <= kKeyBlock, "T=", T, " queries per row exceeds the bitmask limit 64");
   check_dtype(cache_lens, at::kInt, "cache_lens");
   OSD_CHECK(cache_lens.dim() == 1 && cache_lens.size(0) == B_max && cache_lens.is_contiguous(),
             "cache_lens must be contiguous [B_max=", B_max, "], got ", cache_lens.sizes());
@@ -315,6 +332,8 @@ at::Tensor tree_attention_cpu_op(const at::Tensor& q, const at::Tensor& k_cache,
   if (tree_mask.has_value()) {
     const at::Tensor& tm = *tree_mask;
     check_dtype(tm, at::kLong, "tree_mask");
+    OSD_CHECK(T <= kKeyBlock, "T=", T, " queries per row exceeds the bitmask limit 64 of a "
+              "tree_mask (causal calls take any T)");
     OSD_CHECK(tm.dim() == 2 && tm.size(0) == B && tm.size(1) == T, "tree_mask must be [B=", B,
               ", T=", T, "], got ", tm.sizes());
     check_same_device(q, tm, "q", "tree_mask");
@@ -364,7 +383,8 @@ at::Tensor tree_attention_cpu_op(const at::Tensor& q, const at::Tensor& k_cache,
 }  // namespace osd
 
 TORCH_LIBRARY_FRAGMENT(osd, m) {
-  // Attention of T tree queries per row over the row's cached prefix plus the bitmasked tree.
+  // Attention of T new queries per row over the cached prefix plus a bitmasked tree (T <= 64)
+  // or, without a mask, causally over the new keys (any T).
   m.def(
       "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, "
       "Tensor? tree_mask, float scale) -> Tensor");

@@ -4,8 +4,15 @@ Flash-attention style. Program ``(b * Hkv + hk, m)`` owns block ``m`` of the
 ``T * G`` query rows that share KV head ``hk`` of row ``b`` (``G = Hq / Hkv``; row ``r`` is
 query ``r // G`` of head ``hk * G + r % G``), so each K/V tile is loaded once for the whole
 group. It streams the prefix ``[0, lens[b])`` in ``BLOCK_N`` tiles with no mask (only the
-last tile's bound check), then one tile of the ``T`` tree keys, where the per-query int64
-bitmask decides visibility. Online softmax in base 2 with an fp32 accumulator:
+last tile's bound check), then the new keys ``lens[b] + [0, T)`` in ``BLOCK_T`` tiles:
+
+- with a tree mask (``T <= 64``, one tile) the per-query int64 bitmask decides visibility;
+- causal (any ``T``) key ``lens[b] + j`` is visible to query ``t`` iff ``j <= t``, and the
+  tiles stop after the block's last query, so a block reads no key past its own
+  diagonal and nothing of size ``T x S`` is ever built (the long-prefill path on CUDA).
+  For ``T <= 64`` the one tile is the same as the chain mask's, so both agree bit for bit.
+
+Online softmax in base 2 with an fp32 accumulator:
 ``m' = max(m, max s)``, ``acc' = acc * 2^(m - m') + P V``, ``out = acc / l``. A query that
 sees no key keeps ``l = 0`` and writes zeros.
 
@@ -18,6 +25,7 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+MAX_TREE = 64   # a tree mask is one int64 per query; also the causal tile of new keys
 
 
 @triton.jit
@@ -75,28 +83,35 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lens_ptr, mask_ptr,
         acc = acc * alpha[:, None] + _dot(p, v, FP32_DOT)
         m_i = m_new
 
-    # Tree keys length + [0, T): visibility from the query's bitmask (or causal).
-    offs_t = tl.arange(0, BLOCK_T)
-    t_ok = offs_t < num_q
-    keys = length + offs_t
-    k = tl.load(k_base + keys[None, :].to(tl.int64) * sk_s + offs_d[:, None] * sk_d,
-                mask=t_ok[None, :] & d_ok[:, None], other=0.0)
+    # New keys length + [0, T): one tile under a tree mask, causal tiles up to the block's
+    # last query otherwise.
     if HAS_MASK:
         bits = tl.load(mask_ptr + b64 * sm_b + t.to(tl.int64) * sm_t, mask=row_ok, other=0)
-        visible = ((bits[:, None] >> offs_t[None, :].to(tl.int64)) & 1) != 0
+        t_end = num_q
     else:
-        visible = offs_t[None, :] <= t[:, None]
-    visible = visible & t_ok[None, :]
-    s = _dot(q, k, FP32_DOT)
-    s = tl.where(visible, s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows that see nothing at all
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + keys[:, None].to(tl.int64) * sv_s + offs_d[None, :] * sv_d,
-                mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-    acc = acc * alpha[:, None] + _dot(p, v, FP32_DOT)
+        t_end = tl.minimum((tl.program_id(1) * BLOCK_M + BLOCK_M - 1) // group + 1, num_q)
+    for first in range(0, t_end, BLOCK_T):
+        offs_t = first + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < num_q
+        keys = length + offs_t
+        k = tl.load(k_base + keys[None, :].to(tl.int64) * sk_s + offs_d[:, None] * sk_d,
+                    mask=t_ok[None, :] & d_ok[:, None], other=0.0)
+        if HAS_MASK:
+            visible = ((bits[:, None] >> offs_t[None, :].to(tl.int64)) & 1) != 0
+        else:
+            visible = offs_t[None, :] <= t[:, None]
+        visible = visible & t_ok[None, :]
+        s = _dot(q, k, FP32_DOT)
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows that saw nothing yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + keys[:, None].to(tl.int64) * sv_s + offs_d[None, :] * sv_d,
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p, v, FP32_DOT)
+        m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = (out_ptr + ((b64 * num_q + t[:, None].to(tl.int64)) * (num_kv_heads * group)
@@ -131,6 +146,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         tree_mask.stride(0) if tree_mask is not None else 0,
         tree_mask.stride(1) if tree_mask is not None else 0,
         HAS_MASK=tree_mask is not None, FP32_DOT=q.dtype == torch.float32 or not on_gpu,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=max(16, triton.next_power_of_2(T)),
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_T=max(16, min(MAX_TREE, triton.next_power_of_2(T))),
         BLOCK_D=max(16, triton.next_power_of_2(D)))
     return out
