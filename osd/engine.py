@@ -28,6 +28,7 @@ import collections
 import dataclasses
 import operator
 import os
+import threading
 import time
 
 import torch
@@ -38,7 +39,7 @@ from osd.models.llama import DecoderLM
 from osd.models.loading import is_transformers_model, load_model, load_tokenizer
 from osd.online.config import OnlineConfig
 from osd.online.serving import OnlineManager
-from osd.sampling import Output, SamplingParams, make_generator, sample_tokens
+from osd.sampling import Output, SamplingParams, request_seed, sample_tokens
 from osd.spec import SpecConfig
 from osd.speculative import Speculator
 from osd.stats import SpecStats
@@ -53,11 +54,10 @@ class RequestState:
     prompt: list[int]                 # prompt token ids
     max_new_tokens: int
     stop_ids: frozenset[int]          # EOS ids and the request's stop ids
-    generator: torch.Generator        # this request's sampling generator
+    seed: int                         # Philox seed of all its sampling (request_seed)
     generated: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     draft_index: int = 0              # which draft serves it (routing)
-    spec_seed: int = 0                # Philox seed of its rejection sampling
     spec_steps: int = 0               # speculative steps so far (the Philox offset)
     spec_stats: SpecStats | None = None
     teacher: list = dataclasses.field(default_factory=list)  # collected target distributions
@@ -268,7 +268,7 @@ class Engine:
             int(torch.randint(0, 2**62, (1,)))
         stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids or ())
         return [RequestState(i, ids, params.max_new_tokens, stop_ids,
-                             make_generator(base_seed + i, self.device))
+                             request_seed(base_seed, i))
                 for i, ids in enumerate(token_lists)]
 
     def generate(self, prompts, params: SamplingParams) -> list[Output]:
@@ -360,10 +360,11 @@ class Engine:
         width = max(m, 1)
         index = (prompt_lens[:, None] - width
                  + torch.arange(width, device=self.device)).clamp(min=0)
-        logits = self.model(ids.to(self.device), rows, logits_index=index)   # [n, m or 1, V]
-        rows.commit(prompt_lens.to(torch.int32), longest)
+        # In pieces of model.config.prefill_chunk tokens; commits rows.lens = prompt_lens.
+        logits = self.model.prefill(ids.to(self.device), rows, prompt_lens,
+                                    logits_index=index)                   # [n, m or 1, V]
         self.cache.set_bound(max(self.cache.bound, longest))
-        tokens = sample_tokens(logits[:, -1], params, [r.generator for r in new])
+        tokens = sample_tokens(logits[:, -1], params, *self._sampling_keys(new))
         self._next_tokens[start_row:start_row + n] = tokens
         self._record(new, tokens)
         return logits if m > 0 else None
@@ -375,9 +376,16 @@ class Engine:
         logits = (self.model(ids, self.cache) if self.graphs is None
                   else graphed_forward(self.graphs, self.model, self.cache, ids))
         self.cache.commit(self._ones[:B], 1)
-        tokens = sample_tokens(logits[:, 0], params, [r.generator for r in active])
+        tokens = sample_tokens(logits[:, 0], params, *self._sampling_keys(active))
         self._next_tokens[:B] = tokens
         self._record(active, tokens)
+
+    def _sampling_keys(self, requests: list[RequestState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Philox ``(seeds, offsets)`` ``[B]`` of the plain sampler for ``requests``: the
+        offset of a draw is the number of tokens the request generated before it."""
+        keys = torch.tensor([[r.seed for r in requests], [len(r.generated) for r in requests]],
+                            dtype=torch.int64).to(self.device, non_blocking=True)
+        return keys[0], keys[1]
 
     def _record(self, requests: list[RequestState], tokens: torch.Tensor) -> None:
         # The one host sync per step: the stop check (EOS, stop ids, lengths) needs the

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from osd_kernels.warp import warp_probs
+import osd_kernels
 
 FINISH_REASONS = ("stop", "length")
 
@@ -36,9 +36,10 @@ class SamplingParams:
         temperature: >= 0; 0 is greedy decoding.
         top_k: keep the k most likely tokens (0 = off).
         top_p: nucleus mass in (0, 1] (1 = off).
-        seed: base seed; request ``i`` of a ``generate`` call samples with its own generator
-            seeded ``seed + i``, so its output does not depend on batching. None draws the
-            base seed from torch's global generator.
+        seed: base seed; request ``i`` of a ``generate`` call samples with its own Philox
+            key derived from ``seed + i`` (``request_seed``), so its output does not depend
+            on batching, on the device or on CUDA graphs. None draws the base seed from
+            torch's global generator.
         stop_token_ids: ids that end a sequence (the stop token is part of the output),
             in addition to the checkpoint's EOS ids.
     """
@@ -99,27 +100,46 @@ class Output:
     stats: dict | None = None
 
 
-def make_generator(seed: int, device: torch.device) -> torch.Generator:
-    """A ``torch.Generator`` on ``device`` seeded with ``seed``."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
+# The plain sampler's Philox key is the request's seed XOR this constant, so its draws are
+# independent of the speculative sampler's (keyed on the seed itself) and the draft's
+# (``osd.drafters.DRAFT_KEY``), which all use the same request seed.
+PLAIN_KEY = 0x2545F4914F6CDD1D
+SEED_MASK = (1 << 63) - 1
 
 
-def sample_tokens(logits: torch.Tensor, params: SamplingParams,
-                  generators: Sequence[torch.Generator] | torch.Generator | None) -> torch.Tensor:
+def request_seed(base_seed: int, index: int) -> int:
+    """The Philox seed of request ``index`` of a call with ``base_seed``: splitmix64 of
+    ``base_seed + index``, in [0, 2**63).
+
+    Mixing matters: every stochastic osd kernel keys Philox-4x32-10 on this seed, and so
+    does torch's CUDA generator on its own seed with counter 0. Keys drawn straight from
+    ``base_seed + index`` would let a torch draw and an osd draw share their random bits.
+    """
+    z = (int(base_seed) + int(index) + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & SEED_MASK
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, seeds: torch.Tensor,
+                  offsets: torch.Tensor) -> torch.Tensor:
     """Next tokens ``[B]`` int64 from ``logits [B, V]``, on the device, no host sync.
 
     Greedy when ``params.temperature == 0`` (argmax, lowest index on ties). Otherwise one
-    draw per row from ``warp_probs(logits, temperature, top_k, top_p)``, row ``b`` with
-    ``generators[b]`` (one generator for all rows when a single one is given).
+    draw per row from ``warp_probs(logits, temperature, top_k, top_p)`` by the exponential
+    race of ``osd_kernels.rejection_sample`` with no drafts (its bonus token), keyed on
+    Philox ``(seeds[b] ^ PLAIN_KEY, offsets[b])``: the same logits, seed and offset give the
+    same token on every device and backend, eager or in a CUDA graph.
+
+    Args:
+        seeds: ``[B]`` int64 request seeds (:func:`request_seed`).
+        offsets: ``[B]`` int64, a fresh value per draw of a request (its token position).
     """
     if params.greedy:
         return logits.argmax(dim=-1)
-    probs = warp_probs(logits, params.temperature, params.top_k, params.top_p)
-    if generators is None or isinstance(generators, torch.Generator):
-        return torch.multinomial(probs, 1, generator=generators).squeeze(1)
-    if len(generators) != probs.shape[0]:
-        raise ValueError(f"{len(generators)} generators for {probs.shape[0]} rows")
-    return torch.cat([torch.multinomial(probs[b:b + 1], 1, generator=g).squeeze(1)
-                      for b, g in enumerate(generators)])
+    B = logits.shape[0]
+    none = torch.empty(B, 0, dtype=torch.int64, device=logits.device)
+    out, _ = osd_kernels.rejection_sample(
+        logits[:, None], none, temperature=params.temperature, top_k=params.top_k,
+        top_p=params.top_p, seed=seeds ^ PLAIN_KEY, offset=offsets)
+    return out[:, 0]

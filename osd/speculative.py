@@ -131,7 +131,6 @@ class Speculator:
         each prompt's last ``m`` positions, when :attr:`collect_prompt` is ``m``) become the
         requests' first teacher positions ``len(prompt) - m + 1 .. len(prompt)``."""
         for r in requests:
-            r.spec_seed = int(r.generator.initial_seed()) & ((1 << 63) - 1)
             r.spec_steps = 0
             r.spec_stats = SpecStats(requests=1)
             r.teacher = []     # (positions [m], topk ids, topk probs | logits)
@@ -261,7 +260,7 @@ class Speculator:
 
     def _sampling_tensors(self, active, params: SamplingParams, dev) -> dict:
         B = len(active)
-        seed = torch.tensor([r.spec_seed for r in active], dtype=torch.int64, device=dev)
+        seed = torch.tensor([r.seed for r in active], dtype=torch.int64, device=dev)
         offset = torch.tensor([r.spec_steps for r in active], dtype=torch.int64, device=dev)
         if params.greedy:
             return {"seed": seed, "offset": offset}

@@ -6,7 +6,7 @@ from scipy.stats import chisquare
 
 import osd
 from osd.models import load_model
-from osd.sampling import sample_tokens
+from osd.sampling import request_seed, sample_tokens
 from osd_kernels.warp import warp_probs
 from tests.test_models import FAMILIES, VOCAB, tiny_hf_model
 
@@ -129,7 +129,8 @@ def test_sampling_distribution_chi_square(temperature, top_k, top_p):
     assert torch.allclose(warped.double(), exact, atol=1e-6)
     n = 200_000
     params = osd.SamplingParams(1, temperature=temperature, top_k=top_k, top_p=top_p)
-    draws = sample_tokens(logits.expand(n, -1), params, torch.Generator().manual_seed(11))
+    seeds = torch.tensor([request_seed(11, i) for i in range(n)])
+    draws = sample_tokens(logits.expand(n, -1), params, seeds, torch.zeros(n, dtype=torch.int64))
     counts = torch.bincount(draws, minlength=11).double()
     support = exact > 0
     assert support.sum() >= 2
@@ -138,15 +139,30 @@ def test_sampling_distribution_chi_square(temperature, top_k, top_p):
     assert p_value > 1e-4
 
 
-def test_per_row_generators_follow_their_seed():
+def test_plain_sampler_rows_follow_their_seed_and_offset():
+    """A row's draw depends only on its logits, seed and offset, not on its batch."""
     logits = torch.randn(3, 17, generator=torch.Generator().manual_seed(12))
     params = osd.SamplingParams(1, temperature=1.0)
-    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
-    a = sample_tokens(logits, params, gens)
-    b = torch.cat([sample_tokens(logits[i:i + 1], params, torch.Generator().manual_seed(s))
-                   for i, s in enumerate((1, 2, 3))])
+    seeds = torch.tensor([request_seed(5, i) for i in range(3)])
+    offsets = torch.tensor([0, 4, 9])
+    a = sample_tokens(logits, params, seeds, offsets)
+    b = torch.cat([sample_tokens(logits[i:i + 1], params, seeds[i:i + 1], offsets[i:i + 1])
+                   for i in range(3)])
     assert torch.equal(a, b)
-    assert torch.equal(sample_tokens(logits, osd.SamplingParams(1), None), logits.argmax(-1))
+    draws = {int(sample_tokens(logits[:1], params, seeds[:1], torch.tensor([o])))
+             for o in range(40)}
+    assert len(draws) > 1                     # a new offset is a new draw
+    assert torch.equal(sample_tokens(logits, osd.SamplingParams(1), seeds, offsets),
+                       logits.argmax(-1))
+
+
+def test_request_seeds_are_mixed():
+    """Request seeds are splitmix64 of ``base + i``: distinct, 63-bit, never the raw seed
+    (torch's CUDA generator keys the same Philox on its raw seed)."""
+    seeds = [request_seed(1000, i) for i in range(1000)]
+    assert len(set(seeds)) == 1000
+    assert all(0 <= s < 2**63 and s != 1000 + i for i, s in enumerate(seeds))
+    assert request_seed(1000, 1) == request_seed(1001, 0)
 
 
 def test_string_prompts_with_checkpoint_tokenizer(tmp_path):

@@ -178,19 +178,34 @@ def _chi2(counts, expected_p):
     return chisquare(obs.numpy(), ex.numpy() * (obs.sum() / ex.sum()).item())
 
 
+def _engine_modes():
+    """(device, cuda_graphs): CPU eager, and on CUDA both eager and graphed."""
+    modes = [("cpu", False)]
+    if torch.cuda.is_available():
+        modes += [("cuda", False), ("cuda", True)]
+    return modes
+
+
+@pytest.mark.parametrize("mode", _engine_modes(), ids=lambda m: f"{m[0]}-graphs{int(m[1])}")
 @pytest.mark.parametrize("spec,params", [
     (dict(num_draft_tokens=2), dict(temperature=0.7, top_k=6, top_p=0.9)),
+    (dict(num_draft_tokens=3), dict(temperature=0.9, top_k=0, top_p=1.0)),
     (dict(tree=[(0,), (1,), (2,), (0, 0)]), dict(temperature=0.8, top_k=8, top_p=0.85)),
+    (dict(tree=DynamicTree(topk=3, depth=2, max_nodes=5)), dict(temperature=0.9, top_k=5)),
     (dict(num_draft_tokens=2, prompt_lookup=True), dict(temperature=0.9, top_k=0, top_p=1.0)),
-], ids=["chain", "tree", "lookup"])
-def test_sampled_joint_follows_target(spec, params):
-    """50,000 samples; chi-square p > 1e-3 (cells with expectation < 5 are pooled)."""
+], ids=["chain", "chain-t", "tree", "dyntree", "lookup"])
+def test_sampled_joint_follows_target(spec, params, mode):
+    """The joint of the first three tokens over 50,000 requests in batches of 4096 (the
+    first drawn by the plain sampler at prefill, the others by speculative steps);
+    chi-square p > 1e-3 (cells with expectation < 5 are pooled)."""
+    device, graphs = mode
     target, draft = _small_pair()
     prompt = [3, 1, 4, 1]
     N = 50_000
     sp = osd.SamplingParams(3, seed=1234, **params)
     eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(**spec),
-                                     max_batch_size=4096, max_seq_len=16)
+                                     max_batch_size=4096, max_seq_len=16, device=device,
+                                     cuda_graphs=graphs)
     outs = eng.generate([prompt] * N, sp)
     codes = torch.tensor([o.token_ids[0] * V_SMALL ** 2 + o.token_ids[1] * V_SMALL
                           + o.token_ids[2] for o in outs])
