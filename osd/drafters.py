@@ -109,9 +109,8 @@ class ModelDrafter:
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=self.device)
         rows = self.cache.rows(start_row, n)
         rows.reset()
-        self.model(ids.to(self.device), rows, skip_layers=self.skip_layers,
-                   logits_index=(lens.long() - 1)[:, None])
-        rows.commit(lens, longest)
+        self.model.prefill(ids.to(self.device), rows, lens, skip_layers=self.skip_layers,
+                           logits_index=(lens.long() - 1)[:, None])
         self.cache.set_bound(max(self.cache.bound, longest))
         self._pending[start_row:start_row + n, 0] = first_tokens
         self._pending_len[start_row:start_row + n] = 1

@@ -51,6 +51,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()   # every id that ends a sequence
     bos_token_id: int | None = None
     attention_backend: str = "auto"   # one of ATTENTION_BACKENDS (see osd.models.attention)
+    prefill_chunk: int = 512          # prefill feeds prompts in pieces of at most this many
+    #                                   tokens, so its activations stay bounded (DecoderLM.prefill)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -61,7 +63,7 @@ class ModelConfig:
             raise ValueError(f"unknown attention backend {self.attention_backend!r}; expected "
                              f"one of {ATTENTION_BACKENDS}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim"):
+                     "num_heads", "num_kv_heads", "head_dim", "prefill_chunk"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"config {name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads != 0:

@@ -6,15 +6,19 @@ fields of :class:`~osd.models.config.ModelConfig`. Weights are stored fused for 
 forward: ``wqkv = [q; k; v]`` and ``w_gate_up = [gate; up]`` (``osd.models.loading`` maps
 Hugging Face names onto them).
 
-Two forwards:
+Forwards:
 
 - ``model(input_ids, cache, *, tree_mask=None, depths=None)``: the cached forward of
-  docs/design.md (prefill, decode, chain and tree verify). It writes the new K/V at
-  ``cache.lens[b] + i``, never changes ``cache.lens`` and needs no host sync.
+  docs/design.md (decode, chain and tree verify, one piece of a prefill). It writes the
+  new K/V at ``cache.lens[b] + i``, never changes ``cache.lens`` and needs no host sync.
+  Causal forwards take any number of tokens; a tree mask allows at most 64.
+- ``model.prefill(input_ids, cache, lengths)``: a ragged batch of prompts of any length
+  (up to the cache capacity), fed in pieces of ``config.prefill_chunk`` tokens that each
+  attend to the cache written by the pieces before, then committed.
 - ``model.forward_train(input_ids, attention_mask=None)``: cacheless, causal, over whole
   sequences, differentiable (distillation of draft models).
 
-Both accept ``skip_layers`` (a set of layer indices to bypass, for self-speculation).
+All accept ``skip_layers`` (a set of layer indices to bypass, for self-speculation).
 """
 from __future__ import annotations
 
@@ -204,7 +208,7 @@ class DecoderLM(nn.Module):
                 tree_mask: torch.Tensor | None = None, depths: torch.Tensor | None = None,
                 skip_layers: frozenset[int] = frozenset(),
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
-        """Cached forward of ``T`` new tokens per row (prefill, decode, verify).
+        """Cached forward of ``T`` new tokens per row (decode, verify, a prefill piece).
 
         Args:
             input_ids: ``[B, T]`` int64 token ids, rows ``0..B-1`` of ``cache``.
@@ -212,7 +216,7 @@ class DecoderLM(nn.Module):
                 its K/V at slot ``cache.lens[b] + i``; ``cache.lens`` is not changed (the
                 caller commits). ``cache.bound + T`` must fit the capacity.
             tree_mask: ``[B, T]`` int64, bit ``i'`` of ``tree_mask[b, i]`` lets token ``i`` see
-                token ``i'`` of the same forward (``T <= 64``). None is causal.
+                token ``i'`` of the same forward (``T <= 64``). None is causal (any ``T``).
             depths: ``[B, T]`` int64 tree depth of each token: its position is
                 ``cache.lens[b] + depths[b, i]``. None is ``arange(T)``.
             skip_layers: indices of decoder layers to bypass (their cache is not written).
@@ -221,6 +225,62 @@ class DecoderLM(nn.Module):
         Returns:
             ``[B, T, V]`` float32 logits (``[B, K, V]`` with ``logits_index``).
         """
+        x = self._hidden(input_ids, cache, tree_mask, depths, skip_layers)
+        return self._logits(x, logits_index)
+
+    def prefill(self, input_ids: torch.Tensor, cache: KVCache, lengths: torch.Tensor, *,
+                logits_index: torch.Tensor | None = None,
+                skip_layers: frozenset[int] = frozenset(),
+                chunk: int | None = None) -> torch.Tensor:
+        """Feed a ragged batch of prompts in pieces and commit them.
+
+        Piece ``s`` is ``input_ids[:, s * chunk : (s + 1) * chunk]``: one causal forward over
+        the cache that the pieces before it wrote and committed, so peak activation memory
+        (and the attention's ``[T, S]`` working set) grows with ``chunk``, not with the
+        prompt. The result equals one forward over the whole prompt up to rounding.
+
+        Args:
+            input_ids: ``[B, T]`` int64; row ``b``'s prompt is its first ``lengths[b]``
+                entries, the rest is padding (its K/V land past the row's length).
+            cache: rows ``0..B-1`` continue from ``cache.lens`` (zero for new rows).
+            lengths: ``[B]`` int32 on the model's device, ``1 <= lengths[b] <= T``.
+            logits_index: ``[B, K]`` int64 prompt positions (``< lengths[b]``) whose logits
+                are returned; None returns all ``T`` positions.
+            skip_layers: as in :meth:`forward`.
+            chunk: most tokens per forward; default ``config.prefill_chunk``.
+
+        Returns:
+            ``[B, K, V]`` float32 logits (``[B, T, V]`` without ``logits_index``). On return
+            ``cache.lens[:B]`` has grown by ``lengths`` and ``cache.bound`` by ``T``.
+        """
+        B, T = input_ids.shape
+        chunk = self.config.prefill_chunk if chunk is None else int(chunk)
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        lengths = lengths.to(torch.int32)
+        pieces = []                    # logits per piece, without logits_index
+        picked = None                  # [B, K, hidden]: hidden states at logits_index
+        for start in range(0, T, chunk):
+            ids = input_ids[:, start:start + chunk]
+            width = ids.shape[1]
+            x = self._hidden(ids, cache, None, None, skip_layers)
+            if logits_index is None:
+                pieces.append(self._logits(x, None))
+            else:
+                local = logits_index - start
+                here = ((local >= 0) & (local < width))[..., None]
+                rows = x.gather(1, local.clamp(0, width - 1)[..., None].expand(-1, -1, x.shape[-1]))
+                # The first piece fills every slot; later ones overwrite the slots they hold.
+                picked = rows if picked is None else torch.where(here, rows, picked)
+            # Each row advances by its own tokens in this piece (padding stays uncommitted).
+            cache.commit((lengths - start).clamp(0, width).to(torch.int32), width)
+        if logits_index is None:
+            return torch.cat(pieces, dim=1)
+        return self._logits(picked, None)
+
+    def _hidden(self, input_ids: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor | None,
+                depths: torch.Tensor | None, skip_layers: frozenset[int]) -> torch.Tensor:
+        """The cached forward up to the final norm: hidden states ``[B, T, hidden]``."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -248,7 +308,7 @@ class DecoderLM(nn.Module):
             out = attention(q, kv[0], kv[1], cache.lens, tree_mask, scale=self.scale,
                             max_kv_len=max_kv_len, backend=self.attention_backend)
             x = layer.finish(x, out)
-        return self._logits(x, logits_index)
+        return x
 
     def forward_train(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                       *, skip_layers: frozenset[int] = frozenset()) -> torch.Tensor:
