@@ -25,6 +25,7 @@ when the sequence reaches ``max_seq_len``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import operator
 import os
@@ -151,7 +152,7 @@ class Engine:
         self.speculators: list[Speculator] = []
         if spec is not None:
             self.speculators = [Speculator(self, spec, d)
-                                for d in self._make_drafters(spec, drafts)]
+                                for d in self._make_drafters(spec, drafts, online is not None)]
         self.graphs: StepGraphs | None = None
         if cuda_graphs and (spec is None or spec.cuda_graphs) and self.device.type == "cuda":
             self.use_graphs(StepGraphs(self.device))
@@ -165,12 +166,18 @@ class Engine:
                 sp.collect_prompt = online.prompt_positions
                 sp.on_swap = (lambda i=i: self.online.swap(i))
         self._wall, self._generated, self._requests_served = 0.0, 0, 0
+        # One generate/stream call at a time: they share the caches and the rows.
+        self._call_lock = threading.Lock()
+        self._call_owner: int | None = None
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
         self._ones = torch.ones(max_batch_size, dtype=torch.int32, device=self.device)
         # next_tokens[b]: the last sampled token of row b, the input of its next decode.
         self._next_tokens = torch.zeros(max_batch_size, dtype=torch.int64, device=self.device)
 
-    def _make_drafters(self, spec: SpecConfig, drafts: list[DecoderLM]) -> list:
+    def _make_drafters(self, spec: SpecConfig, drafts: list[DecoderLM], learning: bool) -> list:
+        """The drafters of ``spec``. Self-speculation drafts with the target's own layers,
+        except when the draft learns online (``learning``): then it drafts with a copy of
+        the layers it uses, so training never writes the target's weights."""
         capacity = self.max_seq_len + self._headroom + 72
         if spec.drafter == "ngram":
             return [NGramDrafter(spec.ngram_min, spec.ngram_max)]
@@ -182,6 +189,9 @@ class Engine:
             if bad or len(skip) >= n:
                 raise ValueError(f"skip_layers must name some (not all) of the target's "
                                  f"{n} layers, got {sorted(skip)}")
+            if learning:
+                return [ModelDrafter(_layer_subset(self.model, skip), self.max_batch_size,
+                                     capacity)]
             return [ModelDrafter(self.model, self.max_batch_size, capacity, skip)]
         return [ModelDrafter(d, self.max_batch_size, capacity) for d in drafts]
 
@@ -283,11 +293,11 @@ class Engine:
             One :class:`~osd.Output` per prompt, in order.
         """
         requests = self._requests(prompts, params)
-        steps = self._serve(requests, params)
-        while True:
-            with torch.inference_mode():
-                if next(steps, None) is None:
-                    break
+        with self._exclusive(), contextlib.closing(self._serve(requests, params)) as steps:
+            while True:
+                with torch.inference_mode():
+                    if next(steps, None) is None:
+                        break
         return [self._output(r) for r in requests]
 
     def stream(self, prompt, params: SamplingParams):
@@ -296,16 +306,33 @@ class Engine:
         speculation."""
         requests = self._requests([prompt], params)
         r = requests[0]
-        steps = self._serve(requests, params)
         seen = 0
-        while True:
-            with torch.inference_mode():
-                done = next(steps, None) is None
-            if len(r.generated) > seen:
-                yield list(r.generated[seen:])
-                seen = len(r.generated)
-            if done:
-                return
+        with self._exclusive(), contextlib.closing(self._serve(requests, params)) as steps:
+            while True:
+                with torch.inference_mode():
+                    done = next(steps, None) is None
+                if len(r.generated) > seen:
+                    yield list(r.generated[seen:])
+                    seen = len(r.generated)
+                if done:
+                    return
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """Serialize :meth:`generate` and :meth:`stream` calls across threads: a call
+        waits until the running one (a stream: until it is exhausted or closed) is done.
+        Each call then serves exactly what it would serve alone. A thread that is already
+        inside a call (iterating a stream) gets a RuntimeError instead of a deadlock."""
+        me = threading.get_ident()
+        if self._call_owner == me:
+            raise RuntimeError("this thread is already inside a generate/stream call of this "
+                               "engine (an unfinished stream?): exhaust or close() it first")
+        with self._call_lock:
+            self._call_owner = me
+            try:
+                yield
+            finally:
+                self._call_owner = None
 
     def _serve(self, requests: list[RequestState], params: SamplingParams):
         """The serving loop as a generator: yields after every prefill or decode step."""
@@ -467,6 +494,24 @@ class Engine:
             stats["draft_index"] = r.draft_index
         return Output(token_ids=list(r.generated), text=text, finish_reason=r.finish_reason,
                       stats=stats)
+
+
+def _layer_subset(model: DecoderLM, skip: frozenset[int]) -> DecoderLM:
+    """A standalone copy of ``model`` without the layers in ``skip``: the self-speculative
+    draft as a model of its own (its embeddings, kept layers, norm and head copied)."""
+    keep = [i for i in range(model.config.num_layers) if i not in skip]
+    config = dataclasses.replace(model.config, num_layers=len(keep))
+    sub = DecoderLM(config, device=model.device, dtype=model.dtype)
+    state = {}
+    for name, value in model.state_dict().items():
+        if name.startswith("layers."):
+            index, rest = name.split(".", 2)[1:]
+            if int(index) not in keep:
+                continue
+            name = f"layers.{keep.index(int(index))}.{rest}"
+        state[name] = value
+    sub.load_state_dict(state)
+    return sub.requires_grad_(False)
 
 
 def _spec_width(spec: SpecConfig) -> int:

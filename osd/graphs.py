@@ -36,12 +36,17 @@ run on a GPU yet.**
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 WARMUP_RUNS = 2
+
+# PyTorch supports one CUDA graph capture per process at a time: every capture in osd
+# (serving steps here, the learner's training step in ``osd.online.graphs``) holds this.
+capture_lock = threading.Lock()
 
 
 def batch_bucket(batch: int, max_batch_size: int) -> int:
@@ -124,7 +129,10 @@ class StepGraphs:
                 restore()
         torch.cuda.current_stream().wait_stream(side)
         entry.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(entry.graph, pool=self.pool):
+        # thread_local: the learner thread may run eager work meanwhile (its own capture
+        # waits for the lock).
+        with capture_lock, torch.cuda.graph(entry.graph, pool=self.pool,
+                                            capture_error_mode="thread_local"):
             entry.outputs = entry.body(entry.static)
         restore()
 

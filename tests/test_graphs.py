@@ -116,3 +116,40 @@ def test_cuda_graphs_emit_what_eager_emits(pair, case):
         want = [o.token_ids for o in eager_plain.generate(prompts, params)]
         assert [o.token_ids for o in plain.generate(prompts, params)] == want
         assert [o.token_ids for o in graphed] == want
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("case", ["greedy-chain", "sampled-chain"])
+def test_graphed_drafting_proposes_what_eager_drafting_proposes(pair, case, device):
+    """Step by step, the draft loop replayed from graphs (emulated on CPU, captured on
+    CUDA) proposes the same tokens with the same q as the eager draft loop."""
+    spec, params = CASES[case]
+    prompts = prompts_of([5, 9, 3, 12, 7, 4], seed=37)
+    logs = {}
+    for graphed in (False, True):
+        target, draft = pair
+        eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(**spec),
+                                         device=device, max_batch_size=4, max_seq_len=80,
+                                         cuda_graphs=False)
+        if graphed:
+            eng.use_graphs(StepGraphs(eng.device, emulate=device == "cpu"))
+        drafter = eng.speculators[0].drafter
+        log = []
+        propose = drafter.propose_chain
+
+        def recorded(*args, _propose=propose, _log=log, **kwargs):
+            prop = _propose(*args, **kwargs)
+            _log.append((prop.tokens.cpu().clone(),
+                         None if prop.probs is None else prop.probs.float().cpu().clone()))
+            return prop
+
+        drafter.propose_chain = recorded
+        eng.generate(prompts, osd.SamplingParams(16, seed=5, **params))
+        if graphed:
+            assert eng.graphs.replays > 0
+        logs[graphed] = log
+    assert len(logs[False]) == len(logs[True]) > 3
+    for (tok_e, q_e), (tok_g, q_g) in zip(logs[False], logs[True]):
+        assert torch.equal(tok_e, tok_g)
+        if q_e is not None:
+            torch.testing.assert_close(q_g, q_e, rtol=1e-5, atol=1e-6)

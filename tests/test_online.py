@@ -182,3 +182,49 @@ def test_router_learns_which_draft_suits_which_prompts(feedback):
     assert correct >= 0.9 * 80
     with pytest.raises(ValueError, match="feedback"):
         RouterConfig(feedback="oracle")
+
+
+def test_self_speculation_learns_a_copy_never_the_target():
+    """Self-speculation with online learning trains a copy of the kept layers: after
+    updates the output still equals a fresh plain engine's, and the target is untouched."""
+    target = tiny_hf_model("llama", seed=85)
+    prompts = prompts_of([7, 5, 9, 6] * 3, seed=86)
+    sp = osd.SamplingParams(16)
+    ref = osd.Engine.from_pretrained(target, max_batch_size=4, max_seq_len=96).generate(
+        prompts, sp)
+    eng = osd.Engine.from_pretrained(
+        target, spec=osd.SpecConfig(drafter="self", skip_layers=(1,), num_draft_tokens=3),
+        online=osd.OnlineConfig(update_every_requests=2, steps_per_update=2, lr=3e-2,
+                                background=False, guard_tolerance=1.0),
+        max_batch_size=4, max_seq_len=96)
+    before = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    draft = eng.speculators[0].drafter.model
+    assert draft is not eng.model and draft.config.num_layers == 1
+    draft_before = {k: v.clone() for k, v in draft.state_dict().items()}
+    outs = []
+    for i in range(0, len(prompts), 4):
+        outs += eng.generate(prompts[i:i + 4], sp)
+    assert eng.stats["online"]["updates_applied"] >= 2
+    assert any(not torch.equal(draft_before[k], v) for k, v in draft.state_dict().items())
+    assert all(torch.equal(before[k], v) for k, v in eng.model.state_dict().items())
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+
+
+def test_half_precision_draft_learns_in_fp32(pair):
+    """A bf16 draft trains on fp32 master weights and optimizer state; the serving draft
+    receives them cast to bf16."""
+    eng = osd.Engine.from_pretrained(
+        pair[0], draft=pair[1], spec=osd.SpecConfig(num_draft_tokens=3), dtype=torch.bfloat16,
+        online=osd.OnlineConfig(update_every_requests=2, steps_per_update=2, lr=1e-3,
+                                background=False, guard_tolerance=1.0),
+        max_batch_size=4, max_seq_len=96)
+    learner = eng.online.learners[0]
+    assert all(p.dtype == torch.float32 for p in learner.model.parameters())
+    serving = eng.speculators[0].drafter.model
+    assert all(p.dtype == torch.bfloat16 for p in serving.parameters())
+    eng.generate(prompts_of([6, 8, 5, 7], seed=87), osd.SamplingParams(12))
+    assert eng.stats["online"]["updates_applied"] >= 1
+    assert all(st["exp_avg"].dtype == torch.float32 for st in learner.optim.state.values())
+    eng.online.swap(0)                  # publish the newest update (as the next step would)
+    for name, p in serving.state_dict().items():
+        assert torch.equal(p, learner.model.state_dict()[name].to(torch.bfloat16)), name

@@ -8,13 +8,15 @@ are masked out of the loss) and the graph is replayed. Warm-up iterations needed
 capture run on a snapshot that is restored afterwards, so capturing never changes the
 weights.
 
-This path has not run on a GPU yet; CPU training stays eager.
+The learner's capture and the serving thread's (``osd.graphs``) take the same process-wide
+lock, so two captures never overlap. CPU training stays eager.
 """
 from __future__ import annotations
 
 import torch
 
 import osd_kernels
+from osd.graphs import capture_lock
 from osd.online.learner import restore_state, snapshot_state
 
 
@@ -96,7 +98,9 @@ class GraphedTrainStep:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         self.optim.zero_grad(set_to_none=True)
-        with torch.cuda.graph(graph):
+        # One capture per process at a time (the serving thread captures too); other
+        # threads keep running their eager work and replays meanwhile (thread_local).
+        with capture_lock, torch.cuda.graph(graph, capture_error_mode="thread_local"):
             loss = self._body(s)
         restore_state(self.model, self.optim, snapshot)
         return {"graph": graph, "static": s, "loss": loss}

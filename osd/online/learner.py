@@ -108,6 +108,12 @@ class OnlineLearner:
         self.serving = draft
         self.device = next(draft.parameters()).device
         self.model = copy.deepcopy(draft)
+        if next(draft.parameters()).dtype in (torch.float16, torch.bfloat16):
+            # fp32 master weights and optimizer state: AdamW steps on half weights round
+            # most updates away. The serving draft gets them cast at each swap.
+            self.model.float()
+            if hasattr(self.model, "_cos"):
+                self.model._cos = self.model._sin = torch.empty(0)   # rebuilt in fp32
         self.model.requires_grad_(True)
         self.model.train()
         use_cuda = self.device.type == "cuda"
@@ -118,7 +124,9 @@ class OnlineLearner:
         self.requests_seen = 0
         self._since_update_requests = 0
         self._since_update_positions = 0
-        self._pending: dict[str, torch.Tensor] | None = None
+        # A published update: the weights, and on CUDA the event recorded on the learner's
+        # stream after they were written (the serving stream waits on it before copying).
+        self._pending: tuple[dict[str, torch.Tensor], torch.cuda.Event | None] | None = None
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._due = 0
@@ -165,13 +173,20 @@ class OnlineLearner:
     def maybe_swap(self) -> bool:
         """Copy a published update into the serving draft. Call between decode steps."""
         with self._lock:
-            state, self._pending = self._pending, None
-        if state is None:
+            pending, self._pending = self._pending, None
+        if pending is None:
             return False
+        state, ready = pending
+        stream = torch.cuda.current_stream(self.device) if ready is not None else None
+        if ready is not None:
+            stream.wait_event(ready)
         with torch.no_grad():
             for name, p in self.serving.state_dict().items():
                 if name in state:
                     p.copy_(state[name])
+                    if stream is not None:
+                        # allocated on the learner's stream, read on this one
+                        state[name].record_stream(stream)
         return True
 
     def wait(self) -> None:
@@ -271,8 +286,12 @@ class OnlineLearner:
             return self._record(UpdateRecord(index, self.requests_seen, mean_loss, alpha_before,
                                              alpha_after, False, reason, time.perf_counter() - t0))
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()                  # on the learner's stream, after the clones
         with self._lock:
-            self._pending = state
+            self._pending = (state, ready)
         rec = self._record(UpdateRecord(index, self.requests_seen, mean_loss, alpha_before,
                                         alpha_after, True, reason, time.perf_counter() - t0))
         if cfg.checkpoint_dir and self.history.updates_applied % cfg.checkpoint_every == 0:
