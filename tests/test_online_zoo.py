@@ -14,6 +14,7 @@
 import os
 
 import pytest
+import torch
 
 import osd
 from osd import zoo
@@ -35,16 +36,21 @@ def _mean(xs):
     return sum(xs) / len(xs)
 
 
-def test_online_alpha_rises_over_static_draft():
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_online_alpha_rises_over_static_draft(device):
+    """On CUDA the learner runs as it serves by default: a background thread on its own
+    stream with the graph-captured training step, next to the serving step's graphs
+    (``wait_for_update`` keeps the schedule equal to the CPU run's)."""
     target, draft = zoo.default_pair()
     prompts = zoo.query_stream("code", n=96, prompt_tokens=48, seed=1)
     spec = osd.SpecConfig(num_draft_tokens=4)
     static = osd.Engine.from_pretrained(target, draft=draft, spec=spec, max_batch_size=1,
-                                        max_seq_len=128)
+                                        max_seq_len=128, device=device)
+    on_cuda = device == "cuda"
     online = osd.Engine.from_pretrained(
-        target, draft=draft, spec=spec, max_batch_size=1, max_seq_len=128,
+        target, draft=draft, spec=spec, max_batch_size=1, max_seq_len=128, device=device,
         online=osd.OnlineConfig(update_every_requests=4, steps_per_update=8, lr=5e-4,
-                                background=False, seed=0))
+                                background=on_cuda, wait_for_update=on_cuda, seed=0))
     a_static = _alphas(static, prompts)
     a_online = _alphas(online, prompts)
     tail = slice(64, 96)
@@ -53,6 +59,26 @@ def test_online_alpha_rises_over_static_draft():
           f"{_mean(a_online[tail]):.3f}, gain {gain:+.3f}")
     assert gain >= 0.1, (round(_mean(a_static[tail]), 3), round(_mean(a_online[tail]), 3))
     assert online.stats["online"]["updates_applied"] >= 12
+    online.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not os.path.isdir(CODE_DRAFT), reason="the code draft is not shipped")
+def test_background_learners_two_drafts_and_graphs_serve_on_cuda():
+    """The default online mode on a GPU: two routed drafts, background learners capturing
+    their training steps while serving captures and replays its own graphs."""
+    target, prose_draft = zoo.default_pair()
+    stream = zoo.query_stream("code", n=48, prompt_tokens=48, seed=2)
+    eng = osd.Engine.from_pretrained(
+        target, draft=[prose_draft, CODE_DRAFT], spec=osd.SpecConfig(num_draft_tokens=4),
+        max_batch_size=4, max_seq_len=128, device="cuda", dtype=torch.bfloat16,
+        online=osd.OnlineConfig(update_every_requests=4, steps_per_update=2))
+    for i in range(0, len(stream), 4):
+        outs = eng.generate(stream[i:i + 4], PARAMS)
+        assert all(0 < len(o.token_ids) <= PARAMS.max_new_tokens for o in outs)
+    eng.close()
+    assert eng.stats["online"]["updates_applied"] + eng.stats["online"]["updates_rejected"] > 0
+    assert eng.stats["cuda_graphs"]["replays"] > 0
 
 
 @pytest.mark.skipif(not os.path.isdir(CODE_DRAFT), reason="the code draft is not shipped")
