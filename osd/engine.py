@@ -300,6 +300,26 @@ class Engine:
                         break
         return [self._output(r) for r in requests]
 
+    def chat(self, conversations, params: SamplingParams) -> list[Output]:
+        """Answer each conversation: its messages formatted with the tokenizer's chat
+        template, the assistant's generation prompt added, then :meth:`generate`.
+
+        Args:
+            conversations: a list of conversations, each a list of ``{"role": ...,
+                "content": ...}`` messages (roles ``system``, ``user``, ``assistant``,
+                ``tool``).
+            params: :class:`~osd.SamplingParams`, shared by all conversations.
+
+        Returns:
+            One :class:`~osd.Output` per conversation (the assistant's reply).
+        """
+        from osd.chat import apply_chat_template
+
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template; this engine has "
+                             "none (load a checkpoint that ships one, or pass tokenizer=...)")
+        return self.generate(apply_chat_template(self.tokenizer, conversations), params)
+
     def stream(self, prompt, params: SamplingParams):
         """Generate one prompt, yielding each step's new token ids (a list) as soon as the
         target has accepted them: one token per step for plain decoding, up to k + 1 with

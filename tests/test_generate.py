@@ -182,3 +182,29 @@ def test_string_prompts_with_checkpoint_tokenizer(tmp_path):
     out = eng.generate(["w5 w17 w3", [7, 19, 5]], osd.SamplingParams(6))
     assert out[0].token_ids == _hf_greedy(hf, [7, 19, 5], 6) == out[1].token_ids
     assert out[0].text == " ".join(words[t] for t in out[0].token_ids if t > 1)
+
+
+def test_chat_formats_with_the_template(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(VOCAB - 2)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    hf = tiny_hf_model("llama", seed=14)
+    eng = osd.Engine.from_pretrained(hf, max_seq_len=32)
+    with pytest.raises(ValueError, match="tokenizer"):
+        eng.chat([[{"role": "user", "content": "w5"}]], osd.SamplingParams(4))
+    fast.chat_template = ("{% for m in messages %}w{{ 10 if m['role'] == 'user' else 11 }} "
+                          "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w12"
+                          "{% endif %}")
+    eng = osd.Engine.from_pretrained(hf, max_seq_len=32, tokenizer=fast)
+    conv = [{"role": "system", "content": "w7"}, {"role": "user", "content": "w5 w17"}]
+    out = eng.chat([conv], osd.SamplingParams(5))
+    ids = [words.index(w) for w in "w11 w7 w10 w5 w17 w12".split()]
+    assert out[0].token_ids == eng.generate([ids], osd.SamplingParams(5))[0].token_ids
+    with pytest.raises(ValueError, match="role"):
+        eng.chat([[{"role": "robot", "content": "w5"}]], osd.SamplingParams(4))
+    with pytest.raises(TypeError):
+        eng.chat(conv, osd.SamplingParams(4))            # one conversation without the list
