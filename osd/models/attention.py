@@ -1,12 +1,17 @@
 """The one attention dispatch point of the runtime.
 
-Every cached forward (prefill, decode, chain or tree verify) calls :func:`attention`,
-which hands the queries, the layer's cache views and the tree mask to
-``osd_kernels.tree_attention``. Backends (``ModelConfig.attention_backend``):
+Every cached forward (a prefill piece, decode, chain or tree verify) calls
+:func:`attention`, which hands the queries, the layer's cache views and the tree mask to
+``osd_kernels.tree_attention``. Causal calls (``tree_mask=None``) take any number of
+queries; a tree mask covers at most 64. Backends (``ModelConfig.attention_backend``):
 
-- ``reference``: ``osd_kernels``' SDPA reference with a boolean mask (default on CPU);
-- ``native``: the C++ / CUDA kernel behind ``torch.ops.osd.tree_attention``;
-- ``triton``: the Triton tree-attention kernel (default on CUDA);
+- ``auto``: on CPU, per call, the C++ kernel for few query rows (decode, verify) and the
+  SDPA reference for large blocks (prefill pieces); Triton on CUDA;
+- ``reference``: ``osd_kernels``' SDPA reference with a boolean ``[B, T, S]`` mask;
+- ``native``: the C++ kernel behind ``torch.ops.osd.tree_attention`` (CPU; on CUDA the
+  reference runs instead);
+- ``triton``: the Triton tree-attention kernel (default on CUDA); causal blocks stream
+  key tiles up to each query block's diagonal, so long prefill pieces need no mask;
 - ``flash``: flash-attn's ``flash_attn_with_kvcache`` for causal forwards (prefill, decode,
   chain verify) on CUDA in fp16/bf16 when the ``flash`` extra is installed; forwards with a
   tree mask still go to Triton.
@@ -40,7 +45,7 @@ def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.d
     ``auto`` is ``triton`` on CUDA; on CPU it stays ``auto``, so ``tree_attention`` picks
     per call: the C++ kernel for few query rows (decode, chain and small-tree verify; it
     measured several times faster than the SDPA reference there) and the SDPA reference
-    for large blocks such as prefill. ``flash`` needs CUDA, fp16 or bf16 and an
+    for large blocks such as prefill pieces. ``flash`` needs CUDA, fp16 or bf16 and an
     importable flash-attn (ValueError otherwise).
     """
     if backend == "auto":
@@ -65,7 +70,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, len
         k_cache, v_cache: ``[B_max, Hkv, S, D]`` views of one layer of the ``KVCache``; the
             new keys are already written at ``lens[b] + i``.
         lens: ``[B_max]`` int32, committed lengths (the new tokens not included).
-        tree_mask: ``[B, T]`` int64 bitmask per query, or None for causal.
+        tree_mask: ``[B, T]`` int64 bitmask per query (``T <= 64``), or None for causal
+            (any ``T``; query ``i`` sees keys ``j <= lens[b] + i``).
         scale: softmax scale.
         max_kv_len: host-side upper bound of ``max(lens[:B]) + T``.
         backend: a resolved backend (:func:`resolve_attention_backend`).
