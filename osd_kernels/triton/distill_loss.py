@@ -10,7 +10,9 @@ scalars between passes, so no ``[N, V]`` temporary exists besides the gradient i
 3. the gradient ``h_B q_v / Q_B - q_v H`` (formulas in ``csrc/cpu/distill_loss.cpp``).
 
 Kept ids are matched inside a tile by a ``[BLOCK_V, BLOCK_K]`` comparison. Masked rows
-write loss 0 and a zero gradient.
+write loss 0 and a zero gradient. A program reads back nothing it wrote, so it needs no
+barrier. Floating point: Triton's approximate ``/`` and ``tl.exp`` on a GPU are fine here
+(a loss and its gradient, compared with tolerances, decide no token).
 """
 import math
 

@@ -2,7 +2,9 @@
 
 Program (b, l*2*H + h) owns one head row of one layer's K or V for sequence b, walks the
 accepted path in order and copies the D elements of each slot. Since the path is strictly
-increasing, a destination never lies after its source and the in-place copy is race-free.
+increasing, a destination never lies after its source and the in-place copy is race-free:
+no slot is read after a copy has written it, and an element's load and store share one
+layout (the same thread), so no barrier is needed.
 The length update is a second, tiny launch, so it happens after every copy has read it.
 """
 import torch

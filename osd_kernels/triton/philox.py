@@ -2,8 +2,8 @@
 ``csrc/kernels/philox.h`` (layout documented there).
 
 ``philox_uniform(seed, offset, stream, index)`` takes ``seed``/``offset`` as int64 scalars
-(or blocks) and ``stream``/``index`` as int32/int64 blocks; it returns float32 uniforms in
-(0, 1). ``philox4x32_10`` is the raw generator on uint32 blocks.
+(or blocks) and ``stream``/``index`` as int32/int64 scalars or blocks (Python ints too);
+it returns float32 uniforms in (0, 1). ``philox4x32_10`` is the raw generator on uint32 blocks.
 """
 import triton
 import triton.language as tl
@@ -32,15 +32,16 @@ def to_uniform(w):
 @triton.jit
 def philox_uniform(seed, offset, stream, index):
     """u(seed, offset, stream, index) in (0, 1) as float32 (broadcast over the arguments)."""
-    seed = tl.to_tensor(seed).to(tl.int64)
-    offset = tl.to_tensor(offset).to(tl.int64)
-    index = tl.to_tensor(index).to(tl.int64)
+    # tl.cast also takes Python ints and constexprs (a literal index or stream)
+    seed = tl.cast(seed, tl.int64)
+    offset = tl.cast(offset, tl.int64)
+    index = tl.cast(index, tl.int64)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     o0 = (offset & 0xFFFFFFFF).to(tl.uint32)
     o1 = ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
     c0 = ((index >> 2) & 0xFFFFFFFF).to(tl.uint32)
-    c1 = (tl.to_tensor(stream).to(tl.int64) & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (tl.cast(stream, tl.int64) & 0xFFFFFFFF).to(tl.uint32)
     w0, w1, w2, w3 = philox4x32_10(c0, c1, o0, o1, k0, k1)
     lane = index & 3
     w = tl.where(lane == 0, w0, w1)

@@ -14,11 +14,21 @@ Per visited row it finds
 The accept test needs only the draft token's logit. The rejected or bonus row then runs the
 exponential race ``argmax r_v / -log u_v`` with the Philox noise of that row
 (``osd_kernels.triton.philox``), after one pass that checks whether the residual has mass.
+
+Floating point: every division (``l / temperature``, ``1 / Z``, the race keys) is IEEE
+round-to-nearest and exp/log are CUDA's ``expf``/``logf`` (``osd_kernels.triton.fpmath``;
+Triton's ``/``, ``tl.exp`` and ``tl.log`` are approximate on a GPU), and the launch turns
+off FMA contraction, so on a GPU the kernel rounds as the CUDA kernel does; the remaining
+differences are the summation order of ``Z``. Under the interpreter exp/log are NumPy's.
+
+Memory: the output row is filled with -1 by the whole program and then written one token
+at a time by a single thread, so a barrier separates the two.
 """
 import torch
 import triton
 import triton.language as tl
 
+from osd_kernels.triton import fpmath
 from osd_kernels.triton.philox import philox_uniform
 
 INT32_MIN = tl.constexpr(-2147483648)
@@ -42,7 +52,7 @@ def _from_order_key(k):
 @triton.jit
 def _scaled(row_ptr, stride_v, offs, mask, temperature):
     x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=mask, other=float("-inf"))
-    return x.to(tl.float32) / temperature
+    return fpmath.div(x.to(tl.float32), temperature)
 
 
 @triton.jit
@@ -77,7 +87,7 @@ def _top_p_key(row_ptr, stride_v, vocab, temperature, kth, row_max, inv_z1, top_
             offs = v0 + tl.arange(0, BLOCK_V)
             mask = offs < vocab
             s = _scaled(row_ptr, stride_v, offs, mask, temperature)
-            p = tl.where(mask & (s >= kth), tl.exp(s - row_max), 0.0) * inv_z1
+            p = tl.where(mask & (s >= kth), fpmath.exp(s - row_max), 0.0) * inv_z1
             mass += tl.sum(tl.where(_order_key(p) > mid, p, 0.0))
         below = mass < top_p
         hi = tl.where(below, mid, hi)
@@ -101,8 +111,8 @@ def _row_stats(row_ptr, stride_v, vocab, temperature, top_k, top_p, BLOCK_V: tl.
         offs = v0 + tl.arange(0, BLOCK_V)
         mask = offs < vocab
         s = _scaled(row_ptr, stride_v, offs, mask, temperature)
-        z1 += tl.sum(tl.where(mask & (s >= kth), tl.exp(s - row_max), 0.0))
-    inv_z1 = 1.0 / z1
+        z1 += tl.sum(tl.where(mask & (s >= kth), fpmath.exp(s - row_max), 0.0))
+    inv_z1 = fpmath.div(1.0, z1)
     p_key = tl.zeros((), tl.int32)
     z2 = z1
     if top_p < 1.0:
@@ -113,7 +123,7 @@ def _row_stats(row_ptr, stride_v, vocab, temperature, top_k, top_p, BLOCK_V: tl.
             offs = v0 + tl.arange(0, BLOCK_V)
             mask = offs < vocab
             s = _scaled(row_ptr, stride_v, offs, mask, temperature)
-            e = tl.where(mask & (s >= kth), tl.exp(s - row_max), 0.0)
+            e = tl.where(mask & (s >= kth), fpmath.exp(s - row_max), 0.0)
             z2 += tl.sum(tl.where(_order_key(e * inv_z1) >= p_key, e, 0.0))
     return kth, row_max, inv_z1, p_key, z2
 
@@ -131,7 +141,7 @@ def _residual(p, offs, mask, q_row, stride_qv, x_rej, HAS_Q: tl.constexpr):
 @triton.jit
 def _warped(s, mask, kth, row_max, inv_z1, p_key):
     """exp(s - M) on the kept set (top-k and top-p), 0 elsewhere."""
-    e = tl.where(mask & (s >= kth), tl.exp(s - row_max), 0.0)
+    e = tl.where(mask & (s >= kth), fpmath.exp(s - row_max), 0.0)
     return tl.where(_order_key(e * inv_z1) >= p_key, e, 0.0)
 
 
@@ -156,6 +166,7 @@ def _rejection_sample_kernel(
     out_row = out_ptr + b * (max_draft + 1)
     ks = tl.arange(0, BLOCK_K)
     tl.store(out_row + ks, tl.full((BLOCK_K,), -1, tl.int64), mask=ks < max_draft + 1)
+    tl.debug_barrier()  # the -1 fill lands before the single-thread token stores below
 
     live = True
     j = n
@@ -170,15 +181,15 @@ def _rejection_sample_kernel(
                 x = tl.load(drafts + i * stride_dk)
                 in_vocab = (x >= 0) & (x < vocab)
                 xs = tl.where(in_vocab, x, 0)
-                s_x = tl.load(row + xs * stride_lv).to(tl.float32) / temperature
+                s_x = fpmath.div(tl.load(row + xs * stride_lv).to(tl.float32), temperature)
                 e_x = _warped(s_x, in_vocab, kth, row_max, inv_z1, p_key)
-                log_p = tl.where(e_x > 0.0, (s_x - row_max) - tl.log(z2), float("-inf"))
+                log_p = tl.where(e_x > 0.0, (s_x - row_max) - fpmath.log(z2), float("-inf"))
                 q_x = 1.0
                 if HAS_Q:
                     q_x = tl.load(q_ptr + b * stride_qb + i * stride_qk + xs * stride_qv,
                                   mask=in_vocab, other=1.0).to(tl.float32)
                 u = philox_uniform(seed, offset, 2 * i, 0)
-                if tl.log(u) + tl.log(q_x) < log_p:
+                if fpmath.log(u) + fpmath.log(q_x) < log_p:
                     tl.store(out_row + i, x)
                 else:
                     live = False
@@ -188,7 +199,7 @@ def _rejection_sample_kernel(
         row = row0 + j * stride_lk
         kth, row_max, inv_z1, p_key, z2 = _row_stats(
             row, stride_lv, vocab, temperature, top_k, top_p, BLOCK_V)
-        inv_z2 = 1.0 / z2
+        inv_z2 = fpmath.div(1.0, z2)
         q_row = q_ptr + b * stride_qb + j * stride_qk
         # does the residual have mass? (else the race runs on p itself)
         use_resid = False
@@ -212,7 +223,7 @@ def _rejection_sample_kernel(
             if use_resid:
                 r = _residual(r, offs, mask, q_row, stride_qv, x_rej, HAS_Q)
             u = philox_uniform(seed, offset, 2 * j + 1, offs)
-            key = tl.where(r > 0.0, r / -tl.log(u), -1.0)
+            key = tl.where(r > 0.0, fpmath.div(r, -fpmath.log(u)), -1.0)
             tile_best = tl.max(key)
             tile_v = v0 + tl.argmax(key, axis=0, tie_break_left=True)
             better = tile_best > best_key
@@ -262,5 +273,5 @@ def rejection_sample_triton(target_logits: torch.Tensor, draft_token_ids: torch.
         params.num_draft_tokens, params.temperature, params.top_k, params.top_p,
         params.seed, params.offset, out, accepted, k1 - 1, vocab,
         HAS_Q=has_q, BLOCK_V=min(triton.next_power_of_2(vocab), 1024),
-        BLOCK_K=triton.next_power_of_2(k1))
+        BLOCK_K=triton.next_power_of_2(k1), **fpmath.launch_options(target_logits.device))
     return out, accepted

@@ -5,13 +5,26 @@ Program ``b`` walks sequence ``b``'s tree: one scalar pass over the nodes, and p
 the vocabulary in ``BLOCK`` chunks where a row is needed. Two float32 workspace rows per
 sequence hold the current node's warped target ``p`` and its residual ``r``. Warping
 reuses the row statistics of the chain sampler's kernel (top-k and top-p thresholds by
-bisection on the float's ordered bit pattern, no sort). On a GPU the kernel is compiled
-without FMA contraction, so the residual update rounds as in the other backends.
+bisection on the float's ordered bit pattern, no sort).
+
+Floating point: divisions (``p = e / Z``, the draft scale ``s / z``, the race keys) are
+IEEE round-to-nearest and exp/log are CUDA's ``expf``/``logf``
+(``osd_kernels.triton.fpmath``; Triton's ``/``, ``tl.exp`` and ``tl.log`` are approximate
+on a GPU). On a GPU the kernel is compiled without FMA contraction, so the residual update
+``max(r - scale * q, 0)`` rounds as in the other backends.
+
+Memory: the workspace rows are written and read back by different threads of the
+program (a tile store, then a scalar load of ``r[x]``; the scalar store of ``r[x] = 0``
+by one thread, then tile loads), so every such write is fenced by ``tl.debug_barrier()``
+on both sides: after the reads of the old values by every thread, and before the reads
+of the new ones. The same holds for the -1 fill of the outputs and the single-thread
+stores of the walk.
 """
 import torch
 import triton
 import triton.language as tl
 
+from osd_kernels.triton import fpmath
 from osd_kernels.triton.philox import philox_uniform
 from osd_kernels.triton.rejection_sample import _row_stats, _scaled, _warped
 
@@ -36,18 +49,21 @@ def _row_argmax(row, stride_v, V, BLOCK: tl.constexpr):
 @triton.jit
 def _warp(row, stride_v, V, temperature, top_k, top_p, p_row, r_row, BLOCK: tl.constexpr):
     """Writes the warped target (``osd_kernels.warp.warp_probs``) to ``p_row`` and ``r_row``,
-    with the row statistics of the chain sampler's kernel."""
+    with the row statistics of the chain sampler's kernel. Barriers on both sides: every
+    thread has read the old rows before they are overwritten, and the new rows are
+    visible to every thread on return."""
     kth, row_max, inv_z1, p_key, z2 = _row_stats(row, stride_v, V, temperature, top_k, top_p,
                                                  BLOCK)
-    z = tl.zeros((BLOCK,), dtype=tl.float32) + z2
+    tl.debug_barrier()
     for v0 in range(0, V, BLOCK):
         offs = v0 + tl.arange(0, BLOCK)
         mask = offs < V
         e = _warped(_scaled(row, stride_v, offs, mask, temperature), mask, kth, row_max,
                     inv_z1, p_key)
-        p = tl.math.div_rn(e, z)
+        p = fpmath.div(e, z2)
         tl.store(p_row + offs, p, mask=mask)
         tl.store(r_row + offs, p, mask=mask)
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -63,6 +79,7 @@ def _tree_rejection_sample_kernel(
     ti = tl.arange(0, T_BLOCK)
     tl.store(nodes_ptr + b * W + ti, tl.where(ti == 0, 0, -1).to(tl.int64), mask=ti < W)
     tl.store(out_ptr + b * W + ti, tl.full((T_BLOCK,), -1, tl.int64), mask=ti < W)
+    tl.debug_barrier()  # the fills land before the single-thread stores of the walk
     lg = logits_ptr + b * sl_b
     temperature = tl.load(temp_ptr + b)
     zero = tl.zeros((), dtype=tl.int64)
@@ -114,10 +131,11 @@ def _tree_rejection_sample_kernel(
                         live = tl.sum(rep.to(tl.int32), axis=0) == 0
                     if live:
                         qx = tl.load(q_row + x * sq_v).to(tl.float32)
-                        scale = tl.where(z > 0.0, tl.math.div_rn(s, tl.where(z > 0.0, z, 1.0)), 0.0)
+                        scale = tl.where(z > 0.0, fpmath.div(s, tl.where(z > 0.0, z, 1.0)), 0.0)
                         u = philox_uniform(seed, offset, 2 * cur, j)
                         ok = u * (scale * qx) < rx
                         if not ok:
+                            tl.debug_barrier()  # every thread has read r[x]
                             acc = tl.zeros((BLOCK,), dtype=tl.float32)
                             for v0 in range(0, V, BLOCK):
                                 offs = v0 + tl.arange(0, BLOCK)
@@ -127,6 +145,7 @@ def _tree_rejection_sample_kernel(
                                 r = tl.maximum(r - scale * q, 0.0)
                                 tl.store(r_row + offs, r, mask=offs < V)
                                 acc += r
+                            tl.debug_barrier()  # the new residual is visible to all threads
                             s = tl.sum(acc, axis=0)
                             if WITHOUT_REPLACEMENT:
                                 z = z - qx
@@ -135,7 +154,9 @@ def _tree_rejection_sample_kernel(
                     ok = u_node < nxt
                     if not ok:
                         tried = nxt
+                        tl.debug_barrier()  # every thread has read r[x]
                         tl.store(r_row + x, 0.0)
+                        tl.debug_barrier()  # r[x] = 0 is visible to all threads
                 if ok:
                     tl.store(out_ptr + b * W + depth, x)
                     tl.store(nodes_ptr + b * W + depth + 1, zero + c)
@@ -166,7 +187,7 @@ def _tree_rejection_sample_kernel(
             offs = v0 + tl.arange(0, BLOCK)
             w = tl.load(w_row + offs, mask=offs < V, other=0.0)
             u = philox_uniform(seed, offset, 2 * cur + 1, offs)
-            key = tl.where(w > 0.0, tl.math.div_rn(w, -tl.log(u)), -1.0)
+            key = tl.where(w > 0.0, fpmath.div(w, -fpmath.log(u)), -1.0)
             m = tl.max(key, axis=0)
             i = tl.argmax(key, axis=0).to(tl.int64) + v0
             take = m > best_key
@@ -191,12 +212,11 @@ def tree_rejection_sample_triton(target_logits, node_token_ids, parents, draft_p
         return nodes, out, num_accepted
     work = torch.empty(B, 2, V, dtype=torch.float32, device=dev)
     q = draft_probs if draft_probs is not None else target_logits  # unused when HAS_Q=False
-    extra = {} if dev.type == "cpu" else {"enable_fp_fusion": False}
     _tree_rejection_sample_kernel[(B,)](
         target_logits, *target_logits.stride(), node_token_ids, *node_token_ids.stride(),
         parents, *parents.stride(), q, *q.stride(), temperature, top_k, top_p, seed, offset,
         nodes, out, num_accepted, work, T, V, max_depth,
         HAS_Q=draft_probs is not None, WITHOUT_REPLACEMENT=without_replacement,
         BLOCK=min(triton.next_power_of_2(V), 1024), T_BLOCK=triton.next_power_of_2(T),
-        **extra)
+        **fpmath.launch_options(dev))
     return nodes, out, num_accepted
