@@ -39,7 +39,26 @@ else
 	@echo "cuda-check: nvcc not found, skipped"
 endif
 
-test: build cuda-check
+# Compile every Triton kernel for sm_90 (no GPU needed) with the Triton in $(VENV) and with
+# Triton 3.6.0, the one torch 2.11 ships. $(TRITON36_VENV) holds only that Triton; a .pth
+# file puts $(VENV)'s site-packages (torch) behind it on the path.
+TRITON36_VENV ?= .venv-triton36
+TRITON36_PY := $(TRITON36_VENV)/bin/python
+TRITON36_STAMP := $(TRITON36_VENV)/.osd-installed
+
+$(TRITON36_STAMP): $(STAMP)
+	$(PYTHON) -m venv $(TRITON36_VENV)
+	$(TRITON36_PY) -m pip install -q triton==3.6.0
+	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+		"$$($(TRITON36_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/osd-venv.pth"
+	touch $@
+
+.PHONY: triton-check
+triton-check: $(STAMP) $(TRITON36_STAMP)
+	$(PY) scripts/triton_check.py
+	$(TRITON36_PY) scripts/triton_check.py --triton-version 3.6.0
+
+test: build cuda-check triton-check
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider --benchmark-disable tests
 
 bench: build

@@ -1,0 +1,365 @@
+"""Compile every Triton kernel of ``osd_kernels/triton`` for a GPU target, without a GPU.
+
+Usage: python scripts/triton_check.py [--arch 90] [--triton-version 3.6.0] [-j 2] [-v]
+
+Each kernel launched by the wrappers is compiled through Triton's whole pipeline
+(TTIR, TTGIR, LLVM IR, PTX and, with the ptxas that Triton ships, a cubin) for
+``sm_<arch>`` once per specialisation the wrappers produce: input dtypes (fp32, bf16,
+fp16), the constexpr flags (``HAS_Q``, ``HAS_MASK``, ``LOSS``, ...) and the block sizes
+the wrappers pick on a GPU, with the launch options they pass. Scalar arguments are typed
+the way Triton's launcher types them (an int equal to 1 becomes the constexpr 1, other
+ints i32 or i64, floats fp32; pointers and multiples of 16 carry the divisibility hint).
+
+Coverage is checked too: every ``@triton.jit`` function defined under ``osd_kernels/triton``
+must be a kernel listed in :data:`SPECS` or be called, directly or through other helpers,
+by one; a kernel whose parameters differ from its entry here fails. The script exits 1
+listing every failure; nothing is skipped. A kernel that compiles here can still fail at
+run time, but one that fails here cannot run on that GPU with this Triton.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import concurrent.futures as cf
+import importlib
+import inspect
+import math
+import os
+import pkgutil
+import sys
+import textwrap
+import time
+import traceback
+from dataclasses import dataclass, field
+
+# Compile for a real target: the interpreter must be off before triton is imported.
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+import osd_kernels.triton as kernels_pkg  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Ptr:
+    """A tensor argument: its Triton element type (``fp32``, ``bf16``, ``i64``, ``u1``...)."""
+
+    dtype: str
+
+
+@dataclass
+class Spec:
+    """One compilation: a kernel, every runtime argument's representative value, the
+    constexpr arguments and the launch options."""
+
+    kernel: str  # "module.function" under osd_kernels.triton
+    label: str
+    args: dict
+    constexprs: dict
+    options: dict = field(default_factory=dict)
+
+
+# Options the samplers launch with on a GPU (osd_kernels.triton.fpmath.launch_options).
+SAMPLER_OPTIONS = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
+FLOATS = ("fp32", "bf16", "fp16")
+
+
+def _rejection_sample_specs():
+    def spec(label, dtype, q_dtype, contiguous, block_v, block_k):
+        vocab = 32000 if block_v == 1024 else 100
+        lb, lk, lv = (5 * vocab, vocab, 1) if contiguous else (40 * vocab, 8 * vocab, 2)
+        args = dict(logits_ptr=Ptr(dtype), stride_lb=lb, stride_lk=lk, stride_lv=lv,
+                    draft_ptr=Ptr("i64"), stride_db=4, stride_dk=1 if contiguous else 3,
+                    q_ptr=Ptr(q_dtype or dtype), stride_qb=4 * vocab, stride_qk=vocab,
+                    stride_qv=1 if contiguous else 3,
+                    num_draft_ptr=Ptr("i32"), temperature_ptr=Ptr("fp32"), top_k_ptr=Ptr("i32"),
+                    top_p_ptr=Ptr("fp32"), seed_ptr=Ptr("i64"), offset_ptr=Ptr("i64"),
+                    out_ptr=Ptr("i64"), accepted_ptr=Ptr("i32"), max_draft=4, vocab=vocab)
+        return Spec("rejection_sample._rejection_sample_kernel", label, args,
+                    dict(HAS_Q=q_dtype is not None, BLOCK_V=block_v, BLOCK_K=block_k),
+                    SAMPLER_OPTIONS)
+
+    out = []
+    for dtype in FLOATS:
+        out.append(spec(f"{dtype} logits, draft probs {dtype}", dtype, dtype, True, 1024, 8))
+        out.append(spec(f"{dtype} logits, one-hot drafts", dtype, None, True, 1024, 8))
+    out.append(spec("fp32 logits, fp32 probs, strided, V=100", "fp32", "fp32", False, 128, 2))
+    out.append(spec("bf16 logits, fp32 probs", "bf16", "fp32", True, 1024, 8))
+    return out
+
+
+def _tree_rejection_sample_specs():
+    def spec(label, dtype, has_q, without_replacement, block=1024, t_block=16):
+        V = 32000 if block == 1024 else 100
+        args = dict(logits_ptr=Ptr(dtype), sl_b=16 * V, sl_t=V, sl_v=1,
+                    tok_ptr=Ptr("i64"), st_b=16, st_t=1, par_ptr=Ptr("i32"), sp_b=16, sp_t=1,
+                    q_ptr=Ptr(dtype), sq_b=16 * V, sq_t=V, sq_v=1,
+                    temp_ptr=Ptr("fp32"), topk_ptr=Ptr("i32"), topp_ptr=Ptr("fp32"),
+                    seed_ptr=Ptr("i64"), offset_ptr=Ptr("i64"), nodes_ptr=Ptr("i64"),
+                    out_ptr=Ptr("i64"), nacc_ptr=Ptr("i32"), work_ptr=Ptr("fp32"),
+                    T=13, V=V, D=4)
+        return Spec("tree_rejection_sample._tree_rejection_sample_kernel", label, args,
+                    dict(HAS_Q=has_q, WITHOUT_REPLACEMENT=without_replacement, BLOCK=block,
+                         T_BLOCK=t_block), SAMPLER_OPTIONS)
+
+    out = []
+    for dtype in FLOATS:
+        for has_q in (True, False):
+            for wr in (True, False):
+                if dtype != "fp32" and wr:
+                    continue
+                out.append(spec(f"{dtype}, {'draft probs' if has_q else 'point masses'}"
+                                f"{', without replacement' if wr else ''}", dtype, has_q, wr))
+    out.append(spec("fp32, draft probs, V=100", "fp32", True, False, block=128, t_block=8))
+    return out
+
+
+def _distill_loss_specs():
+    from osd_kernels.distill_loss import LOSSES, RKL_LOG_P_FLOOR, TOPK_LEFTOVER_EPS
+
+    beta = 0.5
+    scalars = dict(beta=beta, log_beta=math.log(beta), log_1mb=math.log1p(-beta))
+
+    def full(dtype, target, loss, has_mask, block_v=4096):
+        V = 32000 if block_v == 4096 else 111
+        args = dict(z_ptr=Ptr(dtype), t_ptr=Ptr(target), mask_ptr=Ptr("u1" if has_mask else "fp32"),
+                    loss_ptr=Ptr("fp32"), grad_ptr=Ptr(dtype), vocab=V, sz_n=V, sz_v=1,
+                    st_n=V, st_v=1, **scalars)
+        return Spec("distill_loss._distill_full_kernel",
+                    f"{LOSSES[loss]}, draft {dtype}, target {target}, V={V}"
+                    f"{', mask' if has_mask else ''}", args,
+                    dict(LOSS=loss, RKL_FLOOR=RKL_LOG_P_FLOOR, HAS_MASK=has_mask,
+                         BLOCK_V=block_v), {"num_warps": 8})
+
+    def topk(dtype, probs, loss, has_mask, k):
+        V = 32000
+        block_k = triton.next_power_of_2(k)
+        block_v = min(max(64, 8192 // block_k), triton.next_power_of_2(V))
+        args = dict(z_ptr=Ptr(dtype), ids_ptr=Ptr("i64"), probs_ptr=Ptr(probs),
+                    mask_ptr=Ptr("u1" if has_mask else "fp32"), loss_ptr=Ptr("fp32"),
+                    grad_ptr=Ptr(dtype), vocab=V, topk=k, sz_n=V, sz_v=1, si_n=k, si_k=1,
+                    sp_n=k, sp_k=1, **scalars)
+        return Spec("distill_loss._distill_topk_kernel",
+                    f"{LOSSES[loss]}, draft {dtype}, top-{k} probs {probs}"
+                    f"{', mask' if has_mask else ''}", args,
+                    dict(LOSS=loss, RKL_FLOOR=RKL_LOG_P_FLOOR, HAS_MASK=has_mask,
+                         LEFTOVER_EPS=TOPK_LEFTOVER_EPS, BLOCK_V=block_v, BLOCK_K=block_k),
+                    {"num_warps": 8})
+
+    out = []
+    for loss in range(len(LOSSES)):
+        out.append(full("fp32", "fp32", loss, loss % 2 == 0))
+        out.append(topk("fp32", "fp32", loss, loss % 2 == 1, 50))
+    for dtype in ("bf16", "fp16"):
+        out.append(full(dtype, dtype, 0, True))
+        out.append(full(dtype, "fp32", 2, False, block_v=128))
+        out.append(topk(dtype, dtype, 1, False, 8))
+    return out
+
+
+def _kv_rollback_specs():
+    def spec(dtype, D, big):
+        S, H, B = (1 << 16, 32, 64) if big else (256, 4, 3)
+        s_s = D
+        s_h = S * s_s
+        s_b = H * s_h
+        args = dict(kv_ptr=Ptr(dtype), lens_ptr=Ptr("i32"), slots_ptr=Ptr("i64"),
+                    keep_ptr=Ptr("i32"), num_heads=H, head_dim=D, stride_lk=B * s_b,
+                    stride_b=s_b, stride_h=s_h, stride_s=s_s, slots_stride_b=5)
+        return Spec("kv_rollback._kv_rollback_kernel",
+                    f"{dtype}, D={D}{', strides past 2**31' if big else ''}", args,
+                    dict(BLOCK_D=min(triton.next_power_of_2(D), 256)))
+
+    out = [spec(dtype, 128, False) for dtype in FLOATS]
+    out += [spec("bf16", 128, True), spec("fp32", 72, False)]
+    for batch in (1, 3, 64):
+        out.append(Spec("kv_rollback._advance_lens_kernel", f"batch {batch}",
+                        dict(lens_ptr=Ptr("i32"), keep_ptr=Ptr("i32"), batch=batch),
+                        dict(BLOCK=triton.next_power_of_2(batch))))
+    return out
+
+
+def _tree_attention_specs():
+    kernel = _load("tree_attention._tree_attention_kernel")
+    module = sys.modules[kernel.fn.__module__]
+    max_tree = getattr(module, "MAX_TREE", 64)
+
+    def spec(dtype, has_mask, T, group, D):
+        Hkv, S = 8, 4096
+        Hq = Hkv * group
+        block_m = max(16, min(64, triton.next_power_of_2(T * group)))
+        args = dict(q_ptr=Ptr(dtype), k_ptr=Ptr(dtype), v_ptr=Ptr(dtype), out_ptr=Ptr(dtype),
+                    lens_ptr=Ptr("i32"), mask_ptr=Ptr("i64" if has_mask else "i32"),
+                    num_q=T, num_kv_heads=Hkv, group=group, head_dim=D,
+                    qk_scale=D ** -0.5 * 1.4426950408889634,
+                    sq_b=T * Hq * D, sq_t=Hq * D, sq_h=D, sq_d=1,
+                    sk_b=Hkv * S * D, sk_h=S * D, sk_s=D, sk_d=1,
+                    sv_b=Hkv * S * D, sv_h=S * D, sv_s=D, sv_d=1,
+                    sm_b=T if has_mask else 0, sm_t=1 if has_mask else 0)
+        args = {k: v for k, v in args.items() if k in kernel.arg_names}
+        return Spec("tree_attention._tree_attention_kernel",
+                    f"{dtype}, T={T}, group {group}, D={D}{', tree mask' if has_mask else ''}",
+                    args,
+                    dict(HAS_MASK=has_mask, FP32_DOT=dtype == "fp32", BLOCK_M=block_m,
+                         BLOCK_N=64, BLOCK_T=max(16, min(max_tree, triton.next_power_of_2(T))),
+                         BLOCK_D=max(16, triton.next_power_of_2(D))))
+
+    out = []
+    for dtype in FLOATS:
+        out.append(spec(dtype, True, 8, 4, 128))
+        out.append(spec(dtype, False, 5, 1, 64))
+    out.append(spec("bf16", True, 16, 4, 80))
+    return out
+
+
+SPEC_BUILDERS = (_rejection_sample_specs, _tree_rejection_sample_specs, _distill_loss_specs,
+                 _kv_rollback_specs, _tree_attention_specs)
+
+
+def _load(path: str) -> JITFunction:
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(f"osd_kernels.triton.{module}"), name)
+
+
+def _signature(spec: Spec, kernel: JITFunction):
+    """(signature, constexprs, attrs) as Triton's launcher derives them from the arguments."""
+    names = list(kernel.arg_names)
+    given = set(spec.args) | set(spec.constexprs)
+    if given != set(names):
+        missing = [n for n in names if n not in given]
+        extra = sorted(given - set(names))
+        raise ValueError(f"spec does not match the kernel's parameters: missing {missing}, "
+                         f"unknown {extra}")
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(names):
+        if name in spec.constexprs:
+            signature[name] = "constexpr"
+            constexprs[name] = spec.constexprs[name]
+            continue
+        value = spec.args[name]
+        if isinstance(value, Ptr):
+            signature[name] = "*" + value.dtype
+            attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 16-byte aligned
+        elif isinstance(value, bool):
+            signature[name] = "u1"
+        elif isinstance(value, int):
+            if value == 1:  # the launcher turns an int 1 into a constexpr
+                signature[name] = "constexpr"
+                constexprs[name] = 1
+                continue
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"argument {name}: unsupported value {value!r}")
+    return signature, constexprs, attrs
+
+
+def compile_spec(spec: Spec, arch: int) -> tuple[str, float, str]:
+    """Compile one spec; returns (stage reached or 'FAILED', seconds, error text)."""
+    start = time.perf_counter()
+    try:
+        kernel = _load(spec.kernel)
+        signature, constexprs, attrs = _signature(spec, kernel)
+        src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
+                                        attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                  options=dict(spec.options))
+        stages = [s for s in ("ttir", "ttgir", "llir", "ptx", "cubin") if s in compiled.asm]
+        if "ptx" not in stages:
+            raise RuntimeError(f"compilation stopped before PTX (stages: {stages})")
+        return stages[-1], time.perf_counter() - start, ""
+    except Exception:  # every failure is reported, none is fatal to the others
+        return "FAILED", time.perf_counter() - start, traceback.format_exc(limit=6)
+
+
+def _callees(fn: JITFunction) -> set:
+    """The @triton.jit functions ``fn`` calls (names resolved in its module's globals)."""
+    def resolve(node):
+        if isinstance(node, ast.Name):
+            return fn.fn.__globals__.get(node.id)
+        if isinstance(node, ast.Attribute):
+            base = resolve(node.value)
+            return getattr(base, node.attr, None) if base is not None else None
+        return None
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn.fn)))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            obj = resolve(node.func)
+            if isinstance(obj, JITFunction):
+                found.add(obj)
+    return found
+
+
+def coverage_errors(specs: list) -> list:
+    """Names of @triton.jit functions under osd_kernels/triton that no spec compiles."""
+    defined = {}
+    for info in pkgutil.iter_modules(kernels_pkg.__path__):
+        module = importlib.import_module(f"osd_kernels.triton.{info.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, JITFunction) and obj.fn.__module__ == module.__name__:
+                defined[obj] = f"{info.name}.{name}"
+    reached, todo = set(), [_load(s.kernel) for s in specs]
+    while todo:
+        fn = todo.pop()
+        if fn not in reached:
+            reached.add(fn)
+            todo.extend(_callees(fn))
+    return sorted(path for fn, path in defined.items() if fn not in reached)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90, help="compute capability, 90 = sm_90")
+    ap.add_argument("--triton-version", help="fail unless this Triton version is imported")
+    ap.add_argument("-j", "--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("-v", "--verbose", action="store_true", help="one line per compilation")
+    args = ap.parse_args()
+    tag = f"triton-check (Triton {triton.__version__}, sm_{args.arch})"
+    if args.triton_version and triton.__version__ != args.triton_version:
+        print(f"{tag}: expected Triton {args.triton_version} ({triton.__file__})")
+        return 1
+    start = time.perf_counter()
+    specs, failures = [], []
+    for build in SPEC_BUILDERS:
+        try:
+            specs += build()
+        except Exception:
+            failures.append((build.__name__, traceback.format_exc(limit=4)))
+    failures += [(f"{name}: no spec compiles it (add one to scripts/triton_check.py)", "")
+                 for name in coverage_errors(specs)]
+    # fork: the workers inherit the imported kernels; Triton compiles in the child only
+    with cf.ProcessPoolExecutor(max_workers=args.jobs,
+                                mp_context=__import__("multiprocessing").get_context("fork")) \
+            as pool:
+        results = list(pool.map(compile_spec, specs, [args.arch] * len(specs)))
+    stages = {}
+    for spec, (stage, seconds, error) in zip(specs, results):
+        if stage == "FAILED":
+            failures.append((f"{spec.kernel} [{spec.label}]", error))
+        else:
+            stages[stage] = stages.get(stage, 0) + 1
+        if args.verbose or stage == "FAILED":
+            print(f"{tag}: {spec.kernel} [{spec.label}]: {stage} ({seconds:.1f} s)")
+    for what, error in failures:
+        print(f"{tag}: FAILED {what}\n{textwrap.indent(error.rstrip(), '    ')}".rstrip())
+    kernels = len({s.kernel for s in specs})
+    reached = ", ".join(f"{n} to {stage}" for stage, n in sorted(stages.items()))
+    print(f"{tag}: {len(specs) - sum(r[0] == 'FAILED' for r in results)}/{len(specs)} "
+          f"compilations of {kernels} kernels ({reached or 'none'}), {len(failures)} failures, "
+          f"{time.perf_counter() - start:.0f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
