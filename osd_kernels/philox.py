@@ -16,7 +16,8 @@ sequence; ``offset`` selects a fresh stream per call, e.g. a step counter):
   id). ``position`` is the chain draft position or the tree node.
 
 uint32 arithmetic is emulated in int64 (products split into 16-bit halves), so it runs on
-any device and dtype-promotes nowhere.
+any device and dtype-promotes nowhere. Arguments may mix tensors and Python ints; every
+tensor the functions create is on the device of their first tensor argument.
 """
 from __future__ import annotations
 
@@ -34,6 +35,19 @@ PURPOSE_ACCEPT = 0
 PURPOSE_SAMPLE = 1
 
 
+def _device_of(*args) -> torch.device | None:
+    """The device of the first tensor among ``args`` (None if all are Python numbers)."""
+    return next((a.device for a in args if torch.is_tensor(a)), None)
+
+
+def _int64(x, device) -> torch.Tensor:
+    """``x`` (tensor or number) as an int64 tensor on ``device``. A number becomes a
+    device scalar by a fill, not a host copy, so this is safe inside a CUDA graph capture."""
+    if torch.is_tensor(x):
+        return x.to(device=device, dtype=torch.int64)
+    return torch.full((), int(x), dtype=torch.int64, device=device)
+
+
 def _mulhilo(const: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(hi, lo) 32-bit words of ``const * x`` for ``x`` in [0, 2**32), in int64."""
     c_hi, c_lo = const >> 16, const & 0xFFFF
@@ -49,8 +63,9 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1) -> tuple[torch.Tensor, ...]:
 
     Returns the four output words as int64 tensors in [0, 2**32).
     """
-    c0, c1, c2, c3, k0, k1 = torch.broadcast_tensors(
-        *(torch.as_tensor(t, dtype=torch.int64) & MASK32 for t in (c0, c1, c2, c3, k0, k1)))
+    words = (c0, c1, c2, c3, k0, k1)
+    dev = _device_of(*words)
+    c0, c1, c2, c3, k0, k1 = torch.broadcast_tensors(*(_int64(t, dev) & MASK32 for t in words))
     for _ in range(10):
         hi_a, lo_a = _mulhilo(MUL_A, c0)
         hi_b, lo_b = _mulhilo(MUL_B, c2)
@@ -76,11 +91,10 @@ def philox_uniform(seed, offset, stream, index) -> torch.Tensor:
     ``seed`` and ``offset`` are int64 (reinterpreted as uint64), ``stream`` and ``index``
     integers in [0, 2**32).
     """
-    seed = torch.as_tensor(seed, dtype=torch.int64)
-    offset = torch.as_tensor(offset, dtype=torch.int64)
-    index = torch.as_tensor(index, dtype=torch.int64)
-    words = philox4x32_10(index >> 2, stream, offset & MASK32, (offset >> 32) & MASK32,
-                          seed & MASK32, (seed >> 32) & MASK32)
+    dev = _device_of(seed, offset, stream, index)
+    seed, offset, index = _int64(seed, dev), _int64(offset, dev), _int64(index, dev)
+    words = philox4x32_10(index >> 2, _int64(stream, dev), offset & MASK32,
+                          (offset >> 32) & MASK32, seed & MASK32, (seed >> 32) & MASK32)
     lane = torch.broadcast_to(index & 3, words[0].shape)
     picked = torch.where(lane == 0, words[0], words[1])
     picked = torch.where(lane == 2, words[2], picked)
@@ -94,15 +108,11 @@ def philox_uniform_rows(seed, offset, stream, n: int) -> torch.Tensor:
     Equal to ``philox_uniform(seed[..., None], offset[..., None], stream[..., None],
     arange(n))`` but runs one Philox call per four indices.
     """
-    seed = torch.as_tensor(seed, dtype=torch.int64)
-    dev = seed.device
-    seed = seed[..., None]
-    offset = torch.as_tensor(offset, dtype=torch.int64, device=dev)[..., None]
-    # A Python stream number becomes a device scalar by a fill, not a host copy (safe
-    # inside a CUDA graph capture).
-    stream = (stream.to(device=dev, dtype=torch.int64) if torch.is_tensor(stream)
-              else torch.full((), int(stream), dtype=torch.int64, device=dev))[..., None]
-    blocks = torch.arange((n + 3) // 4, dtype=torch.int64, device=seed.device)
+    dev = _device_of(seed, offset, stream)
+    seed = _int64(seed, dev)[..., None]
+    offset = _int64(offset, dev)[..., None]
+    stream = _int64(stream, dev)[..., None]
+    blocks = torch.arange((n + 3) // 4, dtype=torch.int64, device=dev)
     words = philox4x32_10(blocks, stream, offset & MASK32, (offset >> 32) & MASK32,
                           seed & MASK32, (seed >> 32) & MASK32)
     words = torch.stack(words, dim=-1).flatten(-2)[..., :n]

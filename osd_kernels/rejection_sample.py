@@ -117,8 +117,10 @@ def sampling_params(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, 
     tk = _per_row("top_k", top_k, batch, 0, torch.int32, device, (int,))
     tp = _per_row("top_p", top_p, batch, 1.0, torch.float32, device, (int, float))
     if seed is None:
-        # a fresh random key per row; the host-side draw is copied to the device
-        seed = torch.randint(2**63 - 1, (batch,), generator=generator, dtype=torch.int64)
+        # a fresh random key per row, drawn on the host (the generator is a CPU one) and
+        # copied to the device
+        seed = torch.randint(2**63 - 1, (batch,), generator=generator, dtype=torch.int64,
+                             device="cpu")
         seed = seed.to(device)
     s = _per_row("seed", seed, batch, 0, torch.int64, device, (int,))
     o = _per_row("offset", offset, batch, 0, torch.int64, device, (int,))

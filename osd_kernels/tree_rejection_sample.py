@@ -246,7 +246,8 @@ def _check_values(node_token_ids, parents, vocab: int, params) -> None:
     B, T = parents.shape
     if B and not bool((parents[:, 0] == -1).all()):
         raise ValueError("parents[:, 0] must be -1 (node 0 is the root)")
-    if not bool(((parents >= -1) & (parents < torch.arange(T, dtype=torch.int32))).all()):
+    node = torch.arange(T, dtype=torch.int32, device=parents.device)
+    if not bool(((parents >= -1) & (parents < node)).all()):
         raise ValueError("parents[b, i] must be -1 (an absent node) or a node index < i")
     tok = node_token_ids[:, 1:]
     if not bool((((tok >= 0) & (tok < vocab)) | (parents[:, 1:] < 0)).all()):
