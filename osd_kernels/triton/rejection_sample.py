@@ -17,12 +17,14 @@ exponential race ``argmax r_v / -log u_v`` with the Philox noise of that row
 
 Floating point: every division (``l / temperature``, ``1 / Z``, the race keys) is IEEE
 round-to-nearest and exp/log are CUDA's ``expf``/``logf`` (``osd_kernels.triton.fpmath``;
-Triton's ``/``, ``tl.exp`` and ``tl.log`` are approximate on a GPU), and the launch turns
-off FMA contraction, so on a GPU the kernel rounds as the CUDA kernel does; the remaining
-differences are the summation order of ``Z``. Under the interpreter exp/log are NumPy's.
+on a GPU Triton's ``/`` and ``tl.exp`` are approximate and ``tl.log`` flushes subnormals),
+and on a GPU the launch turns off FMA contraction, so each of these operations rounds as
+in the C++ and CUDA kernels. Sums (``Z``, the top-p mass) still add in another order, so
+the backends agree token for token up to float rounding. Under the interpreter exp/log
+are NumPy's.
 
 Memory: the output row is filled with -1 by the whole program and then written one token
-at a time by a single thread, so a barrier separates the two.
+at a time by a single thread (Triton's scalar stores), so a barrier separates the two.
 """
 import torch
 import triton
