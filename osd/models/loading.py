@@ -1,9 +1,12 @@
-"""Loading our decoder from a Hugging Face checkpoint directory or a transformers model.
+"""Loading our decoder from a Hugging Face checkpoint directory, a GGUF file or a
+transformers model.
 
-A checkpoint directory holds ``config.json`` and the weights in one of
-``model.safetensors``, ``model.safetensors.index.json`` (sharded), ``pytorch_model.bin``
-or ``pytorch_model.bin.index.json`` (sharded). Safetensors are read lazily, tensor by
-tensor, straight into the preallocated parameters.
+A GGUF checkpoint is a ``.gguf`` file, or a directory whose only checkpoint is one
+``.gguf`` file (no ``config.json``); see :mod:`osd.models.gguf`. A Hugging Face checkpoint
+directory holds ``config.json`` and the weights in one of ``model.safetensors``,
+``model.safetensors.index.json`` (sharded), ``pytorch_model.bin`` or
+``pytorch_model.bin.index.json`` (sharded). Safetensors are read lazily, tensor by tensor,
+straight into the preallocated parameters.
 
 Errors name the problem: FileNotFoundError for a missing directory, config or weight
 file; ValueError for a corrupt file, an unsupported architecture (listing the supported
@@ -59,11 +62,17 @@ def is_transformers_model(obj) -> bool:
 
 def load_model(source, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                attention_backend: str = "auto") -> DecoderLM:
-    """Build a :class:`DecoderLM` from ``source``: a checkpoint directory (str / PathLike)
-    or an in-memory transformers ``*ForCausalLM`` model. Weights are converted to ``dtype``
-    and placed on ``device``."""
+    """Build a :class:`DecoderLM` from ``source``: a checkpoint directory or GGUF file
+    (str / PathLike) or an in-memory transformers ``*ForCausalLM`` model. Weights are
+    converted (GGUF: dequantized) to ``dtype`` and placed on ``device``."""
     device = resolve_device(device)
     check_dtype(dtype)
+    gguf_file = _gguf_source(source)
+    if gguf_file is not None:
+        from osd.models.gguf import load_gguf_model
+
+        return load_gguf_model(gguf_file, device=device, dtype=dtype,
+                               attention_backend=attention_backend)
     if is_transformers_model(source):
         config = ModelConfig.from_hf(source.config, architecture=type(source).__name__,
                                      attention_backend=attention_backend)
@@ -83,6 +92,19 @@ def load_model(source, *, device: torch.device | str = "cpu", dtype: torch.dtype
     model = DecoderLM(config, device=device, dtype=dtype)
     load_hf_state_dict(model, keys, getter)
     return model.eval()
+
+
+def _gguf_source(source) -> Path | None:
+    """The GGUF file behind ``source``: a ``.gguf`` path, or the one ``.gguf`` in a
+    directory without ``config.json``; None for anything else."""
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    path = Path(source)
+    if path.suffix.lower() != ".gguf" and (not path.is_dir() or (path / "config.json").exists()):
+        return None
+    from osd.models.gguf import find_gguf
+
+    return find_gguf(path)
 
 
 def checkpoint_dir(source: str | os.PathLike) -> Path:
@@ -232,10 +254,16 @@ def load_hf_state_dict(model: DecoderLM, keys, get: Callable[[str], torch.Tensor
 
 
 def load_tokenizer(source):
-    """The tokenizer saved in checkpoint directory ``source`` (local files only), or None
-    when the directory has no tokenizer files (or ``source`` is not a directory)."""
+    """The tokenizer saved in checkpoint directory ``source`` (local files only) or built
+    from a GGUF checkpoint's metadata, or None when there is none (or ``source`` is not a
+    path)."""
     if not isinstance(source, (str, os.PathLike)):
         return None
+    gguf_file = _gguf_source(source)
+    if gguf_file is not None:
+        from osd.models.gguf import GGUFFile, tokenizer_from_gguf
+
+        return tokenizer_from_gguf(GGUFFile(gguf_file))
     path = Path(source)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         return None

