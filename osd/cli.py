@@ -28,6 +28,12 @@ def _generate(args) -> int:
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[args.dtype]
+    if args.target is None:                  # the chat pair (fetched on first use)
+        from osd import zoo
+
+        args.target, chat_draft = zoo.chat_pair()
+        if args.draft is None and args.drafter == "model":
+            args.draft = chat_draft
     spec = None
     if args.draft or args.drafter != "model":
         spec = osd.SpecConfig(num_draft_tokens=args.k, drafter=args.drafter,
@@ -41,6 +47,10 @@ def _generate(args) -> int:
     prompt = args.prompt
     if engine.tokenizer is None:
         prompt = [int(t) for t in prompt.split()]
+    elif getattr(engine.tokenizer, "chat_template", None) and not args.raw:
+        from osd.chat import apply_chat_template
+
+        prompt = apply_chat_template(engine.tokenizer, [[{"role": "user", "content": prompt}]])[0]
     tokens = []
     for chunk in engine.stream(prompt, params):
         tokens += chunk
@@ -97,13 +107,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
 
     g = sub.add_parser("generate", help="generate a continuation of one prompt",
-                       description="Generate from a local HF checkpoint (Llama, Mistral, "
-                       "Qwen2). With --draft, speculative decoding; with --online, the draft "
-                       "learns while serving. Tokens are streamed as they are accepted. "
-                       "Without a tokenizer, the prompt is space-separated token ids.")
+                       description="Generate from a local checkpoint: an HF directory or a "
+                       "GGUF file (Llama, Mistral, Qwen2); without --target, the chat pair "
+                       "(SmolLM2-135M-Instruct and its draft, osd.zoo.chat_pair). With a "
+                       "draft, speculative decoding; with --online, the draft learns while "
+                       "serving. Tokens are streamed as they are accepted. A tokenizer with a "
+                       "chat template gets the prompt as a user message (--raw: as plain "
+                       "text). Without a tokenizer, the prompt is space-separated token ids.")
     g.add_argument("prompt", help="the prompt text (or token ids without a tokenizer)")
-    g.add_argument("--target", required=True, help="target checkpoint directory")
-    g.add_argument("--draft", default=None, help="draft checkpoint directory")
+    g.add_argument("--target", default=None,
+                   help="target checkpoint directory or .gguf file (default: the chat pair)")
+    g.add_argument("--draft", default=None, help="draft checkpoint directory or .gguf file")
+    g.add_argument("--raw", action="store_true",
+                   help="send the prompt as plain text, without the chat template")
     g.add_argument("--drafter", default="model", choices=["model", "self", "ngram"],
                    help="who drafts: a draft model, the target with skipped layers, or "
                    "prompt lookup")

@@ -201,11 +201,13 @@ class Engine:
                         max_seq_len: int = 2048, spec: SpecConfig | None = None,
                         online: OnlineConfig | None = None, attention_backend: str = "auto",
                         tokenizer=None, cuda_graphs: bool = True) -> "Engine":
-        """Load ``target`` (and drafts): each a checkpoint directory or a transformers model.
+        """Load ``target`` (and drafts): each a checkpoint directory, a GGUF file or a
+        transformers model.
 
         Args:
-            target: checkpoint directory (config.json + safetensors/.bin) or a transformers
-                ``*ForCausalLM``.
+            target: checkpoint directory (config.json + safetensors/.bin), a ``.gguf`` file
+                (or a directory holding one; weights dequantized to ``dtype``), or a
+                transformers ``*ForCausalLM``.
             draft: the same for a draft model, or a list of them (routed per request), or
                 None (plain decoding, or a draft-free ``spec``: self-speculation, n-gram).
             spec: :class:`~osd.SpecConfig`; defaults to a chain of 4 when a draft is given.
