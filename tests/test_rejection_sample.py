@@ -370,3 +370,53 @@ def test_triton_float_helpers(device):
     assert float(ulps(exp, a.double().exp()).max()) <= exp_bound
     assert float(ulps(log, b.double().log()).max()) <= log_bound
     assert exp[n - 6] > 0  # exp(-100) is subnormal, not flushed to zero
+
+
+# -- the first emitted token's distribution on every backend and device, small and 128k V
+def _dist_cases():
+    """(device, backend, V, n draws, warp). The reference materialises [n, K+1, V] and
+    the interpreter runs one program per row in Python, so on CPU they take the small V
+    with fewer draws; the C++ kernel also takes V = 128,256 (plain warp: its top-k and
+    top-p bisections make 30 passes over V per row). On CUDA every backend takes both."""
+    warped = dict(temperature=0.8, top_k=50, top_p=0.9)
+    plain = dict(temperature=1.0)
+    cases = [("cpu", "native", 1000, 40_000, warped), ("cpu", "native", 128_256, 20_000, plain),
+             ("cpu", "reference", 1000, 20_000, warped), ("cpu", "triton", 16, 400, plain)]
+    if torch.cuda.is_available():
+        for backend in ("native", "triton", "reference"):
+            cases += [("cuda", backend, 1000, 100_000, warped),
+                      ("cuda", backend, 128_256, 100_000, warped),
+                      ("cuda", backend, 128_256, 100_000, plain)]
+    return cases
+
+
+@pytest.mark.parametrize("device,backend,V,n,warp", _dist_cases(),
+                         ids=lambda c: str(c) if not isinstance(c, dict) else "-".join(c))
+def test_first_token_follows_warped_target_every_backend(device, backend, V, n, warp):
+    """n rows share one target and one draft (expanded, stride 0); each draws its draft
+    token from q and is verified with its own seed. The first emitted token must follow
+    the warped target p0 (chi-square, cells expected < 5 pooled, p > 1e-3), never
+    leaving its support."""
+    gen = torch.Generator().manual_seed(V + n)
+    K = 2
+    logits = torch.randn(1, K + 1, V, generator=gen) * 2.0
+    logits[0, :, :min(40, V // 4)] += 6.0                      # most mass on a few tokens
+    q = torch.softmax(logits[0, :K] + torch.randn(K, V, generator=gen), -1)
+    drafts = torch.multinomial(q, n, replacement=True, generator=gen).T.contiguous()
+    dev = torch.device(device)
+    out, _ = rejection_sample(logits.to(dev).expand(n, K + 1, V), drafts.to(dev),
+                              q.to(dev).expand(n, K, V), seed=torch.arange(n, device=dev),
+                              offset=torch.full((n,), 7, device=dev), backend=backend,
+                              **{k: torch.full((n,), v, device=dev) for k, v in warp.items()})
+    first = out[:, 0].cpu()
+    p0 = warp_probs(logits[0, :1], **{k: torch.tensor([v]) for k, v in warp.items()})[0]
+    counts = torch.bincount(first, minlength=V).double()
+    assert counts[p0 == 0].sum() == 0, "a token outside the warped target was emitted"
+    exp = p0.double() * n
+    small = exp < 5
+    obs, ex = counts[~small], exp[~small]
+    if exp[small].sum() > 0:                      # pool the cells expected < 5
+        obs = torch.cat([obs, counts[small].sum(0, keepdim=True)])
+        ex = torch.cat([ex, exp[small].sum(0, keepdim=True)])
+    stat = chisquare(obs.numpy(), ex.numpy() * float(obs.sum() / ex.sum()))
+    assert stat.pvalue > 1e-3, stat

@@ -538,3 +538,58 @@ def test_opcheck():
         torch.library.opcheck(torch.ops.osd.tree_rejection_sample.default, args,
                               test_utils=("test_schema", "test_faketensor",
                                           "test_autograd_registration"))
+
+
+# -- the first emitted token's distribution on every backend and device, small and 128k V
+def _dist_cases():
+    """(device, backend, V, n draws, warp); as in test_rejection_sample: on CPU the
+    reference and the interpreter take a small V with fewer draws, the C++ kernel also
+    V = 128,256 with a plain warp; on CUDA every backend takes both."""
+    warped = dict(temperature=0.8, top_k=50, top_p=0.9)
+    plain = dict(temperature=1.0)
+    cases = [("cpu", "native", 1000, 40_000, warped), ("cpu", "native", 128_256, 6_000, plain),
+             ("cpu", "reference", 1000, 20_000, warped), ("cpu", "triton", 16, 300, plain)]
+    if torch.cuda.is_available():
+        for backend in ("native", "triton", "reference"):
+            cases += [("cuda", backend, 1000, 100_000, warped),
+                      ("cuda", backend, 128_256, 100_000, warped),
+                      ("cuda", backend, 128_256, 50_000, plain)]
+    return cases
+
+
+@pytest.mark.parametrize("without_replacement", [False, True], ids=["with", "without"])
+@pytest.mark.parametrize("device,backend,V,n,warp", _dist_cases(),
+                         ids=lambda c: str(c) if not isinstance(c, dict) else "-".join(c))
+def test_first_token_follows_warped_target_every_backend(device, backend, V, n, warp,
+                                                         without_replacement):
+    """A root with two children drawn from q (with or without replacement), n trees
+    sharing one target and one draft (expanded); the first emitted token must follow the
+    warped target p0 (chi-square, cells expected < 5 pooled, p > 1e-3)."""
+    gen = torch.Generator().manual_seed(V + n + without_replacement)
+    T = 3
+    logits = torch.randn(1, T, V, generator=gen) * 2.0
+    logits[0, :, :min(40, V // 4)] += 6.0
+    q0 = torch.softmax(logits[0, 0] + torch.randn(V, generator=gen), -1)
+    children = torch.stack([torch.multinomial(q0, 2, replacement=not without_replacement,
+                                              generator=gen) for _ in range(n)])
+    tokens = torch.cat([torch.zeros(n, 1, dtype=torch.int64), children], 1)
+    parents = torch.tensor([-1, 0, 0], dtype=torch.int32).expand(n, T).contiguous()
+    draft = torch.cat([q0[None], torch.full((T - 1, V), 1.0 / V)]).expand(n, T, V)
+    dev = torch.device(device)
+    _, out, _ = tree_rejection_sample(
+        logits.to(dev).expand(n, T, V), tokens.to(dev), parents.to(dev), draft.to(dev),
+        seed=torch.arange(n, device=dev), offset=torch.full((n,), 5, device=dev),
+        without_replacement=without_replacement, backend=backend,
+        **{k: torch.full((n,), v, device=dev) for k, v in warp.items()})
+    first = out[:, 0].cpu()
+    p0 = warp_probs(logits[0, :1], **{k: torch.tensor([v]) for k, v in warp.items()})[0]
+    counts = torch.bincount(first, minlength=V).double()
+    assert counts[p0 == 0].sum() == 0, "a token outside the warped target was emitted"
+    exp = p0.double() * n
+    small = exp < 5
+    obs, ex = counts[~small], exp[~small]
+    if exp[small].sum() > 0:                      # pool the cells expected < 5
+        obs = torch.cat([obs, counts[small].sum(0, keepdim=True)])
+        ex = torch.cat([ex, exp[small].sum(0, keepdim=True)])
+    _, pval = stats.chisquare(obs.numpy(), ex.numpy() * float(obs.sum() / ex.sum()))
+    assert pval > ALPHA, pval
