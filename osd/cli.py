@@ -14,9 +14,10 @@ import sys
 def _demo(args) -> int:
     from osd.demo import DemoConfig, run_demo
 
-    cfg = DemoConfig(requests=args.requests, baseline_requests=min(args.baseline, args.requests),
-                     max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k,
-                     out_dir=args.out, seed=args.seed, threads=args.threads)
+    cfg = DemoConfig(pair=args.pair, requests=args.requests, baseline_requests=args.baseline,
+                     static_requests=args.static, max_new_tokens=args.max_new_tokens,
+                     num_draft_tokens=args.k, out_dir=args.out, seed=args.seed,
+                     threads=args.threads)
     run_demo(cfg)
     return 0
 
@@ -90,15 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="serve a shifted query stream with online speculative "
-                       "decoding on the built-in pair and write a report",
-                       description="Serve code queries on the built-in pair (osd.zoo): the "
-                       "target alone, a static draft, and an online draft; show rolling "
-                       "alpha, tokens/s and speedup; write markdown + PNG plots.")
+                       "decoding and write a report",
+                       description="Serve a shifted stream at batch 1: the target alone, a "
+                       "static draft, and an online draft; show rolling alpha, tokens/s and "
+                       "speedup; write markdown + PNG plots. --pair chat (default): "
+                       "SmolLM2-135M-Instruct and its draft on HumanEval chat requests; "
+                       "--pair builtin: the built-in pair on stdlib code queries.")
+    d.add_argument("--pair", default="chat", choices=["chat", "builtin"])
     d.add_argument("--requests", type=int, default=200, help="queries served (default 200)")
-    d.add_argument("--baseline", type=int, default=40,
-                   help="queries also served by the target alone (default 40)")
-    d.add_argument("--max-new-tokens", type=int, default=32)
-    d.add_argument("-k", type=int, default=4, help="draft tokens per step (default 4)")
+    d.add_argument("--baseline", type=int, default=None,
+                   help="first queries also served by the target alone (chat 16, builtin 40)")
+    d.add_argument("--static", type=int, default=None,
+                   help="last queries also served by the static draft (chat 50, builtin all)")
+    d.add_argument("--max-new-tokens", type=int, default=None, help="chat 96, builtin 32")
+    d.add_argument("-k", type=int, default=None, help="draft tokens per step (default 4)")
     d.add_argument("--seed", type=int, default=0, help="query-stream seed")
     d.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: serving and the learner thread "

@@ -1,14 +1,23 @@
 """The main job (``make demo`` / ``osd demo``): serve a shifted query stream with online
-speculative decoding on the built-in pair, and report what happened.
+speculative decoding, and report what happened.
 
-Three passes over the same stream of code prompts (the draft was trained mostly on
-prose, so this is the shifted domain), each request served at batch size 1:
+Two pairs:
+
+- ``chat`` (default): SmolLM2-135M-Instruct from its GGUF and its shipped draft
+  (``osd.zoo.chat_pair``), serving HumanEval's coding tasks as chat requests
+  (``osd.zoo.humaneval``), which the draft was not trained on;
+- ``builtin``: the 8.7M-parameter pair trained on the standard library
+  (``osd.zoo.default_pair``), serving code windows to a draft trained mostly on prose.
+
+Three passes over the same stream, each request served at batch size 1, greedy:
 
 1. the target alone (plain decoding) on the first ``baseline_requests`` requests: the
    tokens/s that every speedup is measured against;
-2. speculative decoding with the draft kept **static**;
-3. speculative decoding with **online** distillation on (the draft learns in a background
-   thread from the target's verdicts; updates are swapped in between decode steps).
+2. speculative decoding with the draft kept **static**, on the last ``static_requests``
+   requests (all of them for the built-in pair) and the first few;
+3. speculative decoding with **online** distillation on over the whole stream (the
+   draft learns in a background thread from the target's verdicts; updates are swapped
+   in between decode steps).
 
 Live progress shows the rolling α, tokens/s and speedup. The report (markdown and PNG
 plots) goes to ``out_dir``: α over requests (static against online), tokens/s over
@@ -28,23 +37,50 @@ from tqdm import tqdm
 import osd
 from osd import zoo
 
+PAIRS = ("chat", "builtin")
+
 
 @dataclasses.dataclass
 class DemoConfig:
-    """What the demo serves and where it writes its report."""
+    """What the demo serves and where it writes its report. ``None`` fields take the
+    pair's defaults (:data:`DEFAULTS`)."""
 
-    requests: int = 200             # requests in the stream
-    baseline_requests: int = 40     # of them served by the target alone (speedup baseline)
-    max_new_tokens: int = 32        # tokens generated per request (greedy)
-    prompt_tokens: int = 48         # prompt length
-    num_draft_tokens: int = 4       # k
-    seed: int = 0                   # query-stream seed
-    threads: int | None = 1         # torch intra-op threads: serving and the learner thread
-                                    # then each keep one core of a 2-core machine busy
-    out_dir: str = "reports/demo"   # report directory
-    online: osd.OnlineConfig = dataclasses.field(default_factory=lambda: osd.OnlineConfig(
-        update_every_requests=8, steps_per_update=8, lr=5e-4, batch_positions=1024,
-        background=True))
+    pair: str = "chat"                     # "chat" or "builtin"
+    requests: int = 200                    # requests in the stream
+    baseline_requests: int | None = None   # first n served by the target alone
+    static_requests: int | None = None     # last n served by the static draft
+    max_new_tokens: int | None = None      # tokens generated per request (greedy)
+    num_draft_tokens: int | None = None    # k
+    seed: int = 0                          # query-stream seed
+    threads: int | None = 1                # torch intra-op threads: serving and the
+                                           # learner thread then each keep one core busy
+    out_dir: str = "reports/demo"          # report directory
+    online: osd.OnlineConfig | None = None
+
+    def __post_init__(self):
+        if self.pair not in PAIRS:
+            raise ValueError(f"pair must be one of {PAIRS}, got {self.pair!r}")
+        for name, value in DEFAULTS[self.pair].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value() if callable(value) else value)
+        if self.requests < 1 or self.baseline_requests < 1 or self.static_requests < 1:
+            raise ValueError("requests, baseline_requests and static_requests must be >= 1")
+        self.baseline_requests = min(self.baseline_requests, self.requests)
+        self.static_requests = min(self.static_requests, self.requests)
+
+
+DEFAULTS = {
+    "chat": dict(baseline_requests=16, static_requests=50, max_new_tokens=96,
+                 num_draft_tokens=4,
+                 online=lambda: osd.OnlineConfig(update_every_requests=4, steps_per_update=8,
+                                                 lr=5e-4, batch_positions=2048,
+                                                 background=True)),
+    "builtin": dict(baseline_requests=40, static_requests=200, max_new_tokens=32,
+                    num_draft_tokens=4,
+                    online=lambda: osd.OnlineConfig(update_every_requests=8,
+                                                    steps_per_update=8, lr=5e-4,
+                                                    batch_positions=1024, background=True)),
+}
 
 
 def analytic_speedup(alpha: float, k: int, c: float) -> float:
@@ -74,11 +110,13 @@ def draft_cost_ratio(target_dir: str, draft_dir: str, steps: int = 30) -> float:
     return med[1] / med[0]
 
 
-def _serve(engine, prompts, params, label: str, plain_tps: float | None = None):
-    """Serve prompts one at a time with a progress bar; per-request records."""
+def _serve(engine, prompts, params, label: str, plain_tps: float | None = None,
+           first_index: int = 0):
+    """Serve prompts one at a time with a progress bar; per-request records (``request``
+    numbered from ``first_index``)."""
     records = []
     bar = tqdm(prompts, desc=label, unit="req", dynamic_ncols=True)
-    for i, prompt in enumerate(bar):
+    for i, prompt in enumerate(bar, start=first_index):
         t0 = time.perf_counter()
         out = engine.generate([prompt], params)[0]
         dt = time.perf_counter() - t0
@@ -115,21 +153,39 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def _stream(cfg: DemoConfig):
+    """``(target, draft, prompts, label)`` of the configured pair: token-id prompts."""
+    if cfg.pair == "builtin":
+        target, draft = zoo.default_pair()
+        prompts = zoo.query_stream("code", n=cfg.requests, prompt_tokens=48, seed=cfg.seed)
+        return target, draft, prompts, "built-in pair (`osd.zoo`), code queries"
+    from osd.chat import apply_chat_template
+    from osd.models.loading import load_tokenizer
+    from osd.zoo import humaneval
+
+    target, draft = zoo.chat_pair()
+    if draft is None:
+        raise FileNotFoundError("the chat pair has no draft (osd/zoo/weights/chat_draft); "
+                                "build it with scripts/build_chat_draft.py")
+    prompts = apply_chat_template(load_tokenizer(target),
+                                  humaneval.conversations(cfg.requests, seed=cfg.seed))
+    return target, draft, prompts, "SmolLM2-135M-Instruct (GGUF) and its draft, HumanEval chat requests"
+
+
 def run_demo(cfg: DemoConfig | None = None) -> dict:
     """Run the demo and write the report; returns the summary dict."""
     cfg = cfg or DemoConfig()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t_start = time.perf_counter()
-    print("osd demo: preparing the built-in pair (osd.zoo) ...", flush=True)
-    target_dir, draft_dir = zoo.default_pair()
-    prompts = zoo.query_stream("code", n=cfg.requests, prompt_tokens=cfg.prompt_tokens,
-                               seed=cfg.seed)
+    print(f"osd demo: preparing the {cfg.pair} pair ...", flush=True)
+    target_dir, draft_dir, prompts, label = _stream(cfg)
     params = osd.SamplingParams(cfg.max_new_tokens)
     k = cfg.num_draft_tokens
-    max_len = cfg.prompt_tokens + cfg.max_new_tokens + 8
+    max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + 8
     c = draft_cost_ratio(target_dir, draft_dir)
-    print(f"osd demo: {cfg.requests} code queries; draft cost ratio c = {c:.3f}", flush=True)
+    print(f"osd demo: {cfg.requests} queries ({label}); draft cost ratio c = {c:.3f}",
+          flush=True)
 
     plain = osd.Engine.from_pretrained(target_dir, max_batch_size=1, max_seq_len=max_len)
     base = _serve(plain, prompts[:cfg.baseline_requests], params, "target alone")
@@ -137,24 +193,26 @@ def run_demo(cfg: DemoConfig | None = None) -> dict:
     spec = osd.SpecConfig(num_draft_tokens=k)
     static = osd.Engine.from_pretrained(target_dir, draft=draft_dir, spec=spec,
                                         max_batch_size=1, max_seq_len=max_len)
-    st_rec = _serve(static, prompts, params, "static draft", plain_tps)
+    first_static = cfg.requests - cfg.static_requests
+    st_rec = _serve(static, prompts[first_static:], params, "static draft", plain_tps,
+                    first_index=first_static)
     online = osd.Engine.from_pretrained(target_dir, draft=draft_dir, spec=spec,
                                         online=cfg.online, max_batch_size=1,
                                         max_seq_len=max_len)
     on_rec = _serve(online, prompts, params, "online draft", plain_tps)
     online.close()
     # Outputs are lossless: spot-check the first requests against the target alone.
-    for i in range(min(5, cfg.baseline_requests)):
+    for i in range(min(3, cfg.baseline_requests)):
         ref = plain.generate([prompts[i]], params)[0].token_ids
         got = online.generate([prompts[i]], params)[0].token_ids
         if ref != got:
             raise AssertionError(f"request {i}: speculative output differs from the target's")
-    summary = _report(cfg, c, base, st_rec, on_rec, online.stats, plain_tps,
+    summary = _report(cfg, label, c, base, st_rec, on_rec, online.stats, plain_tps,
                       time.perf_counter() - t_start)
     return summary
 
 
-def _report(cfg, c, base, st_rec, on_rec, online_stats, plain_tps, seconds) -> dict:
+def _report(cfg, label, c, base, st_rec, on_rec, online_stats, plain_tps, seconds) -> dict:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -162,59 +220,49 @@ def _report(cfg, c, base, st_rec, on_rec, online_stats, plain_tps, seconds) -> d
 
     os.makedirs(cfg.out_dir, exist_ok=True)
     k = cfg.num_draft_tokens
-    n = len(st_rec)
-    tail = max(1, n // 4)
+    n = len(on_rec)
+    tail = min(50, len(st_rec))              # the comparison window: the last requests
+    xs_on = [r["request"] for r in on_rec]
+    xs_st = [r["request"] for r in st_rec]
     a_static = [r["alpha"] for r in st_rec]
     a_online = [r["alpha"] for r in on_rec]
     tps_static = [r["tokens"] / r["seconds"] for r in st_rec]
     tps_online = [r["tokens"] / r["seconds"] for r in on_rec]
-    xs = list(range(n))
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(xs, _rolling(a_static), label="static draft")
-    ax.plot(xs, _rolling(a_online), label="online draft")
-    ax.set_xlabel("request")
-    ax.set_ylabel("α = 1 − TV(p, q) (rolling mean of 20)")
-    ax.set_title("Acceptance on the shifted (code) stream")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(cfg.out_dir, "alpha.png"), dpi=120)
-    plt.close(fig)
+    def plot(name, title, ylabel, series, hline=None):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for xs, ys, lab in series:
+            ax.plot(xs, ys, label=lab)
+        if hline is not None:
+            ax.axhline(hline[0], color="gray", linestyle="--", label=hline[1])
+        ax.set_xlabel("request")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(cfg.out_dir, name), dpi=120)
+        plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(xs, _rolling(tps_static), label="osd, static draft")
-    ax.plot(xs, _rolling(tps_online), label="osd, online draft")
-    ax.axhline(plain_tps, color="gray", linestyle="--", label="target alone")
-    ax.set_xlabel("request")
-    ax.set_ylabel("tokens/s (rolling mean of 20)")
-    ax.set_title("Throughput at batch size 1")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(cfg.out_dir, "tokens_per_s.png"), dpi=120)
-    plt.close(fig)
-
+    plot("alpha.png", "Acceptance on the shifted stream", "α = 1 − TV(p, q) (rolling mean of 20)",
+         [(xs_st, _rolling(a_static), "static draft"), (xs_on, _rolling(a_online), "online draft")])
+    plot("tokens_per_s.png", "Throughput at batch size 1", "tokens/s (rolling mean of 20)",
+         [(xs_st, _rolling(tps_static), "osd, static draft"),
+          (xs_on, _rolling(tps_online), "osd, online draft")], (plain_tps, "target alone"))
     ra = _rolling(a_online)
-    measured = [t / plain_tps for t in _rolling(tps_online)]
-    bound = [analytic_speedup(a, k, c) if a is not None else None for a in ra]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(xs, measured, label="measured (online draft)")
-    ax.plot(xs, bound, label=f"analytic bound, measured α, c={c:.2f}, k={k}")
-    ax.axhline(1.0, color="gray", linestyle="--")
-    ax.set_xlabel("request")
-    ax.set_ylabel("speedup over the target alone")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(cfg.out_dir, "speedup.png"), dpi=120)
-    plt.close(fig)
+    plot("speedup.png", "Speedup over the target alone", "speedup (rolling mean of 20)",
+         [(xs_on, [t / plain_tps for t in _rolling(tps_online)], "measured (online draft)"),
+          (xs_on, [analytic_speedup(a, k, c) if a is not None else None for a in ra],
+           f"analytic bound, measured α, c={c:.2f}, k={k}")], (1.0, "target alone"))
 
-    first = slice(0, min(20, n))
-    last = slice(n - tail, n)
+    st_last, on_last = st_rec[-tail:], on_rec[-tail:]
     s = {
-        "requests": n, "k": k, "c": c, "plain_tokens_per_s": plain_tps,
-        "static": {"alpha_first20": _mean(a_static[first]), "alpha_last": _mean(a_static[last]),
-                   "tokens_per_s": _tps(st_rec), "tokens_per_s_last": _tps(st_rec[last])},
-        "online": {"alpha_first20": _mean(a_online[first]), "alpha_last": _mean(a_online[last]),
-                   "tokens_per_s": _tps(on_rec), "tokens_per_s_last": _tps(on_rec[last]),
+        "pair": cfg.pair, "requests": n, "k": k, "c": c, "plain_tokens_per_s": plain_tps,
+        "max_new_tokens": cfg.max_new_tokens, "window": tail,
+        "static": {"alpha_last": _mean([r["alpha"] for r in st_last]),
+                   "tokens_per_s_last": _tps(st_last), "requests": len(st_rec)},
+        "online": {"alpha_first20": _mean(a_online[:20]),
+                   "alpha_last": _mean([r["alpha"] for r in on_last]),
+                   "tokens_per_s_last": _tps(on_last),
                    "updates_applied": online_stats["online"]["updates_applied"],
                    "updates_rejected": online_stats["online"]["updates_rejected"]},
         "seconds": seconds,
@@ -224,32 +272,35 @@ def _report(cfg, c, base, st_rec, on_rec, online_stats, plain_tps, seconds) -> d
         s[key]["analytic_bound_last"] = analytic_speedup(s[key]["alpha_last"], k, c)
     with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
         json.dump({"summary": s, "static": st_rec, "online": on_rec, "plain": base}, f, indent=1)
+    gain = s["online"]["alpha_last"] - s["static"]["alpha_last"]
     lines = [
         "# osd demo report", "",
-        f"Built-in pair (`osd.zoo`), {n} code queries (the draft's shifted domain), greedy, "
-        f"batch size 1, k = {k}, {cfg.max_new_tokens} new tokens per request, CPU fp32. "
-        f"Produced by `make demo` in {seconds:.0f} s.", "",
+        f"{label}: {n} requests, greedy, batch size 1, k = {k}, up to {cfg.max_new_tokens} "
+        f"new tokens per request, CPU fp32. Produced by `osd demo --pair {cfg.pair}` in "
+        f"{seconds:.0f} s.", "",
         f"Target alone: **{plain_tps:.1f} tokens/s** (first {len(base)} requests). "
         f"Draft cost ratio c = {c:.3f} (draft decode step / target decode step, measured).", "",
-        f"| draft | α first 20 | α last {tail} | tokens/s last {tail} | speedup last {tail} "
+        f"| draft | α, last {tail} requests | tokens/s, last {tail} | speedup, last {tail} "
         f"| analytic bound |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|",
     ]
     for key in ("static", "online"):
         d = s[key]
-        lines.append(f"| {key} | {d['alpha_first20']:.3f} | {d['alpha_last']:.3f} | "
-                     f"{d['tokens_per_s_last']:.1f} | {d['speedup_last']:.2f}x | "
-                     f"{d['analytic_bound_last']:.2f}x |")
+        lines.append(f"| {key} | {d['alpha_last']:.3f} | {d['tokens_per_s_last']:.1f} | "
+                     f"{d['speedup_last']:.2f}x | {d['analytic_bound_last']:.2f}x |")
     lines += [
-        "", f"Online updates applied: {s['online']['updates_applied']}, rejected by the guard: "
-        f"{s['online']['updates_rejected']}.", "",
+        "", f"Online α over the first 20 requests: {s['online']['alpha_first20']:.3f}; over the "
+        f"last {tail}: {s['online']['alpha_last']:.3f} ({gain:+.3f} against the static draft "
+        f"on the same requests). Online updates applied: {s['online']['updates_applied']}, "
+        f"rejected by the guard: {s['online']['updates_rejected']}.", "",
         "α is the exact 1 − TV(p, q) between the target's and the draft's next-token "
-        "distributions, averaged over drafted positions.", "",
+        "distributions, averaged over drafted positions. The static draft served the last "
+        f"{len(st_rec)} requests only.", "",
         "![alpha](alpha.png)", "", "![tokens/s](tokens_per_s.png)", "", "![speedup](speedup.png)",
         "",
     ]
     with open(os.path.join(cfg.out_dir, "report.md"), "w") as f:
         f.write("\n".join(lines))
-    print("\n".join(lines[4:12 + 2]))
+    print("\n".join(lines[4:]))
     print(f"osd demo: report written to {os.path.join(cfg.out_dir, 'report.md')}")
     return s

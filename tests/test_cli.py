@@ -45,3 +45,18 @@ def test_errors_are_messages(argv, match, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and match in err
     assert "Traceback" not in err
+
+
+def test_demo_builtin_writes_the_report(tmp_path):
+    out = tmp_path / "demo"
+    rc = cli.main(["demo", "--pair", "builtin", "--requests", "6", "--baseline", "2",
+                   "--static", "3", "--max-new-tokens", "8", "--out", str(out)])
+    assert rc == 0
+    for name in ("report.md", "summary.json", "alpha.png", "tokens_per_s.png", "speedup.png"):
+        assert (out / name).is_file(), name
+    assert "| online |" in (out / "report.md").read_text()
+
+
+def test_demo_bad_pair():
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--pair", "nonsense"])
