@@ -97,12 +97,14 @@ class Engine:
         cuda_graphs: on CUDA, replay the decode forward (and, unless
             ``spec.cuda_graphs`` is False, the draft loop and verify forward) from CUDA
             graphs per batch-size bucket (``osd.graphs``). CPU always runs eagerly.
+        prefill_chunk: feed prompts in pieces of at most this many tokens (bounds the
+            prefill's peak memory); None keeps the models' ``config.prefill_chunk``.
     """
 
     def __init__(self, model: DecoderLM, *, draft: DecoderLM | list[DecoderLM] | None = None,
                  tokenizer=None, max_batch_size: int = 8, max_seq_len: int = 2048,
                  spec: SpecConfig | None = None, online: OnlineConfig | None = None,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, prefill_chunk: int | None = None) -> None:
         max_batch_size = operator.index(max_batch_size)
         max_seq_len = operator.index(max_seq_len)
         if max_batch_size < 1:
@@ -124,6 +126,12 @@ class Engine:
                                  f"target vocabulary size {model.vocab_size}")
             if d.device != model.device:
                 raise ValueError(f"draft is on {d.device} but the target is on {model.device}")
+        if prefill_chunk is not None:
+            prefill_chunk = operator.index(prefill_chunk)
+            if prefill_chunk < 1:
+                raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+            for m in [model] + drafts:
+                m.config = dataclasses.replace(m.config, prefill_chunk=prefill_chunk)
         if spec is not None and not isinstance(spec, SpecConfig):
             raise TypeError(f"spec must be an osd.SpecConfig, got {type(spec).__name__}")
         if online is not None and not isinstance(online, OnlineConfig):
@@ -200,7 +208,8 @@ class Engine:
                         dtype: torch.dtype = torch.float32, max_batch_size: int = 8,
                         max_seq_len: int = 2048, spec: SpecConfig | None = None,
                         online: OnlineConfig | None = None, attention_backend: str = "auto",
-                        tokenizer=None, cuda_graphs: bool = True) -> "Engine":
+                        tokenizer=None, cuda_graphs: bool = True,
+                        prefill_chunk: int | None = None) -> "Engine":
         """Load ``target`` (and drafts): each a checkpoint directory, a GGUF file or a
         transformers model.
 
@@ -215,7 +224,7 @@ class Engine:
 
         The tokenizer is loaded from the target directory when it has one (local files
         only); pass ``tokenizer`` to override. ``attention_backend``: see
-        ``osd.models.attention``. ``cuda_graphs``: see :class:`Engine`.
+        ``osd.models.attention``. ``cuda_graphs``, ``prefill_chunk``: see :class:`Engine`.
         """
         drafts = [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) \
             else [draft]
@@ -231,7 +240,7 @@ class Engine:
             tokenizer = load_tokenizer(target)
         return cls(model, draft=draft_models or None, tokenizer=tokenizer,
                    max_batch_size=max_batch_size, max_seq_len=max_seq_len, spec=spec,
-                   online=online, cuda_graphs=cuda_graphs)
+                   online=online, cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk)
 
     def encode(self, prompts) -> list[list[int]]:
         """Validate ``prompts`` (token-id lists or strings) and return token-id lists."""

@@ -158,3 +158,14 @@ def test_tree_mask_limit_names_the_problem():
             model(ids, cache, tree_mask=torch.zeros(1, 65, dtype=torch.int64))
         with pytest.raises(ValueError, match="chunk"):
             model.prefill(ids, cache, torch.tensor([65], dtype=torch.int32), chunk=0)
+
+
+def test_engine_prefill_chunk_option(llama):
+    hf, draft, prompts, ref = llama
+    eng = osd.Engine.from_pretrained(hf, draft=draft, max_batch_size=2, max_seq_len=MAX_SEQ,
+                                     prefill_chunk=48)
+    assert eng.model.config.prefill_chunk == 48 == eng.draft.config.prefill_chunk
+    outs = eng.generate(prompts[:2], osd.SamplingParams(NEW))
+    assert [o.token_ids for o in outs] == ref[:2]
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        osd.Engine.from_pretrained(hf, max_seq_len=MAX_SEQ, prefill_chunk=0)
