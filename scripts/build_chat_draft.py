@@ -1,0 +1,982 @@
+"""Build the draft of the chat pair (SmolLM2-135M-Instruct) by distillation, or measure it.
+
+    python scripts/build_chat_draft.py                    # data + training, into osd/zoo/weights/chat_draft
+    python scripts/build_chat_draft.py --reuse-data       # train again on the cached data
+    python scripts/build_chat_draft.py --minutes 4 --prompts 48 --out /tmp/d   # smoke build
+    python scripts/build_chat_draft.py --measure          # c, alpha, tau, tokens/s (docs/chat_draft.md)
+
+The build has three stages, each with a progress bar:
+
+1. Prompts. Chat requests made from text that ships with Python: functions of the
+   standard library's *training* files (``osd.zoo.corpus``; held-out files are kept for
+   the evaluation prompts) phrased as "Explain what this function does", "Write a Python
+   function ...", "Summarize ...", "Write a unit test ...", plus Python-concept and
+   general questions written here. No HumanEval.
+2. Teacher data. The target answers every prompt with osd's own model and KV cache
+   (fp32, continuous batching, greedy for most prompts and temperature 0.7 for the
+   rest). Its top-k distribution is kept at every response position and, from the
+   prefill, at every prompt position after the chat template's fixed system prefix.
+   Saved in the cache directory (``$OSD_CACHE/chat_draft``, default
+   ``~/.cache/osd/chat_draft``) so that ``--reuse-data`` skips this stage.
+3. Training. A fresh Llama draft (:data:`DRAFT`) whose tied embedding starts as the
+   target's embedding projected onto its top principal directions learns forward
+   KL(p || q) on the stored top-k distributions (``osd_kernels.distill_loss``, the
+   leftover mass as an "other" bucket): AdamW, linear warm-up, cosine decay. The number
+   of steps is planned from the measured step time so that the whole build fits
+   ``--minutes``.
+
+The checkpoint (``config.json``, fp16 ``model.safetensors`` without the tied LM head,
+``build.json`` with the recipe and the build's figures) loads with
+``osd.Engine.from_pretrained(target, draft=DIR)`` and with transformers.
+
+``--measure`` loads the target and the draft once and, on held-out chat prompts written
+here (stdlib functions of held-out files, and HumanEval-style tasks written for this
+script), reports the draft cost c, greedy acceptance and tokens per step, and tokens/s of
+plain vs speculative decoding, timed side by side with the order rotated per prompt.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import osd  # noqa: E402
+from osd.chat import apply_chat_template  # noqa: E402
+from osd.models.loading import load_tokenizer  # noqa: E402
+from osd.zoo import chat as zoo_chat  # noqa: E402
+from osd.zoo import corpus  # noqa: E402
+from osd_kernels import distill_loss  # noqa: E402
+
+try:
+    from tqdm.auto import tqdm
+except ImportError:  # pragma: no cover - tqdm comes with transformers
+    tqdm = None
+
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "osd", "zoo", "weights", "chat_draft")
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """Shape of the draft (a ``LlamaForCausalLM`` with the target's vocabulary)."""
+
+    hidden_size: int = 256          # width; the 49,152 x hidden LM head dominates latency
+    num_layers: int = 4             # decoder layers (each adds ~0.15 ms per decode step here)
+    num_heads: int = 4              # query heads, head_dim 64 like the target
+    num_kv_heads: int = 2           # key/value heads
+    intermediate_size: int = 704    # SwiGLU width
+    rope_theta: float = 100000.0    # the target's
+    max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class DataRecipe:
+    """How the teacher data is made."""
+
+    prompts: int = 1100             # chat requests (the generation stage may stop earlier)
+    max_new_tokens: int = 128       # response length cap
+    max_prompt_tokens: int = 320    # longer prompts are skipped
+    batch_size: int = 32            # target rows decoded together (> 16: GEMM, not decode_linear)
+    prefill_group: int = 8          # most prompts prefilled at once (their logits: 8 x T x V)
+    teacher_dtype: str = "bfloat16" # the target's dtype while answering (1.6-1.8x faster here)
+    topk: int = 32                  # target probabilities kept per position
+    sampled_fraction: float = 0.25  # share of prompts answered at temperature 0.7
+    temperature: float = 0.7
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TrainRecipe:
+    """How the draft is trained."""
+
+    epochs: float = 4.0             # upper bound; the time budget may allow fewer
+    tokens_per_batch: int = 3072    # padded tokens per optimizer step
+    lr: float = 2e-3                # peak AdamW learning rate
+    warmup: int = 20                # linear warm-up steps (their time plans the rest)
+    weight_decay: float = 0.01      # on matrices (not norms)
+    prompt_positions: bool = True   # also distill the target at prompt positions
+    heldout_fraction: float = 0.03  # examples kept out of training for the alpha report
+    seed: int = 0
+
+
+DRAFT = DraftShape()
+DATA = DataRecipe()
+TRAIN = TrainRecipe()
+
+
+def _log(msg: str) -> None:
+    print(f"[build_chat_draft] {msg}", file=sys.stderr, flush=True)
+
+
+def _bar(total, desc, unit):
+    if tqdm is None:
+        return None
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, mininterval=2.0)
+
+
+class ThreadTuner:
+    """Keeps torch's CPU thread count at whichever of 1 and ``max_threads`` runs the work
+    faster now.
+
+    On a shared machine, an OpenMP team larger than the free cores can run many times
+    slower than one thread (measured here: a batch-1 target decode step took 36 ms with
+    one thread and 730 ms with two while another process held a core), and the load
+    changes during a build. After every ``every`` seconds the other setting runs one
+    trial step and is kept if its pace (seconds per unit of work) beats the median pace
+    of the current setting's recent steps.
+    """
+
+    def __init__(self, max_threads: int, every: float = 90.0) -> None:
+        self.options = sorted({1, max(1, max_threads)})
+        self.current = self.options[-1]
+        self.every = every
+        self.paces: list[float] = []
+        self.trial_of: int | None = None      # the setting a trial step would replace
+        self.last_trial = time.monotonic() - every + 5.0   # first trial after 5 s
+        self.switches = 0
+        torch.set_num_threads(self.current)
+
+    def record(self, seconds: float, work: float) -> None:
+        """Report one step of ``work`` units (rows, positions) that took ``seconds``."""
+        pace = seconds / max(work, 1e-9)
+        if self.trial_of is not None:
+            if pace < statistics.median(self.paces):
+                self.paces, self.switches = [pace], self.switches + 1
+            else:
+                self.current = self.trial_of
+                torch.set_num_threads(self.current)
+            self.trial_of = None
+            self.last_trial = time.monotonic()
+            return
+        self.paces = (self.paces + [pace])[-5:]
+        if len(self.options) > 1 and time.monotonic() - self.last_trial > self.every:
+            self.trial_of = self.current
+            self.current = self.options[0] if self.current == self.options[-1] else \
+                self.options[-1]
+            torch.set_num_threads(self.current)
+
+
+def cache_dir() -> str:
+    """``$OSD_CACHE/chat_draft`` (default ``~/.cache/osd/chat_draft``): the teacher data."""
+    return os.path.join(os.path.dirname(zoo_chat.cache_dir()), "chat_draft")
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class Function:
+    """A function of the standard library with its source and docstring."""
+
+    module: str
+    name: str
+    code: str
+    doc: str | None
+
+
+def stdlib_functions(split: str, *, min_lines: int = 3, max_lines: int = 30,
+                     max_chars: int = 1400) -> list[Function]:
+    """Functions and methods of the stdlib files of ``split`` (see ``osd.zoo.corpus``),
+    ``min_lines..max_lines`` lines and at most ``max_chars`` characters, in file order."""
+    root = corpus.stdlib_root()
+    found = []
+    for rel in corpus.source_files(root):
+        if corpus.split_of(rel) != split:
+            continue
+        try:
+            with open(os.path.join(root, rel), encoding="utf-8") as f:
+                source = f.read()
+            tree = ast.parse(source)
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        module = rel[:-3].replace("/", ".").removesuffix(".__init__")
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            seg = ast.get_source_segment(source, node)
+            if seg is None:
+                continue
+            code = textwrap.dedent(" " * node.col_offset + seg)
+            lines = code.count("\n") + 1
+            if min_lines <= lines <= max_lines and len(code) <= max_chars:
+                found.append(Function(module, node.name, code, ast.get_docstring(node)))
+    return found
+
+
+def _first_sentence(doc: str) -> str:
+    text = " ".join(doc.strip().split("\n\n")[0].split())
+    cut = text.find(". ")
+    return (text if cut < 0 else text[:cut + 1]).strip()
+
+
+# Prompt templates over a stdlib function: kind -> template (code, doc, sentence, name, module).
+CODE_TEMPLATES = {
+    "explain": "Explain what this Python function does:\n\n```python\n{code}\n```",
+    "write": "Write a Python function `{name}` that does the following: {sentence}",
+    "summarize": "Summarize this documentation in one or two sentences:\n\n{doc}",
+    "test": "Write a unit test for this Python function:\n\n```python\n{code}\n```",
+    "improve": "How could this Python code be improved?\n\n```python\n{code}\n```",
+    "comment": "Add comments to this code and explain how it works:\n\n```python\n{code}\n```",
+}
+CONCEPTS = [
+    "list comprehensions", "generators", "decorators", "context managers", "the GIL",
+    "dictionaries", "tuples and lists", "f-strings", "lambda functions", "exceptions",
+    "classes and objects", "inheritance", "virtual environments", "type hints",
+    "the `with` statement", "iterators", "recursion", "closures", "dataclasses",
+    "`*args` and `**kwargs`", "modules and packages", "sets", "string slicing",
+    "the `yield` keyword", "async and await", "unit tests with unittest", "regular expressions",
+    "reading and writing files", "JSON parsing", "sorting with a key function",
+    "the `enumerate` function", "the `zip` function", "mutable default arguments",
+    "shallow and deep copies", "properties", "static and class methods", "logging",
+    "command-line arguments with argparse", "the `collections` module", "threads and processes",
+]
+CONCEPT_TEMPLATES = [
+    "What are {t} in Python?", "Explain {t} in Python with a short example.",
+    "Give me a simple Python example that uses {t}.",
+    "What are common mistakes beginners make with {t} in Python?",
+]
+TOPICS = [
+    "photosynthesis", "the water cycle", "gravity", "the French Revolution", "machine learning",
+    "the Internet", "climate change", "vaccines", "black holes", "the stock market",
+    "inflation", "DNA", "the Roman Empire", "electric cars", "solar energy", "volcanoes",
+    "the human heart", "sleep", "meditation", "chess", "coffee", "rainbows", "earthquakes",
+    "the Moon", "bees", "democracy", "compound interest", "hash tables", "sorting algorithms",
+    "operating systems", "databases", "encryption", "version control", "prime numbers",
+    "probability", "music theory", "the printing press", "renewable energy", "the immune system",
+    "ocean tides", "cloud computing", "the scientific method", "public speaking",
+    "healthy eating", "time management", "the Olympic Games", "ancient Egypt", "dinosaurs",
+]
+TOPIC_TEMPLATES = [
+    "What is {t}?", "Explain {t} to a ten-year-old.", "Give me three interesting facts about {t}.",
+    "Write a short paragraph about {t}.", "Why is {t} important?",
+    "Write a haiku about {t}.", "Summarize what you know about {t} in three sentences.",
+]
+REQUESTS = [
+    "Give me tips for staying productive when working from home.",
+    "Write a short thank-you note to a colleague who helped me with a project.",
+    "How do I make a good cup of tea?", "Suggest five names for a pet cat.",
+    "What should I pack for a weekend camping trip?", "Write a limerick about a programmer.",
+    "How can I improve my handwriting?", "Plan a simple three-day workout routine.",
+    "Write a short story about a robot who learns to paint.",
+    "What is the difference between weather and climate?",
+    "Give me a recipe for a simple pasta dish.", "How do I prepare for a job interview?",
+    "Explain how a bicycle works.", "Write an email asking my manager for a day off.",
+    "What are some good habits for learning a new language?",
+    "List the planets of the solar system in order.", "How do airplanes stay in the air?",
+    "Describe a sunset at the beach.", "What is the capital of Australia, and why?",
+    "How can I save money on groceries?",
+]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A chat request: its text, kind and sampling temperature (0: greedy)."""
+
+    text: str
+    kind: str
+    temperature: float
+
+
+def training_prompts(n: int, recipe: DataRecipe) -> list[Prompt]:
+    """``n`` chat requests: about 70% over stdlib training-split functions, 15% Python
+    concepts, 15% general; shuffled with ``recipe.seed``; a ``sampled_fraction`` of them
+    answered at ``recipe.temperature``."""
+    rng = random.Random(recipe.seed)
+    funcs = stdlib_functions("train")
+    rng.shuffle(funcs)
+    # "write" needs a public function with a docstring, "summarize" a docstring.
+    pools = {"any": funcs, "doc": [f for f in funcs if f.doc],
+             "public": [f for f in funcs if f.doc and not f.name.startswith("_")]}
+    needs = {"write": "public", "summarize": "doc"}
+    used = {name: 0 for name in pools}
+    general = [t.format(t=c) for c in CONCEPTS for t in CONCEPT_TEMPLATES]
+    general += [t.format(t=c) for c in TOPICS for t in TOPIC_TEMPLATES] + REQUESTS
+    rng.shuffle(general)
+    kinds = list(CODE_TEMPLATES)
+    out, gi, ci = [], 0, 0
+    while len(out) < n:
+        if rng.random() < 0.7 or gi >= len(general):
+            kind = kinds[ci % len(kinds)]
+            ci += 1
+            pool = needs.get(kind, "any")
+            if used[pool] >= len(pools[pool]):
+                if all(used[p] >= len(pools[p]) for p in pools) and gi >= len(general):
+                    break
+                continue
+            fn = pools[pool][used[pool]]
+            used[pool] += 1
+            text = CODE_TEMPLATES[kind].format(code=fn.code, doc=fn.doc, name=fn.name,
+                                               sentence=fn.doc and _first_sentence(fn.doc),
+                                               module=fn.module)
+        else:
+            text, kind = general[gi], "general"
+            gi += 1
+        temp = recipe.temperature if rng.random() < recipe.sampled_fraction else 0.0
+        out.append(Prompt(text, kind, temp))
+    return out
+
+
+# Held-out functions (files of corpus split "heldout") for the evaluation prompts.
+EVAL_FUNCTIONS = [("explain", "heapq", "heappush"), ("explain", "glob", "glob"),
+                  ("explain", "linecache", "getline"), ("write", "heapq", "heapify"),
+                  ("write", "getpass", "getuser"), ("explain", "random", "shuffle"),
+                  ("summarize", "functools", "total_ordering"),
+                  ("summarize", "linecache", "checkcache"), ("test", "heapq", "heappushpop"),
+                  ("write", "urllib.parse", "urldefrag")]
+# HumanEval-style tasks written for this script (not from HumanEval).
+EVAL_TASKS = [
+    "Write a Python function `count_vowels(s)` that returns the number of vowels in a string.",
+    "Write a Python function `is_palindrome(text)` that checks whether a string reads the "
+    "same backwards, ignoring case and spaces.",
+    "Write a Python function `second_largest(numbers)` that returns the second largest "
+    "distinct number in a list, or None if there is none.",
+    "Write a Python function `flatten(nested)` that flattens a list of lists into one list.",
+    "Write a Python function `word_frequencies(text)` that returns a dictionary mapping "
+    "each word to how many times it appears.",
+    "Write a Python function `fizzbuzz(n)` that returns the FizzBuzz sequence from 1 to n "
+    "as a list of strings.",
+    "Write a Python function `merge_intervals(intervals)` that merges overlapping "
+    "intervals given as (start, end) pairs.",
+    "Write a Python function `rotate_list(items, k)` that rotates a list to the right by k "
+    "positions.",
+    "Write a Python function `celsius_to_fahrenheit(c)` and explain how it works.",
+    "Write a Python function `unique_sorted(items)` that returns the unique elements of a "
+    "list in sorted order.",
+]
+
+
+def eval_prompts() -> list[str]:
+    """The 20 held-out evaluation requests: 10 over functions of held-out stdlib files,
+    10 HumanEval-style tasks written here. Raises when a named function is missing."""
+    by_name = {}
+    for fn in stdlib_functions("heldout", max_lines=40, max_chars=2000):
+        by_name.setdefault((fn.module, fn.name), fn)
+    out = []
+    for kind, module, name in EVAL_FUNCTIONS:
+        fn = by_name.get((module, name))
+        if fn is None:
+            raise RuntimeError(f"held-out function {module}.{name} not found in this stdlib")
+        out.append(CODE_TEMPLATES[kind].format(code=fn.code, doc=fn.doc, name=fn.name,
+                                               sentence=fn.doc and _first_sentence(fn.doc),
+                                               module=fn.module))
+    return out + EVAL_TASKS
+
+
+# ------------------------------------------------------------------------ teacher data
+
+
+@dataclass
+class Example:
+    """One prompt and the target's answer, with its top-k distributions.
+
+    ``topk_ids`` / ``topk_probs`` row ``i`` is the target's distribution of token
+    ``tokens[start + i]`` given ``tokens[:start + i]``.
+    """
+
+    tokens: torch.Tensor       # [L] int32: prompt then response
+    prompt_len: int
+    start: int                 # first position with a target (after the system prefix)
+    topk_ids: torch.Tensor     # [L - start, k] int32
+    topk_probs: torch.Tensor   # [L - start, k] float16
+    kind: str
+    temperature: float
+
+
+def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    probs, ids = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return ids.to(torch.int32), probs.to(torch.float16)
+
+
+@torch.inference_mode()
+def teacher_data(model, prompts: list[list[int]], meta: list[Prompt], start: int,
+                 recipe: DataRecipe, deadline: float,
+                 tuner: ThreadTuner) -> tuple[list[Example], bool]:
+    """Answer ``prompts`` with the target ``model`` (osd ``DecoderLM``), continuous batching.
+
+    Rows that finish (EOS or ``max_new_tokens``) leave the batch and waiting prompts are
+    prefilled into the free rows. Past ``deadline`` (``time.monotonic()``) no new prompt
+    starts; rows in flight finish. Returns ``(examples in prompt order, stopped early)``.
+    """
+    B, k = recipe.batch_size, recipe.topk
+    eos = set(model.config.eos_token_ids)
+    cap = max(len(p) for p in prompts) + recipe.max_new_tokens + 2
+    cache = model.new_cache(B, cap)
+    gen = torch.Generator().manual_seed(recipe.seed)
+    waiting = collections.deque(range(len(prompts)))
+    active: list[dict] = []                       # active[b] occupies cache row b
+    next_tok = torch.zeros(B, dtype=torch.int64)
+    ones = torch.ones(B, dtype=torch.int32)
+    done: dict[int, Example] = {}
+    stopped = False
+    bar = _bar(len(prompts), "teacher answers", "prompt")
+    new_tokens = 0
+    t0 = time.monotonic()
+
+    def sample(logits: torch.Tensor, rows: list[dict]) -> torch.Tensor:
+        temps = torch.tensor([r["temp"] for r in rows])
+        greedy = logits.argmax(-1)
+        if not (temps > 0).any():
+            return greedy
+        probs = torch.softmax(logits / temps.clamp(min=1e-3)[:, None], dim=-1)
+        drawn = torch.multinomial(probs, 1, generator=gen)[:, 0]
+        return torch.where(temps > 0, drawn, greedy)
+
+    while waiting or active:
+        if waiting and time.monotonic() > deadline:
+            stopped = True
+            waiting.clear()
+            if not active:
+                break
+        free = B - len(active)
+        if waiting and (free >= min(4, len(waiting)) or not active):
+            new = [waiting.popleft()
+                   for _ in range(min(free, len(waiting), recipe.prefill_group))]
+            first = len(active)
+            longest = max(len(prompts[i]) for i in new)
+            ids = torch.zeros(len(new), longest, dtype=torch.int64)
+            for b, i in enumerate(new):
+                ids[b, :len(prompts[i])] = torch.tensor(prompts[i])
+            lengths = torch.tensor([len(prompts[i]) for i in new], dtype=torch.int32)
+            rows = cache.rows(first, len(new))
+            rows.reset()
+            logits = model.prefill(ids, rows, lengths)            # [n, T, V], every position
+            cache.set_bound(max(cache.bound, longest))
+            fresh = []
+            for b, i in enumerate(new):
+                L = len(prompts[i])
+                tk_ids, tk_p = _topk(logits[b, start - 1:L], k)   # prompt targets + response 0
+                fresh.append({"index": i, "temp": meta[i].temperature, "response": [],
+                              "ids": [tk_ids], "probs": [tk_p], "cached": L})
+            last = logits[torch.arange(len(new)), lengths.long() - 1]
+            del logits
+            tokens = sample(last, fresh)
+            active += fresh
+            next_tok[first:first + len(new)] = tokens
+        else:
+            n = len(active)
+            t_step = time.perf_counter()
+            logits = model(next_tok[:n, None], cache)[:, 0]      # [n, V]
+            cache.commit(ones[:n], 1)
+            tuner.record(time.perf_counter() - t_step, n)
+            tk_ids, tk_p = _topk(logits, k)
+            for b, r in enumerate(active):
+                r["cached"] += 1
+                r["ids"].append(tk_ids[b:b + 1])
+                r["probs"].append(tk_p[b:b + 1])
+            tokens = sample(logits, active)
+            next_tok[:n] = tokens
+            first = 0
+        # Record the sampled tokens; retire finished rows (the last row fills each hole).
+        for r, t in zip(active[first:], tokens.tolist()):
+            r["response"].append(t)
+            new_tokens += 1
+        for b in reversed(range(len(active))):
+            r = active[b]
+            if r["response"][-1] in eos or len(r["response"]) >= recipe.max_new_tokens:
+                i = r["index"]
+                toks = torch.tensor(prompts[i] + r["response"], dtype=torch.int32)
+                done[i] = Example(tokens=toks, prompt_len=len(prompts[i]), start=start,
+                                  topk_ids=torch.cat(r["ids"]), topk_probs=torch.cat(r["probs"]),
+                                  kind=meta[i].kind, temperature=meta[i].temperature)
+                assert done[i].topk_ids.shape[0] == toks.numel() - start
+                last = len(active) - 1
+                if b != last:
+                    cache.move_row(last, b)
+                    next_tok[b] = next_tok[last]
+                    active[b] = active[last]
+                active.pop()
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(tok_s=f"{new_tokens / (time.monotonic() - t0):.0f}",
+                                    threads=tuner.current)
+        cache.set_bound(max((r["cached"] for r in active), default=0))
+    if bar is not None:
+        bar.close()
+    return [done[i] for i in sorted(done)], stopped
+
+
+def _system_prefix(tokenizer) -> int:
+    """Tokens shared by every chat prompt (the template's system turn and the user header)."""
+    a, b = apply_chat_template(tokenizer, [[{"role": "user", "content": "Hi"}],
+                                           [{"role": "user", "content": "What?"}]])
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def make_data(target_path: str, recipe: DataRecipe, deadline: float, threads: int) -> dict:
+    """Prompts, teacher answers and top-k targets (see :func:`teacher_data`)."""
+    model = osd.load_model(target_path, dtype=getattr(torch, recipe.teacher_dtype))
+    tokenizer = load_tokenizer(target_path)
+    start = _system_prefix(tokenizer)
+    meta = training_prompts(recipe.prompts, recipe)
+    ids = apply_chat_template(tokenizer, [[{"role": "user", "content": p.text}] for p in meta])
+    keep = [i for i, x in enumerate(ids) if len(x) <= recipe.max_prompt_tokens]
+    meta, ids = [meta[i] for i in keep], [ids[i] for i in keep]
+    _log(f"{len(ids)} prompts ({sum(map(len, ids))} tokens; {recipe.prompts - len(keep)} "
+         f"longer than {recipe.max_prompt_tokens} tokens skipped), system prefix {start} tokens")
+    t0 = time.perf_counter()
+    tuner = ThreadTuner(threads)
+    examples, stopped = teacher_data(model, ids, meta, start, recipe, deadline, tuner)
+    seconds = time.perf_counter() - t0
+    response = sum(e.tokens.numel() - e.prompt_len for e in examples)
+    _log(f"teacher answered {len(examples)} prompts in {seconds:.0f} s ({response} response "
+         f"tokens, {response / seconds:.1f} tokens/s)" + (" -- stopped at the time budget"
+                                                         if stopped else ""))
+    # Plain dicts of tensors, so the cache loads without this script's classes.
+    return {"examples": [dict(vars(e)) for e in examples], "recipe": asdict(recipe),
+            "seconds": round(seconds, 1),
+            "stopped_early": stopped, "prompts_offered": len(ids),
+            "threads_final": tuner.current, "thread_switches": tuner.switches,
+            "target_sha256": zoo_chat.SHA256}
+
+
+def _data_file(recipe: DataRecipe) -> str:
+    key = hashlib.sha1(json.dumps([asdict(recipe), zoo_chat.SHA256]).encode()).hexdigest()[:12]
+    return os.path.join(cache_dir(), f"teacher-{key}.pt")
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def llama_config(shape: DraftShape, target_config):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=target_config.vocab_size, hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.hidden_size // shape.num_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        rms_norm_eps=float(f"{target_config.rms_norm_eps:.6g}"), rope_theta=shape.rope_theta,
+        tie_word_embeddings=True, bos_token_id=target_config.bos_token_id,
+        eos_token_id=list(target_config.eos_token_ids)[0], pad_token_id=2,
+        architectures=["LlamaForCausalLM"])
+
+
+def init_draft(shape: DraftShape, target, seed: int):
+    """A fresh transformers ``LlamaForCausalLM`` draft; its tied embedding is the target's
+    embedding projected onto its top ``hidden_size`` right singular vectors (uncentred
+    PCA), so the draft's head starts as the best rank-``hidden`` approximation of the
+    target's, rescaled to the target's per-entry RMS."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config(shape, target.config)).float()
+    E = target.embed_tokens.weight.detach().float()                   # [V, 576]
+    _, _, vh = torch.linalg.svd(E[::4], full_matrices=False)          # rows subsampled: faster
+    proj = E @ vh[:shape.hidden_size].T                                 # [V, hidden]
+    proj *= E.pow(2).mean().sqrt() / proj.pow(2).mean().sqrt()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(proj)
+        # Residual branches start small, so the draft starts near its embedding's bigram.
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.5 / math.sqrt(shape.num_layers))
+            layer.mlp.down_proj.weight.mul_(0.5 / math.sqrt(shape.num_layers))
+    return model
+
+
+def _rows(ex: Example, prompt_positions: bool) -> torch.Tensor:
+    """Indices into ``ex.topk_*`` of the positions trained on."""
+    first = 0 if prompt_positions else ex.prompt_len - ex.start
+    return torch.arange(first, ex.topk_ids.shape[0])
+
+
+def _batches(examples: list[Example], tokens_per_batch: int, gen: torch.Generator) -> list:
+    """Examples grouped by length into padded batches of at most ``tokens_per_batch``
+    (length x rows), in random order."""
+    order = sorted(range(len(examples)), key=lambda i: examples[i].tokens.numel())
+    batches, cur = [], []
+    for i in order:
+        L = examples[i].tokens.numel()
+        if cur and L * (len(cur) + 1) > tokens_per_batch:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    perm = torch.randperm(len(batches), generator=gen).tolist()
+    return [batches[p] for p in perm]
+
+
+def _collate(examples: list[Example], prompt_positions: bool):
+    """``(input_ids [N, T], attention_mask [N, T], rows [M], topk_ids [M, k], topk_probs
+    [M, k], is_response [M])``: the draft's logits at flattened position ``rows[m]``
+    predict the token with target ``m``."""
+    T = max(e.tokens.numel() for e in examples)
+    ids = torch.zeros(len(examples), T, dtype=torch.int64)
+    mask = torch.zeros(len(examples), T, dtype=torch.int64)
+    rows, tk_ids, tk_p, resp = [], [], [], []
+    for n, e in enumerate(examples):
+        L = e.tokens.numel()
+        ids[n, :L] = e.tokens.long()
+        mask[n, :L] = 1
+        sel = _rows(e, prompt_positions)
+        pos = e.start + sel                                  # token positions predicted
+        rows.append(n * T + pos - 1)
+        tk_ids.append(e.topk_ids[sel].long())
+        tk_p.append(e.topk_probs[sel].float())
+        resp.append(pos >= e.prompt_len)
+    return ids, mask, torch.cat(rows), torch.cat(tk_ids), torch.cat(tk_p), torch.cat(resp)
+
+
+def _draft_logits(model, ids, mask, rows):
+    hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+    return model.lm_head(hidden)
+
+
+@torch.no_grad()
+def evaluate(model, examples: list[Example], tokens_per_batch: int) -> dict:
+    """Over the response positions of ``examples``: mean top-k overlap
+    ``sum_{x in topk} min(p(x), q(x))`` (a lower bound of 1 - TV) and greedy agreement
+    (the draft's argmax is the target's)."""
+    model.eval()
+    overlap = agree = count = 0.0
+    for batch in _batches(examples, tokens_per_batch, torch.Generator().manual_seed(0)):
+        ids, mask, rows, tk_ids, tk_p, resp = _collate([examples[i] for i in batch], False)
+        q = torch.softmax(_draft_logits(model, ids, mask, rows).float(), dim=-1)
+        overlap += torch.minimum(tk_p, q.gather(1, tk_ids)).sum().item()
+        agree += (q.argmax(-1) == tk_ids[:, 0]).sum().item()
+        count += rows.numel()
+    model.train()
+    return {"overlap": round(overlap / max(count, 1), 4), "agree": round(agree / max(count, 1), 4),
+            "positions": int(count)}
+
+
+def train_draft(model, examples: list[Example], heldout: list[Example], recipe: TrainRecipe,
+                deadline: float, tuner: ThreadTuner) -> dict:
+    """Distil the teacher data into ``model`` (in place) until ``recipe.epochs`` or the
+    planned number of steps that fits before ``deadline``. Returns the training figures."""
+    gen = torch.Generator().manual_seed(recipe.seed)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=recipe.lr, betas=(0.9, 0.95))
+    per_epoch = len(_batches(examples, recipe.tokens_per_batch, torch.Generator()))
+    planned = max(recipe.warmup + 1, round(recipe.epochs * per_epoch))
+    total = planned
+    model.train()
+    losses, resp_losses, history = [], [], []
+    t0 = time.monotonic()
+    bar = _bar(total, "draft training", "step")
+    step, epoch = 0, 0
+    while step < total:
+        for batch in _batches(examples, recipe.tokens_per_batch, gen):
+            if step >= total:
+                break
+            if step < recipe.warmup:
+                lr = recipe.lr * (step + 1) / recipe.warmup
+            else:
+                progress = (step - recipe.warmup) / max(1, total - recipe.warmup)
+                lr = recipe.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            t_step = time.perf_counter()
+            ids, mask, rows, tk_ids, tk_p, resp = _collate([examples[i] for i in batch],
+                                                           recipe.prompt_positions)
+            logits = _draft_logits(model, ids, mask, rows)
+            loss = distill_loss(logits, (tk_ids, tk_p), loss="fkl")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(loss.item())  # host sync once per step, for the progress bar
+            tuner.record(time.perf_counter() - t_step, rows.numel())
+            step += 1
+            if step == recipe.warmup:
+                # Plan the rest from the warm-up's pace so the build ends before deadline.
+                pace = (time.monotonic() - t0) / step
+                fit = recipe.warmup + int((deadline - time.monotonic()) / (pace * 1.08))
+                total = max(recipe.warmup + 1, min(planned, fit))
+                if bar is not None:
+                    bar.total = total
+                    bar.refresh()
+                _log(f"{pace:.2f} s/step: {total} steps of {planned} planned "
+                     f"({total / per_epoch:.2f} epochs of {per_epoch} steps)")
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{statistics.fmean(losses[-20:]):.3f}", lr=f"{lr:.1e}",
+                                threads=tuner.current)
+        epoch += 1
+        if heldout:
+            ev = evaluate(model, heldout, recipe.tokens_per_batch)
+            history.append({"step": step, "loss": round(statistics.fmean(losses[-20:]), 4), **ev})
+            _log(f"epoch {epoch}, step {step}: loss {history[-1]['loss']}, held-out "
+                 f"overlap {ev['overlap']}, greedy agreement {ev['agree']}")
+    if bar is not None:
+        bar.close()
+    return {"steps": step, "planned_steps": planned, "steps_per_epoch": per_epoch,
+            "epochs": round(step / per_epoch, 2),
+            "final_loss": round(statistics.fmean(losses[-20:]), 4),
+            "seconds": round(time.monotonic() - t0, 1), "history": history,
+            "threads_final": tuner.current, "thread_switches": tuner.switches}
+
+
+def save_draft(model, path: str, meta: dict) -> None:
+    """``config.json``, fp16 ``model.safetensors`` (tied head left out) and ``build.json``
+    into ``path``, written beside it first and moved into place."""
+    from safetensors.torch import save_file
+
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".chat-draft-", dir=os.path.dirname(path))
+    try:
+        model.config.save_pretrained(tmp)
+        state = {k: v.detach().to(torch.float16).contiguous()
+                 for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "build.json"), "w") as f:
+            json.dump(meta, f, indent=2, sort_keys=True)
+            f.write("\n")
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build(args) -> int:
+    wall0 = time.monotonic()
+    deadline = wall0 + 60.0 * args.minutes
+    data_recipe = DataRecipe(prompts=args.prompts) if args.prompts else DATA
+    target_path = zoo_chat.fetch_target()
+    data_file = _data_file(data_recipe)
+    if args.reuse_data and os.path.isfile(data_file):
+        _log(f"reusing teacher data {data_file}")
+        data = torch.load(data_file, weights_only=True)
+    else:
+        if args.reuse_data:
+            _log(f"no cached teacher data at {data_file}: generating it")
+        # Generation gets its share of the budget; training plans itself into the rest.
+        data = make_data(target_path, data_recipe, wall0 + 60.0 * args.minutes * args.data_share,
+                         args.threads)
+        os.makedirs(cache_dir(), exist_ok=True)
+        torch.save(data, data_file + ".part")
+        os.replace(data_file + ".part", data_file)
+        _log(f"teacher data saved to {data_file}")
+    examples = [Example(**e) for e in data["examples"]]
+    gen = random.Random(TRAIN.seed)
+    order = list(range(len(examples)))
+    gen.shuffle(order)
+    n_held = max(1, round(TRAIN.heldout_fraction * len(examples)))
+    heldout = [examples[i] for i in order[:n_held]]
+    train = [examples[i] for i in order[n_held:]]
+    n_resp = sum(e.tokens.numel() - e.prompt_len for e in train)
+    n_prompt = sum(e.prompt_len - e.start for e in train)
+    _log(f"training on {len(train)} examples ({n_resp} response + {n_prompt} prompt "
+         f"positions), {len(heldout)} held out")
+    target = osd.load_model(target_path)
+    model = init_draft(DRAFT, target, TRAIN.seed)
+    del target
+    before = evaluate(model, heldout, TRAIN.tokens_per_batch)
+    _log(f"initial draft: held-out overlap {before['overlap']}, agreement {before['agree']}")
+    # Leave about 30 s for the last evaluation and saving.
+    info = train_draft(model, train, heldout, TRAIN, deadline - 30.0, ThreadTuner(args.threads))
+    final = evaluate(model, heldout, TRAIN.tokens_per_batch)
+    wall = time.monotonic() - wall0
+    meta = {
+        "target": zoo_chat.FILENAME, "target_sha256": zoo_chat.SHA256,
+        "shape": asdict(DRAFT), "data_recipe": data["recipe"], "train_recipe": asdict(TRAIN),
+        "data": {"examples": len(examples), "train_examples": len(train),
+                 "heldout_examples": len(heldout), "train_response_positions": n_resp,
+                 "train_prompt_positions": n_prompt, "prompts_offered": data["prompts_offered"],
+                 "generation_seconds": data["seconds"],
+                 "generation_stopped_early": data["stopped_early"],
+                 "kinds": dict(collections.Counter(e.kind for e in examples))},
+        "training": info, "heldout_initial": before, "heldout_final": final,
+        "build_seconds": round(wall, 1), "reused_data": bool(args.reuse_data),
+        "minutes_budget": args.minutes, "max_threads": args.threads,
+        "python": platform.python_version(), "torch": torch.__version__,
+        "command": "python scripts/build_chat_draft.py " + " ".join(sys.argv[1:]),
+    }
+    save_draft(model, args.out, meta)
+    _log(f"wrote {args.out} in {wall:.0f} s: final loss {info['final_loss']}, held-out "
+         f"overlap {final['overlap']}, greedy agreement {final['agree']}")
+    return 0
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _forward_costs(target, draft, prompt: list[int], reps: int) -> dict:
+    """Single one-token decode forwards of both models after ``prompt``, interleaved:
+    best and median seconds of each, and the verify forward of 5 tokens."""
+    caches = {}
+    ids = torch.tensor([prompt])
+    models = {"target": target, "draft": draft}
+    with torch.inference_mode():
+        for name, m in models.items():
+            c = m.new_cache(1, len(prompt) + 8)
+            m(ids, c)
+            c.commit(torch.tensor([len(prompt)], dtype=torch.int32), len(prompt))
+            caches[name] = c
+        step, chain = ids[:, -1:], ids[:, -5:]
+        calls = {"target": lambda: target(step, caches["target"]),
+                 "draft": lambda: draft(step, caches["draft"]),
+                 "verify5": lambda: target(chain, caches["target"])}
+        times = {n: [] for n in calls}
+        for _ in range(reps):
+            for n, call in calls.items():
+                t = time.perf_counter()
+                call()
+                times[n].append(time.perf_counter() - t)
+    out = {}
+    for n, ts in times.items():
+        out[n] = {"best_ms": round(min(ts) * 1e3, 3),
+                  "median_ms": round(statistics.median(ts) * 1e3, 3)}
+    out["c_best"] = round(min(times["draft"]) / min(times["target"]), 4)
+    out["c_median"] = round(statistics.median(times["draft"]) / statistics.median(times["target"]), 4)
+    return out
+
+
+def measure(args) -> int:
+    """Plain vs speculative decoding with the draft at ``args.out`` on the eval prompts."""
+    target_path = zoo_chat.fetch_target()
+    target = osd.load_model(target_path)
+    draft = osd.load_model(args.out)
+    tokenizer = load_tokenizer(target_path)
+    texts = eval_prompts()[:args.eval_prompts]
+    prompts = apply_chat_template(tokenizer, [[{"role": "user", "content": t}] for t in texts])
+    params = osd.SamplingParams(max_new_tokens=args.new_tokens)
+    seq = max(map(len, prompts)) + args.new_tokens + 16
+    configs = {"plain": None}
+    for k in args.ks:
+        configs[f"spec k={k}"] = osd.SpecConfig(num_draft_tokens=k)
+    for k in args.lookup_ks:
+        configs[f"spec k={k} + lookup"] = osd.SpecConfig(num_draft_tokens=k, prompt_lookup=True)
+    engines = {name: osd.Engine(target, draft=None if spec is None else draft,
+                                tokenizer=tokenizer, max_batch_size=1, max_seq_len=seq,
+                                spec=spec)
+               for name, spec in configs.items()}
+    # The draft decoding on its own (plain): its tokens/s against the target's gives c too.
+    engines["draft alone"] = osd.Engine(draft, tokenizer=tokenizer, max_batch_size=1,
+                                        max_seq_len=seq)
+    names = list(engines)
+    costs = _forward_costs(target, draft, prompts[0], reps=args.cost_reps)
+    _log(f"forward costs: {json.dumps(costs)}")
+    # Warm-up: one short generation each.
+    for e in engines.values():
+        e.generate([prompts[0]], osd.SamplingParams(max_new_tokens=8))
+        e.reset_stats()
+    secs = {n: 0.0 for n in names}
+    toks = {n: 0 for n in names}
+    per_prompt = []
+    plain_out = {}
+    mismatches = 0
+    bar = _bar(len(prompts) * len(names), "measure", "run")
+    for i, p in enumerate(prompts):
+        order = names[i % len(names):] + names[:i % len(names)]   # rotate the order
+        row = {}
+        for n in order:
+            t = time.perf_counter()
+            out = engines[n].generate([p], params)[0]
+            dt = time.perf_counter() - t
+            secs[n] += dt
+            toks[n] += len(out.token_ids)
+            row[n] = {"tokens": len(out.token_ids), "s": round(dt, 3)}
+            if n == "plain":
+                plain_out[i] = out.token_ids
+            elif n != "draft alone":
+                row[n]["ids"] = out.token_ids
+            if bar is not None:
+                bar.update(1)
+        for n in names:
+            if "ids" in row[n]:
+                mismatches += row[n].pop("ids") != plain_out[i]
+        per_prompt.append(row)
+    if bar is not None:
+        bar.close()
+    results = {}
+    for n in names:
+        st = engines[n].stats
+        r = {"tokens": toks[n], "seconds": round(secs[n], 2),
+             "tokens_per_s": round(toks[n] / secs[n], 2),
+             "vs_plain": round((toks[n] / secs[n]) / (toks["plain"] / secs["plain"]), 3)}
+        if n not in ("plain", "draft alone"):
+            r.update(acceptance=round(st["acceptance_rate"], 4) if st.get("acceptance_rate")
+                     is not None else None,
+                     tau=round(st["mean_accepted_length"], 3),
+                     lookup_steps=st.get("lookup_steps"),
+                     target_forwards=st.get("target_forwards"),
+                     position_acceptance=[None if x is None else round(x, 3)
+                                          for x in st.get("position_acceptance") or []],
+                     time_s={k: round(v, 2) for k, v in st["time_s"].items()})
+        results[n] = r
+    report = {"prompts": len(prompts), "new_tokens": args.new_tokens, "threads":
+              torch.get_num_threads(), "costs": costs, "results": results,
+              "outputs_differ_from_plain": mismatches, "per_prompt": per_prompt,
+              "command": "python scripts/build_chat_draft.py " + " ".join(sys.argv[1:])}
+    print("| decoding | tokens/s | vs plain | greedy acceptance | tau |")
+    print("|---|---|---|---|---|")
+    for n, r in results.items():
+        print(f"| {n} | {r['tokens_per_s']:.1f} | {r['vs_plain']:.2f}x | "
+              f"{r.get('acceptance', '-')} | {r.get('tau', '-')} |")
+    c_e2e = results["plain"]["tokens_per_s"] / results["draft alone"]["tokens_per_s"]
+    report["c_end_to_end"] = round(c_e2e, 4)
+    print(f"c (plain target tokens/s over draft-alone tokens/s) = {c_e2e:.4f}")
+    print(f"c (best of {args.cost_reps}) = {costs['c_best']}, c (median) = {costs['c_median']}; "
+          f"target {costs['target']['best_ms']} ms, draft {costs['draft']['best_ms']} ms, "
+          f"5-token verify {costs['verify5']['best_ms']} ms (best)")
+    print(f"speculative outputs differing from plain greedy: {mismatches}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help="checkpoint directory (default osd/zoo/weights/chat_draft)")
+    parser.add_argument("--minutes", type=float, default=33.0,
+                        help="wall-time budget of the whole build (default 33)")
+    parser.add_argument("--data-share", type=float, default=0.45,
+                        help="share of --minutes after which no new prompt is answered (0.45)")
+    parser.add_argument("--prompts", type=int, default=None,
+                        help=f"chat requests to answer (default {DATA.prompts})")
+    parser.add_argument("--reuse-data", action="store_true",
+                        help="train on the cached teacher data of the same recipe if present")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="most torch CPU threads; the build switches between 1 and this "
+                             "by measured pace (default 2); --measure uses exactly this")
+    parser.add_argument("--measure", action="store_true",
+                        help="measure the draft at --out instead of building")
+    parser.add_argument("--eval-prompts", type=int, default=20, help="with --measure (20)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="with --measure (128)")
+    parser.add_argument("--ks", type=int, nargs="*", default=[3, 4, 5],
+                        help="with --measure: chain lengths (3 4 5)")
+    parser.add_argument("--lookup-ks", type=int, nargs="*", default=[4],
+                        help="with --measure: chain lengths with prompt lookup (4)")
+    parser.add_argument("--cost-reps", type=int, default=30,
+                        help="with --measure: single-forward repetitions for c (30)")
+    parser.add_argument("--json", default=None, help="with --measure: write the report here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    return measure(args) if args.measure else build(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

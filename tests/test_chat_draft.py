@@ -1,0 +1,70 @@
+"""The shipped draft of the chat pair (``osd/zoo/weights/chat_draft``, built by
+``scripts/build_chat_draft.py``): it loads with osd and transformers, shares the
+SmolLM2-135M-Instruct vocabulary, and greedy speculative decoding with it reproduces
+plain greedy decoding. Skipped when the GGUF target is not cached."""
+import json
+import os
+
+import pytest
+import torch
+
+import osd
+from osd.models.loading import load_model
+from osd.zoo import chat as zoo_chat
+
+DRAFT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "osd", "zoo", "weights", "chat_draft")
+
+needs_target = pytest.mark.skipif(zoo_chat.cached_target() is None,
+                                  reason="SmolLM2 GGUF not cached; run osd.zoo.chat_pair() once")
+
+
+def test_checkpoint_files():
+    """config.json (Llama, tied, the target's vocabulary), fp16 safetensors under 40 MB
+    without a separate LM head, and the build record."""
+    from safetensors import safe_open
+
+    with open(os.path.join(DRAFT_DIR, "config.json")) as f:
+        config = json.load(f)
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["vocab_size"] == 49152 and config["tie_word_embeddings"] is True
+    weights = os.path.join(DRAFT_DIR, "model.safetensors")
+    assert os.path.getsize(weights) < 40e6
+    with safe_open(weights, "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F16"}
+    with open(os.path.join(DRAFT_DIR, "build.json")) as f:
+        build = json.load(f)
+    assert build["target_sha256"] == zoo_chat.SHA256
+
+
+def test_osd_matches_transformers():
+    """osd's cacheless forward of the draft equals transformers' on the same checkpoint."""
+    from transformers import LlamaForCausalLM
+
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]])
+    ours = load_model(DRAFT_DIR).forward_train(ids)
+    hf = LlamaForCausalLM.from_pretrained(DRAFT_DIR, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    torch.testing.assert_close(ours, theirs.float(), atol=1e-3, rtol=1e-4)
+
+
+@needs_target
+def test_speculative_equals_plain_greedy():
+    """``Engine.from_pretrained(gguf, draft=DRAFT_DIR)`` works unchanged, and its greedy
+    answer to a chat prompt equals plain greedy decoding token for token; the draft gets
+    some of its proposals accepted."""
+    engine = osd.Engine.from_pretrained(zoo_chat.cached_target(), draft=DRAFT_DIR,
+                                        max_batch_size=1, max_seq_len=256,
+                                        spec=osd.SpecConfig(num_draft_tokens=4))
+    assert engine.draft.vocab_size == engine.model.vocab_size == len(engine.tokenizer)
+    plain = osd.Engine(engine.model, tokenizer=engine.tokenizer, max_batch_size=1,
+                       max_seq_len=256)
+    conv = [[{"role": "user", "content": "Write a Python function that returns the square "
+                                         "of a number."}]]
+    params = osd.SamplingParams(max_new_tokens=32)
+    want = plain.chat(conv, params)[0]
+    got = engine.chat(conv, params)[0]
+    assert got.token_ids == want.token_ids
+    assert engine.stats["accepted"] > 0
