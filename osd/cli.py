@@ -103,12 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first queries also served by the target alone (chat 16, builtin 40)")
     d.add_argument("--static", type=int, default=None,
                    help="last queries also served by the static draft (chat 50, builtin all)")
-    d.add_argument("--max-new-tokens", type=int, default=None, help="chat 64, builtin 32")
+    d.add_argument("--max-new-tokens", type=int, default=None, help="chat 48, builtin 32")
     d.add_argument("-k", type=int, default=None, help="draft tokens per step (default 4)")
     d.add_argument("--seed", type=int, default=0, help="query-stream seed")
     d.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (builtin 1: serving and the learner thread "
-                   "each use one core; chat 2)")
+                   help="torch intra-op threads (default 1: serving and the learner thread "
+                   "each use one core)")
     d.add_argument("--out", default="reports/demo", help="report directory")
     d.set_defaults(func=_demo)
 

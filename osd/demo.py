@@ -52,9 +52,8 @@ class DemoConfig:
     max_new_tokens: int | None = None      # tokens generated per request (greedy)
     num_draft_tokens: int | None = None    # k
     seed: int = 0                          # query-stream seed
-    threads: int | None = None             # torch intra-op threads (builtin: 1, so serving
-                                           # and the learner thread each keep a core busy;
-                                           # chat: 2, the 135M target needs both)
+    threads: int | None = None             # torch intra-op threads (1: serving and the
+                                           # learner thread each keep a core busy)
     out_dir: str = "reports/demo"          # report directory
     online: osd.OnlineConfig | None = None
 
@@ -71,8 +70,8 @@ class DemoConfig:
 
 
 DEFAULTS = {
-    "chat": dict(baseline_requests=16, static_requests=50, max_new_tokens=64,
-                 num_draft_tokens=4, threads=2,
+    "chat": dict(baseline_requests=16, static_requests=50, max_new_tokens=48,
+                 num_draft_tokens=4, threads=1,
                  online=lambda: osd.OnlineConfig(update_every_requests=4, steps_per_update=8,
                                                  lr=5e-4, batch_positions=2048,
                                                  background=True)),
