@@ -4,6 +4,7 @@
     python scripts/build_chat_draft.py --reuse-data       # train again on the cached data
     python scripts/build_chat_draft.py --minutes 4 --prompts 48 --out /tmp/d   # smoke build
     python scripts/build_chat_draft.py --measure          # c, alpha, tau, tokens/s (docs/chat_draft.md)
+    python scripts/build_chat_draft.py --shapes           # decode latency of candidate shapes
 
 The build has three stages, each with a progress bar:
 
@@ -106,11 +107,13 @@ class DataRecipe:
 class TrainRecipe:
     """How the draft is trained."""
 
-    epochs: float = 4.0             # upper bound; the time budget may allow fewer
+    epochs: float = 16.0            # upper bound; the time budget usually allows fewer
     tokens_per_batch: int = 3072    # padded tokens per optimizer step
     lr: float = 2e-3                # peak AdamW learning rate
     warmup: int = 20                # linear warm-up steps (their time plans the rest)
     weight_decay: float = 0.01      # on matrices (not norms)
+    bf16_autocast: bool = True      # bf16 matmuls, fp32 weights (1.75x faster steps here)
+    final_norm_init: float = 0.3    # final RMSNorm weight at init (1.0 starts at loss ~25)
     prompt_positions: bool = True   # also distill the target at prompt positions
     heldout_fraction: float = 0.03  # examples kept out of training for the alpha report
     seed: int = 0
@@ -439,7 +442,8 @@ def teacher_data(model, prompts: list[list[int]], meta: list[Prompt], start: int
         return torch.where(temps > 0, drawn, greedy)
 
     while waiting or active:
-        if waiting and time.monotonic() > deadline:
+        # At least one batch is answered, however late it starts.
+        if waiting and time.monotonic() > deadline and len(waiting) < len(prompts) - B:
             stopped = True
             waiting.clear()
             if not active:
@@ -572,11 +576,14 @@ def llama_config(shape: DraftShape, target_config):
         architectures=["LlamaForCausalLM"])
 
 
-def init_draft(shape: DraftShape, target, seed: int):
+def init_draft(shape: DraftShape, target, seed: int, final_norm: float = 1.0):
     """A fresh transformers ``LlamaForCausalLM`` draft; its tied embedding is the target's
     embedding projected onto its top ``hidden_size`` right singular vectors (uncentred
     PCA), so the draft's head starts as the best rank-``hidden`` approximation of the
-    target's, rescaled to the target's per-entry RMS."""
+    target's, rescaled to the target's per-entry RMS. ``final_norm`` is the initial weight
+    of the final RMSNorm: at init the residual stream is about the current token's
+    embedding, so a large scale makes the draft confidently predict the token it just
+    saw."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -587,6 +594,7 @@ def init_draft(shape: DraftShape, target, seed: int):
     proj *= E.pow(2).mean().sqrt() / proj.pow(2).mean().sqrt()
     with torch.no_grad():
         model.model.embed_tokens.weight.copy_(proj)
+        model.model.norm.weight.fill_(final_norm)
         # Residual branches start small, so the draft starts near its embedding's bigram.
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(0.5 / math.sqrt(shape.num_layers))
@@ -694,7 +702,8 @@ def train_draft(model, examples: list[Example], heldout: list[Example], recipe: 
             t_step = time.perf_counter()
             ids, mask, rows, tk_ids, tk_p, resp = _collate([examples[i] for i in batch],
                                                            recipe.prompt_positions)
-            logits = _draft_logits(model, ids, mask, rows)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.bf16_autocast):
+                logits = _draft_logits(model, ids, mask, rows)
             loss = distill_loss(logits, (tk_ids, tk_p), loss="fkl")
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -748,6 +757,9 @@ def save_draft(model, path: str, meta: dict) -> None:
         with open(os.path.join(tmp, "build.json"), "w") as f:
             json.dump(meta, f, indent=2, sort_keys=True)
             f.write("\n")
+        os.chmod(tmp, 0o755)                          # mkdtemp makes it private
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o644)
         if os.path.isdir(path):
             shutil.rmtree(path)
         os.replace(tmp, path)
@@ -775,6 +787,8 @@ def build(args) -> int:
         os.replace(data_file + ".part", data_file)
         _log(f"teacher data saved to {data_file}")
     examples = [Example(**e) for e in data["examples"]]
+    if len(examples) < 2:
+        raise SystemExit(f"error: only {len(examples)} teacher examples; give more --minutes")
     gen = random.Random(TRAIN.seed)
     order = list(range(len(examples)))
     gen.shuffle(order)
@@ -786,7 +800,7 @@ def build(args) -> int:
     _log(f"training on {len(train)} examples ({n_resp} response + {n_prompt} prompt "
          f"positions), {len(heldout)} held out")
     target = osd.load_model(target_path)
-    model = init_draft(DRAFT, target, TRAIN.seed)
+    model = init_draft(DRAFT, target, TRAIN.seed, TRAIN.final_norm_init)
     del target
     before = evaluate(model, heldout, TRAIN.tokens_per_batch)
     _log(f"initial draft: held-out overlap {before['overlap']}, agreement {before['agree']}")
@@ -805,7 +819,8 @@ def build(args) -> int:
                  "kinds": dict(collections.Counter(e.kind for e in examples))},
         "training": info, "heldout_initial": before, "heldout_final": final,
         "build_seconds": round(wall, 1), "reused_data": bool(args.reuse_data),
-        "minutes_budget": args.minutes, "max_threads": args.threads,
+        "minutes_budget": args.minutes, "data_share": args.data_share,
+        "max_threads": args.threads,
         "python": platform.python_version(), "torch": torch.__version__,
         "command": "python scripts/build_chat_draft.py " + " ".join(sys.argv[1:]),
     }
@@ -847,6 +862,54 @@ def _forward_costs(target, draft, prompt: list[int], reps: int) -> dict:
     out["c_best"] = round(min(times["draft"]) / min(times["target"]), 4)
     out["c_median"] = round(statistics.median(times["draft"]) / statistics.median(times["target"]), 4)
     return out
+
+
+# Draft shapes timed by --shapes: (layers, hidden, heads, KV heads, MLP width).
+SHAPES = [(1, 256, 4, 2, 704), (2, 256, 4, 2, 704), (4, 256, 4, 2, 704), (6, 256, 4, 2, 704),
+          (2, 192, 3, 1, 512), (2, 320, 5, 1, 864), (2, 576, 9, 3, 1536)]
+
+
+def time_shapes(args) -> int:
+    """Single one-token decode forwards (osd, fp32, batch 1, after a 64-token prompt) of
+    randomly initialised drafts of each shape in :data:`SHAPES`, interleaved with the
+    target's: best and median ms, and c = draft / target."""
+    from osd.models.config import ModelConfig
+    from osd.models.llama import DecoderLM
+
+    target = osd.load_model(zoo_chat.fetch_target())
+    models = {"target": target}
+    for layers, hidden, heads, kv, mlp in SHAPES:
+        cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=target.vocab_size,
+                          hidden_size=hidden, intermediate_size=mlp, num_layers=layers,
+                          num_heads=heads, num_kv_heads=kv, head_dim=64,
+                          rope_theta=DRAFT.rope_theta, tie_word_embeddings=True)
+        model = DecoderLM(cfg)
+        model.init_weights(generator=torch.Generator().manual_seed(0))
+        models[f"{layers} x {hidden}, {heads}/{kv} heads, MLP {mlp}"] = model
+    prompt = torch.randint(0, target.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    caches, times = {}, {n: [] for n in models}
+    with torch.inference_mode():
+        for n, m in models.items():
+            caches[n] = m.new_cache(1, 72)
+            m(prompt, caches[n])
+            caches[n].commit(torch.tensor([64], dtype=torch.int32), 64)
+        step = prompt[:, -1:]
+        for _ in range(args.cost_reps):
+            for n, m in models.items():
+                t = time.perf_counter()
+                m(step, caches[n])       # lens unchanged: every repetition decodes position 64
+                times[n].append(time.perf_counter() - t)
+    best_t, med_t = min(times["target"]), statistics.median(times["target"])
+    print(f"threads {torch.get_num_threads()}, best and median of {args.cost_reps} interleaved "
+          f"forwards")
+    print("| model | params | best ms | tokens/s (best) | c (best) | median ms | c (median) |")
+    print("|---|---|---|---|---|---|---|")
+    for n, ts in times.items():
+        params = sum(p.numel() for p in models[n].parameters()) / 1e6
+        print(f"| {n} | {params:.1f}M | {min(ts) * 1e3:.2f} | {1 / min(ts):.0f} | "
+              f"{min(ts) / best_t:.3f} | {statistics.median(ts) * 1e3:.2f} | "
+              f"{statistics.median(ts) / med_t:.3f} |")
+    return 0
 
 
 def measure(args) -> int:
@@ -953,8 +1016,8 @@ def main(argv=None) -> int:
                         help="checkpoint directory (default osd/zoo/weights/chat_draft)")
     parser.add_argument("--minutes", type=float, default=33.0,
                         help="wall-time budget of the whole build (default 33)")
-    parser.add_argument("--data-share", type=float, default=0.45,
-                        help="share of --minutes after which no new prompt is answered (0.45)")
+    parser.add_argument("--data-share", type=float, default=0.4,
+                        help="share of --minutes after which no new prompt is answered (0.4)")
     parser.add_argument("--prompts", type=int, default=None,
                         help=f"chat requests to answer (default {DATA.prompts})")
     parser.add_argument("--reuse-data", action="store_true",
@@ -964,6 +1027,8 @@ def main(argv=None) -> int:
                              "by measured pace (default 2); --measure uses exactly this")
     parser.add_argument("--measure", action="store_true",
                         help="measure the draft at --out instead of building")
+    parser.add_argument("--shapes", action="store_true",
+                        help="time decode forwards of candidate draft shapes and exit")
     parser.add_argument("--eval-prompts", type=int, default=20, help="with --measure (20)")
     parser.add_argument("--new-tokens", type=int, default=128, help="with --measure (128)")
     parser.add_argument("--ks", type=int, nargs="*", default=[3, 4, 5],
@@ -971,10 +1036,12 @@ def main(argv=None) -> int:
     parser.add_argument("--lookup-ks", type=int, nargs="*", default=[4],
                         help="with --measure: chain lengths with prompt lookup (4)")
     parser.add_argument("--cost-reps", type=int, default=30,
-                        help="with --measure: single-forward repetitions for c (30)")
+                        help="with --measure/--shapes: single-forward repetitions for c (30)")
     parser.add_argument("--json", default=None, help="with --measure: write the report here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.shapes:
+        return time_shapes(args)
     return measure(args) if args.measure else build(args)
 
 
