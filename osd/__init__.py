@@ -6,7 +6,8 @@ transformers model; ``Engine.generate(prompts, SamplingParams(...))`` returns on
 """
 from osd import zoo
 from osd.cache import KVCache
-from osd.engine import Engine
+from osd.async_engine import AsyncEngine
+from osd.engine import Engine, RequestError
 from osd.models import DecoderLM, ModelConfig, load_model
 from osd.online.config import OnlineConfig
 from osd.online.router import RouterConfig
@@ -15,6 +16,8 @@ from osd.spec import DynamicTree, SpecConfig
 
 __all__ = [
     "Engine",
+    "AsyncEngine",
+    "RequestError",
     "SamplingParams",
     "Output",
     "SpecConfig",

@@ -23,7 +23,7 @@ import torch
 
 from osd.graphs import StepGraphs, batch_bucket
 from osd.models.llama import DecoderLM
-from osd.sampling import SamplingParams
+from osd.sampling import BatchParams, SamplingParams
 from osd.spec import DynamicTree
 from osd.tree import StaticTree, depths_from_parents, mask_from_parents
 from osd_kernels.philox import philox_uniform_rows
@@ -160,7 +160,8 @@ class ModelDrafter:
         return logits[:, 0]
 
     # -- proposals -----------------------------------------------------------------
-    def propose_chain(self, B: int, k: int, params: SamplingParams, seed: torch.Tensor,
+    def propose_chain(self, B: int, k: int, params: SamplingParams | BatchParams,
+                      seed: torch.Tensor,
                       offset: torch.Tensor, stopper=None) -> ChainProposal:
         """Draft ``k`` tokens per row autoregressively.
 
@@ -170,7 +171,8 @@ class ModelDrafter:
         length) may end rows early; without one, the loop replays a CUDA graph when
         :attr:`graphs` is set.
         """
-        if self.graphs is not None and stopper is None:
+        # Graphs are keyed on the warp scalars: rows with mixed parameters run eagerly.
+        if self.graphs is not None and stopper is None and getattr(params, "uniform", params):
             tokens, probs, raw = self._chain_graphed(B, k, params, seed, offset)
             return ChainProposal(tokens=tokens, probs=probs, logits=raw, num_drafted=None,
                                  max_drafted=k)
@@ -189,7 +191,8 @@ class ModelDrafter:
             logits=torch.stack(raw, 1)[:, :tokens.shape[1]],
             num_drafted=num, max_drafted=max_drafted)
 
-    def _chain(self, B: int, k: int, params: SamplingParams, seed: torch.Tensor,
+    def _chain(self, B: int, k: int, params: SamplingParams | BatchParams,
+                      seed: torch.Tensor,
                offset: torch.Tensor, stopper=None):
         """The draft loop: lists of ``[B]`` tokens, ``[B, V]`` warped q (sampling only) and
         ``[B, V]`` raw logits per position, and the stopper's ``[B]`` counts (or None)."""
@@ -218,7 +221,8 @@ class ModelDrafter:
                 self.cache.commit(self._one[:B], 1)
         return toks, probs, raw, num
 
-    def _chain_graphed(self, B: int, k: int, params: SamplingParams, seed: torch.Tensor,
+    def _chain_graphed(self, B: int, k: int, params: SamplingParams | BatchParams,
+                      seed: torch.Tensor,
                        offset: torch.Tensor):
         """:meth:`_chain` replayed from a CUDA graph of the batch bucket (``osd.graphs``):
         ``tokens [B, k]``, ``probs [B, k, V]`` or None, ``logits [B, k, V]``."""

@@ -1,26 +1,33 @@
-"""``Engine``: plain (non-speculative) batched generation on our runtime.
+"""``Engine``: batched generation, plain or speculative, on our runtime.
 
-Scheduling is continuous refill. The cache has ``max_batch_size`` rows and the active
-sequences always occupy rows ``0 .. B-1``. Each loop iteration either
+Scheduling is continuous batching over **lanes**: one lane per drafter (one for plain
+decoding), each with ``max_batch_size`` rows of the target's KV cache, its running
+requests always in rows ``0 .. B-1``. Requests are submitted to the lane of their draft
+(the router picks it when several drafts learn online) and every :meth:`Engine.step`
+advances every lane:
 
-1. **prefills** waiting requests into the free rows ``B ..`` (a ragged batch padded to its
-   longest prompt, through a row view of the cache, so the running rows are untouched),
-   or, when no row is free or nothing waits,
-2. runs one **decode step** over the ``B`` active rows (one token each);
+1. waiting requests **prefill** into the free rows ``B ..`` (a ragged batch padded to its
+   longest prompt, fed in ``prefill_chunk`` pieces, through a row view of the cache, so
+   the running rows are untouched), and sample their first token;
+2. every running row advances by one **decode step** (one token each) or, with a draft
+   (or ``spec``), one **speculative step** (``osd.speculative``): the drafter proposes a
+   chain or a tree, the target verifies it in one forward, the rejection sampler decides,
+   and both caches roll back in place;
+3. finished (or aborted) requests **retire**: the last running row moves into the hole
+   (one cache row copy), so the hot path never gathers rows.
 
-then **retires** finished sequences: the last active row moves into the hole (one cache
-row copy), so the hot path never gathers rows. Every request samples with its own seeded
-``torch.Generator``, so its output does not depend on which requests share its batch.
-
-With a draft (or ``spec``), step 2 is a **speculative step** instead (``osd.speculative``):
-the drafter proposes a chain or a tree, the target verifies it in one forward, the
-rejection sampler decides, and both caches roll back in place. With ``online``, the draft
-learns from the target's verdicts while serving (``osd.online``); with several drafts a
-router picks one per request and requests are served in groups by draft.
+Each request carries its own :class:`~osd.SamplingParams` and Philox seed, and each of its
+draws is keyed on its own token position, so its tokens do not depend on which requests
+share its batch. With ``online``, the drafts learn from the target's verdicts while
+serving (``osd.online``). :meth:`Engine.generate` and :meth:`Engine.stream` submit and step
+until their requests finish; ``osd.AsyncEngine`` steps the lanes from a background thread
+while requests come and go.
 
 The context limit is ``max_seq_len`` tokens per sequence, prompt included: a prompt must
 leave room for one generated token, and generation stops with ``finish_reason="length"``
-when the sequence reaches ``max_seq_len``.
+when the sequence reaches ``max_seq_len``. A row whose target logits turn non-finite
+fails alone (``finish_reason="error"``); a step that raises fails its lane's running
+requests, and the engine serves on.
 """
 from __future__ import annotations
 
@@ -35,16 +42,23 @@ import time
 import torch
 
 from osd.drafters import ModelDrafter, NGramDrafter
+from osd.cache import KVCache
 from osd.graphs import StepGraphs, graphed_forward
 from osd.models.llama import DecoderLM
 from osd.models.loading import is_transformers_model, load_model, load_tokenizer
 from osd.online.config import OnlineConfig
 from osd.online.serving import OnlineManager
-from osd.sampling import Output, SamplingParams, request_seed, sample_tokens
+from osd.sampling import (BatchParams, Output, SamplingParams, fail_nonfinite, request_seed,
+                          sample_tokens)
 from osd.spec import SpecConfig
 from osd.speculative import Speculator
 from osd.stats import SpecStats
 from osd.tree import StaticTree
+
+
+class RequestError(RuntimeError):
+    """A request failed while it ran (non-finite target logits, a failed step); the
+    engine and the other requests go on."""
 
 
 @dataclasses.dataclass
@@ -56,8 +70,11 @@ class RequestState:
     max_new_tokens: int
     stop_ids: frozenset[int]          # EOS ids and the request's stop ids
     seed: int                         # Philox seed of all its sampling (request_seed)
+    params: SamplingParams | None = None   # its own sampling parameters
     generated: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None          # why it failed (finish_reason "error")
+    error_kind: str | None = None     # its kind, counted in Engine.stats["errors"]
     draft_index: int = 0              # which draft serves it (routing)
     spec_steps: int = 0               # speculative steps so far (the Philox offset)
     spec_stats: SpecStats | None = None
@@ -80,6 +97,22 @@ class RequestState:
             self.finish_reason = "stop"
         elif len(self.generated) >= self.max_new_tokens or self.length >= max_seq_len:
             self.finish_reason = "length"
+
+    def fail(self, message: str, kind: str = "nonfinite_logits") -> None:
+        """End the request with ``finish_reason = "error"``; it teaches no draft."""
+        self.finish_reason, self.error, self.error_kind = "error", message, kind
+
+
+@dataclasses.dataclass
+class Lane:
+    """The cache rows of one draft's requests (or of plain decoding): ``active[b]``
+    occupies row ``b`` of ``cache`` (and of the draft's own cache), rows ``0 .. B-1``."""
+
+    cache: KVCache
+    next_tokens: torch.Tensor              # [max_batch_size] int64, each row's last token
+    speculator: Speculator | None = None
+    active: list[RequestState] = dataclasses.field(default_factory=list)
+    waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
 
 
 class Engine:
@@ -156,11 +189,19 @@ class Engine:
         self.spec = spec
         # Speculative steps write up to a whole tree past a row's length: room for it.
         self._headroom = 0 if spec is None else _spec_width(spec) + 2
-        self.cache = model.new_cache(max_batch_size, max_seq_len + self._headroom)
-        self.speculators: list[Speculator] = []
-        if spec is not None:
-            self.speculators = [Speculator(self, spec, d)
-                                for d in self._make_drafters(spec, drafts, online is not None)]
+        # One lane (target cache rows) per drafter, so requests of every draft are served
+        # in the same steps; plain decoding has one lane without a speculator.
+        drafters = [None] if spec is None else \
+            self._make_drafters(spec, drafts, online is not None)
+        self.lanes = [Lane(model.new_cache(max_batch_size, max_seq_len + self._headroom),
+                           torch.zeros(max_batch_size, dtype=torch.int64, device=self.device))
+                      for _ in drafters]
+        for lane, drafter in zip(self.lanes, drafters):
+            if drafter is not None:
+                lane.speculator = Speculator(self, spec, drafter, lane.cache, lane.next_tokens)
+        self.speculators: list[Speculator] = [lane.speculator for lane in self.lanes
+                                              if lane.speculator is not None]
+        self.cache = self.lanes[0].cache
         self.graphs: StepGraphs | None = None
         if cuda_graphs and (spec is None or spec.cuda_graphs) and self.device.type == "cuda":
             self.use_graphs(StepGraphs(self.device))
@@ -174,13 +215,14 @@ class Engine:
                 sp.collect_prompt = online.prompt_positions
                 sp.on_swap = (lambda i=i: self.online.swap(i))
         self._wall, self._generated, self._requests_served = 0.0, 0, 0
-        # One generate/stream call at a time: they share the caches and the rows.
+        self.errors: collections.Counter = collections.Counter()   # failures by kind
+        self._aborted = 0
+        self.last_error: str | None = None
+        # One caller steps the lanes at a time (generate, stream, AsyncEngine's loop).
         self._call_lock = threading.Lock()
         self._call_owner: int | None = None
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
         self._ones = torch.ones(max_batch_size, dtype=torch.int32, device=self.device)
-        # next_tokens[b]: the last sampled token of row b, the input of its next decode.
-        self._next_tokens = torch.zeros(max_batch_size, dtype=torch.int64, device=self.device)
 
     def _make_drafters(self, spec: SpecConfig, drafts: list[DecoderLM], learning: bool) -> list:
         """The drafters of ``spec``. Self-speculation drafts with the target's own layers,
@@ -281,35 +323,57 @@ class Engine:
             out.append(ids)
         return out
 
-    def _requests(self, prompts, params: SamplingParams) -> list[RequestState]:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be an osd.SamplingParams, got {type(params).__name__}")
-        token_lists = self.encode(prompts)
-        base_seed = params.seed if params.seed is not None else \
-            int(torch.randint(0, 2**62, (1,)))
-        stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids or ())
-        return [RequestState(i, ids, params.max_new_tokens, stop_ids,
-                             request_seed(base_seed, i))
-                for i, ids in enumerate(token_lists)]
+    def requests(self, prompts, params: SamplingParams | list[SamplingParams],
+                 base_index: int = 0) -> list[RequestState]:
+        """Validated :class:`RequestState` objects for ``prompts``, each with its own
+        sampling parameters (``params``: one for all, or one per prompt) and Philox seed.
+        Bad input raises ValueError / TypeError naming the problem (counted in
+        ``stats["errors"]["bad_request"]``)."""
+        try:
+            per = list(params) if isinstance(params, (list, tuple)) else None
+            for p in per if per is not None else [params]:
+                if not isinstance(p, SamplingParams):
+                    raise TypeError(f"params must be an osd.SamplingParams, got "
+                                    f"{type(p).__name__}")
+            token_lists = self.encode(prompts)
+            if per is not None and len(per) != len(token_lists):
+                raise ValueError(f"got {len(per)} SamplingParams for {len(token_lists)} prompts")
+        except (TypeError, ValueError) as e:
+            self._count_error("bad_request", e)
+            raise
+        out = []
+        for i, ids in enumerate(token_lists):
+            p = per[i] if per is not None else params
+            base_seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,)))
+            stop_ids = self.eos_token_ids | frozenset(p.stop_token_ids or ())
+            # A shared seed is spread over the prompts; a prompt's own seed is its alone.
+            out.append(RequestState(base_index + i, ids, p.max_new_tokens, stop_ids,
+                                    request_seed(base_seed, 0 if per else base_index + i), p))
+        return out
 
-    def generate(self, prompts, params: SamplingParams) -> list[Output]:
+    _requests = requests
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams]) -> list[Output]:
         """Generate a continuation of every prompt.
 
         Args:
             prompts: a list of prompts, each a list of token ids or (with a tokenizer) a
                 string.
-            params: :class:`~osd.SamplingParams`, shared by all prompts.
+            params: :class:`~osd.SamplingParams` shared by all prompts (prompt ``i``
+                samples with ``request_seed(seed, i)``), or a list with one per prompt (each
+                sampled as it would be alone; rows with different parameters share the
+                batch).
 
         Returns:
-            One :class:`~osd.Output` per prompt, in order.
+            One :class:`~osd.Output` per prompt, in order. A request whose target logits
+            turn non-finite ends with ``finish_reason="error"`` and ``error`` set; the
+            others are unaffected.
         """
-        requests = self._requests(prompts, params)
-        with self._exclusive(), contextlib.closing(self._serve(requests, params)) as steps:
-            while True:
-                with torch.inference_mode():
-                    if next(steps, None) is None:
-                        break
-        return [self._output(r) for r in requests]
+        requests = self.requests(prompts, params)
+        with self._exclusive():
+            for _ in self.run(requests):
+                pass
+        return [self.output(r) for r in requests]
 
     def chat(self, conversations, params: SamplingParams) -> list[Output]:
         """Answer each conversation: its messages formatted with the tokenizer's chat
@@ -335,25 +399,23 @@ class Engine:
         """Generate one prompt, yielding each step's new token ids (a list) as soon as the
         target has accepted them: one token per step for plain decoding, up to k + 1 with
         speculation."""
-        requests = self._requests([prompt], params)
+        requests = self.requests([prompt], params)
         r = requests[0]
         seen = 0
-        with self._exclusive(), contextlib.closing(self._serve(requests, params)) as steps:
-            while True:
-                with torch.inference_mode():
-                    done = next(steps, None) is None
+        with self._exclusive(), contextlib.closing(self.run(requests)) as steps:
+            for _ in steps:
                 if len(r.generated) > seen:
                     yield list(r.generated[seen:])
                     seen = len(r.generated)
-                if done:
-                    return
+        if r.finish_reason == "error":
+            raise RequestError(r.error)
 
     @contextlib.contextmanager
     def _exclusive(self):
-        """Serialize :meth:`generate` and :meth:`stream` calls across threads: a call
-        waits until the running one (a stream: until it is exhausted or closed) is done.
-        Each call then serves exactly what it would serve alone. A thread that is already
-        inside a call (iterating a stream) gets a RuntimeError instead of a deadlock."""
+        """Serialize callers that step the lanes (:meth:`generate`, :meth:`stream`,
+        ``AsyncEngine``) across threads: a call waits until the running one (a stream: until
+        it is exhausted or closed) is done. A thread that is already inside a call
+        (iterating a stream) gets a RuntimeError instead of a deadlock."""
         me = threading.get_ident()
         if self._call_owner == me:
             raise RuntimeError("this thread is already inside a generate/stream call of this "
@@ -365,54 +427,118 @@ class Engine:
             finally:
                 self._call_owner = None
 
-    def _serve(self, requests: list[RequestState], params: SamplingParams):
-        """The serving loop as a generator: yields after every prefill or decode step."""
-        t0 = time.perf_counter()
-        groups: dict[int, list[RequestState]] = collections.defaultdict(list)
+    def run(self, requests: list[RequestState]):
+        """Submit ``requests`` and step until all of them are finished, yielding after
+        every step. Closing the generator early, or an exception, aborts the ones still
+        running (their rows are freed); the caller must hold :meth:`_exclusive`."""
+        self.submit(requests)
+        try:
+            while any(r.finish_reason is None for r in requests):
+                self.step()
+                yield
+        finally:
+            self.abort([r for r in requests if r.finish_reason is None])
+
+    def submit(self, requests: list[RequestState]) -> None:
+        """Queue ``requests``; each joins its draft's lane at the next :meth:`step`."""
         for r in requests:
             r.draft_index = self.online.choose(r.prompt) if self.online is not None else 0
-            groups[r.draft_index].append(r)
-        for d in sorted(groups):
-            spec = self.speculators[d] if self.speculators else None
-            waiting = collections.deque(groups[d])
-            active: list[RequestState] = []          # active[b] occupies cache row b
-            self.cache.reset()
-            if spec is not None:
-                spec.reset()
-            while waiting or active:
-                free = self.max_batch_size - len(active)
-                if waiting and free > 0:
-                    new = [waiting.popleft() for _ in range(min(free, len(waiting)))]
-                    start = len(active)
-                    prompt_logits = self.prefill(new, start_row=start, params=params,
-                                                 prompt_positions=spec.collect_prompt
-                                                 if spec is not None else 0)
-                    if spec is not None:
-                        spec.prefill(new, start, self._next_tokens[start:start + len(new)],
-                                     prompt_logits)
-                    active += new
-                elif spec is not None:
-                    spec.step(active, params)
-                else:
-                    self.decode_step(active, params)
-                self.retire(active, spec)
-                yield True
-        self._wall += time.perf_counter() - t0
-        self._generated += sum(len(r.generated) for r in requests)
-        self._requests_served += len(requests)
+            self.lanes[r.draft_index].waiting.append(r)
 
-    def prefill(self, new: list[RequestState], start_row: int, params: SamplingParams,
-                prompt_positions: int = 0) -> torch.Tensor | None:
-        """Run the prompts of ``new`` into cache rows ``start_row ..`` and sample each one's
-        first token. ``prompt_positions = m > 0``: return the logits at each prompt's last
-        ``m`` positions ``[n, m, V]`` (oldest first; a shorter prompt's row starts with
-        copies of its position 0), which online learning keeps; otherwise None."""
+    def abort(self, requests: list[RequestState]) -> None:
+        """End ``requests`` with ``finish_reason="abort"`` now: waiting ones are dropped,
+        running ones leave their rows (cache rows freed at once)."""
+        doomed = {id(r) for r in requests}
+        for r in requests:
+            if r.finish_reason is None:
+                r.finish_reason = "abort"
+        for lane in self.lanes:
+            lane.waiting = collections.deque(r for r in lane.waiting if id(r) not in doomed)
+            if any(id(r) in doomed for r in lane.active):
+                self.retire(lane.active, lane=lane)
+
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        return any(lane.active or lane.waiting for lane in self.lanes)
+
+    def step(self) -> None:
+        """One scheduling step over every lane: waiting requests fill the free rows
+        (prefill, first token sampled), then every running row advances by one decode or
+        speculative step, and finished rows leave. Each row samples with its own
+        parameters, seed and offset, so its tokens do not depend on what shares the batch.
+
+        A lane whose step raises fails its running requests (``finish_reason="error"``),
+        starts empty, and the exception propagates; the other lanes keep their state.
+        """
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                for lane in self.lanes:
+                    try:
+                        self._step_lane(lane)
+                    except Exception as e:
+                        self._reset_lane(lane, e)
+                        raise
+        finally:
+            self._wall += time.perf_counter() - t0
+
+    def _step_lane(self, lane: Lane) -> None:
+        spec = lane.speculator
+        free = self.max_batch_size - len(lane.active)
+        if lane.waiting and free > 0:
+            new = [lane.waiting.popleft() for _ in range(min(free, len(lane.waiting)))]
+            if not lane.active:
+                lane.cache.reset()
+                if spec is not None:
+                    spec.reset()
+            start = len(lane.active)
+            lane.active += new
+            prompt_logits = self.prefill(new, start_row=start, lane=lane,
+                                         prompt_positions=spec.collect_prompt
+                                         if spec is not None else 0)
+            if spec is not None:
+                spec.prefill(new, start, lane.next_tokens[start:start + len(new)],
+                             prompt_logits)
+            self.retire(lane.active, lane=lane)
+        if not lane.active:
+            return
+        params = BatchParams([r.params for r in lane.active], self.device)
+        if spec is not None:
+            spec.step(lane.active, params)
+        else:
+            self.decode_step(lane.active, params, lane=lane)
+        self.retire(lane.active, lane=lane)
+
+    def _reset_lane(self, lane: Lane, error: Exception) -> None:
+        """After a failed step: fail the lane's running requests and empty its rows."""
+        message = f"the engine step failed: {type(error).__name__}: {error}"
+        for r in lane.active:
+            if r.finish_reason is None:
+                r.fail(message, "step_error")
+        self.last_error = message
+        self.retire(lane.active, lane=lane)
+        lane.cache.reset()
+        if lane.speculator is not None:
+            lane.speculator.reset()
+
+    def _count_error(self, kind: str, error) -> None:
+        self.errors[kind] += 1
+        self.last_error = f"{kind}: {error}"
+
+    def prefill(self, new: list[RequestState], start_row: int, prompt_positions: int = 0,
+                lane: Lane | None = None) -> torch.Tensor | None:
+        """Run the prompts of ``new`` into cache rows ``start_row ..`` of ``lane`` (default
+        the first) and sample each one's first token with its own parameters.
+        ``prompt_positions = m > 0``: return the logits at each prompt's last ``m``
+        positions ``[n, m, V]`` (oldest first; a shorter prompt's row starts with copies of
+        its position 0), which online learning keeps; otherwise None."""
+        lane = lane or self.lanes[0]
         n, longest = len(new), max(len(r.prompt) for r in new)
         ids = torch.zeros(n, longest, dtype=torch.int64)
         for b, r in enumerate(new):
             ids[b, :len(r.prompt)] = torch.tensor(r.prompt)
         prompt_lens = torch.tensor([len(r.prompt) for r in new], device=self.device)
-        rows = self.cache.rows(start_row, n)
+        rows = lane.cache.rows(start_row, n)
         rows.reset()
         m = min(prompt_positions, longest)
         width = max(m, 1)
@@ -421,21 +547,26 @@ class Engine:
         # In pieces of model.config.prefill_chunk tokens; commits rows.lens = prompt_lens.
         logits = self.model.prefill(ids.to(self.device), rows, prompt_lens,
                                     logits_index=index)                   # [n, m or 1, V]
-        self.cache.set_bound(max(self.cache.bound, longest))
-        tokens = sample_tokens(logits[:, -1], params, *self._sampling_keys(new))
-        self._next_tokens[start_row:start_row + n] = tokens
+        lane.cache.set_bound(max(lane.cache.bound, longest))
+        fail_nonfinite(new, logits)
+        tokens = sample_tokens(logits[:, -1], BatchParams([r.params for r in new], self.device),
+                               *self._sampling_keys(new))
+        lane.next_tokens[start_row:start_row + n] = tokens
         self._record(new, tokens)
         return logits if m > 0 else None
 
-    def decode_step(self, active: list[RequestState], params: SamplingParams) -> None:
-        """One token for every active row."""
+    def decode_step(self, active: list[RequestState], params: BatchParams,
+                    lane: Lane | None = None) -> None:
+        """One token for every active row of ``lane`` (default the first)."""
+        lane = lane or self.lanes[0]
         B = len(active)
-        ids = self._next_tokens[:B, None]
-        logits = (self.model(ids, self.cache) if self.graphs is None
-                  else graphed_forward(self.graphs, self.model, self.cache, ids))
-        self.cache.commit(self._ones[:B], 1)
+        ids = lane.next_tokens[:B, None]
+        logits = (self.model(ids, lane.cache) if self.graphs is None
+                  else graphed_forward(self.graphs, self.model, lane.cache, ids))
+        lane.cache.commit(self._ones[:B], 1)
+        fail_nonfinite(active, logits)
         tokens = sample_tokens(logits[:, 0], params, *self._sampling_keys(active))
-        self._next_tokens[:B] = tokens
+        lane.next_tokens[:B] = tokens
         self._record(active, tokens)
 
     def _sampling_keys(self, requests: list[RequestState]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -449,28 +580,43 @@ class Engine:
         # The one host sync per step: the stop check (EOS, stop ids, lengths) needs the
         # sampled ids on the host, and Output.token_ids collects them there anyway.
         for r, t in zip(requests, tokens.tolist()):
-            r.append(t, self.max_seq_len)
+            if r.finish_reason is None:
+                r.append(t, self.max_seq_len)
 
-    def retire(self, active: list[RequestState], speculator: Speculator | None = None) -> None:
-        """Drop finished sequences, moving the last active row into each hole (in the
-        draft's cache too), hand finished requests to online learning, and tighten the
-        cache's host-side length bound to the exact longest cached sequence."""
+    def retire(self, active: list[RequestState], speculator: Speculator | None = None,
+               lane: Lane | None = None) -> None:
+        """Drop finished sequences from ``lane`` (default the first; ``active`` is its
+        list), moving the last active row into each hole (in the draft's cache too), hand
+        requests that finished normally to online learning, and tighten the cache's
+        host-side length bound to the exact longest cached sequence."""
+        lane = lane or self.lanes[0]
+        speculator = speculator or lane.speculator
         for b in reversed(range(len(active))):
-            if active[b].finish_reason is None:
+            r = active[b]
+            if r.finish_reason is None:
                 continue
-            if self.online is not None:
-                st = active[b].spec_stats
-                alpha = st.alpha if st.alpha is not None else st.acceptance_rate
-                self.online.finish(active[b], active[b].draft_index, alpha)
+            if self.online is not None and r.finish_reason != "error":
+                st = r.spec_stats
+                alpha = None if st is None else \
+                    st.alpha if st.alpha is not None else st.acceptance_rate
+                self.online.finish(r, r.draft_index, alpha)
+            if r.finish_reason == "error":
+                self.errors[r.error_kind] += 1
+                self.last_error = f"{r.error_kind}: {r.error}"
+            elif r.finish_reason == "abort":
+                self._aborted += 1
+            r.teacher = []                # the learner has its copy; free it now
+            self._generated += len(r.generated)
+            self._requests_served += 1
             last = len(active) - 1
             if b != last:
-                self.cache.move_row(last, b)
+                lane.cache.move_row(last, b)
                 if speculator is not None:
                     speculator.move_row(last, b)
-                self._next_tokens[b] = self._next_tokens[last]
+                lane.next_tokens[b] = lane.next_tokens[last]
                 active[b] = active[last]
             active.pop()
-        self.cache.set_bound(max((r.cached_length for r in active), default=0))
+        lane.cache.set_bound(max((r.cached_length for r in active), default=0))
 
     @property
     def stats(self) -> dict:
@@ -492,6 +638,14 @@ class Engine:
         if self.graphs is not None:
             out["cuda_graphs"] = {"graphs": len(self.graphs.entries),
                                   "replays": self.graphs.replays}
+        errors = dict(self.errors)
+        if self.online is not None and hasattr(self.online, "faults"):
+            errors.update({f"online_{k}": v for k, v in self.online.faults().items() if v})
+        out["errors"] = errors
+        out["last_error"] = self.last_error
+        out["aborted"] = self._aborted
+        out["running"] = sum(len(lane.active) for lane in self.lanes)
+        out["waiting"] = sum(len(lane.waiting) for lane in self.lanes)
         return out
 
     def use_graphs(self, graphs: StepGraphs | None) -> None:
@@ -510,13 +664,16 @@ class Engine:
         for sp in self.speculators:
             sp.stats = SpecStats()
         self._wall, self._generated, self._requests_served = 0.0, 0, 0
+        self.errors.clear()
+        self._aborted, self.last_error = 0, None
 
     def close(self) -> None:
         """Finish pending online updates and stop the learner threads."""
         if self.online is not None:
             self.online.close()
 
-    def _output(self, r: RequestState) -> Output:
+    def output(self, r: RequestState) -> Output:
+        """The :class:`~osd.Output` of ``r`` as it stands (a snapshot while it runs)."""
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(r.generated, skip_special_tokens=True)
@@ -524,7 +681,7 @@ class Engine:
         if stats is not None:
             stats["draft_index"] = r.draft_index
         return Output(token_ids=list(r.generated), text=text, finish_reason=r.finish_reason,
-                      stats=stats)
+                      stats=stats, prompt_token_ids=list(r.prompt), error=r.error)
 
 
 def _layer_subset(model: DecoderLM, skip: frozenset[int]) -> DecoderLM:

@@ -177,6 +177,6 @@ def graphed_forward(graphs: StepGraphs, model, cache, inputs: torch.Tensor,
         cache.bound = cache.capacity - T   # capture with the widest key range
         return lambda: setattr(cache, "bound", saved)
 
-    logits = graphs.run(("forward", id(model), Bb, T, tree), build, fill,
+    logits = graphs.run(("forward", id(model), id(cache), Bb, T, tree), build, fill,
                         host_state=host_state)
     return logits[:B]

@@ -15,7 +15,7 @@ import torch
 
 import osd_kernels
 
-FINISH_REASONS = ("stop", "length")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 def _as_int(name: str, value) -> int:
@@ -83,21 +83,64 @@ class SamplingParams:
 
 @dataclasses.dataclass
 class Output:
-    """One generated sequence.
+    """One generated sequence (or, from ``osd.AsyncEngine``, a snapshot of one).
 
     Attributes:
         token_ids: generated ids, prompt excluded, stop token included.
         text: ``token_ids`` decoded (special tokens skipped) when a tokenizer exists.
-        finish_reason: ``"stop"`` (EOS or a stop token) or ``"length"`` (``max_new_tokens``
-            or the maximum context reached).
+        finish_reason: ``"stop"`` (EOS or a stop token), ``"length"`` (``max_new_tokens``
+            or the maximum context reached), ``"abort"`` (aborted), ``"error"`` (the
+            request failed: see ``error``); None in an unfinished snapshot.
         stats: per-request speculative statistics (``osd.stats.SpecStats.as_dict``), or
             None for plain decoding.
+        prompt_token_ids: the prompt's ids.
+        error: why the request failed (``finish_reason == "error"``), else None.
     """
 
     token_ids: list[int]
     text: str | None
-    finish_reason: str
+    finish_reason: str | None
     stats: dict | None = None
+    prompt_token_ids: list[int] | None = None
+    error: str | None = None
+
+
+class BatchParams:
+    """The sampling parameters of a batch's rows, in the form the kernels take.
+
+    ``temperature``, ``top_k``, ``top_p`` are numbers when every row shares them
+    (``uniform`` is then that :class:`SamplingParams`) and ``[B]`` tensors on ``device``
+    otherwise; a row with temperature 0 is greedy. ``greedy``: every row is greedy.
+    """
+
+    def __init__(self, params: Sequence[SamplingParams], device) -> None:
+        first = params[0]
+        key = (first.temperature, first.top_k, first.top_p)
+        same = all((p.temperature, p.top_k, p.top_p) == key for p in params)
+        self.uniform: SamplingParams | None = first if same else None
+        self.greedy = all(p.greedy for p in params)
+        if same:
+            self.temperature, self.top_k, self.top_p = key
+        else:
+            self.temperature = torch.tensor([p.temperature for p in params],
+                                            dtype=torch.float32).to(device)
+            self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int32).to(device)
+            self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)
+
+    def per_row(self, B: int, device) -> dict:
+        """``temperature``, ``top_k``, ``top_p`` as ``[B]`` tensors (the kernels' form)."""
+        if self.uniform is None:
+            return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+        return {"temperature": torch.full((B,), self.temperature, device=device),
+                "top_k": torch.full((B,), self.top_k, dtype=torch.int32, device=device),
+                "top_p": torch.full((B,), self.top_p, device=device)}
+
+    def repeat(self, times: int) -> tuple:
+        """``(temperature, top_k, top_p)`` for ``B * times`` rows (each row repeated)."""
+        if self.uniform is not None:
+            return self.temperature, self.top_k, self.top_p
+        return tuple(t.repeat_interleave(times) for t in (self.temperature, self.top_k,
+                                                          self.top_p))
 
 
 # The plain sampler's Philox key is the request's seed XOR this constant, so its draws are
@@ -121,17 +164,18 @@ def request_seed(base_seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & SEED_MASK
 
 
-def sample_tokens(logits: torch.Tensor, params: SamplingParams, seeds: torch.Tensor,
+def sample_tokens(logits: torch.Tensor, params: SamplingParams | BatchParams, seeds: torch.Tensor,
                   offsets: torch.Tensor) -> torch.Tensor:
     """Next tokens ``[B]`` int64 from ``logits [B, V]``, on the device, no host sync.
 
-    Greedy when ``params.temperature == 0`` (argmax, lowest index on ties). Otherwise one
-    draw per row from ``warp_probs(logits, temperature, top_k, top_p)`` by the exponential
-    race of ``osd_kernels.rejection_sample`` with no drafts (its bonus token), keyed on
-    Philox ``(seeds[b] ^ PLAIN_KEY, offsets[b])``: the same logits, seed and offset give the
-    same token on every device and backend, eager or in a CUDA graph.
+    Greedy rows (temperature 0) take the argmax (lowest index on ties). Other rows draw once
+    from ``warp_probs(logits, temperature, top_k, top_p)`` by the exponential race of
+    ``osd_kernels.rejection_sample`` with no drafts (its bonus token), keyed on Philox
+    ``(seeds[b] ^ PLAIN_KEY, offsets[b])``: the same logits, seed and offset give the same
+    token on every device and backend, eager or in a CUDA graph.
 
     Args:
+        params: one :class:`SamplingParams` for every row, or the rows' :class:`BatchParams`.
         seeds: ``[B]`` int64 request seeds (:func:`request_seed`).
         offsets: ``[B]`` int64, a fresh value per draw of a request (its token position).
     """
@@ -143,3 +187,13 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, seeds: torch.Ten
         logits[:, None], none, temperature=params.temperature, top_k=params.top_k,
         top_p=params.top_p, seed=seeds ^ PLAIN_KEY, offset=offsets)
     return out[:, 0]
+
+
+def fail_nonfinite(requests, logits: torch.Tensor) -> None:
+    """Fail each request (``request.fail``) whose row of ``logits [B, ...]`` holds NaN or
+    inf: its tokens would be arbitrary, and its distributions must not teach a draft. The
+    other rows are independent of it and go on. One host sync."""
+    bad = (~torch.isfinite(logits)).flatten(1).any(1).tolist()
+    for r, b in zip(requests, bad):
+        if b and r.finish_reason is None:
+            r.fail("the target model produced non-finite logits (NaN or inf) for this request")

@@ -26,7 +26,7 @@ import osd_kernels
 from osd.drafters import ModelDrafter, NGramDrafter
 from osd.graphs import StepGraphs, graphed_forward
 from osd.online.buffer import compress_target
-from osd.sampling import SamplingParams
+from osd.sampling import BatchParams, fail_nonfinite
 from osd.spec import SpecConfig
 from osd.stats import SpecStats
 from osd_kernels.warp import warp_probs
@@ -102,13 +102,18 @@ class Speculator:
     """Runs speculative steps for an :class:`~osd.Engine` (its target, cache and roots).
 
     Args:
-        engine: the owning engine (``model``, ``cache``, ``_next_tokens``, ``device``).
+        engine: the owning engine (``model``, ``device``, ``max_seq_len``).
         spec: :class:`~osd.SpecConfig`.
         drafter: a :class:`ModelDrafter` or :class:`NGramDrafter`.
+        cache: the target's KV cache of the rows this speculator serves.
+        next_tokens: ``[max_batch_size]`` int64, row ``b``'s last sampled token (the root
+            of its next step).
     """
 
-    def __init__(self, engine, spec: SpecConfig, drafter):
+    def __init__(self, engine, spec: SpecConfig, drafter, cache, next_tokens: torch.Tensor):
         self.engine = engine
+        self.cache = cache
+        self.next_tokens = next_tokens
         self.spec = spec
         self.drafter = drafter
         self.stats = SpecStats()
@@ -130,6 +135,7 @@ class Speculator:
         """New rows ``start_row ..``; ``prompt_logits [n, m, V]`` (the target's logits at
         each prompt's last ``m`` positions, when :attr:`collect_prompt` is ``m``) become the
         requests' first teacher positions ``len(prompt) - m + 1 .. len(prompt)``."""
+        self.stats.requests += len(requests)
         for r in requests:
             r.spec_steps = 0
             r.spec_stats = SpecStats(requests=1)
@@ -153,14 +159,17 @@ class Speculator:
             self.drafter.reset()
 
     # -- one step ----------------------------------------------------------------------
-    def step(self, active, params: SamplingParams) -> None:
-        """One speculative step over ``active`` (row ``b`` is ``active[b]``)."""
+    def step(self, active, params: BatchParams) -> None:
+        """One speculative step over ``active`` (row ``b`` is ``active[b]``) sampled with
+        the rows' ``params``. A row whose target logits are not finite fails
+        (``finish_reason = "error"``); it emits nothing and teaches nothing."""
         if self.on_swap is not None:
             self.on_swap()                           # between steps, never within one
         eng = self.engine
         B = len(active)
         dev = eng.device
-        roots = eng._next_tokens[:B]
+        cache = self.cache
+        roots = self.next_tokens[:B]
         t0 = time.perf_counter()
         sampling = self._sampling_tensors(active, params, dev)
         tree = self.spec.tree
@@ -186,7 +195,7 @@ class Speculator:
             mask = depths = None
             drafted = prop.num_drafted
         t1 = time.perf_counter()
-        lens_before = eng.cache.lens[:B].clone()
+        lens_before = cache.lens[:B].clone()
         logits = self._verify(inputs, mask, depths)                            # [B, T, V]
         t2 = time.perf_counter()
         if tree is not None:
@@ -198,20 +207,21 @@ class Speculator:
         t3 = time.perf_counter()
         keep = (n + 1).to(torch.int32)
         if tree is not None:
-            eng.cache.commit_tree(path, keep, prop.max_depth + 1)
+            cache.commit_tree(path, keep, prop.max_depth + 1)
         else:
-            eng.cache.commit(keep, inputs.shape[1])
+            cache.commit(keep, inputs.shape[1])
         t4 = time.perf_counter()
         # The one deliberate host sync of the step: the accepted counts and tokens decide
         # the stop checks and fill the outputs.
         n_host = n.tolist()
         out_host = out.tolist()
-        eng._next_tokens[:B] = out.gather(1, n[:, None].long())[:, 0]
+        fail_nonfinite(active, logits)
+        self.next_tokens[:B] = out.gather(1, n[:, None].long())[:, 0]
         if looked_up:
             self.drafter.queue(B, out, keep.long(), max(n_host) + 1)
         elif isinstance(self.drafter, ModelDrafter):
             self.drafter.set_pending(B, out, keep.long(), max(n_host) + 1, lens_before + 1,
-                                     eng.cache.bound + 1)
+                                     cache.bound + 1)
         if tree is not None:
             drafted_host = [prop.max_depth] * B   # a tree offers up to max_depth per row
         elif drafted is None:
@@ -227,7 +237,7 @@ class Speculator:
         emitted_total = 0
         for b, r in enumerate(active):
             before = len(r.generated)
-            for t in out_host[b][:n_host[b] + 1]:
+            for t in out_host[b][:n_host[b] + 1] if r.finish_reason is None else ():
                 if r.finish_reason is not None:
                     break
                 r.append(t, eng.max_seq_len)
@@ -253,23 +263,17 @@ class Speculator:
                 depths: torch.Tensor | None) -> torch.Tensor:
         """The target's forward over ``inputs [B, T]`` (tree: ``mask``, ``depths [B, T]``)
         -> ``[B, T, V]`` logits, from a CUDA graph of the batch bucket when enabled."""
-        eng = self.engine
+        model = self.engine.model
         if self.graphs is None:
-            return eng.model(inputs, eng.cache, tree_mask=mask, depths=depths)
-        return graphed_forward(self.graphs, eng.model, eng.cache, inputs, mask, depths)
+            return model(inputs, self.cache, tree_mask=mask, depths=depths)
+        return graphed_forward(self.graphs, model, self.cache, inputs, mask, depths)
 
-    def _sampling_tensors(self, active, params: SamplingParams, dev) -> dict:
-        B = len(active)
+    def _sampling_tensors(self, active, params: BatchParams, dev) -> dict:
         seed = torch.tensor([r.seed for r in active], dtype=torch.int64, device=dev)
         offset = torch.tensor([r.spec_steps for r in active], dtype=torch.int64, device=dev)
         if params.greedy:
             return {"seed": seed, "offset": offset}
-        return {
-            "temperature": torch.full((B,), params.temperature, device=dev),
-            "top_k": torch.full((B,), params.top_k, dtype=torch.int32, device=dev),
-            "top_p": torch.full((B,), params.top_p, device=dev),
-            "seed": seed, "offset": offset,
-        }
+        return {**params.per_row(len(active), dev), "seed": seed, "offset": offset}
 
     def _alpha(self, active, logits, prop, params, drafted) -> None:
         """Exact 1 - TV(p, q) at every drafted position (statistics only)."""
@@ -279,12 +283,12 @@ class Speculator:
             p = torch.softmax(p_logits.float(), -1)
             q = torch.softmax(prop.logits.reshape(-1, p.shape[-1]).float(), -1)
         else:
-            p = warp_probs(p_logits, params.temperature, params.top_k, params.top_p)
+            p = warp_probs(p_logits, *params.repeat(K))
             q = prop.probs.reshape(-1, p.shape[-1]).float()
         a = torch.minimum(p, q).sum(-1).view(len(active), K).cpu()
         for b, r in enumerate(active):
             d = drafted[b]
-            if d:
+            if d and r.finish_reason is None:
                 total = float(a[b, :d].sum())
                 r.spec_stats.add_alpha(total, d)
                 self.stats.add_alpha(total, d)

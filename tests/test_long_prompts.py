@@ -138,7 +138,7 @@ def test_engine_prefill_positions_across_pieces():
         eng = osd.Engine(with_chunk(load_model(hf), chunk), max_batch_size=3, max_seq_len=256)
         requests = eng._requests(prompts, params)
         with torch.no_grad():
-            got[chunk] = eng.prefill(requests, start_row=0, params=params, prompt_positions=24)
+            got[chunk] = eng.prefill(requests, start_row=0, prompt_positions=24)
         assert eng.cache.lens[:3].tolist() == [100, 5, 66]
         got[chunk, "gen"] = [o.token_ids for o in eng.generate(prompts, params)]
     assert got[16].shape == (3, 24, VOCAB)

@@ -1,0 +1,276 @@
+"""``osd.AsyncEngine``: requests join and leave a running batch, each with its own
+sampling parameters, and each gets exactly what it gets alone; aborts, bad requests and
+failing rows leave the rest of the batch untouched."""
+import asyncio
+
+import pytest
+import torch
+
+import osd
+from tests.test_models import tiny_hf_model
+from tests.test_speculative import perturbed, prompts_of
+
+MAX_SEQ = 96
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_hf_model("llama", seed=31)
+    return target, perturbed(target, 0.4, seed=32), perturbed(target, 0.8, seed=33)
+
+
+def _engine(pair, drafts=1, **kw):
+    draft = list(pair[1:1 + drafts]) if drafts > 1 else pair[1] if drafts else None
+    spec = osd.SpecConfig(num_draft_tokens=3) if drafts else None
+    return osd.Engine.from_pretrained(pair[0], draft=draft, spec=spec, max_batch_size=4,
+                                      max_seq_len=MAX_SEQ, **kw)
+
+
+# Mixed parameters: greedy, sampled with top-k / top-p, stop ids, several lengths.
+MIXED = [osd.SamplingParams(14),
+         osd.SamplingParams(11, temperature=0.8, top_k=5, seed=3),
+         osd.SamplingParams(16, temperature=1.1, top_p=0.9, seed=4),
+         osd.SamplingParams(9, temperature=0.7, top_k=20, top_p=0.8, seed=5),
+         osd.SamplingParams(13, stop_token_ids=[7, 8]),
+         osd.SamplingParams(12, temperature=0.9, seed=6),
+         osd.SamplingParams(10, temperature=0.5, top_k=3, seed=7)]
+
+
+async def _collect(aeng, prompt, params, request_id=None, delay=0.0, snapshots=None):
+    await asyncio.sleep(delay)
+    last = None
+    async for out in aeng.generate(prompt, params, request_id=request_id):
+        if snapshots is not None:
+            snapshots.append(out)
+        last = out
+    return last
+
+
+@pytest.mark.parametrize("drafts", [0, 1], ids=["plain", "spec"])
+def test_staggered_requests_with_mixed_params_equal_each_alone(pair, drafts):
+    prompts = prompts_of([5, 23, 2, 40, 9, 17, 31], seed=50)
+    alone_engine = _engine(pair, drafts)
+    alone = [alone_engine.generate([p], sp)[0] for p, sp in zip(prompts, MIXED)]
+    aeng = osd.AsyncEngine(_engine(pair, drafts))
+
+    async def main():
+        # 7 requests over 4 rows, arriving while others run.
+        return await asyncio.gather(*[_collect(aeng, p, sp, delay=0.003 * i)
+                                      for i, (p, sp) in enumerate(zip(prompts, MIXED))])
+    try:
+        got = asyncio.run(main())
+    finally:
+        aeng.close()
+    for a, g, p in zip(alone, got, prompts):
+        assert g.token_ids == a.token_ids
+        assert g.finish_reason == a.finish_reason
+        assert g.prompt_token_ids == p
+
+
+def test_snapshots_grow_and_the_last_one_finishes(pair):
+    aeng = osd.AsyncEngine(_engine(pair))
+    snaps = []
+    try:
+        asyncio.run(_collect(aeng, [1, 2, 3], osd.SamplingParams(12), snapshots=snaps))
+    finally:
+        aeng.close()
+    assert all(s.finish_reason is None for s in snaps[:-1])
+    assert snaps[-1].finish_reason == "length" and len(snaps[-1].token_ids) == 12
+    lengths = [len(s.token_ids) for s in snaps]
+    assert lengths == sorted(lengths) and len(set(lengths)) == len(lengths)
+
+
+def test_abort_frees_the_row_and_the_rest_go_on(pair):
+    prompts = prompts_of([6, 12, 4], seed=60)
+    sp = osd.SamplingParams(40)
+    alone = _engine(pair).generate(prompts, sp)
+    aeng = osd.AsyncEngine(_engine(pair))
+
+    async def main():
+        async def victim():
+            n = 0
+            async for out in aeng.generate(prompts[0], sp, request_id="victim"):
+                n += 1
+                if n == 2:
+                    await aeng.abort("victim")
+            return out
+        return await asyncio.gather(victim(), _collect(aeng, prompts[1], sp),
+                                    _collect(aeng, prompts[2], sp))
+    try:
+        got = asyncio.run(main())
+        stats = aeng.stats
+    finally:
+        aeng.close()
+    assert got[0].finish_reason == "abort" and len(got[0].token_ids) < 40
+    assert [o.token_ids for o in got[1:]] == [o.token_ids for o in alone[1:]]
+    assert stats["aborted"] == 1 and stats["running"] == 0 and stats["waiting"] == 0
+
+
+def test_a_consumer_that_stops_listening_aborts_its_request(pair):
+    aeng = osd.AsyncEngine(_engine(pair))
+
+    async def main():
+        gen = aeng.generate([3, 4, 5], osd.SamplingParams(60))
+        await gen.__anext__()
+        await gen.aclose()
+        return await _collect(aeng, [3, 4, 5], osd.SamplingParams(5))
+    try:
+        out = asyncio.run(main())
+        for _ in range(100):
+            stats = aeng.stats
+            if stats["aborted"] == 1:
+                break
+            asyncio.run(asyncio.sleep(0.01))
+    finally:
+        aeng.close()
+    assert len(out.token_ids) == 5
+    assert stats["aborted"] == 1 and stats["running"] == 0
+
+
+def test_bad_requests_mid_batch_are_refused_and_the_batch_is_unaffected(pair):
+    prompts = prompts_of([8, 15], seed=70)
+    sp = osd.SamplingParams(30, temperature=0.8, seed=1)
+    alone = [_engine(pair).generate([p], sp)[0] for p in prompts]
+    aeng = osd.AsyncEngine(_engine(pair))
+    bad = [([1, 2, 3], osd.SamplingParams(MAX_SEQ), "maximum context"),
+           ([1] * MAX_SEQ, osd.SamplingParams(1), "longer than the maximum"),
+           ([1, 2, 10_000], osd.SamplingParams(4), "outside the vocabulary"),
+           ([1, 2], "greedy", "SamplingParams"),
+           ([], osd.SamplingParams(4), "empty")]
+
+    async def main():
+        running = [asyncio.create_task(_collect(aeng, p, sp)) for p in prompts]
+        await asyncio.sleep(0.01)
+        errors = []
+        for prompt, params, _ in bad:
+            with pytest.raises((ValueError, TypeError)) as info:
+                await _collect(aeng, prompt, params)
+            errors.append(str(info.value))
+        dup = asyncio.create_task(_collect(aeng, [1, 2], osd.SamplingParams(50), "same"))
+        await asyncio.sleep(0.01)
+        with pytest.raises(ValueError, match="already in use"):
+            await _collect(aeng, [1, 2], osd.SamplingParams(5), "same")
+        await aeng.abort("same")
+        await dup
+        return errors, await asyncio.gather(*running)
+    try:
+        errors, got = asyncio.run(main())
+        stats = aeng.stats
+    finally:
+        aeng.close()
+    for msg, (_, _, want) in zip(errors, bad):
+        assert want in msg
+    assert [o.token_ids for o in got] == [o.token_ids for o in alone]
+    assert stats["errors"]["bad_request"] == len(bad) + 1
+
+
+def _poison(engine, victim_prompt, after=2):
+    """Make the target's logits NaN for the request whose prompt is ``victim_prompt`` once
+    it has ``after`` tokens (decode / verify forwards only)."""
+    model = engine.model
+    real = model.forward
+
+    def forward(ids, cache, *args, **kw):
+        logits = real(ids, cache, *args, **kw)
+        for lane in engine.lanes:
+            if cache is lane.cache and logits.shape[0] == len(lane.active):
+                for b, r in enumerate(lane.active):
+                    if r.prompt == victim_prompt and len(r.generated) >= after:
+                        logits[b] = float("nan")
+        return logits
+    model.forward = forward
+
+
+@pytest.mark.parametrize("online", [False, True], ids=["static", "online"])
+def test_nonfinite_logits_fail_one_request_only(pair, online):
+    prompts = prompts_of([7, 13, 5], seed=80)
+    sp = osd.SamplingParams(15)
+    alone = _engine(pair).generate(prompts, sp)
+    cfg = osd.OnlineConfig(background=False, update_every_requests=1) if online else None
+    eng = _engine(pair, online=cfg)
+    _poison(eng, prompts[1])
+    out = eng.generate(prompts, sp)
+    assert out[1].finish_reason == "error" and "non-finite" in out[1].error
+    assert [out[0].token_ids, out[2].token_ids] == [alone[0].token_ids, alone[2].token_ids]
+    assert eng.stats["errors"]["nonfinite_logits"] == 1
+    if online:
+        eng.online.wait()
+        for p in eng.online.drafts[0].parameters():
+            assert torch.isfinite(p).all()
+    # through the AsyncEngine: the failing request raises, the others finish.
+    aeng = osd.AsyncEngine(eng)
+
+    async def main():
+        return await asyncio.gather(*[_collect(aeng, p, sp) for p in prompts],
+                                    return_exceptions=True)
+    try:
+        got = asyncio.run(main())
+    finally:
+        aeng.close()
+    assert isinstance(got[1], osd.RequestError) and "non-finite" in str(got[1])
+    assert [got[0].token_ids, got[2].token_ids] == [alone[0].token_ids, alone[2].token_ids]
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_serves_on(pair, monkeypatch):
+    eng = _engine(pair)
+    spec = eng.speculators[0]
+    real_step = spec.step
+    calls = {"n": 0}
+
+    def failing_step(active, params):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected step failure")
+        return real_step(active, params)
+
+    monkeypatch.setattr(spec, "step", failing_step)
+    ref = _engine(pair).generate([[4, 5, 6]], osd.SamplingParams(10))[0]
+    aeng = osd.AsyncEngine(eng)
+    try:
+        with pytest.raises(osd.RequestError, match="injected step failure"):
+            asyncio.run(_collect(aeng, [1, 2, 3], osd.SamplingParams(10)))
+        after = asyncio.run(_collect(aeng, [4, 5, 6], osd.SamplingParams(10)))
+        stats = aeng.stats
+    finally:
+        aeng.close()
+    assert after.token_ids == ref.token_ids
+    assert stats["errors"]["step_error"] == 1
+
+
+def test_requests_of_different_drafts_share_the_steps(pair):
+    """Two drafts (routed per request) serve in the same steps, one lane each; every
+    greedy output is the target's."""
+    prompts = prompts_of([9, 4, 14, 6, 11, 3], seed=90)
+    sp = osd.SamplingParams(12)
+    plain = _engine(pair, drafts=0).generate(prompts, sp)
+    eng = _engine(pair, drafts=2, online=osd.OnlineConfig(background=False))
+    eng.online.choose = lambda prompt: len(prompt) % 2
+    seen = []
+    real = eng.step
+
+    def step():
+        seen.append(tuple(len(lane.active) for lane in eng.lanes))
+        real()
+    eng.step = step
+    aeng = osd.AsyncEngine(eng)
+
+    async def main():
+        return await asyncio.gather(*[_collect(aeng, p, sp) for p in prompts])
+    try:
+        got = asyncio.run(main())
+        stats = aeng.stats
+    finally:
+        aeng.close()
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    assert {o.stats["draft_index"] for o in got} == {0, 1}
+    assert any(a > 0 and b > 0 for a, b in seen)
+    assert [d["requests"] for d in stats["per_draft"]] == [3, 3]
+
+
+def test_generate_takes_params_per_prompt(pair):
+    prompts = prompts_of([5, 23, 2, 40, 9, 17, 31], seed=51)
+    eng = _engine(pair)
+    alone = [eng.generate([p], sp)[0].token_ids for p, sp in zip(prompts, MIXED)]
+    assert [o.token_ids for o in eng.generate(prompts, MIXED)] == alone
+    with pytest.raises(ValueError, match="7 SamplingParams for 2 prompts"):
+        eng.generate(prompts[:2], MIXED)
