@@ -1,12 +1,25 @@
 """Drafters: who proposes the tokens the target verifies.
 
-All drafters feed the same verify path (``osd.speculative``):
+Every drafter has one protocol, which is all the speculative step (``osd.speculative``)
+uses:
+
+- ``prefill(prompts, start_row, first_tokens)``, ``move_row(src, dst)``, ``reset()``:
+  mirror the engine's cache rows;
+- ``propose(active, roots, params, seed, offset, k=..., tree=..., stopper=...)``: a
+  :class:`ChainProposal` (``k`` tokens per row) or a :class:`TreeProposal` (``tree``);
+- ``after_verify(B, tokens, lengths, max_len, committed_lens, bound)``: the verdict
+  (``tokens[:, :lengths]`` emitted per row) so the drafter can catch up;
+- ``model`` (the draft model, or None) and ``use_graphs(graphs)``.
+
+The drafters:
 
 - :class:`ModelDrafter` runs a draft model with its own KV cache. With
   ``skip_layers`` and the target's own weights it is *self-speculation* (the target with
   some layers skipped, as in Draft & Verify / LayerSkip).
 - :class:`NGramDrafter` is prompt lookup: it proposes the continuation of the latest
   earlier occurrence of the context's suffix. Its proposals are point masses (one-hot q).
+- :class:`LookupDrafter` puts prompt lookup in front of a model drafter: lookup when
+  every row has a match (no draft forward), the model otherwise.
 
 Draft-cache invariant (model drafters): the cache holds the K/V of the committed tokens
 ``seq[:lens[b]]``; the tokens after that (the accepted drafts and the newly emitted token
@@ -52,6 +65,7 @@ class ChainProposal:
     logits: torch.Tensor | None         # [B, k, V] raw draft logits (statistics)
     num_drafted: torch.Tensor | None    # [B] int32, None = k for every row
     max_drafted: int                    # host-side max of num_drafted (k if None)
+    source: str = "model"               # "model" (draft model) or "lookup" (prompt lookup)
 
 
 @dataclass
@@ -93,6 +107,23 @@ class ModelDrafter:
 
     def _forward(self, ids, **kw):
         return self.model(ids, self.cache, skip_layers=self.skip_layers, **kw)
+
+    def use_graphs(self, graphs: StepGraphs | None) -> None:
+        self.graphs = graphs
+
+    def propose(self, active, roots: torch.Tensor, params: BatchParams, seed: torch.Tensor,
+                offset: torch.Tensor, *, k: int = 0, tree=None, stopper=None):
+        """A chain of ``k`` drafts per row (:meth:`propose_chain`), or a ``tree``
+        (:meth:`propose_tree`) below ``roots [B]``."""
+        B = len(active)
+        if tree is not None:
+            return self.propose_tree(B, tree, roots)
+        return self.propose_chain(B, k, params, seed, offset, stopper)
+
+    def after_verify(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
+                     committed_lens: torch.Tensor, bound: int) -> None:
+        """The step's verdict: :meth:`set_pending`."""
+        self.set_pending(B, tokens, lengths, max_len, committed_lens, bound)
 
     # -- bookkeeping ---------------------------------------------------------------
     def reset(self) -> None:
@@ -364,13 +395,37 @@ def _mask_with_roots(parents: torch.Tensor) -> torch.Tensor:
 
 class NGramDrafter:
     """Prompt lookup: propose what followed the latest earlier match of the context's
-    suffix (longest suffix first, ``ngram_max`` down to ``ngram_min`` tokens)."""
+    suffix (longest suffix first, ``ngram_max`` down to ``ngram_min`` tokens). It keeps no
+    per-row state: the row bookkeeping of the protocol does nothing."""
 
     has_model = False
+    model = None
 
     def __init__(self, ngram_min: int, ngram_max: int):
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
+
+    def prefill(self, prompts, start_row: int, first_tokens: torch.Tensor) -> None:
+        pass
+
+    def move_row(self, src: int, dst: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def use_graphs(self, graphs) -> None:
+        pass
+
+    def after_verify(self, *verdict) -> None:
+        pass
+
+    def propose(self, active, roots, params, seed, offset, *, k: int = 0, tree=None,
+                stopper=None) -> ChainProposal:
+        """Up to ``k`` drafts per row from each request's prompt and output."""
+        if tree is not None:
+            raise ValueError("prompt lookup drafts chains, not trees")
+        return self.propose_chain([r.prompt + r.generated for r in active], k, roots.device)
 
     def propose_chain(self, histories: list[list[int]], k: int, device,
                       every_row: bool = False) -> ChainProposal | None:
@@ -387,7 +442,7 @@ class NGramDrafter:
             num[b] = len(cont)
         max_drafted = int(num.max())
         return ChainProposal(tokens[:, :max_drafted].to(device), None, None, num.to(device),
-                             max_drafted)
+                             max_drafted, source="lookup")
 
     def lookup(self, hist: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of a suffix."""
@@ -402,3 +457,52 @@ class NGramDrafter:
                 start = int(hits[-1]) + n
                 return seq[start:start + k].tolist()
         return []
+
+
+class LookupDrafter:
+    """Prompt lookup in front of a :class:`ModelDrafter`: when every row's context has a
+    match, its continuation is the chain (no draft forward); otherwise the model drafts.
+    The model's cache catches up on the tokens accepted meanwhile (:meth:`ModelDrafter.queue`).
+    """
+
+    has_model = True
+
+    def __init__(self, inner: ModelDrafter, lookup: NGramDrafter):
+        self.inner = inner
+        self.lookup = lookup
+        self._looked_up = False         # the last proposal came from lookup
+
+    @property
+    def model(self) -> DecoderLM:
+        return self.inner.model
+
+    def prefill(self, prompts, start_row: int, first_tokens: torch.Tensor) -> None:
+        self.inner.prefill(prompts, start_row, first_tokens)
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.inner.move_row(src, dst)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def use_graphs(self, graphs: StepGraphs | None) -> None:
+        self.inner.use_graphs(graphs)
+
+    def propose(self, active, roots, params, seed, offset, *, k: int = 0, tree=None,
+                stopper=None):
+        prop = None
+        if tree is None:
+            prop = self.lookup.propose_chain([r.prompt + r.generated for r in active], k,
+                                             roots.device, every_row=True)
+        self._looked_up = prop is not None
+        if prop is None:
+            prop = self.inner.propose(active, roots, params, seed, offset, k=k, tree=tree,
+                                      stopper=stopper)
+        return prop
+
+    def after_verify(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
+                     committed_lens: torch.Tensor, bound: int) -> None:
+        if self._looked_up:
+            self.inner.queue(B, tokens, lengths, max_len)
+        else:
+            self.inner.after_verify(B, tokens, lengths, max_len, committed_lens, bound)

@@ -41,11 +41,12 @@ import time
 
 import torch
 
-from osd.drafters import ModelDrafter, NGramDrafter
+from osd.drafters import LookupDrafter, ModelDrafter, NGramDrafter
 from osd.cache import KVCache
 from osd.graphs import StepGraphs, graphed_forward
 from osd.models.llama import DecoderLM
 from osd.models.loading import is_transformers_model, load_model, load_tokenizer
+from osd.online.collect import TeacherCollector
 from osd.online.config import OnlineConfig
 from osd.online.serving import OnlineManager
 from osd.sampling import (BatchParams, Output, SamplingParams, fail_nonfinite, request_seed,
@@ -193,27 +194,27 @@ class Engine:
         # in the same steps; plain decoding has one lane without a speculator.
         drafters = [None] if spec is None else \
             self._make_drafters(spec, drafts, online is not None)
+        self.online = None if online is None else \
+            OnlineManager([d.model for d in drafters], online)
         self.lanes = [Lane(model.new_cache(max_batch_size, max_seq_len + self._headroom),
                            torch.zeros(max_batch_size, dtype=torch.int64, device=self.device))
                       for _ in drafters]
-        for lane, drafter in zip(self.lanes, drafters):
-            if drafter is not None:
-                lane.speculator = Speculator(self, spec, drafter, lane.cache, lane.next_tokens)
+        for i, (lane, drafter) in enumerate(zip(self.lanes, drafters)):
+            if drafter is None:
+                continue
+            listeners = []
+            if online is not None:
+                listeners.append(TeacherCollector(online.topk, online.positions,
+                                                  online.prompt_positions,
+                                                  swap=lambda i=i: self.online.swap(i)))
+            lane.speculator = Speculator(self, spec, drafter, lane.cache, lane.next_tokens,
+                                         listeners)
         self.speculators: list[Speculator] = [lane.speculator for lane in self.lanes
                                               if lane.speculator is not None]
         self.cache = self.lanes[0].cache
         self.graphs: StepGraphs | None = None
         if cuda_graphs and (spec is None or spec.cuda_graphs) and self.device.type == "cuda":
             self.use_graphs(StepGraphs(self.device))
-        self.online = None
-        if online is not None:
-            self.online = OnlineManager([sp.drafter.model for sp in self.speculators], online)
-            for i, sp in enumerate(self.speculators):
-                sp.collect_topk = online.topk
-                sp.collect_full = online.topk is None
-                sp.collect_policy = online.positions
-                sp.collect_prompt = online.prompt_positions
-                sp.on_swap = (lambda i=i: self.online.swap(i))
         self._wall, self._generated, self._requests_served = 0.0, 0, 0
         self.errors: collections.Counter = collections.Counter()   # failures by kind
         self._aborted = 0
@@ -240,10 +241,16 @@ class Engine:
                 raise ValueError(f"skip_layers must name some (not all) of the target's "
                                  f"{n} layers, got {sorted(skip)}")
             if learning:
-                return [ModelDrafter(_layer_subset(self.model, skip), self.max_batch_size,
-                                     capacity)]
-            return [ModelDrafter(self.model, self.max_batch_size, capacity, skip)]
-        return [ModelDrafter(d, self.max_batch_size, capacity) for d in drafts]
+                drafters = [ModelDrafter(_layer_subset(self.model, skip), self.max_batch_size,
+                                         capacity)]
+            else:
+                drafters = [ModelDrafter(self.model, self.max_batch_size, capacity, skip)]
+        else:
+            drafters = [ModelDrafter(d, self.max_batch_size, capacity) for d in drafts]
+        if spec.prompt_lookup:
+            drafters = [LookupDrafter(d, NGramDrafter(spec.ngram_min, spec.ngram_max))
+                        for d in drafters]
+        return drafters
 
     @classmethod
     def from_pretrained(cls, target, draft=None, *, device: torch.device | str = "cpu",
@@ -494,7 +501,7 @@ class Engine:
             start = len(lane.active)
             lane.active += new
             prompt_logits = self.prefill(new, start_row=start, lane=lane,
-                                         prompt_positions=spec.collect_prompt
+                                         prompt_positions=spec.prompt_positions
                                          if spec is not None else 0)
             if spec is not None:
                 spec.prefill(new, start, lane.next_tokens[start:start + len(new)],

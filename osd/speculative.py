@@ -18,14 +18,14 @@ which the stop check and the output lists need.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 import osd_kernels
-from osd.drafters import ModelDrafter, NGramDrafter
+from osd.drafters import ChainProposal, TreeProposal
 from osd.graphs import StepGraphs, graphed_forward
-from osd.online.buffer import compress_target
 from osd.sampling import BatchParams, fail_nonfinite
 from osd.spec import SpecConfig
 from osd.stats import SpecStats
@@ -98,236 +98,205 @@ class AdaptiveStopper:
         self._conf = []
 
 
+@dataclasses.dataclass
+class Verdict:
+    """What one speculative step decided, handed to the step's listeners.
+
+    Row ``b`` is ``active[b]``; its tokens were appended to it already (``emitted[b]`` of
+    them, fewer than ``accepted[b] + 1`` when it stopped inside the step).
+    """
+
+    active: list                       # the requests of the step
+    logits: torch.Tensor               # [B, T, V] the target's verify logits
+    proposal: ChainProposal | TreeProposal
+    accepted: list[int]                # drafts accepted per row
+    drafted: list[int]                 # drafts offered per row (a tree: its depth)
+    emitted: list[int]                 # tokens appended per row
+    path: torch.Tensor | None          # tree: [B, D + 1] accepted node per depth
+    params: BatchParams
+
+
 class Speculator:
-    """Runs speculative steps for an :class:`~osd.Engine` (its target, cache and roots).
+    """Runs speculative steps over one lane of an :class:`~osd.Engine`.
+
+    A step is: propose (the drafter), verify (one target forward), sample (the rejection
+    sampler), commit (cache lengths, the drafter catches up), then hand the
+    :class:`Verdict` to the statistics and to every listener.
 
     Args:
         engine: the owning engine (``model``, ``device``, ``max_seq_len``).
         spec: :class:`~osd.SpecConfig`.
-        drafter: a :class:`ModelDrafter` or :class:`NGramDrafter`.
+        drafter: any drafter of ``osd.drafters`` (one protocol).
         cache: the target's KV cache of the rows this speculator serves.
         next_tokens: ``[max_batch_size]`` int64, row ``b``'s last sampled token (the root
             of its next step).
+        listeners: objects with ``before_step()``, ``on_prefill(requests, prompt_logits)``
+            and ``on_verdict(verdict)`` (the online learner's ``TeacherCollector``); the
+            largest ``prompt_positions`` among them is how many prompt logits the engine's
+            prefill keeps.
     """
 
-    def __init__(self, engine, spec: SpecConfig, drafter, cache, next_tokens: torch.Tensor):
+    def __init__(self, engine, spec: SpecConfig, drafter, cache, next_tokens: torch.Tensor,
+                 listeners=()):
         self.engine = engine
         self.cache = cache
         self.next_tokens = next_tokens
         self.spec = spec
         self.drafter = drafter
+        self.listeners = list(listeners)
+        self.prompt_positions = max((getattr(x, "prompt_positions", 0) for x in self.listeners),
+                                    default=0)
         self.stats = SpecStats()
-        self.lookup = (NGramDrafter(spec.ngram_min, spec.ngram_max)
-                       if spec.prompt_lookup and isinstance(drafter, ModelDrafter) else None)
         self.stopper = (AdaptiveStopper(spec.adaptive_floor, spec.adaptive_init_threshold)
                         if spec.adaptive and not spec.is_tree else None)
-        self.collect_topk: int | None = None       # set by the online learner
-        self.collect_full: bool = False
-        self.collect_policy: str = "all"
-        self.collect_prompt: int = 0                # keep the prefill's logits at this many
-        #                                             last prompt positions (online learning)
-        self.on_swap = None                         # callable run between steps (weights)
         self.graphs: StepGraphs | None = None       # CUDA graphs of the forwards (use_graphs)
 
     # -- row bookkeeping (mirrors the engine's cache rows) ---------------------------
     def prefill(self, requests, start_row: int, first_tokens: torch.Tensor,
                 prompt_logits: torch.Tensor | None = None) -> None:
         """New rows ``start_row ..``; ``prompt_logits [n, m, V]`` (the target's logits at
-        each prompt's last ``m`` positions, when :attr:`collect_prompt` is ``m``) become the
-        requests' first teacher positions ``len(prompt) - m + 1 .. len(prompt)``."""
+        each prompt's last ``m`` positions) go to the listeners."""
         self.stats.requests += len(requests)
         for r in requests:
             r.spec_steps = 0
             r.spec_stats = SpecStats(requests=1)
-            r.teacher = []     # (positions [m], topk ids, topk probs | logits)
-        if prompt_logits is not None:
-            m = prompt_logits.shape[1]
-            keep = [min(m, len(r.prompt)) for r in requests]   # rows without the copies
-            self._keep_teacher(
-                [(r, torch.arange(len(r.prompt) - j + 1, len(r.prompt) + 1))
-                 for r, j in zip(requests, keep)],
-                [prompt_logits[b, m - j:] for b, j in enumerate(keep)])
-        if isinstance(self.drafter, ModelDrafter):
-            self.drafter.prefill([r.prompt for r in requests], start_row, first_tokens)
+        for listener in self.listeners:
+            listener.on_prefill(requests, prompt_logits)
+        self.drafter.prefill([r.prompt for r in requests], start_row, first_tokens)
 
     def move_row(self, src: int, dst: int) -> None:
-        if isinstance(self.drafter, ModelDrafter):
-            self.drafter.move_row(src, dst)
+        self.drafter.move_row(src, dst)
 
     def reset(self) -> None:
-        if isinstance(self.drafter, ModelDrafter):
-            self.drafter.reset()
+        self.drafter.reset()
 
     # -- one step ----------------------------------------------------------------------
     def step(self, active, params: BatchParams) -> None:
         """One speculative step over ``active`` (row ``b`` is ``active[b]``) sampled with
         the rows' ``params``. A row whose target logits are not finite fails
         (``finish_reason = "error"``); it emits nothing and teaches nothing."""
-        if self.on_swap is not None:
-            self.on_swap()                           # between steps, never within one
-        eng = self.engine
+        for listener in self.listeners:
+            listener.before_step()                   # between steps, never within one
         B = len(active)
-        dev = eng.device
         cache = self.cache
-        roots = self.next_tokens[:B]
-        t0 = time.perf_counter()
-        sampling = self._sampling_tensors(active, params, dev)
-        tree = self.spec.tree
-        looked_up = False      # drafts from prompt lookup (the draft model did not run)
-        if tree is not None:
-            prop = self.drafter.propose_tree(B, tree, roots)
-            inputs, mask, depths = prop.tokens, prop.mask, prop.depths
-            drafted = None
-        else:
-            k = self.spec.num_draft_tokens
-            if isinstance(self.drafter, NGramDrafter):
-                prop = self.drafter.propose_chain([r.prompt + r.generated for r in active], k, dev)
-            else:
-                prop = None
-                if self.lookup is not None:
-                    prop = self.lookup.propose_chain([r.prompt + r.generated for r in active],
-                                                     k, dev, every_row=True)
-                looked_up = prop is not None
-                if prop is None:
-                    prop = self.drafter.propose_chain(B, k, params, sampling["seed"],
-                                                      sampling["offset"], self.stopper)
-            inputs = torch.cat([roots[:, None], prop.tokens], 1)
-            mask = depths = None
-            drafted = prop.num_drafted
-        t1 = time.perf_counter()
+        clock = [time.perf_counter()]
+        sampling = self._sampling_tensors(active, params)
+        prop = self.drafter.propose(active, self.next_tokens[:B], params, sampling["seed"],
+                                    sampling["offset"], k=self.spec.num_draft_tokens,
+                                    tree=self.spec.tree, stopper=self.stopper)
+        clock.append(time.perf_counter())
         lens_before = cache.lens[:B].clone()
-        logits = self._verify(inputs, mask, depths)                            # [B, T, V]
-        t2 = time.perf_counter()
-        if tree is not None:
-            path, out, n = osd_kernels.tree_rejection_sample(
-                logits, prop.tokens, prop.parents, None, **sampling, max_depth=prop.max_depth)
-        else:
-            out, n = osd_kernels.rejection_sample(
-                logits, prop.tokens, prop.probs, num_draft_tokens=drafted, **sampling)
-        t3 = time.perf_counter()
+        logits = self._verify(prop)                                            # [B, T, V]
+        clock.append(time.perf_counter())
+        out, n, path = self._sample(logits, prop, sampling)
+        clock.append(time.perf_counter())
         keep = (n + 1).to(torch.int32)
-        if tree is not None:
+        if path is not None:
             cache.commit_tree(path, keep, prop.max_depth + 1)
         else:
-            cache.commit(keep, inputs.shape[1])
-        t4 = time.perf_counter()
+            cache.commit(keep, logits.shape[1])
+        clock.append(time.perf_counter())
         # The one deliberate host sync of the step: the accepted counts and tokens decide
         # the stop checks and fill the outputs.
         n_host = n.tolist()
         out_host = out.tolist()
         fail_nonfinite(active, logits)
         self.next_tokens[:B] = out.gather(1, n[:, None].long())[:, 0]
-        if looked_up:
-            self.drafter.queue(B, out, keep.long(), max(n_host) + 1)
-        elif isinstance(self.drafter, ModelDrafter):
-            self.drafter.set_pending(B, out, keep.long(), max(n_host) + 1, lens_before + 1,
-                                     cache.bound + 1)
-        if tree is not None:
-            drafted_host = [prop.max_depth] * B   # a tree offers up to max_depth per row
-        elif drafted is None:
-            drafted_host = [prop.tokens.shape[1]] * B
+        self.drafter.after_verify(B, out, keep.long(), max(n_host) + 1, lens_before + 1,
+                                  cache.bound + 1)
+        if isinstance(prop, TreeProposal):
+            drafted = [prop.max_depth] * B      # a tree offers up to max_depth per row
+        elif prop.num_drafted is None:
+            drafted = [prop.tokens.shape[1]] * B
         else:
-            drafted_host = drafted.tolist()
-        if self.stopper is not None:
-            self.stopper.observe(drafted_host, n_host)
-        self._collect(active, logits, n_host, drafted_host, path if tree is not None else None)
-        if (self.spec.exact_alpha and tree is None and isinstance(self.drafter, ModelDrafter)
-                and not looked_up):
-            self._alpha(active, logits, prop, params, drafted_host)
-        emitted_total = 0
+            drafted = prop.num_drafted.tolist()
+        emitted = []
         for b, r in enumerate(active):
             before = len(r.generated)
             for t in out_host[b][:n_host[b] + 1] if r.finish_reason is None else ():
                 if r.finish_reason is not None:
                     break
-                r.append(t, eng.max_seq_len)
-            emitted = len(r.generated) - before
-            emitted_total += emitted
-            r.spec_steps += 1
-            r.spec_stats.add_step([drafted_host[b]], [min(n_host[b], emitted)], emitted)
-            r.spec_stats.lookup_steps += looked_up
-        self.stats.add_step(drafted_host, n_host, emitted_total)
-        self.stats.lookup_steps += looked_up
-        t5 = time.perf_counter()
-        for phase, dt in (("draft", t1 - t0), ("verify", t2 - t1), ("sample", t3 - t2),
-                          ("rollback", t4 - t3), ("other", t5 - t4)):
-            self.stats.add_time(phase, dt)
+                r.append(t, self.engine.max_seq_len)
+            emitted.append(len(r.generated) - before)
+        verdict = Verdict(active, logits, prop, n_host, drafted, emitted, path, params)
+        self._observe(verdict)
+        for listener in self.listeners:
+            listener.on_verdict(verdict)
+        clock.append(time.perf_counter())
+        for phase, t0, t1 in zip(("draft", "verify", "sample", "rollback", "other"),
+                                 clock, clock[1:]):
+            self.stats.add_time(phase, t1 - t0)
 
     def use_graphs(self, graphs: StepGraphs | None) -> None:
         """Replay the verify forward (and a model drafter's chain loop) from ``graphs``."""
         self.graphs = graphs
-        if isinstance(self.drafter, ModelDrafter):
-            self.drafter.graphs = graphs
+        self.drafter.use_graphs(graphs)
 
-    def _verify(self, inputs: torch.Tensor, mask: torch.Tensor | None,
-                depths: torch.Tensor | None) -> torch.Tensor:
-        """The target's forward over ``inputs [B, T]`` (tree: ``mask``, ``depths [B, T]``)
-        -> ``[B, T, V]`` logits, from a CUDA graph of the batch bucket when enabled."""
+    def _verify(self, prop: ChainProposal | TreeProposal) -> torch.Tensor:
+        """The target's forward over the roots and the drafts (a tree: its ancestor mask
+        and depths) -> ``[B, T, V]`` logits, from a CUDA graph of the batch bucket when
+        enabled."""
+        if isinstance(prop, TreeProposal):
+            inputs, mask, depths = prop.tokens, prop.mask, prop.depths
+        else:
+            B = prop.tokens.shape[0]
+            inputs = torch.cat([self.next_tokens[:B, None], prop.tokens], 1)
+            mask = depths = None
         model = self.engine.model
         if self.graphs is None:
             return model(inputs, self.cache, tree_mask=mask, depths=depths)
         return graphed_forward(self.graphs, model, self.cache, inputs, mask, depths)
 
-    def _sampling_tensors(self, active, params: BatchParams, dev) -> dict:
+    def _sample(self, logits: torch.Tensor, prop, sampling: dict):
+        """The rejection sampler: ``(tokens [B, D + 1], accepted [B], path or None)``."""
+        if isinstance(prop, TreeProposal):
+            path, out, n = osd_kernels.tree_rejection_sample(
+                logits, prop.tokens, prop.parents, None, **sampling, max_depth=prop.max_depth)
+            return out, n, path
+        out, n = osd_kernels.rejection_sample(
+            logits, prop.tokens, prop.probs, num_draft_tokens=prop.num_drafted, **sampling)
+        return out, n, None
+
+    def _sampling_tensors(self, active, params: BatchParams) -> dict:
+        dev = self.engine.device
         seed = torch.tensor([r.seed for r in active], dtype=torch.int64, device=dev)
         offset = torch.tensor([r.spec_steps for r in active], dtype=torch.int64, device=dev)
         if params.greedy:
             return {"seed": seed, "offset": offset}
         return {**params.per_row(len(active), dev), "seed": seed, "offset": offset}
 
-    def _alpha(self, active, logits, prop, params, drafted) -> None:
+    def _observe(self, v: Verdict) -> None:
+        """Statistics of a verdict: per request and per speculator, the adaptive
+        stopper's calibration, and exact α where the draft model drafted a chain."""
+        lookup = getattr(v.proposal, "source", "model") == "lookup"
+        if self.stopper is not None:
+            self.stopper.observe(v.drafted, v.accepted)
+        if (self.spec.exact_alpha and isinstance(v.proposal, ChainProposal)
+                and not lookup and v.proposal.logits is not None):
+            self._alpha(v)
+        for b, r in enumerate(v.active):
+            r.spec_steps += 1
+            r.spec_stats.add_step([v.drafted[b]], [min(v.accepted[b], v.emitted[b])],
+                                  v.emitted[b])
+            r.spec_stats.lookup_steps += lookup
+        self.stats.add_step(v.drafted, v.accepted, sum(v.emitted))
+        self.stats.lookup_steps += lookup
+
+    def _alpha(self, v: Verdict) -> None:
         """Exact 1 - TV(p, q) at every drafted position (statistics only)."""
+        prop, params = v.proposal, v.params
         K = prop.tokens.shape[1]
-        p_logits = logits[:, :K].reshape(-1, logits.shape[-1])
+        p_logits = v.logits[:, :K].reshape(-1, v.logits.shape[-1])
         if params.greedy:
             p = torch.softmax(p_logits.float(), -1)
             q = torch.softmax(prop.logits.reshape(-1, p.shape[-1]).float(), -1)
         else:
             p = warp_probs(p_logits, *params.repeat(K))
             q = prop.probs.reshape(-1, p.shape[-1]).float()
-        a = torch.minimum(p, q).sum(-1).view(len(active), K).cpu()
-        for b, r in enumerate(active):
-            d = drafted[b]
-            if d and r.finish_reason is None:
+        a = torch.minimum(p, q).sum(-1).view(len(v.active), K).cpu()
+        for b, r in enumerate(v.active):
+            d = v.drafted[b]
+            if d and r.finish_reason != "error":
                 total = float(a[b, :d].sum())
                 r.spec_stats.add_alpha(total, d)
                 self.stats.add_alpha(total, d)
-
-    def _collect(self, active, logits, n_host, drafted_host, path) -> None:
-        """Keep the target's distributions that decided this step's tokens (online
-        learning); nothing is recomputed later."""
-        if self.collect_topk is None and not self.collect_full:
-            return
-        rows, where = [], []
-        path_host = path.tolist() if path is not None else None
-        for b, r in enumerate(active):
-            if r.finish_reason is not None:
-                continue
-            base = len(r.prompt) + len(r.generated)       # position of the first new token
-            n = n_host[b]
-            if self.collect_policy == "corrected":
-                idx = [n] if n < drafted_host[b] else []
-            else:
-                idx = list(range(n + 1))
-            if not idx:
-                continue
-            node = [path_host[b][j] for j in idx] if path is not None else idx
-            rows.append(logits[b, node])
-            where.append((r, torch.tensor([base + j for j in idx], dtype=torch.int64)))
-        self._keep_teacher(where, rows)
-
-    def _keep_teacher(self, where, rows) -> None:
-        """Append the target's distributions ``rows`` (``[m_i, V]`` logits each) to the
-        teacher lists of the requests in ``where`` (``(request, positions [m_i])``)."""
-        if not rows:
-            return
-        ids, probs, full = compress_target(torch.cat(rows), None if self.collect_full
-                                           else self.collect_topk)
-        start = 0
-        for r, pos in where:
-            m = pos.numel()
-            sl = slice(start, start + m)
-            r.teacher.append((pos, None if ids is None else ids[sl],
-                              None if probs is None else probs[sl],
-                              None if full is None else full[sl]))
-            start += m

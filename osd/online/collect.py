@@ -1,0 +1,83 @@
+"""What the learner hears from serving: a listener on one speculator's steps.
+
+:class:`TeacherCollector` keeps, per request, the target's distributions that decided
+its tokens (compressed to top-k, ``osd.online.buffer.compress_target``): at prompt
+positions from the prefill's logits, and at every verified position (or only the
+corrected ones, OSD's policy) from each step's verdict. Nothing is recomputed later.
+Before each step it lets the learner swap in the newest accepted weights, so a swap
+never lands inside a step.
+"""
+from __future__ import annotations
+
+import torch
+
+from osd.online.buffer import compress_target
+
+
+class TeacherCollector:
+    """Listener of a ``osd.speculative.Speculator`` for online learning.
+
+    Args:
+        topk: target probabilities kept per position (None: full logits).
+        positions: ``"all"`` verified positions or ``"corrected"`` (the rejected one).
+        prompt_positions: keep the prefill's logits at each prompt's last n positions.
+        swap: called before every step (the learner publishes new weights there).
+    """
+
+    def __init__(self, topk: int | None, positions: str, prompt_positions: int, swap=None):
+        self.topk = topk
+        self.policy = positions
+        self.prompt_positions = prompt_positions
+        self.swap = swap
+
+    def before_step(self) -> None:
+        if self.swap is not None:
+            self.swap()
+
+    def on_prefill(self, requests, prompt_logits: torch.Tensor | None) -> None:
+        """``prompt_logits [n, m, V]``: the target's logits at each prompt's last ``m``
+        positions (a shorter prompt's row starts with copies), the requests' first
+        teacher positions ``len(prompt) - m + 1 .. len(prompt)``."""
+        for r in requests:
+            r.teacher = []     # (positions [m], topk ids, topk probs | logits)
+        if prompt_logits is None:
+            return
+        m = prompt_logits.shape[1]
+        keep = [min(m, len(r.prompt)) for r in requests]   # rows without the copies
+        self._keep([(r, torch.arange(len(r.prompt) - j + 1, len(r.prompt) + 1))
+                    for r, j in zip(requests, keep)],
+                   [prompt_logits[b, m - j:] for b, j in enumerate(keep)])
+
+    def on_verdict(self, v) -> None:
+        """Keep the target's distributions at the positions ``v`` (a ``Verdict``)
+        decided: nodes ``0 .. accepted`` of each row's accepted path."""
+        rows, where = [], []
+        path_host = v.path.tolist() if v.path is not None else None
+        for b, r in enumerate(v.active):
+            if r.finish_reason == "error":
+                continue
+            n = v.accepted[b]
+            idx = ([n] if n < v.drafted[b] else []) if self.policy == "corrected" \
+                else list(range(n + 1))
+            if not idx:
+                continue
+            base = r.length - v.emitted[b]           # position of the step's first token
+            node = [path_host[b][j] for j in idx] if path_host is not None else idx
+            rows.append(v.logits[b, node])
+            where.append((r, torch.tensor([base + j for j in idx], dtype=torch.int64)))
+        self._keep(where, rows)
+
+    def _keep(self, where, rows) -> None:
+        """Append the distributions ``rows`` (``[m_i, V]`` logits each) to the teacher
+        lists of the requests in ``where`` (``(request, positions [m_i])``)."""
+        if not rows:
+            return
+        ids, probs, full = compress_target(torch.cat(rows), self.topk)
+        start = 0
+        for r, pos in where:
+            m = pos.numel()
+            sl = slice(start, start + m)
+            r.teacher.append((pos, None if ids is None else ids[sl],
+                              None if probs is None else probs[sl],
+                              None if full is None else full[sl]))
+            start += m
