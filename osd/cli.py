@@ -1,4 +1,4 @@
-"""The ``osd`` command line: ``osd demo``, ``osd generate``, ``osd bench``.
+"""The ``osd`` command line: ``osd demo``, ``osd generate``, ``osd serve``, ``osd bench``.
 
 Errors in what the user asked for (bad paths, bad parameters, over-long prompts) print
 one ``error:`` line and exit with status 2, never a traceback.
@@ -69,6 +69,19 @@ def _generate(args) -> int:
               + (f", alpha {alpha:.3f}" if alpha is not None else "") + "]", file=sys.stderr)
     engine.close()
     return 0
+
+
+def _serve(args) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        print(f"error: osd serve needs fastapi and uvicorn ({exc.name} is missing): "
+              "pip install osd[serve]", file=sys.stderr)
+        return 2
+    from osd.server import serve
+
+    return serve(args)
 
 
 def _bench(args) -> int:
@@ -143,6 +156,40 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.set_defaults(func=_generate)
+
+    s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
+                       description="Serve /v1/completions, /v1/chat/completions (streaming "
+                       "too), /v1/models, /health and /metrics (Prometheus) with continuous "
+                       "batching and speculative decoding. Without --target: the chat pair "
+                       "when its GGUF is already cached, else the built-in pair. See "
+                       "docs/serving.md.")
+    s.add_argument("--target", default=None,
+                   help="target checkpoint directory or .gguf file (default: the chat pair "
+                   "if cached, else the built-in pair)")
+    s.add_argument("--draft", default=None,
+                   help="draft checkpoint directory (default: the default pair's draft; "
+                   "with --target, none: plain decoding)")
+    s.add_argument("--no-draft", action="store_true",
+                   help="serve the default target without its draft")
+    s.add_argument("--prompt-lookup", action="store_true",
+                   help="prompt lookup first, the draft model when it finds nothing (without "
+                   "a draft: prompt lookup alone)")
+    s.add_argument("--online", action="store_true", help="let the draft learn while serving")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--model-name", default=None,
+                   help="the model id clients send (default: the target's file name)")
+    s.add_argument("-k", "--k", type=int, default=4, dest="k", help="draft tokens per step")
+    s.add_argument("--max-batch-size", type=int, default=8,
+                   help="requests decoded together (continuous batching)")
+    s.add_argument("--max-seq-len", type=int, default=2048,
+                   help="context per request, prompt included")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    s.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=_serve)
 
     b = sub.add_parser("bench", help="run the benchmarks (pytest-benchmark)",
                        description="Run bench/ from a source checkout and write JSON results.")

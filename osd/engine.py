@@ -8,7 +8,9 @@ advances every lane:
 
 1. waiting requests **prefill** into the free rows ``B ..`` (a ragged batch padded to its
    longest prompt, fed in ``prefill_chunk`` pieces, through a row view of the cache, so
-   the running rows are untouched), and sample their first token;
+   the running rows are untouched), and sample their first token. A step admits prompts
+   of up to ``4 * prefill_chunk`` tokens in all (always at least one request); one long
+   prompt is prefilled within one step, so the running rows wait for it;
 2. every running row advances by one **decode step** (one token each) or, with a draft
    (or ``spec``), one **speculative step** (``osd.speculative``): the drafter proposes a
    chain or a tree, the target verifies it in one forward, the rejection sampler decides,
@@ -489,11 +491,25 @@ class Engine:
         finally:
             self._wall += time.perf_counter() - t0
 
+    def _admit(self, lane: Lane) -> list[RequestState]:
+        """Waiting requests for the free rows, oldest first, up to a prefill budget of
+        ``4 * prefill_chunk`` prompt tokens per step (at least one request), so that a burst
+        of arrivals does not stall the running rows for long."""
+        free = self.max_batch_size - len(lane.active)
+        budget = 4 * self.model.config.prefill_chunk
+        new: list[RequestState] = []
+        while lane.waiting and len(new) < free:
+            cost = len(lane.waiting[0].prompt)
+            if new and cost > budget:
+                break
+            budget -= cost
+            new.append(lane.waiting.popleft())
+        return new
+
     def _step_lane(self, lane: Lane) -> None:
         spec = lane.speculator
-        free = self.max_batch_size - len(lane.active)
-        if lane.waiting and free > 0:
-            new = [lane.waiting.popleft() for _ in range(min(free, len(lane.waiting)))]
+        new = self._admit(lane)
+        if new:
             if not lane.active:
                 lane.cache.reset()
                 if spec is not None:

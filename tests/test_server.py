@@ -1,0 +1,409 @@
+"""``osd serve``: the OpenAI-compatible server, in-process on a free port with the built-in
+pair, driven by the official ``openai`` client (and raw ``httpx`` for malformed input).
+
+Greedy outputs served to 8 concurrent clients equal ``osd.Engine.generate`` token for
+token; a stream closed mid-way is aborted in the engine; bad requests get OpenAI-style
+4xx errors and the server keeps serving; ``/metrics`` parses as Prometheus text.
+"""
+import math
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+fastapi = pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+import osd  # noqa: E402
+from osd import cli, zoo  # noqa: E402
+from osd.chat import apply_chat_template  # noqa: E402
+from osd.server import build_app  # noqa: E402
+
+MODEL = "osd-zoo"
+MAX_SEQ_LEN = 256
+# The built-in tokenizer ships no chat template; the chat tests install this one.
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+PROMPTS = [
+    "def __init__(self, name):\n    self.name = name\n",
+    "import os\nimport sys\n\n",
+    "    for i in range(len(items)):\n",
+    "class Error(Exception):\n",
+    "    return self._data[key]\n",
+    "if __name__ == '__main__':\n",
+    "    def close(self):\n        \"\"\"Close the file.",
+    "    # Return the number of bytes",
+]
+NEW = 16
+
+
+def _free_socket() -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+class Server:
+    """uvicorn in a background thread serving ``app`` on 127.0.0.1:port."""
+
+    def __init__(self, app):
+        sock = _free_socket()
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "the server did not come up"
+            time.sleep(0.05)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target, draft = zoo.default_pair()
+    # The reference: plain decoding (greedy speculation must equal it token for token).
+    ref_engine = osd.Engine.from_pretrained(target, max_batch_size=8, max_seq_len=MAX_SEQ_LEN)
+    tok = ref_engine.tokenizer
+    tok.chat_template = TEMPLATE
+    chat_ids = apply_chat_template(tok, [[{"role": "user", "content": p}] for p in PROMPTS[:2]])
+    reference = ref_engine.generate(PROMPTS, osd.SamplingParams(NEW))
+    chat_reference = ref_engine.generate(chat_ids, osd.SamplingParams(NEW))
+    long_ref = ref_engine.generate([PROMPTS[0]], osd.SamplingParams(64))[0]
+
+    engine = osd.Engine.from_pretrained(target, draft=draft, max_batch_size=4,
+                                        max_seq_len=MAX_SEQ_LEN,
+                                        spec=osd.SpecConfig(num_draft_tokens=3))
+    engine.tokenizer.chat_template = TEMPLATE
+    ae = osd.AsyncEngine(engine)
+    server = Server(build_app(ae, MODEL))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
+                           timeout=60)
+    yield dict(server=server, client=client, ae=ae, engine=engine, tok=tok,
+               reference=reference, chat_reference=chat_reference, long_ref=long_ref)
+    server.stop()
+    ae.close()
+
+
+def _metrics(setup) -> dict:
+    """``/metrics`` as {sample name with labels: value}; parsed by prometheus_client when
+    installed, else by a line regex."""
+    text = httpx.get(setup["server"].url + "/metrics", timeout=10).text
+    out = {}
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError:
+        line = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$')
+        for raw in text.splitlines():
+            if raw.startswith("#") or not raw:
+                continue
+            m = line.match(raw)
+            assert m, f"not a Prometheus sample line: {raw!r}"
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+        return out
+    for fam in text_string_to_metric_families(text):
+        assert fam.type in ("counter", "gauge"), (fam.name, fam.type)
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def test_models_and_health(setup):
+    models = setup["client"].models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert setup["client"].models.retrieve(MODEL).id == MODEL
+    assert httpx.get(setup["server"].url + "/health").json() == {"status": "ok"}
+
+
+def test_completion_plain_and_streamed(setup):
+    client, ref = setup["client"], setup["reference"][0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=NEW,
+                                  temperature=0, extra_body={"return_token_ids": True})
+    c = r.choices[0]
+    assert r.object == "text_completion" and r.model == MODEL
+    assert c.token_ids == ref.token_ids and c.text == ref.text
+    assert c.finish_reason == ref.finish_reason
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    assert r.usage.prompt_tokens == len(setup["tok"].encode(PROMPTS[0]))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=NEW,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert all(ch.object == "text_completion" for ch in chunks)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref.text
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finals[-1] == ref.finish_reason and set(finals[:-1]) <= {None}
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+    # A token-id prompt gets the same continuation.
+    ids = setup["tok"].encode(PROMPTS[0])
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=NEW, temperature=0)
+    assert r.choices[0].text == ref.text
+
+
+def test_chat_plain_and_streamed(setup):
+    client, ref = setup["client"], setup["chat_reference"][1]
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW,
+                                       temperature=0)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.completion_tokens == len(ref.token_ids)
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages,
+                                                 max_tokens=NEW, temperature=0, stream=True))
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+
+
+def test_chat_without_template_is_a_400(setup):
+    tok = setup["engine"].tokenizer
+    saved, tok.chat_template = tok.chat_template, None
+    try:
+        with pytest.raises(openai.BadRequestError) as exc:
+            setup["client"].chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    finally:
+        tok.chat_template = saved
+    assert "chat template" in exc.value.message
+
+
+def test_eight_concurrent_clients_get_engine_generate(setup):
+    client = setup["client"]
+    results, errors = {}, []
+
+    def worker(i):
+        try:
+            stream = i % 2 == 1
+            kw = dict(model=MODEL, prompt=PROMPTS[i], max_tokens=NEW, temperature=0,
+                      extra_body={"return_token_ids": True})
+            if stream:
+                ids, text = [], ""
+                for ch in client.completions.create(stream=True, **kw):
+                    ids += ch.choices[0].token_ids
+                    text += ch.choices[0].text
+                results[i] = (ids, text)
+            else:
+                c = client.completions.create(**kw).choices[0]
+                results[i] = (c.token_ids, c.text)
+        except Exception as exc:     # reported below, with the thread's index
+            errors.append((i, repr(exc)))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    for i, ref in enumerate(setup["reference"]):
+        assert results[i] == (ref.token_ids, ref.text), i
+
+
+def test_stop_strings_and_stop_token_ids(setup):
+    client, ref = setup["client"], setup["long_ref"]
+    text = ref.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    expected = text[:text.find(stop)]
+    assert stop.strip() and expected
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=64, temperature=0,
+                                  stop=[stop, "\x00never"], extra_body={"return_token_ids": True})
+    c = r.choices[0]
+    assert (c.text, c.finish_reason) == (expected, "stop")
+    # Token ids end at the token that completed the stop string.
+    tok = setup["tok"]
+    assert stop in tok.decode(c.token_ids) and stop not in tok.decode(c.token_ids[:-1])
+    assert r.usage.completion_tokens == len(c.token_ids)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=64,
+                                            temperature=0, stop=stop, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    # A stop token id ends the output (its token is kept in token_ids, not in the text).
+    sid = ref.token_ids[5]
+    cut = ref.token_ids[:ref.token_ids.index(sid) + 1]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=64, temperature=0,
+                                  extra_body={"stop_token_ids": [sid], "return_token_ids": True})
+    c = r.choices[0]
+    assert (c.token_ids, c.finish_reason) == (cut, "stop")
+    assert c.text == tok.decode(cut[:-1], skip_special_tokens=True)
+    m = _metrics(setup)
+    assert m['osd:request_aborted_total{reason="stop_string"}'] >= 2
+    assert m["osd:num_requests_running"] == 0
+
+
+def test_closed_stream_is_aborted(setup):
+    client, url = setup["client"], setup["server"].url
+    before = _metrics(setup)['osd:request_aborted_total{reason="client_disconnect"}']
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[2], temperature=0,
+                                       max_tokens=MAX_SEQ_LEN - 40, stream=True)
+    it = iter(stream)
+    next(it), next(it)
+    stream.close()
+    deadline = time.time() + 20
+    while True:
+        m = _metrics(setup)
+        if m["osd:num_requests_running"] == 0 and \
+                m['osd:request_aborted_total{reason="client_disconnect"}'] == before + 1:
+            break
+        assert time.time() < deadline, m
+        time.sleep(0.1)
+    # Nothing keeps running in the engine: no target forward happens while idle.
+    forwards = m["osd:target_forwards_total"]
+    time.sleep(0.5)
+    assert _metrics(setup)["osd:target_forwards_total"] == forwards
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": PROMPTS[0],
+                                                   "max_tokens": NEW, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == setup["reference"][0].text
+
+
+BAD = [
+    ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens must be an integer"),
+    ({"prompt": list(range(5, 5 + MAX_SEQ_LEN)), "max_tokens": 1}, 400, "maximum context"),
+    ({"prompt": [1, 2, 3], "max_tokens": MAX_SEQ_LEN}, 400, "maximum context"),
+    ({"prompt": [1, 2, 10**6]}, 400, "vocabulary"),
+    ({"prompt": ""}, 400, "prompt is empty"),
+    ({"max_tokens": 3}, 400, "prompt is required"),
+    ({"prompt": ["a", "b"]}, 400, "batched prompts"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "n": 2}, 400, "n must be 1"),
+    ({"prompt": "x", "stop": [3]}, 400, "stop must be"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ({"prompt": "x", "logprobs": 2}, 400, "logprobs is not supported"),
+    ({"prompt": "x", "stream": True, "temperature": -1}, 400, "temperature"),
+    ("[1, 2", 400, "not valid JSON"),
+    ("[1, 2]", 400, "JSON object"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ({"messages": []}, 400, "messages is required"),
+]
+
+
+@pytest.mark.parametrize("body,status,match", BAD, ids=[m for _, _, m in BAD])
+def test_bad_requests_are_openai_errors(setup, body, status, match):
+    url = setup["server"].url
+    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body \
+        else "/v1/completions"
+    if isinstance(body, dict):
+        body = {"model": MODEL, **body} if "model" not in body else body
+        r = httpx.post(url + path, json=body, timeout=30)
+    else:
+        r = httpx.post(url + path, content=body, headers={"content-type": "application/json"},
+                       timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert match in err["message"], err
+    assert err["type"] == "invalid_request_error" and set(err) == {"message", "type", "param",
+                                                                    "code"}
+    # The server keeps serving.
+    ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                   "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_bad_request_through_the_client(setup):
+    with pytest.raises(openai.BadRequestError) as exc:
+        setup["client"].completions.create(model=MODEL, prompt="x", max_tokens=2, n=3)
+    assert exc.value.status_code == 400 and "n must be 1" in exc.value.message
+    with pytest.raises(openai.NotFoundError):
+        setup["client"].completions.create(model="nope", prompt="x", max_tokens=2)
+
+
+def test_metrics(setup):
+    m = _metrics(setup)
+    for name in ("osd:spec_decode_num_drafts_total", "osd:spec_decode_num_draft_tokens_total",
+                 "osd:spec_decode_num_accepted_tokens_total", "osd:num_requests_running",
+                 "osd:online_updates_applied_total", "osd:online_updates_rejected_total",
+                 "osd:generation_tokens_total", "osd:prompt_tokens_total"):
+        assert name in m, name
+    assert m["osd:spec_decode_num_drafts_total"] > 0
+    drafted = m["osd:spec_decode_num_draft_tokens_total"]
+    accepted = m["osd:spec_decode_num_accepted_tokens_total"]
+    per_pos = [m[f'osd:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}']
+               for i in range(3)]
+    assert sum(per_pos) == accepted and 0 < accepted <= drafted
+    assert per_pos == sorted(per_pos, reverse=True)       # a chain: later positions need earlier
+    assert math.isclose(m["osd:spec_decode_acceptance_rate"], accepted / drafted)
+    assert m['osd:request_success_total{finished_reason="length"}'] > 0
+    assert m['osd:api_errors_total{status="400",type="invalid_request_error"}'] > 0
+
+
+def test_cli_serve_help_and_errors(capsys, monkeypatch):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "--max-batch-size" in out and "--online" in out and "--port" in out
+
+    target, draft = zoo.default_pair()
+    with _free_socket() as busy:
+        busy.listen()
+        rc = cli.main(["serve", "--target", target, "--port", str(busy.getsockname()[1])])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: cannot listen") and "Traceback" not in err
+
+    monkeypatch.setitem(sys.modules, "fastapi", None)       # as if not installed
+    assert cli.main(["serve", "--target", target]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "pip install osd[serve]" in err
+
+
+def test_cli_serve_end_to_end():
+    """``osd serve`` as a process: up, one completion, then a clean Ctrl-C."""
+    target, draft = zoo.default_pair()
+    with _free_socket() as s:
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "osd.cli", "serve", "--target", target,
+                             "--draft", draft, "--port", str(port), "--max-seq-len", "128",
+                             "--log-level", "warning", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0, timeout=30)
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.time() < deadline, "osd serve did not come up"
+            time.sleep(0.2)
+        assert client.models.list().data[0].id == "target"
+        r = client.completions.create(model="target", prompt=PROMPTS[0], max_tokens=4,
+                                      temperature=0)
+        assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
+    finally:
+        proc.send_signal(2)                                   # SIGINT: uvicorn shuts down
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, proc.stdout.read()
