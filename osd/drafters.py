@@ -9,6 +9,8 @@ uses:
   :class:`ChainProposal` (``k`` tokens per row) or a :class:`TreeProposal` (``tree``);
 - ``after_verify(B, tokens, lengths, max_len, committed_lens, bound)``: the verdict
   (``tokens[:, :lengths]`` emitted per row) so the drafter can catch up;
+  ``catch_up(B, tokens, lengths, max_len)`` after a step it did not draft for (a chain
+  length of 0);
 - ``model`` (the draft model, or None) and ``use_graphs(graphs)``.
 
 The drafters:
@@ -124,6 +126,10 @@ class ModelDrafter:
                      committed_lens: torch.Tensor, bound: int) -> None:
         """The step's verdict: :meth:`set_pending`."""
         self.set_pending(B, tokens, lengths, max_len, committed_lens, bound)
+
+    def catch_up(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int) -> None:
+        """The verdict of a step this drafter did not draft for: :meth:`queue`."""
+        self.queue(B, tokens, lengths, max_len)
 
     # -- bookkeeping ---------------------------------------------------------------
     def reset(self) -> None:
@@ -420,6 +426,9 @@ class NGramDrafter:
     def after_verify(self, *verdict) -> None:
         pass
 
+    def catch_up(self, *verdict) -> None:
+        pass
+
     def propose(self, active, roots, params, seed, offset, *, k: int = 0, tree=None,
                 stopper=None) -> ChainProposal:
         """Up to ``k`` drafts per row from each request's prompt and output."""
@@ -506,3 +515,6 @@ class LookupDrafter:
             self.inner.queue(B, tokens, lengths, max_len)
         else:
             self.inner.after_verify(B, tokens, lengths, max_len, committed_lens, bound)
+
+    def catch_up(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int) -> None:
+        self.inner.queue(B, tokens, lengths, max_len)

@@ -654,6 +654,8 @@ class Engine:
         out["generated_tokens"] = self._generated
         out["wall_s"] = self._wall
         out["tokens_per_s"] = self._generated / self._wall if self._wall > 0 else None
+        if any(sp.k_control is not None for sp in self.speculators):
+            out["auto_k"] = [sp.k_control.summary() for sp in self.speculators]
         if len(self.speculators) > 1:
             out["per_draft"] = [sp.stats.as_dict() for sp in self.speculators]
         if self.online is not None:

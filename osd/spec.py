@@ -43,6 +43,14 @@ class SpecConfig:
     the draft model does not run (its cache catches up on the next step it drafts).
     Otherwise the draft model drafts every row. Lookup is nearly free and, where text
     repeats (code, edits, retrieval), long and accurate; the draft model covers the rest.
+
+    ``auto_k=True`` (chains) lets each step choose its chain length among a few values from
+    0 to ``num_draft_tokens`` by the goodput measured at the step's batch size (tokens
+    emitted per second of step time, ``osd.speculative.DraftLengthController``): where
+    drafting does not pay (a weak draft, a large batch whose verify forward is compute
+    bound) the steps become plain decoding through the verify path. The output stays the
+    target's (greedy: token for token; sampled: in distribution), but sampled tokens for a
+    fixed seed then depend on the batch a request ran in, since the chain lengths do.
     """
 
     num_draft_tokens: int = 4            # k: chain length / most drafts per step
@@ -56,6 +64,8 @@ class SpecConfig:
     adaptive: bool = False               # stop drafting a row when the draft is unsure
     adaptive_floor: float = 0.35         # adaptive: stop when P(reach and accept) < floor
     adaptive_init_threshold: float = 0.3  # adaptive: confidence threshold before calibration
+    auto_k: bool = False                 # chain length per step from measured goodput per
+    #                                      batch size, 0 (plain decoding) when drafts do not pay
     exact_alpha: bool = True             # report 1 - TV(p, q) (one softmax per drafted row)
     cuda_graphs: bool = True             # capture draft and verify forwards on CUDA
 
@@ -78,6 +88,9 @@ class SpecConfig:
         if self.prompt_lookup and self.drafter == "ngram":
             raise ValueError("SpecConfig(prompt_lookup=True) adds prompt lookup to a model "
                              "drafter; drafter='ngram' already is prompt lookup")
+        if self.auto_k and (self.tree is not None or self.adaptive):
+            raise ValueError("SpecConfig(auto_k=True) picks a chain length per step; it does "
+                             "not combine with trees or adaptive=True")
         if self.prompt_lookup and self.tree is not None:
             raise ValueError("SpecConfig(prompt_lookup=True) proposes chains; use tree=None")
 

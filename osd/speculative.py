@@ -98,6 +98,67 @@ class AdaptiveStopper:
         self._conf = []
 
 
+class DraftLengthController:
+    """Chooses each step's chain length from measured goodput, per batch-size bucket.
+
+    The arms are a few chain lengths from 0 (plain decoding through the verify path) to
+    ``k_max``. An arm's goodput is the tokens a step emitted per second of its wall time
+    (which includes the step's host sync, so it is device time on a GPU), as an
+    exponential moving average per batch bucket (1, 2, 4, ...). A step takes the best arm,
+    except every ``explore_every``-th step of a bucket, which re-measures the arm measured
+    longest ago, so that a change in acceptance or in cost is noticed. The first
+    measurement of an arm in a bucket is dropped: it pays one-time costs (CUDA graph
+    capture, allocator growth).
+    """
+
+    def __init__(self, k_max: int, explore_every: int = 16, decay: float = 0.7):
+        self.arms = sorted({k for k in (k_max, 0, 1, 2, k_max // 2) if 0 <= k <= k_max})
+        self.explore_every = explore_every
+        self.decay = decay
+        self.goodput: dict[int, dict[int, float]] = {}    # bucket -> arm -> tokens/s
+        self._seen: dict[int, dict[int, int]] = {}        # bucket -> arm -> measurements
+        self._when: dict[int, dict[int, int]] = {}        # bucket -> arm -> last step
+        self._steps: dict[int, int] = {}
+        self.chosen: dict[int, dict[int, int]] = {}       # bucket -> arm -> steps
+
+    @staticmethod
+    def bucket(B: int) -> int:
+        return 1 << (B - 1).bit_length()
+
+    def choose(self, B: int) -> int:
+        b = self.bucket(B)
+        good = self.goodput.setdefault(b, {})
+        step = self._steps[b] = self._steps.get(b, 0) + 1
+        untried = [k for k in reversed(self.arms) if k not in good]
+        if untried:
+            k = untried[0]
+        elif step % self.explore_every == 0:
+            when = self._when[b]
+            k = min(self.arms, key=lambda a: when.get(a, -1))
+        else:
+            k = max(good, key=good.get)
+        counts = self.chosen.setdefault(b, {})
+        counts[k] = counts.get(k, 0) + 1
+        return k
+
+    def observe(self, B: int, k: int, tokens: int, seconds: float) -> None:
+        b = self.bucket(B)
+        seen = self._seen.setdefault(b, {})
+        seen[k] = seen.get(k, 0) + 1
+        self._when.setdefault(b, {})[k] = self._steps.get(b, 0)
+        if seen[k] == 1 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        good = self.goodput.setdefault(b, {})
+        good[k] = rate if k not in good else self.decay * good[k] + (1 - self.decay) * rate
+
+    def summary(self) -> dict:
+        """Per batch bucket: goodput (tokens/s) per arm and how often each arm ran."""
+        return {b: {"goodput": {k: round(v, 2) for k, v in sorted(self.goodput[b].items())},
+                    "steps": dict(sorted(self.chosen.get(b, {}).items()))}
+                for b in sorted(self.goodput)}
+
+
 @dataclasses.dataclass
 class Verdict:
     """What one speculative step decided, handed to the step's listeners.
@@ -149,6 +210,7 @@ class Speculator:
         self.stats = SpecStats()
         self.stopper = (AdaptiveStopper(spec.adaptive_floor, spec.adaptive_init_threshold)
                         if spec.adaptive and not spec.is_tree else None)
+        self.k_control = DraftLengthController(spec.num_draft_tokens) if spec.auto_k else None
         self.graphs: StepGraphs | None = None       # CUDA graphs of the forwards (use_graphs)
 
     # -- row bookkeeping (mirrors the engine's cache rows) ---------------------------
@@ -181,9 +243,14 @@ class Speculator:
         cache = self.cache
         clock = [time.perf_counter()]
         sampling = self._sampling_tensors(active, params)
-        prop = self.drafter.propose(active, self.next_tokens[:B], params, sampling["seed"],
-                                    sampling["offset"], k=self.spec.num_draft_tokens,
-                                    tree=self.spec.tree, stopper=self.stopper)
+        k = self.spec.num_draft_tokens if self.k_control is None else self.k_control.choose(B)
+        if k == 0:            # plain decoding through the verify path; the drafter catches up
+            prop = ChainProposal(torch.empty(B, 0, dtype=torch.int64, device=cache.lens.device),
+                                 None, None, None, 0, source="none")
+        else:
+            prop = self.drafter.propose(active, self.next_tokens[:B], params, sampling["seed"],
+                                        sampling["offset"], k=k, tree=self.spec.tree,
+                                        stopper=self.stopper)
         clock.append(time.perf_counter())
         lens_before = cache.lens[:B].clone()
         logits = self._verify(prop)                                            # [B, T, V]
@@ -202,8 +269,11 @@ class Speculator:
         out_host = out.tolist()
         fail_nonfinite(active, logits)
         self.next_tokens[:B] = out.gather(1, n[:, None].long())[:, 0]
-        self.drafter.after_verify(B, out, keep.long(), max(n_host) + 1, lens_before + 1,
-                                  cache.bound + 1)
+        if isinstance(prop, ChainProposal) and prop.source == "none":
+            self.drafter.catch_up(B, out, keep.long(), max(n_host) + 1)
+        else:
+            self.drafter.after_verify(B, out, keep.long(), max(n_host) + 1, lens_before + 1,
+                                      cache.bound + 1)
         if isinstance(prop, TreeProposal):
             drafted = [prop.max_depth] * B      # a tree offers up to max_depth per row
         elif prop.num_drafted is None:
@@ -223,6 +293,8 @@ class Speculator:
         for listener in self.listeners:
             listener.on_verdict(verdict)
         clock.append(time.perf_counter())
+        if self.k_control is not None:
+            self.k_control.observe(B, k, sum(emitted), clock[-1] - clock[0])
         for phase, t0, t1 in zip(("draft", "verify", "sample", "rollback", "other"),
                                  clock, clock[1:]):
             self.stats.add_time(phase, t1 - t0)

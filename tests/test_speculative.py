@@ -193,7 +193,8 @@ def _engine_modes():
     (dict(tree=[(0,), (1,), (2,), (0, 0)]), dict(temperature=0.8, top_k=8, top_p=0.85)),
     (dict(tree=DynamicTree(topk=3, depth=2, max_nodes=5)), dict(temperature=0.9, top_k=5)),
     (dict(num_draft_tokens=2, prompt_lookup=True), dict(temperature=0.9, top_k=0, top_p=1.0)),
-], ids=["chain", "chain-t", "tree", "dyntree", "lookup"])
+    (dict(num_draft_tokens=3, auto_k=True), dict(temperature=0.8, top_k=6, top_p=1.0)),
+], ids=["chain", "chain-t", "tree", "dyntree", "lookup", "auto-k"])
 def test_sampled_joint_follows_target(spec, params, mode):
     """The joint of the first three tokens over 50,000 requests in batches of 4096 (the
     first drawn by the plain sampler at prefill, the others by speculative steps);
