@@ -7,7 +7,10 @@
 #      (tests enabled by torch.cuda.is_available());
 #   3. compile every Triton kernel for the machine's Triton (scripts/triton_check.py);
 #   4. run the GPU benchmarks (triton and cuda providers);
-#   5. print the benchmark table and a summary table of the stages.
+#   5. measure the speed goals at their own sizes (scripts/gpu_goals.py: samplers at
+#      V = 128,256, attention over 4k-32k prefixes, 1.1B decode against the HBM roofline,
+#      speculative vs plain at batch 1, 8, 64);
+#   6. print the benchmark table and a summary table of the stages.
 # It uses the machine's own python (PYTHON, default python3) and installs nothing, since a
 # GPU box may have no network. Results land in ${OUT:-out}/.
 set -euo pipefail
@@ -50,6 +53,9 @@ echo "== GPU benchmarks"
 timeout 150 $PY -m pytest -q -p no:cacheprovider bench -k "cuda or triton" \
     --benchmark-json="$OUTDIR/gpu_bench.json" 2>&1 | tail -n 60
 bench_rc=${PIPESTATUS[0]}
+echo "== speed goals (samplers, attention, decode roofline, speculation at batch)"
+timeout 180 $PY scripts/gpu_goals.py --json "$OUTDIR/gpu_goals.json" 2>&1 | tee "$OUTDIR/gpu_goals.md" | tail -n 45
+goals_rc=${PIPESTATUS[0]}
 set -e
 
 echo "== results"
@@ -62,5 +68,6 @@ summary() { grep -Eo "[0-9]+ (passed|failed|skipped|error)[^=]*" "$1" | tail -n 
   echo "| rest of the suite | $rest_rc | $(summary "$OUTDIR/gpu_tests_rest.log") |"
   echo "| triton compile check | $triton_rc | |"
   echo "| GPU benchmarks | $bench_rc | $OUTDIR/gpu_bench.md |"
+  echo "| speed goals table | $goals_rc | $OUTDIR/gpu_goals.md |"
 } | tee "$OUTDIR/gpu_summary.md"
-exit $(( first_rc != 0 || rest_rc != 0 || triton_rc != 0 || bench_rc != 0 ))
+exit $(( first_rc != 0 || rest_rc != 0 || triton_rc != 0 || bench_rc != 0 || goals_rc != 0 ))
