@@ -75,7 +75,8 @@ class AsyncEngine:
         return cls(Engine.from_pretrained(target, draft, **kwargs))
 
     # -- the caller's side --------------------------------------------------------------
-    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None):
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
+                       draft: int | None = None):
         """Generate a continuation of one prompt, as an async iterator of
         :class:`~osd.Output` snapshots.
 
@@ -83,6 +84,8 @@ class AsyncEngine:
             prompt: a list of token ids or (with a tokenizer) a string.
             params: its :class:`~osd.SamplingParams`.
             request_id: a name for :meth:`abort`; a fresh one when None.
+            draft: serve it with this draft (an index into the engine's drafts) instead
+                of the router's choice.
 
         Yields:
             ``Output`` with every token generated so far (``token_ids``, ``text``,
@@ -91,13 +94,14 @@ class AsyncEngine:
 
         Raises:
             ValueError / TypeError: bad input (prompt, parameters, a prompt plus
-                ``max_new_tokens`` over ``max_seq_len``, a request id in use), at the
+                ``max_new_tokens`` over ``max_seq_len``, an unknown draft, a request id in
+                use), at the
                 first iteration; the engine never sees the request.
             osd.RequestError: the request failed while it ran (the others go on).
         """
         if self._closed:
             raise RuntimeError("this AsyncEngine is closed")
-        request = self._request(prompt, params)
+        request = self._request(prompt, params, draft)
         request_id = str(uuid.uuid4()) if request_id is None else str(request_id)
         stream = _Stream(request_id, request, asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
@@ -123,7 +127,7 @@ class AsyncEngine:
                 self._abort(request_id)
 
     async def chat(self, messages: list[dict], params: SamplingParams,
-                   request_id: str | None = None):
+                   request_id: str | None = None, draft: int | None = None):
         """:meth:`generate` on one conversation formatted with the tokenizer's chat
         template (generation prompt added)."""
         from osd.chat import apply_chat_template
@@ -131,7 +135,7 @@ class AsyncEngine:
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this engine has none")
         prompt = apply_chat_template(self.tokenizer, [messages])[0]
-        async for out in self.generate(prompt, params, request_id):
+        async for out in self.generate(prompt, params, request_id, draft):
             yield out
 
     async def abort(self, request_id: str) -> None:
@@ -147,8 +151,8 @@ class AsyncEngine:
                 self._aborts.append(stream)
         self._wake.set()
 
-    def _request(self, prompt, params: SamplingParams) -> RequestState:
-        request = self.engine.requests([prompt], params)[0]
+    def _request(self, prompt, params: SamplingParams, draft: int | None) -> RequestState:
+        request = self.engine.requests([prompt], params, draft=draft)[0]
         limit = self.engine.max_seq_len
         if len(request.prompt) + request.max_new_tokens > limit:
             self.engine.errors["bad_request"] += 1

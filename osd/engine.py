@@ -79,6 +79,7 @@ class RequestState:
     error: str | None = None          # why it failed (finish_reason "error")
     error_kind: str | None = None     # its kind, counted in Engine.stats["errors"]
     draft_index: int = 0              # which draft serves it (routing)
+    pinned_draft: int | None = None   # the draft the caller asked for (no routing)
     spec_steps: int = 0               # speculative steps so far (the Philox offset)
     spec_stats: SpecStats | None = None
     teacher: list = dataclasses.field(default_factory=list)  # collected target distributions
@@ -333,12 +334,21 @@ class Engine:
         return out
 
     def requests(self, prompts, params: SamplingParams | list[SamplingParams],
-                 base_index: int = 0) -> list[RequestState]:
+                 base_index: int = 0, draft: int | None = None) -> list[RequestState]:
         """Validated :class:`RequestState` objects for ``prompts``, each with its own
-        sampling parameters (``params``: one for all, or one per prompt) and Philox seed.
-        Bad input raises ValueError / TypeError naming the problem (counted in
-        ``stats["errors"]["bad_request"]``)."""
+        sampling parameters (``params``: one for all, or one per prompt) and Philox seed,
+        served by draft ``draft`` (an index into the engine's drafts) or, when None, by
+        the router's choice. Bad input raises ValueError / TypeError naming the problem
+        (counted in ``stats["errors"]["bad_request"]``)."""
         try:
+            if draft is not None:
+                n = len(self.speculators)
+                if isinstance(draft, bool) or not isinstance(draft, int):
+                    raise TypeError(f"draft must be an int index into the engine's drafts, "
+                                    f"got {type(draft).__name__}")
+                if not 0 <= draft < max(n, 1) or (n == 0 and draft != 0):
+                    raise ValueError(f"unknown draft {draft}: this engine has "
+                                     f"{'no drafts' if n == 0 else f'{n} (0..{n - 1})'}")
             per = list(params) if isinstance(params, (list, tuple)) else None
             for p in per if per is not None else [params]:
                 if not isinstance(p, SamplingParams):
@@ -357,12 +367,14 @@ class Engine:
             stop_ids = self.eos_token_ids | frozenset(p.stop_token_ids or ())
             # A shared seed is spread over the prompts; a prompt's own seed is its alone.
             out.append(RequestState(base_index + i, ids, p.max_new_tokens, stop_ids,
-                                    request_seed(base_seed, 0 if per else base_index + i), p))
+                                    request_seed(base_seed, 0 if per else base_index + i), p,
+                                    pinned_draft=draft))
         return out
 
     _requests = requests
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams]) -> list[Output]:
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams],
+                 draft: int | None = None) -> list[Output]:
         """Generate a continuation of every prompt.
 
         Args:
@@ -372,13 +384,15 @@ class Engine:
                 samples with ``request_seed(seed, i)``), or a list with one per prompt (each
                 sampled as it would be alone; rows with different parameters share the
                 batch).
+            draft: serve every prompt with this draft (an index into the engine's drafts)
+                instead of the router's choice.
 
         Returns:
             One :class:`~osd.Output` per prompt, in order. A request whose target logits
             turn non-finite ends with ``finish_reason="error"`` and ``error`` set; the
             others are unaffected.
         """
-        requests = self.requests(prompts, params)
+        requests = self.requests(prompts, params, draft=draft)
         with self._exclusive():
             for _ in self.run(requests):
                 pass
@@ -451,7 +465,10 @@ class Engine:
     def submit(self, requests: list[RequestState]) -> None:
         """Queue ``requests``; each joins its draft's lane at the next :meth:`step`."""
         for r in requests:
-            r.draft_index = self.online.choose(r.prompt) if self.online is not None else 0
+            if r.pinned_draft is not None:
+                r.draft_index = r.pinned_draft
+            else:
+                r.draft_index = self.online.choose(r.prompt) if self.online is not None else 0
             self.lanes[r.draft_index].waiting.append(r)
 
     def abort(self, requests: list[RequestState]) -> None:

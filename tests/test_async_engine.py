@@ -146,6 +146,9 @@ def test_bad_requests_mid_batch_are_refused_and_the_batch_is_unaffected(pair):
             with pytest.raises((ValueError, TypeError)) as info:
                 await _collect(aeng, prompt, params)
             errors.append(str(info.value))
+        with pytest.raises(ValueError, match="unknown draft 3: this engine has 1"):
+            async for _ in aeng.generate([1, 2], osd.SamplingParams(4), draft=3):
+                pass
         dup = asyncio.create_task(_collect(aeng, [1, 2], osd.SamplingParams(50), "same"))
         await asyncio.sleep(0.01)
         with pytest.raises(ValueError, match="already in use"):
@@ -161,7 +164,7 @@ def test_bad_requests_mid_batch_are_refused_and_the_batch_is_unaffected(pair):
     for msg, (_, _, want) in zip(errors, bad):
         assert want in msg
     assert [o.token_ids for o in got] == [o.token_ids for o in alone]
-    assert stats["errors"]["bad_request"] == len(bad) + 1
+    assert stats["errors"]["bad_request"] == len(bad) + 2
 
 
 def _poison(engine, victim_prompt, after=2):
@@ -274,3 +277,18 @@ def test_generate_takes_params_per_prompt(pair):
     assert [o.token_ids for o in eng.generate(prompts, MIXED)] == alone
     with pytest.raises(ValueError, match="7 SamplingParams for 2 prompts"):
         eng.generate(prompts[:2], MIXED)
+
+
+def test_a_request_may_pick_its_draft(pair):
+    prompts = prompts_of([9, 4, 14, 6], seed=91)
+    sp = osd.SamplingParams(10)
+    plain = [o.token_ids for o in _engine(pair, drafts=0).generate(prompts, sp)]
+    eng = _engine(pair, drafts=2)
+    out = eng.generate(prompts, sp, draft=1)
+    assert [o.token_ids for o in out] == plain
+    assert {o.stats["draft_index"] for o in out} == {1}
+    assert eng.stats["per_draft"][0]["requests"] == 0
+    with pytest.raises(ValueError, match="unknown draft 2"):
+        eng.generate(prompts, sp, draft=2)
+    with pytest.raises(ValueError, match="no drafts"):
+        _engine(pair, drafts=0).generate(prompts, sp, draft=1)

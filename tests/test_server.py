@@ -302,6 +302,8 @@ BAD = [
     ("[1, 2]", 400, "JSON object"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
     ({"messages": []}, 400, "messages is required"),
+    ({"prompt": "x", "draft": 7}, 400, "unknown draft 7"),
+    ({"prompt": "x", "draft": "big"}, 400, "draft must be an integer"),
 ]
 
 
