@@ -2,11 +2,13 @@
 
 C++ CPU kernels are always built. CUDA kernels are added when the installed torch has
 CUDA and nvcc is found; ``OSD_SKIP_CUDA=1`` skips them. Sources are picked up by glob, so
-adding an op means adding its files under ``csrc/``:
+adding an op means its schema line in ``csrc/ops.cpp`` and its files under ``csrc/``:
 
-    csrc/kernels/<op>.cuh|.cu   torch-free kernels (also compiled alone by ``make cuda-check``)
-    csrc/cpu/<op>.cpp           torch glue + C++ CPU kernel + schema (TORCH_LIBRARY_FRAGMENT)
-    csrc/cuda/<op>.cpp          torch glue for the CUDA kernel (TORCH_LIBRARY_IMPL CUDA)
+    csrc/ops.cpp                every schema (TORCH_LIBRARY); csrc/module.cpp: the Python module
+    csrc/<op>_checks.h          argument checks shared by the CPU and CUDA implementations
+    csrc/kernels/<op>.h|.cu     torch-free kernels (also compiled alone by ``make cuda-check``)
+    csrc/cpu/<op>.cpp           C++ CPU kernel (TORCH_LIBRARY_IMPL CPU)
+    csrc/cuda/<op>.cpp          CUDA launch glue (TORCH_LIBRARY_IMPL CUDA)
 """
 import glob
 import os
@@ -26,7 +28,7 @@ def _with_cuda() -> bool:
 def _extension():
     here = os.path.dirname(os.path.abspath(__file__))
     include = [os.path.join(here, "csrc")]
-    sources = sorted(glob.glob("csrc/cpu/*.cpp"))
+    sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
     cxx = ["-O3", "-fopenmp", "-std=c++20"]
     if _with_cuda():
         sources += sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/kernels/*.cu"))

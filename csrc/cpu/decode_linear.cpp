@@ -1,4 +1,4 @@
-// decode_linear: schema, checks and the C++ CPU kernel of y = x W^T + b for few rows.
+// decode_linear: checks and the C++ CPU kernel of y = x W^T + b for few rows.
 //
 // Decode and verify forwards multiply 1 to ~12 rows by every weight matrix, most of them
 // right after an RMSNorm, which the op applies to the rows first when given its weight. A
@@ -10,12 +10,13 @@
 // the two round differently (FMA), which a linear layer tolerates.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <torch/library.h>
 #include <algorithm>
 #include <cmath>
 #include <optional>
 
+#include "checks.h"
 #include "cpu/fast_math.h"
-#include "cpu/glue.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -236,12 +237,5 @@ at::Tensor decode_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
 
 }  // namespace
 }  // namespace osd
-
-TORCH_LIBRARY_FRAGMENT(osd, m) {
-  // y = x W^T + b for a few rows (decode and verify); x [M, K], weight [N, K], bias [N].
-  // With norm_weight [K], x is first RMS-normalised: norm_weight * x / sqrt(mean(x^2) + eps).
-  m.def("decode_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight=None, "
-        "float eps=1e-6) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(osd, CPU, m) { m.impl("decode_linear", &osd::decode_linear_cpu); }

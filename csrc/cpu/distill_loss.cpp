@@ -1,4 +1,4 @@
-// distill_loss_fwd_bwd: schema, argument checks, and the C++ CPU kernel.
+// distill_loss_fwd_bwd: argument checks and the C++ CPU kernel.
 //
 // Semantics and the top-k approximation: osd_kernels/distill_loss.py. Per row, with log
 // probabilities lp (target) and lq (draft) over buckets B (every token for full target
@@ -20,6 +20,7 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -32,7 +33,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpu/glue.h"
+#include "checks.h"
 
 // Floating-point operations are assumed not to trap (as in torch's own build) and sums may
 // be reassociated, so GCC can if-convert the selects of the helpers below and vectorise the
@@ -375,13 +376,6 @@ std::tuple<at::Tensor, at::Tensor> distill_loss_fwd_bwd_cpu(
 
 }  // namespace
 }  // namespace osd
-
-TORCH_LIBRARY_FRAGMENT(osd, m) {
-  // Distillation loss per row (fkl/rkl/jsd/tvd) and its gradient w.r.t. the draft logits.
-  m.def(
-      "distill_loss_fwd_bwd(Tensor draft_logits, Tensor? target_logits, Tensor? topk_ids, "
-      "Tensor? topk_probs, Tensor? mask, str loss, float beta) -> (Tensor, Tensor)");
-}
 
 TORCH_LIBRARY_IMPL(osd, CPU, m) {
   m.impl("distill_loss_fwd_bwd", &osd::distill_loss_fwd_bwd_cpu);

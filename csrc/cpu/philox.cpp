@@ -1,8 +1,9 @@
 // philox_uniform: the C++ side of the shared counter-based generator (kernels/philox.h),
 // exposed so tests can compare it word for word with the PyTorch and Triton versions.
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
-#include "cpu/glue.h"
+#include "checks.h"
 #include "kernels/philox.h"
 
 namespace osd {
@@ -34,10 +35,5 @@ at::Tensor philox_uniform_cpu_op(const at::Tensor& seed, const at::Tensor& offse
 
 }  // namespace
 }  // namespace osd
-
-TORCH_LIBRARY_FRAGMENT(osd, m) {
-  // Philox uniforms u(seed[b], offset[b], stream, i) for i < num: [B, num] float32.
-  m.def("philox_uniform(Tensor seed, Tensor offset, int stream, int num) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(osd, CPU, m) { m.impl("philox_uniform", &osd::philox_uniform_cpu_op); }

@@ -1,4 +1,4 @@
-// tree_attention: schema, argument checks, and the C++ CPU kernel.
+// tree_attention: argument checks and the C++ CPU kernel.
 //
 // Semantics (osd_kernels/tree_attention.py): query t of row b sees the prefix keys
 // [0, lens[b]) unmasked and the tree key lens[b] + t' iff bit t' of tree_mask[b, t] is set
@@ -22,6 +22,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -33,8 +34,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "checks.h"
 #include "cpu/fast_math.h"
-#include "cpu/glue.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -381,13 +382,5 @@ at::Tensor tree_attention_cpu_op(const at::Tensor& q, const at::Tensor& k_cache,
 
 }  // namespace
 }  // namespace osd
-
-TORCH_LIBRARY_FRAGMENT(osd, m) {
-  // Attention of T new queries per row over the cached prefix plus a bitmasked tree (T <= 64)
-  // or, without a mask, causally over the new keys (any T).
-  m.def(
-      "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, "
-      "Tensor? tree_mask, float scale) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(osd, CPU, m) { m.impl("tree_attention", &osd::tree_attention_cpu_op); }

@@ -1,13 +1,13 @@
-// kv_rollback: CUDA glue (checks, stream, launch). Kernel: kernels/kv_rollback.cu.
+// kv_rollback: CUDA glue (device guard, stream, launch). Checks: kv_rollback_checks.h;
+// kernel: kernels/kv_rollback.cu.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
 
-#include "cpu/glue.h"
 #include "kernels/kv_rollback_cuda.h"
+#include "kv_rollback_checks.h"
 
 namespace osd {
-KvRollbackArgs make_kv_rollback_args(const at::Tensor& kv, const at::Tensor& lens,
-                                     const at::Tensor& slots, const at::Tensor& keep);
 namespace {
 
 void kv_rollback_cuda_op(at::Tensor kv, at::Tensor lens, const at::Tensor& slots,

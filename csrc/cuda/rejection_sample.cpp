@@ -1,16 +1,13 @@
-// rejection_sample: CUDA glue (checks, stream, launch). Kernel: kernels/rejection_sample.cu.
+// rejection_sample: CUDA glue (device guard, stream, launch). Checks:
+// rejection_sample_checks.h; kernel: kernels/rejection_sample.cu.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
 
-#include "cpu/glue.h"
 #include "kernels/rejection_sample_cuda.h"
+#include "rejection_sample_checks.h"
 
 namespace osd {
-RejectionSampleArgs make_rejection_sample_args(
-    const at::Tensor& logits, const at::Tensor& draft_ids,
-    const std::optional<at::Tensor>& draft_probs, const at::Tensor& num_draft,
-    const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
-    const at::Tensor& seed, const at::Tensor& offset, at::Tensor& out, at::Tensor& accepted);
 namespace {
 
 std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda_op(

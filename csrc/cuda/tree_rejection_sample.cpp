@@ -1,19 +1,14 @@
-// tree_rejection_sample: CUDA glue (checks, workspace, stream, launch).
-// Kernel: kernels/tree_rejection_sample.cu.
+// tree_rejection_sample: CUDA glue (device guard, workspace, stream, launch). Checks:
+// tree_rejection_sample_checks.h; kernel: kernels/tree_rejection_sample.cu.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
 
-#include "cpu/glue.h"
 #include "kernels/tree_rejection_sample_cuda.h"
+#include "tree_rejection_sample_checks.h"
 
 namespace osd {
-TreeRejectionSampleArgs make_tree_rejection_sample_args(
-    const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& parents,
-    const std::optional<at::Tensor>& draft_probs, const at::Tensor& temperature,
-    const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& seed,
-    const at::Tensor& offset, int64_t max_depth, bool without_replacement,
-    at::Tensor& accepted_nodes, at::Tensor& out_tokens, at::Tensor& num_accepted);
 namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cuda_op(

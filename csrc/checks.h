@@ -1,7 +1,8 @@
-// Small shape/dtype check helpers shared by the torch glue files.
+// Argument-check helpers of the torch glue, shared by the CPU and CUDA implementations
+// (csrc/<op>_checks.h, csrc/cpu/*.cpp, csrc/cuda/*.cpp).
 #pragma once
-#include <torch/library.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include "kernels/common.h"
 

@@ -1,6 +1,6 @@
-// Python module entry for osd_kernels._C. The ops themselves register with the torch
-// dispatcher (TORCH_LIBRARY_FRAGMENT / TORCH_LIBRARY_IMPL in each op's glue file) when the
-// shared library is loaded; this file only gives Python something to import.
+// Python module entry for osd_kernels._C. The ops register with the torch dispatcher
+// (schemas: TORCH_LIBRARY in ops.cpp; kernels: TORCH_LIBRARY_IMPL in cpu/ and cuda/) when
+// the shared library is loaded; this file only gives Python something to import.
 #include <Python.h>
 
 static struct PyModuleDef osd_module = {PyModuleDef_HEAD_INIT, "_C",

@@ -1,0 +1,43 @@
+// The one registration file of the osd op library: every schema, one purpose line each.
+// Implementations register per dispatch key: csrc/cpu/<op>.cpp (CPU), csrc/cuda/<op>.cpp
+// (CUDA, built only when torch has CUDA); the fake (meta) ones are in osd_kernels/<op>.py.
+// Mutated arguments are marked (Tensor(a!)) so torch.compile and CUDA graphs see them.
+#include <torch/library.h>
+
+TORCH_LIBRARY(osd, m) {
+  // Chain speculative-sampling verification: accepted drafts + one recovered/bonus token.
+  m.def(
+      "rejection_sample(Tensor target_logits, Tensor draft_token_ids, Tensor? draft_probs, "
+      "Tensor num_draft_tokens, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed, "
+      "Tensor offset) -> (Tensor, Tensor)");
+
+  // Token-tree verification: accepted path (node indices), its tokens + one emitted token.
+  m.def(
+      "tree_rejection_sample(Tensor target_logits, Tensor node_token_ids, Tensor parents, "
+      "Tensor? draft_probs, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed, "
+      "Tensor offset, int max_depth, bool without_replacement) -> (Tensor, Tensor, Tensor)");
+
+  // Compact accepted tree slots of every layer's K/V in place and advance the lengths.
+  m.def(
+      "kv_rollback(Tensor(a!) kv_cache, Tensor(b!) cache_lens, Tensor accepted_slots, "
+      "Tensor num_keep) -> ()");
+
+  // Attention of T new queries per row over the cached prefix plus a bitmasked tree (T <= 64)
+  // or, without a mask, causally over the new keys (any T).
+  m.def(
+      "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, "
+      "Tensor? tree_mask, float scale) -> Tensor");
+
+  // y = x W^T + b for a few rows (decode and verify); x [M, K], weight [N, K], bias [N].
+  // With norm_weight [K], x is first RMS-normalised: norm_weight * x / sqrt(mean(x^2) + eps).
+  m.def("decode_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight=None, "
+        "float eps=1e-6) -> Tensor");
+
+  // Distillation loss per row (fkl/rkl/jsd/tvd) and its gradient w.r.t. the draft logits.
+  m.def(
+      "distill_loss_fwd_bwd(Tensor draft_logits, Tensor? target_logits, Tensor? topk_ids, "
+      "Tensor? topk_probs, Tensor? mask, str loss, float beta) -> (Tensor, Tensor)");
+
+  // Philox uniforms u(seed[b], offset[b], stream, i) for i < num: [B, num] float32.
+  m.def("philox_uniform(Tensor seed, Tensor offset, int stream, int num) -> Tensor");
+}
