@@ -180,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model-name", default=None,
                    help="the model id clients send (default: the target's file name)")
     s.add_argument("-k", "--k", type=int, default=4, dest="k", help="draft tokens per step")
+    s.add_argument("--auto-k", action="store_true",
+                   help="choose the draft tokens per step (0 to k) from measured goodput")
     s.add_argument("--max-batch-size", type=int, default=8,
                    help="requests decoded together (continuous batching)")
     s.add_argument("--max-seq-len", type=int, default=2048,

@@ -7,10 +7,12 @@ requests always in rows ``0 .. B-1``. Requests are submitted to the lane of thei
 advances every lane:
 
 1. waiting requests **prefill** into the free rows ``B ..`` (a ragged batch padded to its
-   longest prompt, fed in ``prefill_chunk`` pieces, through a row view of the cache, so
-   the running rows are untouched), and sample their first token. A step admits prompts
-   of up to ``4 * prefill_chunk`` tokens in all (always at least one request); one long
-   prompt is prefilled within one step, so the running rows wait for it;
+   longest prompt, through a row view of the cache, so the running rows are untouched),
+   and sample their first token. A step admits prompts of up to ``4 * prefill_chunk``
+   tokens in all (always at least one request). A prompt that needs more than one
+   ``prefill_chunk`` piece is *staged* instead: the lane's one-row staging cache takes
+   one piece per step (the running rows keep decoding in between), and its last piece
+   is prefilled into a lane row reserved for it, where its K/V were copied;
 2. every running row advances by one **decode step** (one token each) or, with a draft
    (or ``spec``), one **speculative step** (``osd.speculative``): the drafter proposes a
    chain or a tree, the target verifies it in one forward, the rejection sampler decides,
@@ -114,9 +116,12 @@ class Lane:
 
     cache: KVCache
     next_tokens: torch.Tensor              # [max_batch_size] int64, each row's last token
+    stage_cache: KVCache                   # one row: a long prompt prefilled piece by piece
     speculator: Speculator | None = None
     active: list[RequestState] = dataclasses.field(default_factory=list)
     waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
+    staging: RequestState | None = None    # the long prompt in stage_cache (a row reserved)
+    staged: int = 0                        # its prompt tokens in stage_cache
 
 
 class Engine:
@@ -200,7 +205,8 @@ class Engine:
         self.online = None if online is None else \
             OnlineManager([d.model for d in drafters], online)
         self.lanes = [Lane(model.new_cache(max_batch_size, max_seq_len + self._headroom),
-                           torch.zeros(max_batch_size, dtype=torch.int64, device=self.device))
+                           torch.zeros(max_batch_size, dtype=torch.int64, device=self.device),
+                           model.new_cache(1, max_seq_len + self._headroom))
                       for _ in drafters]
         for i, (lane, drafter) in enumerate(zip(self.lanes, drafters)):
             if drafter is None:
@@ -219,6 +225,7 @@ class Engine:
         if cuda_graphs and (spec is None or spec.cuda_graphs) and self.device.type == "cuda":
             self.use_graphs(StepGraphs(self.device))
         self._wall, self._generated, self._requests_served = 0.0, 0, 0
+        self.plain_stats = SpecStats()       # plain lanes: target forwards, time by phase
         self.errors: collections.Counter = collections.Counter()   # failures by kind
         self._aborted = 0
         self.last_error: str | None = None
@@ -480,12 +487,14 @@ class Engine:
                 r.finish_reason = "abort"
         for lane in self.lanes:
             lane.waiting = collections.deque(r for r in lane.waiting if id(r) not in doomed)
+            if lane.staging is not None and id(lane.staging) in doomed:
+                self._unstage(lane)
             if any(id(r) in doomed for r in lane.active):
                 self.retire(lane.active, lane=lane)
 
     def has_work(self) -> bool:
         """Whether any request is waiting or running."""
-        return any(lane.active or lane.waiting for lane in self.lanes)
+        return any(lane.active or lane.waiting or lane.staging for lane in self.lanes)
 
     def step(self) -> None:
         """One scheduling step over every lane: waiting requests fill the free rows
@@ -508,36 +517,94 @@ class Engine:
         finally:
             self._wall += time.perf_counter() - t0
 
-    def _admit(self, lane: Lane) -> list[RequestState]:
-        """Waiting requests for the free rows, oldest first, up to a prefill budget of
-        ``4 * prefill_chunk`` prompt tokens per step (at least one request), so that a burst
-        of arrivals does not stall the running rows for long."""
-        free = self.max_batch_size - len(lane.active)
+    def _admit(self, lane: Lane, prompt_positions: int) -> list[RequestState]:
+        """Waiting requests for the free rows, oldest first. A prompt long enough to need
+        more than one prefill piece goes to the lane's staging row instead (when it is
+        free), to be prefilled one piece per step; the others are prefilled now, up to a
+        budget of ``4 * prefill_chunk`` prompt tokens per step (at least one request)."""
+        free = self.max_batch_size - len(lane.active) - (lane.staging is not None)
         budget = 4 * self.model.config.prefill_chunk
         new: list[RequestState] = []
+        kept = collections.deque()
         while lane.waiting and len(new) < free:
-            cost = len(lane.waiting[0].prompt)
-            if new and cost > budget:
+            r = lane.waiting.popleft()
+            if self._pieces_left(len(r.prompt), prompt_positions):
+                if lane.staging is None and len(new) < free - 1:
+                    lane.staging, lane.staged = r, 0
+                    lane.stage_cache.reset()
+                    free -= 1
+                else:
+                    kept.append(r)
+                continue
+            if new and len(r.prompt) > budget:
+                kept.append(r)
                 break
-            budget -= cost
-            new.append(lane.waiting.popleft())
+            budget -= len(r.prompt)
+            new.append(r)
+        kept.extend(lane.waiting)
+        lane.waiting = kept
         return new
+
+    def _pieces_left(self, remaining: int, prompt_positions: int) -> bool:
+        """Whether a prompt with ``remaining`` tokens to prefill needs a piece before its
+        last one. The last piece holds the last ``prompt_positions`` positions (whose
+        logits online learning keeps) and at most ``prefill_chunk + prompt_positions``
+        tokens."""
+        return remaining - self.model.config.prefill_chunk >= max(prompt_positions, 1)
+
+    def _advance_staging(self, lane: Lane, prompt_positions: int) -> tuple | None:
+        """One prefill piece of the staged prompt into the staging row. When only its last
+        piece is left, the staged K/V move into the lane's next free row and
+        ``(request, tokens already prefilled)`` is returned, to be prefilled there with
+        the last piece."""
+        r = lane.staging
+        if r is None:
+            return None
+        if self._pieces_left(len(r.prompt) - lane.staged, prompt_positions):
+            chunk = self.model.config.prefill_chunk
+            piece = torch.tensor([r.prompt[lane.staged:lane.staged + chunk]],
+                                 dtype=torch.int64, device=self.device)
+            one = torch.ones(1, 1, dtype=torch.int64, device=self.device)
+            self.model.prefill(piece, lane.stage_cache,
+                               torch.tensor([chunk], device=self.device), logits_index=one - 1)
+            lane.staged += chunk
+            lane.stage_cache.set_bound(lane.staged)
+            return None
+        row, n = len(lane.active), lane.staged
+        if not lane.active:
+            self._empty_lane(lane)
+        lane.cache.kv[:, :, row, :, :n].copy_(lane.stage_cache.kv[:, :, 0, :, :n])
+        lane.cache.lens[row] = n
+        lane.cache.set_bound(max(lane.cache.bound, n))
+        self._unstage(lane)
+        return r, n
+
+    def _unstage(self, lane: Lane) -> None:
+        lane.staging, lane.staged = None, 0
+        lane.stage_cache.reset()
+
+    def _empty_lane(self, lane: Lane) -> None:
+        lane.cache.reset()
+        if lane.speculator is not None:
+            lane.speculator.reset()
 
     def _step_lane(self, lane: Lane) -> None:
         spec = lane.speculator
-        new = self._admit(lane)
-        if new:
-            if not lane.active:
-                lane.cache.reset()
-                if spec is not None:
-                    spec.reset()
+        m = spec.prompt_positions if spec is not None else 0
+        staged = self._advance_staging(lane, m)
+        new = self._admit(lane, m)
+        if staged is not None or new:
+            if not lane.active and staged is None:
+                self._empty_lane(lane)
             start = len(lane.active)
-            lane.active += new
-            prompt_logits = self.prefill(new, start_row=start, lane=lane,
-                                         prompt_positions=spec.prompt_positions
-                                         if spec is not None else 0)
+            ready, done = new, [0] * len(new)
+            if staged is not None:
+                ready, done = [staged[0]] + new, [staged[1]] + done
+            lane.active += ready
+            prompt_logits = self.prefill(ready, start_row=start, lane=lane,
+                                         prompt_positions=m, done=done)
             if spec is not None:
-                spec.prefill(new, start, lane.next_tokens[start:start + len(new)],
+                spec.prefill(ready, start, lane.next_tokens[start:start + len(ready)],
                              prompt_logits)
             self.retire(lane.active, lane=lane)
         if not lane.active:
@@ -550,49 +617,60 @@ class Engine:
         self.retire(lane.active, lane=lane)
 
     def _reset_lane(self, lane: Lane, error: Exception) -> None:
-        """After a failed step: fail the lane's running requests and empty its rows."""
+        """After a failed step: fail the lane's running (and staged) requests and empty
+        its rows."""
         message = f"the engine step failed: {type(error).__name__}: {error}"
+        if lane.staging is not None:
+            lane.active.append(lane.staging)      # retired below with the others
+            self._unstage(lane)
         for r in lane.active:
             if r.finish_reason is None:
                 r.fail(message, "step_error")
         self.last_error = message
         self.retire(lane.active, lane=lane)
-        lane.cache.reset()
-        if lane.speculator is not None:
-            lane.speculator.reset()
+        self._empty_lane(lane)
 
     def _count_error(self, kind: str, error) -> None:
         self.errors[kind] += 1
         self.last_error = f"{kind}: {error}"
 
     def prefill(self, new: list[RequestState], start_row: int, prompt_positions: int = 0,
-                lane: Lane | None = None) -> torch.Tensor | None:
+                lane: Lane | None = None, done: list[int] | None = None) -> torch.Tensor | None:
         """Run the prompts of ``new`` into cache rows ``start_row ..`` of ``lane`` (default
-        the first) and sample each one's first token with its own parameters.
+        the first) and sample each one's first token with its own parameters. ``done[b]``
+        tokens of prompt ``b`` are already in its row (a staged prompt); the rest are fed.
         ``prompt_positions = m > 0``: return the logits at each prompt's last ``m``
         positions ``[n, m, V]`` (oldest first; a shorter prompt's row starts with copies of
         its position 0), which online learning keeps; otherwise None."""
         lane = lane or self.lanes[0]
-        n, longest = len(new), max(len(r.prompt) for r in new)
+        t0 = time.perf_counter()
+        done = done or [0] * len(new)
+        rest = [r.prompt[d:] for r, d in zip(new, done)]
+        n, longest = len(new), max(len(x) for x in rest)
         ids = torch.zeros(n, longest, dtype=torch.int64)
-        for b, r in enumerate(new):
-            ids[b, :len(r.prompt)] = torch.tensor(r.prompt)
-        prompt_lens = torch.tensor([len(r.prompt) for r in new], device=self.device)
+        for b, x in enumerate(rest):
+            ids[b, :len(x)] = torch.tensor(x)
+        prompt_lens = torch.tensor([len(x) for x in rest], device=self.device)
         rows = lane.cache.rows(start_row, n)
-        rows.reset()
+        if any(done):
+            rows.lens.copy_(torch.tensor(done, dtype=torch.int32))
+        else:
+            rows.reset()
         m = min(prompt_positions, longest)
         width = max(m, 1)
         index = (prompt_lens[:, None] - width
                  + torch.arange(width, device=self.device)).clamp(min=0)
-        # In pieces of model.config.prefill_chunk tokens; commits rows.lens = prompt_lens.
+        # In pieces of model.config.prefill_chunk tokens; commits rows.lens += prompt_lens.
         logits = self.model.prefill(ids.to(self.device), rows, prompt_lens,
                                     logits_index=index)                   # [n, m or 1, V]
-        lane.cache.set_bound(max(lane.cache.bound, longest))
+        lane.cache.set_bound(max(lane.cache.bound, max(len(r.prompt) for r in new)))
         fail_nonfinite(new, logits)
         tokens = sample_tokens(logits[:, -1], BatchParams([r.params for r in new], self.device),
                                *self._sampling_keys(new))
         lane.next_tokens[start_row:start_row + n] = tokens
         self._record(new, tokens)
+        stats = self.plain_stats if lane.speculator is None else lane.speculator.stats
+        stats.add_time("prefill", time.perf_counter() - t0)
         return logits if m > 0 else None
 
     def decode_step(self, active: list[RequestState], params: BatchParams,
@@ -600,14 +678,22 @@ class Engine:
         """One token for every active row of ``lane`` (default the first)."""
         lane = lane or self.lanes[0]
         B = len(active)
+        t0 = time.perf_counter()
         ids = lane.next_tokens[:B, None]
         logits = (self.model(ids, lane.cache) if self.graphs is None
                   else graphed_forward(self.graphs, self.model, lane.cache, ids))
         lane.cache.commit(self._ones[:B], 1)
+        t1 = time.perf_counter()
         fail_nonfinite(active, logits)
         tokens = sample_tokens(logits[:, 0], params, *self._sampling_keys(active))
         lane.next_tokens[:B] = tokens
         self._record(active, tokens)
+        # The forward counts as "verify" (a one-token verify): the target's forward time.
+        st = self.plain_stats
+        st.target_forwards += 1
+        st.generated_tokens += B
+        st.add_time("verify", t1 - t0)
+        st.add_time("sample", time.perf_counter() - t1)
 
     def _sampling_keys(self, requests: list[RequestState]) -> tuple[torch.Tensor, torch.Tensor]:
         """Philox ``(seeds, offsets)`` ``[B]`` of the plain sampler for ``requests``: the
@@ -664,6 +750,7 @@ class Engine:
         ``per_draft`` when several drafts are routed and ``online`` (the learning history:
         updates applied and rejected, losses, α per window of requests) when learning."""
         total = SpecStats()
+        total.merge(self.plain_stats)
         for sp in self.speculators:
             total.merge(sp.stats)
         out = total.as_dict()
@@ -686,7 +773,8 @@ class Engine:
         out["errors"] = errors
         out["last_error"] = self.last_error
         out["aborted"] = self._aborted
-        out["running"] = sum(len(lane.active) for lane in self.lanes)
+        out["running"] = sum(len(lane.active) + (lane.staging is not None)
+                             for lane in self.lanes)
         out["waiting"] = sum(len(lane.waiting) for lane in self.lanes)
         return out
 
@@ -705,6 +793,7 @@ class Engine:
         """Zero the statistics (learned weights and learning history are kept)."""
         for sp in self.speculators:
             sp.stats = SpecStats()
+        self.plain_stats = SpecStats()
         self._wall, self._generated, self._requests_served = 0.0, 0, 0
         self.errors.clear()
         self._aborted, self.last_error = 0, None

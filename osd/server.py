@@ -636,14 +636,20 @@ def serve(args) -> int:
     if draft is not None or args.prompt_lookup:
         spec = osd.SpecConfig(num_draft_tokens=args.k,
                               drafter="model" if draft is not None else "ngram",
-                              prompt_lookup=args.prompt_lookup and draft is not None)
+                              prompt_lookup=args.prompt_lookup and draft is not None,
+                              auto_k=getattr(args, "auto_k", False))
     if args.online and draft is None:
         raise ValueError("--online needs a draft model to learn (--draft)")
     online = osd.OnlineConfig() if args.online else None
     if args.threads:
         torch.set_num_threads(args.threads)
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted connections only when
+    # the listening socket's protocol is TCP; without it a stream's first event waits for
+    # the client's delayed ACK on a kept-alive connection.
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET,
+                         socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((args.host, args.port))
     except OSError as exc:

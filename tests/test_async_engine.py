@@ -292,3 +292,42 @@ def test_a_request_may_pick_its_draft(pair):
         eng.generate(prompts, sp, draft=2)
     with pytest.raises(ValueError, match="no drafts"):
         _engine(pair, drafts=0).generate(prompts, sp, draft=1)
+
+
+@pytest.mark.parametrize("online", [False, True], ids=["static", "online"])
+def test_long_prompts_prefill_piece_by_piece_between_decode_steps(pair, online):
+    """With 16-token prefill pieces, a 90-token prompt is staged: the running requests
+    keep decoding while it prefills, and everyone's output equals its output alone."""
+    def engine():
+        cfg = osd.OnlineConfig(background=False, prompt_positions=24) if online else None
+        return osd.Engine.from_pretrained(pair[0], draft=pair[1], online=cfg,
+                                          spec=osd.SpecConfig(num_draft_tokens=3),
+                                          max_batch_size=3, max_seq_len=160, prefill_chunk=16)
+    short, long_ = prompts_of([6, 90, 9], seed=95), None
+    long_ = short.pop(1)
+    sp = osd.SamplingParams(30)
+    alone = {tuple(p): engine().generate([p], sp)[0].token_ids for p in short + [long_]}
+    eng = engine()
+    overlap = []
+    real = eng._step_lane
+
+    def step_lane(lane):
+        if lane.staging is not None and lane.active:
+            overlap.append(len(lane.active))
+        real(lane)
+    eng._step_lane = step_lane
+    aeng = osd.AsyncEngine(eng)
+
+    async def main():
+        return await asyncio.gather(_collect(aeng, short[0], sp),
+                                    _collect(aeng, long_, sp, delay=0.02),
+                                    _collect(aeng, short[1], sp, delay=0.03))
+    try:
+        got = asyncio.run(main())
+        stats = aeng.stats
+    finally:
+        aeng.close()
+    for p, g in zip([short[0], long_, short[1]], got):
+        assert g.token_ids == alone[tuple(p)]
+    assert len(overlap) >= 3          # at least three pieces while others decoded
+    assert stats["running"] == 0
