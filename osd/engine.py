@@ -529,7 +529,7 @@ class Engine:
         while lane.waiting and len(new) < free:
             r = lane.waiting.popleft()
             if self._pieces_left(len(r.prompt), prompt_positions):
-                if lane.staging is None and len(new) < free - 1:
+                if lane.staging is None and len(new) < free:
                     lane.staging, lane.staged = r, 0
                     lane.stage_cache.reset()
                     free -= 1
@@ -652,10 +652,10 @@ class Engine:
             ids[b, :len(x)] = torch.tensor(x)
         prompt_lens = torch.tensor([len(x) for x in rest], device=self.device)
         rows = lane.cache.rows(start_row, n)
+        rows.reset()                     # the view's bound: its own rows' longest
         if any(done):
             rows.lens.copy_(torch.tensor(done, dtype=torch.int32))
-        else:
-            rows.reset()
+            rows.set_bound(max(done))
         m = min(prompt_positions, longest)
         width = max(m, 1)
         index = (prompt_lens[:, None] - width
