@@ -7,12 +7,19 @@ Providers: ``reference`` (SDPA with a boolean mask) and ``cpp`` on CPU (float32)
 ``triton`` on GPU (bfloat16), skipped without one. Every provider's output is checked
 against the reference before it is timed.
 
-GPU goal (issue 3): at T = 64, L = 4096 the Triton tree kernel within 1.3x of a plain
+GPU goal: at T = 64, L = 4096 the Triton tree kernel within 1.3x of a plain
 decode attention (SDPA, one query per row, no mask) over L + 64 keys;
 ``test_gpu_goal_triton`` reports ``decode_ms`` and ``ratio`` (skipped without a GPU).
 
 Default sweep: B in {1, 8}, T in {1, 8, 64}, L = 1024, Hq/Hkv = 8/2, D = 64.
 ``OSD_BENCH_FULL=1``: L in {1024, 4096}, B in {1, 8, 32}.
+
+Split KV (``test_split_kv_triton``, GPU only): the Triton path as dispatched (split KV when
+``split_kv_num_splits`` asks for it) at B in {1, 8}, L in {4096, 16384, 32768}, T = 1
+(causal decode) and T = 8 (tree verify), Llama-8B heads (32 / 8, D = 128), bf16. Reports
+``splits``, ``tree_ms`` (the path as dispatched), ``single_ms`` (the single-pass kernel,
+``num_splits=0``), ``roofline_frac`` (K/V bytes read / ``H200_HBM_BYTES_PER_S`` / time)
+and, for T = 8, ``ratio`` to a T = 1 decode over the same prefix (goal 1.3).
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_tree_attention.py
 """
@@ -22,6 +29,7 @@ import torch.nn.functional as F
 
 from bench.common import BACKENDS, FULL, gbps, provider_device
 from osd_kernels import tree_attention, tree_attention_reference, tree_mask_from_parents
+from osd_kernels.triton.tree_attention import split_kv_num_splits
 
 BATCHES = (1, 8, 32) if FULL else (1, 8)
 TREES = (1, 8, 64)
@@ -105,3 +113,79 @@ def test_gpu_goal_triton(benchmark, B):
     benchmark.pedantic(run, rounds=20, warmup_rounds=2)
     benchmark.extra_info.update(provider="triton", B=B, T=T, L=L, tree_ms=tree_ms,
                                 decode_ms=decode_ms, ratio=tree_ms / decode_ms, goal=1.3)
+
+
+# Peak HBM bandwidth of an H200 (bytes/s): the roofline the split-KV times are judged against.
+H200_HBM_BYTES_PER_S = 4.8e12
+SPLIT_CASES = [(B, L, T) for B in (1, 8) for L in (4096, 16384, 32768) for T in (1, 8)]
+
+
+def _gpu_cache(B, L, Hkv, dim, T_max=8):
+    """bf16 K/V ``[B, Hkv, L + T_max, D]`` drawn on the GPU (CPU randn of 1 GB is slow),
+    kept for the next case with the same (B, L)."""
+    key = (B, L, Hkv, dim)
+    if _gpu_cache.key != key:
+        _gpu_cache.kv = None
+        gen = torch.Generator("cuda").manual_seed(B * 7 + L)
+        _gpu_cache.kv = torch.randn(2, B, Hkv, L + T_max, dim, generator=gen, device="cuda",
+                                    dtype=torch.bfloat16)
+        _gpu_cache.key = key
+    return _gpu_cache.kv
+
+
+_gpu_cache.key = None
+
+
+@pytest.mark.parametrize("B,L,T", SPLIT_CASES)
+def test_split_kv_triton(benchmark, B, L, T):
+    """Split-KV decode (T = 1, causal) and verify (T = 8, tree) over long prefixes."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from osd_kernels.triton.tree_attention import tree_attention_triton
+
+    Hq, Hkv, dim = 32, 8, 128
+    kv = _gpu_cache(B, L, Hkv, dim)
+    k, v = kv[0], kv[1]
+    gen = torch.Generator("cuda").manual_seed(T)
+    q = torch.randn(B, T, Hq, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    mask = None
+    if T > 1:
+        parents = torch.stack([torch.full((B,), -1)] + [torch.randint(0, i, (B,))
+                                                        for i in range(1, T)], 1)
+        mask = tree_mask_from_parents(parents).cuda()
+    scale = dim ** -0.5
+
+    def call(queries=q, tree=mask, **kw):
+        return tree_attention_triton(queries, k, v, lens, tree, scale,
+                                     max_kv_len=L + queries.shape[1], **kw)
+
+    want = tree_attention_reference(q.float(), k.float(), v.float(), lens, mask, scale=scale,
+                                    max_kv_len=L + T)
+    torch.testing.assert_close(call().float(), want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(call(num_splits=0).float(), want, rtol=2e-2, atol=2e-2)
+    del want
+
+    def run():
+        out = call()
+        torch.cuda.synchronize()
+        return out
+
+    tree_ms = _cuda_ms(call)
+    single_ms = _cuda_ms(lambda: call(num_splits=0))
+    benchmark.pedantic(run, rounds=20, warmup_rounds=2)
+    nbytes = 2 * B * Hkv * (L + T) * dim * k.element_size()
+    roofline_ms = nbytes / H200_HBM_BYTES_PER_S * 1e3
+    splits = split_kv_num_splits(B, Hkv, T, Hq // Hkv, L + T,
+                                 torch.cuda.get_device_properties(0).multi_processor_count)
+    info = dict(provider="triton", B=B, T=T, L=L, Hq=Hq, Hkv=Hkv, D=dim, splits=splits,
+                tree_ms=tree_ms, single_ms=single_ms, roofline_frac=roofline_ms / tree_ms)
+    if T > 1:
+        q1 = q[:, :1].contiguous()
+        decode_ms = _cuda_ms(lambda: call(q1, None))
+        info.update(decode_ms=decode_ms, ratio=tree_ms / decode_ms, goal=1.3)
+    benchmark.extra_info.update(info)
+    print(f"split-KV B={B} L={L} T={T}: {splits} splits, {tree_ms * 1e3:.1f} us "
+          f"(single pass {single_ms * 1e3:.1f} us), {roofline_ms / tree_ms:.0%} of the "
+          f"{H200_HBM_BYTES_PER_S / 1e12:.1f} TB/s roofline ({roofline_ms * 1e3:.1f} us)"
+          + (f", {info['ratio']:.2f}x a T=1 decode" if T > 1 else ""))

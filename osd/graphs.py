@@ -108,25 +108,32 @@ class StepGraphs:
         return entry.outputs
 
     def _capture(self, entry: _Entry, state: tuple, host_state) -> None:
+        """Warm up and capture ``entry.body`` with the host state ``host_state()`` sets
+        (the widest key range) in force for every run, the capture included; the device
+        ``state`` and the host state are restored after each run."""
         saved = [t.clone() for t in state]
-        restore_host = host_state() if host_state is not None else (lambda: None)
+        widen = host_state if host_state is not None else (lambda: (lambda: None))
+        restore_host = widen()
 
-        def restore():
+        def restore(rewiden: bool):
+            nonlocal restore_host
             for t, s in zip(state, saved):
                 t.copy_(s)
-            restore_host()
+            restore_host()                      # the run's commits moved the host state
+            if rewiden:
+                restore_host = widen()
 
         if self.emulate:
-            for _ in range(WARMUP_RUNS):
+            for i in range(WARMUP_RUNS):
                 entry.body(entry.static)
-                restore()
+                restore(rewiden=i + 1 < WARMUP_RUNS)
             return
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP_RUNS):
                 entry.body(entry.static)
-                restore()
+                restore(rewiden=True)
         torch.cuda.current_stream().wait_stream(side)
         entry.graph = torch.cuda.CUDAGraph()
         # thread_local: the learner thread may run eager work meanwhile (its own capture
@@ -134,7 +141,7 @@ class StepGraphs:
         with capture_lock, torch.cuda.graph(entry.graph, pool=self.pool,
                                             capture_error_mode="thread_local"):
             entry.outputs = entry.body(entry.static)
-        restore()
+        restore(rewiden=False)
 
 
 def graphed_forward(graphs: StepGraphs, model, cache, inputs: torch.Tensor,

@@ -171,13 +171,16 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             ``j <= cache_lens[b] + i``.
         scale: softmax scale, default ``1 / sqrt(D)``.
         max_kv_len: host-side upper bound of ``max(cache_lens[:B]) + T`` (at most ``S``),
-            so no backend needs a host sync. ``None`` computes it (one sync).
+            so no backend needs a host sync. ``None``: the reference computes it (one
+            sync); Triton takes ``S`` (it sizes only the split-KV decision).
         backend: ``auto`` | ``reference`` | ``native`` | ``triton``. ``auto`` is Triton on
             CUDA (its causal path streams key tiles up to each query's diagonal, so a long
             causal prefill needs no ``[T, S]`` mask); on CPU the C++ kernel when
             ``T * Hq / Hkv <= CPU_NATIVE_MAX_ROWS`` (decode, chain and small-tree verify),
             else the reference (SDPA's blocked GEMMs win for large blocks such as prefill).
             ``native`` on a CUDA tensor runs the reference (the C++ kernel is CPU-only).
+            Triton splits long prefixes over several programs per (row, KV head) for
+            ``T <= 64`` (split KV, ``osd_kernels.triton.tree_attention``).
 
     Returns:
         ``[B, T, Hq, D]`` in the dtype of ``q``. A query that sees no key gets zeros.
@@ -202,7 +205,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if impl == "triton":
         from osd_kernels.triton.tree_attention import tree_attention_triton
 
-        return tree_attention_triton(q, k_cache, v_cache, cache_lens, tree_mask, scale)
+        return tree_attention_triton(q, k_cache, v_cache, cache_lens, tree_mask, scale,
+                                     max_kv_len=max_kv_len)
     return torch.ops.osd.tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, scale)
 
 

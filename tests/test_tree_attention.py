@@ -262,3 +262,119 @@ def test_opcheck():
     for m in (mask, None):
         torch.library.opcheck(torch.ops.osd.tree_attention.default,
                               (q, kv[0, 0], kv[0, 1], lens, m, 0.3))
+
+
+# Split KV (the Triton decode/verify path for long prefixes), forced with ``num_splits`` so
+# it runs at interpreter-sized prefixes. Under the interpreter a prefix chunk is a multiple
+# of 32 keys, so short rows (and the last case, 12 splits of at most 4 tiles) leave splits
+# empty. The interpreter pays per program, so each case runs few split counts.
+SPLIT_CASES = [  # B, T, Hq, Hkv, D, lens (B_max entries), tree mask?, split counts
+    (3, 5, 9, 3, 80, [0, 333, 1025, 7], True, (1, 7)),
+    (3, 5, 9, 3, 80, [0, 333, 1025, 7], False, (3,)),
+    (2, 17, 4, 4, 64, [0, 1100, 5], True, (2,)),
+    (2, 17, 4, 4, 64, [47, 1100, 5], False, (5,)),
+    (1, 64, 9, 3, 64, [301, 3], True, (1,)),
+    (1, 64, 9, 3, 64, [301, 3], False, (3,)),
+    (2, 1, 4, 4, 80, [1999, 0, 64], False, (4,)),
+    (2, 3, 3, 1, 64, [100, 0, 9], True, (12,)),
+]
+
+
+def _split_case(gen, B, T, Hq, Hkv, D, lens, dtype):
+    S = max(lens) + T + 5
+    q = torch.randn(B, T, Hq, D, generator=gen).to(dtype)
+    kv = torch.randn(2, 2, len(lens), Hkv, S, D, generator=gen).to(dtype)
+    return q, kv[1, 0], kv[1, 1], torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"B{c[0]}-T{c[1]}-{c[2]}/{c[3]}-"
+                         f"D{c[4]}-{'tree' if c[6] else 'causal'}-splits{c[7]}")
+def test_split_kv_matches_reference(case):
+    """Split KV against the fp32 reference: ragged prefixes (empty ones too), GQA and MHA,
+    head dims 64 and 80, tree masks (with a row that sees no tree key) and causal."""
+    from osd_kernels.triton.tree_attention import tree_attention_triton
+
+    B, T, Hq, Hkv, D, lens, tree, split_counts = case
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
+    q, k, v, lens = _split_case(gen, B, T, Hq, Hkv, D, lens, torch.float32)
+    mask = random_tree_mask(gen, B, T) if tree else None
+    if tree:
+        mask[-1, T // 2] = 0  # a query that sees only the prefix (or nothing, if it is empty)
+    for splits in split_counts:
+        out = tree_attention_triton(q, k, v, lens, mask, D ** -0.5, num_splits=splits)
+        _check_close(out, q, k, v, lens, mask, torch.float32, f"num_splits={splits}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_kv_half(dtype):
+    from osd_kernels.triton.tree_attention import tree_attention_triton
+
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, lens = _split_case(gen, 3, 6, 9, 3, 80, [400, 0, 95, 40], dtype)
+    for mask in (random_tree_mask(gen, 3, 6), None):
+        out = tree_attention_triton(q, k, v, lens, mask, 80 ** -0.5, num_splits=5)
+        _check_close(out, q, k, v, lens, mask, dtype, f"split {dtype} mask={mask is not None}")
+
+
+def test_split_kv_chain_equals_causal_and_nothing_seen():
+    """The new keys run the single pass's tile code: a chain mask equals causal bit for bit;
+    an empty prefix with an empty mask row gives zeros."""
+    from osd_kernels.triton.tree_attention import tree_attention_triton
+
+    gen = torch.Generator().manual_seed(12)
+    q, k, v, lens = _split_case(gen, 2, 7, 4, 2, 16, [0, 90, 3], torch.float32)
+    a = tree_attention_triton(q, k, v, lens, None, 0.25, num_splits=3)
+    b = tree_attention_triton(q, k, v, lens, causal_tree_mask(2, 7), 0.25, num_splits=3)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    mask = causal_tree_mask(2, 7)
+    mask[0, 4] = 0
+    out = tree_attention_triton(q, k, v, lens, mask, 0.25, num_splits=2)
+    assert torch.isfinite(out).all() and out[0, 4].abs().max() == 0
+
+
+def test_split_kv_num_splits_heuristic():
+    """Host-side choice: single pass for short prefixes, prefill and full GPUs; otherwise
+    about two programs per SM, each split at least SPLIT_MIN_KEYS keys."""
+    from osd_kernels.triton.tree_attention import (MAX_SPLITS, SPLIT_MIN_KEYS,
+                                                   split_kv_num_splits)
+
+    assert split_kv_num_splits(1, 8, 8, 4, 300) == 1              # short prefix
+    assert split_kv_num_splits(1, 8, 65, 4, 1 << 15) == 1         # T > 64: prefill
+    assert split_kv_num_splits(64, 8, 8, 4, 1 << 15) == 1         # B * Hkv fills the GPU
+    n = split_kv_num_splits(1, 8, 8, 4, (1 << 15) + 8)
+    assert n == 33                                                # ceil(2 * 132 / 8)
+    assert split_kv_num_splits(1, 8, 1, 4, (1 << 15) + 1) == n    # decode splits alike
+    assert split_kv_num_splits(8, 8, 8, 4, 4096 + 8) == 5
+    assert split_kv_num_splits(1, 8, 1, 4, 4096 + 1) == 4096 // SPLIT_MIN_KEYS
+    assert split_kv_num_splits(1, 1, 1, 1, 1 << 20) == MAX_SPLITS
+
+
+def test_split_kv_bad_num_splits():
+    from osd_kernels.triton.tree_attention import MAX_SPLITS, tree_attention_triton
+
+    q, k = torch.zeros(1, 65, 2, 8), torch.zeros(1, 1, 80, 8)
+    lens = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="T <= 64"):
+        tree_attention_triton(q, k, k, lens, None, 1.0, num_splits=2)
+    for bad in (-1, MAX_SPLITS + 1):
+        with pytest.raises(ValueError, match="num_splits"):
+            tree_attention_triton(q[:, :3], k, k, lens, None, 1.0, num_splits=bad)
+
+
+def test_split_kv_auto_dispatch():
+    """``tree_attention(backend="triton")`` takes the split path on its own when the
+    heuristic asks for it (here 4 splits of a 1,030-key prefix, one KV head)."""
+    from osd_kernels.triton import tree_attention as triton_ta
+
+    gen = torch.Generator().manual_seed(13)
+    q, k, v, lens = _split_case(gen, 1, 2, 2, 1, 32, [1030], torch.float32)
+    assert triton_ta.split_kv_num_splits(1, 1, 2, 2, 1032) == 4
+    calls = []
+    real = triton_ta._split_kv
+    try:
+        triton_ta._split_kv = lambda *a: calls.append(a[7]) or real(*a)
+        out = tree_attention(q, k, v, lens, None, max_kv_len=1032, backend="triton")
+    finally:
+        triton_ta._split_kv = real
+    assert calls == [4]
+    _check_close(out, q, k, v, lens, None, torch.float32, "auto split")
