@@ -29,7 +29,7 @@ class Example:
 
     tokens: torch.Tensor             # [n] int64: prompt + generated tokens
     positions: torch.Tensor          # [m] int64: positions with a stored target distribution
-    topk_ids: torch.Tensor | None    # [m, k] int64 (top-k storage)
+    topk_ids: torch.Tensor | None    # [m, k] int32 (top-k storage)
     topk_probs: torch.Tensor | None  # [m, k] float32
     logits: torch.Tensor | None      # [m, V] float32 (full storage)
     domain: str | None = None        # optional label (used only for reporting)

@@ -94,6 +94,31 @@ def latest_checkpoint(ckpt_dir: str) -> str | None:
     return path if os.path.isfile(os.path.join(path, "meta.json")) else None
 
 
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except OSError:                      # removed meanwhile by a concurrent save's cleanup
+        return 0.0
+
+
+def complete_checkpoints(ckpt_dir: str) -> list[str]:
+    """Paths of the complete checkpoints in ``ckpt_dir``, the one ``LATEST`` names first,
+    then the others newest step first (fallbacks should the newest fail to read).
+
+    A ``step-*`` directory is complete once it exists: it only gets that name by an atomic
+    rename after all its files were written and fsynced."""
+    latest = latest_checkpoint(ckpt_dir)
+    out = [latest] if latest is not None else []
+    try:
+        names = os.listdir(ckpt_dir)
+    except FileNotFoundError:
+        return out
+    others = [os.path.join(ckpt_dir, n) for n in names if n.startswith("step-")
+              and os.path.isfile(os.path.join(ckpt_dir, n, "meta.json"))]
+    others.sort(key=lambda p: (os.path.basename(p).split("-")[1], _mtime(p)), reverse=True)
+    return out + [p for p in others if p != latest]
+
+
 def load_checkpoint(path: str):
     """-> (state_dict, optim_state, meta) of a checkpoint written by save_checkpoint."""
     if not os.path.isdir(path):

@@ -42,7 +42,14 @@ class OnlineConfig:
     checkpoint_every: int = 10         # applied updates between checkpoints
     max_train_len: int = 512           # newest tokens of a request fed to the draft
     cuda_graphs: bool = True           # capture the training step on CUDA (bucketed shapes)
+    max_train_graphs: int = 8          # captured training steps kept (least recently used go)
+    mmap_threshold: int | None = 131072  # pin glibc's mmap threshold (bytes; its initial
+                                       # default) so that the learner's freed temporaries go
+                                       # back to the system; None: leave malloc alone
+                                       # (osd/online/memory.py)
     seed: int = 0                      # seed of the learner's sampling of batches
+    history_requests: int = 4096       # newest requests whose (draft, alpha) stats keep
+    history_updates: int = 256         # newest update records kept per draft
     router: RouterConfig = field(default_factory=RouterConfig)  # used with several drafts
 
     def __post_init__(self):
@@ -59,8 +66,12 @@ class OnlineConfig:
             raise ValueError(f"OnlineConfig.prompt_positions must be >= 0, got "
                              f"{self.prompt_positions}")
         for name in ("update_every_requests", "steps_per_update", "batch_positions",
-                     "buffer_positions", "checkpoint_every", "max_train_len"):
+                     "buffer_positions", "checkpoint_every", "max_train_len",
+                     "history_requests", "history_updates", "max_train_graphs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"OnlineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.mmap_threshold is not None and self.mmap_threshold < 1:
+            raise ValueError(f"OnlineConfig.mmap_threshold must be >= 1 or None, got "
+                             f"{self.mmap_threshold}")
         if self.lr <= 0:
             raise ValueError(f"OnlineConfig.lr must be > 0, got {self.lr}")

@@ -10,14 +10,21 @@ weights.
 
 The learner's capture and the serving thread's (``osd.graphs``) take the same process-wide
 lock, so two captures never overlap. CPU training stays eager.
+
+At most ``OnlineConfig.max_train_graphs`` graphs are kept, least recently used dropped
+first: each holds a private memory pool sized for its bucket, so an unbounded set of
+shapes would keep claiming GPU memory. A failed capture raises
+``osd.online.learner.GraphCaptureError`` with the weights and optimizer state as they were.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
 import osd_kernels
 from osd.graphs import capture_lock
-from osd.online.learner import restore_state, snapshot_state
+from osd.online.learner import GraphCaptureError, restore_state, snapshot_state
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -31,7 +38,9 @@ class GraphedTrainStep:
         self.model = model
         self.optim = optim
         self.config = config
-        self.graphs: dict[tuple, dict] = {}
+        self.graphs: OrderedDict[tuple, dict] = OrderedDict()   # least recently used first
+        self.max_graphs = getattr(config, "max_train_graphs", 8)
+        self.captures = 0
 
     def _static(self, key, batch):
         n, t, m = key
@@ -89,20 +98,23 @@ class GraphedTrainStep:
         s = self._static(key, batch)
         self._fill(s, batch)
         snapshot = snapshot_state(self.model, self.optim)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                self.optim.zero_grad(set_to_none=True)
-                self._body(s)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        self.optim.zero_grad(set_to_none=True)
-        # One capture per process at a time (the serving thread captures too); other
-        # threads keep running their eager work and replays meanwhile (thread_local).
-        with capture_lock, torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            loss = self._body(s)
-        restore_state(self.model, self.optim, snapshot)
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    self.optim.zero_grad(set_to_none=True)
+                    self._body(s)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            self.optim.zero_grad(set_to_none=True)
+            # One capture per process at a time (the serving thread captures too); other
+            # threads keep running their eager work and replays meanwhile (thread_local).
+            with capture_lock, torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                loss = self._body(s)
+        finally:                            # warm-up steps moved the weights: undo them
+            self.optim.zero_grad(set_to_none=True)
+            restore_state(self.model, self.optim, snapshot)
         return {"graph": graph, "static": s, "loss": loss}
 
     def __call__(self, batch) -> float:
@@ -110,7 +122,18 @@ class GraphedTrainStep:
         key = (_bucket(n, 1), _bucket(t, 16), _bucket(batch.num_positions, 64))
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self.graphs[key] = self._capture(key, batch)
+            try:
+                entry = self._capture(key, batch)
+            except Exception as e:
+                raise GraphCaptureError(f"capturing the training step for shape bucket "
+                                        f"(rows, tokens, positions) = {key} failed: "
+                                        f"{type(e).__name__}: {e}") from e
+            self.captures += 1
+            while len(self.graphs) >= self.max_graphs:
+                _, old = self.graphs.popitem(last=False)
+                old["graph"].reset()        # frees the graph's memory pool now
+            self.graphs[key] = entry
+        self.graphs.move_to_end(key)
         self._fill(entry["static"], batch)
         entry["graph"].replay()
         return float(entry["loss"])  # host sync on the training thread, not the serving one

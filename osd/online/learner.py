@@ -6,7 +6,7 @@ on a private *training copy* of the draft:
 
 1. ``steps_per_update`` AdamW steps of ``osd_kernels.distill_loss`` on the newest buffered
    positions (the target's stored distributions; no target forward is ever recomputed);
-2. a non-finite loss discards the whole update;
+2. a non-finite loss, or non-finite weights after the steps, discard the whole update;
 3. the guard scores old and new weights on the held-out slice of the buffer (acceptance
    against the stored target distributions) and keeps the update only if acceptance did
    not drop by more than ``guard_tolerance``; otherwise weights and optimizer state are
@@ -19,22 +19,65 @@ on a private *training copy* of the draft:
 Updates run in a background thread (``background=True``; on CUDA the thread works on a
 side stream, and the step is captured in a CUDA graph, see ``osd.online.graphs``) so
 serving never waits, unless ``wait_for_update`` asks it to.
+
+Learning is an optimisation of serving, never a condition for it: an update that raises
+(in the loss, the backward, the optimizer, a graph capture) is rolled back like a rejected
+one, counted in ``history.faults`` by kind with its message kept in
+``history.last_error``, and later updates run as usual; serving keeps the last good draft.
+A failed capture also turns the learner's CUDA graphs off (eager steps from then on). The
+history keeps counters plus the newest ``history_updates`` records, so it stays bounded
+however long the engine serves.
 """
 from __future__ import annotations
 
+import atexit
 import copy
+import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+import weakref
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 
 import osd_kernels
 from osd.online.buffer import Example, ReplayBuffer
-from osd.online.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from osd.online.checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
 from osd.online.config import OnlineConfig
 from osd.online.distill import build_batch, draft_logits, heldout_alpha
+from osd.online.memory import pin_mmap_threshold
+
+logger = logging.getLogger("osd.online")
+
+# Kinds of learner faults counted in ``LearningHistory.faults`` (always reported, 0 or not).
+FAULT_KINDS = (
+    "update_error",         # an update raised (loss, backward, optimizer step, replay, ...)
+    "graph_capture_error",  # capturing the training step in a CUDA graph raised
+    "nonfinite_loss",       # a training step's loss was NaN or infinite
+    "nonfinite_weights",    # the weights after the steps held NaN or infinity
+    "swap_error",           # copying a published update into the serving draft raised
+    "checkpoint_error",     # writing a checkpoint raised (the update itself is kept)
+    "resume_error",         # a checkpoint could not be read at start (an older one is used)
+)
+
+
+# Learners with a running thread. A process that exits with one still running aborts
+# ("terminate called without an active exception": torch's C++ state is torn down under
+# the thread), so the threads are stopped at exit, each given a bounded time to finish.
+_running: weakref.WeakSet = weakref.WeakSet()
+EXIT_JOIN_S = 30.0
+
+
+@atexit.register
+def _stop_learners_at_exit() -> None:
+    for learner in list(_running):
+        learner._stop(EXIT_JOIN_S)
+
+
+class GraphCaptureError(RuntimeError):
+    """Capturing the training step in a CUDA graph failed (``osd.online.graphs``)."""
 
 
 def snapshot_state(model: torch.nn.Module, optim: torch.optim.Optimizer):
@@ -70,26 +113,69 @@ class UpdateRecord:
     alpha_before: float | None  # held-out acceptance of the old weights
     alpha_after: float | None   # held-out acceptance of the new weights
     applied: bool
-    reason: str                # "applied", "non-finite loss", "guard", "no data"
+    reason: str                # "applied", "guard", "non-finite loss", "non-finite weights",
+                               # "error", "no data"
     seconds: float
 
 
-@dataclass
 class LearningHistory:
-    """What the learner did; exposed as ``engine.stats['online']``."""
+    """What the learner did; exposed in ``engine.stats['online']``.
 
-    updates_applied: int = 0
-    updates_rejected: int = 0
-    checkpoints: int = 0
-    records: list[UpdateRecord] = field(default_factory=list)
+    Counters cover the whole run; ``records`` keeps only the newest ``max_records`` update
+    attempts (a fixed window, so a long-serving engine does not grow). Thread-safe: the
+    learner thread records while the serving thread reports.
+    """
+
+    def __init__(self, max_records: int = 256):
+        self.updates_applied = 0
+        self.updates_rejected = 0
+        self.attempts = 0                 # update attempts, including "no data" ones
+        self.checkpoints = 0
+        self.update_seconds = 0.0         # total time spent in update attempts
+        self.faults: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
+        self.last_error: str | None = None
+        self.last_error_at: float | None = None   # time.time() of last_error
+        self.records: deque[UpdateRecord] = deque(maxlen=max_records)
+        self._lock = threading.Lock()
+
+    def next_index(self) -> int:
+        """Number (1-based) of a new update attempt."""
+        with self._lock:
+            self.attempts += 1
+            return self.attempts
+
+    def add(self, rec: UpdateRecord) -> UpdateRecord:
+        with self._lock:
+            self.records.append(rec)
+            self.update_seconds += rec.seconds
+            if rec.applied:
+                self.updates_applied += 1
+            elif rec.reason != "no data":
+                self.updates_rejected += 1
+        return rec
+
+    def fault(self, kind: str, message: str) -> int:
+        """Count a fault of ``kind`` (one of ``FAULT_KINDS``); returns its new count."""
+        with self._lock:
+            self.faults[kind] = self.faults.get(kind, 0) + 1
+            self.last_error = f"{kind}: {message}"
+            self.last_error_at = time.time()
+            return self.faults[kind]
 
     def as_dict(self) -> dict:
-        return {
-            "updates_applied": self.updates_applied,
-            "updates_rejected": self.updates_rejected,
-            "checkpoints": self.checkpoints,
-            "updates": [r.__dict__ for r in self.records],
-        }
+        with self._lock:
+            return {
+                "updates_applied": self.updates_applied,
+                "updates_rejected": self.updates_rejected,
+                "attempts": self.attempts,
+                "checkpoints": self.checkpoints,
+                "update_seconds": self.update_seconds,
+                "faults": dict(self.faults),
+                "last_error": self.last_error,
+                "last_error_at": self.last_error_at,
+                "updates": [dict(r.__dict__) for r in self.records],   # the newest only
+                "updates_kept": self.records.maxlen,
+            }
 
 
 class OnlineLearner:
@@ -105,6 +191,8 @@ class OnlineLearner:
     def __init__(self, draft: torch.nn.Module, config: OnlineConfig, name: str = "draft"):
         self.config = config
         self.name = name
+        if config.mmap_threshold is not None:
+            pin_mmap_threshold(config.mmap_threshold)
         self.serving = draft
         self.device = next(draft.parameters()).device
         self.model = copy.deepcopy(draft)
@@ -120,7 +208,7 @@ class OnlineLearner:
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
                                        weight_decay=config.weight_decay, capturable=use_cuda)
         self.buffer = ReplayBuffer(config.buffer_positions, config.holdout_every)
-        self.history = LearningHistory()
+        self.history = LearningHistory(config.history_updates)
         self.requests_seen = 0
         self._since_update_requests = 0
         self._since_update_positions = 0
@@ -133,6 +221,7 @@ class OnlineLearner:
         self._busy = False
         self._closed = False
         self._gen = torch.Generator().manual_seed(config.seed)
+        self._snapshot = None               # the state an update in progress rolls back to
         self._graph_step = None
         if use_cuda and config.cuda_graphs:
             from osd.online.graphs import GraphedTrainStep
@@ -146,6 +235,7 @@ class OnlineLearner:
             self._thread = threading.Thread(target=self._loop, name=f"osd-learner-{name}",
                                             daemon=True)
             self._thread.start()
+            _running.add(self)
 
     # -- serving side ---------------------------------------------------------------
     def observe(self, example: Example) -> None:
@@ -177,16 +267,22 @@ class OnlineLearner:
         if pending is None:
             return False
         state, ready = pending
-        stream = torch.cuda.current_stream(self.device) if ready is not None else None
-        if ready is not None:
-            stream.wait_event(ready)
-        with torch.no_grad():
-            for name, p in self.serving.state_dict().items():
-                if name in state:
-                    p.copy_(state[name])
-                    if stream is not None:
-                        # allocated on the learner's stream, read on this one
-                        state[name].record_stream(stream)
+        try:
+            stream = torch.cuda.current_stream(self.device) if ready is not None else None
+            if ready is not None:
+                stream.wait_event(ready)
+            with torch.no_grad():
+                for name, p in self.serving.state_dict().items():
+                    if name in state:
+                        p.copy_(state[name])
+                        if stream is not None:
+                            # allocated on the learner's stream, read on this one
+                            state[name].record_stream(stream)
+        except Exception as e:
+            # A half-copied draft drafts worse but never changes outputs (the target
+            # verifies every token); the next published update overwrites all of it.
+            self._fault("swap_error", e)
+            return False
         return True
 
     def wait(self) -> None:
@@ -200,11 +296,21 @@ class OnlineLearner:
         if self._thread is None:
             return
         self.wait()
+        self._stop(None)
+
+    def _stop(self, timeout: float | None) -> None:
+        """Let the thread finish what is queued, then end it (waiting at most ``timeout``
+        seconds, None: as long as it takes)."""
+        thread = self._thread
+        if thread is None:
+            return
         with self._lock:
             self._closed = True
             self._wake.notify_all()
-        self._thread.join()
-        self._thread = None
+        thread.join(timeout)
+        if not thread.is_alive():
+            self._thread = None
+            _running.discard(self)
 
     # -- training side --------------------------------------------------------------
     def _loop(self) -> None:
@@ -223,10 +329,23 @@ class OnlineLearner:
                     self._stream.synchronize()
                 else:
                     self._update()
+            except Exception as e:
+                # _update handles its own failures; this catches the stream's. The thread
+                # must survive either way, or wait() would block on a dead learner.
+                self._fault("update_error", e)
             finally:
                 with self._lock:
                     self._busy = False
                     self._wake.notify_all()
+
+    def _fault(self, kind: str, error: BaseException | str) -> None:
+        """Count a fault and log it (the first of each kind with its traceback, then at
+        counts 2, 4, 8, ... so that a persistent failure does not flood the log)."""
+        message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        n = self.history.fault(kind, message)
+        if n & (n - 1) == 0:
+            logger.warning("online learner %s: %s #%d: %s", self.name, kind, n, message,
+                           exc_info=n == 1 and not isinstance(error, str))
 
     def _loss(self, batch) -> torch.Tensor:
         logits = draft_logits(self.model, batch)
@@ -236,8 +355,16 @@ class OnlineLearner:
                                         beta=self.config.beta)
 
     def _step(self, batch) -> float:
+        """One optimizer step -> its loss (nan, with the weights untouched, when the loss
+        is not finite on the eager path)."""
         if self._graph_step is not None:
-            return self._graph_step(batch)
+            try:
+                return self._graph_step(batch)
+            except GraphCaptureError:
+                # A capture that failed once will likely fail again: train eagerly from
+                # now on. This update is rolled back by the caller.
+                self._graph_step = None
+                raise
         self.optim.zero_grad(set_to_none=True)
         loss = self._loss(batch)
         if not torch.isfinite(loss):
@@ -249,42 +376,71 @@ class OnlineLearner:
         return float(loss.detach())
 
     def _update(self) -> UpdateRecord:
-        # Serving runs under inference mode; training needs autograd on normal tensors.
-        with torch.inference_mode(False), torch.enable_grad():
-            return self._update_impl()
-
-    def _update_impl(self) -> UpdateRecord:
-        cfg = self.config
+        """One update attempt. Never raises: a failure rolls the training copy back to
+        its state before the attempt, is counted, and the attempt is recorded as rejected."""
         t0 = time.perf_counter()
-        index = len(self.history.records) + 1
+        index = self.history.next_index()
+        self._snapshot = None
+        try:
+            # Serving runs under inference mode; training needs autograd on normal tensors.
+            with torch.inference_mode(False), torch.enable_grad():
+                return self._update_impl(index, t0)
+        except Exception as e:
+            kind = "graph_capture_error" if isinstance(e, GraphCaptureError) else "update_error"
+            self._fault(kind, e)
+            try:
+                self.optim.zero_grad(set_to_none=True)
+                if self._snapshot is not None:
+                    restore_state(self.model, self.optim, self._snapshot)
+                self.model.train()
+            except Exception as e2:    # the next update's snapshot starts from here
+                self._fault("update_error", e2)
+            return self.history.add(UpdateRecord(index, self.requests_seen, math.nan, None,
+                                                 None, False, "error",
+                                                 time.perf_counter() - t0))
+        finally:
+            self._snapshot = None
+
+    def _update_impl(self, index: int, t0: float) -> UpdateRecord:
+        cfg = self.config
         examples = self.buffer.recent(cfg.batch_positions)
         holdout = self.buffer.holdout()
         if not examples:
-            return self._record(UpdateRecord(index, self.requests_seen, math.nan, None, None,
-                                             False, "no data", time.perf_counter() - t0))
-        snapshot = snapshot_state(self.model, self.optim)
+            return self.history.add(UpdateRecord(index, self.requests_seen, math.nan, None,
+                                                 None, False, "no data",
+                                                 time.perf_counter() - t0))
+        self._snapshot = snapshot = snapshot_state(self.model, self.optim)
         self.model.eval()
         alpha_before = heldout_alpha(self.model, holdout, cfg.max_train_len, self.device)
         self.model.train()
         batch = build_batch(examples, cfg.max_train_len, self.device)
-        losses = [self._step(batch) for _ in range(cfg.steps_per_update)]
+        losses = []
+        for _ in range(cfg.steps_per_update):
+            losses.append(self._step(batch))
+            if not math.isfinite(losses[-1]):
+                break                        # the update is discarded anyway
         self.model.eval()
-        finite = all(math.isfinite(v) for v in losses) and all(
-            bool(torch.isfinite(p).all()) for p in self.model.parameters())
-        alpha_after = (heldout_alpha(self.model, holdout, cfg.max_train_len, self.device)
-                       if finite else None)
-        self.model.train()
         reason = "applied"
-        if not finite:
+        alpha_after = None
+        if not all(math.isfinite(v) for v in losses):
             reason = "non-finite loss"
-        elif (alpha_before is not None and alpha_after is not None
-              and alpha_after < alpha_before - cfg.guard_tolerance):
-            reason = "guard"
+        elif not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
+            reason = "non-finite weights"
+        else:
+            alpha_after = heldout_alpha(self.model, holdout, cfg.max_train_len, self.device)
+            if (alpha_before is not None and alpha_after is not None
+                    and alpha_after < alpha_before - cfg.guard_tolerance):
+                reason = "guard"
+        self.model.train()
         mean_loss = sum(losses) / len(losses)
         if reason != "applied":
             restore_state(self.model, self.optim, snapshot)
-            return self._record(UpdateRecord(index, self.requests_seen, mean_loss, alpha_before,
-                                             alpha_after, False, reason, time.perf_counter() - t0))
+            if reason != "guard":
+                self._fault(reason.replace("non-finite ", "nonfinite_"),
+                            f"update {index}: {reason} (losses {losses}); rolled back")
+            return self.history.add(UpdateRecord(index, self.requests_seen, mean_loss,
+                                                 alpha_before, alpha_after, False, reason,
+                                                 time.perf_counter() - t0))
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         ready = None
         if self.device.type == "cuda":
@@ -292,18 +448,14 @@ class OnlineLearner:
             ready.record()                  # on the learner's stream, after the clones
         with self._lock:
             self._pending = (state, ready)
-        rec = self._record(UpdateRecord(index, self.requests_seen, mean_loss, alpha_before,
-                                        alpha_after, True, reason, time.perf_counter() - t0))
+        rec = self.history.add(UpdateRecord(index, self.requests_seen, mean_loss, alpha_before,
+                                            alpha_after, True, reason,
+                                            time.perf_counter() - t0))
         if cfg.checkpoint_dir and self.history.updates_applied % cfg.checkpoint_every == 0:
-            self.checkpoint()
-        return rec
-
-    def _record(self, rec: UpdateRecord) -> UpdateRecord:
-        self.history.records.append(rec)
-        if rec.applied:
-            self.history.updates_applied += 1
-        elif rec.reason != "no data":
-            self.history.updates_rejected += 1
+            try:
+                self.checkpoint()
+            except Exception as e:          # the update stands; the next checkpoint retries
+                self._fault("checkpoint_error", e)
         return rec
 
     # -- persistence ----------------------------------------------------------------
@@ -314,14 +466,21 @@ class OnlineLearner:
                 "updates_rejected": self.history.updates_rejected}
         path = save_checkpoint(self.config.checkpoint_dir, self.history.updates_applied,
                                self.model.state_dict(), self.optim.state_dict(), meta)
-        self.history.checkpoints += 1
+        with self.history._lock:
+            self.history.checkpoints += 1
         return path
 
     def _resume(self, ckpt_dir: str) -> None:
-        path = latest_checkpoint(ckpt_dir)
-        if path is None:
+        """Load the newest checkpoint that reads back whole (older ones if it does not)."""
+        for path in complete_checkpoints(ckpt_dir):
+            try:
+                state, optim_state, meta = load_checkpoint(path)
+            except Exception as e:
+                self._fault("resume_error", f"{path}: {type(e).__name__}: {e}")
+                continue
+            break
+        else:
             return
-        state, optim_state, meta = load_checkpoint(path)
         missing = set(self.model.state_dict()) - set(state)
         if missing:
             raise ValueError(f"checkpoint {path!r} does not match the draft: missing "
