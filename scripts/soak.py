@@ -15,7 +15,8 @@ At the end the growth of RSS from request ``--baseline`` (2,000: the replay buff
 and every cache warm by then) to the last sample is compared with ``--max-growth`` (2%),
 and a JSON and a markdown summary are written (``--json``, ``--md``; the markdown keeps
 whatever follows its ``<!-- notes -->`` line). The exit status is 1 when a request was
-lost or RSS grew more than allowed.
+lost or RSS grew more than allowed. ``--malloc`` compares ways of treating the C heap
+(``docs/soak.md``), ``--trace`` adds what the live objects hold to each sample.
 
     nice -n 10 .venv/bin/python scripts/soak.py                   # 20,000 requests
     .venv/bin/python scripts/soak.py -n 3000 --every 500 --json /tmp/s.json --md /tmp/s.md
@@ -44,6 +45,9 @@ import urllib.request
 import warnings
 
 NOTES = "<!-- notes -->"
+MALLOC = {"config": {}, "none": {"trim_after_update": False, "mmap_threshold": None},
+          "trim": {"trim_after_update": True, "mmap_threshold": None},
+          "pin": {"trim_after_update": False, "mmap_threshold": 131072}}
 
 
 def rss_mb(pid: int | str = "self") -> float | None:
@@ -135,8 +139,7 @@ class LocalTarget:
         self.device = args.device
         self.engine = osd.Engine.from_pretrained(
             target, draft=draft, device=args.device, spec=osd.SpecConfig(num_draft_tokens=4),
-            online=osd.OnlineConfig(**({"mmap_threshold": None} if args.malloc_default
-                                       else {})),
+            online=osd.OnlineConfig(**MALLOC[args.malloc]),
             max_batch_size=args.batch, max_seq_len=512)
         self.params = dict(max_new_tokens=args.new_tokens, temperature=args.temperature)
         self.calls = 0
@@ -274,7 +277,7 @@ def run(args) -> dict:
         "requests": done, "requests_asked": args.requests, "stopped_early": stopped,
         "batch": args.batch, "new_tokens": args.new_tokens,
         "temperature": args.temperature, "seed": args.seed,
-        "malloc_default": bool(getattr(args, "malloc_default", False)),
+        "malloc": args.malloc,
         "errors": errors, "lost": lost, "wall_s": round(wall, 1),
         "req_per_s": round(done / wall, 2),
         "rss_baseline_at": baseline["requests"] if baseline else None,
@@ -347,9 +350,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (engine mode)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--malloc-default", action="store_true",
-                    help="OnlineConfig(mmap_threshold=None): leave glibc's dynamic mmap "
-                    "threshold alone (to compare against)")
+    ap.add_argument("--malloc", choices=sorted(MALLOC), default="config",
+                    help="how the learner treats the C heap: 'config' as OnlineConfig's "
+                    "defaults, 'none' leaves it alone, 'trim' trims it after each update, "
+                    "'pin' pins glibc's mmap threshold at 128 KiB (to compare)")
     ap.add_argument("--trace", action="store_true",
                     help="also report the Python heap (tracemalloc; slows serving) and the "
                     "live CPU tensors at each progress line")

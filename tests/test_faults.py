@@ -177,6 +177,20 @@ def test_history_stays_bounded(pair, plain):
     assert hist["updates_applied"] + hist["updates_rejected"] == 6
 
 
+def test_heap_is_trimmed_after_each_update(pair, plain, monkeypatch):
+    """The learner hands the C heap's free pages back after every update, failed or not."""
+    import osd.online.learner as learner_mod
+    calls = []
+    monkeypatch.setattr(learner_mod, "release_free_memory", lambda: calls.append(1) or True)
+    eng = _engine(pair)
+    _serve(eng, plain, seed=105)
+    eng.online.wait()
+    attempts = eng.stats["online"]["drafts"][0]["attempts"]
+    assert attempts >= 1 and len(calls) == attempts
+    from osd.online.memory import release_free_memory
+    assert release_free_memory() in (True, False)      # False only without glibc
+
+
 # A process that exits while its background learner is still training.
 EXITING = textwrap.dedent("""
     import torch

@@ -43,10 +43,10 @@ class OnlineConfig:
     max_train_len: int = 512           # newest tokens of a request fed to the draft
     cuda_graphs: bool = True           # capture the training step on CUDA (bucketed shapes)
     max_train_graphs: int = 8          # captured training steps kept (least recently used go)
-    mmap_threshold: int | None = 131072  # pin glibc's mmap threshold (bytes; its initial
-                                       # default) so that the learner's freed temporaries go
-                                       # back to the system; None: leave malloc alone
-                                       # (osd/online/memory.py)
+    trim_after_update: bool = True     # hand the heap's free pages back to the system after
+                                       # each update (glibc malloc_trim; osd/online/memory.py)
+    mmap_threshold: int | None = None  # pin glibc's mmap threshold at this many bytes
+                                       # (flat memory, but every large block is mapped anew)
     seed: int = 0                      # seed of the learner's sampling of batches
     history_requests: int = 4096       # newest requests whose (draft, alpha) stats keep
     history_updates: int = 256         # newest update records kept per draft

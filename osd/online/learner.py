@@ -25,8 +25,9 @@ Learning is an optimisation of serving, never a condition for it: an update that
 one, counted in ``history.faults`` by kind with its message kept in
 ``history.last_error``, and later updates run as usual; serving keeps the last good draft.
 A failed capture also turns the learner's CUDA graphs off (eager steps from then on). The
-history keeps counters plus the newest ``history_updates`` records, so it stays bounded
-however long the engine serves.
+history keeps counters plus the newest ``history_updates`` records, and after each update
+the C heap's free pages go back to the system (``osd.online.memory``), so memory stays
+bounded however long the engine serves.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ from osd.online.buffer import Example, ReplayBuffer
 from osd.online.checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
 from osd.online.config import OnlineConfig
 from osd.online.distill import build_batch, draft_logits, heldout_alpha
-from osd.online.memory import pin_mmap_threshold
+from osd.online.memory import pin_mmap_threshold, release_free_memory
 
 logger = logging.getLogger("osd.online")
 
@@ -400,6 +401,8 @@ class OnlineLearner:
                                                  time.perf_counter() - t0))
         finally:
             self._snapshot = None
+            if self.config.trim_after_update:
+                release_free_memory()
 
     def _update_impl(self, index: int, t0: float) -> UpdateRecord:
         cfg = self.config
