@@ -112,6 +112,10 @@ def test_forward_train_matches_and_backprops(pair):
     with torch.no_grad():
         got = model.forward_train(padded, attention_mask=mask)
     assert (got[0, 3:] - _hf_logits(hf, ids[1:, :8])[0]).abs().max() <= ATOL
+    rows = torch.tensor([20, 0, 13, 5])           # the head on chosen flattened positions only
+    with torch.no_grad():
+        full = model.forward_train(ids).reshape(-1, VOCAB)
+        assert (model.forward_train(ids, rows=rows) - full[rows]).abs().max() <= ATOL
     loss = model.forward_train(ids).logsumexp(-1).mean()
     loss.backward()
     grads = [p.grad for p in model.parameters()]

@@ -154,6 +154,27 @@ def test_learner_rejects_bad_configs():
         osd.OnlineConfig(lr=0)
     with pytest.raises(ValueError, match="prompt_positions must be >= 0"):
         osd.OnlineConfig(prompt_positions=-1)
+    with pytest.raises(ValueError, match="replay_fraction"):
+        osd.OnlineConfig(replay_fraction=1.0)
+
+
+def test_update_batch_mixes_newest_and_replayed_requests():
+    from osd.online.buffer import Example, ReplayBuffer
+    buf = ReplayBuffer(capacity_positions=1000, holdout_every=0)
+    for i in range(20):                                  # request i: 10 positions, token i
+        buf.add(Example(torch.full((12,), i), torch.arange(1, 11), None, None,
+                        torch.zeros(10, 4)))
+    tag = lambda exs: [int(ex.tokens[0]) for ex in exs]     # noqa: E731
+    assert tag(buf.batch(50)) == [15, 16, 17, 18, 19]
+    g = torch.Generator().manual_seed(0)
+    mixed = tag(buf.batch(60, replay_fraction=0.5, generator=g))
+    assert mixed[-3:] == [17, 18, 19] and len(mixed) == 6
+    assert len(set(mixed)) == 6 and all(i < 17 for i in mixed[:3])
+    seen = set()
+    for _ in range(30):
+        seen.update(tag(buf.batch(60, replay_fraction=0.5, generator=g))[:3])
+    assert len(seen) > 10                                # replay reaches the whole buffer
+    assert tag(buf.batch(5, replay_fraction=0.5, generator=g))[-1] == 19
 
 
 def test_online_needs_a_model_drafter(pair):

@@ -311,7 +311,8 @@ class DecoderLM(nn.Module):
         return x
 
     def forward_train(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      *, skip_layers: frozenset[int] = frozenset()) -> torch.Tensor:
+                      *, skip_layers: frozenset[int] = frozenset(),
+                      rows: torch.Tensor | None = None) -> torch.Tensor:
         """Cacheless causal forward over whole sequences; supports autograd.
 
         Args:
@@ -319,9 +320,12 @@ class DecoderLM(nn.Module):
             attention_mask: ``[N, T]`` (1 = token, 0 = padding) or None. Positions count
                 only real tokens, so left padding works as in transformers.
             skip_layers: indices of decoder layers to bypass.
+            rows: ``[M]`` int64 indices into the ``N * T`` flattened positions, or None.
+                Given, the output head runs on those rows only: a small draft's head is
+                most of its cost, and training needs logits only where a target is.
 
         Returns:
-            ``[N, T, V]`` float32 logits.
+            ``[N, T, V]`` float32 logits, or ``[M, V]`` with ``rows``.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [N, T], got {tuple(input_ids.shape)}")
@@ -339,6 +343,8 @@ class DecoderLM(nn.Module):
                 continue
             q, k, v = layer.qkv(x, cos, sin)
             x = layer.finish(x, causal_attention(q, k, v, key_mask, scale=self.scale))
+        if rows is not None:
+            x = x.reshape(N * T, x.shape[-1]).index_select(0, rows)
         return self._logits(x, None)
 
     def _logits(self, x: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:

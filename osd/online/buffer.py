@@ -95,6 +95,31 @@ class ReplayBuffer:
                 n += ex.num_positions
         return out[::-1]
 
+    def batch(self, max_positions: int, replay_fraction: float = 0.0,
+              generator: torch.Generator | None = None) -> list[Example]:
+        """Examples for one update: the newest ones holding about ``(1 - replay_fraction)
+        * max_positions`` positions, then older ones drawn uniformly at random (without
+        repeats) up to about ``replay_fraction * max_positions`` more. Rehearsing older
+        requests keeps what was learned from them: a repeated or similar query much later
+        in the stream is drafted as well as when it was fresh. Order: replayed first,
+        then the newest (newest last)."""
+        with self._lock:
+            train = list(self._train)
+        newest, n, i = [], 0, len(train)
+        fresh_budget = max_positions * (1.0 - replay_fraction)
+        while i > 0 and (n < fresh_budget or not newest):
+            i -= 1
+            newest.append(train[i])
+            n += train[i].num_positions
+        replayed, m = [], 0
+        if replay_fraction > 0 and i > 0:
+            for j in torch.randperm(i, generator=generator).tolist():
+                if m >= max_positions * replay_fraction:
+                    break
+                replayed.append(train[j])
+                m += train[j].num_positions
+        return replayed + newest[::-1]
+
     def holdout(self) -> list[Example]:
         with self._lock:
             return list(self._holdout)

@@ -29,7 +29,9 @@ class OnlineConfig:
     update_every_requests: int = 8     # an update after this many finished requests ...
     update_every_tokens: int | None = None  # ... or after this many collected positions
     steps_per_update: int = 2          # optimizer steps per update
-    batch_positions: int = 4096        # newest buffered positions used per update
+    batch_positions: int = 4096        # buffered positions used per update ...
+    replay_fraction: float = 0.0       # ... this share drawn at random from older requests
+                                       # (rehearsal), the rest the newest
     lr: float = 1e-4                   # AdamW learning rate
     weight_decay: float = 0.0          # AdamW weight decay
     max_grad_norm: float = 1.0         # gradient clipping (<= 0 disables)
@@ -73,5 +75,8 @@ class OnlineConfig:
         if self.mmap_threshold is not None and self.mmap_threshold < 1:
             raise ValueError(f"OnlineConfig.mmap_threshold must be >= 1 or None, got "
                              f"{self.mmap_threshold}")
+        if not 0.0 <= self.replay_fraction < 1.0:
+            raise ValueError(f"OnlineConfig.replay_fraction must be in [0, 1), got "
+                             f"{self.replay_fraction}")
         if self.lr <= 0:
             raise ValueError(f"OnlineConfig.lr must be > 0, got {self.lr}")

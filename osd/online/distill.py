@@ -65,8 +65,8 @@ def build_batch(examples: list[Example], max_len: int, device) -> TrainBatch:
 
 def draft_logits(model, batch: TrainBatch) -> torch.Tensor:
     """The draft's logits ``[M, V]`` at the batch's target rows (differentiable)."""
-    logits = model.forward_train(batch.input_ids, attention_mask=batch.attention_mask)
-    return logits.reshape(-1, logits.shape[-1]).index_select(0, batch.rows)
+    return model.forward_train(batch.input_ids, attention_mask=batch.attention_mask,
+                               rows=batch.rows)
 
 
 def overlap(logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:

@@ -82,8 +82,8 @@ class GraphedTrainStep:
             s["target_logits"][:m].copy_(batch.target_logits)
 
     def _body(self, s) -> torch.Tensor:
-        logits = self.model.forward_train(s["input_ids"], attention_mask=s["attention_mask"])
-        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, s["rows"])
+        logits = self.model.forward_train(s["input_ids"], attention_mask=s["attention_mask"],
+                                          rows=s["rows"])
         target = ((s["topk_ids"], s["topk_probs"]) if "topk_ids" in s else s["target_logits"])
         loss = osd_kernels.distill_loss(logits, target, loss=self.config.loss,
                                         beta=self.config.beta, mask=s["row_mask"])

@@ -406,7 +406,7 @@ class OnlineLearner:
 
     def _update_impl(self, index: int, t0: float) -> UpdateRecord:
         cfg = self.config
-        examples = self.buffer.recent(cfg.batch_positions)
+        examples = self.buffer.batch(cfg.batch_positions, cfg.replay_fraction, self._gen)
         holdout = self.buffer.holdout()
         if not examples:
             return self.history.add(UpdateRecord(index, self.requests_seen, math.nan, None,
