@@ -5,8 +5,8 @@
 // once into a float scratch row s = logits / temperature; (max, sum exp) come from two
 // vectorisable passes, the accept test needs only the draft token's log-probability, and
 // only the one rejected or bonus row runs the exponential race. Rows after the first
-// rejection are never read. Top-k uses a size-k heap (nth_element for large k) and top-p a
-// three-way quickselect on probability mass (expected O(V), no sort): cpu/warp_cpu.h.
+// rejection are never read. The top-k and top-p thresholds come from the radix selection
+// the CUDA kernel uses, with serial histograms (cpu/warp_cpu.h, kernels/radix_select.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -109,16 +109,20 @@ WarpedRow warp_row(const RejectionSampleArgs& a, const RowSampling& rs, int64_t 
                    Scratch& w) {
   const int64_t V = a.vocab;
   float* s = w.s.data();
-  load_row_any(a.logits, a.logits_dtype, b * a.logits_stride_b + i * a.logits_stride_k,
-               a.logits_stride_v, V, rs.temperature, s);
-  if (rs.top_k > 0) keep_top_k(s, V, rs.top_k, w.t.data());
+  const int64_t offset = b * a.logits_stride_b + i * a.logits_stride_k;
+  if (rs.top_k > 0) {
+    load_row_any(a.logits, a.logits_dtype, offset, a.logits_stride_v, V, 1.0f, s);
+    top_k_scale(s, V, rs.top_k, a.logits_dtype, rs.temperature);
+  } else {
+    load_row_any(a.logits, a.logits_dtype, offset, a.logits_stride_v, V, rs.temperature, s);
+  }
   const float max = row_max(s, V);
   float* e = w.e.data();
   float z = exp_and_sum(s, max, V, e);
   if (rs.top_p < 1.0f) {
     const float inv_z = 1.0f / z;
-    const float tau = top_p_threshold(e, V, inv_z, rs.top_p, w.t.data());
-    for (int64_t v = 0; v < V; ++v) e[v] = e[v] * inv_z < tau ? 0.0f : e[v];
+    const uint32_t keep = top_p_key(e, V, inv_z, rs.top_p);
+    for (int64_t v = 0; v < V; ++v) e[v] = radix_key(e[v] * inv_z) < keep ? 0.0f : e[v];
     z = row_sum(e, V);
   }
   return WarpedRow{max, z};

@@ -3,11 +3,11 @@
 // Semantics, randomness layout and the walk: kernels/tree_rejection_sample.h.
 //
 // One sequence per task (at::parallel_for over the batch), with four float scratch rows
-// of V: the warped target p of the current node, its residual r, its draft row q and a
-// selection buffer. Entering a node warps its logits row once (top-k and top-p thresholds
-// by selection, no sort: cpu/warp_cpu.h); a rejection costs one pass over V (residual
-// update and its sum); the emitted token costs one race pass. Greedy rows only take the
-// argmax of each row on the path.
+// of V: the warped target p of the current node, its residual r, its draft row q and the
+// race's uniforms. Entering a node warps its logits row once (top-k and top-p thresholds
+// by the GPU's radix selection: cpu/warp_cpu.h); a rejection costs one pass over V
+// (residual update and its sum); the emitted token costs one race pass. Greedy rows only
+// take the argmax of each row on the path.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -35,16 +35,20 @@ void warp_row(const TreeRejectionSampleArgs& a, const RowSampling& rs, int64_t b
               int64_t node, Scratch& w) {
   const int64_t V = a.vocab;
   float* p = w.p.data();
-  load_row_any(a.logits, a.logits_dtype, b * a.logits_stride_b + node * a.logits_stride_t,
-               a.logits_stride_v, V, rs.temperature, p);
-  if (rs.top_k > 0) keep_top_k(p, V, rs.top_k, w.t.data());
+  const int64_t offset = b * a.logits_stride_b + node * a.logits_stride_t;
+  if (rs.top_k > 0) {
+    load_row_any(a.logits, a.logits_dtype, offset, a.logits_stride_v, V, 1.0f, p);
+    top_k_scale(p, V, rs.top_k, a.logits_dtype, rs.temperature);
+  } else {
+    load_row_any(a.logits, a.logits_dtype, offset, a.logits_stride_v, V, rs.temperature, p);
+  }
   const float max = row_max(p, V);
   for (int64_t v = 0; v < V; ++v) p[v] = std::exp(p[v] - max);
   const float inv = 1.0f / row_sum(p, V);
   for (int64_t v = 0; v < V; ++v) p[v] = p[v] * inv;
   if (rs.top_p < 1.0f) {
-    const float tau = top_p_threshold(p, V, 1.0f, rs.top_p, w.t.data());
-    for (int64_t v = 0; v < V; ++v) p[v] = p[v] < tau ? 0.0f : p[v];
+    const uint32_t keep = top_p_key(p, V, 1.0f, rs.top_p);
+    for (int64_t v = 0; v < V; ++v) p[v] = radix_key(p[v]) < keep ? 0.0f : p[v];
     const float z = row_sum(p, V);
     for (int64_t v = 0; v < V; ++v) p[v] = p[v] / z;
   }

@@ -5,7 +5,6 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include <functional>
 #include <limits>
 
 namespace osd {
@@ -24,27 +23,6 @@ void load_row(const T* src, int64_t stride, int64_t n, float temperature, float*
   if (temperature != 1.0f) {
     for (int64_t v = 0; v < n; ++v) dst[v] = dst[v] / temperature;
   }
-}
-
-// The k-th largest value of s (1 <= k < n). Small k: a size-k min-heap, where almost every
-// element is rejected by one comparison with the heap's top; large k: nth_element on a copy.
-float kth_largest(const float* s, int64_t n, int64_t k, float* tmp) {
-  if (k > 1024) {
-    std::copy(s, s + n, tmp);
-    std::nth_element(tmp, tmp + (k - 1), tmp + n, std::greater<float>());
-    return tmp[k - 1];
-  }
-  float* heap = tmp;
-  std::copy(s, s + k, heap);
-  std::make_heap(heap, heap + k, std::greater<float>());
-  for (int64_t v = k; v < n; ++v) {
-    if (s[v] > heap[0]) {
-      std::pop_heap(heap, heap + k, std::greater<float>());
-      heap[k - 1] = s[v];
-      std::push_heap(heap, heap + k, std::greater<float>());
-    }
-  }
-  return heap[0];
 }
 
 }  // namespace
@@ -96,40 +74,24 @@ int64_t row_argmax(const float* x, int64_t n) {
   return 0;
 }
 
-void keep_top_k(float* s, int64_t n, int64_t k, float* tmp) {
-  const float kth = kth_largest(s, n, k, tmp);
-  for (int64_t v = 0; v < n; ++v) s[v] = s[v] < kth ? kNegInf : s[v];
+void top_k_scale(float* l, int64_t n, int64_t k, DType dtype, float temperature) {
+  const uint32_t kth = radix_select_serial(
+      n, radix_levels(dtype), static_cast<uint64_t>(k),
+      [l](int64_t v, uint32_t& key, uint64_t& weight) {
+        key = radix_key(l[v]);
+        weight = 1;
+      });
+  const uint32_t floor = top_k_logit_floor(kth, temperature);
+  for (int64_t v = 0; v < n; ++v) l[v] = radix_key(l[v]) >= floor ? l[v] / temperature : kNegInf;
 }
 
-float top_p_threshold(const float* e, int64_t n, float inv_z, float top_p, float* tmp) {
-  int64_t m = 0;
-  for (int64_t v = 0; v < n; ++v) {
-    if (e[v] > 0.0f) tmp[m++] = e[v] * inv_z;
-  }
-  const double target = top_p;
-  double above = 0.0;  // mass of every value greater than those left in [lo, lo + m)
-  float best = 0.0f;
-  float* lo = tmp;
-  while (m > 0) {
-    const float a = lo[0], b = lo[m / 2], c = lo[m - 1];
-    const float pivot = std::max(std::min(a, b), std::min(std::max(a, b), c));
-    // [0, g): > pivot, [g, g + q): == pivot, [g + q, m): < pivot
-    float* mid = std::partition(lo, lo + m, [pivot](float x) { return x > pivot; });
-    float* low = std::partition(mid, lo + m, [pivot](float x) { return x == pivot; });
-    double mass_g = 0.0, mass_e = 0.0;
-    for (float* p = lo; p < mid; ++p) mass_g += *p;
-    for (float* p = mid; p < low; ++p) mass_e += *p;
-    if (above + mass_g >= target) {
-      m = mid - lo;  // the pivot is dropped: the threshold lies among the larger values
-      continue;
-    }
-    best = pivot;  // the pivot is kept; try the smaller values
-    above += mass_g + mass_e;
-    if (above >= target) break;
-    m = (lo + m) - low;
-    lo = low;
-  }
-  return best;
+uint32_t top_p_key(const float* e, int64_t n, float inv_z, float top_p) {
+  return radix_select_serial(n, 4, radix_mass_target(top_p),
+                             [e, inv_z](int64_t v, uint32_t& key, uint64_t& weight) {
+                               const float p = e[v] * inv_z;
+                               key = radix_key(p);
+                               weight = radix_mass(p);
+                             });
 }
 
 }  // namespace osd

@@ -1,11 +1,12 @@
 // Per-row helpers shared by the C++ CPU sampling kernels (rejection_sample,
 // tree_rejection_sample): loading a logits row as float, row reductions, and the top-k and
-// top-p thresholds of osd_kernels.warp.warp_probs found by selection (no sort).
-// Defined in warp_cpu.cpp.
+// top-p thresholds of osd_kernels.warp.warp_probs by the radix selection the CUDA kernels
+// use (kernels/radix_select.h; histograms built serially here). Defined in warp_cpu.cpp.
 #pragma once
 #include <cstdint>
 
 #include "kernels/common.h"
+#include "kernels/radix_select.h"
 
 // Vector loops compiled twice, for AVX2 and for the baseline, and picked at load time. No
 // FMA is enabled, so both clones round identically.
@@ -27,14 +28,15 @@ float row_sum(const float* x, int64_t n);
 // Index of the first maximum of x (lowest index on ties).
 int64_t row_argmax(const float* x, int64_t n);
 
-// Top-k: every s below the k-th largest value (1 <= k < n) becomes -inf; ties with it are
-// kept. tmp holds n floats.
-void keep_top_k(float* s, int64_t n, int64_t k, float* tmp);
+// Top-k on raw logits l[0, n) read from `dtype` (1 <= k < n): s = l / temperature, then
+// every s below the k-th largest s becomes -inf (ties with it are kept). The k-th largest
+// raw logit is found by radix selection and the test is made on raw keys
+// (top_k_logit_floor), as on the GPU.
+void top_k_scale(float* l, int64_t n, int64_t k, DType dtype, float temperature);
 
-// Top-p threshold on the probabilities e[v] * inv_z (the positive e only): the smallest
-// value tau such that the mass of the values strictly greater than tau is < top_p (0 when
-// no value qualifies). Keeping p >= tau keeps or drops ties together. Three-way quickselect
-// on probability mass, expected O(n); tmp holds n floats.
-float top_p_threshold(const float* e, int64_t n, float inv_z, float top_p, float* tmp);
+// Top-p threshold key on the probabilities p[v] = e[v] * inv_z (e >= 0): the smallest key
+// T with mass(radix_key(p) > T) < top_p (0: keep all). Keeping radix_key(p) >= T keeps or
+// drops ties together.
+uint32_t top_p_key(const float* e, int64_t n, float inv_z, float top_p);
 
 }  // namespace osd

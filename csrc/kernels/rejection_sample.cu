@@ -3,16 +3,21 @@
 //
 // Grid: one block per sequence (kThreads threads). The block walks the draft positions in
 // order and stops at the first rejection, so rows after it are never read. For a visited
-// row it computes, with block-wide reductions over vocab strips:
-//   - the top-k threshold (k-th largest scaled logit) by bisection on the float's ordered
-//     bit pattern: 32 counting passes, only when top-k is on;
+// row it computes, with block-wide passes over the row (128-bit loads when it is
+// contiguous: for_each_in_row):
+//   - the top-k set, only when top-k is on: the k-th largest raw logit by radix selection
+//     (one histogram pass per significant 8-bit key digit: 2 for bfloat16, 3 for float16,
+//     4 for float32; kernels/radix_select.h), turned into a floor on raw logit keys
+//     (top_k_logit_floor), so the later passes skip dropped tokens by an integer compare;
 //   - (max, sum exp) over the top-k set in one online pass;
-//   - the top-p key (smallest probability bit pattern T with mass(p > T) < top_p) by
-//     bisection over [0, 1]: 31 mass passes, only when top-p is on, then the kept mass Z2.
+//   - the top-p key (smallest probability key T with mass(p > T) < top_p) by radix
+//     selection on fixed-point mass histograms (4 passes), only when top-p is on, then the
+//     kept mass Z2.
 // The accept test then needs one logit (thread 0). The rejected or bonus row runs the
-// exponential race: each thread takes four consecutive tokens per Philox call, keeps its
-// best (key, index) and the block reduces with the lowest index on ties. Nothing of size
-// V is ever written; the only full-row work past the statistics is that one race row.
+// exponential race: each kept token's key uses the Philox block of its four-token group,
+// each thread keeps its best (key, index) and the block reduces with the lowest index on
+// ties. Nothing of size V is ever written; the only full-row work past the statistics is
+// that one race row.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -27,21 +32,11 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-
 struct Shared {
   float f[kWarps];
   int64_t i[kWarps];
   int64_t bcast_i;
+  RadixShared radix;
 };
 
 __device__ __forceinline__ float block_sum(float x, Shared& sh) {
@@ -50,10 +45,6 @@ __device__ __forceinline__ float block_sum(float x, Shared& sh) {
 
 __device__ __forceinline__ float block_max(float x, Shared& sh) {
   return block_reduce<kWarps>(x, -INFINITY, sh.f, MaxOp{});
-}
-
-__device__ __forceinline__ int64_t block_count(int64_t x, Shared& sh) {
-  return block_reduce<kWarps>(x, int64_t{0}, sh.i, AddOp{});
 }
 
 __device__ __forceinline__ LseState block_lse(LseState s, Shared& sh) {
@@ -94,11 +85,11 @@ __device__ __forceinline__ int64_t block_argmax(float key, int64_t idx, Shared& 
 }
 
 struct RowStats {
-  float kth;     // top-k threshold on scaled logits (-inf: off)
-  float max;     // max scaled logit
-  float inv_z1;  // 1 / sum exp(s - max) over the top-k set
-  int32_t p_key; // top-p threshold on float_order_key(p) (0: off)
-  float z2;      // mass of the kept set, in units of exp(s - max)
+  uint32_t floor;    // top-k: smallest kept raw logit key (0: off)
+  float max;         // max scaled logit over the top-k set
+  float inv_z1;      // 1 / sum exp(s - max) over the top-k set
+  uint32_t p_key;    // top-p: smallest kept radix_key(p) (0: off)
+  float z2;          // mass of the kept set, in units of exp(s - max)
 };
 
 template <typename T>
@@ -106,77 +97,67 @@ struct Row {
   const T* ptr;
   int64_t stride;
   float temperature;
-  __device__ __forceinline__ float scaled(int64_t v) const {
-    return to_float(ptr[v * stride]) / temperature;
+  __device__ __forceinline__ float logit(int64_t v) const { return to_float(ptr[v * stride]); }
+  template <typename Fn>
+  __device__ __forceinline__ void for_each(int64_t V, Fn&& fn) const {
+    for_each_in_row<kThreads>(ptr, stride, V, fn);
   }
 };
 
-// exp(s - max) on the kept set (top-k and top-p), 0 elsewhere.
-__device__ __forceinline__ float warped_mass(float s, const RowStats& st) {
-  const float e = s >= st.kth ? expf(s - st.max) : 0.0f;
-  return float_order_key(e * st.inv_z1) >= st.p_key ? e : 0.0f;
+// exp(s - max) of raw logit l (s = l / t) on the kept set (top-k and top-p), 0 elsewhere.
+__device__ __forceinline__ float warped_mass(float l, float t, const RowStats& st) {
+  if (radix_key(l) < st.floor) return 0.0f;
+  const float e = expf(l / t - st.max);
+  return radix_key(e * st.inv_z1) >= st.p_key ? e : 0.0f;
 }
 
 template <typename T>
-__device__ RowStats row_stats(const Row<T>& row, int64_t V, int32_t top_k, float top_p,
+__device__ RowStats row_stats(const Row<T>& row, int64_t V, const RowSampling& rs,
                               Shared& sh) {
-  RowStats st{-INFINITY, -INFINITY, 0.0f, 0, 0.0f};
-  if (top_k > 0) {
-    int64_t lo = INT32_MIN, hi = INT32_MAX;
-    for (int it = 0; it < 32; ++it) {
-      const int64_t mid = lo + (hi - lo + 1) / 2;
-      int64_t count = 0;
-      for (int64_t v = threadIdx.x; v < V; v += kThreads) {
-        count += float_order_key(row.scaled(v) + 0.0f) >= mid;
-      }
-      if (block_count(count, sh) >= top_k) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
-      }
-    }
-    st.kth = float_from_order_key(static_cast<int32_t>(lo));
+  const float t = row.temperature;
+  RowStats st{0u, -INFINITY, 0.0f, 0u, 0.0f};
+  if (rs.top_k > 0) {
+    const uint32_t kth = block_radix_select<kThreads>(
+        radix_levels(DTypeOf<T>::value), static_cast<uint64_t>(rs.top_k), sh.radix,
+        [&](const RadixState& s) {
+          row.for_each(V, [&](int64_t, float l) {
+            const uint32_t key = radix_key(l);
+            if (radix_in_range(key, s)) radix_add_count(sh.radix, radix_digit(key, s));
+          });
+        });
+    st.floor = top_k_logit_floor(kth, t);
   }
   LseState lse = lse_init();
-  for (int64_t v = threadIdx.x; v < V; v += kThreads) {
-    const float s = row.scaled(v);
-    if (s >= st.kth) lse = lse_merge(lse, LseState{s, 1.0f});
-  }
+  row.for_each(V, [&](int64_t, float l) {
+    if (radix_key(l) >= st.floor) lse = lse_merge(lse, LseState{l / t, 1.0f});
+  });
   lse = block_lse(lse, sh);
   st.max = lse.max;
   st.inv_z1 = 1.0f / lse.sum;
   st.z2 = lse.sum;
-  if (top_p < 1.0f) {
-    int32_t lo = 0, hi = 0x3F800000;  // bit pattern of 1.0f
-    for (int it = 0; it < 31; ++it) {
-      const int32_t mid = lo + (hi - lo) / 2;
-      float mass = 0.0f;
-      for (int64_t v = threadIdx.x; v < V; v += kThreads) {
-        const float s = row.scaled(v);
-        const float p = (s >= st.kth ? expf(s - st.max) : 0.0f) * st.inv_z1;
-        mass += float_order_key(p) > mid ? p : 0.0f;
-      }
-      if (block_sum(mass, sh) < top_p) {
-        hi = mid;
-      } else {
-        lo = mid + 1;
-      }
-    }
-    st.p_key = lo;
+  if (rs.top_p < 1.0f) {
+    st.p_key = block_radix_select<kThreads>(
+        4, radix_mass_target(rs.top_p), sh.radix, [&](const RadixState& s) {
+          row.for_each(V, [&](int64_t, float l) {
+            if (radix_key(l) < st.floor) return;
+            const float p = expf(l / t - st.max) * st.inv_z1;
+            const uint64_t m = radix_mass(p);
+            const uint32_t key = radix_key(p);
+            if (m != 0 && radix_in_range(key, s)) radix_add_mass(sh.radix, radix_digit(key, s), m);
+          });
+        });
     float z2 = 0.0f;
-    for (int64_t v = threadIdx.x; v < V; v += kThreads) z2 += warped_mass(row.scaled(v), st);
+    row.for_each(V, [&](int64_t, float l) { z2 += warped_mass(l, t, st); });
     st.z2 = block_sum(z2, sh);
   }
   return st;
 }
 
 template <typename T>
-__device__ int64_t row_argmax_logits(const T* ptr, int64_t stride, int64_t V, Shared& sh) {
+__device__ int64_t row_argmax_logits(const Row<T>& row, int64_t V, Shared& sh) {
   float best = -INFINITY;
   int64_t best_v = INT64_MAX;
-  for (int64_t v = threadIdx.x; v < V; v += kThreads) {
-    argmax_update(to_float(ptr[v * stride]), v, best, best_v);
-  }
+  row.for_each(V, [&](int64_t v, float l) { argmax_update(l, v, best, best_v); });
   const int64_t w = block_argmax(best, best_v, sh);
   return w == INT64_MAX ? 0 : w;
 }
@@ -198,7 +179,8 @@ __global__ void __launch_bounds__(kThreads) rejection_sample_kernel(RejectionSam
     int64_t j = 0;
     int64_t token = 0;
     for (;; ++j) {
-      token = row_argmax_logits(base + j * a.logits_stride_k, a.logits_stride_v, V, sh);
+      const Row<T> row{base + j * a.logits_stride_k, a.logits_stride_v, 1.0f};
+      token = row_argmax_logits(row, V, sh);
       if (j == rs.num_draft || drafts[j * a.draft_ids_stride_k] != token) break;
       if (threadIdx.x == 0) out[j] = token;
     }
@@ -215,7 +197,7 @@ __global__ void __launch_bounds__(kThreads) rejection_sample_kernel(RejectionSam
   RowStats st;
   for (;; ++j) {
     const Row<T> row{base + j * a.logits_stride_k, a.logits_stride_v, rs.temperature};
-    st = row_stats(row, V, rs.top_k, rs.top_p, sh);
+    st = row_stats(row, V, rs, sh);
     if (j == rs.num_draft) break;
     x = drafts[j * a.draft_ids_stride_k];
     if (threadIdx.x == 0) {
@@ -223,8 +205,10 @@ __global__ void __launch_bounds__(kThreads) rejection_sample_kernel(RejectionSam
       float log_p = -INFINITY;
       float q = 1.0f;
       if (in_vocab) {
-        const float s = row.scaled(x);
-        if (warped_mass(s, st) > 0.0f) log_p = (s - st.max) - logf(st.z2);
+        const float l = row.logit(x);
+        if (warped_mass(l, rs.temperature, st) > 0.0f) {
+          log_p = (l / rs.temperature - st.max) - logf(st.z2);
+        }
         if (a.draft_probs != nullptr) {
           q = load_float(a.draft_probs, a.draft_probs_dtype,
                          b * a.draft_probs_stride_b + j * a.draft_probs_stride_k +
@@ -255,28 +239,33 @@ __global__ void __launch_bounds__(kThreads) rejection_sample_kernel(RejectionSam
                                                   q_base + v * a.draft_probs_stride_v));
     return v == x ? 0.0f : p;
   };
+  const float t = rs.temperature;
   bool use_residual = false;
   if (rejected) {
     float m = 0.0f;
-    for (int64_t v = threadIdx.x; v < V; v += kThreads) {
-      m = fmaxf(m, residual(v, warped_mass(row.scaled(v), st) * inv_z2));
-    }
+    row.for_each(V, [&](int64_t v, float l) {
+      m = fmaxf(m, residual(v, warped_mass(l, t, st) * inv_z2));
+    });
     use_residual = block_max(m, sh) > 0.0f;
   }
+  // A thread sees consecutive v within each 128-bit load, so one Philox block serves the
+  // four tokens of its group; it is computed for groups with a kept token only.
   const uint32_t stream = philox_stream(static_cast<uint32_t>(j), kPhiloxSample);
   float best = -INFINITY;
   int64_t best_v = INT64_MAX;
-  const int64_t nblocks = (V + 3) / 4;
-  for (int64_t blk = threadIdx.x; blk < nblocks; blk += kThreads) {
-    const Philox4 w = philox_block(rs.seed, rs.offset, stream, static_cast<uint32_t>(blk));
-    for (int l = 0; l < 4; ++l) {
-      const int64_t v = 4 * blk + l;
-      if (v >= V) break;
-      float r = warped_mass(row.scaled(v), st) * inv_z2;
-      if (use_residual) r = residual(v, r);
-      if (r > 0.0f) argmax_update(race_key(r, philox_to_uniform(w.x[l])), v, best, best_v);
+  Philox4 w{};
+  int64_t w_blk = -1;
+  row.for_each(V, [&](int64_t v, float l) {
+    float r = warped_mass(l, t, st) * inv_z2;
+    if (use_residual) r = residual(v, r);
+    if (r > 0.0f) {
+      if (v / 4 != w_blk) {
+        w_blk = v / 4;
+        w = philox_block(rs.seed, rs.offset, stream, static_cast<uint32_t>(w_blk));
+      }
+      argmax_update(race_key(r, philox_to_uniform(philox_word(w, v))), v, best, best_v);
     }
-  }
+  });
   const int64_t token = block_argmax(best, best_v, sh);
   if (threadIdx.x == 0) {
     out[j] = token == INT64_MAX ? 0 : token;

@@ -16,17 +16,20 @@
 // selects v with probability r_v / sum(r) and needs no normalisation. Greedy rows: accept
 // while x_i == argmax l_i (lowest index on ties), then emit that argmax.
 //
-// Thresholds without sorting: top-k's threshold is the k-th largest value (found by
-// selection on the CPU and by bisection on the float's ordered bit pattern on the GPU);
-// top-p's is the smallest probability tau with mass(p > tau) < top_p, again by selection or
-// bisection. Only the draft token's log-probability is formed for the accept test, so a
-// row costs one pass for (max, sum exp) plus one race pass for the single resampled row.
+// Thresholds without sorting, by the radix selection of kernels/radix_select.h (the same
+// on the CPU and the GPU): top-k's is the k-th largest raw logit, whose scaled value is
+// the k-th largest s (division by t > 0 is monotone), applied as a floor on raw logit keys
+// (top_k_logit_floor); top-p's is the smallest probability key T with mass(p > T) < top_p,
+// masses summed exactly in fixed point. Only the draft token's log-probability is formed
+// for the accept test, so past the thresholds a row costs one pass for (max, sum exp) plus
+// one race pass for the single resampled row.
 #pragma once
 #include <cmath>
 #include <cstdint>
 
 #include "kernels/common.h"
 #include "kernels/philox.h"
+#include "kernels/radix_select.h"
 
 namespace osd {
 
@@ -136,21 +139,6 @@ OSD_HD RowSampling row_sampling(const RejectionSampleArgs& a, int64_t b) {
 }
 
 // ---- float helpers ------------------------------------------------------------------
-
-// Monotone map of a float to int32: a < b (as floats, no NaN) iff key(a) < key(b). Used to
-// bisect on float thresholds; -inf and +inf map to the ends of the range.
-OSD_HD int32_t float_order_key(float f) {
-  int32_t i;
-  __builtin_memcpy(&i, &f, sizeof(i));
-  return i >= 0 ? i : static_cast<int32_t>(static_cast<uint32_t>(i) ^ 0x7FFFFFFFu);
-}
-
-OSD_HD float float_from_order_key(int32_t k) {
-  const int32_t i = k >= 0 ? k : static_cast<int32_t>(static_cast<uint32_t>(k) ^ 0x7FFFFFFFu);
-  float f;
-  __builtin_memcpy(&f, &i, sizeof(f));
-  return f;
-}
 
 // Online (max, sum exp) state for a log-sum-exp over a stream of values.
 struct LseState {

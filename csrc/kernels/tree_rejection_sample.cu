@@ -2,10 +2,13 @@
 //
 // One block per sequence. Every thread runs the same scalar walk (node loads are broadcast
 // reads and every reduction is broadcast back), and the threads share the passes over the
-// vocabulary: warping a row (online max / sum-exp, plus bisection passes for top-k and
-// top-p on the float's ordered bits), a residual update with its sum after a rejection,
-// and the final exponential race (four vocab ids per Philox call). The current node's
-// warped target p and its residual r live in a [B, 2, V] float workspace.
+// vocabulary: warping a row (top-k by radix selection on the raw logits, one histogram
+// pass per significant 8-bit key digit; online max / sum-exp; top-p by radix selection on
+// fixed-point mass histograms of the stored p: kernels/radix_select.h), a residual update
+// with its sum after a rejection, and the final exponential race (four vocab ids per
+// Philox call). Logits rows are read with 128-bit loads when contiguous
+// (for_each_in_row). The current node's warped target p and its residual r live in a
+// [B, 2, V] float workspace.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -25,14 +28,11 @@ struct Shared {
   float f[kWarps];
   float g[kWarps];
   int64_t i[kWarps];
+  RadixShared radix;
 };
 
 __device__ __forceinline__ float block_sum(float v, Shared& sh) {
   return block_reduce<kWarps>(v, 0.0f, sh.f, AddOp{});
-}
-
-__device__ __forceinline__ int64_t block_count(int64_t v, Shared& sh) {
-  return block_reduce<kWarps>(v, int64_t{0}, sh.i, AddOp{});
 }
 
 __device__ __forceinline__ float block_max(float v, Shared& sh) {
@@ -83,89 +83,84 @@ __device__ int64_t block_argmax(float key, int64_t idx, Shared& sh) {
   return best_i;
 }
 
-__device__ float logit(const TreeRejectionSampleArgs& a, int64_t base, int64_t v) {
-  return load_float(a.logits, a.logits_dtype, base + v * a.logits_stride_v);
+// Logits row of `node` in sequence b.
+template <typename T>
+__device__ const T* logits_row(const TreeRejectionSampleArgs& a, int64_t b, int64_t node) {
+  return static_cast<const T*>(a.logits) + b * a.logits_stride_b + node * a.logits_stride_t;
 }
 
+template <typename T>
 __device__ int64_t row_argmax(const TreeRejectionSampleArgs& a, int64_t b, int64_t node,
                               Shared& sh) {
-  const int64_t base = b * a.logits_stride_b + node * a.logits_stride_t;
   float best = -INFINITY;
   int64_t best_v = 0;
-  for (int64_t v = threadIdx.x; v < a.vocab; v += kThreads) {
-    argmax_update(logit(a, base, v), v, best, best_v);
-  }
+  for_each_in_row<kThreads>(logits_row<T>(a, b, node), a.logits_stride_v, a.vocab,
+                            [&](int64_t v, float l) { argmax_update(l, v, best, best_v); });
   return block_argmax(best, best_v, sh);
 }
 
 // p = r = the warped target row of `node` (osd_kernels.warp.warp_probs).
+template <typename T>
 __device__ void warp_row(const TreeRejectionSampleArgs& a, const RowSampling& rs, int64_t b,
                          int64_t node, float* p, float* r, Shared& sh) {
   const int64_t V = a.vocab;
-  const int64_t base = b * a.logits_stride_b + node * a.logits_stride_t;
+  const T* row = logits_row<T>(a, b, node);
+  const int64_t stride = a.logits_stride_v;
   const float t = rs.temperature;
-  // top-k: the largest key K with count(key >= K) >= k
-  int64_t kth = INT32_MIN;
+  // top-k: l / t is kept iff radix_key(l) >= floor (kernels/radix_select.h)
+  uint32_t floor = 0;
   if (rs.top_k > 0) {
-    int64_t lo = INT32_MIN, hi = INT32_MAX;
-    for (int it = 0; it < 32; ++it) {
-      const int64_t mid = lo + (hi - lo + 1) / 2;
-      int64_t n = 0;
-      for (int64_t v = threadIdx.x; v < V; v += kThreads) {
-        n += float_order_key(logit(a, base, v) / t) >= mid;
-      }
-      if (block_count(n, sh) >= rs.top_k) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
-      }
-    }
-    kth = lo;
+    const uint32_t kth = block_radix_select<kThreads>(
+        radix_levels(DTypeOf<T>::value), static_cast<uint64_t>(rs.top_k), sh.radix,
+        [&](const RadixState& s) {
+          for_each_in_row<kThreads>(row, stride, V, [&](int64_t, float l) {
+            const uint32_t key = radix_key(l);
+            if (radix_in_range(key, s)) radix_add_count(sh.radix, radix_digit(key, s));
+          });
+        });
+    floor = top_k_logit_floor(kth, t);
   }
   LseState st = lse_init();
-  for (int64_t v = threadIdx.x; v < V; v += kThreads) {
-    const float s = logit(a, base, v) / t;
-    if (float_order_key(s) >= kth) st = lse_merge(st, LseState{s, 1.0f});
-  }
+  for_each_in_row<kThreads>(row, stride, V, [&](int64_t, float l) {
+    if (radix_key(l) >= floor) st = lse_merge(st, LseState{l / t, 1.0f});
+  });
   st = block_lse(st, sh);
+  const bool top_p = rs.top_p < 1.0f;
+  for_each_in_row<kThreads>(row, stride, V, [&](int64_t v, float l) {
+    const float x = radix_key(l) >= floor ? expf(l / t - st.max) / st.sum : 0.0f;
+    p[v] = x;
+    if (!top_p) r[v] = x;
+  });
+  __syncthreads();  // p is read below, and by the walk, in another thread layout
+  if (!top_p) return;
+  // top-p: the smallest key K with mass(p with key > K) < top_p; keep key >= K
+  const uint32_t keep = block_radix_select<kThreads>(
+      4, radix_mass_target(rs.top_p), sh.radix, [&](const RadixState& s) {
+        for (int64_t v = threadIdx.x; v < V; v += kThreads) {
+          const uint64_t m = radix_mass(p[v]);
+          const uint32_t key = radix_key(p[v]);
+          if (m != 0 && radix_in_range(key, s)) {
+            radix_add_mass(sh.radix, radix_digit(key, s), m);
+          }
+        }
+      });
+  float kept = 0.0f;
   for (int64_t v = threadIdx.x; v < V; v += kThreads) {
-    const float s = logit(a, base, v) / t;
-    p[v] = float_order_key(s) >= kth ? expf(s - st.max) / st.sum : 0.0f;
+    kept += radix_key(p[v]) >= keep ? p[v] : 0.0f;
   }
-  // top-p: the smallest key K >= 0 with mass(p with key > K) < top_p; keep key >= K
-  int32_t keep = 0;
-  float z = 1.0f;
-  if (rs.top_p < 1.0f) {
-    int32_t lo = 0, hi = 0x7F800000;
-    for (int it = 0; it < 31; ++it) {
-      const int32_t mid = lo + (hi - lo) / 2;
-      float mass = 0.0f;
-      for (int64_t v = threadIdx.x; v < V; v += kThreads) {
-        mass += __float_as_int(p[v]) > mid ? p[v] : 0.0f;
-      }
-      if (block_sum(mass, sh) < rs.top_p) {
-        hi = mid;
-      } else {
-        lo = mid + 1;
-      }
-    }
-    keep = lo;
-    float kept = 0.0f;
-    for (int64_t v = threadIdx.x; v < V; v += kThreads) {
-      kept += __float_as_int(p[v]) >= keep ? p[v] : 0.0f;
-    }
-    z = block_sum(kept, sh);
-  }
+  const float z = block_sum(kept, sh);
   for (int64_t v = threadIdx.x; v < V; v += kThreads) {
-    float x = p[v];
-    if (rs.top_p < 1.0f) x = __float_as_int(x) >= keep ? x / z : 0.0f;
+    const float x = radix_key(p[v]) >= keep ? p[v] / z : 0.0f;
     p[v] = x;
     r[v] = x;
   }
   __syncthreads();
 }
 
-__global__ void __launch_bounds__(kThreads)
+// At least one block per SM is all a launch of one block per sequence needs, which lets
+// ptxas keep the unrolled 128-bit row loops in registers.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1)
     tree_rejection_sample_kernel(TreeRejectionSampleArgs a) {
   __shared__ Shared sh;
   const int64_t b = blockIdx.x;
@@ -175,14 +170,14 @@ __global__ void __launch_bounds__(kThreads)
   const RowSampling rs = sequence_sampling(a, b);
   int64_t cur = 0, depth = 0;
   if (rs.greedy) {
-    int64_t best = row_argmax(a, b, cur, sh);
+    int64_t best = row_argmax<T>(a, b, cur, sh);
     for (int64_t c = 1; c < a.num_nodes; ++c) {
       const int64_t x = tree_candidate(a, b, c, cur, depth);
       if (x < 0 || x != best) continue;
       if (lead) tree_record_accept(a, b, depth, c, x);
       ++depth;
       cur = c;
-      best = row_argmax(a, b, cur, sh);
+      best = row_argmax<T>(a, b, cur, sh);
     }
     if (lead) tree_record_emit(a, b, depth, best);
     return;
@@ -190,7 +185,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool has_q = a.draft_probs != nullptr;
   float* p = a.workspace + b * 2 * V;
   float* r = p + V;
-  warp_row(a, rs, b, cur, p, r, sh);
+  warp_row<T>(a, rs, b, cur, p, r, sh);
   float s = 1.0f, z = 1.0f, tried = 0.0f;
   int64_t rank = 0;
   float u_node = tree_accept_uniform(rs, cur, 0);
@@ -241,7 +236,7 @@ __global__ void __launch_bounds__(kThreads)
       ++depth;
       cur = c;
       __syncthreads();  // every thread has read r[x] before the rows are rewritten
-      warp_row(a, rs, b, cur, p, r, sh);
+      warp_row<T>(a, rs, b, cur, p, r, sh);
       s = 1.0f;
       z = 1.0f;
       tried = 0.0f;
@@ -278,7 +273,17 @@ __global__ void __launch_bounds__(kThreads)
 
 cudaError_t tree_rejection_sample_cuda(const TreeRejectionSampleArgs& a, cudaStream_t stream) {
   if (a.batch == 0) return cudaSuccess;
-  tree_rejection_sample_kernel<<<static_cast<unsigned>(a.batch), kThreads, 0, stream>>>(a);
+  const dim3 grid(static_cast<unsigned>(a.batch));
+  switch (a.logits_dtype) {
+    case DType::kFloat16:
+      tree_rejection_sample_kernel<__half><<<grid, kThreads, 0, stream>>>(a);
+      break;
+    case DType::kBFloat16:
+      tree_rejection_sample_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(a);
+      break;
+    default:
+      tree_rejection_sample_kernel<float><<<grid, kThreads, 0, stream>>>(a);
+  }
   return cudaGetLastError();
 }
 
