@@ -178,15 +178,19 @@ def test_history_stays_bounded(pair, plain):
 
 
 def test_heap_is_trimmed_after_each_update(pair, plain, monkeypatch):
-    """The learner hands the C heap's free pages back after every update, failed or not."""
+    """The learner hands the C heap's free pages back after every update, failed or not,
+    and after each swap of a published update into the serving draft."""
     import osd.online.learner as learner_mod
     calls = []
     monkeypatch.setattr(learner_mod, "release_free_memory", lambda: calls.append(1) or True)
     eng = _engine(pair)
     _serve(eng, plain, seed=105)
+    _serve(eng, plain, seed=106)                         # swaps the first round's update in
     eng.online.wait()
-    attempts = eng.stats["online"]["drafts"][0]["attempts"]
-    assert attempts >= 1 and len(calls) == attempts
+    hist = eng.stats["online"]
+    attempts, applied = hist["drafts"][0]["attempts"], hist["updates_applied"]
+    assert attempts >= 1 and applied >= 1
+    assert attempts < len(calls) <= attempts + applied
     from osd.online.memory import release_free_memory
     assert release_free_memory() in (True, False)      # False only without glibc
 

@@ -284,6 +284,12 @@ class OnlineLearner:
             # verifies every token); the next published update overwrites all of it.
             self._fault("swap_error", e)
             return False
+        finally:
+            del state, pending
+            if ready is None and self.config.trim_after_update:
+                # The published copy was allocated in the learner thread's heap and is
+                # freed here: hand those pages back now, not at the next update.
+                release_free_memory()
         return True
 
     def wait(self) -> None:
