@@ -113,6 +113,9 @@ def metrics_text(snapshot: tuple[dict, list[int], list[int]], counters: Counters
            online.get("updates_applied", 0))
     family("osd:online_updates_rejected_total", "counter",
            "Online draft updates rejected by the guard.", online.get("updates_rejected", 0))
+    family("osd:online_learners_busy", "gauge",
+           "Online learners with an update queued or running (0 when idle).",
+           online.get("learners_busy", 0))
     windows = [a for a in online.get("alpha_per_window", []) if a is not None]
     family("osd:online_alpha_last_window", "gauge",
            "Mean acceptance of the latest window of requests (online learning).",

@@ -183,6 +183,7 @@ class ServerTarget:
 
     def __init__(self, args):
         self.url = args.server.rstrip("/") + "/v1/completions"
+        self.metrics_url = args.server.rstrip("/") + "/metrics"
         self.pid = args.server_pid
         self.body = dict(max_tokens=args.new_tokens, temperature=args.temperature)
         self.pool = concurrent.futures.ThreadPoolExecutor(args.batch)
@@ -211,11 +212,25 @@ class ServerTarget:
                 out.append((None, 0))
         return out
 
+    def _metric(self, name: str) -> float | None:
+        with urllib.request.urlopen(self.metrics_url, timeout=60) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        return None
+
     def sample(self) -> dict:
+        # As in engine mode, memory is read with the learner idle: between two batches no
+        # request is in flight, so at most the update they triggered is still running.
+        deadline = time.monotonic() + 300
+        while (self._metric("osd:online_learners_busy") or 0) > 0 and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
         return {"rss_mb": rss_mb(self.pid) if self.pid else None}
 
     def online(self) -> dict:
-        return {}
+        return {"updates_applied": self._metric("osd:online_updates_applied_total"),
+                "updates_rejected": self._metric("osd:online_updates_rejected_total")}
 
     def faults(self) -> int:
         return 0
@@ -311,7 +326,11 @@ def markdown(r: dict, old: str | None) -> str:
         f"{r['req_per_s']} requests/s. Goal: RSS growth from request "
         f"{fmt(r['rss_baseline_at'], '{:,}')} to the end under {r['max_growth_pct']}%.", "",
     ]
-    if r["online"]:
+    if r["online"] and "faults" not in r["online"]:          # server mode: from /metrics
+        o = r["online"]
+        lines += [f"Online learning: {fmt(o['updates_applied'], '{:.0f}')} updates applied, "
+                  f"{fmt(o['updates_rejected'], '{:.0f}')} rejected.", ""]
+    elif r["online"]:
         o = r["online"]
         faults = {k: v for k, v in o["faults"].items() if v}
         lines += [f"Online learning: {o['updates_applied']} updates applied, "

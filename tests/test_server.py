@@ -343,6 +343,7 @@ def test_metrics(setup):
     for name in ("osd:spec_decode_num_drafts_total", "osd:spec_decode_num_draft_tokens_total",
                  "osd:spec_decode_num_accepted_tokens_total", "osd:num_requests_running",
                  "osd:online_updates_applied_total", "osd:online_updates_rejected_total",
+                 "osd:online_learners_busy",
                  "osd:generation_tokens_total", "osd:prompt_tokens_total"):
         assert name in m, name
     assert m["osd:spec_decode_num_drafts_total"] > 0

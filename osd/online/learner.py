@@ -292,6 +292,12 @@ class OnlineLearner:
                 release_free_memory()
         return True
 
+    @property
+    def busy(self) -> bool:
+        """True while an update is queued or running."""
+        with self._lock:
+            return bool(self._due or self._busy)
+
     def wait(self) -> None:
         """Block until no update is queued or running."""
         with self._lock:

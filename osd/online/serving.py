@@ -197,4 +197,5 @@ class OnlineManager:
             "loss": [[u["loss"] for u in d["updates"]] for d in drafts],
             "faults": self.faults(),
             "last_error": self.last_error(),
+            "learners_busy": sum(learner.busy for learner in self.learners),
         }
