@@ -31,6 +31,7 @@ import pytest
 import torch
 
 import osd
+from osd.demo import online_recipe
 
 NEW_TOKENS = int(os.environ.get("OSD_BENCH_CHAT_TOKENS", "128"))
 NUM_PROMPTS = int(os.environ.get("OSD_BENCH_CHAT_PROMPTS", "4"))
@@ -113,8 +114,7 @@ def _engine(setup, provider):
                                           max_batch_size=1, max_seq_len=1024)
     eng = osd.Engine.from_pretrained(
         setup["target"], draft=setup["draft"], spec=spec, max_batch_size=1, max_seq_len=1024,
-        online=osd.OnlineConfig(update_every_requests=4, steps_per_update=8, lr=5e-4,
-                                batch_positions=2048))
+        online=online_recipe("chat"))
     for p in setup["warmup"]:
         eng.generate([p], osd.SamplingParams(NEW_TOKENS))
     eng.close()

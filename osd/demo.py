@@ -70,17 +70,31 @@ class DemoConfig:
         self.static_requests = min(self.static_requests, self.requests)
 
 
+def online_recipe(pair: str) -> osd.OnlineConfig:
+    """The online-learning settings the demo (and ``bench/bench_chat.py``) use per pair.
+
+    For the chat pair the learner's CPU time is the limit (the draft's 49,152-row output
+    head is most of a training step), so it spends it where drafting happens: on the
+    responses only (``prompt_positions=0``; prompt lookup covers text copied from the
+    prompt), on small batches that rehearse older requests next to the newest
+    (``replay_fraction``), so that a task asked again much later is drafted from what was
+    learned the first time. ``docs/chat_draft.md`` has the measurements behind it.
+    """
+    if pair == "chat":
+        return osd.OnlineConfig(update_every_requests=8, steps_per_update=8, lr=5e-4,
+                                batch_positions=768, replay_fraction=0.5,
+                                prompt_positions=0, background=True)
+    return osd.OnlineConfig(update_every_requests=8, steps_per_update=8, lr=5e-4,
+                            batch_positions=1024, background=True)
+
+
 DEFAULTS = {
     "chat": dict(baseline_requests=16, static_requests=50, max_new_tokens=48,
                  num_draft_tokens=4, threads=1, prompt_lookup=True,
-                 online=lambda: osd.OnlineConfig(update_every_requests=4, steps_per_update=8,
-                                                 lr=5e-4, batch_positions=2048,
-                                                 background=True)),
+                 online=lambda: online_recipe("chat")),
     "builtin": dict(baseline_requests=40, static_requests=200, max_new_tokens=32,
                     num_draft_tokens=4, threads=1, prompt_lookup=False,
-                    online=lambda: osd.OnlineConfig(update_every_requests=8,
-                                                    steps_per_update=8, lr=5e-4,
-                                                    batch_positions=1024, background=True)),
+                    online=lambda: online_recipe("builtin")),
 }
 
 
