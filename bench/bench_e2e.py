@@ -385,7 +385,7 @@ def test_e2e(benchmark, pair, costs, report, provider):
     if spec is not None:
         st = engine.stats
         k = spec.num_draft_tokens
-        # Per sequence (the engine's own mean_accepted_length counts batch steps).
+        # Per sequence, from the outputs' own counters (the first token included).
         steps = sum(o.stats["target_forwards"] for o in outputs)
         drafted = sum(o.stats["drafted"] for o in outputs)
         row.update(k=k, adaptive=spec.adaptive, tree=spec.is_tree,

@@ -691,6 +691,7 @@ class Engine:
         # The forward counts as "verify" (a one-token verify): the target's forward time.
         st = self.plain_stats
         st.target_forwards += 1
+        st.sequence_steps += B
         st.generated_tokens += B
         st.add_time("verify", t1 - t0)
         st.add_time("sample", time.perf_counter() - t1)

@@ -94,7 +94,8 @@ def metrics_text(snapshot: tuple[dict, list[int], list[int]], counters: Counters
            "Exact per-position acceptance probability 1 - TV(p, q), averaged over drafted "
            "positions (NaN when not measured).", stats.get("alpha"))
     family("osd:spec_decode_mean_accepted_length", "gauge",
-           "Tokens emitted per target forward.", stats.get("mean_accepted_length"))
+           "Tokens emitted per sequence per verify step.",
+           stats.get("mean_accepted_length"))
     family("osd:target_forwards_total", "counter",
            "Target decode / verify forwards (one per batch step).",
            stats.get("target_forwards", 0))

@@ -7,7 +7,8 @@ Reported quantities (REFERENCE.md §1 "α, precisely"):
 - ``alpha``: the exact per-position acceptance probability ``sum_x min(p(x), q(x)) =
   1 - TV(p, q)`` of the warped target p and draft q, averaged over drafted positions where
   draft probabilities exist (sampling with a model draft); ``None`` otherwise;
-- ``mean_accepted_length``: tokens emitted per target verify forward;
+- ``mean_accepted_length``: tokens emitted per sequence per target verify step (at batch
+  size B one verify forward makes B sequence steps; ``target_forwards`` counts forwards);
 - ``lookup_steps``: verify steps whose drafts came from prompt lookup
   (``SpecConfig(prompt_lookup=True)``; α then averages the draft model's positions only);
 - ``position_acceptance``: at draft position i, accepted / drafted among the steps that
@@ -29,6 +30,7 @@ class SpecStats:
     requests: int = 0
     generated_tokens: int = 0
     target_forwards: int = 0          # verify (or plain decode) forwards of the target
+    sequence_steps: int = 0           # rows those forwards verified (B per batched forward)
     lookup_steps: int = 0             # verify steps drafted by prompt lookup (prompt_lookup)
     drafted: int = 0
     accepted: int = 0
@@ -42,6 +44,7 @@ class SpecStats:
     def add_step(self, drafted: list[int], accepted: list[int], emitted: int) -> None:
         """One verify step over a batch: per-row drafted / accepted counts, tokens emitted."""
         self.target_forwards += 1
+        self.sequence_steps += len(drafted)
         self.generated_tokens += emitted
         width = max(drafted, default=0)
         if len(self.drafted_at) < width:
@@ -67,6 +70,7 @@ class SpecStats:
         self.requests += other.requests
         self.generated_tokens += other.generated_tokens
         self.target_forwards += other.target_forwards
+        self.sequence_steps += other.sequence_steps
         self.lookup_steps += other.lookup_steps
         self.drafted += other.drafted
         self.accepted += other.accepted
@@ -92,7 +96,7 @@ class SpecStats:
 
     @property
     def mean_accepted_length(self) -> float | None:
-        return self.generated_tokens / self.target_forwards if self.target_forwards else None
+        return self.generated_tokens / self.sequence_steps if self.sequence_steps else None
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -103,6 +107,7 @@ class SpecStats:
             "requests": self.requests,
             "generated_tokens": self.generated_tokens,
             "target_forwards": self.target_forwards,
+            "sequence_steps": self.sequence_steps,
             "lookup_steps": self.lookup_steps,
             "drafted": self.drafted,
             "accepted": self.accepted,

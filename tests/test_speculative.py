@@ -247,6 +247,9 @@ def test_prompt_lookup_with_a_model_draft(llama_pair, plain):
         st = eng.stats
         assert 0 < st["lookup_steps"] < st["target_forwards"]
         assert sum(o.stats["lookup_steps"] for o in outs[:2]) > 0
+        # tokens per sequence per verify step, the batched run's two rows counted apart
+        assert st["target_forwards"] < st["sequence_steps"]
+        assert 1 <= st["mean_accepted_length"] <= 5
     # Perfect draft: the draft model's own steps accept everything (α is over them only).
     assert st["alpha"] == pytest.approx(1.0, abs=1e-4)
 
