@@ -7,7 +7,8 @@ transformers model; ``Engine.generate(prompts, SamplingParams(...))`` returns on
 from osd import zoo
 from osd.cache import KVCache
 from osd.async_engine import AsyncEngine
-from osd.engine import Engine, RequestError
+from osd.engine import Engine
+from osd.request import RequestError
 from osd.models import DecoderLM, ModelConfig, load_model
 from osd.online.config import OnlineConfig
 from osd.online.router import RouterConfig

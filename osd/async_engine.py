@@ -25,7 +25,8 @@ import logging
 import threading
 import uuid
 
-from osd.engine import Engine, RequestError, RequestState
+from osd.engine import Engine
+from osd.request import RequestError, RequestState
 from osd.sampling import Output, SamplingParams
 
 log = logging.getLogger(__name__)

@@ -48,65 +48,18 @@ import torch
 from osd.drafters import LookupDrafter, ModelDrafter, NGramDrafter
 from osd.cache import KVCache
 from osd.graphs import StepGraphs, graphed_forward
-from osd.models.llama import DecoderLM
+from osd.models.llama import DecoderLM, without_layers
 from osd.models.loading import is_transformers_model, load_model, load_tokenizer
 from osd.online.collect import TeacherCollector
 from osd.online.config import OnlineConfig
 from osd.online.serving import OnlineManager
+from osd.request import RequestError, RequestState
 from osd.sampling import (BatchParams, Output, SamplingParams, fail_nonfinite, request_seed,
                           sample_tokens)
 from osd.spec import SpecConfig
 from osd.speculative import Speculator
 from osd.stats import SpecStats
 from osd.tree import StaticTree
-
-
-class RequestError(RuntimeError):
-    """A request failed while it ran (non-finite target logits, a failed step); the
-    engine and the other requests go on."""
-
-
-@dataclasses.dataclass
-class RequestState:
-    """Host-side state of one sequence being generated."""
-
-    index: int                        # position in the prompts of the generate() call
-    prompt: list[int]                 # prompt token ids
-    max_new_tokens: int
-    stop_ids: frozenset[int]          # EOS ids and the request's stop ids
-    seed: int                         # Philox seed of all its sampling (request_seed)
-    params: SamplingParams | None = None   # its own sampling parameters
-    generated: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None          # why it failed (finish_reason "error")
-    error_kind: str | None = None     # its kind, counted in Engine.stats["errors"]
-    draft_index: int = 0              # which draft serves it (routing)
-    pinned_draft: int | None = None   # the draft the caller asked for (no routing)
-    spec_steps: int = 0               # speculative steps so far (the Philox offset)
-    spec_stats: SpecStats | None = None
-    teacher: list = dataclasses.field(default_factory=list)  # collected target distributions
-
-    @property
-    def length(self) -> int:
-        """Tokens in the sequence (prompt and generated)."""
-        return len(self.prompt) + len(self.generated)
-
-    @property
-    def cached_length(self) -> int:
-        """Tokens whose K/V are in the cache: all but the last sampled one."""
-        return self.length - 1 if self.generated else len(self.prompt)
-
-    def append(self, token: int, max_seq_len: int) -> None:
-        """Record a sampled token and decide whether the sequence is finished."""
-        self.generated.append(token)
-        if token in self.stop_ids:
-            self.finish_reason = "stop"
-        elif len(self.generated) >= self.max_new_tokens or self.length >= max_seq_len:
-            self.finish_reason = "length"
-
-    def fail(self, message: str, kind: str = "nonfinite_logits") -> None:
-        """End the request with ``finish_reason = "error"``; it teaches no draft."""
-        self.finish_reason, self.error, self.error_kind = "error", message, kind
 
 
 @dataclasses.dataclass
@@ -251,7 +204,7 @@ class Engine:
                 raise ValueError(f"skip_layers must name some (not all) of the target's "
                                  f"{n} layers, got {sorted(skip)}")
             if learning:
-                drafters = [ModelDrafter(_layer_subset(self.model, skip), self.max_batch_size,
+                drafters = [ModelDrafter(without_layers(self.model, skip), self.max_batch_size,
                                          capacity)]
             else:
                 drafters = [ModelDrafter(self.model, self.max_batch_size, capacity, skip)]
@@ -814,24 +767,6 @@ class Engine:
             stats["draft_index"] = r.draft_index
         return Output(token_ids=list(r.generated), text=text, finish_reason=r.finish_reason,
                       stats=stats, prompt_token_ids=list(r.prompt), error=r.error)
-
-
-def _layer_subset(model: DecoderLM, skip: frozenset[int]) -> DecoderLM:
-    """A standalone copy of ``model`` without the layers in ``skip``: the self-speculative
-    draft as a model of its own (its embeddings, kept layers, norm and head copied)."""
-    keep = [i for i in range(model.config.num_layers) if i not in skip]
-    config = dataclasses.replace(model.config, num_layers=len(keep))
-    sub = DecoderLM(config, device=model.device, dtype=model.dtype)
-    state = {}
-    for name, value in model.state_dict().items():
-        if name.startswith("layers."):
-            index, rest = name.split(".", 2)[1:]
-            if int(index) not in keep:
-                continue
-            name = f"layers.{keep.index(int(index))}.{rest}"
-        state[name] = value
-    sub.load_state_dict(state)
-    return sub.requires_grad_(False)
 
 
 def _spec_width(spec: SpecConfig) -> int:

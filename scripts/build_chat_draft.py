@@ -34,11 +34,13 @@ The checkpoint (``config.json``, fp16 ``model.safetensors`` without the tied LM 
 here (stdlib functions of held-out files, and HumanEval-style tasks written for this
 script), reports the draft cost c, greedy acceptance and tokens per step, and tokens/s of
 plain vs speculative decoding, timed side by side with the order rotated per prompt.
+
+The prompts are in ``scripts/chat_draft_prompts.py``, ``--measure`` and ``--shapes`` in
+``scripts/chat_draft_measure.py``.
 """
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import hashlib
 import json
@@ -50,7 +52,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import textwrap
 import time
 from dataclasses import asdict, dataclass
 
@@ -62,8 +63,9 @@ import osd  # noqa: E402
 from osd.chat import apply_chat_template  # noqa: E402
 from osd.models.loading import load_tokenizer  # noqa: E402
 from osd.zoo import chat as zoo_chat  # noqa: E402
-from osd.zoo import corpus  # noqa: E402
 from osd_kernels import distill_loss  # noqa: E402
+
+from chat_draft_prompts import Prompt, training_prompts  # noqa: E402
 
 try:
     from tqdm.auto import tqdm
@@ -179,207 +181,6 @@ class ThreadTuner:
 def cache_dir() -> str:
     """``$OSD_CACHE/chat_draft`` (default ``~/.cache/osd/chat_draft``): the teacher data."""
     return os.path.join(os.path.dirname(zoo_chat.cache_dir()), "chat_draft")
-
-
-# ----------------------------------------------------------------------------- prompts
-
-
-@dataclass(frozen=True)
-class Function:
-    """A function of the standard library with its source and docstring."""
-
-    module: str
-    name: str
-    code: str
-    doc: str | None
-
-
-def stdlib_functions(split: str, *, min_lines: int = 3, max_lines: int = 30,
-                     max_chars: int = 1400) -> list[Function]:
-    """Functions and methods of the stdlib files of ``split`` (see ``osd.zoo.corpus``),
-    ``min_lines..max_lines`` lines and at most ``max_chars`` characters, in file order."""
-    root = corpus.stdlib_root()
-    found = []
-    for rel in corpus.source_files(root):
-        if corpus.split_of(rel) != split:
-            continue
-        try:
-            with open(os.path.join(root, rel), encoding="utf-8") as f:
-                source = f.read()
-            tree = ast.parse(source)
-        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        module = rel[:-3].replace("/", ".").removesuffix(".__init__")
-        for node in ast.walk(tree):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            seg = ast.get_source_segment(source, node)
-            if seg is None:
-                continue
-            code = textwrap.dedent(" " * node.col_offset + seg)
-            lines = code.count("\n") + 1
-            if min_lines <= lines <= max_lines and len(code) <= max_chars:
-                found.append(Function(module, node.name, code, ast.get_docstring(node)))
-    return found
-
-
-def _first_sentence(doc: str) -> str:
-    text = " ".join(doc.strip().split("\n\n")[0].split())
-    cut = text.find(". ")
-    return (text if cut < 0 else text[:cut + 1]).strip()
-
-
-# Prompt templates over a stdlib function: kind -> template (code, doc, sentence, name, module).
-CODE_TEMPLATES = {
-    "explain": "Explain what this Python function does:\n\n```python\n{code}\n```",
-    "write": "Write a Python function `{name}` that does the following: {sentence}",
-    "summarize": "Summarize this documentation in one or two sentences:\n\n{doc}",
-    "test": "Write a unit test for this Python function:\n\n```python\n{code}\n```",
-    "improve": "How could this Python code be improved?\n\n```python\n{code}\n```",
-    "comment": "Add comments to this code and explain how it works:\n\n```python\n{code}\n```",
-}
-CONCEPTS = [
-    "list comprehensions", "generators", "decorators", "context managers", "the GIL",
-    "dictionaries", "tuples and lists", "f-strings", "lambda functions", "exceptions",
-    "classes and objects", "inheritance", "virtual environments", "type hints",
-    "the `with` statement", "iterators", "recursion", "closures", "dataclasses",
-    "`*args` and `**kwargs`", "modules and packages", "sets", "string slicing",
-    "the `yield` keyword", "async and await", "unit tests with unittest", "regular expressions",
-    "reading and writing files", "JSON parsing", "sorting with a key function",
-    "the `enumerate` function", "the `zip` function", "mutable default arguments",
-    "shallow and deep copies", "properties", "static and class methods", "logging",
-    "command-line arguments with argparse", "the `collections` module", "threads and processes",
-]
-CONCEPT_TEMPLATES = [
-    "What are {t} in Python?", "Explain {t} in Python with a short example.",
-    "Give me a simple Python example that uses {t}.",
-    "What are common mistakes beginners make with {t} in Python?",
-]
-TOPICS = [
-    "photosynthesis", "the water cycle", "gravity", "the French Revolution", "machine learning",
-    "the Internet", "climate change", "vaccines", "black holes", "the stock market",
-    "inflation", "DNA", "the Roman Empire", "electric cars", "solar energy", "volcanoes",
-    "the human heart", "sleep", "meditation", "chess", "coffee", "rainbows", "earthquakes",
-    "the Moon", "bees", "democracy", "compound interest", "hash tables", "sorting algorithms",
-    "operating systems", "databases", "encryption", "version control", "prime numbers",
-    "probability", "music theory", "the printing press", "renewable energy", "the immune system",
-    "ocean tides", "cloud computing", "the scientific method", "public speaking",
-    "healthy eating", "time management", "the Olympic Games", "ancient Egypt", "dinosaurs",
-]
-TOPIC_TEMPLATES = [
-    "What is {t}?", "Explain {t} to a ten-year-old.", "Give me three interesting facts about {t}.",
-    "Write a short paragraph about {t}.", "Why is {t} important?",
-    "Write a haiku about {t}.", "Summarize what you know about {t} in three sentences.",
-]
-REQUESTS = [
-    "Give me tips for staying productive when working from home.",
-    "Write a short thank-you note to a colleague who helped me with a project.",
-    "How do I make a good cup of tea?", "Suggest five names for a pet cat.",
-    "What should I pack for a weekend camping trip?", "Write a limerick about a programmer.",
-    "How can I improve my handwriting?", "Plan a simple three-day workout routine.",
-    "Write a short story about a robot who learns to paint.",
-    "What is the difference between weather and climate?",
-    "Give me a recipe for a simple pasta dish.", "How do I prepare for a job interview?",
-    "Explain how a bicycle works.", "Write an email asking my manager for a day off.",
-    "What are some good habits for learning a new language?",
-    "List the planets of the solar system in order.", "How do airplanes stay in the air?",
-    "Describe a sunset at the beach.", "What is the capital of Australia, and why?",
-    "How can I save money on groceries?",
-]
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """A chat request: its text, kind and sampling temperature (0: greedy)."""
-
-    text: str
-    kind: str
-    temperature: float
-
-
-def training_prompts(n: int, recipe: DataRecipe) -> list[Prompt]:
-    """``n`` chat requests: about 70% over stdlib training-split functions, 15% Python
-    concepts, 15% general; shuffled with ``recipe.seed``; a ``sampled_fraction`` of them
-    answered at ``recipe.temperature``."""
-    rng = random.Random(recipe.seed)
-    funcs = stdlib_functions("train")
-    rng.shuffle(funcs)
-    # "write" needs a public function with a docstring, "summarize" a docstring.
-    pools = {"any": funcs, "doc": [f for f in funcs if f.doc],
-             "public": [f for f in funcs if f.doc and not f.name.startswith("_")]}
-    needs = {"write": "public", "summarize": "doc"}
-    used = {name: 0 for name in pools}
-    general = [t.format(t=c) for c in CONCEPTS for t in CONCEPT_TEMPLATES]
-    general += [t.format(t=c) for c in TOPICS for t in TOPIC_TEMPLATES] + REQUESTS
-    rng.shuffle(general)
-    kinds = list(CODE_TEMPLATES)
-    out, gi, ci = [], 0, 0
-    while len(out) < n:
-        if rng.random() < 0.7 or gi >= len(general):
-            kind = kinds[ci % len(kinds)]
-            ci += 1
-            pool = needs.get(kind, "any")
-            if used[pool] >= len(pools[pool]):
-                if all(used[p] >= len(pools[p]) for p in pools) and gi >= len(general):
-                    break
-                continue
-            fn = pools[pool][used[pool]]
-            used[pool] += 1
-            text = CODE_TEMPLATES[kind].format(code=fn.code, doc=fn.doc, name=fn.name,
-                                               sentence=fn.doc and _first_sentence(fn.doc),
-                                               module=fn.module)
-        else:
-            text, kind = general[gi], "general"
-            gi += 1
-        temp = recipe.temperature if rng.random() < recipe.sampled_fraction else 0.0
-        out.append(Prompt(text, kind, temp))
-    return out
-
-
-# Held-out functions (files of corpus split "heldout") for the evaluation prompts.
-EVAL_FUNCTIONS = [("explain", "heapq", "heappush"), ("explain", "glob", "glob"),
-                  ("explain", "linecache", "getline"), ("write", "heapq", "heapify"),
-                  ("write", "getpass", "getuser"), ("explain", "random", "shuffle"),
-                  ("summarize", "functools", "total_ordering"),
-                  ("summarize", "linecache", "checkcache"), ("test", "heapq", "heappushpop"),
-                  ("write", "urllib.parse", "urldefrag")]
-# HumanEval-style tasks written for this script (not from HumanEval).
-EVAL_TASKS = [
-    "Write a Python function `count_vowels(s)` that returns the number of vowels in a string.",
-    "Write a Python function `is_palindrome(text)` that checks whether a string reads the "
-    "same backwards, ignoring case and spaces.",
-    "Write a Python function `second_largest(numbers)` that returns the second largest "
-    "distinct number in a list, or None if there is none.",
-    "Write a Python function `flatten(nested)` that flattens a list of lists into one list.",
-    "Write a Python function `word_frequencies(text)` that returns a dictionary mapping "
-    "each word to how many times it appears.",
-    "Write a Python function `fizzbuzz(n)` that returns the FizzBuzz sequence from 1 to n "
-    "as a list of strings.",
-    "Write a Python function `merge_intervals(intervals)` that merges overlapping "
-    "intervals given as (start, end) pairs.",
-    "Write a Python function `rotate_list(items, k)` that rotates a list to the right by k "
-    "positions.",
-    "Write a Python function `celsius_to_fahrenheit(c)` and explain how it works.",
-    "Write a Python function `unique_sorted(items)` that returns the unique elements of a "
-    "list in sorted order.",
-]
-
-
-def eval_prompts() -> list[str]:
-    """The 20 held-out evaluation requests: 10 over functions of held-out stdlib files,
-    10 HumanEval-style tasks written here. Raises when a named function is missing."""
-    by_name = {}
-    for fn in stdlib_functions("heldout", max_lines=40, max_chars=2000):
-        by_name.setdefault((fn.module, fn.name), fn)
-    out = []
-    for kind, module, name in EVAL_FUNCTIONS:
-        fn = by_name.get((module, name))
-        if fn is None:
-            raise RuntimeError(f"held-out function {module}.{name} not found in this stdlib")
-        out.append(CODE_TEMPLATES[kind].format(code=fn.code, doc=fn.doc, name=fn.name,
-                                               sentence=fn.doc and _first_sentence(fn.doc),
-                                               module=fn.module))
-    return out + EVAL_TASKS
 
 
 # ------------------------------------------------------------------------ teacher data
@@ -684,7 +485,7 @@ def train_draft(model, examples: list[Example], heldout: list[Example], recipe: 
     planned = max(recipe.warmup + 1, round(recipe.epochs * per_epoch))
     total = planned
     model.train()
-    losses, resp_losses, history = [], [], []
+    losses, history = [], []
     t0 = time.monotonic()
     bar = _bar(total, "draft training", "step")
     step, epoch = 0, 0
@@ -830,184 +631,6 @@ def build(args) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- measuring
-
-
-def _forward_costs(target, draft, prompt: list[int], reps: int) -> dict:
-    """Single one-token decode forwards of both models after ``prompt``, interleaved:
-    best and median seconds of each, and the verify forward of 5 tokens."""
-    caches = {}
-    ids = torch.tensor([prompt])
-    models = {"target": target, "draft": draft}
-    with torch.inference_mode():
-        for name, m in models.items():
-            c = m.new_cache(1, len(prompt) + 8)
-            m(ids, c)
-            c.commit(torch.tensor([len(prompt)], dtype=torch.int32), len(prompt))
-            caches[name] = c
-        step, chain = ids[:, -1:], ids[:, -5:]
-        calls = {"target": lambda: target(step, caches["target"]),
-                 "draft": lambda: draft(step, caches["draft"]),
-                 "verify5": lambda: target(chain, caches["target"])}
-        times = {n: [] for n in calls}
-        for _ in range(reps):
-            for n, call in calls.items():
-                t = time.perf_counter()
-                call()
-                times[n].append(time.perf_counter() - t)
-    out = {}
-    for n, ts in times.items():
-        out[n] = {"best_ms": round(min(ts) * 1e3, 3),
-                  "median_ms": round(statistics.median(ts) * 1e3, 3)}
-    out["c_best"] = round(min(times["draft"]) / min(times["target"]), 4)
-    out["c_median"] = round(statistics.median(times["draft"]) / statistics.median(times["target"]), 4)
-    return out
-
-
-# Draft shapes timed by --shapes: (layers, hidden, heads, KV heads, MLP width).
-SHAPES = [(1, 256, 4, 2, 704), (2, 256, 4, 2, 704), (4, 256, 4, 2, 704), (6, 256, 4, 2, 704),
-          (2, 192, 3, 1, 512), (2, 320, 5, 1, 864), (2, 576, 9, 3, 1536)]
-
-
-def time_shapes(args) -> int:
-    """Single one-token decode forwards (osd, fp32, batch 1, after a 64-token prompt) of
-    randomly initialised drafts of each shape in :data:`SHAPES`, interleaved with the
-    target's: best and median ms, and c = draft / target."""
-    from osd.models.config import ModelConfig
-    from osd.models.llama import DecoderLM
-
-    target = osd.load_model(zoo_chat.fetch_target())
-    models = {"target": target}
-    for layers, hidden, heads, kv, mlp in SHAPES:
-        cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=target.vocab_size,
-                          hidden_size=hidden, intermediate_size=mlp, num_layers=layers,
-                          num_heads=heads, num_kv_heads=kv, head_dim=64,
-                          rope_theta=DRAFT.rope_theta, tie_word_embeddings=True)
-        model = DecoderLM(cfg)
-        model.init_weights(generator=torch.Generator().manual_seed(0))
-        models[f"{layers} x {hidden}, {heads}/{kv} heads, MLP {mlp}"] = model
-    prompt = torch.randint(0, target.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
-    caches, times = {}, {n: [] for n in models}
-    with torch.inference_mode():
-        for n, m in models.items():
-            caches[n] = m.new_cache(1, 72)
-            m(prompt, caches[n])
-            caches[n].commit(torch.tensor([64], dtype=torch.int32), 64)
-        step = prompt[:, -1:]
-        for _ in range(args.cost_reps):
-            for n, m in models.items():
-                t = time.perf_counter()
-                m(step, caches[n])       # lens unchanged: every repetition decodes position 64
-                times[n].append(time.perf_counter() - t)
-    best_t, med_t = min(times["target"]), statistics.median(times["target"])
-    print(f"threads {torch.get_num_threads()}, best and median of {args.cost_reps} interleaved "
-          f"forwards")
-    print("| model | params | best ms | tokens/s (best) | c (best) | median ms | c (median) |")
-    print("|---|---|---|---|---|---|---|")
-    for n, ts in times.items():
-        params = sum(p.numel() for p in models[n].parameters()) / 1e6
-        print(f"| {n} | {params:.1f}M | {min(ts) * 1e3:.2f} | {1 / min(ts):.0f} | "
-              f"{min(ts) / best_t:.3f} | {statistics.median(ts) * 1e3:.2f} | "
-              f"{statistics.median(ts) / med_t:.3f} |")
-    return 0
-
-
-def measure(args) -> int:
-    """Plain vs speculative decoding with the draft at ``args.out`` on the eval prompts."""
-    target_path = zoo_chat.fetch_target()
-    target = osd.load_model(target_path)
-    draft = osd.load_model(args.out)
-    tokenizer = load_tokenizer(target_path)
-    texts = eval_prompts()[:args.eval_prompts]
-    prompts = apply_chat_template(tokenizer, [[{"role": "user", "content": t}] for t in texts])
-    params = osd.SamplingParams(max_new_tokens=args.new_tokens)
-    seq = max(map(len, prompts)) + args.new_tokens + 16
-    configs = {"plain": None}
-    for k in args.ks:
-        configs[f"spec k={k}"] = osd.SpecConfig(num_draft_tokens=k)
-    for k in args.lookup_ks:
-        configs[f"spec k={k} + lookup"] = osd.SpecConfig(num_draft_tokens=k, prompt_lookup=True)
-    engines = {name: osd.Engine(target, draft=None if spec is None else draft,
-                                tokenizer=tokenizer, max_batch_size=1, max_seq_len=seq,
-                                spec=spec)
-               for name, spec in configs.items()}
-    # The draft decoding on its own (plain): its tokens/s against the target's gives c too.
-    engines["draft alone"] = osd.Engine(draft, tokenizer=tokenizer, max_batch_size=1,
-                                        max_seq_len=seq)
-    names = list(engines)
-    costs = _forward_costs(target, draft, prompts[0], reps=args.cost_reps)
-    _log(f"forward costs: {json.dumps(costs)}")
-    # Warm-up: one short generation each.
-    for e in engines.values():
-        e.generate([prompts[0]], osd.SamplingParams(max_new_tokens=8))
-        e.reset_stats()
-    secs = {n: 0.0 for n in names}
-    toks = {n: 0 for n in names}
-    per_prompt = []
-    plain_out = {}
-    mismatches = 0
-    bar = _bar(len(prompts) * len(names), "measure", "run")
-    for i, p in enumerate(prompts):
-        order = names[i % len(names):] + names[:i % len(names)]   # rotate the order
-        row = {}
-        for n in order:
-            t = time.perf_counter()
-            out = engines[n].generate([p], params)[0]
-            dt = time.perf_counter() - t
-            secs[n] += dt
-            toks[n] += len(out.token_ids)
-            row[n] = {"tokens": len(out.token_ids), "s": round(dt, 3)}
-            if n == "plain":
-                plain_out[i] = out.token_ids
-            elif n != "draft alone":
-                row[n]["ids"] = out.token_ids
-            if bar is not None:
-                bar.update(1)
-        for n in names:
-            if "ids" in row[n]:
-                mismatches += row[n].pop("ids") != plain_out[i]
-        per_prompt.append(row)
-    if bar is not None:
-        bar.close()
-    results = {}
-    for n in names:
-        st = engines[n].stats
-        r = {"tokens": toks[n], "seconds": round(secs[n], 2),
-             "tokens_per_s": round(toks[n] / secs[n], 2),
-             "vs_plain": round((toks[n] / secs[n]) / (toks["plain"] / secs["plain"]), 3)}
-        if n not in ("plain", "draft alone"):
-            r.update(acceptance=round(st["acceptance_rate"], 4) if st.get("acceptance_rate")
-                     is not None else None,
-                     tau=round(st["mean_accepted_length"], 3),
-                     lookup_steps=st.get("lookup_steps"),
-                     target_forwards=st.get("target_forwards"),
-                     position_acceptance=[None if x is None else round(x, 3)
-                                          for x in st.get("position_acceptance") or []],
-                     time_s={k: round(v, 2) for k, v in st["time_s"].items()})
-        results[n] = r
-    report = {"prompts": len(prompts), "new_tokens": args.new_tokens, "threads":
-              torch.get_num_threads(), "costs": costs, "results": results,
-              "outputs_differ_from_plain": mismatches, "per_prompt": per_prompt,
-              "command": "python scripts/build_chat_draft.py " + " ".join(sys.argv[1:])}
-    print("| decoding | tokens/s | vs plain | greedy acceptance | tau |")
-    print("|---|---|---|---|---|")
-    for n, r in results.items():
-        print(f"| {n} | {r['tokens_per_s']:.1f} | {r['vs_plain']:.2f}x | "
-              f"{r.get('acceptance', '-')} | {r.get('tau', '-')} |")
-    c_e2e = results["plain"]["tokens_per_s"] / results["draft alone"]["tokens_per_s"]
-    report["c_end_to_end"] = round(c_e2e, 4)
-    print(f"c (plain target tokens/s over draft-alone tokens/s) = {c_e2e:.4f}")
-    print(f"c (best of {args.cost_reps}) = {costs['c_best']}, c (median) = {costs['c_median']}; "
-          f"target {costs['target']['best_ms']} ms, draft {costs['draft']['best_ms']} ms, "
-          f"5-token verify {costs['verify5']['best_ms']} ms (best)")
-    print(f"speculative outputs differing from plain greedy: {mismatches}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
-    return 0
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1041,8 +664,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.shapes:
+        from chat_draft_measure import time_shapes
         return time_shapes(args)
-    return measure(args) if args.measure else build(args)
+    if args.measure:
+        from chat_draft_measure import measure
+        return measure(args)
+    return build(args)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from osd.online.config import OnlineConfig
 from osd.online.graphs import GraphedTrainStep
 from osd.online.learner import OnlineLearner
 from tests.test_models import tiny_hf_model
+from tests.test_online import _engine as online_engine
 from tests.test_speculative import perturbed, prompts_of
 
 PARAMS = osd.SamplingParams(12)
@@ -35,13 +36,8 @@ def plain(pair):
 
 
 def _engine(pair, **online):
-    cfg = dict(update_every_requests=2, steps_per_update=2, lr=3e-3, background=False,
-               holdout_every=4, guard_tolerance=1.0)     # the guard never rejects here
-    cfg.update(online)
-    return osd.Engine.from_pretrained(pair[0], draft=pair[1],
-                                      spec=osd.SpecConfig(num_draft_tokens=4),
-                                      online=osd.OnlineConfig(**cfg), max_batch_size=4,
-                                      max_seq_len=96)
+    """test_online's learning engine, with a guard that never rejects."""
+    return online_engine(pair, **{"guard_tolerance": 1.0, **online})
 
 
 def _state(model):

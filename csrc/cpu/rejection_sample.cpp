@@ -110,12 +110,8 @@ WarpedRow warp_row(const RejectionSampleArgs& a, const RowSampling& rs, int64_t 
   const int64_t V = a.vocab;
   float* s = w.s.data();
   const int64_t offset = b * a.logits_stride_b + i * a.logits_stride_k;
-  if (rs.top_k > 0) {
-    load_row_any(a.logits, a.logits_dtype, offset, a.logits_stride_v, V, 1.0f, s);
-    top_k_scale(s, V, rs.top_k, a.logits_dtype, rs.temperature);
-  } else {
-    load_row_any(a.logits, a.logits_dtype, offset, a.logits_stride_v, V, rs.temperature, s);
-  }
+  load_scaled_row(a.logits, a.logits_dtype, offset, a.logits_stride_v, V, rs.top_k,
+                  rs.temperature, s);
   const float max = row_max(s, V);
   float* e = w.e.data();
   float z = exp_and_sum(s, max, V, e);

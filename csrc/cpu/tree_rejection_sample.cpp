@@ -36,12 +36,8 @@ void warp_row(const TreeRejectionSampleArgs& a, const RowSampling& rs, int64_t b
   const int64_t V = a.vocab;
   float* p = w.p.data();
   const int64_t offset = b * a.logits_stride_b + node * a.logits_stride_t;
-  if (rs.top_k > 0) {
-    load_row_any(a.logits, a.logits_dtype, offset, a.logits_stride_v, V, 1.0f, p);
-    top_k_scale(p, V, rs.top_k, a.logits_dtype, rs.temperature);
-  } else {
-    load_row_any(a.logits, a.logits_dtype, offset, a.logits_stride_v, V, rs.temperature, p);
-  }
+  load_scaled_row(a.logits, a.logits_dtype, offset, a.logits_stride_v, V, rs.top_k,
+                  rs.temperature, p);
   const float max = row_max(p, V);
   for (int64_t v = 0; v < V; ++v) p[v] = std::exp(p[v] - max);
   const float inv = 1.0f / row_sum(p, V);

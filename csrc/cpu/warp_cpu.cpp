@@ -85,6 +85,16 @@ void top_k_scale(float* l, int64_t n, int64_t k, DType dtype, float temperature)
   for (int64_t v = 0; v < n; ++v) l[v] = radix_key(l[v]) >= floor ? l[v] / temperature : kNegInf;
 }
 
+void load_scaled_row(const void* base, DType dtype, int64_t offset, int64_t stride, int64_t n,
+                     int64_t top_k, float temperature, float* dst) {
+  if (top_k > 0) {
+    load_row_any(base, dtype, offset, stride, n, 1.0f, dst);
+    top_k_scale(dst, n, top_k, dtype, temperature);
+  } else {
+    load_row_any(base, dtype, offset, stride, n, temperature, dst);
+  }
+}
+
 uint32_t top_p_key(const float* e, int64_t n, float inv_z, float top_p) {
   return radix_select_serial(n, 4, radix_mass_target(top_p),
                              [e, inv_z](int64_t v, uint32_t& key, uint64_t& weight) {

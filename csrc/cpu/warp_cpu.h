@@ -34,6 +34,11 @@ int64_t row_argmax(const float* x, int64_t n);
 // (top_k_logit_floor), as on the GPU.
 void top_k_scale(float* l, int64_t n, int64_t k, DType dtype, float temperature);
 
+// The scaled, top-k-masked logits of one row: dst[v] = logit[v] / temperature, with
+// top_k > 0 every value below the k-th largest set to -inf (top_k_scale).
+void load_scaled_row(const void* base, DType dtype, int64_t offset, int64_t stride, int64_t n,
+                     int64_t top_k, float temperature, float* dst);
+
 // Top-p threshold key on the probabilities p[v] = e[v] * inv_z (e >= 0): the smallest key
 // T with mass(radix_key(p) > T) < top_p (0: keep all). Keeping radix_key(p) >= T keeps or
 // drops ties together.

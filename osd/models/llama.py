@@ -22,6 +22,7 @@ All accept ``skip_layers`` (a set of layer indices to bypass, for self-speculati
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -351,3 +352,21 @@ class DecoderLM(nn.Module):
         if logits_index is not None:
             x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
         return decode_linear(x, self.lm_head.weight, **self.norm.fused()).float()
+
+
+def without_layers(model: DecoderLM, skip: frozenset[int]) -> DecoderLM:
+    """A standalone copy of ``model`` without the layers in ``skip``: the self-speculative
+    draft as a model of its own (its embeddings, kept layers, norm and head copied)."""
+    keep = [i for i in range(model.config.num_layers) if i not in skip]
+    config = dataclasses.replace(model.config, num_layers=len(keep))
+    sub = DecoderLM(config, device=model.device, dtype=model.dtype)
+    state = {}
+    for name, value in model.state_dict().items():
+        if name.startswith("layers."):
+            index, rest = name.split(".", 2)[1:]
+            if int(index) not in keep:
+                continue
+            name = f"layers.{keep.index(int(index))}.{rest}"
+        state[name] = value
+    sub.load_state_dict(state)
+    return sub.requires_grad_(False)
