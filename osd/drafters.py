@@ -499,10 +499,8 @@ class LookupDrafter:
 
     def propose(self, active, roots, params, seed, offset, *, k: int = 0, tree=None,
                 stopper=None):
-        prop = None
-        if tree is None:
-            prop = self.lookup.propose_chain([r.prompt + r.generated for r in active], k,
-                                             roots.device, every_row=True)
+        prop = self.lookup.propose_chain([r.prompt + r.generated for r in active], k,
+                                         roots.device, every_row=True)
         self._looked_up = prop is not None
         if prop is None:
             prop = self.inner.propose(active, roots, params, seed, offset, k=k, tree=tree,

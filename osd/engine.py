@@ -771,8 +771,9 @@ class Engine:
 
 def _spec_width(spec: SpecConfig) -> int:
     """Most tokens one verify forward feeds per row (root included)."""
+    chain = spec.num_draft_tokens + 1
     if spec.tree is None:
-        return spec.num_draft_tokens + 1
-    if isinstance(spec.tree, StaticTree):
-        return spec.tree.num_nodes
-    return spec.tree.max_nodes + 1
+        return chain
+    tree = spec.tree.num_nodes if isinstance(spec.tree, StaticTree) else spec.tree.max_nodes + 1
+    # With prompt lookup, a step whose rows all match verifies a chain instead of the tree.
+    return max(tree, chain) if spec.prompt_lookup else tree

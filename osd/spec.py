@@ -37,11 +37,12 @@ class SpecConfig:
     step. Trees use the draft's top-ranked children (deterministic), verified with the
     multi-draft rule, which is lossless for sampling too.
 
-    ``prompt_lookup=True`` (chains with a draft model or self-speculation) first looks the
+    ``prompt_lookup=True`` (with a draft model or self-speculation) first looks the
     context's suffix up in the row's own prompt and output, as the ``"ngram"`` drafter
-    does; when every row of the step has a match, those continuations are the drafts and
-    the draft model does not run (its cache catches up on the next step it drafts).
-    Otherwise the draft model drafts every row. Lookup is nearly free and, where text
+    does; when every row of the step has a match, those continuations (up to
+    ``num_draft_tokens``) are the drafts, verified as a chain, and the draft model does not
+    run (its cache catches up on the next step it drafts). Otherwise the draft model
+    drafts every row: a chain, or the ``tree`` when one is set. Lookup is nearly free and, where text
     repeats (code, edits, retrieval), long and accurate; the draft model covers the rest.
 
     ``auto_k=True`` (chains) lets each step choose its chain length among a few values from
@@ -59,8 +60,8 @@ class SpecConfig:
     skip_layers: tuple[int, ...] | None = None  # self: target layers skipped (default: odd ones)
     ngram_max: int = 3                   # ngram: longest suffix matched in the context
     ngram_min: int = 1                   # ngram: shortest suffix matched
-    prompt_lookup: bool = False          # model/self: prompt lookup first, the draft model
-    #                                      only for steps where some row has no match
+    prompt_lookup: bool = False          # model/self: prompt lookup first (a chain); the draft
+    #                                      model (chain or tree) where some row has no match
     adaptive: bool = False               # stop drafting a row when the draft is unsure
     adaptive_floor: float = 0.35         # adaptive: stop when P(reach and accept) < floor
     adaptive_init_threshold: float = 0.3  # adaptive: confidence threshold before calibration
@@ -91,8 +92,6 @@ class SpecConfig:
         if self.auto_k and (self.tree is not None or self.adaptive):
             raise ValueError("SpecConfig(auto_k=True) picks a chain length per step; it does "
                              "not combine with trees or adaptive=True")
-        if self.prompt_lookup and self.tree is not None:
-            raise ValueError("SpecConfig(prompt_lookup=True) proposes chains; use tree=None")
 
     @property
     def is_tree(self) -> bool:

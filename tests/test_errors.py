@@ -192,7 +192,6 @@ def test_unknown_device(engine, expected, hf):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(drafter="ngram", prompt_lookup=True), "drafter='ngram' already is prompt lookup"),
-    (dict(tree=[(0,), (1,)], prompt_lookup=True), "prompt_lookup=True.*proposes chains"),
     (dict(drafter="eagle"), "SpecConfig.drafter must be one of"),
     (dict(ngram_min=3, ngram_max=2), "1 <= ngram_min <= ngram_max"),
 ])

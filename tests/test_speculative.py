@@ -254,6 +254,24 @@ def test_prompt_lookup_with_a_model_draft(llama_pair, plain):
     assert st["alpha"] == pytest.approx(1.0, abs=1e-4)
 
 
+@pytest.mark.parametrize("tree", [[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)],
+                                  osd.DynamicTree(topk=2, depth=3, max_nodes=5)])
+def test_prompt_lookup_in_front_of_a_tree(llama_pair, plain, tree):
+    """prompt_lookup with a tree: matched steps verify the lookup chain (k = 6, wider than
+    the tree), the others the draft's tree; greedy output equals the target's, alone and
+    in a ragged batch, and the draft's cache catches up across both kinds of step."""
+    target, draft = llama_pair
+    prompts = [prompts_of([7], seed=83)[0] * 5, prompts_of([9], seed=84)[0] * 3]
+    ref = plain.generate(prompts, osd.SamplingParams(40))
+    eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(
+        num_draft_tokens=6, prompt_lookup=True, tree=tree), max_batch_size=2, max_seq_len=112)
+    outs = [eng.generate([p], osd.SamplingParams(40))[0] for p in prompts]
+    outs += eng.generate(prompts, osd.SamplingParams(40))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref] * 2
+    st = eng.stats
+    assert 0 < st["lookup_steps"] < st["target_forwards"]
+
+
 @pytest.mark.parametrize("limit", [6, ModelDrafter.PENDING_LIMIT])
 def test_draft_cache_catches_up_after_lookup_steps(llama_pair, monkeypatch, limit):
     """Tokens queued over several skipped steps (fed early once past the pending limit)
