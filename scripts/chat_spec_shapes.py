@@ -1,0 +1,74 @@
+"""Draft shapes on the chat pair, side by side: chains, static and dynamic trees, with and
+without prompt lookup in front, against plain decoding.
+
+CPU, fp32, greedy, batch 1, HumanEval chat prompts (seed 11), each prompt served by every
+mode in turn (plain first); the second of two rounds is timed. Every speculative output
+is asserted equal to plain greedy decoding.
+
+    .venv/bin/python scripts/chat_spec_shapes.py --prompts 4 --new-tokens 128 --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import osd
+from osd import zoo
+from osd.chat import apply_chat_template
+from osd.zoo import humaneval
+
+STATIC = [(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 0, 0)]
+DYNAMIC = osd.DynamicTree(topk=3, depth=4, max_nodes=10)
+SHAPES = {
+    "chain k=4, lookup": dict(num_draft_tokens=4, prompt_lookup=True),
+    "chain k=4": dict(num_draft_tokens=4),
+    "dynamic tree 3x4, 10 nodes": dict(tree=DYNAMIC),
+    "static tree, 8 nodes": dict(tree=STATIC),
+    "static tree, 8 nodes, lookup": dict(num_draft_tokens=4, prompt_lookup=True, tree=STATIC),
+    "dynamic tree, lookup": dict(num_draft_tokens=4, prompt_lookup=True, tree=DYNAMIC),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, draft = zoo.chat_pair()
+    plain = osd.Engine.from_pretrained(target, max_batch_size=1, max_seq_len=1024)
+    prompts = apply_chat_template(plain.tokenizer,
+                                  humaneval.conversations(args.prompts, seed=11))
+    engines = {name: osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(**kw),
+                                                max_batch_size=1, max_seq_len=1024)
+               for name, kw in SHAPES.items()}
+    params = osd.SamplingParams(max_new_tokens=args.new_tokens)
+    seconds = dict.fromkeys(["plain", *engines], 0.0)
+    tokens = dict.fromkeys(seconds, 0)
+    for rnd in range(2):
+        for i, prompt in enumerate(prompts):
+            ref = None
+            for name in seconds:
+                eng = plain if name == "plain" else engines[name]
+                t0 = time.perf_counter()
+                out = eng.generate([prompt], params)[0]
+                dt = time.perf_counter() - t0
+                ref = out.token_ids if ref is None else ref
+                assert out.token_ids == ref, f"{name} differs from plain greedy on prompt {i}"
+                if rnd == 1:
+                    seconds[name] += dt
+                    tokens[name] += len(out.token_ids)
+            print(f"round {rnd + 1}, prompt {i + 1}/{len(prompts)} done", flush=True)
+    print("| decoding | tokens/s | vs plain | tokens per target forward |")
+    print("|---|---|---|---|")
+    for name in seconds:
+        tau = "1" if name == "plain" else f"{engines[name].stats['mean_accepted_length']:.2f}"
+        print(f"| {name} | {tokens[name] / seconds[name]:.1f} | "
+              f"{seconds['plain'] / seconds[name]:.2f}x | {tau} |")
+
+
+if __name__ == "__main__":
+    main()
