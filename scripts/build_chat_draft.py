@@ -26,9 +26,18 @@ The build has three stages, each with a progress bar:
    of steps is planned from the measured step time so that the whole build fits
    ``--minutes``.
 
+4. Head vocabulary. The draft's output head is the embedding (tied), 49,152 rows of its
+   cost. ``head_vocab.json`` lists the :data:`HEAD_VOCAB` most frequent target tokens in
+   the standard library's training files and the teacher data, plus every special token:
+   osd keeps only those head rows (``DecoderLM.restrict_head``); the draft's other logits
+   are -inf, so it never proposes the rare tokens, and verification stays exact.
+   ``--head-vocab-only`` writes this file into an existing draft (``--head-vocab 0``
+   removes it).
+
 The checkpoint (``config.json``, fp16 ``model.safetensors`` without the tied LM head,
-``build.json`` with the recipe and the build's figures) loads with
-``osd.Engine.from_pretrained(target, draft=DIR)`` and with transformers.
+``head_vocab.json``, ``build.json`` with the recipe and the build's figures) loads with
+``osd.Engine.from_pretrained(target, draft=DIR)`` and (with the full head) with
+transformers.
 
 ``--measure`` loads the target and the draft once and, on held-out chat prompts written
 here (stdlib functions of held-out files, and HumanEval-style tasks written for this
@@ -120,6 +129,9 @@ class TrainRecipe:
     heldout_fraction: float = 0.03  # examples kept out of training for the alpha report
     seed: int = 0
 
+
+# Rows the draft's output head keeps (stage 4).
+HEAD_VOCAB = 8192
 
 DRAFT = DraftShape()
 DATA = DataRecipe()
@@ -568,6 +580,74 @@ def save_draft(model, path: str, meta: dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def head_vocab(tokenizer, size: int, examples=()) -> list[int]:
+    """The ``size`` most frequent token ids of the standard library's training files
+    (prose and code documents) and of ``examples``' tokens, and every special token;
+    sorted."""
+    from osd.zoo.corpus import documents
+
+    counts = collections.Counter()
+    docs = documents("prose", "train") + documents("code", "train")
+    bar = _bar(len(docs), "head vocabulary", "doc")
+    for doc in docs:
+        counts.update(tokenizer(doc.text, add_special_tokens=False)["input_ids"])
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
+    for e in examples:
+        counts.update(e.tokens.tolist())
+    special = {int(i) for i in tokenizer.all_special_ids}
+    special |= {int(i) for i in tokenizer.convert_tokens_to_ids(
+        list(tokenizer.get_added_vocab()))}
+    keep = set(special)
+    for token, _ in counts.most_common():
+        if len(keep) >= size:
+            break
+        keep.add(int(token))
+    return sorted(keep)
+
+
+def write_head_vocab(path: str, ids: list[int] | None) -> None:
+    """``head_vocab.json`` in the checkpoint ``path`` (removed when ``ids`` is None)."""
+    from osd.models.loading import HEAD_VOCAB_FILE
+
+    file = os.path.join(path, HEAD_VOCAB_FILE)
+    if ids is None:
+        if os.path.exists(file):
+            os.remove(file)
+        return
+    with open(file + ".part", "w") as f:
+        json.dump(ids, f, separators=(",", ":"))
+    os.chmod(file + ".part", 0o644)
+    os.replace(file + ".part", file)
+
+
+def build_head_vocab_only(args) -> int:
+    """Write ``head_vocab.json`` into the draft at ``--out`` (with the cached teacher data
+    of the default recipe when present)."""
+    tokenizer = load_tokenizer(zoo_chat.fetch_target())
+    examples = []
+    data_file = _data_file(DATA)
+    if os.path.isfile(data_file):
+        examples = [Example(**e) for e in torch.load(data_file, weights_only=True)["examples"]]
+    ids = head_vocab(tokenizer, args.head_vocab, examples) if args.head_vocab else None
+    write_head_vocab(args.out, ids)
+    meta_file = os.path.join(args.out, "build.json")
+    if os.path.isfile(meta_file):
+        with open(meta_file) as f:
+            meta = json.load(f)
+        meta["head_vocab"] = args.head_vocab
+        meta["head_vocab_command"] = ("python scripts/build_chat_draft.py "
+                                      + " ".join(sys.argv[1:]))
+        with open(meta_file, "w") as f:
+            json.dump(meta, f, indent=2, sort_keys=True)
+            f.write("\n")
+    _log(f"{args.out}: head vocabulary " + (f"of {len(ids)} tokens ({len(examples)} teacher "
+                                             "examples counted)" if ids else "removed"))
+    return 0
+
+
 def build(args) -> int:
     wall0 = time.monotonic()
     deadline = wall0 + 60.0 * args.minutes
@@ -621,11 +701,14 @@ def build(args) -> int:
         "training": info, "heldout_initial": before, "heldout_final": final,
         "build_seconds": round(wall, 1), "reused_data": bool(args.reuse_data),
         "minutes_budget": args.minutes, "data_share": args.data_share,
-        "max_threads": args.threads,
+        "max_threads": args.threads, "head_vocab": args.head_vocab,
         "python": platform.python_version(), "torch": torch.__version__,
         "command": "python scripts/build_chat_draft.py " + " ".join(sys.argv[1:]),
     }
     save_draft(model, args.out, meta)
+    if args.head_vocab:
+        write_head_vocab(args.out, head_vocab(load_tokenizer(target_path), args.head_vocab,
+                                              examples))
     _log(f"wrote {args.out} in {wall:.0f} s: final loss {info['final_loss']}, held-out "
          f"overlap {final['overlap']}, greedy agreement {final['agree']}")
     return 0
@@ -648,6 +731,10 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2,
                         help="most torch CPU threads; the build switches between 1 and this "
                              "by measured pace (default 2); --measure uses exactly this")
+    parser.add_argument("--head-vocab", type=int, default=HEAD_VOCAB,
+                        help=f"rows the draft's output head keeps (default {HEAD_VOCAB}; 0: all)")
+    parser.add_argument("--head-vocab-only", action="store_true",
+                        help="only write head_vocab.json into the draft at --out")
     parser.add_argument("--measure", action="store_true",
                         help="measure the draft at --out instead of building")
     parser.add_argument("--shapes", action="store_true",
@@ -669,6 +756,8 @@ def main(argv=None) -> int:
     if args.measure:
         from chat_draft_measure import measure
         return measure(args)
+    if args.head_vocab_only:
+        return build_head_vocab_only(args)
     return build(args)
 
 

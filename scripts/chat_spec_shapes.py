@@ -1,5 +1,6 @@
 """Draft shapes on the chat pair, side by side: chains, static and dynamic trees, with and
-without prompt lookup in front, against plain decoding.
+without prompt lookup in front, with the draft's reduced head vocabulary and with its
+full head, against plain decoding.
 
 CPU, fp32, greedy, batch 1, HumanEval chat prompts (seed 11), each prompt served by every
 mode in turn (plain first); the second of two rounds is timed. Every speculative output
@@ -24,11 +25,15 @@ DYNAMIC = osd.DynamicTree(topk=3, depth=4, max_nodes=10)
 SHAPES = {
     "chain k=4, lookup": dict(num_draft_tokens=4, prompt_lookup=True),
     "chain k=4": dict(num_draft_tokens=4),
+    "chain k<=6 adaptive, lookup": dict(num_draft_tokens=6, prompt_lookup=True, adaptive=True),
+    "chain k<=6 auto, lookup": dict(num_draft_tokens=6, prompt_lookup=True, auto_k=True),
     "dynamic tree 3x4, 10 nodes": dict(tree=DYNAMIC),
     "static tree, 8 nodes": dict(tree=STATIC),
     "static tree, 8 nodes, lookup": dict(num_draft_tokens=4, prompt_lookup=True, tree=STATIC),
     "dynamic tree, lookup": dict(num_draft_tokens=4, prompt_lookup=True, tree=DYNAMIC),
 }
+# Shapes also run with the draft's full 49,152-row head (head_vocab.json ignored).
+FULL_HEAD = {"chain k=4, lookup", "chain k=4"}
 
 
 def main() -> None:
@@ -36,15 +41,24 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES),
+                        help="which shapes (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, draft = zoo.chat_pair()
     plain = osd.Engine.from_pretrained(target, max_batch_size=1, max_seq_len=1024)
     prompts = apply_chat_template(plain.tokenizer,
                                   humaneval.conversations(args.prompts, seed=11))
-    engines = {name: osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(**kw),
-                                                max_batch_size=1, max_seq_len=1024)
-               for name, kw in SHAPES.items()}
+    engines = {}
+    for name in args.shapes:
+        engines[name] = osd.Engine.from_pretrained(target, draft=draft,
+                                                   spec=osd.SpecConfig(**SHAPES[name]),
+                                                   max_batch_size=1, max_seq_len=1024)
+        if name in FULL_HEAD:
+            full = osd.load_model(draft, head_vocab=False)
+            engines[name + ", full head"] = osd.Engine(
+                plain.model, draft=[full], spec=osd.SpecConfig(**SHAPES[name]),
+                max_batch_size=1, max_seq_len=1024)
     params = osd.SamplingParams(max_new_tokens=args.new_tokens)
     seconds = dict.fromkeys(["plain", *engines], 0.0)
     tokens = dict.fromkeys(seconds, 0)

@@ -19,6 +19,12 @@ Forwards:
   sequences, differentiable (distillation of draft models).
 
 All accept ``skip_layers`` (a set of layer indices to bypass, for self-speculation).
+
+A draft may keep only some rows of its output head (:meth:`DecoderLM.restrict_head`, the
+reduced draft vocabulary of EAGLE-3): a small draft's head is most of its cost. Its
+logits still come back over the whole vocabulary, ``-inf`` outside the kept tokens, so
+that a proposal is an ordinary distribution the verifier can score; training asks for
+the kept columns only (``full_vocab=False``).
 """
 from __future__ import annotations
 
@@ -162,6 +168,8 @@ class DecoderLM(nn.Module):
                                                            self.device, dtype)
         self._inv_freq = rope_inv_freq(config)
         self._cos = self._sin = self._arange = torch.empty(0)
+        # [V_head] int64 vocabulary ids of the head's rows; None: the head covers every id.
+        self.register_buffer("head_ids", None)
 
     @property
     def device(self) -> torch.device:
@@ -174,6 +182,36 @@ class DecoderLM(nn.Module):
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    @property
+    def head_vocab_size(self) -> int:
+        """Rows of the output head (the vocabulary size unless :meth:`restrict_head`)."""
+        return self.lm_head.weight.shape[0]
+
+    def restrict_head(self, token_ids) -> "DecoderLM":
+        """Keep only the output head's rows of ``token_ids`` (distinct ids in
+        ``[0, vocab_size)``), in that order; the head stops being tied to the embedding.
+        Logits outside those tokens are ``-inf`` from then on. Returns ``self``."""
+        ids = torch.as_tensor(token_ids, dtype=torch.int64).flatten().cpu()
+        V = self.vocab_size
+        if ids.numel() == 0:
+            raise ValueError("restrict_head needs at least one token id")
+        if int(ids.min()) < 0 or int(ids.max()) >= V:
+            raise ValueError(f"head token ids must lie in [0, {V}), got "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
+        if ids.unique().numel() != ids.numel():
+            raise ValueError("head token ids must be distinct")
+        if self.head_ids is not None:
+            raise ValueError("the head is already restricted")
+        old = self.lm_head.weight.detach()
+        head = nn.Linear(self.config.hidden_size, ids.numel(), bias=False, device=self.device,
+                         dtype=self.dtype)
+        with torch.no_grad():
+            head.weight.copy_(old.index_select(0, ids.to(self.device)))
+        head.weight.requires_grad_(old.requires_grad or self.embed_tokens.weight.requires_grad)
+        self.lm_head = head
+        self.head_ids = ids.to(self.device)
+        return self
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         """Fresh weights: normal(0, std) matrices and embeddings, zero biases, unit norms."""
@@ -313,7 +351,7 @@ class DecoderLM(nn.Module):
 
     def forward_train(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                       *, skip_layers: frozenset[int] = frozenset(),
-                      rows: torch.Tensor | None = None) -> torch.Tensor:
+                      rows: torch.Tensor | None = None, full_vocab: bool = True) -> torch.Tensor:
         """Cacheless causal forward over whole sequences; supports autograd.
 
         Args:
@@ -324,6 +362,8 @@ class DecoderLM(nn.Module):
             rows: ``[M]`` int64 indices into the ``N * T`` flattened positions, or None.
                 Given, the output head runs on those rows only: a small draft's head is
                 most of its cost, and training needs logits only where a target is.
+            full_vocab: False returns a restricted head's own columns (``V_head``, in the
+                order of ``head_ids``) instead of ``V`` with ``-inf`` outside them.
 
         Returns:
             ``[N, T, V]`` float32 logits, or ``[M, V]`` with ``rows``.
@@ -346,12 +386,17 @@ class DecoderLM(nn.Module):
             x = layer.finish(x, causal_attention(q, k, v, key_mask, scale=self.scale))
         if rows is not None:
             x = x.reshape(N * T, x.shape[-1]).index_select(0, rows)
-        return self._logits(x, None)
+        return self._logits(x, None, full_vocab)
 
-    def _logits(self, x: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, logits_index: torch.Tensor | None,
+                full_vocab: bool = True) -> torch.Tensor:
         if logits_index is not None:
             x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
-        return decode_linear(x, self.lm_head.weight, **self.norm.fused()).float()
+        y = decode_linear(x, self.lm_head.weight, **self.norm.fused()).float()
+        if self.head_ids is None or not full_vocab:
+            return y
+        out = y.new_full((*y.shape[:-1], self.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.head_ids, y)
 
 
 def without_layers(model: DecoderLM, skip: frozenset[int]) -> DecoderLM:

@@ -60,11 +60,20 @@ def is_transformers_model(obj) -> bool:
     return isinstance(obj, nn.Module) and hasattr(getattr(obj, "config", None), "to_dict")
 
 
+# A checkpoint's reduced head vocabulary (see load_model).
+HEAD_VOCAB_FILE = "head_vocab.json"
+
+
 def load_model(source, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               attention_backend: str = "auto") -> DecoderLM:
+               attention_backend: str = "auto", head_vocab: bool = True) -> DecoderLM:
     """Build a :class:`DecoderLM` from ``source``: a checkpoint directory or GGUF file
     (str / PathLike) or an in-memory transformers ``*ForCausalLM`` model. Weights are
-    converted (GGUF: dequantized) to ``dtype`` and placed on ``device``."""
+    converted (GGUF: dequantized) to ``dtype`` and placed on ``device``.
+
+    A checkpoint directory may hold :data:`HEAD_VOCAB_FILE`, a JSON list of token ids: with
+    ``head_vocab`` (the default) the model keeps only those rows of its output head
+    (:meth:`DecoderLM.restrict_head`, a draft's reduced vocabulary). Other loaders, such
+    as transformers, ignore the file and see the full head."""
     device = resolve_device(device)
     check_dtype(dtype)
     gguf_file = _gguf_source(source)
@@ -91,7 +100,26 @@ def load_model(source, *, device: torch.device | str = "cpu", dtype: torch.dtype
                         f"{type(source).__name__}")
     model = DecoderLM(config, device=device, dtype=dtype)
     load_hf_state_dict(model, keys, getter)
+    if head_vocab and isinstance(source, (str, os.PathLike)):
+        ids = read_head_vocab(checkpoint_dir(source))
+        if ids is not None:
+            model.restrict_head(ids)
     return model.eval()
+
+
+def read_head_vocab(path: Path) -> list[int] | None:
+    """The token ids of ``path / HEAD_VOCAB_FILE``, or None when the file is absent."""
+    file = path / HEAD_VOCAB_FILE
+    if not file.is_file():
+        return None
+    try:
+        ids = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"corrupt {HEAD_VOCAB_FILE} in {str(path)!r}: {exc}") from None
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise ValueError(f"corrupt {HEAD_VOCAB_FILE} in {str(path)!r}: expected a JSON list "
+                         "of token ids")
+    return ids
 
 
 def _gguf_source(source) -> Path | None:

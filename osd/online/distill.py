@@ -3,6 +3,9 @@
 The draft's logits at index ``t - 1`` predict token ``t``, so a stored target
 distribution for position ``t`` is matched against the draft's logits at ``t - 1`` (the
 shift that OSD's released online loss misses).
+
+A draft with a restricted head (``DecoderLM.restrict_head``) trains on its own columns:
+:func:`build_batch` maps the targets into them (:func:`to_head_vocab`).
 """
 from __future__ import annotations
 
@@ -20,17 +23,19 @@ class TrainBatch:
     input_ids: torch.Tensor          # [N, T] int64, right-padded with 0
     attention_mask: torch.Tensor     # [N, T] bool, True on real tokens
     rows: torch.Tensor               # [M] int64 into the [N * T] flattened positions
-    topk_ids: torch.Tensor | None    # [M, k] int64
+    topk_ids: torch.Tensor | None    # [M, k] int64 (columns of the draft's head)
     topk_probs: torch.Tensor | None  # [M, k] float32
-    target_logits: torch.Tensor | None  # [M, V] float32
+    target_logits: torch.Tensor | None  # [M, V_head] float32
 
     @property
     def num_positions(self) -> int:
         return int(self.rows.numel())
 
 
-def build_batch(examples: list[Example], max_len: int, device) -> TrainBatch:
-    """Pack ``examples`` (each cut to its newest ``max_len`` tokens) into one batch."""
+def build_batch(examples: list[Example], max_len: int, device,
+                head_ids: torch.Tensor | None = None) -> TrainBatch:
+    """Pack ``examples`` (each cut to its newest ``max_len`` tokens) into one batch, the
+    targets in the columns of a head restricted to ``head_ids [V_head]`` when given."""
     if not examples:
         raise ValueError("build_batch needs at least one example")
     cut = []
@@ -54,19 +59,52 @@ def build_batch(examples: list[Example], max_len: int, device) -> TrainBatch:
         else:
             logits.append(ex.logits[keep])
     as_dev = dict(device=device)
+    tk_ids = torch.cat(tk_ids).long() if tk_ids else None
+    tk_p = torch.cat(tk_p).float() if tk_p else None
+    logits = torch.cat(logits).float() if logits else None
+    if head_ids is not None:
+        tk_ids, tk_p, logits = to_head_vocab(head_ids.cpu(), tk_ids, tk_p, logits)
     return TrainBatch(
         input_ids=ids.to(**as_dev), attention_mask=mask.to(**as_dev),
         rows=torch.cat(rows).to(**as_dev),
-        topk_ids=torch.cat(tk_ids).long().to(**as_dev) if tk_ids else None,
-        topk_probs=torch.cat(tk_p).float().to(**as_dev) if tk_p else None,
-        target_logits=torch.cat(logits).float().to(**as_dev) if logits else None,
+        topk_ids=None if tk_ids is None else tk_ids.to(**as_dev),
+        topk_probs=None if tk_p is None else tk_p.to(**as_dev),
+        target_logits=None if logits is None else logits.to(**as_dev),
     )
 
 
+def to_head_vocab(head_ids: torch.Tensor, topk_ids: torch.Tensor | None,
+                  topk_probs: torch.Tensor | None, logits: torch.Tensor | None):
+    """Targets over the vocabulary -> over the columns of a head that keeps ``head_ids``.
+
+    Full logits ``[M, V]`` keep their ``head_ids`` columns (softmax renormalises over
+    them). Top-k targets ``[M, k]`` keep the ids the head has, as column indices; an id
+    it lacks keeps its place with probability 0 and a spare column index that is not
+    among the row's kept ones (``distill_loss`` wants distinct ids), so its target mass
+    joins the leftover bucket. Needs ``V_head >= 2k``.
+    """
+    if logits is not None:
+        return None, None, logits.index_select(1, head_ids)
+    k = topk_ids.shape[1]
+    if head_ids.numel() < 2 * k:
+        raise ValueError(f"a head of {head_ids.numel()} tokens is too small for top-{k} targets")
+    column = torch.full((int(head_ids.max()) + 1,), -1, dtype=torch.int64)
+    column[head_ids] = torch.arange(head_ids.numel())
+    local = torch.where(topk_ids < column.numel(), column[topk_ids.clamp(max=column.numel() - 1)],
+                        torch.full_like(topk_ids, -1))                        # [M, k]
+    absent = local < 0
+    spares = head_ids.numel() - 1 - torch.arange(2 * k)                       # [2k]
+    taken = (spares[None, :, None] == local[:, None, :]).any(-1)              # [M, 2k]
+    free = spares[torch.argsort(taken.to(torch.int8), dim=1, stable=True)]    # free ones first
+    nth = (absent.cumsum(1) - 1).clamp(min=0)                                 # [M, k]
+    local = torch.where(absent, free.gather(1, nth), local)
+    return local, topk_probs.masked_fill(absent, 0.0), None
+
+
 def draft_logits(model, batch: TrainBatch) -> torch.Tensor:
-    """The draft's logits ``[M, V]`` at the batch's target rows (differentiable)."""
+    """The draft's logits ``[M, V_head]`` at the batch's target rows (differentiable)."""
     return model.forward_train(batch.input_ids, attention_mask=batch.attention_mask,
-                               rows=batch.rows)
+                               rows=batch.rows, full_vocab=False)
 
 
 def overlap(logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
@@ -89,7 +127,7 @@ def heldout_alpha(model, examples: list[Example], max_len: int, device) -> float
     examples = [ex for ex in examples if ex.num_positions > 0]
     if not examples:
         return None
-    batch = build_batch(examples, max_len, device)
+    batch = build_batch(examples, max_len, device, model.head_ids)
     if batch.num_positions == 0:
         return None
     return float(overlap(draft_logits(model, batch), batch).mean())

@@ -83,7 +83,7 @@ class GraphedTrainStep:
 
     def _body(self, s) -> torch.Tensor:
         logits = self.model.forward_train(s["input_ids"], attention_mask=s["attention_mask"],
-                                          rows=s["rows"])
+                                          rows=s["rows"], full_vocab=False)
         target = ((s["topk_ids"], s["topk_probs"]) if "topk_ids" in s else s["target_logits"])
         loss = osd_kernels.distill_loss(logits, target, loss=self.config.loss,
                                         beta=self.config.beta, mask=s["row_mask"])

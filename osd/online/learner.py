@@ -428,7 +428,7 @@ class OnlineLearner:
         self.model.eval()
         alpha_before = heldout_alpha(self.model, holdout, cfg.max_train_len, self.device)
         self.model.train()
-        batch = build_batch(examples, cfg.max_train_len, self.device)
+        batch = build_batch(examples, cfg.max_train_len, self.device, self.model.head_ids)
         losses = []
         for _ in range(cfg.steps_per_update):
             losses.append(self._step(batch))

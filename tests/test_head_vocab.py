@@ -1,0 +1,151 @@
+"""A draft with a reduced head vocabulary (``DecoderLM.restrict_head``): its logits are
+the full head's at the kept tokens and -inf elsewhere; speculative decoding with it stays
+lossless (greedy equal to plain, sampled joint equal to the target's); it learns online
+on its own columns; checkpoints carry the vocabulary in ``head_vocab.json``."""
+import json
+
+import pytest
+import torch
+
+import osd
+from osd.models.loading import HEAD_VOCAB_FILE, load_model
+from osd.online.distill import to_head_vocab
+from osd.spec import DynamicTree
+from tests.test_models import VOCAB, tiny_hf_model
+from tests.test_speculative import (V_SMALL, _chi2, _exact_joint, _small_pair, perturbed,
+                                    prompts_of)
+
+
+def _kept(vocab: int, n: int, seed: int) -> torch.Tensor:
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:n]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_hf_model("llama", seed=91)
+    return target, perturbed(target, 0.3, seed=92)
+
+
+def test_logits_are_the_full_heads_at_kept_tokens(pair):
+    full = load_model(pair[1])
+    ids = _kept(VOCAB, 50, seed=1)
+    cut = load_model(pair[1]).restrict_head(ids)
+    assert cut.head_vocab_size == 50 and full.head_vocab_size == VOCAB
+    x = torch.tensor(prompts_of([9, 9], seed=2))
+    out = {}
+    for name, m in (("full", full), ("cut", cut)):
+        cache = m.new_cache(2, 32)
+        out[name] = m.prefill(x, cache, torch.tensor([9, 6], dtype=torch.int32))
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isinf(out["cut"][..., outside]).all() and (out["cut"][..., outside] < 0).all()
+    torch.testing.assert_close(out["cut"][..., ids], out["full"][..., ids])
+    train = cut.forward_train(x, rows=torch.tensor([0, 3, 11]), full_vocab=False)   # [3, 50]
+    ref = full.forward_train(x).reshape(18, VOCAB)[[0, 3, 11]][:, ids]
+    torch.testing.assert_close(train, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_restrict_head_refuses_bad_ids(pair):
+    m = load_model(pair[1])
+    for ids, msg in (([], "at least one"), ([0, VOCAB], "must lie in"), ([3, 3], "distinct")):
+        with pytest.raises(ValueError, match=msg):
+            m.restrict_head(ids)
+    m.restrict_head([1, 2, 3])
+    with pytest.raises(ValueError, match="already restricted"):
+        m.restrict_head([4])
+
+
+def _engine(target, draft, **kw):
+    kw.setdefault("max_batch_size", 4)
+    kw.setdefault("max_seq_len", 96)
+    return osd.Engine(load_model(target), draft=draft, **kw)
+
+
+@pytest.mark.parametrize("spec", [dict(num_draft_tokens=4),
+                                  dict(tree=DynamicTree(topk=3, depth=3, max_nodes=8)),
+                                  dict(num_draft_tokens=3, prompt_lookup=True)],
+                         ids=["chain", "dyntree", "lookup"])
+def test_greedy_equals_plain(pair, spec):
+    prompts = prompts_of([5, 12, 8], seed=3)
+    prompts[0] = prompts[0] * 3
+    ref = _engine(pair[0], None).generate(prompts, osd.SamplingParams(24))
+    # Half the vocabulary kept, the target's own argmax tokens not always among them.
+    draft = load_model(pair[1]).restrict_head(_kept(VOCAB, VOCAB // 2, seed=4))
+    eng = _engine(pair[0], [draft], spec=osd.SpecConfig(**spec))
+    outs = eng.generate(prompts, osd.SamplingParams(24))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert 0 < eng.stats["accepted"] < eng.stats["drafted"]
+
+
+def test_sampled_joint_follows_target():
+    """First three tokens of 50,000 requests, the draft proposing from 9 of 16 tokens:
+    chi-square p > 1e-3 against the warped target's exact joint."""
+    target, draft = _small_pair()
+    prompt = [3, 1, 4, 1]
+    sp = osd.SamplingParams(3, seed=99, temperature=0.8, top_k=0, top_p=0.95)
+    small = load_model(draft).restrict_head(_kept(V_SMALL, 9, seed=5))
+    eng = osd.Engine(load_model(target), draft=[small], spec=osd.SpecConfig(num_draft_tokens=2),
+                     max_batch_size=4096, max_seq_len=16)
+    outs = eng.generate([prompt] * 50_000, sp)
+    codes = torch.tensor([o.token_ids[0] * V_SMALL ** 2 + o.token_ids[1] * V_SMALL
+                          + o.token_ids[2] for o in outs])
+    counts = torch.bincount(codes, minlength=V_SMALL ** 3).double()
+    expected = _exact_joint(target, prompt, sp).double()
+    assert counts[expected == 0].sum() == 0
+    assert _chi2(counts, expected).pvalue > 1e-3
+    assert 0 < eng.stats["accepted"] < eng.stats["drafted"]
+
+
+def test_targets_map_into_the_heads_columns():
+    head = torch.tensor([7, 2, 9, 4, 11, 0, 5, 13])          # column c holds token head[c]
+    ids = torch.tensor([[2, 3, 13, 6], [0, 9, 1, 8], [4, 7, 2, 5]])
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.5, 0.2, 0.2, 0.1], [0.3, 0.3, 0.2, 0.2]])
+    cols, p, none = to_head_vocab(head, ids, probs, None)
+    assert none is None
+    present = torch.isin(ids, head)
+    torch.testing.assert_close(p, probs * present)
+    column = {int(t): c for c, t in enumerate(head.tolist())}
+    for r in range(3):
+        assert len(set(cols[r].tolist())) == 4                # distinct, as distill_loss needs
+        for j in range(4):
+            if present[r, j]:
+                assert int(cols[r, j]) == column[int(ids[r, j])]
+    logits = torch.randn(3, 16)
+    assert torch.equal(to_head_vocab(head, None, None, logits)[2], logits[:, head])
+    with pytest.raises(ValueError, match="too small"):
+        to_head_vocab(head[:5], ids, probs, None)
+
+
+@pytest.mark.parametrize("topk", [8, None], ids=["topk", "logits"])
+def test_learns_online_on_its_columns(pair, topk):
+    draft = load_model(pair[1]).restrict_head(_kept(VOCAB, 100, seed=6))
+    head_ids = draft.head_ids.clone()
+    online = osd.OnlineConfig(update_every_requests=2, steps_per_update=2, lr=3e-3,
+                              background=False, holdout_every=4, guard_tolerance=1.0, topk=topk)
+    eng = _engine(pair[0], [draft], spec=osd.SpecConfig(num_draft_tokens=4), online=online)
+    prompts = prompts_of([6, 9, 4, 7] * 3, seed=7)
+    ref = _engine(pair[0], None).generate(prompts, osd.SamplingParams(20))
+    before = draft.lm_head.weight.detach().clone()
+    outs = []
+    for i in range(0, len(prompts), 4):
+        outs += eng.generate(prompts[i:i + 4], osd.SamplingParams(20))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert eng.stats["online"]["updates_applied"] >= 2
+    serving = eng.speculators[0].drafter.model
+    assert torch.equal(serving.head_ids, head_ids)
+    assert not torch.equal(serving.lm_head.weight, before)
+
+
+def test_checkpoint_carries_the_head_vocab(pair, tmp_path):
+    pair[1].save_pretrained(tmp_path)
+    assert load_model(tmp_path).head_vocab_size == VOCAB
+    ids = sorted(_kept(VOCAB, 40, seed=8).tolist())
+    (tmp_path / HEAD_VOCAB_FILE).write_text(json.dumps(ids))
+    m = load_model(tmp_path)
+    assert m.head_ids.tolist() == ids
+    assert load_model(tmp_path, head_vocab=False).head_vocab_size == VOCAB
+    eng = osd.Engine.from_pretrained(pair[0], draft=str(tmp_path), max_seq_len=64)
+    assert eng.speculators[0].drafter.model.head_vocab_size == 40
+    (tmp_path / HEAD_VOCAB_FILE).write_text('{"ids": 1}')
+    with pytest.raises(ValueError, match=HEAD_VOCAB_FILE):
+        load_model(tmp_path)
