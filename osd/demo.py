@@ -73,12 +73,12 @@ class DemoConfig:
 def online_recipe(pair: str) -> osd.OnlineConfig:
     """The online-learning settings the demo (and ``bench/bench_chat.py``) use per pair.
 
-    For the chat pair the learner's CPU time is the limit (the draft's 49,152-row output
-    head is most of a training step), so it spends it where drafting happens: on the
-    responses only (``prompt_positions=0``; prompt lookup covers text copied from the
-    prompt), on small batches that rehearse older requests next to the newest
-    (``replay_fraction``), so that a task asked again much later is drafted from what was
-    learned the first time. ``docs/chat_draft.md`` has the measurements behind it.
+    For the chat pair the learner's CPU time is the limit (it has one core beside
+    serving), so it spends it where drafting happens: on the responses only
+    (``prompt_positions=0``; prompt lookup covers text copied from the prompt), on small
+    batches that rehearse older requests next to the newest (``replay_fraction``), so that
+    a task asked again much later is drafted from what was learned the first time.
+    ``docs/chat_draft.md`` has the measurements behind it.
     """
     if pair == "chat":
         return osd.OnlineConfig(update_every_requests=8, steps_per_update=8, lr=5e-4,

@@ -6,7 +6,7 @@
     python scripts/build_chat_draft.py --measure          # c, alpha, tau, tokens/s (docs/chat_draft.md)
     python scripts/build_chat_draft.py --shapes           # decode latency of candidate shapes
 
-The build has three stages, each with a progress bar:
+The build has four stages, each with a progress bar:
 
 1. Prompts. Chat requests made from text that ships with Python: functions of the
    standard library's *training* files (``osd.zoo.corpus``; held-out files are kept for
@@ -25,7 +25,6 @@ The build has three stages, each with a progress bar:
    leftover mass as an "other" bucket): AdamW, linear warm-up, cosine decay. The number
    of steps is planned from the measured step time so that the whole build fits
    ``--minutes``.
-
 4. Head vocabulary. The draft's output head is the embedding (tied), 49,152 rows of its
    cost. ``head_vocab.json`` lists the :data:`HEAD_VOCAB` most frequent target tokens in
    the standard library's training files and the teacher data, plus every special token:

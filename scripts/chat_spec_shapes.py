@@ -7,6 +7,9 @@ mode in turn (plain first); the second of two rounds is timed. Every speculative
 is asserted equal to plain greedy decoding.
 
     .venv/bin/python scripts/chat_spec_shapes.py --prompts 4 --new-tokens 128 --threads 2
+
+``--head-sizes N ...`` also runs the first shape with heads of the N most frequent tokens
+(``build_chat_draft.head_vocab``, the recipe of the shipped ``head_vocab.json``).
 """
 from __future__ import annotations
 
@@ -43,6 +46,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES),
                         help="which shapes (default: all)")
+    parser.add_argument("--head-sizes", type=int, nargs="*", default=[],
+                        help="head vocabulary sizes to run the first shape with as well")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, draft = zoo.chat_pair()
@@ -59,9 +64,19 @@ def main() -> None:
             engines[name + ", full head"] = osd.Engine(
                 plain.model, draft=[full], spec=osd.SpecConfig(**SHAPES[name]),
                 max_batch_size=1, max_seq_len=1024)
+    for size in args.head_sizes:
+        from build_chat_draft import head_vocab
+
+        name = args.shapes[0]
+        model = osd.load_model(draft, head_vocab=False).restrict_head(
+            head_vocab(plain.tokenizer, size))
+        engines[f"{name}, head {size}"] = osd.Engine(
+            plain.model, draft=[model], spec=osd.SpecConfig(**SHAPES[name]),
+            max_batch_size=1, max_seq_len=1024)
     params = osd.SamplingParams(max_new_tokens=args.new_tokens)
     seconds = dict.fromkeys(["plain", *engines], 0.0)
     tokens = dict.fromkeys(seconds, 0)
+    plain_ids = []  # every token plain greedy decoding emitted (timed round)
     for rnd in range(2):
         for i, prompt in enumerate(prompts):
             ref = None
@@ -75,13 +90,26 @@ def main() -> None:
                 if rnd == 1:
                     seconds[name] += dt
                     tokens[name] += len(out.token_ids)
+                    if name == "plain":
+                        plain_ids += out.token_ids
             print(f"round {rnd + 1}, prompt {i + 1}/{len(prompts)} done", flush=True)
-    print("| decoding | tokens/s | vs plain | tokens per target forward |")
-    print("|---|---|---|---|")
+    print("| decoding | tokens/s | vs plain | tokens per target forward | draft head: rows, "
+          "share of plain's tokens in it |")
+    print("|---|---|---|---|---|")
+    emitted = torch.tensor(plain_ids)
     for name in seconds:
         tau = "1" if name == "plain" else f"{engines[name].stats['mean_accepted_length']:.2f}"
+        head = "-" if name == "plain" else head_coverage(engines[name].draft, emitted)
         print(f"| {name} | {tokens[name] / seconds[name]:.1f} | "
-              f"{seconds['plain'] / seconds[name]:.2f}x | {tau} |")
+              f"{seconds['plain'] / seconds[name]:.2f}x | {tau} | {head} |")
+
+
+def head_coverage(draft: osd.DecoderLM, emitted: torch.Tensor) -> str:
+    """The draft's head rows and the share of ``emitted`` token ids it can propose."""
+    if draft.head_ids is None:
+        return f"{draft.head_vocab_size}, 100%"
+    share = torch.isin(emitted, draft.head_ids.cpu()).float().mean()
+    return f"{draft.head_vocab_size}, {100 * float(share):.1f}%"
 
 
 if __name__ == "__main__":

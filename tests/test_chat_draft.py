@@ -39,15 +39,27 @@ def test_checkpoint_files():
 
 
 def test_osd_matches_transformers():
-    """osd's cacheless forward of the draft equals transformers' on the same checkpoint."""
+    """osd's cacheless forward of the draft equals transformers' on the same checkpoint:
+    everywhere with the full head, at the kept tokens (``-inf`` elsewhere) with the
+    shipped reduced head (``head_vocab.json``, which transformers ignores)."""
     from transformers import LlamaForCausalLM
 
     ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]])
-    ours = load_model(DRAFT_DIR).forward_train(ids)
     hf = LlamaForCausalLM.from_pretrained(DRAFT_DIR, dtype=torch.float32).eval()
     with torch.no_grad():
-        theirs = hf(ids).logits
-    torch.testing.assert_close(ours, theirs.float(), atol=1e-3, rtol=1e-4)
+        theirs = hf(ids).logits.float()
+    full = load_model(DRAFT_DIR, head_vocab=False).forward_train(ids)
+    torch.testing.assert_close(full, theirs, atol=1e-3, rtol=1e-4)
+    reduced = load_model(DRAFT_DIR)
+    with open(os.path.join(DRAFT_DIR, "head_vocab.json")) as f:
+        kept = torch.tensor(json.load(f))
+    assert reduced.head_vocab_size == kept.numel() < reduced.vocab_size
+    assert torch.equal(reduced.head_ids, kept)
+    logits = reduced.forward_train(ids)
+    torch.testing.assert_close(logits[..., kept], theirs[..., kept], atol=1e-3, rtol=1e-4)
+    outside = torch.ones(reduced.vocab_size, dtype=torch.bool)
+    outside[kept] = False
+    assert torch.isneginf(logits[..., outside]).all()
 
 
 @needs_target
