@@ -9,7 +9,7 @@ from osd.cache import KVCache
 from osd.async_engine import AsyncEngine
 from osd.engine import Engine
 from osd.request import RequestError
-from osd.models import DecoderLM, ModelConfig, load_model
+from osd.models import DecoderLM, EagleLM, ModelConfig, load_eagle, load_model
 from osd.online.config import OnlineConfig
 from osd.online.router import RouterConfig
 from osd.sampling import Output, SamplingParams
@@ -29,5 +29,7 @@ __all__ = [
     "DecoderLM",
     "ModelConfig",
     "load_model",
+    "EagleLM",
+    "load_eagle",
     "zoo",
 ]

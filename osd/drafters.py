@@ -3,15 +3,18 @@
 Every drafter has one protocol, which is all the speculative step (``osd.speculative``)
 uses:
 
-- ``prefill(prompts, start_row, first_tokens)``, ``move_row(src, dst)``, ``reset()``:
-  mirror the engine's cache rows;
+- ``prefill(prompts, start_row, first_tokens, hidden=None)``, ``move_row(src, dst)``,
+  ``reset()``: mirror the engine's cache rows;
 - ``propose(active, roots, params, seed, offset, k=..., tree=..., stopper=...)``: a
   :class:`ChainProposal` (``k`` tokens per row) or a :class:`TreeProposal` (``tree``);
-- ``after_verify(B, tokens, lengths, max_len, committed_lens, bound)``: the verdict
-  (``tokens[:, :lengths]`` emitted per row) so the drafter can catch up;
-  ``catch_up(B, tokens, lengths, max_len)`` after a step it did not draft for (a chain
-  length of 0);
-- ``model`` (the draft model, or None) and ``use_graphs(graphs)``.
+- ``after_verify(B, tokens, lengths, max_len, committed_lens, bound, hidden=None)``: the
+  verdict (``tokens[:, :lengths]`` emitted per row) so the drafter can catch up;
+  ``catch_up(B, tokens, lengths, max_len, hidden=None)`` after a step it did not draft
+  for (a chain length of 0);
+- ``model`` (the draft model, or None), ``use_graphs(graphs)`` and ``needs_hidden``:
+  when True, the target's features (last layer before the final norm) are passed as
+  ``hidden``: ``[n, T, H]`` of the prompts to ``prefill``, ``[B, T, H]`` of the verify
+  forward to ``after_verify`` and ``catch_up``.
 
 The drafters:
 
@@ -22,6 +25,8 @@ The drafters:
   earlier occurrence of the context's suffix. Its proposals are point masses (one-hot q).
 - :class:`LookupDrafter` puts prompt lookup in front of a model drafter: lookup when
   every row has a match (no draft forward), the model otherwise.
+- :class:`EagleDrafter` runs an EAGLE draft (``osd.models.eagle``), which drafts from the
+  target's features.
 
 Draft-cache invariant (model drafters): the cache holds the K/V of the committed tokens
 ``seq[:lens[b]]``; the tokens after that (the accepted drafts and the newly emitted token
@@ -91,6 +96,7 @@ class ModelDrafter:
     """
 
     has_model = True
+    needs_hidden = False
     # Most pending tokens (steps drafted by prompt lookup) before they are fed (<= 72).
     PENDING_LIMIT = 24
 
@@ -123,11 +129,12 @@ class ModelDrafter:
         return self.propose_chain(B, k, params, seed, offset, stopper)
 
     def after_verify(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
-                     committed_lens: torch.Tensor, bound: int) -> None:
+                     committed_lens: torch.Tensor, bound: int, hidden=None) -> None:
         """The step's verdict: :meth:`set_pending`."""
         self.set_pending(B, tokens, lengths, max_len, committed_lens, bound)
 
-    def catch_up(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int) -> None:
+    def catch_up(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
+                 hidden=None) -> None:
         """The verdict of a step this drafter did not draft for: :meth:`queue`."""
         self.queue(B, tokens, lengths, max_len)
 
@@ -137,7 +144,8 @@ class ModelDrafter:
         self._pending_len.zero_()
         self._pending_max = 0
 
-    def prefill(self, prompts: list[list[int]], start_row: int, first_tokens: torch.Tensor) -> None:
+    def prefill(self, prompts: list[list[int]], start_row: int, first_tokens: torch.Tensor,
+                hidden=None) -> None:
         """Run ``prompts`` into rows ``start_row ..``; ``first_tokens [n]`` become pending."""
         n, longest = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(n, longest, dtype=torch.int64)
@@ -159,7 +167,7 @@ class ModelDrafter:
         self._pending_len[dst] = self._pending_len[src]
 
     def set_pending(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
-                    committed_lens: torch.Tensor, bound: int) -> None:
+                    committed_lens: torch.Tensor, bound: int, hidden=None) -> None:
         """After a verify step: rows ``< B`` keep ``committed_lens`` cached tokens (the
         target's pre-step length + 1: everything up to the old root) and queue
         ``tokens[:, :lengths]`` (the accepted drafts and the emitted token); drafts written
@@ -168,10 +176,13 @@ class ModelDrafter:
         self.cache.set_bound(min(bound, self.cache.capacity))
         width = tokens.shape[1]
         self._pending[:B, :width] = tokens.clamp(min=0)
+        if hidden is not None:                 # an EAGLE draft's features, token by token
+            self._pending_feat[:B, :width] = hidden[:, :width]
         self._pending_len[:B] = lengths
         self._pending_max = max_len
 
-    def queue(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int) -> None:
+    def queue(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
+              hidden=None) -> None:
         """After a verify step the draft did not draft for (prompt lookup): append
         ``tokens[:, :lengths]`` to the rows' pending tokens; the cache is unchanged. When
         the pending tokens would pass :attr:`PENDING_LIMIT`, they are fed first."""
@@ -185,6 +196,8 @@ class ModelDrafter:
         rows = torch.arange(B, device=self.device)[:, None].expand(B, width)
         cols = self._pending_len[:B, None] + j
         self._pending[rows[valid], cols[valid]] = tokens.clamp(min=0)[valid]
+        if hidden is not None:
+            self._pending_feat[rows[valid], cols[valid]] = hidden[:, :width][valid]
         self._pending_len[:B] += lengths
         self._pending_max += max_len        # an upper bound of the rows' pending lengths
 
@@ -254,9 +267,14 @@ class ModelDrafter:
                 if not bool(active.any()):
                     break
             if i + 1 < k:
-                logits = self._forward(x[:, None])[:, 0]
-                self.cache.commit(self._one[:B], 1)
+                logits = self._advance(x, B)
         return toks, probs, raw, num
+
+    def _advance(self, x: torch.Tensor, B: int) -> torch.Tensor:
+        """Feed the drafted tokens ``x [B]``; the draft's logits after them ``[B, V]``."""
+        logits = self._forward(x[:, None])[:, 0]
+        self.cache.commit(self._one[:B], 1)
+        return logits
 
     def _chain_graphed(self, B: int, k: int, params: SamplingParams | BatchParams,
                       seed: torch.Tensor,
@@ -386,6 +404,102 @@ class ModelDrafter:
                             mask_from_parents(new_par), tree.depth)
 
 
+class EagleDrafter(ModelDrafter):
+    """An EAGLE draft (:class:`~osd.models.eagle.EagleLM`): chains drafted from the target's
+    features.
+
+    Draft position ``j`` of a row holds ``(f_j, x_{j+1})``: the target's feature at
+    position ``j`` and the token after it. The row's cache holds the committed pairs; the
+    pending pairs are the tokens emitted since (accepted drafts, the new root) with the
+    target features the verify forward produced just before each of them, so that
+    ``lens + pending = target lens``. In the chain loop the draft feeds back its own
+    predicted feature. The verify forward's features replace the predicted ones at the next
+    step, so drafting errors never accumulate across steps. The chain loop runs eagerly
+    (no CUDA graph).
+    """
+
+    needs_hidden = True
+
+    def __init__(self, model: DecoderLM, max_batch_size: int, capacity: int):
+        super().__init__(model, max_batch_size, capacity)
+        self._pending_feat = torch.zeros(max_batch_size, self._pending.shape[1],
+                                         model.config.hidden_size, dtype=model.dtype,
+                                         device=self.device)
+        self._feat: torch.Tensor | None = None    # [B, 1, H] the last predicted feature
+
+    def use_graphs(self, graphs: StepGraphs | None) -> None:
+        self.graphs = None
+
+    def propose(self, active, roots, params, seed, offset, *, k: int = 0, tree=None,
+                stopper=None):
+        if tree is not None:
+            raise ValueError("an EAGLE draft proposes chains, not trees")
+        return self.propose_chain(len(active), k, params, seed, offset, stopper)
+
+    @staticmethod
+    def _need(hidden):
+        if hidden is None:
+            raise ValueError("an EAGLE drafter needs the target's features (hidden=...)")
+        return hidden
+
+    def prefill(self, prompts: list[list[int]], start_row: int, first_tokens: torch.Tensor,
+                hidden=None) -> None:
+        """Rows ``start_row ..`` get the pairs ``(f_j, prompt[j + 1])``; the pair of the last
+        prompt feature and ``first_tokens [n]`` becomes pending. ``hidden [n, T, H]``: the
+        target's features at the prompts' positions."""
+        hidden = self._need(hidden)
+        n = len(prompts)
+        dev = self.device
+        lens = [len(p) - 1 for p in prompts]
+        longest = max(lens)
+        rows = self.cache.rows(start_row, n)
+        rows.reset()
+        if longest > 0:
+            ids = torch.zeros(n, longest, dtype=torch.int64)
+            for b, p in enumerate(prompts):
+                ids[b, :lens[b]] = torch.tensor(p[1:], dtype=torch.int64)
+            zero = torch.zeros(n, 1, dtype=torch.int64, device=dev)
+            self.model.prefill(ids.to(dev), rows, torch.tensor(lens, dtype=torch.int32, device=dev),
+                               features=hidden[:, :longest], logits_index=zero)
+            self.cache.set_bound(max(self.cache.bound, longest))
+        last = torch.tensor(lens, dtype=torch.int64, device=dev)
+        self._pending[start_row:start_row + n, 0] = first_tokens
+        self._pending_feat[start_row:start_row + n, 0] = hidden[torch.arange(n, device=dev), last]
+        self._pending_len[start_row:start_row + n] = 1
+        self._pending_max = max(self._pending_max, 1)
+
+    def move_row(self, src: int, dst: int) -> None:
+        super().move_row(src, dst)
+        self._pending_feat[dst] = self._pending_feat[src]
+
+    def after_verify(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
+                     committed_lens: torch.Tensor, bound: int, hidden=None) -> None:
+        """Token ``j`` emitted by the step pairs with the verify forward's feature ``j``
+        (the target's state just before it); the draft keeps the pairs up to the old root."""
+        self.set_pending(B, tokens, lengths, max_len, committed_lens - 1, bound,
+                         self._need(hidden))
+
+    def catch_up(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
+                 hidden=None) -> None:
+        self.queue(B, tokens, lengths, max_len, self._need(hidden))
+
+    def _root(self, B: int) -> torch.Tensor:
+        P = self._pending_max
+        last = self._pending_len[:B] - 1
+        logits, g = self.model(self._pending[:B, :P], self.cache,
+                               features=self._pending_feat[:B, :P], logits_index=last[:, None],
+                               return_hidden=True)
+        self.cache.commit(self._pending_len[:B].to(torch.int32), P)
+        self._feat = g.gather(1, last[:, None, None].expand(-1, 1, g.shape[-1]))
+        return logits[:, 0]
+
+    def _advance(self, x: torch.Tensor, B: int) -> torch.Tensor:
+        logits, g = self.model(x[:, None], self.cache, features=self._feat, return_hidden=True)
+        self.cache.commit(self._one[:B], 1)
+        self._feat = g
+        return logits[:, 0]
+
+
 def _mask_with_roots(parents: torch.Tensor) -> torch.Tensor:
     """Ancestor bitmask for a forest: nodes with parent -1 are roots of their own."""
     T = parents.shape[-1]
@@ -405,13 +519,14 @@ class NGramDrafter:
     per-row state: the row bookkeeping of the protocol does nothing."""
 
     has_model = False
+    needs_hidden = False
     model = None
 
     def __init__(self, ngram_min: int, ngram_max: int):
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
 
-    def prefill(self, prompts, start_row: int, first_tokens: torch.Tensor) -> None:
+    def prefill(self, prompts, start_row: int, first_tokens: torch.Tensor, hidden=None) -> None:
         pass
 
     def move_row(self, src: int, dst: int) -> None:
@@ -423,10 +538,10 @@ class NGramDrafter:
     def use_graphs(self, graphs) -> None:
         pass
 
-    def after_verify(self, *verdict) -> None:
+    def after_verify(self, *verdict, hidden=None) -> None:
         pass
 
-    def catch_up(self, *verdict) -> None:
+    def catch_up(self, *verdict, hidden=None) -> None:
         pass
 
     def propose(self, active, roots, params, seed, offset, *, k: int = 0, tree=None,
@@ -485,8 +600,12 @@ class LookupDrafter:
     def model(self) -> DecoderLM:
         return self.inner.model
 
-    def prefill(self, prompts, start_row: int, first_tokens: torch.Tensor) -> None:
-        self.inner.prefill(prompts, start_row, first_tokens)
+    @property
+    def needs_hidden(self) -> bool:
+        return self.inner.needs_hidden
+
+    def prefill(self, prompts, start_row: int, first_tokens: torch.Tensor, hidden=None) -> None:
+        self.inner.prefill(prompts, start_row, first_tokens, hidden)
 
     def move_row(self, src: int, dst: int) -> None:
         self.inner.move_row(src, dst)
@@ -508,11 +627,12 @@ class LookupDrafter:
         return prop
 
     def after_verify(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
-                     committed_lens: torch.Tensor, bound: int) -> None:
+                     committed_lens: torch.Tensor, bound: int, hidden=None) -> None:
         if self._looked_up:
-            self.inner.queue(B, tokens, lengths, max_len)
+            self.inner.catch_up(B, tokens, lengths, max_len, hidden)
         else:
-            self.inner.after_verify(B, tokens, lengths, max_len, committed_lens, bound)
+            self.inner.after_verify(B, tokens, lengths, max_len, committed_lens, bound, hidden)
 
-    def catch_up(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int) -> None:
-        self.inner.queue(B, tokens, lengths, max_len)
+    def catch_up(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
+                 hidden=None) -> None:
+        self.inner.catch_up(B, tokens, lengths, max_len, hidden)

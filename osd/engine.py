@@ -45,9 +45,10 @@ import time
 
 import torch
 
-from osd.drafters import LookupDrafter, ModelDrafter, NGramDrafter
+from osd.drafters import EagleDrafter, LookupDrafter, ModelDrafter, NGramDrafter
 from osd.cache import KVCache
 from osd.graphs import StepGraphs, graphed_forward
+from osd.models.eagle import EagleLM, is_eagle_checkpoint, load_eagle
 from osd.models.llama import DecoderLM, without_layers
 from osd.models.loading import is_transformers_model, load_model, load_tokenizer
 from osd.online.collect import TeacherCollector
@@ -75,6 +76,12 @@ class Lane:
     waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
     staging: RequestState | None = None    # the long prompt in stage_cache (a row reserved)
     staged: int = 0                        # its prompt tokens in stage_cache
+    # The target's features [1, chunk, H] of each staged piece (for an EAGLE drafter).
+    stage_hidden: list = dataclasses.field(default_factory=list)
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.speculator is not None and self.speculator.drafter.needs_hidden
 
 
 class Engine:
@@ -141,6 +148,15 @@ class Engine:
         if online is not None and (spec is None or spec.drafter == "ngram"):
             raise ValueError("online learning needs a model drafter (a draft or "
                              "SpecConfig(drafter='self'))")
+        if any(isinstance(d, EagleLM) for d in drafts):
+            if spec is not None and spec.tree is not None:
+                raise ValueError("an EAGLE draft proposes chains: SpecConfig(tree=...) "
+                                 "needs a standalone draft")
+            for i, d in enumerate(drafts):
+                if isinstance(d, EagleLM) and d.embed_tokens.weight is not model.embed_tokens.weight:
+                    raise ValueError(f"EAGLE draft {i} was not built for this target (it "
+                                     f"must share the target's embedding: "
+                                     f"EagleLM.from_target(target) or load_eagle(path, target))")
         self.model = model
         self.drafts = drafts
         self.draft = drafts[0] if drafts else None
@@ -209,7 +225,8 @@ class Engine:
             else:
                 drafters = [ModelDrafter(self.model, self.max_batch_size, capacity, skip)]
         else:
-            drafters = [ModelDrafter(d, self.max_batch_size, capacity) for d in drafts]
+            drafters = [EagleDrafter(d, self.max_batch_size, capacity) if isinstance(d, EagleLM)
+                        else ModelDrafter(d, self.max_batch_size, capacity) for d in drafts]
         if spec.prompt_lookup:
             drafters = [LookupDrafter(d, NGramDrafter(spec.ngram_min, spec.ngram_max))
                         for d in drafters]
@@ -231,6 +248,8 @@ class Engine:
                 transformers ``*ForCausalLM``.
             draft: the same for a draft model, or a list of them (routed per request), or
                 None (plain decoding, or a draft-free ``spec``: self-speculation, n-gram).
+                An EAGLE draft's directory (``osd.models.eagle``) loads on top of the
+                target.
             spec: :class:`~osd.SpecConfig`; defaults to a chain of 4 when a draft is given.
             online: :class:`~osd.OnlineConfig` to let the draft(s) learn while serving.
 
@@ -246,7 +265,8 @@ class Engine:
                 raise TypeError(f"{name} must be a checkpoint directory path or a transformers "
                                 f"model, got {type(source).__name__}")
         model = load_model(target, device=device, dtype=dtype, attention_backend=attention_backend)
-        draft_models = [load_model(d, device=device, dtype=dtype,
+        draft_models = [load_eagle(d, model) if is_eagle_checkpoint(d) else
+                        load_model(d, device=device, dtype=dtype,
                                    attention_backend=attention_backend) for d in drafts]
         if tokenizer is None:
             tokenizer = load_tokenizer(target)
@@ -470,12 +490,13 @@ class Engine:
         finally:
             self._wall += time.perf_counter() - t0
 
-    def _admit(self, lane: Lane, prompt_positions: int) -> list[RequestState]:
+    def _admit(self, lane: Lane, prompt_positions: int, reserved: int = 0) -> list[RequestState]:
         """Waiting requests for the free rows, oldest first. A prompt long enough to need
         more than one prefill piece goes to the lane's staging row instead (when it is
         free), to be prefilled one piece per step; the others are prefilled now, up to a
-        budget of ``4 * prefill_chunk`` prompt tokens per step (at least one request)."""
-        free = self.max_batch_size - len(lane.active) - (lane.staging is not None)
+        budget of ``4 * prefill_chunk`` prompt tokens per step (at least one request).
+        ``reserved`` rows are taken already (a staged prompt joining this step)."""
+        free = self.max_batch_size - len(lane.active) - (lane.staging is not None) - reserved
         budget = 4 * self.model.config.prefill_chunk
         new: list[RequestState] = []
         kept = collections.deque()
@@ -508,7 +529,7 @@ class Engine:
     def _advance_staging(self, lane: Lane, prompt_positions: int) -> tuple | None:
         """One prefill piece of the staged prompt into the staging row. When only its last
         piece is left, the staged K/V move into the lane's next free row and
-        ``(request, tokens already prefilled)`` is returned, to be prefilled there with
+        ``(request, tokens already prefilled, their features [n, H] or None)`` is returned, to be prefilled there with
         the last piece."""
         r = lane.staging
         if r is None:
@@ -518,8 +539,11 @@ class Engine:
             piece = torch.tensor([r.prompt[lane.staged:lane.staged + chunk]],
                                  dtype=torch.int64, device=self.device)
             one = torch.ones(1, 1, dtype=torch.int64, device=self.device)
-            self.model.prefill(piece, lane.stage_cache,
-                               torch.tensor([chunk], device=self.device), logits_index=one - 1)
+            out = self.model.prefill(piece, lane.stage_cache,
+                                     torch.tensor([chunk], device=self.device),
+                                     logits_index=one - 1, return_hidden=lane.needs_hidden)
+            if lane.needs_hidden:
+                lane.stage_hidden.append(out[1])
             lane.staged += chunk
             lane.stage_cache.set_bound(lane.staged)
             return None
@@ -529,11 +553,13 @@ class Engine:
         lane.cache.kv[:, :, row, :, :n].copy_(lane.stage_cache.kv[:, :, 0, :, :n])
         lane.cache.lens[row] = n
         lane.cache.set_bound(max(lane.cache.bound, n))
+        early = torch.cat(lane.stage_hidden, 1)[0] if lane.stage_hidden else None
         self._unstage(lane)
-        return r, n
+        return r, n, early
 
     def _unstage(self, lane: Lane) -> None:
         lane.staging, lane.staged = None, 0
+        lane.stage_hidden = []
         lane.stage_cache.reset()
 
     def _empty_lane(self, lane: Lane) -> None:
@@ -545,20 +571,24 @@ class Engine:
         spec = lane.speculator
         m = spec.prompt_positions if spec is not None else 0
         staged = self._advance_staging(lane, m)
-        new = self._admit(lane, m)
+        new = self._admit(lane, m, reserved=int(staged is not None))
         if staged is not None or new:
             if not lane.active and staged is None:
                 self._empty_lane(lane)
             start = len(lane.active)
-            ready, done = new, [0] * len(new)
+            ready, done, early = new, [0] * len(new), [None] * len(new)
             if staged is not None:
-                ready, done = [staged[0]] + new, [staged[1]] + done
+                ready, done, early = [staged[0]] + new, [staged[1]] + done, [staged[2]] + early
             lane.active += ready
             prompt_logits = self.prefill(ready, start_row=start, lane=lane,
-                                         prompt_positions=m, done=done)
+                                         prompt_positions=m, done=done,
+                                         early_hidden=early if lane.needs_hidden else None)
+            prompt_hidden = None
+            if lane.needs_hidden:
+                prompt_logits, prompt_hidden = prompt_logits
             if spec is not None:
                 spec.prefill(ready, start, lane.next_tokens[start:start + len(ready)],
-                             prompt_logits)
+                             prompt_logits, prompt_hidden)
             self.retire(lane.active, lane=lane)
         if not lane.active:
             return
@@ -588,13 +618,18 @@ class Engine:
         self.last_error = f"{kind}: {error}"
 
     def prefill(self, new: list[RequestState], start_row: int, prompt_positions: int = 0,
-                lane: Lane | None = None, done: list[int] | None = None) -> torch.Tensor | None:
+                lane: Lane | None = None, done: list[int] | None = None,
+                early_hidden: list | None = None):
         """Run the prompts of ``new`` into cache rows ``start_row ..`` of ``lane`` (default
         the first) and sample each one's first token with its own parameters. ``done[b]``
         tokens of prompt ``b`` are already in its row (a staged prompt); the rest are fed.
         ``prompt_positions = m > 0``: return the logits at each prompt's last ``m``
         positions ``[n, m, V]`` (oldest first; a shorter prompt's row starts with copies of
-        its position 0), which online learning keeps; otherwise None."""
+        its position 0), which online learning keeps; otherwise None.
+
+        ``early_hidden`` (one entry per request: the ``[done[b], H]`` features of its staged
+        pieces, or None) asks for the target's features at every prompt position too: the
+        return value is then ``(logits or None, features [n, longest prompt, H])``."""
         lane = lane or self.lanes[0]
         t0 = time.perf_counter()
         done = done or [0] * len(new)
@@ -615,7 +650,16 @@ class Engine:
                  + torch.arange(width, device=self.device)).clamp(min=0)
         # In pieces of model.config.prefill_chunk tokens; commits rows.lens += prompt_lens.
         logits = self.model.prefill(ids.to(self.device), rows, prompt_lens,
-                                    logits_index=index)                   # [n, m or 1, V]
+                                    logits_index=index,                   # [n, m or 1, V]
+                                    return_hidden=early_hidden is not None)
+        if early_hidden is not None:
+            logits, rest_hidden = logits
+            hidden = rest_hidden.new_zeros(n, max(len(r.prompt) for r in new),
+                                           rest_hidden.shape[-1])
+            for b, (r, d) in enumerate(zip(new, done)):
+                if d:
+                    hidden[b, :d] = early_hidden[b]
+                hidden[b, d:len(r.prompt)] = rest_hidden[b, :len(r.prompt) - d]
         lane.cache.set_bound(max(lane.cache.bound, max(len(r.prompt) for r in new)))
         fail_nonfinite(new, logits)
         tokens = sample_tokens(logits[:, -1], BatchParams([r.params for r in new], self.device),
@@ -624,6 +668,8 @@ class Engine:
         self._record(new, tokens)
         stats = self.plain_stats if lane.speculator is None else lane.speculator.stats
         stats.add_time("prefill", time.perf_counter() - t0)
+        if early_hidden is not None:
+            return (logits if m > 0 else None), hidden
         return logits if m > 0 else None
 
     def decode_step(self, active: list[RequestState], params: BatchParams,

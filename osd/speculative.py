@@ -175,6 +175,8 @@ class Verdict:
     emitted: list[int]                 # tokens appended per row
     path: torch.Tensor | None          # tree: [B, D + 1] accepted node per depth
     params: BatchParams
+    hidden: torch.Tensor | None = None  # [B, T, H] the target's verify features (a drafter
+    #                                     that needs_hidden), else None
 
 
 class Speculator:
@@ -191,7 +193,8 @@ class Speculator:
         cache: the target's KV cache of the rows this speculator serves.
         next_tokens: ``[max_batch_size]`` int64, row ``b``'s last sampled token (the root
             of its next step).
-        listeners: objects with ``before_step()``, ``on_prefill(requests, prompt_logits)``
+        listeners: objects with ``before_step()``, ``on_prefill(requests, prompt_logits,
+            prompt_hidden)``
             and ``on_verdict(verdict)`` (the online learner's ``TeacherCollector``); the
             largest ``prompt_positions`` among them is how many prompt logits the engine's
             prefill keeps.
@@ -215,16 +218,20 @@ class Speculator:
 
     # -- row bookkeeping (mirrors the engine's cache rows) ---------------------------
     def prefill(self, requests, start_row: int, first_tokens: torch.Tensor,
-                prompt_logits: torch.Tensor | None = None) -> None:
+                prompt_logits: torch.Tensor | None = None,
+                prompt_hidden: torch.Tensor | None = None) -> None:
         """New rows ``start_row ..``; ``prompt_logits [n, m, V]`` (the target's logits at
-        each prompt's last ``m`` positions) go to the listeners."""
+        each prompt's last ``m`` positions) go to the listeners, ``prompt_hidden [n, T, H]``
+        (the target's features at every prompt position) to a drafter that
+        ``needs_hidden``."""
         self.stats.requests += len(requests)
         for r in requests:
             r.spec_steps = 0
             r.spec_stats = SpecStats(requests=1)
         for listener in self.listeners:
-            listener.on_prefill(requests, prompt_logits)
-        self.drafter.prefill([r.prompt for r in requests], start_row, first_tokens)
+            listener.on_prefill(requests, prompt_logits, prompt_hidden)
+        self.drafter.prefill([r.prompt for r in requests], start_row, first_tokens,
+                             prompt_hidden)
 
     def move_row(self, src: int, dst: int) -> None:
         self.drafter.move_row(src, dst)
@@ -253,7 +260,7 @@ class Speculator:
                                         stopper=self.stopper)
         clock.append(time.perf_counter())
         lens_before = cache.lens[:B].clone()
-        logits = self._verify(prop)                                            # [B, T, V]
+        logits, hidden = self._verify(prop)                  # [B, T, V], [B, T, H] or None
         clock.append(time.perf_counter())
         out, n, path = self._sample(logits, prop, sampling)
         clock.append(time.perf_counter())
@@ -270,10 +277,10 @@ class Speculator:
         fail_nonfinite(active, logits)
         self.next_tokens[:B] = out.gather(1, n[:, None].long())[:, 0]
         if isinstance(prop, ChainProposal) and prop.source == "none":
-            self.drafter.catch_up(B, out, keep.long(), max(n_host) + 1)
+            self.drafter.catch_up(B, out, keep.long(), max(n_host) + 1, hidden)
         else:
             self.drafter.after_verify(B, out, keep.long(), max(n_host) + 1, lens_before + 1,
-                                      cache.bound + 1)
+                                      cache.bound + 1, hidden)
         if isinstance(prop, TreeProposal):
             drafted = [prop.max_depth] * B      # a tree offers up to max_depth per row
         elif prop.num_drafted is None:
@@ -288,7 +295,7 @@ class Speculator:
                     break
                 r.append(t, self.engine.max_seq_len)
             emitted.append(len(r.generated) - before)
-        verdict = Verdict(active, logits, prop, n_host, drafted, emitted, path, params)
+        verdict = Verdict(active, logits, prop, n_host, drafted, emitted, path, params, hidden)
         self._observe(verdict)
         for listener in self.listeners:
             listener.on_verdict(verdict)
@@ -304,10 +311,12 @@ class Speculator:
         self.graphs = graphs
         self.drafter.use_graphs(graphs)
 
-    def _verify(self, prop: ChainProposal | TreeProposal) -> torch.Tensor:
+    def _verify(self, prop: ChainProposal | TreeProposal):
         """The target's forward over the roots and the drafts (a tree: its ancestor mask
-        and depths) -> ``[B, T, V]`` logits, from a CUDA graph of the batch bucket when
-        enabled."""
+        and depths) -> ``([B, T, V] logits, [B, T, H] features or None)``, from a CUDA
+        graph of the batch bucket when enabled. The features (the last layer's output
+        before the final norm) are kept only for a drafter that ``needs_hidden``; that
+        forward runs eagerly."""
         if isinstance(prop, TreeProposal):
             inputs, mask, depths = prop.tokens, prop.mask, prop.depths
         else:
@@ -315,9 +324,11 @@ class Speculator:
             inputs = torch.cat([self.next_tokens[:B, None], prop.tokens], 1)
             mask = depths = None
         model = self.engine.model
+        if self.drafter.needs_hidden:
+            return model(inputs, self.cache, tree_mask=mask, depths=depths, return_hidden=True)
         if self.graphs is None:
-            return model(inputs, self.cache, tree_mask=mask, depths=depths)
-        return graphed_forward(self.graphs, model, self.cache, inputs, mask, depths)
+            return model(inputs, self.cache, tree_mask=mask, depths=depths), None
+        return graphed_forward(self.graphs, model, self.cache, inputs, mask, depths), None
 
     def _sample(self, logits: torch.Tensor, prop, sampling: dict):
         """The rejection sampler: ``(tokens [B, D + 1], accepted [B], path or None)``."""

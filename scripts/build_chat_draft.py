@@ -111,6 +111,7 @@ class DataRecipe:
     sampled_fraction: float = 0.25  # share of prompts answered at temperature 0.7
     temperature: float = 0.7
     seed: int = 0
+    features: bool = True           # keep the target's features too (the EAGLE draft's data)
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,9 @@ class Example:
     topk_probs: torch.Tensor   # [L - start, k] float16
     kind: str
     temperature: float
+    # [L - 1, H] float16: the target's last-layer output before the final norm at
+    # positions 0 .. L - 2 (the last token is never fed), or None.
+    features: torch.Tensor | None = None
 
 
 def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,14 +276,15 @@ def teacher_data(model, prompts: list[list[int]], meta: list[Prompt], start: int
             lengths = torch.tensor([len(prompts[i]) for i in new], dtype=torch.int32)
             rows = cache.rows(first, len(new))
             rows.reset()
-            logits = model.prefill(ids, rows, lengths)            # [n, T, V], every position
+            logits, hidden = model.prefill(ids, rows, lengths, return_hidden=True)  # [n, T, V]
             cache.set_bound(max(cache.bound, longest))
             fresh = []
             for b, i in enumerate(new):
                 L = len(prompts[i])
                 tk_ids, tk_p = _topk(logits[b, start - 1:L], k)   # prompt targets + response 0
                 fresh.append({"index": i, "temp": meta[i].temperature, "response": [],
-                              "ids": [tk_ids], "probs": [tk_p], "cached": L})
+                              "ids": [tk_ids], "probs": [tk_p], "cached": L,
+                              "feats": [hidden[b, :L].to(torch.float16)]})
             last = logits[torch.arange(len(new)), lengths.long() - 1]
             del logits
             tokens = sample(last, fresh)
@@ -288,7 +293,8 @@ def teacher_data(model, prompts: list[list[int]], meta: list[Prompt], start: int
         else:
             n = len(active)
             t_step = time.perf_counter()
-            logits = model(next_tok[:n, None], cache)[:, 0]      # [n, V]
+            logits, hidden = model(next_tok[:n, None], cache, return_hidden=True)
+            logits = logits[:, 0]                                # [n, V]
             cache.commit(ones[:n], 1)
             tuner.record(time.perf_counter() - t_step, n)
             tk_ids, tk_p = _topk(logits, k)
@@ -296,6 +302,7 @@ def teacher_data(model, prompts: list[list[int]], meta: list[Prompt], start: int
                 r["cached"] += 1
                 r["ids"].append(tk_ids[b:b + 1])
                 r["probs"].append(tk_p[b:b + 1])
+                r["feats"].append(hidden[b, :1].to(torch.float16))
             tokens = sample(logits, active)
             next_tok[:n] = tokens
             first = 0
@@ -310,8 +317,10 @@ def teacher_data(model, prompts: list[list[int]], meta: list[Prompt], start: int
                 toks = torch.tensor(prompts[i] + r["response"], dtype=torch.int32)
                 done[i] = Example(tokens=toks, prompt_len=len(prompts[i]), start=start,
                                   topk_ids=torch.cat(r["ids"]), topk_probs=torch.cat(r["probs"]),
-                                  kind=meta[i].kind, temperature=meta[i].temperature)
+                                  kind=meta[i].kind, temperature=meta[i].temperature,
+                                  features=torch.cat(r["feats"]) if recipe.features else None)
                 assert done[i].topk_ids.shape[0] == toks.numel() - start
+                assert not recipe.features or done[i].features.shape[0] == toks.numel() - 1
                 last = len(active) - 1
                 if b != last:
                     cache.move_row(last, b)
@@ -666,6 +675,8 @@ def build(args) -> int:
         torch.save(data, data_file + ".part")
         os.replace(data_file + ".part", data_file)
         _log(f"teacher data saved to {data_file}")
+    if args.data_only:
+        return 0
     examples = [Example(**e) for e in data["examples"]]
     if len(examples) < 2:
         raise SystemExit(f"error: only {len(examples)} teacher examples; give more --minutes")
@@ -727,6 +738,8 @@ def main(argv=None) -> int:
                         help=f"chat requests to answer (default {DATA.prompts})")
     parser.add_argument("--reuse-data", action="store_true",
                         help="train on the cached teacher data of the same recipe if present")
+    parser.add_argument("--data-only", action="store_true",
+                        help="stop after the teacher data is cached (for the EAGLE head's build)")
     parser.add_argument("--threads", type=int, default=2,
                         help="most torch CPU threads; the build switches between 1 and this "
                              "by measured pace (default 2); --measure uses exactly this")

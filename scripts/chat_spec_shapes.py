@@ -10,6 +10,8 @@ is asserted equal to plain greedy decoding.
 
 ``--head-sizes N ...`` also runs the first shape with heads of the N most frequent tokens
 (``build_chat_draft.head_vocab``, the recipe of the shipped ``head_vocab.json``).
+``--eagle-ks K ...`` also runs the EAGLE draft (``osd/zoo/weights/chat_eagle``, or
+``--eagle DIR``) in chains of each K, with and without prompt lookup in front.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch
 import osd
 from osd import zoo
 from osd.chat import apply_chat_template
+from osd.zoo import chat as zoo_chat
 from osd.zoo import humaneval
 
 STATIC = [(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 0, 0)]
@@ -48,6 +51,10 @@ def main() -> None:
                         help="which shapes (default: all)")
     parser.add_argument("--head-sizes", type=int, nargs="*", default=[],
                         help="head vocabulary sizes to run the first shape with as well")
+    parser.add_argument("--eagle-ks", type=int, nargs="*", default=[],
+                        help="chain lengths to run the EAGLE draft with (none by default)")
+    parser.add_argument("--eagle", default=zoo_chat.EAGLE_DIR,
+                        help="the EAGLE draft's directory (default the shipped one)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, draft = zoo.chat_pair()
@@ -73,6 +80,13 @@ def main() -> None:
         engines[f"{name}, head {size}"] = osd.Engine(
             plain.model, draft=[model], spec=osd.SpecConfig(**SHAPES[name]),
             max_batch_size=1, max_seq_len=1024)
+    if args.eagle_ks:
+        eagle = osd.load_eagle(args.eagle, plain.model)
+    for k in args.eagle_ks:
+        for lookup in (False, True):
+            engines[f"EAGLE chain k={k}" + (", lookup" if lookup else "")] = osd.Engine(
+                plain.model, draft=[eagle], max_batch_size=1, max_seq_len=1024,
+                spec=osd.SpecConfig(num_draft_tokens=k, prompt_lookup=lookup))
     params = osd.SamplingParams(max_new_tokens=args.new_tokens)
     seconds = dict.fromkeys(["plain", *engines], 0.0)
     tokens = dict.fromkeys(seconds, 0)

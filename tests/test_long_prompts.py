@@ -169,3 +169,18 @@ def test_engine_prefill_chunk_option(llama):
     assert [o.token_ids for o in outs] == ref[:2]
     with pytest.raises(ValueError, match="prefill_chunk"):
         osd.Engine.from_pretrained(hf, max_seq_len=MAX_SEQ, prefill_chunk=0)
+
+
+@pytest.mark.parametrize("spec", [None, osd.SpecConfig(num_draft_tokens=3)], ids=["plain", "spec"])
+def test_staged_prompts_back_to_back_in_a_full_lane(spec):
+    """Two staged prompts in a row while the lane is full: the one joining the lane keeps
+    its row reserved, so the next staged prompt waits instead of overflowing the rows."""
+    hf = tiny_hf_model("llama", seed=41)
+    prompts = prompts_of([7, 3, 12, 5, 9, 20, 2], seed=42)
+    ref = osd.Engine.from_pretrained(hf, max_batch_size=8).generate(prompts,
+                                                                    osd.SamplingParams(12))
+    draft = [perturbed(hf, 0.3, seed=43)] if spec else None
+    eng = osd.Engine.from_pretrained(hf, draft=draft, spec=spec, max_batch_size=2,
+                                     max_seq_len=160, prefill_chunk=8)
+    outs = eng.generate(prompts, osd.SamplingParams(12))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]

@@ -246,7 +246,8 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: KVCache, *,
                 tree_mask: torch.Tensor | None = None, depths: torch.Tensor | None = None,
                 skip_layers: frozenset[int] = frozenset(),
-                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+                logits_index: torch.Tensor | None = None,
+                features: torch.Tensor | None = None, return_hidden: bool = False):
         """Cached forward of ``T`` new tokens per row (decode, verify, a prefill piece).
 
         Args:
@@ -260,17 +261,23 @@ class DecoderLM(nn.Module):
                 ``cache.lens[b] + depths[b, i]``. None is ``arange(T)``.
             skip_layers: indices of decoder layers to bypass (their cache is not written).
             logits_index: ``[B, K]`` int64, compute logits only at these token indices.
+            features: ``[B, T, hidden]`` per-token input features, for models that take
+                them (the EAGLE draft, ``osd.models.eagle``); None for a plain decoder.
+            return_hidden: also return the last layer's output before the final norm.
 
         Returns:
-            ``[B, T, V]`` float32 logits (``[B, K, V]`` with ``logits_index``).
+            ``[B, T, V]`` float32 logits (``[B, K, V]`` with ``logits_index``); with
+            ``return_hidden``, ``(logits, hidden [B, T, hidden])`` in the model's dtype.
         """
-        x = self._hidden(input_ids, cache, tree_mask, depths, skip_layers)
-        return self._logits(x, logits_index)
+        x = self._hidden(input_ids, cache, tree_mask, depths, skip_layers, features)
+        logits = self._logits(x, logits_index)
+        return (logits, x) if return_hidden else logits
 
     def prefill(self, input_ids: torch.Tensor, cache: KVCache, lengths: torch.Tensor, *,
                 logits_index: torch.Tensor | None = None,
                 skip_layers: frozenset[int] = frozenset(),
-                chunk: int | None = None) -> torch.Tensor:
+                chunk: int | None = None, features: torch.Tensor | None = None,
+                return_hidden: bool = False):
         """Feed a ragged batch of prompts in pieces and commit them.
 
         Piece ``s`` is ``input_ids[:, s * chunk : (s + 1) * chunk]``: one causal forward over
@@ -287,9 +294,12 @@ class DecoderLM(nn.Module):
                 are returned; None returns all ``T`` positions.
             skip_layers: as in :meth:`forward`.
             chunk: most tokens per forward; default ``config.prefill_chunk``.
+            features: ``[B, T, hidden]`` input features, as in :meth:`forward`.
+            return_hidden: also return the hidden states of every position.
 
         Returns:
-            ``[B, K, V]`` float32 logits (``[B, T, V]`` without ``logits_index``). On return
+            ``[B, K, V]`` float32 logits (``[B, T, V]`` without ``logits_index``); with
+            ``return_hidden``, ``(logits, hidden [B, T, hidden])``. On return
             ``cache.lens[:B]`` has grown by ``lengths`` and ``cache.bound`` by ``T``.
         """
         B, T = input_ids.shape
@@ -299,10 +309,14 @@ class DecoderLM(nn.Module):
         lengths = lengths.to(torch.int32)
         pieces = []                    # logits per piece, without logits_index
         picked = None                  # [B, K, hidden]: hidden states at logits_index
+        hidden = []                    # [B, width, hidden] per piece (return_hidden)
         for start in range(0, T, chunk):
             ids = input_ids[:, start:start + chunk]
             width = ids.shape[1]
-            x = self._hidden(ids, cache, None, None, skip_layers)
+            feats = None if features is None else features[:, start:start + chunk]
+            x = self._hidden(ids, cache, None, None, skip_layers, feats)
+            if return_hidden:
+                hidden.append(x)
             if logits_index is None:
                 pieces.append(self._logits(x, None))
             else:
@@ -313,12 +327,19 @@ class DecoderLM(nn.Module):
                 picked = rows if picked is None else torch.where(here, rows, picked)
             # Each row advances by its own tokens in this piece (padding stays uncommitted).
             cache.commit((lengths - start).clamp(0, width).to(torch.int32), width)
-        if logits_index is None:
-            return torch.cat(pieces, dim=1)
-        return self._logits(picked, None)
+        logits = torch.cat(pieces, dim=1) if logits_index is None else self._logits(picked, None)
+        return (logits, torch.cat(hidden, dim=1)) if return_hidden else logits
+
+    def _embed(self, input_ids: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """The first layer's input ``[B, T, hidden]``: the token embeddings. Models that
+        take input features (``osd.models.eagle``) combine them here."""
+        if features is not None:
+            raise ValueError(f"{type(self).__name__} takes no input features")
+        return self.embed_tokens(input_ids)
 
     def _hidden(self, input_ids: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor | None,
-                depths: torch.Tensor | None, skip_layers: frozenset[int]) -> torch.Tensor:
+                depths: torch.Tensor | None, skip_layers: frozenset[int],
+                features: torch.Tensor | None = None) -> torch.Tensor:
         """The cached forward up to the final norm: hidden states ``[B, T, hidden]``."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got {tuple(input_ids.shape)}")
@@ -336,7 +357,7 @@ class DecoderLM(nn.Module):
         cos, sin = self._rope_tables(positions, cache.capacity)
         rows = self._iota(B)[:, None]                                      # [B, 1]
         max_kv_len = cache.bound + T
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids, features)
         for index, layer in enumerate(self.layers):
             if index in skip_layers:
                 continue
@@ -351,7 +372,8 @@ class DecoderLM(nn.Module):
 
     def forward_train(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                       *, skip_layers: frozenset[int] = frozenset(),
-                      rows: torch.Tensor | None = None, full_vocab: bool = True) -> torch.Tensor:
+                      rows: torch.Tensor | None = None, full_vocab: bool = True,
+                      features: torch.Tensor | None = None, return_hidden: bool = False):
         """Cacheless causal forward over whole sequences; supports autograd.
 
         Args:
@@ -364,9 +386,13 @@ class DecoderLM(nn.Module):
                 most of its cost, and training needs logits only where a target is.
             full_vocab: False returns a restricted head's own columns (``V_head``, in the
                 order of ``head_ids``) instead of ``V`` with ``-inf`` outside them.
+            features: ``[N, T, hidden]`` input features, as in :meth:`forward`.
+            return_hidden: also return the hidden states ``[N, T, hidden]`` of every
+                position (before the final norm).
 
         Returns:
-            ``[N, T, V]`` float32 logits, or ``[M, V]`` with ``rows``.
+            ``[N, T, V]`` float32 logits, or ``[M, V]`` with ``rows``; with
+            ``return_hidden``, ``(logits, hidden)``.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [N, T], got {tuple(input_ids.shape)}")
@@ -378,15 +404,17 @@ class DecoderLM(nn.Module):
             key_mask = attention_mask.to(device=input_ids.device).bool()
             positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)
         cos, sin = self._rope_tables(positions, T)
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids, features)
         for index, layer in enumerate(self.layers):
             if index in skip_layers:
                 continue
             q, k, v = layer.qkv(x, cos, sin)
             x = layer.finish(x, causal_attention(q, k, v, key_mask, scale=self.scale))
+        hidden = x
         if rows is not None:
             x = x.reshape(N * T, x.shape[-1]).index_select(0, rows)
-        return self._logits(x, None, full_vocab)
+        logits = self._logits(x, None, full_vocab)
+        return (logits, hidden) if return_hidden else logits
 
     def _logits(self, x: torch.Tensor, logits_index: torch.Tensor | None,
                 full_vocab: bool = True) -> torch.Tensor:

@@ -33,6 +33,8 @@ class Example:
     topk_probs: torch.Tensor | None  # [m, k] float32
     logits: torch.Tensor | None      # [m, V] float32 (full storage)
     domain: str | None = None        # optional label (used only for reporting)
+    features: torch.Tensor | None = None  # [n - 1, H] float16: the target's features at
+    #                                       positions 0 .. n - 2 (an EAGLE draft's inputs)
 
     @property
     def num_positions(self) -> int:

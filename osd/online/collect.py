@@ -6,6 +6,10 @@ positions from the prefill's logits, and at every verified position (or only the
 corrected ones, OSD's policy) from each step's verdict. Nothing is recomputed later.
 Before each step it lets the learner swap in the newest accepted weights, so a swap
 never lands inside a step.
+
+For an EAGLE draft (whose drafter ``needs_hidden``) it also keeps the target's features
+at every position the target read (the prompt, then each step's root and accepted drafts),
+the draft's inputs when it trains.
 """
 from __future__ import annotations
 
@@ -34,12 +38,17 @@ class TeacherCollector:
         if self.swap is not None:
             self.swap()
 
-    def on_prefill(self, requests, prompt_logits: torch.Tensor | None) -> None:
+    def on_prefill(self, requests, prompt_logits: torch.Tensor | None,
+                   prompt_hidden: torch.Tensor | None = None) -> None:
         """``prompt_logits [n, m, V]``: the target's logits at each prompt's last ``m``
         positions (a shorter prompt's row starts with copies), the requests' first
-        teacher positions ``len(prompt) - m + 1 .. len(prompt)``."""
-        for r in requests:
+        teacher positions ``len(prompt) - m + 1 .. len(prompt)``. ``prompt_hidden
+        [n, T, H]``: the target's features at the prompts' positions (EAGLE), or None."""
+        for b, r in enumerate(requests):
             r.teacher = []     # (positions [m], topk ids, topk probs | logits)
+            # [positions, H] float16 pieces covering positions 0, 1, ... in order
+            r.features = None if prompt_hidden is None else \
+                [prompt_hidden[b, :len(r.prompt)].detach().to("cpu", torch.float16)]
         if prompt_logits is None:
             return
         m = prompt_logits.shape[1]
@@ -53,10 +62,13 @@ class TeacherCollector:
         decided: nodes ``0 .. accepted`` of each row's accepted path."""
         rows, where = [], []
         path_host = v.path.tolist() if v.path is not None else None
+        feats = None if v.hidden is None else v.hidden.detach().to("cpu", torch.float16)
         for b, r in enumerate(v.active):
             if r.finish_reason == "error":
                 continue
             n = v.accepted[b]
+            if feats is not None and getattr(r, "features", None) is not None:
+                r.features.append(feats[b, :n + 1])   # the root and the accepted drafts
             idx = ([n] if n < v.drafted[b] else []) if self.policy == "corrected" \
                 else list(range(n + 1))
             if not idx:

@@ -6,6 +6,10 @@ shift that OSD's released online loss misses).
 
 A draft with a restricted head (``DecoderLM.restrict_head``) trains on its own columns:
 :func:`build_batch` maps the targets into them (:func:`to_head_vocab`).
+
+An EAGLE draft (``osd.models.eagle``) reads token ``t + 1`` beside the target's feature at
+``t``, and its output there scores token ``t + 2``: its batches start one token later, carry
+the stored features, and match position ``t``'s target against draft index ``t - 2``.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ class TrainBatch:
     topk_ids: torch.Tensor | None    # [M, k] int64 (columns of the draft's head)
     topk_probs: torch.Tensor | None  # [M, k] float32
     target_logits: torch.Tensor | None  # [M, V_head] float32
+    features: torch.Tensor | None = None  # [N, T, H] an EAGLE draft's input features
 
     @property
     def num_positions(self) -> int:
@@ -33,26 +38,34 @@ class TrainBatch:
 
 
 def build_batch(examples: list[Example], max_len: int, device,
-                head_ids: torch.Tensor | None = None) -> TrainBatch:
+                head_ids: torch.Tensor | None = None, eagle: bool = False,
+                dtype: torch.dtype = torch.float32) -> TrainBatch:
     """Pack ``examples`` (each cut to its newest ``max_len`` tokens) into one batch, the
-    targets in the columns of a head restricted to ``head_ids [V_head]`` when given."""
+    targets in the columns of a head restricted to ``head_ids [V_head]`` when given;
+    ``eagle``: the batch of an EAGLE draft (features in ``dtype``)."""
     if not examples:
         raise ValueError("build_batch needs at least one example")
+    shift = int(eagle)
+    if eagle and any(ex.features is None for ex in examples):
+        raise ValueError("an EAGLE draft trains on examples with the target's features")
     cut = []
     for ex in examples:
         start = max(0, ex.tokens.numel() - max_len)
-        keep = ex.positions - 1 >= start
+        keep = ex.positions - 1 - shift >= start
         cut.append((ex, start, keep))
-    T = max(ex.tokens.numel() - start for ex, start, _ in cut)
+    T = max(1, max(ex.tokens.numel() - start - shift for ex, start, _ in cut))
     N = len(cut)
     ids = torch.zeros(N, T, dtype=torch.int64)
     mask = torch.zeros(N, T, dtype=torch.bool)
+    feats = torch.zeros(N, T, examples[0].features.shape[-1], dtype=dtype) if eagle else None
     rows, tk_ids, tk_p, logits = [], [], [], []
     for n, (ex, start, keep) in enumerate(cut):
-        toks = ex.tokens[start:]
+        toks = ex.tokens[start + shift:]
         ids[n, :toks.numel()] = toks
         mask[n, :toks.numel()] = True
-        rows.append(n * T + (ex.positions[keep] - 1 - start))
+        if eagle:
+            feats[n, :toks.numel()] = ex.features[start:start + toks.numel()].to(dtype)
+        rows.append(n * T + (ex.positions[keep] - 1 - shift - start))
         if ex.topk_ids is not None:
             tk_ids.append(ex.topk_ids[keep])
             tk_p.append(ex.topk_probs[keep])
@@ -70,6 +83,7 @@ def build_batch(examples: list[Example], max_len: int, device,
         topk_ids=None if tk_ids is None else tk_ids.to(**as_dev),
         topk_probs=None if tk_p is None else tk_p.to(**as_dev),
         target_logits=None if logits is None else logits.to(**as_dev),
+        features=None if feats is None else feats.to(**as_dev),
     )
 
 
@@ -104,7 +118,16 @@ def to_head_vocab(head_ids: torch.Tensor, topk_ids: torch.Tensor | None,
 def draft_logits(model, batch: TrainBatch) -> torch.Tensor:
     """The draft's logits ``[M, V_head]`` at the batch's target rows (differentiable)."""
     return model.forward_train(batch.input_ids, attention_mask=batch.attention_mask,
-                               rows=batch.rows, full_vocab=False)
+                               rows=batch.rows, full_vocab=False, features=batch.features)
+
+
+def batch_for(model, examples: list[Example], max_len: int, device) -> TrainBatch:
+    """:func:`build_batch` for ``model`` (its head columns; EAGLE inputs for an EAGLE
+    draft)."""
+    from osd.models.eagle import EagleLM
+
+    return build_batch(examples, max_len, device, model.head_ids,
+                       eagle=isinstance(model, EagleLM), dtype=model.dtype)
 
 
 def overlap(logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
@@ -127,7 +150,7 @@ def heldout_alpha(model, examples: list[Example], max_len: int, device) -> float
     examples = [ex for ex in examples if ex.num_positions > 0]
     if not examples:
         return None
-    batch = build_batch(examples, max_len, device, model.head_ids)
+    batch = batch_for(model, examples, max_len, device)
     if batch.num_positions == 0:
         return None
     return float(overlap(draft_logits(model, batch), batch).mean())

@@ -24,7 +24,10 @@ Learning is an optimisation of serving, never a condition for it: an update that
 (in the loss, the backward, the optimizer, a graph capture) is rolled back like a rejected
 one, counted in ``history.faults`` by kind with its message kept in
 ``history.last_error``, and later updates run as usual; serving keeps the last good draft.
-A failed capture also turns the learner's CUDA graphs off (eager steps from then on). The
+A failed capture also turns the learner's CUDA graphs off (eager steps from then on).
+An EAGLE draft (``osd.models.eagle``) trains its own tensors on batches that carry the
+target's stored features; the target's tensors it shares stay shared and frozen, and its
+steps run eagerly. The
 history keeps counters plus the newest ``history_updates`` records, and after each update
 the C heap's free pages go back to the system (``osd.online.memory``), so memory stays
 bounded however long the engine serves.
@@ -47,7 +50,7 @@ import osd_kernels
 from osd.online.buffer import Example, ReplayBuffer
 from osd.online.checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
 from osd.online.config import OnlineConfig
-from osd.online.distill import build_batch, draft_logits, heldout_alpha
+from osd.online.distill import batch_for, draft_logits, heldout_alpha
 from osd.online.memory import pin_mmap_threshold, release_free_memory
 
 logger = logging.getLogger("osd.online")
@@ -196,14 +199,19 @@ class OnlineLearner:
             pin_mmap_threshold(config.mmap_threshold)
         self.serving = draft
         self.device = next(draft.parameters()).device
-        self.model = copy.deepcopy(draft)
-        if next(draft.parameters()).dtype in (torch.float16, torch.bfloat16):
+        # An EAGLE draft's target tensors (embedding, norm, head) stay shared and frozen.
+        shared = list(getattr(draft, "shared_parameters", list)())
+        half = next(draft.parameters()).dtype in (torch.float16, torch.bfloat16)
+        self.model = copy.deepcopy(draft, memo={} if half else {id(p): p for p in shared})
+        if half:
             # fp32 master weights and optimizer state: AdamW steps on half weights round
             # most updates away. The serving draft gets them cast at each swap.
             self.model.float()
             if hasattr(self.model, "_cos"):
                 self.model._cos = self.model._sin = torch.empty(0)   # rebuilt in fp32
         self.model.requires_grad_(True)
+        for p in getattr(self.model, "shared_parameters", list)():
+            p.requires_grad_(False)
         self.model.train()
         use_cuda = self.device.type == "cuda"
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
@@ -224,7 +232,7 @@ class OnlineLearner:
         self._gen = torch.Generator().manual_seed(config.seed)
         self._snapshot = None               # the state an update in progress rolls back to
         self._graph_step = None
-        if use_cuda and config.cuda_graphs:
+        if use_cuda and config.cuda_graphs and not shared:   # EAGLE batches: eager steps
             from osd.online.graphs import GraphedTrainStep
 
             self._graph_step = GraphedTrainStep(self.model, self.optim, config)
@@ -428,7 +436,7 @@ class OnlineLearner:
         self.model.eval()
         alpha_before = heldout_alpha(self.model, holdout, cfg.max_train_len, self.device)
         self.model.train()
-        batch = build_batch(examples, cfg.max_train_len, self.device, self.model.head_ids)
+        batch = batch_for(self.model, examples, cfg.max_train_len, self.device)
         losses = []
         for _ in range(cfg.steps_per_update):
             losses.append(self._step(batch))

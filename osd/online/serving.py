@@ -47,13 +47,18 @@ def example_from_request(r, domain: str | None = None) -> Example | None:
     if not bool(keep.any()):
         return None
     full = r.teacher[0][3] is not None
+    features = None
+    if getattr(r, "features", None):
+        features = torch.cat(r.features)[:tokens.numel() - 1]
+        if features.shape[0] < tokens.numel() - 1:
+            return None                  # a feature is missing: no EAGLE example
     return Example(
         tokens=tokens, positions=pos[keep],
         # int32 ids: a third less memory per stored position than int64 (build_batch widens)
         topk_ids=None if full else torch.cat([t[1] for t in r.teacher])[keep].to(torch.int32),
         topk_probs=None if full else torch.cat([t[2] for t in r.teacher])[keep].float(),
         logits=torch.cat([t[3] for t in r.teacher])[keep] if full else None,
-        domain=domain)
+        domain=domain, features=features)
 
 
 class OnlineManager:

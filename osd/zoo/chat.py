@@ -100,6 +100,8 @@ def fetch_wheel_member(wheel: str, member: str, filename: str, sha256: str | Non
 
 
 DRAFT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights", "chat_draft")
+# The EAGLE draft for the same target (scripts/build_chat_eagle.py; docs/chat_draft.md).
+EAGLE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights", "chat_eagle")
 
 
 def chat_pair() -> tuple[str, str | None]:
