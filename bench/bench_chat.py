@@ -10,13 +10,16 @@ the draft never trained on), up to ``NEW_TOKENS`` new tokens each. Providers:
   lookup first, the draft model otherwise);
 - ``osd-online``: ``osd-spec`` with the draft after online distillation on ``WARMUP``
   other HumanEval requests (background learner), frozen for the timed rounds;
+- ``osd-eagle``, ``osd-eagle-lookup``, ``osd-eagle-online``: the same three with the EAGLE
+  draft (``osd.zoo.chat_eagle``, drafting from the target's features) in place of the
+  standalone one; skipped when it is absent;
 - ``llama.cpp``: llama-cpp-python on the same GGUF (2 threads), when installed (the
   optional ``bench`` extra); skipped otherwise.
 
 Every osd and transformers provider's output is asserted equal to osd plain greedy. Timing
 is interleaved prompt by prompt with ``osd-plain`` as the anchor, best of ``ROUNDS``; the
 ratios ``vs_plain`` come from those side-by-side sums. ``c`` is the draft's one-token
-forward over the target's (interleaved, median). The chat model is fetched on first use;
+forward over the target's (interleaved, median; ``osd.demo.draft_cost_ratio``). The chat model is fetched on first use;
 the module is skipped when it cannot be (no network, no cache). ``OSD_BENCH_CHAT_DRAFT``
 benchmarks another draft directory; ``OSD_BENCH_CHAT_TOKENS``, ``_PROMPTS``, ``_WARMUP``
 change the workload.
@@ -31,7 +34,7 @@ import pytest
 import torch
 
 import osd
-from osd.demo import online_recipe
+from osd.demo import draft_cost_ratio, online_recipe
 
 NEW_TOKENS = int(os.environ.get("OSD_BENCH_CHAT_TOKENS", "128"))
 NUM_PROMPTS = int(os.environ.get("OSD_BENCH_CHAT_PROMPTS", "4"))
@@ -39,7 +42,8 @@ WARMUP = int(os.environ.get("OSD_BENCH_CHAT_WARMUP", "48"))
 K = 4
 ROUNDS = 2
 PROVIDERS = ["transformers", "transformers-assisted", "osd-plain", "osd-spec",
-             "osd-spec-lookup", "osd-online", "llama.cpp"]
+             "osd-spec-lookup", "osd-online", "osd-eagle", "osd-eagle-lookup",
+             "osd-eagle-online", "llama.cpp"]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +63,7 @@ def setup():
     convs = humaneval.conversations(NUM_PROMPTS + WARMUP, seed=11)
     plain = osd.Engine.from_pretrained(target, max_batch_size=1, max_seq_len=1024)
     prompts = apply_chat_template(plain.tokenizer, convs)
-    return {"target": target, "draft": draft, "plain": plain,
+    return {"target": target, "draft": draft, "eagle": zoo.chat_eagle(), "plain": plain,
             "prompts": prompts[:NUM_PROMPTS], "warmup": prompts[NUM_PROMPTS:], "rows": {}}
 
 
@@ -107,13 +111,22 @@ def _hf_names(name, t, c):
     return {names[name]: t}
 
 
+def _draft_of(setup, provider):
+    if not provider.startswith("osd-eagle"):
+        return setup["draft"]
+    if setup["eagle"] is None:
+        pytest.skip("the chat pair has no EAGLE draft (scripts/build_chat_eagle.py)")
+    return setup["eagle"]
+
+
 def _engine(setup, provider):
-    spec = osd.SpecConfig(num_draft_tokens=K, prompt_lookup=provider == "osd-spec-lookup")
-    if provider != "osd-online":
-        return osd.Engine.from_pretrained(setup["target"], draft=setup["draft"], spec=spec,
+    spec = osd.SpecConfig(num_draft_tokens=K, prompt_lookup=provider.endswith("-lookup"))
+    draft = _draft_of(setup, provider)
+    if not provider.endswith("-online"):
+        return osd.Engine.from_pretrained(setup["target"], draft=draft, spec=spec,
                                           max_batch_size=1, max_seq_len=1024)
     eng = osd.Engine.from_pretrained(
-        setup["target"], draft=setup["draft"], spec=spec, max_batch_size=1, max_seq_len=1024,
+        setup["target"], draft=draft, spec=spec, max_batch_size=1, max_seq_len=1024,
         online=online_recipe("chat"))
     for p in setup["warmup"]:
         eng.generate([p], osd.SamplingParams(NEW_TOKENS))
@@ -159,23 +172,6 @@ def _runner(setup, provider):
     return run, None
 
 
-def _cost(setup):
-    models = [osd.load_model(p) for p in (setup["target"], setup["draft"])]
-    caches = [m.new_cache(1, 256) for m in models]
-    times = [[], []]
-    with torch.inference_mode():
-        for c in caches:
-            c.lens[0] = 128
-            c.set_bound(128)
-        for _ in range(20):
-            for i, (m, c) in enumerate(zip(models, caches)):
-                t0 = time.perf_counter()
-                m(torch.tensor([[1]]), c)
-                times[i].append(time.perf_counter() - t0)
-    med = [sorted(t)[len(t) // 2] for t in times]
-    return med[1] / med[0]
-
-
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_chat(benchmark, setup, provider):
     run, eng = _runner(setup, provider)
@@ -210,7 +206,11 @@ def test_chat(benchmark, setup, provider):
         info.update(alpha=st.get("alpha"), acceptance_rate=st.get("acceptance_rate"),
                     mean_accepted_length=st.get("mean_accepted_length"),
                     lookup_steps=st.get("lookup_steps"))
-        info["c"] = setup.setdefault("c", _cost(setup))
+        draft = _draft_of(setup, provider)
+        costs = setup.setdefault("c", {})
+        if draft not in costs:
+            costs[draft] = draft_cost_ratio(setup["target"], draft)
+        info["c"] = costs[draft]
         if hasattr(eng, "online_updates"):
             info["online_updates"] = eng.online_updates
     benchmark.extra_info.update(info)

@@ -17,7 +17,7 @@ def _demo(args) -> int:
     cfg = DemoConfig(pair=args.pair, requests=args.requests, baseline_requests=args.baseline,
                      static_requests=args.static, max_new_tokens=args.max_new_tokens,
                      num_draft_tokens=args.k, out_dir=args.out, seed=args.seed,
-                     threads=args.threads)
+                     threads=args.threads, draft=args.draft)
     run_demo(cfg)
     return 0
 
@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="last queries also served by the static draft (chat 50, builtin all)")
     d.add_argument("--max-new-tokens", type=int, default=None, help="chat 48, builtin 32")
     d.add_argument("-k", type=int, default=None, help="draft tokens per step (default 4)")
+    d.add_argument("--draft", default=None, choices=["model", "eagle"],
+                   help="chat pair: the standalone draft (model) or the EAGLE draft on the "
+                   "target's features (eagle)")
     d.add_argument("--seed", type=int, default=0, help="query-stream seed")
     d.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default 1: serving and the learner thread "

@@ -38,6 +38,7 @@ import osd
 from osd import zoo
 
 PAIRS = ("chat", "builtin")
+DRAFTS = ("model", "eagle")
 
 
 @dataclasses.dataclass
@@ -52,6 +53,8 @@ class DemoConfig:
     max_new_tokens: int | None = None      # tokens generated per request (greedy)
     num_draft_tokens: int | None = None    # k
     prompt_lookup: bool | None = None      # prompt lookup in front of the draft model
+    draft: str | None = None               # chat pair: "model" (the standalone draft) or
+    #                                        "eagle" (the EAGLE draft on the target's features)
     seed: int = 0                          # query-stream seed
     threads: int | None = None             # torch intra-op threads (1: serving and the
                                            # learner thread each keep a core busy)
@@ -64,6 +67,9 @@ class DemoConfig:
         for name, value in DEFAULTS[self.pair].items():
             if getattr(self, name) is None:
                 setattr(self, name, value() if callable(value) else value)
+        if self.draft not in DRAFTS or (self.draft == "eagle" and self.pair != "chat"):
+            raise ValueError(f"draft must be one of {DRAFTS} (eagle: the chat pair only), "
+                             f"got {self.draft!r}")
         if self.requests < 1 or self.baseline_requests < 1 or self.static_requests < 1:
             raise ValueError("requests, baseline_requests and static_requests must be >= 1")
         self.baseline_requests = min(self.baseline_requests, self.requests)
@@ -90,10 +96,10 @@ def online_recipe(pair: str) -> osd.OnlineConfig:
 
 DEFAULTS = {
     "chat": dict(baseline_requests=16, static_requests=50, max_new_tokens=48,
-                 num_draft_tokens=4, threads=1, prompt_lookup=True,
+                 num_draft_tokens=4, threads=1, prompt_lookup=True, draft="model",
                  online=lambda: online_recipe("chat")),
     "builtin": dict(baseline_requests=40, static_requests=200, max_new_tokens=32,
-                    num_draft_tokens=4, threads=1, prompt_lookup=False,
+                    num_draft_tokens=4, threads=1, prompt_lookup=False, draft="model",
                     online=lambda: online_recipe("builtin")),
 }
 
@@ -107,10 +113,17 @@ def analytic_speedup(alpha: float, k: int, c: float) -> float:
 
 def draft_cost_ratio(target_dir: str, draft_dir: str, steps: int = 30) -> float:
     """c: one draft decode step's time over one target decode step's, measured side by
-    side (interleaved, median of ``steps``)."""
-    models = [osd.load_model(d) for d in (target_dir, draft_dir)]
+    side (interleaved, median of ``steps``). An EAGLE draft's step reads a feature."""
+    from osd.models.eagle import is_eagle_checkpoint
+
+    target = osd.load_model(target_dir)
+    draft = osd.load_eagle(draft_dir, target) if is_eagle_checkpoint(draft_dir) else \
+        osd.load_model(draft_dir)
+    models = [target, draft]
     caches = [m.new_cache(1, 256) for m in models]
     ids = torch.tensor([[1]])
+    kw = [{}, {"features": torch.zeros(1, 1, target.config.hidden_size)}
+          if isinstance(draft, osd.EagleLM) else {}]
     times = [[], []]
     with torch.inference_mode():
         for c in caches:
@@ -119,7 +132,7 @@ def draft_cost_ratio(target_dir: str, draft_dir: str, steps: int = 30) -> float:
         for _ in range(steps):
             for i, (m, c) in enumerate(zip(models, caches)):
                 t0 = time.perf_counter()
-                m(ids, c)
+                m(ids, c, **kw[i])
                 times[i].append(time.perf_counter() - t0)
     med = [sorted(t)[len(t) // 2] for t in times]
     return med[1] / med[0]
@@ -179,12 +192,18 @@ def _stream(cfg: DemoConfig):
     from osd.zoo import humaneval
 
     target, draft = zoo.chat_pair()
+    if cfg.draft == "eagle":
+        draft = zoo.chat_eagle()
     if draft is None:
-        raise FileNotFoundError("the chat pair has no draft (osd/zoo/weights/chat_draft); "
-                                "build it with scripts/build_chat_draft.py")
+        name, script = (("chat_eagle", "build_chat_eagle.py") if cfg.draft == "eagle"
+                        else ("chat_draft", "build_chat_draft.py"))
+        raise FileNotFoundError(f"the chat pair has no draft (osd/zoo/weights/{name}); "
+                                f"build it with scripts/{script}")
     prompts = apply_chat_template(load_tokenizer(target),
                                   humaneval.conversations(cfg.requests, seed=cfg.seed))
-    return target, draft, prompts, "SmolLM2-135M-Instruct (GGUF) and its draft, HumanEval chat requests"
+    which = "its EAGLE draft" if cfg.draft == "eagle" else "its draft"
+    return target, draft, prompts, \
+        f"SmolLM2-135M-Instruct (GGUF) and {which}, HumanEval chat requests"
 
 
 def run_demo(cfg: DemoConfig | None = None) -> dict:

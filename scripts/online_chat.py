@@ -9,6 +9,7 @@ shipped draft frozen (the comparison); otherwise the draft learns with the demo'
 (``background=False``: every update finishes before the next request), so the result
 measures what the recipe learns from the stream, not how much CPU time the learner gets
 beside serving; ``--background`` measures that instead. Timing is not the point here.
+``--eagle`` serves the EAGLE draft (``osd.zoo.chat_eagle()``) instead.
 
     .venv/bin/python scripts/online_chat.py --static --first 150 --json /tmp/static.json
     .venv/bin/python scripts/online_chat.py --json /tmp/online.json
@@ -39,11 +40,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--static", action="store_true", help="the shipped draft, frozen")
     ap.add_argument("--set", default="{}", help="OnlineConfig fields over the recipe (JSON)")
     ap.add_argument("--background", action="store_true", help="learner beside serving")
+    ap.add_argument("--eagle", action="store_true",
+                    help="the EAGLE draft (osd.zoo.chat_eagle) instead of the standalone one")
     ap.add_argument("--tail", type=int, default=50, help="compare α over the last n requests")
     ap.add_argument("--json", help="write the per-request records here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     target, draft = zoo.chat_pair()
+    if args.eagle:
+        draft = zoo.chat_eagle()
     prompts = apply_chat_template(load_tokenizer(target),
                                   humaneval.conversations(args.n, seed=0))
     online = None

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import osd
+from osd.demo import DemoConfig, draft_cost_ratio
 from osd.drafters import EagleDrafter
 from osd.models.eagle import (EagleLM, eagle_loss, head_probs, is_eagle_checkpoint,
                               load_eagle, save_eagle)
@@ -206,6 +207,7 @@ def test_checkpoint_round_trip_and_from_pretrained(tmp_path, trained):
     ref = osd.Engine(target).generate(prompts, osd.SamplingParams(16))
     outs = eng.generate(prompts, osd.SamplingParams(16))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert 0 < draft_cost_ratio(str(tmp_path / "target"), str(tmp_path / "eagle"), steps=3)
 
 
 @pytest.mark.parametrize("lookup", [False, True], ids=["chain", "lookup"])
@@ -264,3 +266,5 @@ def test_bad_uses_fail_clearly(tmp_path, target, trained):
         load_eagle(tmp_path / "eagle", load_model(_small_pair()[0]))
     with pytest.raises(FileNotFoundError, match="config.json is missing"):
         load_eagle(tmp_path / "nowhere", target)
+    with pytest.raises(ValueError, match="draft must be one of"):
+        DemoConfig(pair="builtin", draft="eagle")

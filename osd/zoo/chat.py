@@ -113,4 +113,11 @@ def chat_pair() -> tuple[str, str | None]:
     return fetch_target(), draft
 
 
-__all__ = ["chat_pair", "fetch_target", "fetch_wheel_member", "cached_target", "cache_dir"]
+def chat_eagle() -> str | None:
+    """The path of the chat target's EAGLE draft, ``osd/zoo/weights/chat_eagle`` (built by
+    ``scripts/build_chat_eagle.py``; None when absent). It loads on top of the target:
+    ``osd.Engine.from_pretrained(chat_pair()[0], draft=chat_eagle())``."""
+    return EAGLE_DIR if os.path.isfile(os.path.join(EAGLE_DIR, "model.safetensors")) else None
+
+
+__all__ = ["chat_pair", "chat_eagle", "fetch_target", "fetch_wheel_member", "cached_target", "cache_dir"]
