@@ -70,7 +70,7 @@ def setup():
 def _hf(path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    m = osd.load_model(path)
+    m = osd.load_model(path, head_vocab=False)   # transformers holds the full head
     c = m.config
     cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
                       intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,

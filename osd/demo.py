@@ -312,7 +312,8 @@ def _report(cfg, label, c, base, st_rec, on_rec, online_stats, plain_tps, second
         f"{label}: {n} requests, greedy, batch size 1, k = {k}"
         f"{', prompt lookup in front of the draft' if cfg.prompt_lookup else ''}, up to "
         f"{cfg.max_new_tokens} "
-        f"new tokens per request, CPU fp32. Produced by `osd demo --pair {cfg.pair}` in "
+        f"new tokens per request, CPU fp32. Produced by `osd demo --pair {cfg.pair}"
+        f"{' --draft eagle' if cfg.draft == 'eagle' else ''}` in "
         f"{seconds:.0f} s.", "",
         f"Target alone: **{plain_tps:.1f} tokens/s** (first {len(base)} requests). "
         f"Draft cost ratio c = {c:.3f} (draft decode step / target decode step, measured).", "",

@@ -11,7 +11,8 @@ is asserted equal to plain greedy decoding.
 ``--head-sizes N ...`` also runs the first shape with heads of the N most frequent tokens
 (``build_chat_draft.head_vocab``, the recipe of the shipped ``head_vocab.json``).
 ``--eagle-ks K ...`` also runs the EAGLE draft (``osd/zoo/weights/chat_eagle``, or
-``--eagle DIR``) in chains of each K, with and without prompt lookup in front.
+``--eagle DIR``) in chains of each K, without prompt lookup and with lookup in front for
+each shortest match of ``--eagle-ngram-mins`` (default 1, as ``SpecConfig``).
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def main() -> None:
                         help="head vocabulary sizes to run the first shape with as well")
     parser.add_argument("--eagle-ks", type=int, nargs="*", default=[],
                         help="chain lengths to run the EAGLE draft with (none by default)")
+    parser.add_argument("--eagle-ngram-mins", type=int, nargs="*", default=[1],
+                        help="shortest prompt-lookup matches to run the EAGLE chains with")
     parser.add_argument("--eagle", default=zoo_chat.EAGLE_DIR,
                         help="the EAGLE draft's directory (default the shipped one)")
     args = parser.parse_args()
@@ -83,10 +86,13 @@ def main() -> None:
     if args.eagle_ks:
         eagle = osd.load_eagle(args.eagle, plain.model)
     for k in args.eagle_ks:
-        for lookup in (False, True):
-            engines[f"EAGLE chain k={k}" + (", lookup" if lookup else "")] = osd.Engine(
+        for n in [0] + args.eagle_ngram_mins:
+            name = f"EAGLE chain k={k}" + ("" if n == 0 else ", lookup" if n == 1
+                                           else f", lookup n>={n}")
+            engines[name] = osd.Engine(
                 plain.model, draft=[eagle], max_batch_size=1, max_seq_len=1024,
-                spec=osd.SpecConfig(num_draft_tokens=k, prompt_lookup=lookup))
+                spec=osd.SpecConfig(num_draft_tokens=k, prompt_lookup=n > 0,
+                                    ngram_min=max(n, 1), ngram_max=max(n, 3)))
     params = osd.SamplingParams(max_new_tokens=args.new_tokens)
     seconds = dict.fromkeys(["plain", *engines], 0.0)
     tokens = dict.fromkeys(seconds, 0)

@@ -1,7 +1,8 @@
 """The shipped draft of the chat pair (``osd/zoo/weights/chat_draft``, built by
 ``scripts/build_chat_draft.py``): it loads with osd and transformers, shares the
 SmolLM2-135M-Instruct vocabulary, and greedy speculative decoding with it reproduces
-plain greedy decoding. Skipped when the GGUF target is not cached."""
+plain greedy decoding; the same for its EAGLE draft (``osd/zoo/weights/chat_eagle``).
+Skipped when the GGUF target is not cached."""
 import json
 import os
 
@@ -80,3 +81,46 @@ def test_speculative_equals_plain_greedy():
     got = engine.chat(conv, params)[0]
     assert got.token_ids == want.token_ids
     assert engine.stats["accepted"] > 0
+
+
+def test_eagle_checkpoint_files():
+    """The shipped EAGLE draft: its config names the chat target's shape, fp16 weights of
+    its own tensors only (the target's embedding, norm and head are not stored), under
+    40 MB, with the standalone draft's head vocabulary."""
+    from safetensors import safe_open
+
+    path = zoo_chat.chat_eagle()
+    assert path is not None
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    assert config["architectures"] == ["OsdEagleDraft"]
+    assert (config["hidden_size"], config["vocab_size"]) == (576, 49152)
+    assert config["build"]["target_sha256"] == zoo_chat.SHA256
+    weights = os.path.join(path, "model.safetensors")
+    assert os.path.getsize(weights) < 40e6
+    with safe_open(weights, "pt") as f:
+        keys = set(f.keys())
+        assert {f.get_slice(k).get_dtype() for k in keys} == {"F16"}
+    assert "fc.weight" in keys and not keys & {"embed_tokens.weight", "lm_head.weight"}
+    with open(os.path.join(path, "head_vocab.json")) as f, \
+            open(os.path.join(DRAFT_DIR, "head_vocab.json")) as g:
+        assert json.load(f) == json.load(g)
+
+
+@needs_target
+def test_eagle_speculative_equals_plain_greedy():
+    """``Engine.from_pretrained(gguf, draft=chat_eagle())``: greedy chat answers equal plain
+    greedy decoding, with and without prompt lookup, and the EAGLE draft is accepted."""
+    target = zoo_chat.cached_target()
+    plain = osd.Engine.from_pretrained(target, max_batch_size=2, max_seq_len=256)
+    convs = [[{"role": "user", "content": "Write a Python function that returns the square "
+                                          "of a number."}],
+             [{"role": "user", "content": "Explain what a linked list is in two sentences."}]]
+    params = osd.SamplingParams(max_new_tokens=32)
+    want = [o.token_ids for o in plain.chat(convs, params)]
+    for lookup in (False, True):
+        engine = osd.Engine(plain.model, draft=osd.load_eagle(zoo_chat.chat_eagle(), plain.model),
+                            tokenizer=plain.tokenizer, max_batch_size=2, max_seq_len=256,
+                            spec=osd.SpecConfig(num_draft_tokens=4, prompt_lookup=lookup))
+        assert [o.token_ids for o in engine.chat(convs, params)] == want
+        assert engine.stats["accepted"] > 0

@@ -29,6 +29,8 @@ class OnlineConfig:
     update_every_requests: int = 8     # an update after this many finished requests ...
     update_every_tokens: int | None = None  # ... or after this many collected positions
     steps_per_update: int = 2          # optimizer steps per update
+    eagle_passes: int = 2              # EAGLE drafts: forward passes per step, each after the
+    #                                    first reading the draft's own predicted features
     batch_positions: int = 4096        # buffered positions used per update ...
     replay_fraction: float = 0.0       # ... this share drawn at random from older requests
                                        # (rehearsal), the rest the newest
@@ -67,8 +69,8 @@ class OnlineConfig:
         if self.prompt_positions < 0:
             raise ValueError(f"OnlineConfig.prompt_positions must be >= 0, got "
                              f"{self.prompt_positions}")
-        for name in ("update_every_requests", "steps_per_update", "batch_positions",
-                     "buffer_positions", "checkpoint_every", "max_train_len",
+        for name in ("update_every_requests", "steps_per_update", "eagle_passes",
+                     "batch_positions", "buffer_positions", "checkpoint_every", "max_train_len",
                      "history_requests", "history_updates", "max_train_graphs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"OnlineConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -121,6 +121,20 @@ def draft_logits(model, batch: TrainBatch) -> torch.Tensor:
                                rows=batch.rows, full_vocab=False, features=batch.features)
 
 
+def eagle_pass_logits(model, batch: TrainBatch, passes: int) -> list[torch.Tensor]:
+    """An EAGLE draft's logits ``[M, V_head]`` per pass: the first reads the target's
+    features, each later one the features the pass before predicted (detached), as the
+    draft reads its own from the second drafted token on."""
+    x, out = batch.features, []
+    for _ in range(max(1, passes)):
+        logits, g = model.forward_train(batch.input_ids, attention_mask=batch.attention_mask,
+                                        rows=batch.rows, full_vocab=False, features=x,
+                                        return_hidden=True)
+        out.append(logits)
+        x = torch.cat([batch.features[:, :1], g[:, :-1].detach().to(x.dtype)], 1)
+    return out
+
+
 def batch_for(model, examples: list[Example], max_len: int, device) -> TrainBatch:
     """:func:`build_batch` for ``model`` (its head columns; EAGLE inputs for an EAGLE
     draft)."""

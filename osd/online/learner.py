@@ -50,7 +50,7 @@ import osd_kernels
 from osd.online.buffer import Example, ReplayBuffer
 from osd.online.checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
 from osd.online.config import OnlineConfig
-from osd.online.distill import batch_for, draft_logits, heldout_alpha
+from osd.online.distill import batch_for, draft_logits, eagle_pass_logits, heldout_alpha
 from osd.online.memory import pin_mmap_threshold, release_free_memory
 
 logger = logging.getLogger("osd.online")
@@ -369,11 +369,15 @@ class OnlineLearner:
                            exc_info=n == 1 and not isinstance(error, str))
 
     def _loss(self, batch) -> torch.Tensor:
-        logits = draft_logits(self.model, batch)
         target = ((batch.topk_ids, batch.topk_probs) if batch.topk_ids is not None
                   else batch.target_logits)
-        return osd_kernels.distill_loss(logits, target, loss=self.config.loss,
-                                        beta=self.config.beta)
+        cfg = self.config
+        if batch.features is None:
+            passes = [draft_logits(self.model, batch)]
+        else:
+            passes = eagle_pass_logits(self.model, batch, cfg.eagle_passes)
+        return sum(osd_kernels.distill_loss(logits, target, loss=cfg.loss, beta=cfg.beta)
+                   for logits in passes) / len(passes)
 
     def _step(self, batch) -> float:
         """One optimizer step -> its loss (nan, with the weights untouched, when the loss
