@@ -46,8 +46,8 @@ import time
 import torch
 
 from osd.drafters import EagleDrafter, LookupDrafter, ModelDrafter, NGramDrafter
-from osd.cache import KVCache
 from osd.graphs import StepGraphs, graphed_forward
+from osd.lanes import Lane
 from osd.models.eagle import EagleLM, is_eagle_checkpoint, load_eagle
 from osd.models.llama import DecoderLM, without_layers
 from osd.models.loading import is_transformers_model, load_model, load_tokenizer
@@ -61,27 +61,6 @@ from osd.spec import SpecConfig
 from osd.speculative import Speculator
 from osd.stats import SpecStats
 from osd.tree import StaticTree
-
-
-@dataclasses.dataclass
-class Lane:
-    """The cache rows of one draft's requests (or of plain decoding): ``active[b]``
-    occupies row ``b`` of ``cache`` (and of the draft's own cache), rows ``0 .. B-1``."""
-
-    cache: KVCache
-    next_tokens: torch.Tensor              # [max_batch_size] int64, each row's last token
-    stage_cache: KVCache                   # one row: a long prompt prefilled piece by piece
-    speculator: Speculator | None = None
-    active: list[RequestState] = dataclasses.field(default_factory=list)
-    waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
-    staging: RequestState | None = None    # the long prompt in stage_cache (a row reserved)
-    staged: int = 0                        # its prompt tokens in stage_cache
-    # The target's features [1, chunk, H] of each staged piece (for an EAGLE drafter).
-    stage_hidden: list = dataclasses.field(default_factory=list)
-
-    @property
-    def needs_hidden(self) -> bool:
-        return self.speculator is not None and self.speculator.drafter.needs_hidden
 
 
 class Engine:
@@ -461,7 +440,7 @@ class Engine:
         for lane in self.lanes:
             lane.waiting = collections.deque(r for r in lane.waiting if id(r) not in doomed)
             if lane.staging is not None and id(lane.staging) in doomed:
-                self._unstage(lane)
+                lane.unstage()
             if any(id(r) in doomed for r in lane.active):
                 self.retire(lane.active, lane=lane)
 
@@ -490,78 +469,6 @@ class Engine:
         finally:
             self._wall += time.perf_counter() - t0
 
-    def _admit(self, lane: Lane, prompt_positions: int, reserved: int = 0) -> list[RequestState]:
-        """Waiting requests for the free rows, oldest first. A prompt long enough to need
-        more than one prefill piece goes to the lane's staging row instead (when it is
-        free), to be prefilled one piece per step; the others are prefilled now, up to a
-        budget of ``4 * prefill_chunk`` prompt tokens per step (at least one request).
-        ``reserved`` rows are taken already (a staged prompt joining this step)."""
-        free = self.max_batch_size - len(lane.active) - (lane.staging is not None) - reserved
-        budget = 4 * self.model.config.prefill_chunk
-        new: list[RequestState] = []
-        kept = collections.deque()
-        while lane.waiting and len(new) < free:
-            r = lane.waiting.popleft()
-            if self._pieces_left(len(r.prompt), prompt_positions):
-                if lane.staging is None and len(new) < free:
-                    lane.staging, lane.staged = r, 0
-                    lane.stage_cache.reset()
-                    free -= 1
-                else:
-                    kept.append(r)
-                continue
-            if new and len(r.prompt) > budget:
-                kept.append(r)
-                break
-            budget -= len(r.prompt)
-            new.append(r)
-        kept.extend(lane.waiting)
-        lane.waiting = kept
-        return new
-
-    def _pieces_left(self, remaining: int, prompt_positions: int) -> bool:
-        """Whether a prompt with ``remaining`` tokens to prefill needs a piece before its
-        last one. The last piece holds the last ``prompt_positions`` positions (whose
-        logits online learning keeps) and at most ``prefill_chunk + prompt_positions``
-        tokens."""
-        return remaining - self.model.config.prefill_chunk >= max(prompt_positions, 1)
-
-    def _advance_staging(self, lane: Lane, prompt_positions: int) -> tuple | None:
-        """One prefill piece of the staged prompt into the staging row. When only its last
-        piece is left, the staged K/V move into the lane's next free row and
-        ``(request, tokens already prefilled, their features [n, H] or None)`` is returned, to be prefilled there with
-        the last piece."""
-        r = lane.staging
-        if r is None:
-            return None
-        if self._pieces_left(len(r.prompt) - lane.staged, prompt_positions):
-            chunk = self.model.config.prefill_chunk
-            piece = torch.tensor([r.prompt[lane.staged:lane.staged + chunk]],
-                                 dtype=torch.int64, device=self.device)
-            one = torch.ones(1, 1, dtype=torch.int64, device=self.device)
-            out = self.model.prefill(piece, lane.stage_cache,
-                                     torch.tensor([chunk], device=self.device),
-                                     logits_index=one - 1, return_hidden=lane.needs_hidden)
-            if lane.needs_hidden:
-                lane.stage_hidden.append(out[1])
-            lane.staged += chunk
-            lane.stage_cache.set_bound(lane.staged)
-            return None
-        row, n = len(lane.active), lane.staged
-        if not lane.active:
-            self._empty_lane(lane)
-        lane.cache.kv[:, :, row, :, :n].copy_(lane.stage_cache.kv[:, :, 0, :, :n])
-        lane.cache.lens[row] = n
-        lane.cache.set_bound(max(lane.cache.bound, n))
-        early = torch.cat(lane.stage_hidden, 1)[0] if lane.stage_hidden else None
-        self._unstage(lane)
-        return r, n, early
-
-    def _unstage(self, lane: Lane) -> None:
-        lane.staging, lane.staged = None, 0
-        lane.stage_hidden = []
-        lane.stage_cache.reset()
-
     def _empty_lane(self, lane: Lane) -> None:
         lane.cache.reset()
         if lane.speculator is not None:
@@ -570,8 +477,9 @@ class Engine:
     def _step_lane(self, lane: Lane) -> None:
         spec = lane.speculator
         m = spec.prompt_positions if spec is not None else 0
-        staged = self._advance_staging(lane, m)
-        new = self._admit(lane, m, reserved=int(staged is not None))
+        staged = lane.advance_staging(self.model, m, self._empty_lane)
+        new = lane.admit(self.max_batch_size, self.model.config.prefill_chunk, m,
+                         reserved=int(staged is not None))
         if staged is not None or new:
             if not lane.active and staged is None:
                 self._empty_lane(lane)
@@ -605,7 +513,7 @@ class Engine:
         message = f"the engine step failed: {type(error).__name__}: {error}"
         if lane.staging is not None:
             lane.active.append(lane.staging)      # retired below with the others
-            self._unstage(lane)
+            lane.unstage()
         for r in lane.active:
             if r.finish_reason is None:
                 r.fail(message, "step_error")

@@ -562,22 +562,14 @@ def train_draft(model, examples: list[Example], heldout: list[Example], recipe: 
             "threads_final": tuner.current, "thread_switches": tuner.switches}
 
 
-def save_draft(model, path: str, meta: dict) -> None:
-    """``config.json``, fp16 ``model.safetensors`` (tied head left out) and ``build.json``
-    into ``path``, written beside it first and moved into place."""
-    from safetensors.torch import save_file
-
+def write_checkpoint_dir(path: str, write) -> None:
+    """Call ``write(tmp)`` on a fresh directory beside ``path``, then move it into place
+    (readable by all), replacing ``path``."""
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".chat-draft-", dir=os.path.dirname(path))
+    tmp = tempfile.mkdtemp(prefix=".chat-checkpoint-", dir=os.path.dirname(path))
     try:
-        model.config.save_pretrained(tmp)
-        state = {k: v.detach().to(torch.float16).contiguous()
-                 for k, v in model.state_dict().items() if k != "lm_head.weight"}
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(tmp, "build.json"), "w") as f:
-            json.dump(meta, f, indent=2, sort_keys=True)
-            f.write("\n")
+        write(tmp)
         os.chmod(tmp, 0o755)                          # mkdtemp makes it private
         for name in os.listdir(tmp):
             os.chmod(os.path.join(tmp, name), 0o644)
@@ -586,6 +578,30 @@ def save_draft(model, path: str, meta: dict) -> None:
         os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def split_heldout(examples: list, fraction: float, seed: int) -> tuple[list, list]:
+    """``(train, heldout)``: a seeded shuffle, at least one example held out."""
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    n_held = max(1, round(fraction * len(examples)))
+    return [examples[i] for i in order[n_held:]], [examples[i] for i in order[:n_held]]
+
+
+def save_draft(model, path: str, meta: dict) -> None:
+    """``config.json``, fp16 ``model.safetensors`` (tied head left out) and ``build.json``
+    into ``path``, written beside it first and moved into place."""
+    from safetensors.torch import save_file
+
+    def write(tmp):
+        model.config.save_pretrained(tmp)
+        state = {k: v.detach().to(torch.float16).contiguous()
+                 for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "build.json"), "w") as f:
+            json.dump(meta, f, indent=2, sort_keys=True)
+            f.write("\n")
+    write_checkpoint_dir(path, write)
 
 
 def head_vocab(tokenizer, size: int, examples=()) -> list[int]:
@@ -680,12 +696,7 @@ def build(args) -> int:
     examples = [Example(**e) for e in data["examples"]]
     if len(examples) < 2:
         raise SystemExit(f"error: only {len(examples)} teacher examples; give more --minutes")
-    gen = random.Random(TRAIN.seed)
-    order = list(range(len(examples)))
-    gen.shuffle(order)
-    n_held = max(1, round(TRAIN.heldout_fraction * len(examples)))
-    heldout = [examples[i] for i in order[:n_held]]
-    train = [examples[i] for i in order[n_held:]]
+    train, heldout = split_heldout(examples, TRAIN.heldout_fraction, TRAIN.seed)
     n_resp = sum(e.tokens.numel() - e.prompt_len for e in train)
     n_prompt = sum(e.prompt_len - e.start for e in train)
     _log(f"training on {len(train)} examples ({n_resp} response + {n_prompt} prompt "

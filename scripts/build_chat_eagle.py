@@ -30,9 +30,7 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import osd  # noqa: E402
 from build_chat_draft import (DATA, Example, _bar, _data_file, _log, cache_dir,  # noqa: E402
-                              make_data)
+                              make_data, split_heldout, write_checkpoint_dir)
 from osd.models.eagle import EagleLM, eagle_loss, save_eagle  # noqa: E402
 from osd.models.loading import read_head_vocab  # noqa: E402
 from osd.online.distill import to_head_vocab  # noqa: E402
@@ -234,12 +232,7 @@ def build(args) -> int:
     torch.manual_seed(RECIPE.seed)
     examples, data = _load_examples(args)
     target_path = zoo_chat.fetch_target()
-    gen = random.Random(RECIPE.seed)
-    order = list(range(len(examples)))
-    gen.shuffle(order)
-    n_held = max(1, round(RECIPE.heldout_fraction * len(examples)))
-    heldout = [examples[i] for i in order[:n_held]]
-    train_set = [examples[i] for i in order[n_held:]]
+    train_set, heldout = split_heldout(examples, RECIPE.heldout_fraction, RECIPE.seed)
     positions = sum(e.tokens.numel() - e.start for e in train_set)
     _log(f"training on {len(train_set)} examples ({positions} scored positions), "
          f"{len(heldout)} held out")
@@ -259,19 +252,8 @@ def build(args) -> int:
             "data_examples": len(examples), "build_seconds": round(time.monotonic() - wall0, 1),
             "minutes_budget": args.minutes, "torch": torch.__version__,
             "command": "python scripts/build_chat_eagle.py " + " ".join(sys.argv[1:])}
-    out = os.path.abspath(args.out)
-    tmp = tempfile.mkdtemp(prefix=".chat-eagle-", dir=os.path.dirname(out))
-    try:
-        save_eagle(model, tmp, meta)
-        os.chmod(tmp, 0o755)
-        for name in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, name), 0o644)
-        if os.path.isdir(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    _log(f"wrote {out} in {time.monotonic() - wall0:.0f} s")
+    write_checkpoint_dir(args.out, lambda tmp: save_eagle(model, tmp, meta))
+    _log(f"wrote {os.path.abspath(args.out)} in {time.monotonic() - wall0:.0f} s")
     return 0
 
 

@@ -14,7 +14,8 @@ from osd.models.eagle import (EagleLM, eagle_loss, head_probs, is_eagle_checkpoi
                               load_eagle, save_eagle)
 from osd.models.loading import load_model
 from tests.test_models import VOCAB, tiny_hf_model
-from tests.test_speculative import V_SMALL, _chi2, _exact_joint, _small_pair, prompts_of
+from tests.test_speculative import (V_SMALL, _small_pair, assert_joint_follows_target,
+                                    prompts_of)
 
 
 def _eagle(target, seed: int, head_ids=None, std: float = 0.3) -> EagleLM:
@@ -178,14 +179,7 @@ def test_sampled_joint_follows_target():
     sp = osd.SamplingParams(3, seed=99, temperature=0.8, top_k=0, top_p=0.95)
     eng = osd.Engine(target, draft=[draft], spec=osd.SpecConfig(num_draft_tokens=2),
                      max_batch_size=4096, max_seq_len=16)
-    outs = eng.generate([prompt] * 50_000, sp)
-    codes = torch.tensor([o.token_ids[0] * V_SMALL ** 2 + o.token_ids[1] * V_SMALL
-                          + o.token_ids[2] for o in outs])
-    counts = torch.bincount(codes, minlength=V_SMALL ** 3).double()
-    expected = _exact_joint(hf_target, prompt, sp).double()
-    assert counts[expected == 0].sum() == 0
-    assert _chi2(counts, expected).pvalue > 1e-3
-    assert 0 < eng.stats["accepted"] < eng.stats["drafted"]
+    assert_joint_follows_target(eng, hf_target, prompt, sp)
 
 
 def test_checkpoint_round_trip_and_from_pretrained(tmp_path, trained):

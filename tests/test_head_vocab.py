@@ -12,8 +12,8 @@ from osd.models.loading import HEAD_VOCAB_FILE, load_model
 from osd.online.distill import to_head_vocab
 from osd.spec import DynamicTree
 from tests.test_models import VOCAB, tiny_hf_model
-from tests.test_speculative import (V_SMALL, _chi2, _exact_joint, _small_pair, perturbed,
-                                    prompts_of)
+from tests.test_speculative import (V_SMALL, _small_pair, assert_joint_follows_target,
+                                    perturbed, prompts_of)
 
 
 def _kept(vocab: int, n: int, seed: int) -> torch.Tensor:
@@ -86,14 +86,7 @@ def test_sampled_joint_follows_target():
     small = load_model(draft).restrict_head(_kept(V_SMALL, 9, seed=5))
     eng = osd.Engine(load_model(target), draft=[small], spec=osd.SpecConfig(num_draft_tokens=2),
                      max_batch_size=4096, max_seq_len=16)
-    outs = eng.generate([prompt] * 50_000, sp)
-    codes = torch.tensor([o.token_ids[0] * V_SMALL ** 2 + o.token_ids[1] * V_SMALL
-                          + o.token_ids[2] for o in outs])
-    counts = torch.bincount(codes, minlength=V_SMALL ** 3).double()
-    expected = _exact_joint(target, prompt, sp).double()
-    assert counts[expected == 0].sum() == 0
-    assert _chi2(counts, expected).pvalue > 1e-3
-    assert 0 < eng.stats["accepted"] < eng.stats["drafted"]
+    assert_joint_follows_target(eng, target, prompt, sp)
 
 
 def test_targets_map_into_the_heads_columns():

@@ -93,16 +93,8 @@ class EagleLM(DecoderLM):
         matrices, unit norms; ``fc`` starts as ``[I, I]``: the token's embedding plus the
         normed feature."""
         H = self.config.hidden_size
+        self.init_weights(std, generator, only=("layers.", "feature_norm."))
         with torch.no_grad():
-            for name, p in self.named_parameters():
-                if not name.startswith(("layers.", "feature_norm.")):
-                    continue
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif name.endswith("bias"):
-                    p.zero_()
-                else:
-                    p.normal_(0.0, std, generator=generator)
             eye = torch.eye(H, device=self.device, dtype=self.dtype)
             self.fc.weight.copy_(torch.cat([eye, eye], 1))
 

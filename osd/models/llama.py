@@ -213,10 +213,14 @@ class DecoderLM(nn.Module):
         self.head_ids = ids.to(self.device)
         return self
 
-    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-        """Fresh weights: normal(0, std) matrices and embeddings, zero biases, unit norms."""
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None,
+                     only: tuple[str, ...] | None = None) -> None:
+        """Fresh weights: normal(0, std) matrices and embeddings, zero biases, unit norms;
+        ``only``: the parameters whose names start with one of these prefixes."""
         with torch.no_grad():
             for name, p in self.named_parameters():
+                if only is not None and not name.startswith(only):
+                    continue
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
                 elif name.endswith("bias"):
