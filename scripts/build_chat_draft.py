@@ -112,6 +112,9 @@ class DataRecipe:
     temperature: float = 0.7
     seed: int = 0
     features: bool = True           # keep the target's features too (the EAGLE draft's data)
+    kinds: tuple[str, ...] = ("explain", "write", "summarize", "test", "improve", "comment")
+    #                                 requests about stdlib functions, in turn (the keys of
+    #                                 chat_draft_prompts.CODE_TEMPLATES)
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,10 @@ Stages (a progress bar each):
 
 1. Teacher data: ``scripts/build_chat_draft.py``'s (chat requests made from the standard
    library's text, answered by the target through osd), which keeps the target's features
-   (last layer before the final norm) at every position with its top-32 distributions.
-   It is cached in ``~/.cache/osd/chat_draft``; when absent it is generated here
-   (about 10 minutes).
+   (last layer before the final norm) at every position with its top-32 distributions,
+   plus a second set (:data:`EXTRA_DATA`: other functions, and half of the code requests
+   ask to implement a function from its signature and docstring). Each is cached in
+   ``~/.cache/osd/chat_draft``; when absent it is generated here (about 10 minutes each).
 2. Training: the draft's own tensors (feature norm, ``fc``, one Llama layer as wide as the
    target) learn ``osd.models.eagle.eagle_loss``: cross-entropy from the target's
    distribution over the draft head's 8,192 columns plus smooth-L1 regression onto the
@@ -40,8 +41,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import osd  # noqa: E402
-from build_chat_draft import (DATA, Example, _bar, _data_file, _log, cache_dir,  # noqa: E402
-                              make_data, split_heldout, write_checkpoint_dir)
+from build_chat_draft import (DATA, DataRecipe, Example, _bar, _data_file, _log,  # noqa: E402
+                              cache_dir, make_data, split_heldout, write_checkpoint_dir)
 from osd.models.eagle import EagleLM, eagle_loss, save_eagle  # noqa: E402
 from osd.models.loading import read_head_vocab  # noqa: E402
 from osd.online.distill import to_head_vocab  # noqa: E402
@@ -72,24 +73,34 @@ class EagleRecipe:
 
 
 RECIPE = EagleRecipe()
+# The second teacher set: other stdlib functions (seed 1), half of the code requests asking
+# for a function's body from its signature and docstring.
+EXTRA_DATA = dataclasses.replace(DATA, seed=1, kinds=("complete", "write", "complete",
+                                                      "explain", "complete", "test"))
 
 
-def _load_examples(args) -> tuple[list[Example], dict]:
-    data_file = _data_file(DATA)
-    if os.path.isfile(data_file):
-        _log(f"teacher data {data_file}")
-        data = torch.load(data_file, weights_only=True)
-    else:
-        _log(f"no cached teacher data at {data_file}: generating it")
-        data = make_data(zoo_chat.fetch_target(), DATA,
-                         time.monotonic() + 60.0 * args.data_minutes, args.threads)
-        os.makedirs(cache_dir(), exist_ok=True)
-        torch.save(data, data_file + ".part")
-        os.replace(data_file + ".part", data_file)
-    examples = [Example(**e) for e in data["examples"]]
-    if not examples or examples[0].features is None:
-        raise SystemExit(f"error: the teacher data at {data_file} has no features")
-    return examples, data
+def _load_examples(args, recipes: tuple[DataRecipe, ...]) -> tuple[list[Example], list[dict]]:
+    """The examples of every teacher set in ``recipes`` (each generated when not cached),
+    and each set's record without its examples."""
+    examples, records = [], []
+    for recipe in recipes:
+        data_file = _data_file(recipe)
+        if os.path.isfile(data_file):
+            _log(f"teacher data {data_file}")
+            data = torch.load(data_file, weights_only=True)
+        else:
+            _log(f"no cached teacher data at {data_file}: generating it")
+            data = make_data(zoo_chat.fetch_target(), recipe,
+                             time.monotonic() + 60.0 * args.data_minutes, args.threads)
+            os.makedirs(cache_dir(), exist_ok=True)
+            torch.save(data, data_file + ".part")
+            os.replace(data_file + ".part", data_file)
+        part = [Example(**e) for e in data.pop("examples")]
+        if not part or part[0].features is None:
+            raise SystemExit(f"error: the teacher data at {data_file} has no features")
+        examples += part
+        records.append({**data, "recipe": asdict(recipe), "examples": len(part)})
+    return examples, records
 
 
 def _collate(examples: list[Example], head_ids: torch.Tensor, dtype: torch.dtype):
@@ -230,7 +241,7 @@ def train(model: EagleLM, examples: list[Example], recipe: EagleRecipe,
 def build(args) -> int:
     wall0 = time.monotonic()
     torch.manual_seed(RECIPE.seed)
-    examples, data = _load_examples(args)
+    examples, data = _load_examples(args, (DATA,) if args.one_data_set else (DATA, EXTRA_DATA))
     target_path = zoo_chat.fetch_target()
     train_set, heldout = split_heldout(examples, RECIPE.heldout_fraction, RECIPE.seed)
     positions = sum(e.tokens.numel() - e.start for e in train_set)
@@ -248,7 +259,7 @@ def build(args) -> int:
     _log(f"trained: {info}; held-out agreement {final}")
     meta = {"target": zoo_chat.FILENAME, "target_sha256": zoo_chat.SHA256,
             "recipe": asdict(RECIPE), "training": info, "heldout_initial": before,
-            "heldout_final": final, "data_recipe": data["recipe"],
+            "heldout_final": final, "data": data,
             "data_examples": len(examples), "build_seconds": round(time.monotonic() - wall0, 1),
             "minutes_budget": args.minutes, "torch": torch.__version__,
             "command": "python scripts/build_chat_eagle.py " + " ".join(sys.argv[1:])}
@@ -265,7 +276,9 @@ def main(argv=None) -> int:
     parser.add_argument("--minutes", type=float, default=25.0,
                         help="wall-time budget of the training stage and saving (default 25)")
     parser.add_argument("--data-minutes", type=float, default=13.0,
-                        help="generation budget when the teacher data is not cached (13)")
+                        help="generation budget of each teacher set not cached (13)")
+    parser.add_argument("--one-data-set", action="store_true",
+                        help="train on the first teacher set only (build_chat_draft.py's)")
     parser.add_argument("--head-from", default=HEAD_FROM,
                         help="checkpoint whose head_vocab.json the draft keeps "
                              "(default the chat draft's)")

@@ -1,6 +1,6 @@
 """The chat prompts ``scripts/build_chat_draft.py`` distils the chat draft on, and the
 held-out ones it is measured on: requests about standard-library functions (explain,
-write, summarize, test, comment, improve), general programming concepts and topics, and
+write, summarize, test, comment, improve, complete a stub), general programming concepts and topics, and
 a few HumanEval-style tasks written for the script. Imported by that script (run from
 ``scripts/``)."""
 from __future__ import annotations
@@ -22,6 +22,7 @@ class Function:
     name: str
     code: str
     doc: str | None
+    stub: str | None = None    # the def line(s) and the docstring, without the body
 
 
 def stdlib_functions(split: str, *, min_lines: int = 3, max_lines: int = 30,
@@ -49,8 +50,18 @@ def stdlib_functions(split: str, *, min_lines: int = 3, max_lines: int = 30,
             code = textwrap.dedent(" " * node.col_offset + seg)
             lines = code.count("\n") + 1
             if min_lines <= lines <= max_lines and len(code) <= max_chars:
-                found.append(Function(module, node.name, code, ast.get_docstring(node)))
+                found.append(Function(module, node.name, code, ast.get_docstring(node),
+                                      _stub(source, node)))
     return found
+
+
+def _stub(source: str, node: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
+    """The function's def line(s) and docstring, dedented; None without a docstring or
+    without a body after it."""
+    if ast.get_docstring(node) is None or len(node.body) < 2:
+        return None
+    lines = source.splitlines()[node.lineno - 1:node.body[0].end_lineno]
+    return textwrap.dedent("\n".join(lines)) + "\n"
 
 
 def _first_sentence(doc: str) -> str:
@@ -67,6 +78,11 @@ CODE_TEMPLATES = {
     "test": "Write a unit test for this Python function:\n\n```python\n{code}\n```",
     "improve": "How could this Python code be improved?\n\n```python\n{code}\n```",
     "comment": "Add comments to this code and explain how it works:\n\n```python\n{code}\n```",
+    # a function stub (signature and docstring) to implement, in three phrasings
+    "complete": ("Finish this Python function:\n\n```python\n{stub}```",
+                 "Write the implementation of this function.\n\n```python\n{stub}```",
+                 "Fill in the body of the following Python function and explain it.\n\n"
+                 "```python\n{stub}```"),
 }
 CONCEPTS = [
     "list comprehensions", "generators", "decorators", "context managers", "the GIL",
@@ -128,21 +144,24 @@ class Prompt:
 
 
 def training_prompts(n: int, recipe) -> list[Prompt]:
-    """``n`` chat requests: about 70% over stdlib training-split functions, 15% Python
-    concepts, 15% general; shuffled with ``recipe.seed`` (a ``DataRecipe``); a
-    ``sampled_fraction`` of them answered at ``recipe.temperature``."""
+    """``n`` chat requests: about 70% over stdlib training-split functions (the kinds
+    ``recipe.kinds`` in turn), 15% Python concepts, 15% general; shuffled with
+    ``recipe.seed`` (a ``DataRecipe``); a ``sampled_fraction`` of them answered at
+    ``recipe.temperature``."""
     rng = random.Random(recipe.seed)
     funcs = stdlib_functions("train")
     rng.shuffle(funcs)
-    # "write" needs a public function with a docstring, "summarize" a docstring.
+    # "write" needs a public function with a docstring, "summarize" a docstring,
+    # "complete" a public function with a docstring and a body.
     pools = {"any": funcs, "doc": [f for f in funcs if f.doc],
-             "public": [f for f in funcs if f.doc and not f.name.startswith("_")]}
-    needs = {"write": "public", "summarize": "doc"}
+             "public": [f for f in funcs if f.doc and not f.name.startswith("_")],
+             "stub": [f for f in funcs if f.stub and not f.name.startswith("_")]}
+    needs = {"write": "public", "summarize": "doc", "complete": "stub"}
     used = {name: 0 for name in pools}
     general = [t.format(t=c) for c in CONCEPTS for t in CONCEPT_TEMPLATES]
     general += [t.format(t=c) for c in TOPICS for t in TOPIC_TEMPLATES] + REQUESTS
     rng.shuffle(general)
-    kinds = list(CODE_TEMPLATES)
+    kinds = list(recipe.kinds)
     out, gi, ci = [], 0, 0
     while len(out) < n:
         if rng.random() < 0.7 or gi >= len(general):
@@ -155,9 +174,12 @@ def training_prompts(n: int, recipe) -> list[Prompt]:
                 continue
             fn = pools[pool][used[pool]]
             used[pool] += 1
-            text = CODE_TEMPLATES[kind].format(code=fn.code, doc=fn.doc, name=fn.name,
-                                               sentence=fn.doc and _first_sentence(fn.doc),
-                                               module=fn.module)
+            template = CODE_TEMPLATES[kind]
+            if isinstance(template, tuple):
+                template = template[used[pool] % len(template)]
+            text = template.format(code=fn.code, doc=fn.doc, name=fn.name, stub=fn.stub,
+                                   sentence=fn.doc and _first_sentence(fn.doc),
+                                   module=fn.module)
         else:
             text, kind = general[gi], "general"
             gi += 1

@@ -46,6 +46,23 @@ def test_fused_rms_norm_matches_reference(monkeypatch, m, k, n, portable):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("portable", [False, True])
+def test_a_row_does_not_depend_on_the_rows_beside_it(monkeypatch, portable):
+    """Each row's result is bit-identical whether it runs alone (a decode step) or in a
+    pass with others (a verify forward), which greedy speculative decoding equalling
+    plain decoding relies on."""
+    if portable:
+        monkeypatch.setenv("OSD_NO_AVX2", "1")
+    x, w, b = _inputs(16, 200, 77, 6)
+    g = torch.rand(200, generator=torch.Generator().manual_seed(7)) + 0.5
+    for norm in (None, g):
+        alone = torch.cat([osd_kernels.decode_linear(x[i:i + 1], w, b, norm_weight=norm,
+                                                     backend="native") for i in range(16)])
+        for m in (2, 5, 9, 12, 16):
+            together = osd_kernels.decode_linear(x[:m], w, b, norm_weight=norm, backend="native")
+            assert torch.equal(together, alone[:m]), m
+
+
 def test_fused_rms_norm_under_autograd_takes_the_reference():
     x, w, b = _inputs(3, 16, 8, 9)
     g = torch.ones(16, requires_grad=True)

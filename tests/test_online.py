@@ -156,6 +156,8 @@ def test_learner_rejects_bad_configs():
         osd.OnlineConfig(prompt_positions=-1)
     with pytest.raises(ValueError, match="replay_fraction"):
         osd.OnlineConfig(replay_fraction=1.0)
+    with pytest.raises(ValueError, match="autocast"):
+        osd.OnlineConfig(autocast="float8")
 
 
 def test_update_batch_mixes_newest_and_replayed_requests():
@@ -249,3 +251,37 @@ def test_half_precision_draft_learns_in_fp32(pair):
     eng.online.swap(0)                  # publish the newest update (as the next step would)
     for name, p in serving.state_dict().items():
         assert torch.equal(p, learner.model.state_dict()[name].to(torch.bfloat16)), name
+
+
+def test_autocast_steps_learn_with_fp32_weights(pair):
+    """``autocast="bfloat16"`` runs the draft's training forward in bf16 under
+    ``torch.autocast``; weights and AdamW state stay fp32, outputs stay the target's, and
+    the held-out α still rises."""
+    prompts = prompts_of([6, 9, 4, 7] * 6, seed=88)
+    plain = osd.Engine.from_pretrained(pair[0], max_batch_size=4, max_seq_len=96)
+    ref = plain.generate(prompts, osd.SamplingParams(24))
+    eng = _engine(pair, autocast="bfloat16")
+    before = _draft_state(eng)
+    learner = eng.online.learners[0]
+    seen = []
+    forward = learner.model.forward_train
+
+    def spy(*args, **kw):
+        if torch.is_grad_enabled():                 # a training step, not the guard's scoring
+            seen.append(torch.is_autocast_enabled("cpu"))
+        return forward(*args, **kw)
+    learner.model.forward_train = spy
+    outs = []
+    for i in range(0, len(prompts), 4):
+        outs += eng.generate(prompts[i:i + 4], osd.SamplingParams(24))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert seen and all(seen)
+    assert eng.stats["online"]["updates_applied"] >= 3
+    assert all(p.dtype == torch.float32 for p in learner.model.parameters())
+    assert all(st["exp_avg"].dtype == torch.float32 for st in learner.optim.state.values())
+    start = copy.deepcopy(learner.serving)
+    start.load_state_dict(before)
+    holdout = learner.buffer.holdout()
+    a0 = heldout_alpha(start, holdout, 512, "cpu")
+    a1 = heldout_alpha(learner.serving, holdout, 512, "cpu")
+    assert a1 > a0 + 0.01, (a0, a1)

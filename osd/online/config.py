@@ -7,6 +7,7 @@ from osd.online.router import RouterConfig
 
 LOSSES = ("fkl", "rkl", "jsd", "tvd")
 POSITION_POLICIES = ("all", "corrected")
+AUTOCAST_DTYPES = (None, "bfloat16", "float16")
 
 
 @dataclass
@@ -35,6 +36,9 @@ class OnlineConfig:
     replay_fraction: float = 0.0       # ... this share drawn at random from older requests
                                        # (rehearsal), the rest the newest
     lr: float = 1e-4                   # AdamW learning rate
+    autocast: str | None = None        # "bfloat16" | "float16": the draft's forward in this
+                                       # dtype under torch.autocast, its weights and AdamW
+                                       # state fp32 (eager steps: no CUDA graph capture)
     weight_decay: float = 0.0          # AdamW weight decay
     max_grad_norm: float = 1.0         # gradient clipping (<= 0 disables)
     buffer_positions: int = 65536      # replay buffer capacity, in stored positions
@@ -82,3 +86,6 @@ class OnlineConfig:
                              f"{self.replay_fraction}")
         if self.lr <= 0:
             raise ValueError(f"OnlineConfig.lr must be > 0, got {self.lr}")
+        if self.autocast not in AUTOCAST_DTYPES:
+            raise ValueError(f"OnlineConfig.autocast must be one of {AUTOCAST_DTYPES}, got "
+                             f"{self.autocast!r}")

@@ -35,6 +35,7 @@ bounded however long the engine serves.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import logging
 import math
@@ -232,7 +233,8 @@ class OnlineLearner:
         self._gen = torch.Generator().manual_seed(config.seed)
         self._snapshot = None               # the state an update in progress rolls back to
         self._graph_step = None
-        if use_cuda and config.cuda_graphs and not shared:   # EAGLE batches: eager steps
+        # EAGLE batches and autocast steps run eagerly.
+        if use_cuda and config.cuda_graphs and not shared and config.autocast is None:
             from osd.online.graphs import GraphedTrainStep
 
             self._graph_step = GraphedTrainStep(self.model, self.optim, config)
@@ -372,10 +374,12 @@ class OnlineLearner:
         target = ((batch.topk_ids, batch.topk_probs) if batch.topk_ids is not None
                   else batch.target_logits)
         cfg = self.config
-        if batch.features is None:
-            passes = [draft_logits(self.model, batch)]
-        else:
-            passes = eagle_pass_logits(self.model, batch, cfg.eagle_passes)
+        with (torch.autocast(self.device.type, dtype=getattr(torch, cfg.autocast))
+              if cfg.autocast else contextlib.nullcontext()):
+            if batch.features is None:
+                passes = [draft_logits(self.model, batch)]
+            else:
+                passes = eagle_pass_logits(self.model, batch, cfg.eagle_passes)
         return sum(osd_kernels.distill_loss(logits, target, loss=cfg.loss, beta=cfg.beta)
                    for logits in passes) / len(passes)
 
