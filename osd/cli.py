@@ -17,7 +17,8 @@ def _demo(args) -> int:
     cfg = DemoConfig(pair=args.pair, requests=args.requests, baseline_requests=args.baseline,
                      static_requests=args.static, max_new_tokens=args.max_new_tokens,
                      num_draft_tokens=args.k, out_dir=args.out, seed=args.seed,
-                     threads=args.threads, draft=args.draft)
+                     threads=args.threads, draft=args.draft,
+                     lookup_history=args.lookup_history)
     run_demo(cfg)
     return 0
 
@@ -121,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--draft", default=None, choices=["model", "eagle"],
                    help="chat pair: the standalone draft (model) or the EAGLE draft on the "
                    "target's features (eagle)")
+    d.add_argument("--lookup-history", type=int, default=None, metavar="TOKENS",
+                   help="prompt lookup also over this many tokens of earlier answers "
+                   "(default 0: each request's own text)")
     d.add_argument("--seed", type=int, default=0, help="query-stream seed")
     d.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default 1: serving and the learner thread "
@@ -177,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-lookup", action="store_true",
                    help="prompt lookup first, the draft model when it finds nothing (without "
                    "a draft: prompt lookup alone)")
+    s.add_argument("--lookup-history", type=int, default=0, metavar="TOKENS",
+                   help="with --prompt-lookup: also look up in this many tokens of earlier "
+                   "answers (0: each request's own text only)")
     s.add_argument("--online", action="store_true", help="let the draft learn while serving")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)

@@ -13,11 +13,12 @@ Three passes over the same stream, each request served at batch size 1, greedy:
 
 1. the target alone (plain decoding) on the first ``baseline_requests`` requests: the
    tokens/s that every speedup is measured against;
-2. speculative decoding with the draft kept **static**, on the last ``static_requests``
-   requests (all of them for the built-in pair) and the first few;
-3. speculative decoding with **online** distillation on over the whole stream (the
+2. speculative decoding with **online** distillation on over the whole stream (the
    draft learns in a background thread from the target's verdicts; updates are swapped
-   in between decode steps).
+   in between decode steps);
+3. speculative decoding with the draft kept **static**, on the last ``static_requests``
+   requests (all of them for the built-in pair). With ``lookup_history``, its history
+   first receives the answers of the requests before those, as the online pass had them.
 
 Live progress shows the rolling α, tokens/s and speedup. The report (markdown and PNG
 plots) goes to ``out_dir``: α over requests (static against online), tokens/s over
@@ -53,6 +54,8 @@ class DemoConfig:
     max_new_tokens: int | None = None      # tokens generated per request (greedy)
     num_draft_tokens: int | None = None    # k
     prompt_lookup: bool | None = None      # prompt lookup in front of the draft model
+    lookup_history: int | None = None      # prompt lookup also over this many tokens of
+    #                                        earlier answers (SpecConfig.lookup_history)
     draft: str | None = None               # chat pair: "model" (the standalone draft) or
     #                                        "eagle" (the EAGLE draft on the target's features)
     seed: int = 0                          # query-stream seed
@@ -70,6 +73,8 @@ class DemoConfig:
         if self.draft not in DRAFTS or (self.draft == "eagle" and self.pair != "chat"):
             raise ValueError(f"draft must be one of {DRAFTS} (eagle: the chat pair only), "
                              f"got {self.draft!r}")
+        if self.lookup_history and not self.prompt_lookup:
+            raise ValueError("lookup_history needs prompt_lookup")
         if self.requests < 1 or self.baseline_requests < 1 or self.static_requests < 1:
             raise ValueError("requests, baseline_requests and static_requests must be >= 1")
         self.baseline_requests = min(self.baseline_requests, self.requests)
@@ -96,10 +101,12 @@ def online_recipe(pair: str) -> osd.OnlineConfig:
 
 DEFAULTS = {
     "chat": dict(baseline_requests=16, static_requests=50, max_new_tokens=48,
-                 num_draft_tokens=4, threads=1, prompt_lookup=True, draft="model",
+                 num_draft_tokens=4, threads=1, prompt_lookup=True, lookup_history=0,
+                 draft="model",
                  online=lambda: online_recipe("chat")),
     "builtin": dict(baseline_requests=40, static_requests=200, max_new_tokens=32,
-                    num_draft_tokens=4, threads=1, prompt_lookup=False, draft="model",
+                    num_draft_tokens=4, threads=1, prompt_lookup=False, lookup_history=0,
+                    draft="model",
                     online=lambda: online_recipe("builtin")),
 }
 
@@ -139,15 +146,17 @@ def draft_cost_ratio(target_dir: str, draft_dir: str, steps: int = 30) -> float:
 
 
 def _serve(engine, prompts, params, label: str, plain_tps: float | None = None,
-           first_index: int = 0):
+           first_index: int = 0, outputs: list | None = None):
     """Serve prompts one at a time with a progress bar; per-request records (``request``
-    numbered from ``first_index``)."""
+    numbered from ``first_index``). ``outputs``: a list to append the token ids to."""
     records = []
     bar = tqdm(prompts, desc=label, unit="req", dynamic_ncols=True)
     for i, prompt in enumerate(bar, start=first_index):
         t0 = time.perf_counter()
         out = engine.generate([prompt], params)[0]
         dt = time.perf_counter() - t0
+        if outputs is not None:
+            outputs.append(out.token_ids)
         st = out.stats or {}
         records.append({"request": i, "tokens": len(out.token_ids), "seconds": dt,
                         "alpha": st.get("alpha"), "accepted": st.get("accepted"),
@@ -224,17 +233,24 @@ def run_demo(cfg: DemoConfig | None = None) -> dict:
     plain = osd.Engine.from_pretrained(target_dir, max_batch_size=1, max_seq_len=max_len)
     base = _serve(plain, prompts[:cfg.baseline_requests], params, "target alone")
     plain_tps = _tps(base)
-    spec = osd.SpecConfig(num_draft_tokens=k, prompt_lookup=cfg.prompt_lookup)
-    static = osd.Engine.from_pretrained(target_dir, draft=draft_dir, spec=spec,
-                                        max_batch_size=1, max_seq_len=max_len)
-    first_static = cfg.requests - cfg.static_requests
-    st_rec = _serve(static, prompts[first_static:], params, "static draft", plain_tps,
-                    first_index=first_static)
+    spec = osd.SpecConfig(num_draft_tokens=k, prompt_lookup=cfg.prompt_lookup,
+                          lookup_history=cfg.lookup_history)
     online = osd.Engine.from_pretrained(target_dir, draft=draft_dir, spec=spec,
                                         online=cfg.online, max_batch_size=1,
                                         max_seq_len=max_len)
-    on_rec = _serve(online, prompts, params, "online draft", plain_tps)
+    outputs = []
+    on_rec = _serve(online, prompts, params, "online draft", plain_tps, outputs=outputs)
     online.close()
+    static = osd.Engine.from_pretrained(target_dir, draft=draft_dir, spec=spec,
+                                        max_batch_size=1, max_seq_len=max_len)
+    first_static = cfg.requests - cfg.static_requests
+    if static.lookup_history is not None:
+        # The answers served before its first request, as the online engine had them
+        # (greedy outputs are the target's whichever draft served them).
+        for prompt, ids in zip(prompts[:first_static], outputs):
+            static.lookup_history.add(prompt, ids)
+    st_rec = _serve(static, prompts[first_static:], params, "static draft", plain_tps,
+                    first_index=first_static)
     # Outputs are lossless: spot-check the first requests against the target alone.
     for i in range(min(3, cfg.baseline_requests)):
         ref = plain.generate([prompts[i]], params)[0].token_ids
@@ -310,10 +326,13 @@ def _report(cfg, label, c, base, st_rec, on_rec, online_stats, plain_tps, second
     lines = [
         "# osd demo report", "",
         f"{label}: {n} requests, greedy, batch size 1, k = {k}"
-        f"{', prompt lookup in front of the draft' if cfg.prompt_lookup else ''}, up to "
+        f"{', prompt lookup in front of the draft' if cfg.prompt_lookup else ''}"
+        f"{f' (also over {cfg.lookup_history} tokens of earlier answers)' if cfg.lookup_history else ''}"
+        f", up to "
         f"{cfg.max_new_tokens} "
         f"new tokens per request, CPU fp32. Produced by `osd demo --pair {cfg.pair}"
-        f"{' --draft eagle' if cfg.draft == 'eagle' else ''}` in "
+        f"{' --draft eagle' if cfg.draft == 'eagle' else ''}"
+        f"{f' --lookup-history {cfg.lookup_history}' if cfg.lookup_history else ''}` in "
         f"{seconds:.0f} s.", "",
         f"Target alone: **{plain_tps:.1f} tokens/s** (first {len(base)} requests). "
         f"Draft cost ratio c = {c:.3f} (draft decode step / target decode step, measured).", "",
@@ -333,7 +352,8 @@ def _report(cfg, label, c, base, st_rec, on_rec, online_stats, plain_tps, second
         "α is the exact 1 − TV(p, q) between the target's and the draft's next-token "
         "distributions, averaged over the positions the draft model drafted"
         f"{' (steps drafted by prompt lookup are not in α, but are in tokens/s)' if cfg.prompt_lookup else ''}"
-        f". The static draft served the last {len(st_rec)} requests only.", "",
+        f". The static draft served the last {len(st_rec)} requests only"
+        f"{', its lookup history holding the answers before them' if cfg.lookup_history else ''}.", "",
         "![alpha](alpha.png)", "", "![tokens/s](tokens_per_s.png)", "", "![speedup](speedup.png)",
         "",
     ]

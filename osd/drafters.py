@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from osd.graphs import StepGraphs, batch_bucket
+from osd.lookup_history import LookupHistory
 from osd.models.llama import DecoderLM
 from osd.sampling import BatchParams, SamplingParams
 from osd.spec import DynamicTree
@@ -515,16 +516,19 @@ def _mask_with_roots(parents: torch.Tensor) -> torch.Tensor:
 
 class NGramDrafter:
     """Prompt lookup: propose what followed the latest earlier match of the context's
-    suffix (longest suffix first, ``ngram_max`` down to ``ngram_min`` tokens). It keeps no
+    suffix (longest suffix first, ``ngram_max`` down to ``ngram_min`` tokens), in the
+    row's own text and then, at each length, in the engine's ``history`` of finished
+    requests (:class:`~osd.lookup_history.LookupHistory`) when it has one. It keeps no
     per-row state: the row bookkeeping of the protocol does nothing."""
 
     has_model = False
     needs_hidden = False
     model = None
 
-    def __init__(self, ngram_min: int, ngram_max: int):
+    def __init__(self, ngram_min: int, ngram_max: int, history: LookupHistory | None = None):
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
+        self.history = history
 
     def prefill(self, prompts, start_row: int, first_tokens: torch.Tensor, hidden=None) -> None:
         pass
@@ -569,17 +573,23 @@ class NGramDrafter:
                              max_drafted, source="lookup")
 
     def lookup(self, hist: list[int], k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of a suffix."""
+        """Up to ``k`` tokens that followed the latest earlier occurrence of a suffix: the
+        longest suffix with a match, in ``hist`` itself before the history."""
         seq = torch.tensor(hist, dtype=torch.int64)
         L = seq.numel()
         for n in range(self.ngram_max, self.ngram_min - 1, -1):
-            if L <= n:
+            if L < n:
                 continue
-            windows = seq[:L - 1].unfold(0, n, 1)             # starts 0 .. L-1-n
-            hits = (windows == seq[L - n:]).all(1).nonzero()
-            if hits.numel():
-                start = int(hits[-1]) + n
-                return seq[start:start + k].tolist()
+            if L > n:
+                windows = seq[:L - 1].unfold(0, n, 1)             # starts 0 .. L-1-n
+                hits = (windows == seq[L - n:]).all(1).nonzero()
+                if hits.numel():
+                    start = int(hits[-1]) + n
+                    return seq[start:start + k].tolist()
+            if self.history is not None:
+                cont = self.history.lookup(hist[L - n:], k)
+                if cont:
+                    return cont
         return []
 
 

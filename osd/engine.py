@@ -48,6 +48,7 @@ import torch
 from osd.drafters import EagleDrafter, LookupDrafter, ModelDrafter, NGramDrafter
 from osd.graphs import StepGraphs, graphed_forward
 from osd.lanes import Lane
+from osd.lookup_history import LookupHistory
 from osd.models.eagle import EagleLM, is_eagle_checkpoint, load_eagle
 from osd.models.llama import DecoderLM, without_layers
 from osd.models.loading import is_transformers_model, load_model, load_tokenizer
@@ -146,6 +147,11 @@ class Engine:
         self.spec = spec
         # Speculative steps write up to a whole tree past a row's length: room for it.
         self._headroom = 0 if spec is None else _spec_width(spec) + 2
+        # Finished requests' tokens, searched by prompt lookup after each request's own
+        # (shared by every lane's lookup).
+        self.lookup_history = LookupHistory(spec.lookup_history, spec.ngram_min,
+                                            spec.ngram_max) \
+            if spec is not None and spec.lookup_history else None
         # One lane (target cache rows) per drafter, so requests of every draft are served
         # in the same steps; plain decoding has one lane without a speculator.
         drafters = [None] if spec is None else \
@@ -188,8 +194,9 @@ class Engine:
         except when the draft learns online (``learning``): then it drafts with a copy of
         the layers it uses, so training never writes the target's weights."""
         capacity = self.max_seq_len + self._headroom + 72
+        history = self.lookup_history
         if spec.drafter == "ngram":
-            return [NGramDrafter(spec.ngram_min, spec.ngram_max)]
+            return [NGramDrafter(spec.ngram_min, spec.ngram_max, history)]
         if spec.drafter == "self":
             n = self.model.config.num_layers
             skip = frozenset(spec.skip_layers) if spec.skip_layers is not None else \
@@ -207,7 +214,7 @@ class Engine:
             drafters = [EagleDrafter(d, self.max_batch_size, capacity) if isinstance(d, EagleLM)
                         else ModelDrafter(d, self.max_batch_size, capacity) for d in drafts]
         if spec.prompt_lookup:
-            drafters = [LookupDrafter(d, NGramDrafter(spec.ngram_min, spec.ngram_max))
+            drafters = [LookupDrafter(d, NGramDrafter(spec.ngram_min, spec.ngram_max, history))
                         for d in drafters]
         return drafters
 
@@ -639,6 +646,8 @@ class Engine:
                 self.last_error = f"{r.error_kind}: {r.error}"
             elif r.finish_reason == "abort":
                 self._aborted += 1
+            if self.lookup_history is not None and r.finish_reason != "error":
+                self.lookup_history.add(r.prompt, r.generated)
             r.teacher = []                # the learner has its copy; free it now
             self._generated += len(r.generated)
             self._requests_served += 1

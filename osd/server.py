@@ -637,6 +637,8 @@ def serve(args) -> int:
         spec = osd.SpecConfig(num_draft_tokens=args.k,
                               drafter="model" if draft is not None else "ngram",
                               prompt_lookup=args.prompt_lookup and draft is not None,
+                              lookup_history=getattr(args, "lookup_history", 0)
+                              if args.prompt_lookup else 0,
                               auto_k=getattr(args, "auto_k", False))
     if args.online and draft is None:
         raise ValueError("--online needs a draft model to learn (--draft)")

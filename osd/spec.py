@@ -45,6 +45,12 @@ class SpecConfig:
     drafts every row: a chain, or the ``tree`` when one is set. Lookup is nearly free and, where text
     repeats (code, edits, retrieval), long and accurate; the draft model covers the rest.
 
+    ``lookup_history=n`` (with ``prompt_lookup`` or the ``"ngram"`` drafter) also looks the
+    suffix up in the newest ``n`` tokens of the engine's finished requests (their outputs,
+    :class:`osd.lookup_history.LookupHistory`), at each suffix length after the request's
+    own text: traffic that repeats across requests (a task asked again, an answer
+    template) is then drafted from earlier answers.
+
     ``auto_k=True`` (chains) lets each step choose its chain length among a few values from
     0 to ``num_draft_tokens`` by the goodput measured at the step's batch size (tokens
     emitted per second of step time, ``osd.speculative.DraftLengthController``): where
@@ -62,6 +68,8 @@ class SpecConfig:
     ngram_min: int = 1                   # ngram: shortest suffix matched
     prompt_lookup: bool = False          # model/self: prompt lookup first (a chain); the draft
     #                                      model (chain or tree) where some row has no match
+    lookup_history: int = 0              # lookup also in this many tokens of finished
+    #                                      requests (0: only the request's own text)
     adaptive: bool = False               # stop drafting a row when the draft is unsure
     adaptive_floor: float = 0.35         # adaptive: stop when P(reach and accept) < floor
     adaptive_init_threshold: float = 0.3  # adaptive: confidence threshold before calibration
@@ -89,6 +97,11 @@ class SpecConfig:
         if self.prompt_lookup and self.drafter == "ngram":
             raise ValueError("SpecConfig(prompt_lookup=True) adds prompt lookup to a model "
                              "drafter; drafter='ngram' already is prompt lookup")
+        if self.lookup_history < 0:
+            raise ValueError(f"SpecConfig.lookup_history must be >= 0, got {self.lookup_history}")
+        if self.lookup_history and not (self.prompt_lookup or self.drafter == "ngram"):
+            raise ValueError("SpecConfig.lookup_history extends prompt lookup: set "
+                             "prompt_lookup=True (or drafter='ngram')")
         if self.auto_k and (self.tree is not None or self.adaptive):
             raise ValueError("SpecConfig(auto_k=True) picks a chain length per step; it does "
                              "not combine with trees or adaptive=True")

@@ -37,6 +37,7 @@ def test_generate_on_the_zoo_pair(extra, capsys):
      "num_draft_tokens must be in"),
     (["generate", "--target", "TARGET", "--temperature", "-1", "hi"], "temperature"),
     (["bench", "--only", "nothing_like_this"], "no benchmark"),
+    (["demo", "--pair", "builtin", "--lookup-history", "1000"], "lookup_history needs prompt_lookup"),
 ])
 def test_errors_are_messages(argv, match, capsys):
     target, draft = zoo.default_pair()

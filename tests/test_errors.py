@@ -194,6 +194,8 @@ def test_unknown_device(engine, expected, hf):
     (dict(drafter="ngram", prompt_lookup=True), "drafter='ngram' already is prompt lookup"),
     (dict(drafter="eagle"), "SpecConfig.drafter must be one of"),
     (dict(ngram_min=3, ngram_max=2), "1 <= ngram_min <= ngram_max"),
+    (dict(lookup_history=-5, prompt_lookup=True), "lookup_history must be >= 0"),
+    (dict(lookup_history=1000), "lookup_history extends prompt lookup"),
 ])
 def test_bad_spec_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
