@@ -1,8 +1,8 @@
 """Build the chat pair's EAGLE draft: one decoder layer that drafts from the target's
 features (``osd.models.eagle``), trained on the target's own answers.
 
-    python scripts/build_chat_eagle.py                 # ~25 min on the 2-core machine
-    python scripts/build_chat_eagle.py --minutes 40    # a longer training budget
+    python scripts/build_chat_eagle.py                 # ~50 min on the 2-core machine
+    python scripts/build_chat_eagle.py --minutes 70    # a longer training budget
 
 Stages (a progress bar each):
 
@@ -273,8 +273,9 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=DEFAULT_OUT,
                         help="checkpoint directory (default osd/zoo/weights/chat_eagle)")
-    parser.add_argument("--minutes", type=float, default=25.0,
-                        help="wall-time budget of the training stage and saving (default 25)")
+    parser.add_argument("--minutes", type=float, default=50.0,
+                        help="wall-time budget of the whole build: teacher data not cached, "
+                        "training and saving (default 50)")
     parser.add_argument("--data-minutes", type=float, default=13.0,
                         help="generation budget of each teacher set not cached (13)")
     parser.add_argument("--one-data-set", action="store_true",

@@ -10,13 +10,15 @@ is asserted equal to plain greedy decoding.
 
 ``--head-sizes N ...`` also runs the first shape with heads of the N most frequent tokens
 (``build_chat_draft.head_vocab``, the recipe of the shipped ``head_vocab.json``).
-``--eagle-ks K ...`` also runs the EAGLE draft (``osd/zoo/weights/chat_eagle``, or
-``--eagle DIR``) in chains of each K, without prompt lookup and with lookup in front for
-each shortest match of ``--eagle-ngram-mins`` (default 1, as ``SpecConfig``).
+``--eagle-ks K ...`` also runs the EAGLE draft (``osd/zoo/weights/chat_eagle``, or each
+of ``--eagle DIR ...`` side by side) in chains of each K, without prompt lookup and with
+lookup in front for each shortest match of ``--eagle-ngram-mins`` (default 1, as
+``SpecConfig``).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -56,8 +58,8 @@ def main() -> None:
                         help="chain lengths to run the EAGLE draft with (none by default)")
     parser.add_argument("--eagle-ngram-mins", type=int, nargs="*", default=[1],
                         help="shortest prompt-lookup matches to run the EAGLE chains with")
-    parser.add_argument("--eagle", default=zoo_chat.EAGLE_DIR,
-                        help="the EAGLE draft's directory (default the shipped one)")
+    parser.add_argument("--eagle", nargs="+", default=[zoo_chat.EAGLE_DIR],
+                        help="EAGLE draft directories (default the shipped one)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, draft = zoo.chat_pair()
@@ -83,16 +85,17 @@ def main() -> None:
         engines[f"{name}, head {size}"] = osd.Engine(
             plain.model, draft=[model], spec=osd.SpecConfig(**SHAPES[name]),
             max_batch_size=1, max_seq_len=1024)
-    if args.eagle_ks:
-        eagle = osd.load_eagle(args.eagle, plain.model)
-    for k in args.eagle_ks:
-        for n in [0] + args.eagle_ngram_mins:
-            name = f"EAGLE chain k={k}" + ("" if n == 0 else ", lookup" if n == 1
-                                           else f", lookup n>={n}")
-            engines[name] = osd.Engine(
-                plain.model, draft=[eagle], max_batch_size=1, max_seq_len=1024,
-                spec=osd.SpecConfig(num_draft_tokens=k, prompt_lookup=n > 0,
-                                    ngram_min=max(n, 1), ngram_max=max(n, 3)))
+    for path in args.eagle if args.eagle_ks else []:
+        eagle = osd.load_eagle(path, plain.model)
+        label = "EAGLE" if len(args.eagle) == 1 else f"EAGLE {os.path.basename(path)}"
+        for k in args.eagle_ks:
+            for n in [0] + args.eagle_ngram_mins:
+                name = f"{label} chain k={k}" + ("" if n == 0 else ", lookup" if n == 1
+                                                 else f", lookup n>={n}")
+                engines[name] = osd.Engine(
+                    plain.model, draft=[eagle], max_batch_size=1, max_seq_len=1024,
+                    spec=osd.SpecConfig(num_draft_tokens=k, prompt_lookup=n > 0,
+                                        ngram_min=max(n, 1), ngram_max=max(n, 3)))
     params = osd.SamplingParams(max_new_tokens=args.new_tokens)
     seconds = dict.fromkeys(["plain", *engines], 0.0)
     tokens = dict.fromkeys(seconds, 0)
