@@ -58,6 +58,19 @@ def test_demo_builtin_writes_the_report(tmp_path):
     assert "| online |" in (out / "report.md").read_text()
 
 
+def test_demo_with_a_lookup_history(tmp_path):
+    """The static pass's lookup history starts with the answers served before its
+    requests, as the online pass had them; the report says so."""
+    from osd.demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(pair="builtin", requests=6, baseline_requests=2, static_requests=3,
+                     max_new_tokens=8, prompt_lookup=True, lookup_history=4096,
+                     out_dir=str(tmp_path / "demo"))
+    run_demo(cfg)
+    report = (tmp_path / "demo" / "report.md").read_text()
+    assert "4096 tokens of earlier answers" in report and "--lookup-history 4096" in report
+
+
 def test_demo_bad_pair():
     with pytest.raises(SystemExit):
         cli.main(["demo", "--pair", "nonsense"])

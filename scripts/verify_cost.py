@@ -1,0 +1,60 @@
+"""Verify cost on the chat target: one forward of T rows (a chain's causal block, or a tree
+with its ancestor mask) over a cache of ``--context`` tokens, in one-row forwards. Random
+token ids; best of ``--rounds`` rounds of 10 forwards each, the shapes interleaved.
+
+    .venv/bin/python scripts/verify_cost.py --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import osd
+from osd import zoo
+from osd.tree import depths_from_parents, mask_from_parents
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context", type=int, default=300, help="cached tokens (300)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rows", type=int, nargs="*", default=[1, 5, 11, 16])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = osd.load_model(zoo.chat_pair()[0])
+    vocab = model.config.vocab_size
+    cache = model.new_cache(1, args.context + max(args.rows) + 1)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        model(torch.randint(0, vocab, (1, args.context), generator=gen), cache)
+        cache.commit(torch.tensor([args.context], dtype=torch.int32), args.context)
+
+        def forward(T: int, tree: bool):
+            ids = torch.randint(0, vocab, (1, T), generator=gen)
+            if not tree:
+                return model(ids, cache)
+            # a 3-ary tree in breadth-first order
+            par = torch.tensor([[-1] + [(i - 1) // 3 for i in range(1, T)]], dtype=torch.int32)
+            return model(ids, cache, tree_mask=mask_from_parents(par),
+                         depths=depths_from_parents(par).long())
+
+        shapes = [(T, False) for T in args.rows] + [(T, True) for T in args.rows if T > 1]
+        best = {s: float("inf") for s in shapes}
+        for _ in range(args.rounds):
+            for s in shapes:
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    forward(*s)
+                best[s] = min(best[s], (time.perf_counter() - t0) / 10)
+    one = best[(1, False)] if (1, False) in best else min(best.values())
+    print("| rows | mask | ms per forward | one-row forwards |")
+    print("|---|---|---|---|")
+    for (T, tree), t in best.items():
+        print(f"| {T} | {'tree' if tree else 'causal'} | {1e3 * t:.1f} | {t / one:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
