@@ -1,6 +1,6 @@
 """The chat prompts ``scripts/build_chat_draft.py`` distils the chat draft on, and the
 held-out ones it is measured on: requests about standard-library functions (explain,
-write, summarize, test, comment, improve, complete a stub), general programming concepts and topics, and
+write, summarize, test, comment, improve, implement from a signature and docstring), general programming concepts and topics, and
 a few HumanEval-style tasks written for the script. Imported by that script (run from
 ``scripts/``)."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ class Function:
     name: str
     code: str
     doc: str | None
-    stub: str | None = None    # the def line(s) and the docstring, without the body
+    skeleton: str | None = None  # the def line(s) and the docstring, without the body
 
 
 def stdlib_functions(split: str, *, min_lines: int = 3, max_lines: int = 30,
@@ -51,11 +51,11 @@ def stdlib_functions(split: str, *, min_lines: int = 3, max_lines: int = 30,
             lines = code.count("\n") + 1
             if min_lines <= lines <= max_lines and len(code) <= max_chars:
                 found.append(Function(module, node.name, code, ast.get_docstring(node),
-                                      _stub(source, node)))
+                                      _skeleton(source, node)))
     return found
 
 
-def _stub(source: str, node: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
+def _skeleton(source: str, node: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
     """The function's def line(s) and docstring, dedented; None without a docstring or
     without a body after it."""
     if ast.get_docstring(node) is None or len(node.body) < 2:
@@ -78,11 +78,11 @@ CODE_TEMPLATES = {
     "test": "Write a unit test for this Python function:\n\n```python\n{code}\n```",
     "improve": "How could this Python code be improved?\n\n```python\n{code}\n```",
     "comment": "Add comments to this code and explain how it works:\n\n```python\n{code}\n```",
-    # a function stub (signature and docstring) to implement, in three phrasings
-    "complete": ("Finish this Python function:\n\n```python\n{stub}```",
-                 "Write the implementation of this function.\n\n```python\n{stub}```",
+    # a function's signature and docstring to implement, in three phrasings
+    "complete": ("Finish this Python function:\n\n```python\n{skeleton}```",
+                 "Write the implementation of this function.\n\n```python\n{skeleton}```",
                  "Fill in the body of the following Python function and explain it.\n\n"
-                 "```python\n{stub}```"),
+                 "```python\n{skeleton}```"),
 }
 CONCEPTS = [
     "list comprehensions", "generators", "decorators", "context managers", "the GIL",
@@ -155,8 +155,8 @@ def training_prompts(n: int, recipe) -> list[Prompt]:
     # "complete" a public function with a docstring and a body.
     pools = {"any": funcs, "doc": [f for f in funcs if f.doc],
              "public": [f for f in funcs if f.doc and not f.name.startswith("_")],
-             "stub": [f for f in funcs if f.stub and not f.name.startswith("_")]}
-    needs = {"write": "public", "summarize": "doc", "complete": "stub"}
+             "skeleton": [f for f in funcs if f.skeleton and not f.name.startswith("_")]}
+    needs = {"write": "public", "summarize": "doc", "complete": "skeleton"}
     used = {name: 0 for name in pools}
     general = [t.format(t=c) for c in CONCEPTS for t in CONCEPT_TEMPLATES]
     general += [t.format(t=c) for c in TOPICS for t in TOPIC_TEMPLATES] + REQUESTS
@@ -177,7 +177,7 @@ def training_prompts(n: int, recipe) -> list[Prompt]:
             template = CODE_TEMPLATES[kind]
             if isinstance(template, tuple):
                 template = template[used[pool] % len(template)]
-            text = template.format(code=fn.code, doc=fn.doc, name=fn.name, stub=fn.stub,
+            text = template.format(code=fn.code, doc=fn.doc, name=fn.name, skeleton=fn.skeleton,
                                    sentence=fn.doc and _first_sentence(fn.doc),
                                    module=fn.module)
         else:
