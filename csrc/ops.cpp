@@ -33,6 +33,11 @@ TORCH_LIBRARY(osd, m) {
   m.def("decode_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight=None, "
         "float eps=1e-6) -> Tensor");
 
+  // decode_linear with W block-quantized: W[n, k] = q * scales[n, k / 32] + mins[n, k / 32],
+  // codes in qweight (uint8 [N, K / 2]: 4-bit, GGUF nibble order; int8 [N, K]: 8-bit).
+  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, "
+        "Tensor? norm_weight=None, float eps=1e-6) -> Tensor");
+
   // Distillation loss per row (fkl/rkl/jsd/tvd) and its gradient w.r.t. the draft logits.
   m.def(
       "distill_loss_fwd_bwd(Tensor draft_logits, Tensor? target_logits, Tensor? topk_ids, "

@@ -224,7 +224,7 @@ class Engine:
                         max_seq_len: int = 2048, spec: SpecConfig | None = None,
                         online: OnlineConfig | None = None, attention_backend: str = "auto",
                         tokenizer=None, cuda_graphs: bool = True,
-                        prefill_chunk: int | None = None) -> "Engine":
+                        prefill_chunk: int | None = None, quantized: bool = False) -> "Engine":
         """Load ``target`` (and drafts): each a checkpoint directory, a GGUF file or a
         transformers model.
 
@@ -250,7 +250,8 @@ class Engine:
                                            or is_transformers_model(source)):
                 raise TypeError(f"{name} must be a checkpoint directory path or a transformers "
                                 f"model, got {type(source).__name__}")
-        model = load_model(target, device=device, dtype=dtype, attention_backend=attention_backend)
+        model = load_model(target, device=device, dtype=dtype, attention_backend=attention_backend,
+                           quantized=quantized)
         draft_models = [load_eagle(d, model) if is_eagle_checkpoint(d) else
                         load_model(d, device=device, dtype=dtype,
                                    attention_backend=attention_backend) for d in drafts]

@@ -660,7 +660,8 @@ def serve(args) -> int:
     try:
         ae = osd.AsyncEngine.from_pretrained(
             target, draft=draft, device=args.device, dtype=dtype, spec=spec, online=online,
-            max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
+            max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+            quantized=args.quantized)
     except BaseException:
         sock.close()
         raise

@@ -6,6 +6,7 @@ function of the same name checks its inputs and dispatches (``backend="auto"``).
 """
 from osd_kernels._ops import native_available
 from osd_kernels.decode_linear import decode_linear, decode_linear_reference
+from osd_kernels.quant_linear import dequantize_weight, quant_linear, quant_linear_reference
 from osd_kernels.kv_rollback import chain_rollback, kv_rollback, kv_rollback_reference
 from osd_kernels.rejection_sample import rejection_sample, rejection_sample_reference
 from osd_kernels.distill_loss import distill_loss, distill_loss_reference
@@ -18,6 +19,9 @@ __all__ = [
     "native_available",
     "decode_linear",
     "decode_linear_reference",
+    "quant_linear",
+    "quant_linear_reference",
+    "dequantize_weight",
     "kv_rollback",
     "kv_rollback_reference",
     "chain_rollback",

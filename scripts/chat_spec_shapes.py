@@ -60,17 +60,24 @@ def main() -> None:
                         help="shortest prompt-lookup matches to run the EAGLE chains with")
     parser.add_argument("--eagle", nargs="+", default=[zoo_chat.EAGLE_DIR],
                         help="EAGLE draft directories (default the shipped one)")
+    parser.add_argument("--quantized", action="store_true",
+                        help="the target keeps its GGUF weights quantized (osd.models.quant) "
+                             "in every mode; a plain row with float32 weights is added")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, draft = zoo.chat_pair()
-    plain = osd.Engine.from_pretrained(target, max_batch_size=1, max_seq_len=1024)
+    plain = osd.Engine.from_pretrained(target, max_batch_size=1, max_seq_len=1024,
+                                       quantized=args.quantized)
     prompts = apply_chat_template(plain.tokenizer,
                                   humaneval.conversations(args.prompts, seed=11))
     engines = {}
+    if args.quantized:
+        engines["plain, float32 weights"] = osd.Engine.from_pretrained(
+            target, max_batch_size=1, max_seq_len=1024)
     for name in args.shapes:
-        engines[name] = osd.Engine.from_pretrained(target, draft=draft,
-                                                   spec=osd.SpecConfig(**SHAPES[name]),
-                                                   max_batch_size=1, max_seq_len=1024)
+        engines[name] = osd.Engine(plain.model, draft=[osd.load_model(draft)],
+                                   spec=osd.SpecConfig(**SHAPES[name]), max_batch_size=1,
+                                   max_seq_len=1024)
         if name in FULL_HEAD:
             full = osd.load_model(draft, head_vocab=False)
             engines[name + ", full head"] = osd.Engine(
@@ -121,8 +128,9 @@ def main() -> None:
     print("|---|---|---|---|---|")
     emitted = torch.tensor(plain_ids)
     for name in seconds:
-        tau = "1" if name == "plain" else f"{engines[name].stats['mean_accepted_length']:.2f}"
-        head = "-" if name == "plain" else head_coverage(engines[name].draft, emitted)
+        drafted = name != "plain" and engines[name].draft is not None
+        tau = f"{engines[name].stats['mean_accepted_length']:.2f}" if drafted else "1"
+        head = head_coverage(engines[name].draft, emitted) if drafted else "-"
         print(f"| {name} | {tokens[name] / seconds[name]:.1f} | "
               f"{seconds['plain'] / seconds[name]:.2f}x | {tau} | {head} |")
 

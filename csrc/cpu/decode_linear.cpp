@@ -2,196 +2,19 @@
 //
 // Decode and verify forwards multiply 1 to ~12 rows by every weight matrix, most of them
 // right after an RMSNorm, which the op applies to the rows first when given its weight. A
-// general GEMM handles so few rows poorly on one core; here one pass over W serves up to
-// kMaxPass rows: each block of NB weight rows is loaded once per 8-float step and
-// multiplied into M x NB running sums, which stay in registers, while later blocks are
-// prefetched. More rows run in as few equal passes as possible.
-// The AVX2 + FMA clone is picked at load time (OSD_NO_AVX2=1 forces the portable loop);
-// the two round differently (FMA), which a linear layer tolerates.
+// general GEMM handles so few rows poorly on one core; the passes of cpu/linear_rows.h
+// stream W once for up to 12 rows, prefetching ahead (the zoo target's 5-token verify went
+// from 1.51 to 0.92 one-token forwards with the prefetch, docs/benchmarks.md).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
-#include <algorithm>
-#include <cmath>
 #include <optional>
 
 #include "checks.h"
-#include "cpu/fast_math.h"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "cpu/linear_rows.h"
 
 namespace osd {
 namespace {
-
-constexpr int kMaxPass = 12;  // rows served by one pass over W
-// Decode streams every weight matrix from DRAM once per forward (a model's weights exceed
-// the cache). The hardware prefetcher alone leaves one core waiting on memory, more so
-// when several rows share each load, so the AVX2 loop prefetches this many weight blocks
-// ahead (docs/benchmarks.md: the zoo target's 5-token verify went from 1.51 to 0.92
-// one-token forwards, and the one-token forward from 4.00 to 2.66 ms, with the fused
-// RMSNorm).
-constexpr int kPrefetchBlocks = 4;
-
-struct LinearArgs {
-  const float* x;      // [M, K], rows ldx apart
-  const float* w;      // [N, K] contiguous
-  const float* bias;   // [N] or nullptr
-  float* y;            // [M, N] contiguous
-  int64_t M, N, K, ldx;
-};
-
-// Weight rows per block for a pass of M rows: M * NB sums + NB weights + 1 input in the
-// 16 vector registers of AVX2.
-template <int M>
-constexpr int block_rows() {
-  return M <= 2 ? 4 : (M <= 4 ? 3 : (M <= 6 ? 2 : 1));
-}
-
-// Portable: 8 partial sums per (row, weight row), the same association as the AVX2 path.
-template <int M, int NB>
-void block_portable(const LinearArgs& a, const float* x, float* y, int64_t n0) {
-  float acc[M][NB][8] = {};
-  const int64_t K = a.K;
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    for (int m = 0; m < M; ++m) {
-      const float* xr = x + m * a.ldx + k;
-      for (int j = 0; j < NB; ++j) {
-        const float* wr = a.w + (n0 + j) * K + k;
-        for (int l = 0; l < 8; ++l) acc[m][j][l] += xr[l] * wr[l];
-      }
-    }
-  }
-  for (int m = 0; m < M; ++m) {
-    for (int j = 0; j < NB; ++j) {
-      float s = ((acc[m][j][0] + acc[m][j][4]) + (acc[m][j][2] + acc[m][j][6])) +
-                ((acc[m][j][1] + acc[m][j][5]) + (acc[m][j][3] + acc[m][j][7]));
-      for (int64_t t = k; t < K; ++t) s += x[m * a.ldx + t] * a.w[(n0 + j) * K + t];
-      y[m * a.N + n0 + j] = s + (a.bias != nullptr ? a.bias[n0 + j] : 0.0f);
-    }
-  }
-}
-
-#if defined(__x86_64__)
-// Prefetch of the weight block kPrefetchBlocks ahead, 32 * NB bytes of it per 8-float step.
-// Few rows go into L1 (T0); with more rows, whose inputs fill much of L1, into L2 only (T1).
-template <int M, int NB>
-OSD_AVX2 inline void prefetch_step(const char* p) {
-  if constexpr (M <= 2) {
-    _mm_prefetch(p, _MM_HINT_T0);
-    if constexpr (NB > 2) _mm_prefetch(p + 64, _MM_HINT_T0);
-  } else {
-    _mm_prefetch(p, _MM_HINT_T1);
-    if constexpr (NB > 2) _mm_prefetch(p + 64, _MM_HINT_T1);
-  }
-}
-
-template <int M, int NB>
-OSD_AVX2 void block_avx2(const LinearArgs& a, const float* x, float* y, int64_t n0) {
-  __m256 acc[M][NB];
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
-  const int64_t K = a.K;
-  const char* ahead = reinterpret_cast<const char*>(
-      a.w + std::min<int64_t>(n0 + kPrefetchBlocks * NB, a.N - NB) * K);
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    prefetch_step<M, NB>(ahead + k * 4 * NB);
-    __m256 w[NB];
-    for (int j = 0; j < NB; ++j) w[j] = _mm256_loadu_ps(a.w + (n0 + j) * K + k);
-    for (int m = 0; m < M; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * a.ldx + k);
-      for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_fmadd_ps(xv, w[j], acc[m][j]);
-    }
-  }
-  for (int m = 0; m < M; ++m) {
-    for (int j = 0; j < NB; ++j) {
-      // lanes (0+4, 2+6, 1+5, 3+7), then pairs: the portable path's association
-      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m][j]),
-                                  _mm256_extractf128_ps(acc[m][j], 1));
-      const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      float s = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
-      for (int64_t t = k; t < K; ++t) s += x[m * a.ldx + t] * a.w[(n0 + j) * K + t];
-      y[m * a.N + n0 + j] = s + (a.bias != nullptr ? a.bias[n0 + j] : 0.0f);
-    }
-  }
-}
-#endif
-
-// One pass of M rows (x, y point at its first row) over weight rows [n_begin, n_end).
-template <int M>
-void pass(const LinearArgs& a, const float* x, float* y, int64_t n_begin, int64_t n_end,
-          bool avx2) {
-  constexpr int NB = block_rows<M>();
-  int64_t n = n_begin;
-#if defined(__x86_64__)
-  if (avx2) {
-    for (; n + NB <= n_end; n += NB) block_avx2<M, NB>(a, x, y, n);
-    for (; n < n_end; ++n) block_avx2<M, 1>(a, x, y, n);
-    return;
-  }
-#endif
-  (void)avx2;
-  for (; n + NB <= n_end; n += NB) block_portable<M, NB>(a, x, y, n);
-  for (; n < n_end; ++n) block_portable<M, 1>(a, x, y, n);
-}
-
-void run_pass(const LinearArgs& a, int64_t row, int rows, int64_t n_begin, int64_t n_end,
-              bool avx2) {
-  const float* x = a.x + row * a.ldx;
-  float* y = a.y + row * a.N;
-  switch (rows) {
-    case 1: pass<1>(a, x, y, n_begin, n_end, avx2); break;
-    case 2: pass<2>(a, x, y, n_begin, n_end, avx2); break;
-    case 3: pass<3>(a, x, y, n_begin, n_end, avx2); break;
-    case 4: pass<4>(a, x, y, n_begin, n_end, avx2); break;
-    case 5: pass<5>(a, x, y, n_begin, n_end, avx2); break;
-    case 6: pass<6>(a, x, y, n_begin, n_end, avx2); break;
-    case 7: pass<7>(a, x, y, n_begin, n_end, avx2); break;
-    case 8: pass<8>(a, x, y, n_begin, n_end, avx2); break;
-    case 9: pass<9>(a, x, y, n_begin, n_end, avx2); break;
-    case 10: pass<10>(a, x, y, n_begin, n_end, avx2); break;
-    case 11: pass<11>(a, x, y, n_begin, n_end, avx2); break;
-    default: pass<12>(a, x, y, n_begin, n_end, avx2); break;
-  }
-}
-
-void decode_linear_cpu_kernel(const LinearArgs& a) {
-  const bool avx2 = use_avx2_fma();
-  // Threads split the weight rows (each streams its share of W once per pass).
-  at::parallel_for(0, a.N, 256, [&](int64_t n_begin, int64_t n_end) {
-    // More rows than one pass serves: as few passes as possible, of equal size.
-    const int64_t passes = (a.M + kMaxPass - 1) / kMaxPass;
-    const int64_t per_pass = (a.M + passes - 1) / passes;
-    for (int64_t row = 0; row < a.M; row += per_pass) {
-      const int rows = static_cast<int>(std::min<int64_t>(per_pass, a.M - row));
-      run_pass(a, row, rows, n_begin, n_end, avx2);
-    }
-  });
-}
-
-// rows[m] = norm_weight * (x[m] / sqrt(mean(x[m]^2) + eps)), the order of transformers'
-// LlamaRMSNorm (sum of squares in double, so within one rounding of the exact norm).
-at::Tensor rms_norm_rows(const LinearArgs& a, const at::Tensor& norm_weight, double eps) {
-  check_dtype(norm_weight, at::kFloat, "norm_weight");
-  OSD_CHECK(norm_weight.dim() == 1 && norm_weight.size(0) == a.K && norm_weight.is_contiguous(),
-            "norm_weight must be contiguous [K=", a.K, "], got ", norm_weight.sizes());
-  OSD_CHECK(eps >= 0.0, "eps must be >= 0, got ", eps);
-  at::Tensor rows = at::empty({a.M, a.K}, norm_weight.options());
-  const float* g = norm_weight.data_ptr<float>();
-  float* out = rows.data_ptr<float>();
-  for (int64_t m = 0; m < a.M; ++m) {
-    const float* xr = a.x + m * a.ldx;
-    double ss = 0.0;
-    for (int64_t k = 0; k < a.K; ++k) ss += static_cast<double>(xr[k]) * xr[k];
-    const float inv = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(a.K)) +
-                                       static_cast<float>(eps));
-    for (int64_t k = 0; k < a.K; ++k) out[m * a.K + k] = g[k] * (xr[k] * inv);
-  }
-  return rows;
-}
 
 at::Tensor decode_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias,
@@ -206,7 +29,7 @@ at::Tensor decode_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   OSD_CHECK(weight.size(1) == x.size(1), "x has ", x.size(1), " features but weight expects ",
             weight.size(1));
   check_same_device(x, weight, "x", "weight");
-  LinearArgs a;
+  linear_rows::Args a;
   a.M = x.size(0);
   a.K = x.size(1);
   a.N = weight.size(0);
@@ -225,13 +48,20 @@ at::Tensor decode_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   at::Tensor normed;
   if (norm_weight.has_value()) {
     check_same_device(x, *norm_weight, "x", "norm_weight");
-    normed = rms_norm_rows(a, *norm_weight, eps);
+    normed = linear_rows::rms_norm_rows(a.x, a.M, a.K, a.ldx, *norm_weight, eps);
     a.x = normed.data_ptr<float>();
     a.ldx = a.K;
   }
   at::Tensor y = at::empty({a.M, a.N}, x.options());
   a.y = y.data_ptr<float>();
-  if (a.M > 0 && a.N > 0) decode_linear_cpu_kernel(a);
+  a.ldy = a.N;
+  if (a.M > 0 && a.N > 0) {
+    const bool avx2 = use_avx2_fma();
+    // Threads split the weight rows (each streams its share of W once per pass).
+    at::parallel_for(0, a.N, 256, [&](int64_t n_begin, int64_t n_end) {
+      linear_rows::all_rows(a, n_begin, n_end, avx2);
+    });
+  }
   return y;
 }
 

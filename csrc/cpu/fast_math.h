@@ -11,6 +11,7 @@
 
 #if defined(__x86_64__)
 #define OSD_AVX2 __attribute__((target("avx2,fma")))
+#define OSD_AVX512 __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,avx2,fma")))
 #endif
 
 namespace osd {
@@ -22,6 +23,19 @@ inline bool use_avx2_fma() {
 #if defined(__x86_64__)
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return has && std::getenv("OSD_NO_AVX2") == nullptr;
+#else
+  return false;
+#endif
+}
+
+// True when AVX-512 (F, DQ, VL, BW) clones may run as well: use_avx2_fma() holds, the CPU
+// has them and OSD_NO_AVX512 is unset (tests set it to cover the AVX2 paths).
+inline bool use_avx512() {
+#if defined(__x86_64__)
+  static const bool has = __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+  return has && use_avx2_fma() && std::getenv("OSD_NO_AVX512") == nullptr;
 #else
   return false;
 #endif

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from osd.models.llama import DecoderLM, RMSNorm
+from osd.models.quant import QuantLinear
 
 ARCHITECTURE = "OsdEagleDraft"
 CONFIG_FILE = "config.json"
@@ -71,17 +72,26 @@ class EagleLM(DecoderLM):
         model = cls(config, device=target.device, dtype=target.dtype)
         model.embed_tokens.weight = target.embed_tokens.weight
         model.norm.weight = target.norm.weight
-        model.lm_head.weight = target.lm_head.weight
+        if isinstance(target.lm_head, QuantLinear):
+            model.lm_head = target.lm_head           # block-quantized: shared as it is
+        else:
+            model.lm_head.weight = target.lm_head.weight
         for p in model.shared_parameters():
             p.requires_grad_(False)
         if head_ids is not None:
             model.restrict_head(head_ids)
-            model.lm_head.weight.requires_grad_(False)
+            for p in model.lm_head.parameters():
+                p.requires_grad_(False)
         return model
 
     def shared_parameters(self) -> list[nn.Parameter]:
         """The target's tensors this draft uses (embedding, final norm, head): frozen."""
-        return [self.embed_tokens.weight, self.norm.weight, self.lm_head.weight]
+        return [self.embed_tokens.weight, self.norm.weight, *self.lm_head.parameters()]
+
+    def shared_modules(self) -> list[nn.Module]:
+        """Shared target layers without parameters (a block-quantized head): a copy of the
+        draft (the online learner's) keeps using them rather than copying them."""
+        return [self.lm_head] if isinstance(self.lm_head, QuantLinear) else []
 
     def own_state_dict(self) -> dict[str, torch.Tensor]:
         """The draft's own weights (what a checkpoint stores)."""
@@ -108,12 +118,12 @@ class EagleLM(DecoderLM):
         return self.fc(torch.cat([self.embed_tokens(input_ids), f], -1))
 
 
-SHARED = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
+SHARED = ("embed_tokens.weight", "norm.weight", "lm_head.")
 
 
 def _drop_shared(module, state_dict, prefix, local_metadata) -> None:
-    for name in SHARED:
-        state_dict.pop(prefix + name, None)
+    for name in [k for k in state_dict if k.startswith(tuple(prefix + s for s in SHARED))]:
+        state_dict.pop(name)
 
 
 def is_eagle_checkpoint(source) -> bool:

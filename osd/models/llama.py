@@ -38,6 +38,7 @@ from torch import nn
 from osd.cache import KVCache
 from osd.models.attention import attention, causal_attention, resolve_attention_backend
 from osd.models.config import ModelConfig
+from osd.models.quant import QuantLinear
 from osd_kernels.decode_linear import decode_linear
 
 MAX_TREE = 64  # tree_mask is one int64 bitmask per query
@@ -102,13 +103,24 @@ class RMSNorm(nn.Module):
         return {"norm_weight": self.weight, "eps": self.eps}
 
 
+def project(x: torch.Tensor, layer: nn.Module, norm: RMSNorm | None = None) -> torch.Tensor:
+    """``layer(norm(x))`` for an ``nn.Linear`` or a :class:`~osd.models.quant.QuantLinear`
+    (block-quantized weights), through ``decode_linear`` / ``quant_linear``, which apply
+    the RMSNorm themselves."""
+    kw = {} if norm is None else norm.fused()
+    if isinstance(layer, QuantLinear):
+        return layer(x, **kw)
+    return decode_linear(x, layer.weight, layer.bias, **kw)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + SwiGLU(norm(x))``.
 
     The forward is split around attention (:meth:`qkv`, then :meth:`finish`) so that the
     cached and the training forward share everything but the attention call. Linear layers
-    are called through ``decode_linear`` (``F.linear`` outside its few-row CPU case), which
-    also applies the RMSNorm in front of them, to keep per-token overhead low.
+    are called through :func:`project` (``decode_linear``, ``F.linear`` outside its few-row
+    CPU case), which also applies the RMSNorm in front of them, to keep per-token overhead
+    low. Any of them may be a :class:`~osd.models.quant.QuantLinear`.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -127,18 +139,17 @@ class DecoderLayer(nn.Module):
         """Queries ``[B, T, Hq, D]`` and keys, values ``[B, T, Hkv, D]``, RoPE applied."""
         B, T, _ = x.shape
         hq, hkv = self.num_heads, self.num_kv_heads
-        qkv = decode_linear(x, self.wqkv.weight, self.wqkv.bias, **self.input_norm.fused())
+        qkv = project(x, self.wqkv, self.input_norm)
         qkv = qkv.view(B, T, hq + 2 * hkv, self.head_dim)
         q, k = apply_rope(qkv[:, :, :hq + hkv], cos, sin).split((hq, hkv), dim=2)
         return q, k, qkv[:, :, hq + hkv:]
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual after attention output ``attn [B, T, Hq, D]``, then the SwiGLU block."""
-        x = x + decode_linear(attn.flatten(2), self.wo.weight, self.wo.bias)
-        h = decode_linear(x, self.w_gate_up.weight, self.w_gate_up.bias,
-                          **self.post_attention_norm.fused())
+        x = x + project(attn.flatten(2), self.wo)
+        h = project(x, self.w_gate_up, self.post_attention_norm)
         gate, up = h.chunk(2, dim=-1)
-        return x + decode_linear(F.silu(gate) * up, self.w_down.weight, self.w_down.bias)
+        return x + project(F.silu(gate) * up, self.w_down)
 
 
 class DecoderLM(nn.Module):
@@ -186,7 +197,8 @@ class DecoderLM(nn.Module):
     @property
     def head_vocab_size(self) -> int:
         """Rows of the output head (the vocabulary size unless :meth:`restrict_head`)."""
-        return self.lm_head.weight.shape[0]
+        head = self.lm_head
+        return head.out_features if isinstance(head, QuantLinear) else head.weight.shape[0]
 
     def restrict_head(self, token_ids) -> "DecoderLM":
         """Keep only the output head's rows of ``token_ids`` (distinct ids in
@@ -203,6 +215,10 @@ class DecoderLM(nn.Module):
             raise ValueError("head token ids must be distinct")
         if self.head_ids is not None:
             raise ValueError("the head is already restricted")
+        self.head_ids = ids.to(self.device)
+        if isinstance(self.lm_head, QuantLinear):
+            self.lm_head = self.lm_head.select_rows(ids)
+            return self
         old = self.lm_head.weight.detach()
         head = nn.Linear(self.config.hidden_size, ids.numel(), bias=False, device=self.device,
                          dtype=self.dtype)
@@ -210,7 +226,6 @@ class DecoderLM(nn.Module):
             head.weight.copy_(old.index_select(0, ids.to(self.device)))
         head.weight.requires_grad_(old.requires_grad or self.embed_tokens.weight.requires_grad)
         self.lm_head = head
-        self.head_ids = ids.to(self.device)
         return self
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None,
@@ -424,7 +439,7 @@ class DecoderLM(nn.Module):
                 full_vocab: bool = True) -> torch.Tensor:
         if logits_index is not None:
             x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
-        y = decode_linear(x, self.lm_head.weight, **self.norm.fused()).float()
+        y = project(x, self.lm_head, self.norm).float()
         if self.head_ids is None or not full_vocab:
             return y
         out = y.new_full((*y.shape[:-1], self.vocab_size), float("-inf"))
@@ -437,6 +452,13 @@ def without_layers(model: DecoderLM, skip: frozenset[int]) -> DecoderLM:
     keep = [i for i in range(model.config.num_layers) if i not in skip]
     config = dataclasses.replace(model.config, num_layers=len(keep))
     sub = DecoderLM(config, device=model.device, dtype=model.dtype)
+    # Block-quantized layers are shared (they are never trained).
+    for new, old in enumerate(keep):
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            if isinstance(getattr(model.layers[old], name), QuantLinear):
+                setattr(sub.layers[new], name, getattr(model.layers[old], name))
+    if isinstance(model.lm_head, QuantLinear):
+        sub.lm_head = model.lm_head
     state = {}
     for name, value in model.state_dict().items():
         if name.startswith("layers."):

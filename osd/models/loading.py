@@ -65,7 +65,8 @@ HEAD_VOCAB_FILE = "head_vocab.json"
 
 
 def load_model(source, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               attention_backend: str = "auto", head_vocab: bool = True) -> DecoderLM:
+               attention_backend: str = "auto", head_vocab: bool = True,
+               quantized: bool = False) -> DecoderLM:
     """Build a :class:`DecoderLM` from ``source``: a checkpoint directory or GGUF file
     (str / PathLike) or an in-memory transformers ``*ForCausalLM`` model. Weights are
     converted (GGUF: dequantized) to ``dtype`` and placed on ``device``.
@@ -73,7 +74,10 @@ def load_model(source, *, device: torch.device | str = "cpu", dtype: torch.dtype
     A checkpoint directory may hold :data:`HEAD_VOCAB_FILE`, a JSON list of token ids: with
     ``head_vocab`` (the default) the model keeps only those rows of its output head
     (:meth:`DecoderLM.restrict_head`, a draft's reduced vocabulary). Other loaders, such
-    as transformers, ignore the file and see the full head."""
+    as transformers, ignore the file and see the full head.
+
+    ``quantized``: a GGUF file's block-quantized weights stay quantized (see
+    :func:`osd.models.gguf.load_gguf_model`); other sources raise ValueError."""
     device = resolve_device(device)
     check_dtype(dtype)
     gguf_file = _gguf_source(source)
@@ -81,7 +85,12 @@ def load_model(source, *, device: torch.device | str = "cpu", dtype: torch.dtype
         from osd.models.gguf import load_gguf_model
 
         return load_gguf_model(gguf_file, device=device, dtype=dtype,
-                               attention_backend=attention_backend)
+                               attention_backend=attention_backend, quantized=quantized)
+    if quantized:
+        name = str(source) if isinstance(source, (str, os.PathLike)) else type(source).__name__
+        raise ValueError(f"quantized=True keeps a GGUF file's quantized weights, but {name!r} "
+                         f"is not a GGUF file (osd.models.quant.quantize_linears quantizes a "
+                         f"loaded float model)")
     if is_transformers_model(source):
         config = ModelConfig.from_hf(source.config, architecture=type(source).__name__,
                                      attention_backend=attention_backend)

@@ -201,7 +201,8 @@ class OnlineLearner:
         self.serving = draft
         self.device = next(draft.parameters()).device
         # An EAGLE draft's target tensors (embedding, norm, head) stay shared and frozen.
-        shared = list(getattr(draft, "shared_parameters", list)())
+        shared = list(getattr(draft, "shared_parameters", list)()) + \
+            list(getattr(draft, "shared_modules", list)())
         half = next(draft.parameters()).dtype in (torch.float16, torch.bfloat16)
         self.model = copy.deepcopy(draft, memo={} if half else {id(p): p for p in shared})
         if half:

@@ -1,0 +1,398 @@
+// quant_linear: checks and the C++ CPU kernel of y = x W^T + b for few rows, with W kept
+// block-quantized in memory (the 4- and 8-bit formats of GGUF files).
+//
+// W's element (n, k) is q * scales[n, k / 32] + mins[n, k / 32] (mins absent: 0), q an
+// unsigned 4-bit code (qweight uint8 [N, K / 2]: in each block of 32, byte j holds element
+// j in its low nibble and element j + 16 in its high one, GGUF's Q4_0/Q4_1 order) or a
+// signed 8-bit one (qweight int8 [N, K], Q8_0). Few-row decode and verify forwards are
+// bound by reading W from DRAM: 4-bit codes with float32 scale and min per block are 0.75
+// bytes a weight against float32's 4.
+//
+// The AVX2 and AVX-512 paths dequantize each block of 32 weights in registers and use it
+// at once (block_fused, block_fused_512), in the order of decode_linear's AVX2 loop; the
+// portable path dequantizes kGroup weight rows at a time into a buffer and runs
+// decode_linear's portable loop over it (cpu/linear_rows.h). A code times a scale that came
+// from float16 is exact in float32, so every path computes on exactly the dequantized
+// weights and equals decode_linear on them bit for bit (AVX-512 and AVX2 agree as well).
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+#include <optional>
+#include <vector>
+
+#include "checks.h"
+#include "cpu/linear_rows.h"
+
+namespace osd {
+namespace {
+
+constexpr int64_t kBlock = 32;  // weights per scale (and min)
+constexpr int64_t kGroup = 12;  // weight rows dequantized at a time (a multiple of 1..4)
+
+struct QuantArgs {
+  const uint8_t* q;      // [N, K / 2] (4-bit) or [N, K] (8-bit) codes
+  const float* scales;   // [N, K / 32]
+  const float* mins;     // [N, K / 32] or nullptr
+  int64_t K;
+  int bits;              // 4 or 8
+};
+
+// Weight rows [n, n + rows) into out [rows, K].
+void dequant_portable(const QuantArgs& a, int64_t n, int64_t rows, float* out) {
+  const int64_t nb = a.K / kBlock;
+  for (int64_t r = n; r < n + rows; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float d = a.scales[r * nb + b];
+      const float m = a.mins != nullptr ? a.mins[r * nb + b] : 0.0f;
+      float* o = out + (r - n) * a.K + b * kBlock;
+      if (a.bits == 4) {
+        const uint8_t* src = a.q + r * (a.K / 2) + b * (kBlock / 2);
+        for (int j = 0; j < 16; ++j) {
+          o[j] = static_cast<float>(src[j] & 0xF) * d + m;
+          o[j + 16] = static_cast<float>(src[j] >> 4) * d + m;
+        }
+      } else {
+        const int8_t* src = reinterpret_cast<const int8_t*>(a.q) + r * a.K + b * kBlock;
+        for (int j = 0; j < 32; ++j) o[j] = static_cast<float>(src[j]) * d + m;
+      }
+    }
+  }
+}
+
+#if defined(__x86_64__)
+// The codes of one block of 32 weights of one weight row, unpacked on demand 8 at a time:
+// element 8s + i is lane i of step(s).
+template <int BITS>
+struct Codes {
+  __m128i a, b;  // 4-bit: low and high nibbles; 8-bit: bytes 0..15 and 16..31
+
+  OSD_AVX2 inline void load(const uint8_t* src) {
+    if constexpr (BITS == 4) {
+      const __m128i low4 = _mm_set1_epi8(0x0F);
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+      a = _mm_and_si128(raw, low4);
+      b = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+    } else {
+      a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+      b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
+    }
+  }
+
+  OSD_AVX2 inline __m256 step(int s) const {
+    const __m128i half = s < 2 ? a : b;
+    const __m128i part = (s & 1) ? _mm_srli_si128(half, 8) : half;
+    return _mm256_cvtepi32_ps(BITS == 4 ? _mm256_cvtepu8_epi32(part)
+                                        : _mm256_cvtepi8_epi32(part));
+  }
+};
+
+// Fused: the block's weights are dequantized in registers and used at once, in the order
+// of decode_linear's AVX2 loop (k ascending, one running sum per row and weight row, the
+// same final reduction), so the result equals it on the dequantized matrix bit for bit.
+template <int M, int NB, int BITS>
+OSD_AVX2 void block_fused(const QuantArgs& q, const linear_rows::Args& a, const float* x,
+                          float* y, int64_t n0, int64_t N) {
+  constexpr int64_t kCodeBytes = BITS * kBlock / 8;  // bytes of codes per block
+  const int64_t nb = a.K / kBlock;
+  const int64_t row_bytes = nb * kCodeBytes;
+  __m256 acc[M][NB];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
+  // The codes of the block of rows linear_rows::kPrefetchBlocks blocks ahead, streamed in
+  // step with this one.
+  const char* ahead = reinterpret_cast<const char*>(q.q) +
+      std::min<int64_t>(n0 + linear_rows::kPrefetchBlocks * NB, N - NB) * row_bytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    const char* p = ahead + b * kCodeBytes * NB;
+    _mm_prefetch(p, _MM_HINT_T0);
+    if constexpr (kCodeBytes * NB > 64) _mm_prefetch(p + 64, _MM_HINT_T0);
+    Codes<BITS> codes[NB];
+    __m256 d[NB], mn[NB];
+    for (int j = 0; j < NB; ++j) {
+      const int64_t r = n0 + j;
+      codes[j].load(q.q + r * row_bytes + b * kCodeBytes);
+      d[j] = _mm256_set1_ps(q.scales[r * nb + b]);
+      mn[j] = _mm256_set1_ps(q.mins != nullptr ? q.mins[r * nb + b] : 0.0f);
+    }
+    for (int s = 0; s < 4; ++s) {
+      const int64_t k = b * kBlock + 8 * s;
+      __m256 w[NB];
+      for (int j = 0; j < NB; ++j) w[j] = _mm256_fmadd_ps(codes[j].step(s), d[j], mn[j]);
+      for (int m = 0; m < M; ++m) {
+        const __m256 xv = _mm256_loadu_ps(x + m * a.ldx + k);
+        for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_fmadd_ps(xv, w[j], acc[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int j = 0; j < NB; ++j) {
+      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m][j]),
+                                  _mm256_extractf128_ps(acc[m][j], 1));
+      const __m128 s4 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      const float s = _mm_cvtss_f32(_mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 1)));
+      y[m * a.ldy + n0 + j] = s + (a.bias != nullptr ? a.bias[n0 + j] : 0.0f);
+    }
+  }
+}
+
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_* values, which its
+// (maybe-)uninitialized warnings report.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+// AVX-512: two weight rows per register, row j in lanes 0..7 and row j + 1 in lanes 8..15,
+// each input step broadcast to both halves. Each half performs exactly the operations of
+// block_fused's register for its row, so the two ISA paths agree bit for bit, at half the
+// instructions per weight.
+template <int BITS>
+struct CodePair {
+  __m128i a0, b0, a1, b1;  // Codes<BITS>::a, b of the two rows
+
+  OSD_AVX512 inline void load(const uint8_t* row0, const uint8_t* row1) {
+    Codes<BITS> c0, c1;
+    c0.load(row0);
+    c1.load(row1);
+    a0 = c0.a, b0 = c0.b, a1 = c1.a, b1 = c1.b;
+  }
+
+  OSD_AVX512 inline __m512 step(int s) const {
+    const __m128i h0 = s < 2 ? a0 : b0, h1 = s < 2 ? a1 : b1;
+    const __m128i both = (s & 1) ? _mm_unpackhi_epi64(h0, h1) : _mm_unpacklo_epi64(h0, h1);
+    return _mm512_cvtepi32_ps(BITS == 4 ? _mm512_cvtepu8_epi32(both)
+                                        : _mm512_cvtepi8_epi32(both));
+  }
+};
+
+OSD_AVX512 inline __m512 pair_of(float lo, float hi) {
+  return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1);
+}
+
+template <int M, int NP, int BITS>
+OSD_AVX512 void block_fused_512(const QuantArgs& q, const linear_rows::Args& a, const float* x,
+                                float* y, int64_t n0, int64_t N) {
+  constexpr int NB = 2 * NP;
+  constexpr int64_t kCodeBytes = BITS * kBlock / 8;
+  const int64_t nb = a.K / kBlock;
+  const int64_t row_bytes = nb * kCodeBytes;
+  __m512 acc[M][NP];
+  for (int m = 0; m < M; ++m)
+    for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  const char* ahead = reinterpret_cast<const char*>(q.q) +
+      std::min<int64_t>(n0 + linear_rows::kPrefetchBlocks * NB, N - NB) * row_bytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    const char* pf = ahead + b * kCodeBytes * NB;
+    _mm_prefetch(pf, _MM_HINT_T0);
+    if constexpr (kCodeBytes * NB > 64) _mm_prefetch(pf + 64, _MM_HINT_T0);
+    CodePair<BITS> codes[NP];
+    __m512 d[NP], mn[NP];
+    for (int p = 0; p < NP; ++p) {
+      const int64_t r = n0 + 2 * p;
+      codes[p].load(q.q + r * row_bytes + b * kCodeBytes,
+                    q.q + (r + 1) * row_bytes + b * kCodeBytes);
+      d[p] = pair_of(q.scales[r * nb + b], q.scales[(r + 1) * nb + b]);
+      mn[p] = q.mins != nullptr ? pair_of(q.mins[r * nb + b], q.mins[(r + 1) * nb + b])
+                                : _mm512_setzero_ps();
+    }
+    for (int s = 0; s < 4; ++s) {
+      const int64_t k = b * kBlock + 8 * s;
+      __m512 w[NP];
+      for (int p = 0; p < NP; ++p) w[p] = _mm512_fmadd_ps(codes[p].step(s), d[p], mn[p]);
+      for (int m = 0; m < M; ++m) {
+        const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + m * a.ldx + k));
+        for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_fmadd_ps(xv, w[p], acc[m][p]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int p = 0; p < NP; ++p) {
+      for (int half = 0; half < 2; ++half) {
+        const __m256 v = half == 0 ? _mm512_castps512_ps256(acc[m][p])
+                                   : _mm512_extractf32x8_ps(acc[m][p], 1);
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        const __m128 s4 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        const float sum = _mm_cvtss_f32(_mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 1)));
+        const int64_t n = n0 + 2 * p + half;
+        y[m * a.ldy + n] = sum + (a.bias != nullptr ? a.bias[n] : 0.0f);
+      }
+    }
+  }
+}
+
+#pragma GCC diagnostic pop
+
+// Register pairs per AVX-512 block: M * NP sums + 6 NP code, scale and min registers + 2
+// of the 32.
+template <int M>
+constexpr int fused_pairs() {
+  return M <= 6 ? 2 : 1;
+}
+
+template <int M, int BITS>
+OSD_AVX512 void pass_fused_512(const QuantArgs& q, const linear_rows::Args& a, const float* x,
+                               float* y, int64_t n_begin, int64_t n_end, int64_t N) {
+  constexpr int NP = fused_pairs<M>();
+  int64_t n = n_begin;
+  for (; n + 2 * NP <= n_end; n += 2 * NP) block_fused_512<M, NP, BITS>(q, a, x, y, n, N);
+  for (; n + 2 <= n_end; n += 2) block_fused_512<M, 1, BITS>(q, a, x, y, n, N);
+  for (; n < n_end; ++n) block_fused<M, 1, BITS>(q, a, x, y, n, N);
+}
+
+// Weight rows per fused block for a pass of M rows: M * NB sums + 4 NB code, scale and
+// min registers + 2 in the 16 vector registers of AVX2.
+template <int M>
+constexpr int fused_block_rows() {
+  return M <= 2 ? 2 : 1;
+}
+
+template <int M, int BITS>
+OSD_AVX2 void pass_fused(const QuantArgs& q, const linear_rows::Args& a, const float* x,
+                         float* y, int64_t n_begin, int64_t n_end, int64_t N) {
+  constexpr int NB = fused_block_rows<M>();
+  int64_t n = n_begin;
+  for (; n + NB <= n_end; n += NB) block_fused<M, NB, BITS>(q, a, x, y, n, N);
+  for (; n < n_end; ++n) block_fused<M, 1, BITS>(q, a, x, y, n, N);
+}
+
+template <int M, int BITS>
+void pass_any(const QuantArgs& q, const linear_rows::Args& a, const float* x, float* y,
+              int64_t n_begin, int64_t n_end, int64_t N, bool avx512) {
+  if (avx512) return pass_fused_512<M, BITS>(q, a, x, y, n_begin, n_end, N);
+  pass_fused<M, BITS>(q, a, x, y, n_begin, n_end, N);
+}
+
+template <int BITS>
+void run_pass_fused(const QuantArgs& q, const linear_rows::Args& a, int64_t row, int rows,
+                    int64_t n_begin, int64_t n_end, int64_t N, bool avx512) {
+  const float* x = a.x + row * a.ldx;
+  float* y = a.y + row * a.ldy;
+  switch (rows) {
+    case 1: pass_any<1, BITS>(q, a, x, y, n_begin, n_end, N, avx512); break;
+    case 2: pass_any<2, BITS>(q, a, x, y, n_begin, n_end, N, avx512); break;
+    case 3: pass_any<3, BITS>(q, a, x, y, n_begin, n_end, N, avx512); break;
+    case 4: pass_any<4, BITS>(q, a, x, y, n_begin, n_end, N, avx512); break;
+    case 5: pass_any<5, BITS>(q, a, x, y, n_begin, n_end, N, avx512); break;
+    case 6: pass_any<6, BITS>(q, a, x, y, n_begin, n_end, N, avx512); break;
+    case 7: pass_any<7, BITS>(q, a, x, y, n_begin, n_end, N, avx512); break;
+    case 8: pass_any<8, BITS>(q, a, x, y, n_begin, n_end, N, avx512); break;
+    case 9: pass_any<9, BITS>(q, a, x, y, n_begin, n_end, N, avx512); break;
+    case 10: pass_any<10, BITS>(q, a, x, y, n_begin, n_end, N, avx512); break;
+    case 11: pass_any<11, BITS>(q, a, x, y, n_begin, n_end, N, avx512); break;
+    default: pass_any<12, BITS>(q, a, x, y, n_begin, n_end, N, avx512); break;
+  }
+}
+
+// Every row of x (as linear_rows::all_rows splits them) over weight rows [n_begin, n_end).
+void all_rows_fused(const QuantArgs& q, const linear_rows::Args& a, int64_t n_begin,
+                    int64_t n_end, int64_t N, bool avx512) {
+  const int64_t passes = (a.M + linear_rows::kMaxPass - 1) / linear_rows::kMaxPass;
+  const int64_t per_pass = (a.M + passes - 1) / passes;
+  for (int64_t row = 0; row < a.M; row += per_pass) {
+    const int rows = static_cast<int>(std::min<int64_t>(per_pass, a.M - row));
+    if (q.bits == 4) {
+      run_pass_fused<4>(q, a, row, rows, n_begin, n_end, N, avx512);
+    } else {
+      run_pass_fused<8>(q, a, row, rows, n_begin, n_end, N, avx512);
+    }
+  }
+}
+#endif
+
+at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
+                            const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                            const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& norm_weight, double eps) {
+  OSD_CHECK(x.device().is_cpu(), "quant_linear CPU kernel got a ", x.device(), " tensor");
+  check_dtype(x, at::kFloat, "x");
+  OSD_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows, got ",
+            x.sizes(), " strides ", x.strides());
+  const int64_t K = x.size(1);
+  OSD_CHECK(K % kBlock == 0, "quant_linear needs K to be a multiple of ", kBlock, ", got ", K);
+  OSD_CHECK(qweight.dim() == 2 && qweight.is_contiguous(),
+            "qweight must be contiguous [N, K / 2] uint8 or [N, K] int8, got ", qweight.sizes());
+  int bits = 0;
+  if (qweight.scalar_type() == at::kByte) {
+    bits = 4;
+    OSD_CHECK(qweight.size(1) * 2 == K, "4-bit qweight must be [N, K / 2 = ", K / 2,
+              "], got ", qweight.sizes());
+  } else if (qweight.scalar_type() == at::kChar) {
+    bits = 8;
+    OSD_CHECK(qweight.size(1) == K, "8-bit qweight must be [N, K = ", K, "], got ",
+              qweight.sizes());
+  } else {
+    OSD_CHECK(false, "qweight must be uint8 (4-bit codes) or int8 (8-bit codes), got ",
+              qweight.scalar_type());
+  }
+  const int64_t N = qweight.size(0);
+  check_same_device(x, qweight, "x", "qweight");
+  check_dtype(scales, at::kFloat, "scales");
+  check_same_device(x, scales, "x", "scales");
+  OSD_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / kBlock &&
+                scales.is_contiguous(),
+            "scales must be contiguous [N=", N, ", K / 32=", K / kBlock, "], got ", scales.sizes());
+  QuantArgs q{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(), nullptr,
+              K, bits};
+  if (mins.has_value()) {
+    check_dtype(*mins, at::kFloat, "mins");
+    check_same_device(x, *mins, "x", "mins");
+    OSD_CHECK(mins->sizes() == scales.sizes() && mins->is_contiguous(),
+              "mins must be contiguous like scales ", scales.sizes(), ", got ", mins->sizes());
+    q.mins = mins->data_ptr<float>();
+  }
+  linear_rows::Args a;
+  a.M = x.size(0);
+  a.K = K;
+  a.ldx = x.stride(0);
+  a.x = x.data_ptr<float>();
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    const at::Tensor& b = *bias;
+    check_dtype(b, at::kFloat, "bias");
+    check_same_device(x, b, "x", "bias");
+    OSD_CHECK(b.dim() == 1 && b.size(0) == N && b.is_contiguous(),
+              "bias must be contiguous [N=", N, "], got ", b.sizes());
+    bias_ptr = b.data_ptr<float>();
+  }
+  at::Tensor normed;
+  if (norm_weight.has_value()) {
+    check_same_device(x, *norm_weight, "x", "norm_weight");
+    normed = linear_rows::rms_norm_rows(a.x, a.M, a.K, a.ldx, *norm_weight, eps);
+    a.x = normed.data_ptr<float>();
+    a.ldx = a.K;
+  }
+  at::Tensor y = at::empty({a.M, N}, x.options());
+  float* y_ptr = y.data_ptr<float>();
+  a.ldy = N;
+  if (a.M > 0 && N > 0) {
+    const bool avx2 = use_avx2_fma();
+    const bool avx512 = use_avx512();
+    at::parallel_for(0, N, 4 * kGroup, [&](int64_t n_begin, int64_t n_end) {
+#if defined(__x86_64__)
+      if (avx2) {
+        linear_rows::Args g = a;
+        g.y = y_ptr;
+        g.bias = bias_ptr;
+        return all_rows_fused(q, g, n_begin, n_end, N, avx512);
+      }
+#endif
+      thread_local std::vector<float> buffer;
+      buffer.resize(static_cast<size_t>(kGroup * K));
+      for (int64_t n = n_begin; n < n_end; n += kGroup) {
+        const int64_t rows = std::min(kGroup, n_end - n);
+        dequant_portable(q, n, rows, buffer.data());
+        linear_rows::Args g = a;  // the group's rows of W, bias and y
+        g.w = buffer.data();
+        g.N = rows;
+        g.bias = bias_ptr != nullptr ? bias_ptr + n : nullptr;
+        g.y = y_ptr + n;
+        linear_rows::all_rows(g, 0, rows, false);
+      }
+    });
+  }
+  return y;
+}
+
+}  // namespace
+}  // namespace osd
+
+TORCH_LIBRARY_IMPL(osd, CPU, m) { m.impl("quant_linear", &osd::quant_linear_cpu); }

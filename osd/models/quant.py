@@ -1,0 +1,175 @@
+"""Linear layers whose weights stay block-quantized in memory (GGUF's Q4_0, Q4_1, Q8_0).
+
+On a CPU a decode or verify forward is bound by reading the weights: a GGUF checkpoint's
+4-bit weights read 0.75 bytes each where their float32 copy reads 4. A
+:class:`QuantLinear` keeps the codes and computes with ``osd_kernels.quant_linear``,
+whose few-row kernel gives bit for bit what ``decode_linear`` gives on the dequantized
+float32 matrix; longer inputs (prefill, training) dequantize the matrix per call and use
+``F.linear`` on it, as the float model does. A model with quantized layers therefore
+produces the same outputs as the same checkpoint dequantized.
+
+- :meth:`QuantLinear.from_gguf_blocks`: a layer from a GGUF tensor's stored blocks;
+- :func:`quantize_gguf_linears`: swap a loaded GGUF model's linear layers (and output
+  head) for quantized ones built from the file (``Engine.from_pretrained(...,
+  quantized=True)``);
+- :func:`quantize_linears`: quantize a float model's layers in place, with ggml's
+  reference rounding (tests, and models that do not come from a GGUF file).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from osd_kernels.quant_linear import BLOCK, dequantize_weight, quant_linear
+
+# GGUF block types a QuantLinear holds, by name.
+FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+class QuantLinear(nn.Module):
+    """``y = x W^T + b`` with ``W [N, K]`` block-quantized (see ``osd_kernels.quant_linear``).
+
+    Buffers: ``qweight`` (uint8 ``[N, K / 2]`` or int8 ``[N, K]``), ``scales`` and ``mins``
+    (float32 ``[N, K / 32]``; ``mins`` may be None), ``bias`` (``[N]`` or None). Not
+    trainable: the weights are fixed (a target model's, or a shared output head).
+    """
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor,
+                 mins: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 fmt: str = "") -> None:
+        super().__init__()
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
+        self.register_buffer("bias", bias)
+        self.fmt = fmt
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.scales.shape[1] * BLOCK
+
+    def forward(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                eps: float = 1e-6) -> torch.Tensor:
+        """``[..., K] -> [..., N]``, after the RMSNorm of ``norm_weight`` when given."""
+        return quant_linear(x, self.qweight, self.scales, self.mins, self.bias,
+                            norm_weight=norm_weight, eps=eps)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight ``[N, K]``."""
+        return dequantize_weight(self.qweight, self.scales, self.mins)
+
+    def select_rows(self, ids: torch.Tensor) -> "QuantLinear":
+        """A layer of the output rows ``ids`` only (a restricted output head)."""
+        pick = (lambda t: None if t is None else t.index_select(0, ids.to(t.device)))
+        return QuantLinear(pick(self.qweight), pick(self.scales), pick(self.mins),
+                           pick(self.bias), self.fmt)
+
+    @classmethod
+    def from_gguf_blocks(cls, raw: torch.Tensor, fmt: str, shape: tuple[int, int],
+                         bias: torch.Tensor | None = None) -> "QuantLinear":
+        """A layer from one GGUF tensor's stored bytes (``raw`` uint8, ``shape = (N, K)``
+        in torch order) of block type ``fmt`` (one of :data:`FORMATS`)."""
+        if fmt not in FORMATS:
+            raise ValueError(f"QuantLinear holds {', '.join(FORMATS)} weights, not {fmt}")
+        N, K = shape
+        blocks = raw.reshape(N, K // BLOCK, -1)
+        d = blocks[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
+        if fmt == "Q8_0":
+            q = blocks[..., 2:].contiguous().view(torch.int8).reshape(N, K)
+            return cls(q, d.contiguous(), None, bias, fmt)
+        if fmt == "Q4_0":                  # (q - 8) * d = q * d + (-8 d), exact in float32
+            return cls(blocks[..., 2:].reshape(N, K // 2).contiguous(), d.contiguous(),
+                       (-8.0 * d).contiguous(), bias, fmt)
+        m = blocks[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+        return cls(blocks[..., 4:].reshape(N, K // 2).contiguous(), d.contiguous(),
+                   m.contiguous(), bias, fmt)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"format={self.fmt}, bias={self.bias is not None}"
+
+
+def _linear_slots(model) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """``(owner, attribute, layer)`` of every linear layer a forward reads: each decoder
+    layer's four fused projections and the output head."""
+    slots = []
+    for layer in model.layers:
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            slots.append((layer, name, getattr(layer, name)))
+    slots.append((model, "lm_head", model.lm_head))
+    return slots
+
+
+def quantize_linears(model, fmt: str = "Q8_0"):
+    """Replace ``model``'s linear layers and output head (not its embedding) by
+    :class:`QuantLinear` layers of ``fmt``, rounding as ggml's reference quantizer does.
+    Layers whose input width is not a multiple of 32 stay float. Returns ``model``."""
+    from osd.models.gguf import GGMLType, quantize
+
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    for owner, name, layer in _linear_slots(model):
+        if not isinstance(layer, nn.Linear) or layer.in_features % BLOCK:
+            continue
+        w = layer.weight.detach()
+        raw = torch.from_numpy(np.ascontiguousarray(quantize(w, GGMLType[fmt])))
+        bias = None if layer.bias is None else layer.bias.detach().clone()
+        setattr(owner, name, QuantLinear.from_gguf_blocks(raw, fmt, tuple(w.shape), bias)
+                .to(w.device))
+    return model
+
+
+def quantize_gguf_linears(model, g) -> int:
+    """Swap ``model``'s linear layers (and output head) for :class:`QuantLinear` layers
+    holding the stored blocks of GGUF file ``g`` (a ``GGUFFile`` the model was loaded
+    from). A fused projection is quantized when all its parts share one of
+    :data:`FORMATS`; other layers stay float. Returns the number of layers swapped."""
+    from osd.models.gguf import ARCHITECTURES, type_name, unpermute_rope_rows
+
+    permuted = ARCHITECTURES[g.architecture][1]
+    config = model.config
+
+    def part(name: str, heads: int | None = None) -> tuple[str, torch.Tensor] | None:
+        info = g.tensors.get(name)
+        if info is None or type_name(info.type) not in FORMATS:
+            return None
+        N, K = info.shape
+        raw = g.raw(name).reshape(N, -1)
+        if permuted and heads is not None:
+            raw = unpermute_rope_rows(raw, heads)
+        return type_name(info.type), raw
+
+    swapped = 0
+    for i, layer in enumerate(model.layers):
+        groups = {"wqkv": [part(f"blk.{i}.attn_q.weight", config.num_heads),
+                           part(f"blk.{i}.attn_k.weight", config.num_kv_heads),
+                           part(f"blk.{i}.attn_v.weight")],
+                  "wo": [part(f"blk.{i}.attn_output.weight")],
+                  "w_gate_up": [part(f"blk.{i}.ffn_gate.weight"), part(f"blk.{i}.ffn_up.weight")],
+                  "w_down": [part(f"blk.{i}.ffn_down.weight")]}
+        for name, parts in groups.items():
+            if any(p is None for p in parts) or len({p[0] for p in parts}) > 1:
+                continue
+            old = getattr(layer, name)
+            fmt = parts[0][0]
+            raw = torch.cat([p[1] for p in parts])
+            bias = None if old.bias is None else old.bias.detach()
+            new = QuantLinear.from_gguf_blocks(raw, fmt, tuple(old.weight.shape), bias)
+            setattr(layer, name, new.to(old.weight.device))
+            swapped += 1
+    head = part("output.weight") or (part("token_embd.weight") if "output.weight" not in
+                                     g.tensors else None)
+    if head is not None and model.head_ids is None:
+        old = model.lm_head
+        model.lm_head = QuantLinear.from_gguf_blocks(head[1], head[0], tuple(old.weight.shape)) \
+            .to(old.weight.device)
+        swapped += 1
+    return swapped
+
+
+__all__ = ["QuantLinear", "FORMATS", "quantize_linears", "quantize_gguf_linears"]

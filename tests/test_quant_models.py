@@ -1,0 +1,143 @@
+"""Models with block-quantized linear layers (``osd.models.quant``): a GGUF target loaded
+with ``quantized=True`` gives the dequantized model's logits bit for bit (cached decode
+and verify forwards through the quant_linear kernel, prefill through F.linear), so plain,
+speculative (standalone, EAGLE, self) and sampled decoding emit the same tokens; float
+models quantize in place; online EAGLE learning shares the quantized head; bad uses fail
+clearly."""
+import pytest
+import torch
+from torch import nn
+
+import osd
+from osd.models.eagle import EagleLM
+from osd.models.loading import load_model
+from osd.models.quant import QuantLinear, quantize_linears
+from tests.test_gguf import T, VOCAB, tiny_hf_model, to_gguf
+from tests.test_speculative import prompts_of
+
+QTYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
+
+
+def _linears(model):
+    return [getattr(layer, n) for layer in model.layers
+            for n in ("wqkv", "wo", "w_gate_up", "w_down")] + [model.lm_head]
+
+
+def _forward(model, ids, tokens):
+    """Logits of a prefill of ``ids`` then a cached forward of ``tokens`` more."""
+    cache = model.new_cache(1, 64)
+    with torch.no_grad():
+        first = model.prefill(torch.tensor([ids]), cache, torch.tensor([len(ids)], dtype=torch.int32))
+        return first, model(torch.tensor([tokens]), cache)
+
+
+@pytest.mark.parametrize("family,tie", [("llama", True), ("llama", False), ("qwen2", False)])
+@pytest.mark.parametrize("t", QTYPES, ids=lambda t: t.name)
+def test_quantized_target_equals_its_dequantized_model(tmp_path, t, family, tie):
+    path = to_gguf(tiny_hf_model(family, tie=tie, seed=41), tmp_path / "m.gguf", t)
+    float_model = load_model(path)
+    quant = load_model(path, quantized=True)
+    assert all(isinstance(layer, QuantLinear) and layer.fmt == t.name
+               for layer in _linears(quant))
+    assert torch.equal(quant.embed_tokens.weight, float_model.embed_tokens.weight)
+    ids = prompts_of([21], vocab=VOCAB, seed=42)[0]
+    for tokens in ([5], [7, 8, 9, 10, 11]):          # a decode step, a verify forward
+        for a, b in zip(_forward(quant, ids, tokens), _forward(float_model, ids, tokens)):
+            assert torch.equal(a, b)
+
+
+def test_float_tensors_stay_float(tmp_path):
+    path = to_gguf(tiny_hf_model("llama", seed=43), tmp_path / "m.gguf", T.F16)
+    model = load_model(path, quantized=True)
+    assert not any(isinstance(layer, QuantLinear) for layer in _linears(model))
+
+
+@pytest.fixture(scope="module")
+def q41(tmp_path_factory):
+    path = tmp_path_factory.mktemp("q41") / "m.gguf"
+    return str(to_gguf(tiny_hf_model("llama", seed=44), path, T.Q4_1))
+
+
+@pytest.mark.parametrize("params", [osd.SamplingParams(12),
+                                    osd.SamplingParams(12, temperature=0.9, top_p=0.9, seed=3)],
+                         ids=["greedy", "sampled"])
+def test_decoding_emits_the_dequantized_targets_tokens(q41, params):
+    """Each decoding mode on the quantized target emits what the same mode emits on the
+    dequantized one (greedy: also what plain decoding emits)."""
+    prompts = prompts_of([9, 4, 13], vocab=VOCAB, seed=45)
+    draft = load_model(tiny_hf_model("llama", seed=47))
+
+    def engines(target):
+        eagle = EagleLM.from_target(target, num_layers=1)
+        eagle.init_draft(std=0.3, generator=torch.Generator().manual_seed(46))
+        kw = dict(max_batch_size=3, max_seq_len=64)
+        return {"plain": osd.Engine(target, **kw),
+                "draft": osd.Engine(target, draft=[draft], **kw),
+                "eagle": osd.Engine(target, draft=[eagle], **kw),
+                "self": osd.Engine(target, spec=osd.SpecConfig(
+                    drafter="self", skip_layers=(1,), num_draft_tokens=3), **kw)}
+
+    quant = load_model(q41, quantized=True)
+    want = {k: e.generate(prompts, params) for k, e in engines(load_model(q41)).items()}
+    for name, eng in engines(quant).items():
+        got = eng.generate(prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want[name]], name
+        if params.temperature == 0:
+            assert [o.token_ids for o in got] == [o.token_ids for o in want["plain"]], name
+    assert engines(quant)["eagle"].draft.lm_head is quant.lm_head
+
+
+def test_restricted_eagle_head_keeps_quantized_rows(q41):
+    quant = load_model(q41, quantized=True)
+    ids = torch.arange(0, VOCAB, 3)
+    eagle = EagleLM.from_target(quant, num_layers=1, head_ids=ids)
+    assert isinstance(eagle.lm_head, QuantLinear) and eagle.head_vocab_size == len(ids)
+    assert torch.equal(eagle.lm_head.dequantize(), quant.lm_head.dequantize()[ids])
+    assert set(eagle.state_dict()) == set(eagle.own_state_dict()) | {"head_ids"}
+
+
+def test_online_eagle_learning_shares_the_quantized_head(q41):
+    quant = load_model(q41, quantized=True)
+    eagle = EagleLM.from_target(quant, num_layers=1)
+    eagle.init_draft(std=0.05, generator=torch.Generator().manual_seed(48))
+    online = osd.OnlineConfig(update_every_requests=2, steps_per_update=2, lr=3e-3,
+                              background=False, guard_tolerance=1.0)
+    eng = osd.Engine(quant, draft=[eagle], online=online, max_batch_size=4, max_seq_len=96)
+    prompts = prompts_of([6, 9, 4, 7] * 2, vocab=VOCAB, seed=49)
+    want = osd.Engine(quant, max_batch_size=4, max_seq_len=96).generate(prompts,
+                                                                       osd.SamplingParams(12))
+    outs = eng.generate(prompts[:4], osd.SamplingParams(12)) + \
+        eng.generate(prompts[4:], osd.SamplingParams(12))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert eng.stats["online"]["updates_applied"] >= 1
+    assert eng.online.learners[0].model.lm_head is quant.lm_head
+    assert eng.speculators[0].drafter.model.lm_head is quant.lm_head
+
+
+def test_quantize_linears_on_a_float_model():
+    model = load_model(tiny_hf_model("llama", seed=50))
+    ref = osd.Engine(model, max_batch_size=2, max_seq_len=64)
+    ids = prompts_of([11], vocab=VOCAB, seed=51)[0]
+    before = _forward(model, ids, [3, 4])[1]
+    quantize_linears(model, "Q8_0")
+    assert all(isinstance(layer, QuantLinear) for layer in _linears(model))
+    after = _forward(model, ids, [3, 4])[1]
+    assert (after.softmax(-1) - before.softmax(-1)).abs().max() < 0.05   # 8-bit rounding
+    prompts = prompts_of([5, 8], vocab=VOCAB, seed=52)
+    plain = ref.generate(prompts, osd.SamplingParams(10))
+    spec = osd.Engine(model, spec=osd.SpecConfig(drafter="self", skip_layers=(0,)),
+                      max_batch_size=2, max_seq_len=64).generate(prompts, osd.SamplingParams(10))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]  # ref shares model
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        quantize_linears(model, "Q5_K")
+
+
+def test_bad_uses_fail_clearly(tmp_path, q41):
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_model(tiny_hf_model("llama", seed=53), quantized=True)
+    with pytest.raises(ValueError, match="CPU float32"):
+        osd.Engine.from_pretrained(q41, dtype=torch.bfloat16, quantized=True)
+    layer = load_model(q41, quantized=True).lm_head
+    with pytest.raises(ValueError, match="holds Q4_0, Q4_1, Q8_0"):
+        QuantLinear.from_gguf_blocks(torch.zeros(8, dtype=torch.uint8), "Q6_K", (1, 32))
+    assert not isinstance(layer, nn.Linear)
