@@ -13,6 +13,10 @@ the draft never trained on), up to ``NEW_TOKENS`` new tokens each. Providers:
 - ``osd-eagle``, ``osd-eagle-lookup``, ``osd-eagle-online``: the same three with the EAGLE
   draft (``osd.zoo.chat_eagle``, drafting from the target's features) in place of the
   standalone one;
+- ``osd-quant-plain``, ``osd-quant-spec-lookup``, ``osd-quant-eagle-lookup``: the target
+  with its GGUF weights kept quantized (``quantized=True``: the same tokens, computed by
+  the quant_linear kernels) plain, with prompt lookup then the static draft (k = ``K``),
+  and with prompt lookup on 2+-token matches then the EAGLE draft (k = 3);
 - ``llama.cpp``: llama-cpp-python on the same GGUF (2 threads), when installed (the
   optional ``bench`` extra); skipped otherwise.
 
@@ -43,7 +47,13 @@ K = 4
 ROUNDS = 2
 PROVIDERS = ["transformers", "transformers-assisted", "osd-plain", "osd-spec",
              "osd-spec-lookup", "osd-online", "osd-eagle", "osd-eagle-lookup",
-             "osd-eagle-online", "llama.cpp"]
+             "osd-eagle-online", "osd-quant-plain", "osd-quant-spec-lookup",
+             "osd-quant-eagle-lookup", "llama.cpp"]
+# The speculative shapes of the quantized-target rows (scripts/chat_spec_shapes.py
+# --quantized measured these as the fastest of their drafts, docs/benchmarks.md).
+QUANT_SPECS = {"osd-quant-spec-lookup": dict(num_draft_tokens=K, prompt_lookup=True),
+               "osd-quant-eagle-lookup": dict(num_draft_tokens=3, prompt_lookup=True,
+                                              ngram_min=2)}
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +122,7 @@ def _hf_names(name, t, c):
 
 
 def _draft_of(setup, provider):
-    if not provider.startswith("osd-eagle"):
+    if not provider.startswith(("osd-eagle", "osd-quant-eagle")):
         return setup["draft"]
     if setup["eagle"] is None:      # it ships in the repository: its absence is a broken install
         pytest.fail("osd/zoo/weights/chat_eagle is missing: reinstall osd, or rebuild it with "
@@ -121,6 +131,13 @@ def _draft_of(setup, provider):
 
 
 def _engine(setup, provider):
+    if provider.startswith("osd-quant"):
+        if provider == "osd-quant-plain":
+            return osd.Engine.from_pretrained(setup["target"], max_batch_size=1,
+                                              max_seq_len=1024, quantized=True)
+        return osd.Engine.from_pretrained(
+            setup["target"], draft=_draft_of(setup, provider), max_batch_size=1,
+            max_seq_len=1024, quantized=True, spec=osd.SpecConfig(**QUANT_SPECS[provider]))
     spec = osd.SpecConfig(num_draft_tokens=K, prompt_lookup=provider.endswith("-lookup"))
     draft = _draft_of(setup, provider)
     if not provider.endswith("-online"):
@@ -202,16 +219,18 @@ def test_chat(benchmark, setup, provider):
             "plain_tokens_per_s": sum(len(r) for r in refs) / sum(best["a"]),
             "new_tokens": NEW_TOKENS, "prompts": len(refs)}
     info["vs_plain"] = info["tokens_per_s"] / info["plain_tokens_per_s"]
-    if eng is not None and eng is not plain:
+    if eng is not None and eng is not plain and eng.drafts:
         st = eng.stats
         info.update(alpha=st.get("alpha"), acceptance_rate=st.get("acceptance_rate"),
                     mean_accepted_length=st.get("mean_accepted_length"),
                     lookup_steps=st.get("lookup_steps"))
         draft = _draft_of(setup, provider)
+        quantized = provider.startswith("osd-quant")
         costs = setup.setdefault("c", {})
-        if draft not in costs:
-            costs[draft] = draft_cost_ratio(setup["target"], draft)
-        info["c"] = costs[draft]
+        if (draft, quantized) not in costs:
+            costs[draft, quantized] = draft_cost_ratio(setup["target"], draft,
+                                                       quantized=quantized)
+        info["c"] = costs[draft, quantized]
         if hasattr(eng, "online_updates"):
             info["online_updates"] = eng.online_updates
     benchmark.extra_info.update(info)

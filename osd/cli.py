@@ -18,7 +18,7 @@ def _demo(args) -> int:
                      static_requests=args.static, max_new_tokens=args.max_new_tokens,
                      num_draft_tokens=args.k, out_dir=args.out, seed=args.seed,
                      threads=args.threads, draft=args.draft,
-                     lookup_history=args.lookup_history)
+                     lookup_history=args.lookup_history, quantized=args.quantized)
     run_demo(cfg)
     return 0
 
@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--lookup-history", type=int, default=None, metavar="TOKENS",
                    help="prompt lookup also over this many tokens of earlier answers "
                    "(default 0: each request's own text)")
+    d.add_argument("--quantized", action="store_true",
+                   help="the chat target keeps its GGUF weights quantized (same tokens)")
     d.add_argument("--seed", type=int, default=0, help="query-stream seed")
     d.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default 1: serving and the learner thread "

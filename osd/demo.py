@@ -58,6 +58,8 @@ class DemoConfig:
     #                                        earlier answers (SpecConfig.lookup_history)
     draft: str | None = None               # chat pair: "model" (the standalone draft) or
     #                                        "eagle" (the EAGLE draft on the target's features)
+    quantized: bool = False                # chat pair: the target keeps its GGUF weights
+    #                                        quantized (Engine.from_pretrained(quantized=True))
     seed: int = 0                          # query-stream seed
     threads: int | None = None             # torch intra-op threads (1: serving and the
                                            # learner thread each keep a core busy)
@@ -75,6 +77,8 @@ class DemoConfig:
                              f"got {self.draft!r}")
         if self.lookup_history and not self.prompt_lookup:
             raise ValueError("lookup_history needs prompt_lookup")
+        if self.quantized and self.pair != "chat":
+            raise ValueError("quantized needs the chat pair (a GGUF target)")
         if self.requests < 1 or self.baseline_requests < 1 or self.static_requests < 1:
             raise ValueError("requests, baseline_requests and static_requests must be >= 1")
         self.baseline_requests = min(self.baseline_requests, self.requests)
@@ -118,12 +122,14 @@ def analytic_speedup(alpha: float, k: int, c: float) -> float:
     return (1 - alpha ** (k + 1)) / ((1 - alpha) * (c * k + 1))
 
 
-def draft_cost_ratio(target_dir: str, draft_dir: str, steps: int = 30) -> float:
+def draft_cost_ratio(target_dir: str, draft_dir: str, steps: int = 30,
+                     quantized: bool = False) -> float:
     """c: one draft decode step's time over one target decode step's, measured side by
-    side (interleaved, median of ``steps``). An EAGLE draft's step reads a feature."""
+    side (interleaved, median of ``steps``). An EAGLE draft's step reads a feature.
+    ``quantized``: the target (a GGUF file) keeps its quantized weights."""
     from osd.models.eagle import is_eagle_checkpoint
 
-    target = osd.load_model(target_dir)
+    target = osd.load_model(target_dir, quantized=quantized)
     draft = osd.load_eagle(draft_dir, target) if is_eagle_checkpoint(draft_dir) else \
         osd.load_model(draft_dir)
     models = [target, draft]
@@ -226,23 +232,25 @@ def run_demo(cfg: DemoConfig | None = None) -> dict:
     params = osd.SamplingParams(cfg.max_new_tokens)
     k = cfg.num_draft_tokens
     max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + 8
-    c = draft_cost_ratio(target_dir, draft_dir)
+    c = draft_cost_ratio(target_dir, draft_dir, quantized=cfg.quantized)
     print(f"osd demo: {cfg.requests} queries ({label}); draft cost ratio c = {c:.3f}",
           flush=True)
 
-    plain = osd.Engine.from_pretrained(target_dir, max_batch_size=1, max_seq_len=max_len)
+    plain = osd.Engine.from_pretrained(target_dir, max_batch_size=1, max_seq_len=max_len,
+                                       quantized=cfg.quantized)
     base = _serve(plain, prompts[:cfg.baseline_requests], params, "target alone")
     plain_tps = _tps(base)
     spec = osd.SpecConfig(num_draft_tokens=k, prompt_lookup=cfg.prompt_lookup,
                           lookup_history=cfg.lookup_history)
     online = osd.Engine.from_pretrained(target_dir, draft=draft_dir, spec=spec,
                                         online=cfg.online, max_batch_size=1,
-                                        max_seq_len=max_len)
+                                        max_seq_len=max_len, quantized=cfg.quantized)
     outputs = []
     on_rec = _serve(online, prompts, params, "online draft", plain_tps, outputs=outputs)
     online.close()
     static = osd.Engine.from_pretrained(target_dir, draft=draft_dir, spec=spec,
-                                        max_batch_size=1, max_seq_len=max_len)
+                                        max_batch_size=1, max_seq_len=max_len,
+                                        quantized=cfg.quantized)
     first_static = cfg.requests - cfg.static_requests
     if static.lookup_history is not None:
         # The answers served before its first request, as the online engine had them
@@ -330,8 +338,11 @@ def _report(cfg, label, c, base, st_rec, on_rec, online_stats, plain_tps, second
         f"{f' (also over {cfg.lookup_history} tokens of earlier answers)' if cfg.lookup_history else ''}"
         f", up to "
         f"{cfg.max_new_tokens} "
-        f"new tokens per request, CPU fp32. Produced by `osd demo --pair {cfg.pair}"
+        f"new tokens per request, CPU fp32"
+        f"{' (the target computing on its quantized GGUF weights)' if cfg.quantized else ''}"
+        f". Produced by `osd demo --pair {cfg.pair}"
         f"{' --draft eagle' if cfg.draft == 'eagle' else ''}"
+        f"{' --quantized' if cfg.quantized else ''}"
         f"{f' --lookup-history {cfg.lookup_history}' if cfg.lookup_history else ''}` in "
         f"{seconds:.0f} s.", "",
         f"Target alone: **{plain_tps:.1f} tokens/s** (first {len(base)} requests). "

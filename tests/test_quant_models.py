@@ -27,7 +27,8 @@ def _forward(model, ids, tokens):
     """Logits of a prefill of ``ids`` then a cached forward of ``tokens`` more."""
     cache = model.new_cache(1, 64)
     with torch.no_grad():
-        first = model.prefill(torch.tensor([ids]), cache, torch.tensor([len(ids)], dtype=torch.int32))
+        first = model.prefill(torch.tensor([ids]), cache,
+                              torch.tensor([len(ids)], dtype=torch.int32))
         return first, model(torch.tensor([tokens]), cache)
 
 
