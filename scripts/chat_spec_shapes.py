@@ -63,6 +63,8 @@ def main() -> None:
     parser.add_argument("--quantized", action="store_true",
                         help="the target keeps its GGUF weights quantized (osd.models.quant) "
                              "in every mode; a plain row with float32 weights is added")
+    parser.add_argument("--quantize-eagle", default=None, choices=["Q8_0", "Q4_1"],
+                        help="also run each EAGLE shape with the draft's own layers quantized")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, draft = zoo.chat_pair()
@@ -99,10 +101,16 @@ def main() -> None:
             for n in [0] + args.eagle_ngram_mins:
                 name = f"{label} chain k={k}" + ("" if n == 0 else ", lookup" if n == 1
                                                  else f", lookup n>={n}")
-                engines[name] = osd.Engine(
-                    plain.model, draft=[eagle], max_batch_size=1, max_seq_len=1024,
-                    spec=osd.SpecConfig(num_draft_tokens=k, prompt_lookup=n > 0,
-                                        ngram_min=max(n, 1), ngram_max=max(n, 3)))
+                spec = osd.SpecConfig(num_draft_tokens=k, prompt_lookup=n > 0,
+                                      ngram_min=max(n, 1), ngram_max=max(n, 3))
+                engines[name] = osd.Engine(plain.model, draft=[eagle], max_batch_size=1,
+                                           max_seq_len=1024, spec=spec)
+                if args.quantize_eagle:
+                    small = osd.models.quantize_linears(osd.load_eagle(path, plain.model),
+                                                        args.quantize_eagle)
+                    engines[f"{name}, draft {args.quantize_eagle}"] = osd.Engine(
+                        plain.model, draft=[small], max_batch_size=1, max_seq_len=1024,
+                        spec=spec)
     params = osd.SamplingParams(max_new_tokens=args.new_tokens)
     seconds = dict.fromkeys(["plain", *engines], 0.0)
     tokens = dict.fromkeys(seconds, 0)
