@@ -19,10 +19,13 @@ row's running sums in decode_linear's order; a code times a scale that came from
 is exact in float32, so its result equals ``decode_linear`` on :func:`dequantize_weight`'s
 matrix bit for bit, and a row's result never depends on the other rows.
 
-The reference is ``F.linear`` on that matrix. ``auto`` uses the kernel where
-``decode_linear`` would use its own (float32 CPU inputs of at most ``MAX_ROWS`` rows outside
-autograd) and the reference otherwise (prefill, training, CUDA): it dequantizes the matrix
-per call.
+Past 64 rows (prefill pieces, large batches) the kernel dequantizes 256 weight rows at a
+time into a float32 tile and multiplies by it with a GEMM (``at::mm``), never holding the
+whole float32 matrix; those results agree with the reference to float32 rounding.
+
+The reference is ``F.linear`` on the dequantized matrix. ``auto`` uses the kernel for
+float32 CPU inputs outside autograd, and the reference otherwise (training, CUDA, half
+precision): it dequantizes the whole matrix per call.
 """
 from __future__ import annotations
 
@@ -30,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 from osd_kernels._ops import native_available, resolve_backend
-from osd_kernels.decode_linear import MAX_ROWS
 
 BLOCK = 32  # weights per scale and min
 
@@ -107,17 +109,15 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         bias: ``[N]`` or None.
         norm_weight: ``[K]`` or None: the RMSNorm applied to each row of ``x`` first.
         eps: the RMSNorm epsilon.
-        backend: ``auto`` (the C++ kernel for float32 CPU inputs with ``M <= MAX_ROWS``
-            outside autograd, else the reference) | ``reference`` | ``native`` (the C++
-            kernel for any ``M``; float32 CPU only).
+        backend: ``auto`` (the C++ kernel for float32 CPU inputs outside autograd, else
+            the reference) | ``reference`` | ``native`` (the C++ kernel; float32 CPU only).
 
     Returns:
         ``[..., N]``.
     """
     if backend == "auto":
         if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 1
-                or x.numel() > MAX_ROWS * x.shape[-1] or x.stride(-1) != 1
-                or not native_available()
+                or x.stride(-1) != 1 or not native_available()
                 or (torch.is_grad_enabled() and (x.requires_grad or (
                     norm_weight is not None and norm_weight.requires_grad)))):
             return quant_linear_reference(x, qweight, scales, mins, bias,

@@ -38,6 +38,8 @@ def test_generate_on_the_zoo_pair(extra, capsys):
     (["generate", "--target", "TARGET", "--temperature", "-1", "hi"], "temperature"),
     (["bench", "--only", "nothing_like_this"], "no benchmark"),
     (["demo", "--pair", "builtin", "--lookup-history", "1000"], "lookup_history needs prompt_lookup"),
+    (["demo", "--pair", "builtin", "--quantized"], "quantized needs the chat pair"),
+    (["generate", "--target", "TARGET", "--quantized", "hi"], "is not a GGUF file"),
 ])
 def test_errors_are_messages(argv, match, capsys):
     target, draft = zoo.default_pair()
@@ -46,6 +48,18 @@ def test_errors_are_messages(argv, match, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and match in err
     assert "Traceback" not in err
+
+
+def test_generate_quantized_gguf_equals_dequantized(tmp_path, capsys):
+    from tests.test_gguf import T, tiny_hf_model, to_gguf
+
+    path = str(to_gguf(tiny_hf_model("llama", seed=60), tmp_path / "m.gguf", T.Q4_1))
+    outs = []
+    for extra in ([], ["--quantized"]):
+        assert cli.main(["generate", "--target", path, "--max-new-tokens", "10", *extra,
+                         "1 2 3 4 5"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0].strip()
 
 
 def test_demo_builtin_writes_the_report(tmp_path):

@@ -8,10 +8,11 @@ import torch
 import osd_kernels
 from osd.models.gguf import GGMLType, dequantize, quantize
 from osd.models.quant import QuantLinear
-from osd_kernels.decode_linear import MAX_ROWS
 
+FUSED_MAX_ROWS = 64   # kFusedMaxRows in csrc/cpu/quant_linear.cpp: more rows take the GEMM
 SHAPES = [(1, 32, 1), (2, 64, 7), (3, 96, 13), (5, 576, 97), (7, 32, 5), (11, 160, 33),
-          (12, 64, 26), (13, 128, 9), (16, 96, 25), (25, 64, 6)]  # (M, K, N)
+          (12, 64, 26), (13, 128, 9), (16, 96, 25), (25, 64, 6), (64, 32, 11),
+          (65, 64, 300), (130, 96, 17)]  # (M, K, N)
 
 
 def _inputs(m, k, n, bits, seed, *, mins=True, bias=True):
@@ -46,8 +47,9 @@ def test_native_equals_decode_linear_on_dequantized_weights(monkeypatch, m, k, n
         norm = torch.rand(k) + 0.5 if extras else None
         got = osd_kernels.quant_linear(x, q, s, mn, b, norm_weight=norm, backend="native")
         w = osd_kernels.dequantize_weight(q, s, mn)
-        assert torch.equal(got, osd_kernels.decode_linear(x, w, b, norm_weight=norm,
-                                                          backend="native"))
+        if m <= FUSED_MAX_ROWS:
+            assert torch.equal(got, osd_kernels.decode_linear(x, w, b, norm_weight=norm,
+                                                              backend="native"))
         want = osd_kernels.quant_linear_reference(x, q, s, mn, b, norm_weight=norm)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * k ** 0.5)
 
@@ -72,10 +74,10 @@ def test_a_row_does_not_depend_on_the_others(monkeypatch, isa):
     # what the same row alone (a decode step) gives
     _isa(monkeypatch, isa)
     for bits in (4, 8):
-        x, q, s, mn, b = _inputs(MAX_ROWS, 192, 45, bits, 7)
+        x, q, s, mn, b = _inputs(FUSED_MAX_ROWS, 192, 45, bits, 7)
         alone = torch.cat([osd_kernels.quant_linear(x[i:i + 1], q, s, mn, b, backend="native")
-                           for i in range(MAX_ROWS)])
-        for m in (2, 5, 12, MAX_ROWS):
+                           for i in range(FUSED_MAX_ROWS)])
+        for m in (2, 5, 12, 16, 40, FUSED_MAX_ROWS):
             together = osd_kernels.quant_linear(x[:m], q, s, mn, b, backend="native")
             assert torch.equal(together, alone[:m])
 
@@ -102,15 +104,15 @@ def test_auto_uses_the_kernel_only_where_it_is_meant_to(monkeypatch):
             return real(*args)
 
     monkeypatch.setattr(torch.ops.osd, "quant_linear", Spy())
-    x, q, s, mn, b = _inputs(MAX_ROWS + 1, 64, 8, 4, 2)
-    osd_kernels.quant_linear(x[:MAX_ROWS], q, s, mn, b)
+    x, q, s, mn, b = _inputs(FUSED_MAX_ROWS + 9, 64, 8, 4, 2)
+    osd_kernels.quant_linear(x[:16], q, s, mn, b)
     want = osd_kernels.quant_linear_reference(x, q, s, mn, b)
     torch.testing.assert_close(osd_kernels.quant_linear(x, q, s, mn, b), want)  # prefill
     osd_kernels.quant_linear(x[:2].double(), q, s, mn, b.double())              # not float32
-    assert calls == [MAX_ROWS]
+    assert calls == [16, FUSED_MAX_ROWS + 9]
     xg = x[:2].clone().requires_grad_()
     osd_kernels.quant_linear(xg, q, s, mn, b).sum().backward()                  # autograd
-    assert xg.grad is not None and calls == [MAX_ROWS]
+    assert xg.grad is not None and calls == [16, FUSED_MAX_ROWS + 9]
 
 
 @pytest.mark.parametrize("backend", ["reference", "native"])

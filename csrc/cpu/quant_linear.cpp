@@ -14,8 +14,11 @@
 // decode_linear's portable loop over it (cpu/linear_rows.h). A code times a scale that came
 // from float16 is exact in float32, so every path computes on exactly the dequantized
 // weights and equals decode_linear on them bit for bit (AVX-512 and AVX2 agree as well).
+// Past kFusedMaxRows rows (prefill) the weights are dequantized a tile at a time and
+// multiplied by a GEMM, which then sets the summation order.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <torch/library.h>
 #include <optional>
 #include <vector>
@@ -28,6 +31,11 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // weights per scale (and min)
 constexpr int64_t kGroup = 12;  // weight rows dequantized at a time (a multiple of 1..4)
+// Up to this many rows the fused passes run (each pass of up to 12 rows dequantizes W
+// again, in registers); more rows (prefill pieces, large batches) dequantize kTileRows
+// weight rows at a time into a cache-sized float32 tile and multiply by it with at::mm.
+constexpr int64_t kFusedMaxRows = 64;
+constexpr int64_t kTileRows = 256;
 
 struct QuantArgs {
   const uint8_t* q;      // [N, K / 2] (4-bit) or [N, K] (8-bit) codes
@@ -85,6 +93,25 @@ struct Codes {
                                         : _mm256_cvtepi8_epi32(part));
   }
 };
+
+// Weight rows [n, n + rows) into out [rows, K], as dequant_portable.
+template <int BITS>
+OSD_AVX2 void dequant_avx2(const QuantArgs& q, int64_t n, int64_t rows, float* out) {
+  constexpr int64_t kCodeBytes = BITS * kBlock / 8;
+  const int64_t nb = q.K / kBlock;
+  for (int64_t r = n; r < n + rows; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      Codes<BITS> codes;
+      codes.load(q.q + (r * nb + b) * kCodeBytes);
+      const __m256 d = _mm256_set1_ps(q.scales[r * nb + b]);
+      const __m256 m = _mm256_set1_ps(q.mins != nullptr ? q.mins[r * nb + b] : 0.0f);
+      float* o = out + (r - n) * q.K + b * kBlock;
+      for (int s = 0; s < 4; ++s) {
+        _mm256_storeu_ps(o + 8 * s, _mm256_fmadd_ps(codes.step(s), d, m));
+      }
+    }
+  }
+}
 
 // Fused: the block's weights are dequantized in registers and used at once, in the order
 // of decode_linear's AVX2 loop (k ascending, one running sum per row and weight row, the
@@ -363,6 +390,29 @@ at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
   at::Tensor y = at::empty({a.M, N}, x.options());
   float* y_ptr = y.data_ptr<float>();
   a.ldy = N;
+  if (a.M > kFusedMaxRows && N > 0) {
+    const bool avx2 = use_avx2_fma();
+    const at::Tensor rows = normed.defined() ? normed : x;
+    at::Tensor tile = at::empty({std::min(kTileRows, N), K}, x.options());
+    float* tile_ptr = tile.data_ptr<float>();
+    for (int64_t n0 = 0; n0 < N; n0 += kTileRows) {
+      const int64_t g = std::min(kTileRows, N - n0);
+      at::parallel_for(0, g, 16, [&](int64_t begin, int64_t end) {
+#if defined(__x86_64__)
+        if (avx2) {
+          float* out = tile_ptr + begin * K;
+          if (bits == 4) return dequant_avx2<4>(q, n0 + begin, end - begin, out);
+          return dequant_avx2<8>(q, n0 + begin, end - begin, out);
+        }
+#endif
+        dequant_portable(q, n0 + begin, end - begin, tile_ptr + begin * K);
+      });
+      at::Tensor out = y.narrow(1, n0, g);
+      at::mm_out(out, rows, tile.narrow(0, 0, g).t());
+    }
+    if (bias.has_value()) y.add_(*bias);
+    return y;
+  }
   if (a.M > 0 && N > 0) {
     const bool avx2 = use_avx2_fma();
     const bool avx512 = use_avx512();
