@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt lookup also over this many tokens of earlier answers "
                    "(default 0: each request's own text)")
     d.add_argument("--quantized", action="store_true",
-                   help="the chat target keeps its GGUF weights quantized (same tokens)")
+                   help="the chat target keeps its GGUF weights quantized")
     d.add_argument("--seed", type=int, default=0, help="query-stream seed")
     d.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default 1: serving and the learner thread "
@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--quantized", action="store_true",
                    help="keep a GGUF target's Q4_0/Q4_1/Q8_0 weights quantized (CPU, "
-                        "float32): the same tokens, fewer bytes read per token")
+                        "float32): the same model, fewer bytes read per token")
     g.set_defaults(func=_generate)
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",

@@ -242,6 +242,12 @@ class Engine:
         The tokenizer is loaded from the target directory when it has one (local files
         only); pass ``tokenizer`` to override. ``attention_backend``: see
         ``osd.models.attention``. ``cuda_graphs``, ``prefill_chunk``: see :class:`Engine`.
+
+        ``quantized``: a GGUF target keeps its Q4_0 / Q4_1 / Q8_0 weights quantized in
+        memory and the CPU kernels compute with them (``osd.models.quant``): decode and
+        verify logits equal the dequantized target's bit for bit, prefill to float
+        rounding, with fewer bytes read per token (drafts load as usual). CPU, float32
+        and a GGUF target only (ValueError otherwise).
         """
         drafts = [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) \
             else [draft]

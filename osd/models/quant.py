@@ -4,9 +4,9 @@ On a CPU a decode or verify forward is bound by reading the weights: a GGUF chec
 4-bit weights read 0.75 bytes each where their float32 copy reads 4. A
 :class:`QuantLinear` keeps the codes and computes with ``osd_kernels.quant_linear``,
 whose few-row kernel gives bit for bit what ``decode_linear`` gives on the dequantized
-float32 matrix; longer inputs (prefill, training) dequantize the matrix per call and use
-``F.linear`` on it, as the float model does. A model with quantized layers therefore
-produces the same outputs as the same checkpoint dequantized.
+float32 matrix (so decode and verify forwards of up to 16 tokens match the dequantized
+model exactly); longer inputs (prefill) go through dequantized tiles and a GEMM, equal to
+float rounding, and autograd through ``F.linear`` on the dequantized matrix.
 
 - :meth:`QuantLinear.from_gguf_blocks`: a layer from a GGUF tensor's stored blocks;
 - :func:`quantize_gguf_linears`: swap a loaded GGUF model's linear layers (and output
