@@ -26,7 +26,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from osd_kernels import tree_attention
+from osd_kernels import native_available, tree_attention
+from osd_kernels.tree_attention import CPU_NATIVE_MAX_ROWS
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,6 +84,11 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, len
         if tree_mask is None:
             return _flash_causal(q, k_cache, v_cache, lens, scale)
         backend = "triton"
+    if (backend == "auto" and q.device.type == "cpu" and native_available()
+            and q.shape[1] * (q.shape[2] // k_cache.shape[1]) <= CPU_NATIVE_MAX_ROWS):
+        # What tree_attention's auto picks here (the C++ kernel, which checks its own
+        # arguments), without its Python checks: decode steps make one call per layer.
+        return torch.ops.osd.tree_attention(q, k_cache, v_cache, lens, tree_mask, scale)
     return tree_attention(q, k_cache, v_cache, lens, tree_mask, scale=scale,
                           max_kv_len=max_kv_len, backend=backend)
 
