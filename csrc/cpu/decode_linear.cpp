@@ -36,22 +36,8 @@ at::Tensor decode_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   a.ldx = x.stride(0);
   a.x = x.data_ptr<float>();
   a.w = weight.data_ptr<float>();
-  a.bias = nullptr;
-  if (bias.has_value()) {
-    const at::Tensor& b = *bias;
-    check_dtype(b, at::kFloat, "bias");
-    check_same_device(x, b, "x", "bias");
-    OSD_CHECK(b.dim() == 1 && b.size(0) == a.N && b.is_contiguous(),
-              "bias must be contiguous [N=", a.N, "], got ", b.sizes());
-    a.bias = b.data_ptr<float>();
-  }
-  at::Tensor normed;
-  if (norm_weight.has_value()) {
-    check_same_device(x, *norm_weight, "x", "norm_weight");
-    normed = linear_rows::rms_norm_rows(a.x, a.M, a.K, a.ldx, *norm_weight, eps);
-    a.x = normed.data_ptr<float>();
-    a.ldx = a.K;
-  }
+  a.bias = linear_rows::bias_data(bias, x, a.N);
+  const at::Tensor normed = linear_rows::apply_norm(a, x, norm_weight, eps);
   at::Tensor y = at::empty({a.M, a.N}, x.options());
   a.y = y.data_ptr<float>();
   a.ldy = a.N;

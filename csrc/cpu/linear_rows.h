@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 
 #include "checks.h"
 #include "cpu/fast_math.h"
@@ -85,6 +86,14 @@ OSD_AVX2 inline void prefetch_step(const char* p) {
   }
 }
 
+// The sum of v's 8 lanes: (0+4, 2+6, 1+5, 3+7), then pairs, the portable path's
+// association.
+OSD_AVX2 inline float hsum8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+
 template <int M, int NB>
 OSD_AVX2 void block_avx2(const Args& a, const float* x, float* y, int64_t n0) {
   __m256 acc[M][NB];
@@ -105,11 +114,7 @@ OSD_AVX2 void block_avx2(const Args& a, const float* x, float* y, int64_t n0) {
   }
   for (int m = 0; m < M; ++m) {
     for (int j = 0; j < NB; ++j) {
-      // lanes (0+4, 2+6, 1+5, 3+7), then pairs: the portable path's association
-      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m][j]),
-                                  _mm256_extractf128_ps(acc[m][j], 1));
-      const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      float s = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+      float s = hsum8(acc[m][j]);
       for (int64_t t = k; t < K; ++t) s += x[m * a.ldx + t] * a.w[(n0 + j) * K + t];
       y[m * a.ldy + n0 + j] = s + (a.bias != nullptr ? a.bias[n0 + j] : 0.0f);
     }
@@ -186,6 +191,30 @@ inline at::Tensor rms_norm_rows(const float* x, int64_t M, int64_t K, int64_t ld
     for (int64_t k = 0; k < K; ++k) out[m * K + k] = g[k] * (xr[k] * inv);
   }
   return rows;
+}
+
+// The float32 [N] bias of an op's output, checked; nullptr without one.
+inline const float* bias_data(const std::optional<at::Tensor>& bias, const at::Tensor& x,
+                              int64_t N) {
+  if (!bias.has_value()) return nullptr;
+  const at::Tensor& b = *bias;
+  check_dtype(b, at::kFloat, "bias");
+  check_same_device(x, b, "x", "bias");
+  OSD_CHECK(b.dim() == 1 && b.size(0) == N && b.is_contiguous(),
+            "bias must be contiguous [N=", N, "], got ", b.sizes());
+  return b.data_ptr<float>();
+}
+
+// With norm_weight, the RMS-normalised rows of a.x (a then points at them); returns the
+// tensor holding them (undefined without norm_weight), which must outlive a's use.
+inline at::Tensor apply_norm(Args& a, const at::Tensor& x,
+                             const std::optional<at::Tensor>& norm_weight, double eps) {
+  if (!norm_weight.has_value()) return at::Tensor();
+  check_same_device(x, *norm_weight, "x", "norm_weight");
+  at::Tensor normed = rms_norm_rows(a.x, a.M, a.K, a.ldx, *norm_weight, eps);
+  a.x = normed.data_ptr<float>();
+  a.ldx = a.K;
+  return normed;
 }
 
 }  // namespace linear_rows

@@ -153,10 +153,7 @@ OSD_AVX2 void block_fused(const QuantArgs& q, const linear_rows::Args& a, const 
   }
   for (int m = 0; m < M; ++m) {
     for (int j = 0; j < NB; ++j) {
-      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m][j]),
-                                  _mm256_extractf128_ps(acc[m][j], 1));
-      const __m128 s4 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      const float s = _mm_cvtss_f32(_mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 1)));
+      const float s = linear_rows::hsum8(acc[m][j]);
       y[m * a.ldy + n0 + j] = s + (a.bias != nullptr ? a.bias[n0 + j] : 0.0f);
     }
   }
@@ -236,11 +233,8 @@ OSD_AVX512 void block_fused_512(const QuantArgs& q, const linear_rows::Args& a, 
       for (int half = 0; half < 2; ++half) {
         const __m256 v = half == 0 ? _mm512_castps512_ps256(acc[m][p])
                                    : _mm512_extractf32x8_ps(acc[m][p], 1);
-        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        const __m128 s4 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        const float sum = _mm_cvtss_f32(_mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 1)));
         const int64_t n = n0 + 2 * p + half;
-        y[m * a.ldy + n] = sum + (a.bias != nullptr ? a.bias[n] : 0.0f);
+        y[m * a.ldy + n] = linear_rows::hsum8(v) + (a.bias != nullptr ? a.bias[n] : 0.0f);
       }
     }
   }
@@ -371,22 +365,8 @@ at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
   a.K = K;
   a.ldx = x.stride(0);
   a.x = x.data_ptr<float>();
-  const float* bias_ptr = nullptr;
-  if (bias.has_value()) {
-    const at::Tensor& b = *bias;
-    check_dtype(b, at::kFloat, "bias");
-    check_same_device(x, b, "x", "bias");
-    OSD_CHECK(b.dim() == 1 && b.size(0) == N && b.is_contiguous(),
-              "bias must be contiguous [N=", N, "], got ", b.sizes());
-    bias_ptr = b.data_ptr<float>();
-  }
-  at::Tensor normed;
-  if (norm_weight.has_value()) {
-    check_same_device(x, *norm_weight, "x", "norm_weight");
-    normed = linear_rows::rms_norm_rows(a.x, a.M, a.K, a.ldx, *norm_weight, eps);
-    a.x = normed.data_ptr<float>();
-    a.ldx = a.K;
-  }
+  const float* bias_ptr = linear_rows::bias_data(bias, x, N);
+  const at::Tensor normed = linear_rows::apply_norm(a, x, norm_weight, eps);
   at::Tensor y = at::empty({a.M, N}, x.options());
   float* y_ptr = y.data_ptr<float>();
   a.ldy = N;
