@@ -98,7 +98,7 @@ def online_recipe(pair: str) -> osd.OnlineConfig:
     if pair == "chat":
         return osd.OnlineConfig(update_every_requests=8, steps_per_update=8, lr=5e-4,
                                 batch_positions=768, replay_fraction=0.5,
-                                prompt_positions=0, autocast="bfloat16", background=True)
+                                prompt_positions=0, autocast="auto", background=True)
     return osd.OnlineConfig(update_every_requests=8, steps_per_update=8, lr=5e-4,
                             batch_positions=1024, background=True)
 

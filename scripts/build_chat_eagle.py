@@ -41,6 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import osd  # noqa: E402
+from osd.online.config import cpu_has_fast_bf16  # noqa: E402
 from build_chat_draft import (DATA, DataRecipe, Example, _bar, _data_file, _log,  # noqa: E402
                               cache_dir, make_data, split_heldout, write_checkpoint_dir)
 from osd.models.eagle import EagleLM, eagle_loss, save_eagle  # noqa: E402
@@ -67,7 +68,8 @@ class EagleRecipe:
     unroll: int = 2                 # passes (the second reads predicted features)
     noise: float = 0.0              # uniform feature noise (relative to the feature's rms)
     epochs: float = 16.0            # upper bound; the time budget may allow fewer
-    bf16_autocast: bool = True
+    bf16_autocast: bool = True      # bf16 matmuls, fp32 weights, where the CPU has fast bf16
+    #                                 (osd.online.config.cpu_has_fast_bf16; fp32 otherwise)
     heldout_fraction: float = 0.03
     seed: int = 0
 
@@ -182,6 +184,7 @@ def train(model: EagleLM, examples: list[Example], recipe: EagleRecipe,
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
+    use_bf16 = recipe.bf16_autocast and cpu_has_fast_bf16()
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr)
     gen = random.Random(recipe.seed)
@@ -213,7 +216,7 @@ def train(model: EagleLM, examples: list[Example], recipe: EagleRecipe,
                 g["lr"] = lr
             tokens, feats, probs, mask = _collate([examples[i] for i in group],
                                                   model.head_ids, model.dtype)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.bf16_autocast):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
                 out = eagle_loss(model, tokens, feats, probs, mask,
                                  feature_weight=recipe.feature_weight, unroll=recipe.unroll,
                                  noise=recipe.noise, generator=tgen)

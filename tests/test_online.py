@@ -253,6 +253,22 @@ def test_half_precision_draft_learns_in_fp32(pair):
         assert torch.equal(p, learner.model.state_dict()[name].to(torch.bfloat16)), name
 
 
+def test_autocast_auto_uses_bf16_only_where_the_cpu_has_it(pair, monkeypatch):
+    """``autocast="auto"`` trains in bf16 on a CPU with fast bf16 matmuls and in fp32 on
+    one without (there a bf16 step is many times slower); on CUDA it is fp32 (graphs)."""
+    from osd.online import config as online_config
+    assert online_config.resolve_autocast("float16", "cpu") == "float16"
+    assert online_config.resolve_autocast(None, "cpu") is None
+    assert online_config.resolve_autocast("auto", "cuda") is None
+    for fast in (False, True):
+        monkeypatch.setattr(online_config, "cpu_has_fast_bf16", lambda: fast)
+        assert online_config.resolve_autocast("auto", "cpu") == ("bfloat16" if fast else None)
+    monkeypatch.setattr(online_config, "cpu_has_fast_bf16", lambda: False)
+    eng = _engine(pair, autocast="auto")
+    assert eng.online.learners[0].autocast is None
+    eng.close()
+
+
 def test_autocast_steps_learn_with_fp32_weights(pair):
     """``autocast="bfloat16"`` runs the draft's training forward in bf16 under
     ``torch.autocast``; weights and AdamW state stay fp32, outputs stay the target's, and

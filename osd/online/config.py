@@ -7,7 +7,7 @@ from osd.online.router import RouterConfig
 
 LOSSES = ("fkl", "rkl", "jsd", "tvd")
 POSITION_POLICIES = ("all", "corrected")
-AUTOCAST_DTYPES = (None, "bfloat16", "float16")
+AUTOCAST_DTYPES = (None, "bfloat16", "float16", "auto")
 
 
 @dataclass
@@ -38,7 +38,9 @@ class OnlineConfig:
     lr: float = 1e-4                   # AdamW learning rate
     autocast: str | None = None        # "bfloat16" | "float16": the draft's forward in this
                                        # dtype under torch.autocast, its weights and AdamW
-                                       # state fp32 (eager steps: no CUDA graph capture)
+                                       # state fp32 (eager steps: no CUDA graph capture);
+                                       # "auto": bf16 on a CPU with native bf16 matmuls,
+                                       # otherwise none (resolve_autocast)
     weight_decay: float = 0.0          # AdamW weight decay
     max_grad_norm: float = 1.0         # gradient clipping (<= 0 disables)
     buffer_positions: int = 65536      # replay buffer capacity, in stored positions
@@ -89,3 +91,29 @@ class OnlineConfig:
         if self.autocast not in AUTOCAST_DTYPES:
             raise ValueError(f"OnlineConfig.autocast must be one of {AUTOCAST_DTYPES}, got "
                              f"{self.autocast!r}")
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when oneDNN runs bf16 matmuls natively on this CPU (AVX-512 BF16 / AMX, or
+    AVX-512 cores it emulates them on quickly). On AVX2-only CPUs it does not, and a bf16
+    autocast training step there is many times slower than fp32 (``docs/online.md``)."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_autocast(autocast: str | None, device) -> str | None:
+    """The autocast dtype name a learner on ``device`` uses for ``OnlineConfig.autocast``:
+    ``"auto"`` is bf16 on a CPU with fast bf16 (:func:`cpu_has_fast_bf16`) and none
+    elsewhere (on CUDA the fp32 step is captured in a CUDA graph instead); other values
+    are used as given."""
+    import torch
+
+    if autocast != "auto":
+        return autocast
+    if torch.device(device).type == "cpu" and cpu_has_fast_bf16():
+        return "bfloat16"
+    return None

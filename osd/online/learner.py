@@ -50,7 +50,7 @@ import torch
 import osd_kernels
 from osd.online.buffer import Example, ReplayBuffer
 from osd.online.checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
-from osd.online.config import OnlineConfig
+from osd.online.config import OnlineConfig, cpu_has_fast_bf16, resolve_autocast
 from osd.online.distill import batch_for, draft_logits, eagle_pass_logits, heldout_alpha
 from osd.online.memory import pin_mmap_threshold, release_free_memory
 
@@ -200,6 +200,11 @@ class OnlineLearner:
             pin_mmap_threshold(config.mmap_threshold)
         self.serving = draft
         self.device = next(draft.parameters()).device
+        self.autocast = resolve_autocast(config.autocast, self.device)
+        if self.autocast == "bfloat16" and self.device.type == "cpu" and not cpu_has_fast_bf16():
+            logger.warning("online learner %s: bf16 autocast on a CPU without native bf16 "
+                           "matmuls is much slower than fp32; OnlineConfig.autocast='auto' "
+                           "picks per CPU", name)
         # An EAGLE draft's target tensors (embedding, norm, head) stay shared and frozen.
         shared = list(getattr(draft, "shared_parameters", list)()) + \
             list(getattr(draft, "shared_modules", list)())
@@ -235,7 +240,7 @@ class OnlineLearner:
         self._snapshot = None               # the state an update in progress rolls back to
         self._graph_step = None
         # EAGLE batches and autocast steps run eagerly.
-        if use_cuda and config.cuda_graphs and not shared and config.autocast is None:
+        if use_cuda and config.cuda_graphs and not shared and self.autocast is None:
             from osd.online.graphs import GraphedTrainStep
 
             self._graph_step = GraphedTrainStep(self.model, self.optim, config)
@@ -375,8 +380,8 @@ class OnlineLearner:
         target = ((batch.topk_ids, batch.topk_probs) if batch.topk_ids is not None
                   else batch.target_logits)
         cfg = self.config
-        with (torch.autocast(self.device.type, dtype=getattr(torch, cfg.autocast))
-              if cfg.autocast else contextlib.nullcontext()):
+        with (torch.autocast(self.device.type, dtype=getattr(torch, self.autocast))
+              if self.autocast else contextlib.nullcontext()):
             if batch.features is None:
                 passes = [draft_logits(self.model, batch)]
             else:
