@@ -13,6 +13,10 @@ CPU fp32, k = 4.
   recorded: the learner's own seconds, as a share of the online engine's serving time.
   Torch runs on ``OSD_BENCH_THREADS`` threads (default 1: serving on one core leaves the
   other to the learner).
+- ``test_training_step_autocast``: one training step of the chat pair's draft (768
+  positions, forward KL against a top-32 target, AdamW) in fp32 and under bf16
+  autocast, taking turns, one thread; with ``cpu_has_fast_bf16`` (what
+  ``OnlineConfig(autocast="auto")`` decides by).
 - ``test_alpha_over_requests``: α per request for a static and an online draft (the α
   test's schedule: 8 AdamW steps at lr 5e-4 every 4 requests, inline), written as
   ``docs/online_alpha.png`` and printed as a table (``pytest -s``).
@@ -79,6 +83,48 @@ def test_learning_overhead(benchmark):
            "updates": hist["updates_applied"] + hist["updates_rejected"],
            "threads": torch.get_num_threads()}
     print("\nlearning overhead:", row)
+    benchmark.extra_info.update(row)
+
+
+def test_training_step_autocast(benchmark):
+    import contextlib
+
+    import osd_kernels
+    from osd.online.config import cpu_has_fast_bf16
+    from osd.zoo import chat as zoo_chat
+
+    torch.set_num_threads(1)
+    model = osd.load_model(zoo_chat.DRAFT_DIR).requires_grad_(True)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 384), generator=gen)
+    top_ids = torch.rand(768, model.head_vocab_size, generator=gen).topk(32).indices
+    top_p = torch.softmax(torch.randn(768, 32, generator=gen), -1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    seconds = {"fp32": [], "bf16 autocast": []}
+
+    def step(autocast: bool) -> float:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with (torch.autocast("cpu", dtype=torch.bfloat16) if autocast
+              else contextlib.nullcontext()):
+            logits = model.forward_train(ids, full_vocab=False).flatten(0, 1)
+        osd_kernels.distill_loss(logits, (top_ids, top_p), loss="fkl").backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    def run():
+        for _ in range(3):
+            for name in seconds:
+                seconds[name].append(step(name != "fp32"))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    best = {k: min(v) for k, v in seconds.items()}
+    row = {"fp32_step_s": round(best["fp32"], 3),
+           "bf16_autocast_step_s": round(best["bf16 autocast"], 3),
+           "bf16_over_fp32": round(best["bf16 autocast"] / best["fp32"], 2),
+           "cpu_has_fast_bf16": cpu_has_fast_bf16(),
+           "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    print("\ntraining step:", row)
     benchmark.extra_info.update(row)
 
 
