@@ -160,6 +160,27 @@ def test_learner_rejects_bad_configs():
         osd.OnlineConfig(autocast="float8")
 
 
+def test_held_out_requests_retire_into_training():
+    """The held-out slice keeps the newest ``holdout_capacity`` held-out requests; an
+    older one joins the training set rather than being dropped."""
+    from osd.online.buffer import Example, ReplayBuffer
+    buf = ReplayBuffer(capacity_positions=1000, holdout_every=2, holdout_capacity=2)
+
+    def ex(i):
+        return Example(tokens=torch.full((4,), i), positions=torch.arange(3),
+                       topk_ids=torch.zeros(3, 2, dtype=torch.int32),
+                       topk_probs=torch.ones(3, 2) / 2, logits=None)
+    for i in range(1, 11):
+        buf.add(ex(i))
+    held = [int(e.tokens[0]) for e in buf.holdout()]
+    train = [int(e.tokens[0]) for e in buf.recent(10_000)]
+    assert held == [8, 10]
+    assert sorted(train) == [1, 2, 3, 4, 5, 6, 7, 9]      # 2, 4, 6 held out, then retired
+    assert not set(held) & set(train)
+    with pytest.raises(ValueError, match="holdout_requests"):
+        osd.OnlineConfig(holdout_requests=0)
+
+
 def test_update_batch_mixes_newest_and_replayed_requests():
     from osd.online.buffer import Example, ReplayBuffer
     buf = ReplayBuffer(capacity_positions=1000, holdout_every=0)

@@ -60,7 +60,10 @@ class ReplayBuffer:
 
     Capacity is counted in stored positions, so long requests do not crowd the memory.
     A fixed fraction of requests (every ``holdout_every``-th) goes to a held-out slice used
-    only to accept or reject an update.
+    only to accept or reject an update. The slice keeps the newest ``holdout_capacity``
+    such requests; an older one then retires into the training set (it was never trained
+    on while held out), so no request is withheld from learning for good: a task asked
+    again later is drafted from what was learned from it, whichever slice it went to.
     """
 
     def __init__(self, capacity_positions: int = 65536, holdout_every: int = 5,
@@ -79,8 +82,12 @@ class ReplayBuffer:
         with self._lock:
             self._seen += 1
             if self.holdout_every > 0 and self._seen % self.holdout_every == 0:
+                retired = (self._holdout.popleft()
+                           if len(self._holdout) == self._holdout.maxlen else None)
                 self._holdout.append(ex)
-                return
+                if retired is None:
+                    return
+                ex = retired
             self._train.append(ex)
             self._positions += ex.num_positions
             while self._positions > self.capacity and len(self._train) > 1:

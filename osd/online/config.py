@@ -44,7 +44,9 @@ class OnlineConfig:
     weight_decay: float = 0.0          # AdamW weight decay
     max_grad_norm: float = 1.0         # gradient clipping (<= 0 disables)
     buffer_positions: int = 65536      # replay buffer capacity, in stored positions
-    holdout_every: int = 5             # every n-th request goes to the held-out slice
+    holdout_every: int = 5             # every n-th request goes to the held-out slice ...
+    holdout_requests: int = 64         # ... of the newest n such; older ones retire into
+                                       # the training set
     guard_tolerance: float = 0.005     # keep an update unless held-out alpha drops by more
     background: bool = True            # train in a thread (CPU) / side stream (GPU)
     wait_for_update: bool = False      # serving waits for each update to finish
@@ -77,7 +79,8 @@ class OnlineConfig:
                              f"{self.prompt_positions}")
         for name in ("update_every_requests", "steps_per_update", "eagle_passes",
                      "batch_positions", "buffer_positions", "checkpoint_every", "max_train_len",
-                     "history_requests", "history_updates", "max_train_graphs"):
+                     "history_requests", "history_updates", "max_train_graphs",
+                     "holdout_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"OnlineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.mmap_threshold is not None and self.mmap_threshold < 1:

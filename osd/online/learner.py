@@ -223,7 +223,8 @@ class OnlineLearner:
         use_cuda = self.device.type == "cuda"
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
                                        weight_decay=config.weight_decay, capturable=use_cuda)
-        self.buffer = ReplayBuffer(config.buffer_positions, config.holdout_every)
+        self.buffer = ReplayBuffer(config.buffer_positions, config.holdout_every,
+                                   config.holdout_requests)
         self.history = LearningHistory(config.history_updates)
         self.requests_seen = 0
         self._since_update_requests = 0
