@@ -92,13 +92,18 @@ def online_recipe(pair: str) -> osd.OnlineConfig:
     serving), so it spends it where drafting happens: on the responses only
     (``prompt_positions=0``; prompt lookup covers text copied from the prompt), on small
     batches that rehearse older requests next to the newest (``replay_fraction``), so that
-    a task asked again much later is drafted from what was learned the first time.
+    a task asked again much later is drafted from what was learned the first time; the
+    guard's held-out slice keeps only the newest 8 held-out requests (older ones join the
+    training set, so those tasks are learned too, and the guard costs less) and, that
+    slice being small, tolerates a drop of 0.02 in its α before it rejects an update.
     ``docs/chat_draft.md`` has the measurements behind it.
     """
     if pair == "chat":
         return osd.OnlineConfig(update_every_requests=8, steps_per_update=8, lr=5e-4,
                                 batch_positions=768, replay_fraction=0.5,
-                                prompt_positions=0, autocast="auto", background=True)
+                                prompt_positions=0, holdout_requests=8, guard_tolerance=0.02,
+                                autocast="auto",
+                                background=True)
     return osd.OnlineConfig(update_every_requests=8, steps_per_update=8, lr=5e-4,
                             batch_positions=1024, background=True)
 
