@@ -97,9 +97,9 @@ class OnlineConfig:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """True when oneDNN runs bf16 matmuls natively on this CPU (AVX-512 BF16 / AMX, or
-    AVX-512 cores it emulates them on quickly). On AVX2-only CPUs it does not, and a bf16
-    autocast training step there is many times slower than fp32 (``docs/online.md``)."""
+    """True when oneDNN reports bf16 matmul support on this CPU (AVX-512 class cores).
+    On AVX2-only CPUs it does not, and a bf16 autocast training step there measured many
+    times slower than fp32 (``docs/online.md``)."""
     import torch
 
     try:
