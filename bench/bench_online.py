@@ -17,6 +17,11 @@ CPU fp32, k = 4.
   positions, forward KL against a top-32 target, AdamW) in fp32 and under bf16
   autocast, taking turns, one thread; with ``cpu_has_fast_bf16`` (what
   ``OnlineConfig(autocast="auto")`` decides by).
+- ``test_training_step_context``: the same draft's step on a batch built the way the
+  learner builds it (``osd.online.distill.build_batch``): 16 chat requests, prompts of
+  81-437 tokens (HumanEval's chat prompts' range) and 48-token answers whose 768
+  positions carry targets, each request cut to its newest ``max_train_len`` tokens,
+  512 against 128, taking turns, one thread, fused AdamW as the learner uses on CPU.
 - ``test_alpha_over_requests``: α per request for a static and an online draft (the α
   test's schedule: 8 AdamW steps at lr 5e-4 every 4 requests, inline), written as
   ``docs/online_alpha.png`` and printed as a table (``pytest -s``).
@@ -125,6 +130,50 @@ def test_training_step_autocast(benchmark):
            "cpu_has_fast_bf16": cpu_has_fast_bf16(),
            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     print("\ntraining step:", row)
+    benchmark.extra_info.update(row)
+
+
+def test_training_step_context(benchmark):
+    import osd_kernels
+    from osd.online.buffer import Example
+    from osd.online.distill import batch_for, draft_logits
+    from osd.zoo import chat as zoo_chat
+
+    torch.set_num_threads(1)
+    model = osd.load_model(zoo_chat.DRAFT_DIR).requires_grad_(True)
+    gen = torch.Generator().manual_seed(0)
+    examples = []
+    for n in torch.linspace(81, 437, 16).long().tolist():
+        tokens = torch.randint(0, model.config.vocab_size, (n + 48,), generator=gen)
+        top_p = torch.softmax(torch.randn(48, 32, generator=gen), -1)
+        examples.append(Example(tokens, torch.arange(n, n + 48),
+                                torch.randperm(8192, generator=gen)[:32].expand(48, 32).int(),
+                                top_p, None))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    batches = {n: batch_for(model, examples, n, "cpu") for n in (512, 128)}
+    seconds = {n: [] for n in batches}
+
+    def step(batch) -> float:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        osd_kernels.distill_loss(draft_logits(model, batch), (batch.topk_ids, batch.topk_probs),
+                                 loss="fkl").backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    def run():
+        for _ in range(3):
+            for n, batch in batches.items():
+                seconds[n].append(step(batch))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    best = {n: min(v) for n, v in seconds.items()}
+    row = {"positions": batches[128].num_positions,
+           "tokens_fed_512": int(batches[512].attention_mask.sum()),
+           "tokens_fed_128": int(batches[128].attention_mask.sum()),
+           "step_s_512": round(best[512], 3), "step_s_128": round(best[128], 3),
+           "ratio": round(best[512] / best[128], 2)}
+    print("\ntraining step by context:", row)
     benchmark.extra_info.update(row)
 
 

@@ -96,13 +96,16 @@ def online_recipe(pair: str) -> osd.OnlineConfig:
     guard's held-out slice keeps only the newest 8 held-out requests (older ones join the
     training set, so those tasks are learned too, and the guard costs less) and, that
     slice being small, tolerates a drop of 0.02 in its α before it rejects an update.
+    Each request trains on its newest 128 tokens (the answer and the end of its prompt):
+    a chat prompt is several times longer than the 48-token answer, feeding all of it
+    makes a step about 2.6x dearer, and the learner then falls behind the stream.
     ``docs/chat_draft.md`` has the measurements behind it.
     """
     if pair == "chat":
         return osd.OnlineConfig(update_every_requests=8, steps_per_update=8, lr=5e-4,
                                 batch_positions=768, replay_fraction=0.5,
                                 prompt_positions=0, holdout_requests=8, guard_tolerance=0.02,
-                                autocast="auto",
+                                max_train_len=128, autocast="auto",
                                 background=True)
     return osd.OnlineConfig(update_every_requests=8, steps_per_update=8, lr=5e-4,
                             batch_positions=1024, background=True)

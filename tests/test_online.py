@@ -59,7 +59,8 @@ def test_outputs_unchanged_and_alpha_rises(pair):
 
 
 def test_guard_rejects_an_update_that_hurts(pair):
-    eng = _engine(pair, lr=3.0, steps_per_update=3, guard_tolerance=0.0)
+    # Updates start once the held-out slice holds a request, so the first one is guarded.
+    eng = _engine(pair, lr=3.0, steps_per_update=3, guard_tolerance=0.0, update_every_requests=5)
     before = _draft_state(eng)
     eng.generate(prompts_of([5, 8, 6, 7, 9, 4, 5, 6, 8, 7], seed=84), osd.SamplingParams(20))
     hist = eng.stats["online"]

@@ -221,8 +221,11 @@ class OnlineLearner:
             p.requires_grad_(False)
         self.model.train()
         use_cuda = self.device.type == "cuda"
+        # CUDA: capturable state for the graphed step; CPU: the fused kernel (one pass
+        # over each tensor instead of a dozen elementwise ops).
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
-                                       weight_decay=config.weight_decay, capturable=use_cuda)
+                                       weight_decay=config.weight_decay, capturable=use_cuda,
+                                       fused=None if use_cuda else True)
         self.buffer = ReplayBuffer(config.buffer_positions, config.holdout_every,
                                    config.holdout_requests)
         self.history = LearningHistory(config.history_updates)
