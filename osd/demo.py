@@ -90,20 +90,23 @@ def online_recipe(pair: str) -> osd.OnlineConfig:
 
     For the chat pair the learner's CPU time is the limit (it has one core beside
     serving), so it spends it where drafting happens: on the responses only
-    (``prompt_positions=0``; prompt lookup covers text copied from the prompt), on small
-    batches that rehearse older requests next to the newest (``replay_fraction``), so that
-    a task asked again much later is drafted from what was learned the first time; the
-    guard's held-out slice keeps only the newest 8 held-out requests (older ones join the
-    training set, so those tasks are learned too, and the guard costs less) and, that
-    slice being small, tolerates a drop of 0.02 in its α before it rejects an update.
+    (``prompt_positions=0``; prompt lookup covers text copied from the prompt), on batches
+    of 1,536 positions of which three quarters rehearse older requests drawn at random
+    (``replay_fraction``) beside the newest 8 requests, so that a task asked again much
+    later is drafted from what was learned the first time (half that batch, half of it
+    replayed, learned clearly less: more steps on the same batch did not help, more
+    rehearsal did); the guard's held-out slice keeps only the newest 8 held-out requests
+    (older ones join the training set, so those tasks are learned too, and the guard
+    costs less) and, that slice being small, tolerates a drop of 0.02 in its α before it
+    rejects an update.
     Each request trains on its newest 128 tokens (the answer and the end of its prompt):
     a chat prompt is several times longer than the 48-token answer, feeding all of it
-    makes a step about 2.6x dearer, and the learner then falls behind the stream.
+    makes a step about 4x dearer, and the learner then falls behind the stream.
     ``docs/chat_draft.md`` has the measurements behind it.
     """
     if pair == "chat":
         return osd.OnlineConfig(update_every_requests=8, steps_per_update=8, lr=5e-4,
-                                batch_positions=768, replay_fraction=0.5,
+                                batch_positions=1536, replay_fraction=0.75,
                                 prompt_positions=0, holdout_requests=8, guard_tolerance=0.02,
                                 max_train_len=128, autocast="auto",
                                 background=True)
