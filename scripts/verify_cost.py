@@ -1,6 +1,8 @@
 """Verify cost on the chat target: one forward of T rows (a chain's causal block, or a tree
-with its ancestor mask) over a cache of ``--context`` tokens, in one-row forwards. Random
-token ids; best of ``--rounds`` rounds of 10 forwards each, the shapes interleaved.
+with its ancestor mask) over a cache of ``--context`` tokens, in one-row forwards; and the
+prefill of a ``--context``-token prompt (logits at its last position only, as the engine
+asks). Random token ids; best of ``--rounds`` rounds of 10 forwards (one prefill) each,
+the shapes interleaved.
 
     .venv/bin/python scripts/verify_cost.py --threads 2
 """
@@ -41,9 +43,21 @@ def main() -> None:
             return model(ids, cache, tree_mask=mask_from_parents(par),
                          depths=depths_from_parents(par).long())
 
+        prompt = torch.randint(0, vocab, (1, args.context), generator=gen)
+        scratch = model.new_cache(1, args.context)
+
+        def prefill():
+            scratch.reset()
+            model.prefill(prompt, scratch, torch.tensor([args.context], dtype=torch.int32),
+                          logits_index=torch.tensor([[args.context - 1]]))
+
         shapes = [(T, False) for T in args.rows] + [(T, True) for T in args.rows if T > 1]
         best = {s: float("inf") for s in shapes}
+        best_prefill = float("inf")
         for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            prefill()
+            best_prefill = min(best_prefill, time.perf_counter() - t0)
             for s in shapes:
                 t0 = time.perf_counter()
                 for _ in range(10):
@@ -54,6 +68,8 @@ def main() -> None:
     print("|---|---|---|---|")
     for (T, tree), t in best.items():
         print(f"| {T} | {'tree' if tree else 'causal'} | {1e3 * t:.1f} | {t / one:.2f} |")
+    print(f"| prefill of {args.context} | causal | {1e3 * best_prefill:.1f} | "
+          f"{best_prefill / one:.2f} |")
 
 
 if __name__ == "__main__":
