@@ -18,7 +18,8 @@ def _demo(args) -> int:
                      static_requests=args.static, max_new_tokens=args.max_new_tokens,
                      num_draft_tokens=args.k, out_dir=args.out, seed=args.seed,
                      threads=args.threads, draft=args.draft,
-                     lookup_history=args.lookup_history, quantized=args.quantized)
+                     lookup_history=args.lookup_history, quantized=args.quantized,
+                     prefix_cache=args.prefix_cache)
     run_demo(cfg)
     return 0
 
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 0: each request's own text)")
     d.add_argument("--quantized", action="store_true",
                    help="the chat target keeps its GGUF weights quantized")
+    d.add_argument("--prefix-cache", type=int, default=0, metavar="TOKENS",
+                   help="keep the target's K/V of up to this many prompt tokens across "
+                   "requests, for prompts that start alike (default 0: none)")
     d.add_argument("--seed", type=int, default=0, help="query-stream seed")
     d.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default 1: serving and the learner thread "
@@ -206,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--quantized", action="store_true",
                    help="keep a GGUF target's Q4_0/Q4_1/Q8_0 weights quantized (CPU, float32)")
+    s.add_argument("--prefix-cache", type=int, default=0, metavar="TOKENS",
+                   help="keep the target's K/V of up to this many prompt tokens across "
+                   "requests: a shared system prompt or a chat's earlier turns are not "
+                   "prefilled again (default 0: none)")
     s.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])

@@ -60,6 +60,8 @@ class DemoConfig:
     #                                        "eagle" (the EAGLE draft on the target's features)
     quantized: bool = False                # chat pair: the target keeps its GGUF weights
     #                                        quantized (Engine.from_pretrained(quantized=True))
+    prefix_cache: int = 0                  # prompt tokens whose target K/V every engine
+    #                                        keeps across requests (Engine(prefix_cache=...))
     seed: int = 0                          # query-stream seed
     threads: int | None = None             # torch intra-op threads (1: serving and the
                                            # learner thread each keep a core busy)
@@ -248,20 +250,23 @@ def run_demo(cfg: DemoConfig | None = None) -> dict:
           flush=True)
 
     plain = osd.Engine.from_pretrained(target_dir, max_batch_size=1, max_seq_len=max_len,
-                                       quantized=cfg.quantized)
+                                       quantized=cfg.quantized,
+                                       prefix_cache=cfg.prefix_cache)
     base = _serve(plain, prompts[:cfg.baseline_requests], params, "target alone")
     plain_tps = _tps(base)
     spec = osd.SpecConfig(num_draft_tokens=k, prompt_lookup=cfg.prompt_lookup,
                           lookup_history=cfg.lookup_history)
     online = osd.Engine.from_pretrained(target_dir, draft=draft_dir, spec=spec,
                                         online=cfg.online, max_batch_size=1,
-                                        max_seq_len=max_len, quantized=cfg.quantized)
+                                        max_seq_len=max_len, quantized=cfg.quantized,
+                                        prefix_cache=cfg.prefix_cache)
     outputs = []
     on_rec = _serve(online, prompts, params, "online draft", plain_tps, outputs=outputs)
     online.close()
     static = osd.Engine.from_pretrained(target_dir, draft=draft_dir, spec=spec,
                                         max_batch_size=1, max_seq_len=max_len,
-                                        quantized=cfg.quantized)
+                                        quantized=cfg.quantized,
+                                        prefix_cache=cfg.prefix_cache)
     first_static = cfg.requests - cfg.static_requests
     if static.lookup_history is not None:
         # The answers served before its first request, as the online engine had them
@@ -351,10 +356,12 @@ def _report(cfg, label, c, base, st_rec, on_rec, online_stats, plain_tps, second
         f"{cfg.max_new_tokens} "
         f"new tokens per request, CPU fp32"
         f"{' (the target computing on its quantized GGUF weights)' if cfg.quantized else ''}"
+        f"{f', every engine keeping up to {cfg.prefix_cache} prompt tokens of K/V across requests' if cfg.prefix_cache else ''}"
         f". Produced by `osd demo --pair {cfg.pair}"
         f"{' --draft eagle' if cfg.draft == 'eagle' else ''}"
         f"{' --quantized' if cfg.quantized else ''}"
-        f"{f' --lookup-history {cfg.lookup_history}' if cfg.lookup_history else ''}` in "
+        f"{f' --lookup-history {cfg.lookup_history}' if cfg.lookup_history else ''}"
+        f"{f' --prefix-cache {cfg.prefix_cache}' if cfg.prefix_cache else ''}` in "
         f"{seconds:.0f} s.", "",
         f"Target alone: **{plain_tps:.1f} tokens/s** (first {len(base)} requests). "
         f"Draft cost ratio c = {c:.3f} (draft decode step / target decode step, measured).", "",

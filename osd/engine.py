@@ -55,6 +55,7 @@ from osd.models.loading import is_transformers_model, load_model, load_tokenizer
 from osd.online.collect import TeacherCollector
 from osd.online.config import OnlineConfig
 from osd.online.serving import OnlineManager
+from osd.prefix_cache import PrefixCache
 from osd.request import RequestError, RequestState
 from osd.sampling import (BatchParams, Output, SamplingParams, fail_nonfinite, request_seed,
                           sample_tokens)
@@ -81,13 +82,22 @@ class Engine:
             graphs per batch-size bucket (``osd.graphs``). CPU always runs eagerly.
         prefill_chunk: feed prompts in pieces of at most this many tokens (bounds the
             prefill's peak memory); None keeps the models' ``config.prefill_chunk``.
+        prefix_cache: keep the target's K/V of up to this many prompt tokens across
+            requests (``osd.prefix_cache``, blocks of 16, least recently used out first):
+            a prompt that starts with a kept prefix (a shared system prompt, a chat's
+            earlier turns) prefills only the rest. 0 (default) keeps none. Not used by
+            lanes with an EAGLE draft.
     """
 
     def __init__(self, model: DecoderLM, *, draft: DecoderLM | list[DecoderLM] | None = None,
                  tokenizer=None, max_batch_size: int = 8, max_seq_len: int = 2048,
                  spec: SpecConfig | None = None, online: OnlineConfig | None = None,
-                 cuda_graphs: bool = True, prefill_chunk: int | None = None) -> None:
+                 cuda_graphs: bool = True, prefill_chunk: int | None = None,
+                 prefix_cache: int = 0) -> None:
         max_batch_size = operator.index(max_batch_size)
+        prefix_cache = operator.index(prefix_cache)
+        if prefix_cache < 0:
+            raise ValueError(f"prefix_cache must be >= 0 tokens, got {prefix_cache}")
         max_seq_len = operator.index(max_seq_len)
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -162,6 +172,9 @@ class Engine:
                            torch.zeros(max_batch_size, dtype=torch.int64, device=self.device),
                            model.new_cache(1, max_seq_len + self._headroom))
                       for _ in drafters]
+        self.prefix_cache = PrefixCache(prefix_cache) if prefix_cache else None
+        for lane in self.lanes:
+            lane.prefix_cache = self.prefix_cache
         for i, (lane, drafter) in enumerate(zip(self.lanes, drafters)):
             if drafter is None:
                 continue
@@ -224,7 +237,8 @@ class Engine:
                         max_seq_len: int = 2048, spec: SpecConfig | None = None,
                         online: OnlineConfig | None = None, attention_backend: str = "auto",
                         tokenizer=None, cuda_graphs: bool = True,
-                        prefill_chunk: int | None = None, quantized: bool = False) -> "Engine":
+                        prefill_chunk: int | None = None, quantized: bool = False,
+                        prefix_cache: int = 0) -> "Engine":
         """Load ``target`` (and drafts): each a checkpoint directory, a GGUF file or a
         transformers model.
 
@@ -241,7 +255,8 @@ class Engine:
 
         The tokenizer is loaded from the target directory when it has one (local files
         only); pass ``tokenizer`` to override. ``attention_backend``: see
-        ``osd.models.attention``. ``cuda_graphs``, ``prefill_chunk``: see :class:`Engine`.
+        ``osd.models.attention``. ``cuda_graphs``, ``prefill_chunk``, ``prefix_cache``: see
+        :class:`Engine`.
 
         ``quantized``: a GGUF target keeps its Q4_0 / Q4_1 / Q8_0 weights quantized in
         memory and the CPU kernels compute with them (``osd.models.quant``): decode and
@@ -265,7 +280,8 @@ class Engine:
             tokenizer = load_tokenizer(target)
         return cls(model, draft=draft_models or None, tokenizer=tokenizer,
                    max_batch_size=max_batch_size, max_seq_len=max_seq_len, spec=spec,
-                   online=online, cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk)
+                   online=online, cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk,
+                   prefix_cache=prefix_cache)
 
     def encode(self, prompts) -> list[list[int]]:
         """Validate ``prompts`` (token-id lists or strings) and return token-id lists."""
@@ -498,13 +514,16 @@ class Engine:
             if not lane.active and staged is None:
                 self._empty_lane(lane)
             start = len(lane.active)
-            ready, done, early = new, [0] * len(new), [None] * len(new)
+            ready, early = new, [None] * len(new)
+            done = [lane.load_prefix(r, m, lane.cache, start + b + (staged is not None))
+                    for b, r in enumerate(new)]
             if staged is not None:
                 ready, done, early = [staged[0]] + new, [staged[1]] + done, [staged[2]] + early
             lane.active += ready
             prompt_logits = self.prefill(ready, start_row=start, lane=lane,
                                          prompt_positions=m, done=done,
                                          early_hidden=early if lane.needs_hidden else None)
+            lane.store_prefix(ready, start)
             prompt_hidden = None
             if lane.needs_hidden:
                 prompt_logits, prompt_hidden = prompt_logits
@@ -695,6 +714,8 @@ class Engine:
         if self.online is not None and hasattr(self.online, "faults"):
             errors.update({f"online_{k}": v for k, v in self.online.faults().items() if v})
         out["errors"] = errors
+        if self.prefix_cache is not None:
+            out["prefix_cache"] = self.prefix_cache.stats()
         out["last_error"] = self.last_error
         out["aborted"] = self._aborted
         out["running"] = sum(len(lane.active) + (lane.staging is not None)

@@ -5,7 +5,8 @@ always in rows ``0 .. B-1`` (``osd.engine`` has the whole scheduling story). Thi
 is the admission side: which waiting requests are prefilled this step (:meth:`Lane.admit`)
 and how a prompt too long for one prefill piece is *staged* in the lane's one-row staging
 cache, a piece per step, before it joins a row reserved for it
-(:meth:`Lane.advance_staging`).
+(:meth:`Lane.advance_staging`). With a prefix cache (``osd.prefix_cache``) a prompt's
+longest kept prefix is copied into its row (or the staging row) instead of prefilled.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import dataclasses
 import torch
 
 from osd.cache import KVCache
+from osd.prefix_cache import PrefixCache
 from osd.request import RequestState
 
 
@@ -33,6 +35,7 @@ class Lane:
     staged: int = 0                        # its prompt tokens in stage_cache
     # The target's features [1, chunk, H] of each staged piece (for an EAGLE drafter).
     stage_hidden: list = dataclasses.field(default_factory=list)
+    prefix_cache: PrefixCache | None = None   # prompt K/V shared by the engine's lanes
 
     @property
     def needs_hidden(self) -> bool:
@@ -54,8 +57,11 @@ class Lane:
             r = self.waiting.popleft()
             if pieces_left(len(r.prompt), prompt_positions, chunk):
                 if self.staging is None and len(new) < free:
-                    self.staging, self.staged = r, 0
                     self.stage_cache.reset()
+                    self.staging = r
+                    self.staged = self.load_prefix(r, prompt_positions, self.stage_cache, 0)
+                    self.stage_cache.lens[0] = self.staged
+                    self.stage_cache.set_bound(self.staged)
                     free -= 1
                 else:
                     kept.append(r)
@@ -100,6 +106,25 @@ class Lane:
         early = torch.cat(self.stage_hidden, 1)[0] if self.stage_hidden else None
         self.unstage()
         return r, n, early
+
+    def load_prefix(self, r: RequestState, prompt_positions: int, cache: KVCache,
+                    row: int) -> int:
+        """Copy the K/V of the longest kept prefix of ``r``'s prompt into ``row`` of
+        ``cache`` and return its length (0 without a prefix cache, and for an EAGLE
+        drafter, which also needs the target's features at every prompt position). The
+        last ``max(prompt_positions, 1)`` prompt tokens are always fed: their logits are
+        used."""
+        if self.prefix_cache is None or self.needs_hidden:
+            return 0
+        limit = len(r.prompt) - max(prompt_positions, 1)
+        return self.prefix_cache.load(r.prompt, limit, cache.kv[:, :, row])
+
+    def store_prefix(self, requests: list[RequestState], start_row: int) -> None:
+        """Keep the prompt K/V of ``requests``, just prefilled into rows ``start_row ..``."""
+        if self.prefix_cache is None or self.needs_hidden:
+            return
+        for b, r in enumerate(requests):
+            self.prefix_cache.store(r.prompt, self.cache.kv[:, :, start_row + b])
 
     def unstage(self) -> None:
         """Free the staging row."""

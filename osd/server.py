@@ -661,7 +661,7 @@ def serve(args) -> int:
         ae = osd.AsyncEngine.from_pretrained(
             target, draft=draft, device=args.device, dtype=dtype, spec=spec, online=online,
             max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-            quantized=args.quantized)
+            quantized=args.quantized, prefix_cache=getattr(args, "prefix_cache", 0))
     except BaseException:
         sock.close()
         raise

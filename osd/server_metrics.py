@@ -109,6 +109,15 @@ def metrics_text(snapshot: tuple[dict, list[int], list[int]], counters: Counters
            [({"phase": k}, v) for k, v in sorted((stats.get("time_s") or {}).items())])
     family("osd:engine_errors_total", "counter", "Engine request failures by kind.",
            [({"kind": k}, v) for k, v in sorted((stats.get("errors") or {}).items())])
+    prefix = stats.get("prefix_cache") or {}
+    family("osd:prefix_cache_queries_total", "counter",
+           "Prompt tokens looked up in the prefix cache (0 without --prefix-cache).",
+           prefix.get("tokens_looked_up", 0))
+    family("osd:prefix_cache_hits_total", "counter",
+           "Prompt tokens whose K/V came from the prefix cache.",
+           prefix.get("tokens_reused", 0))
+    family("osd:prefix_cache_tokens", "gauge", "Prompt tokens of K/V the prefix cache holds.",
+           prefix.get("tokens", 0))
     family("osd:online_updates_applied_total", "counter",
            "Online draft updates applied (0 without --online).",
            online.get("updates_applied", 0))

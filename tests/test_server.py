@@ -89,9 +89,11 @@ def setup():
     chat_reference = ref_engine.generate(chat_ids, osd.SamplingParams(NEW))
     long_ref = ref_engine.generate([PROMPTS[0]], osd.SamplingParams(64))[0]
 
+    # The prefix cache on: the greedy outputs below must still equal plain decoding's.
     engine = osd.Engine.from_pretrained(target, draft=draft, max_batch_size=4,
                                         max_seq_len=MAX_SEQ_LEN,
-                                        spec=osd.SpecConfig(num_draft_tokens=3))
+                                        spec=osd.SpecConfig(num_draft_tokens=3),
+                                        prefix_cache=4096)
     engine.tokenizer.chat_template = TEMPLATE
     ae = osd.AsyncEngine(engine)
     server = Server(build_app(ae, MODEL))
@@ -344,8 +346,11 @@ def test_metrics(setup):
                  "osd:spec_decode_num_accepted_tokens_total", "osd:num_requests_running",
                  "osd:online_updates_applied_total", "osd:online_updates_rejected_total",
                  "osd:online_learners_busy",
-                 "osd:generation_tokens_total", "osd:prompt_tokens_total"):
+                 "osd:generation_tokens_total", "osd:prompt_tokens_total",
+                 "osd:prefix_cache_hits_total", "osd:prefix_cache_tokens"):
         assert name in m, name
+    assert m["osd:prefix_cache_queries_total"] > 0
+    assert 0 <= m["osd:prefix_cache_hits_total"] <= m["osd:prefix_cache_queries_total"]
     assert m["osd:spec_decode_num_drafts_total"] > 0
     drafted = m["osd:spec_decode_num_draft_tokens_total"]
     accepted = m["osd:spec_decode_num_accepted_tokens_total"]
