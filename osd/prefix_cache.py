@@ -133,10 +133,6 @@ class PrefixCache:
             self._lru.pop(id(n), None)
             stack.extend(n.children.values())
 
-    def clear(self) -> None:
-        self._root = _Block((), None, None)
-        self._lru.clear()
-
     def stats(self) -> dict:
         return {"blocks": len(self._lru), "tokens": self.num_tokens,
                 "capacity_tokens": self.capacity_blocks * self.block,
