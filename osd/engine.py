@@ -85,8 +85,8 @@ class Engine:
         prefix_cache: keep the target's K/V of up to this many prompt tokens across
             requests (``osd.prefix_cache``, blocks of 16, least recently used out first):
             a prompt that starts with a kept prefix (a shared system prompt, a chat's
-            earlier turns) prefills only the rest. 0 (default) keeps none. Not used by
-            lanes with an EAGLE draft.
+            earlier turns) prefills only the rest. 0 (default) keeps none. With an EAGLE
+            draft the target's features at those positions are kept too.
     """
 
     def __init__(self, model: DecoderLM, *, draft: DecoderLM | list[DecoderLM] | None = None,
@@ -514,19 +514,19 @@ class Engine:
             if not lane.active and staged is None:
                 self._empty_lane(lane)
             start = len(lane.active)
-            ready, early = new, [None] * len(new)
-            done = [lane.load_prefix(r, m, lane.cache, start + b + (staged is not None))
-                    for b, r in enumerate(new)]
+            reused = [lane.load_prefix(r, m, lane.cache, start + b + (staged is not None))
+                      for b, r in enumerate(new)]
+            ready, done, early = new, [n for n, _ in reused], [h for _, h in reused]
             if staged is not None:
                 ready, done, early = [staged[0]] + new, [staged[1]] + done, [staged[2]] + early
             lane.active += ready
             prompt_logits = self.prefill(ready, start_row=start, lane=lane,
                                          prompt_positions=m, done=done,
                                          early_hidden=early if lane.needs_hidden else None)
-            lane.store_prefix(ready, start)
             prompt_hidden = None
             if lane.needs_hidden:
                 prompt_logits, prompt_hidden = prompt_logits
+            lane.store_prefix(ready, start, prompt_hidden)
             if spec is not None:
                 spec.prefill(ready, start, lane.next_tokens[start:start + len(ready)],
                              prompt_logits, prompt_hidden)

@@ -59,7 +59,10 @@ class Lane:
                 if self.staging is None and len(new) < free:
                     self.stage_cache.reset()
                     self.staging = r
-                    self.staged = self.load_prefix(r, prompt_positions, self.stage_cache, 0)
+                    self.staged, hidden = self.load_prefix(r, prompt_positions,
+                                                           self.stage_cache, 0)
+                    if hidden is not None:
+                        self.stage_hidden.append(hidden[None])
                     self.stage_cache.lens[0] = self.staged
                     self.stage_cache.set_bound(self.staged)
                     free -= 1
@@ -108,23 +111,25 @@ class Lane:
         return r, n, early
 
     def load_prefix(self, r: RequestState, prompt_positions: int, cache: KVCache,
-                    row: int) -> int:
+                    row: int) -> tuple[int, torch.Tensor | None]:
         """Copy the K/V of the longest kept prefix of ``r``'s prompt into ``row`` of
-        ``cache`` and return its length (0 without a prefix cache, and for an EAGLE
-        drafter, which also needs the target's features at every prompt position). The
-        last ``max(prompt_positions, 1)`` prompt tokens are always fed: their logits are
-        used."""
-        if self.prefix_cache is None or self.needs_hidden:
-            return 0
+        ``cache``; return its length (0 without a prefix cache) and, for an EAGLE drafter,
+        the target's features there ``[n, H]`` (else None). The last
+        ``max(prompt_positions, 1)`` prompt tokens are always fed: their logits are used."""
+        if self.prefix_cache is None:
+            return 0, None
         limit = len(r.prompt) - max(prompt_positions, 1)
-        return self.prefix_cache.load(r.prompt, limit, cache.kv[:, :, row])
+        return self.prefix_cache.load(r.prompt, limit, cache.kv[:, :, row], self.needs_hidden)
 
-    def store_prefix(self, requests: list[RequestState], start_row: int) -> None:
-        """Keep the prompt K/V of ``requests``, just prefilled into rows ``start_row ..``."""
-        if self.prefix_cache is None or self.needs_hidden:
+    def store_prefix(self, requests: list[RequestState], start_row: int,
+                     hidden: torch.Tensor | None = None) -> None:
+        """Keep the prompt K/V of ``requests``, just prefilled into rows ``start_row ..``,
+        and their features ``hidden`` (``[n, longest prompt, H]``) when given."""
+        if self.prefix_cache is None:
             return
         for b, r in enumerate(requests):
-            self.prefix_cache.store(r.prompt, self.cache.kv[:, :, start_row + b])
+            self.prefix_cache.store(r.prompt, self.cache.kv[:, :, start_row + b],
+                                    None if hidden is None else hidden[b])
 
     def unstage(self) -> None:
         """Free the staging row."""

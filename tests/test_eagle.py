@@ -111,18 +111,30 @@ def _spy_roots(eng):
     return seen
 
 
-@pytest.mark.parametrize("case", ["chain", "staged", "refill"])
+@pytest.mark.parametrize("case", ["chain", "staged", "refill", "prefix", "prefix-staged"])
 def test_root_distribution_equals_a_teacher_forced_forward(target, trained, case):
     """At every step the draft's distribution at the root equals the EAGLE forward over the
     committed sequence with the target's features: the drafter's cache and pending pairs
-    hold exactly ``(f_j, x_{j+1})``."""
+    hold exactly ``(f_j, x_{j+1})``. ``prefix``: prompts that start alike, one at a time,
+    with the prefix cache, so later ones take K/V and features of earlier ones (staged
+    in ``prefix-staged``)."""
     kw = dict(max_batch_size=2 if case == "refill" else 4, max_seq_len=160)
-    if case == "staged":
+    if case in ("staged", "prefix-staged"):
         kw["prefill_chunk"] = 8            # prompts of 20-40 tokens are staged piece by piece
-    lengths = {"chain": [5, 1, 9], "staged": [23, 40, 6], "refill": [7, 3, 12, 5, 9]}[case]
+    lengths = {"chain": [5, 1, 9], "staged": [23, 40, 6], "refill": [7, 3, 12, 5, 9],
+               "prefix": [40, 7, 3], "prefix-staged": [40, 7, 3]}[case]
+    prompts = prompts_of(lengths, seed=5)
+    if case.startswith("prefix"):
+        kw.update(max_batch_size=1, prefix_cache=1024)
+        base = prompts[0]
+        prompts += [base[:33] + prompts[1], base + prompts[2], base[:20] + prompts[1][:4],
+                    base[:36]]
     eng = osd.Engine(target, draft=[trained], spec=osd.SpecConfig(num_draft_tokens=3), **kw)
     seen = _spy_roots(eng)
-    eng.generate(prompts_of(lengths, seed=5), osd.SamplingParams(12))
+    eng.generate(prompts, osd.SamplingParams(12))
+    if case.startswith("prefix"):
+        # 32 + 32 + 16 + 32 (each prompt's last token always fed; 16-token blocks)
+        assert eng.stats["prefix_cache"]["tokens_reused"] == 112
     checked = 0
     for seqs, roots in seen:
         if not roots:

@@ -3,7 +3,8 @@
 Blocks match exactly and only whole; eviction keeps the capacity and drops a block with
 the blocks below it; an engine with the cache gives the same greedy tokens as one
 without, plain and speculative, through ragged batches, staged long prompts and online
-learning that keeps prompt logits; bad sizes raise.
+learning that keeps prompt logits; blocks keep the target's features for an EAGLE draft
+(its engine-level check is in tests/test_eagle.py); bad sizes raise.
 """
 import dataclasses
 
@@ -36,12 +37,12 @@ def test_load_returns_whole_blocks_of_the_exact_prefix():
     assert len(pc) == 3                                   # 24 of 30 tokens: whole blocks
     b = a[:20] + [99] * 10                                # shares 20 tokens: 2 blocks
     dst = torch.full((L, 2, H, S, D), -1.0)
-    assert pc.load(b, len(b) - 1, dst) == 16
+    assert pc.load(b, len(b) - 1, dst) == (16, None)
     assert torch.equal(dst[:, :, :, :16], _row(a)[:, :, :, :16])
     assert (dst[:, :, :, 16:] == -1).all()
-    assert pc.load(a, 23, dst) == 16                      # the limit cuts the third block
-    assert pc.load(a, 24, dst) == 24
-    assert pc.load([5] + a, 30, dst) == 0                 # a shifted prompt matches nothing
+    assert pc.load(a, 23, dst)[0] == 16            # the limit cuts the third block
+    assert pc.load(a, 24, dst)[0] == 24
+    assert pc.load([5] + a, 30, dst)[0] == 0       # a shifted prompt matches nothing
     st = pc.stats()
     assert st["tokens_reused"] == 56 and st["blocks"] == 3
 
@@ -54,12 +55,31 @@ def test_eviction_keeps_capacity_and_drops_subtrees():
     pc.store(b, _row(b))                                  # evicts a's oldest: its first block
     assert len(pc) <= 4
     dst = torch.zeros(L, 2, H, S, D)
-    assert pc.load(b, 16, dst) == 16
-    assert pc.load(a, 32, dst) == 0                       # a's root block went with its subtree
+    assert pc.load(b, 16, dst)[0] == 16
+    assert pc.load(a, 32, dst)[0] == 0             # a's root block went with its subtree
     c = [3] * 80                                          # longer than the capacity
     pc.store(c, _row(c))
     assert len(pc) == 4
-    assert pc.load(c, 80, dst) == 32
+    assert pc.load(c, 80, dst)[0] == 32
+
+
+def test_features_kept_with_the_blocks():
+    """A lookup that needs the target's features follows only blocks that have them; a
+    later store with features adds them to the blocks kept without."""
+    pc = PrefixCache(capacity_tokens=256, block=8)
+    a = list(range(20))
+    pc.store(a, _row(a))
+    dst = torch.zeros(L, 2, H, S, D)
+    assert pc.load(a, 19, dst, need_hidden=True) == (0, None)
+    feats = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
+    pc.store(a, _row(a), feats)
+    n, got = pc.load(a, 19, dst, need_hidden=True)
+    assert n == 16 and torch.equal(got, feats[:16])
+    b = a[:8] + [77] * 12                                 # a new branch, kept with features
+    fb = -torch.ones(20, 3)
+    pc.store(b, _row(b), fb)
+    n, got = pc.load(b, 20, dst, need_hidden=True)
+    assert n == 16 and torch.equal(got, torch.cat([feats[:8], fb[8:16]]))
 
 
 @pytest.mark.parametrize("capacity,block", [(8, 16), (0, 16), (64, 0)])
