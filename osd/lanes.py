@@ -33,7 +33,8 @@ class Lane:
     waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
     staging: RequestState | None = None    # the long prompt in stage_cache (a row reserved)
     staged: int = 0                        # its prompt tokens in stage_cache
-    # The target's features [1, chunk, H] of each staged piece (for an EAGLE drafter).
+    # The target's features [1, n, H] of the staged prompt's reused prefix and of each
+    # staged piece, in order (for an EAGLE drafter).
     stage_hidden: list = dataclasses.field(default_factory=list)
     prefix_cache: PrefixCache | None = None   # prompt K/V shared by the engine's lanes
 
