@@ -5,9 +5,10 @@ A decode step multiplies 1 row per sequence (a verify step k + 1) by every weigh
 On one CPU core a general GEMM handles so few rows poorly; the C++ kernel streams each
 weight matrix once per pass for up to 12 rows, holding every row's running sums in
 registers and prefetching the weights ahead of use (``csrc/cpu/decode_linear.cpp``).
-``auto`` uses it for float32 CPU inputs of at most :data:`MAX_ROWS` (16) rows outside
-autograd, and ``F.linear`` otherwise: on CUDA the
-vendor GEMM is the kernel (this op has no Triton or CUDA kernel of its own).
+``auto`` uses it for float32 CPU inputs of at most :data:`MAX_ROWS` (16) rows, or
+:data:`WIDE_MAX_ROWS` (64) when ``K <= WIDE_MAX_K`` (640), outside autograd, and
+``F.linear`` otherwise: on CUDA the vendor GEMM is the kernel (this op has no Triton or
+CUDA kernel of its own).
 
 The reference is ``F.linear`` (after ``F.rms_norm`` with ``norm_weight``). The kernel sums
 in a different order (8 partial sums per output, FMA on AVX2), so results agree to float32
@@ -20,11 +21,15 @@ import torch.nn.functional as F
 
 from osd_kernels._ops import native_available, resolve_backend
 
-# auto picks the C++ kernel up to this many rows (kMaxPass = 12 rows per pass over the
-# weights in csrc/cpu/decode_linear.cpp). With weights that come from memory, as in a
-# model's forward, 16 rows (two passes) still took 0.6x to 0.75x the time of torch's GEMM
-# (bench/bench_decode_linear.py, cold rows); with hot weights the GEMM wins there.
+# auto picks the C++ kernel up to MAX_ROWS rows, and up to WIDE_MAX_ROWS rows when
+# K <= WIDE_MAX_K (kMaxPass = 12 rows per pass, several passes tile by tile over the
+# weights in csrc/cpu/linear_rows.h). With weights that come from memory, as in a model's
+# forward (the chat target's verify over 2 threads: scripts/verify_cost.py) the kernel was
+# faster than torch's GEMM at these sizes; with K = 864 or 1536 past 16 rows it was not
+# (bench/bench_decode_linear.py, cold rows; docs/benchmarks.md).
 MAX_ROWS = 16
+WIDE_MAX_ROWS = 64
+WIDE_MAX_K = 640
 
 
 def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor,
@@ -74,8 +79,9 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             ``norm_weight * x / sqrt(mean(x^2) + eps)`` (the RMSNorm in front of the
             attention, MLP and output projections of a Llama layer).
         eps: the RMSNorm epsilon.
-        backend: ``auto`` (the C++ kernel for float32 CPU inputs with ``M <= MAX_ROWS``
-            outside autograd, else ``F.rms_norm`` and ``F.linear``) | ``reference`` |
+        backend: ``auto`` (the C++ kernel for float32 CPU inputs with ``M <= MAX_ROWS``,
+            or ``M <= WIDE_MAX_ROWS`` when ``K <= WIDE_MAX_K``, outside autograd, else
+            ``F.rms_norm`` and ``F.linear``) | ``reference`` |
             ``native`` (the C++ kernel for any ``M``; float32 CPU only).
 
     Returns:
@@ -85,7 +91,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         # The per-call cost matters at these sizes: cheap tests here, and the C++ op
         # checks shapes and dtypes itself.
         if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 1
-                or x.numel() > MAX_ROWS * x.shape[-1] or x.stride(-1) != 1
+                or x.numel() > (WIDE_MAX_ROWS if x.shape[-1] <= WIDE_MAX_K else MAX_ROWS)
+                * x.shape[-1] or x.stride(-1) != 1
                 or not weight.is_contiguous() or not native_available()
                 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (
                     norm_weight is not None and norm_weight.requires_grad)))):

@@ -5,10 +5,11 @@ import torch
 import torch.nn.functional as F
 
 import osd_kernels
-from osd_kernels.decode_linear import MAX_ROWS
+from osd_kernels.decode_linear import MAX_ROWS, WIDE_MAX_K, WIDE_MAX_ROWS
 
 SHAPES = [(1, 1, 1), (1, 7, 3), (2, 320, 960), (3, 33, 17), (5, 257, 131), (6, 864, 320),
-          (7, 15, 9), (8, 64, 2048), (12, 96, 11), (13, 40, 29), (25, 17, 6)]  # (M, K, N)
+          (7, 15, 9), (8, 64, 2048), (12, 96, 11), (13, 40, 29), (25, 17, 6),
+          (37, 700, 83), (61, 9, 3001)]  # (M, K, N)
 
 
 def _inputs(m, k, n, seed, bias=True):
@@ -53,12 +54,13 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(monkeypatch, portable):
     plain decoding relies on."""
     if portable:
         monkeypatch.setenv("OSD_NO_AVX2", "1")
-    x, w, b = _inputs(16, 200, 77, 6)
+    # 300 weight rows of K = 200 span three tiles when the rows take several passes.
+    x, w, b = _inputs(40, 200, 300, 6)
     g = torch.rand(200, generator=torch.Generator().manual_seed(7)) + 0.5
     for norm in (None, g):
         alone = torch.cat([osd_kernels.decode_linear(x[i:i + 1], w, b, norm_weight=norm,
-                                                     backend="native") for i in range(16)])
-        for m in (2, 5, 9, 12, 16):
+                                                     backend="native") for i in range(40)])
+        for m in (2, 5, 9, 12, 16, 25, 40):
             together = osd_kernels.decode_linear(x[:m], w, b, norm_weight=norm, backend="native")
             assert torch.equal(together, alone[:m]), m
 
@@ -95,16 +97,19 @@ def test_auto_uses_the_kernel_only_where_it_is_meant_to(monkeypatch):
             return real(*args)
 
     monkeypatch.setattr(torch.ops.osd, "decode_linear", Spy())
-    x, w, b = _inputs(MAX_ROWS + 1, 16, 8, 2)
-    osd_kernels.decode_linear(x[:MAX_ROWS], w, b)
+    x, w, b = _inputs(WIDE_MAX_ROWS + 1, 16, 8, 2)
+    xw, ww, bw = _inputs(MAX_ROWS + 1, WIDE_MAX_K + 1, 8, 3)
+    osd_kernels.decode_linear(x[:WIDE_MAX_ROWS], w, b)
     osd_kernels.decode_linear(x, w, b)                           # too many rows
+    osd_kernels.decode_linear(xw[:MAX_ROWS], ww, bw)
+    osd_kernels.decode_linear(xw, ww, bw)                        # too many rows for this K
     osd_kernels.decode_linear(x[:2].double(), w.double(), None)  # not float32
     with torch.no_grad():
         osd_kernels.decode_linear(x[:2], w.requires_grad_(), b)
-    assert calls == [MAX_ROWS, 2]
+    assert calls == [WIDE_MAX_ROWS, MAX_ROWS, 2]
     y = osd_kernels.decode_linear(x[:2], w, b)                    # autograd needs F.linear
     y.sum().backward()
-    assert w.grad is not None and calls == [MAX_ROWS, 2]
+    assert w.grad is not None and calls == [WIDE_MAX_ROWS, MAX_ROWS, 2]
 
 
 @pytest.mark.parametrize("backend", ["reference", "native"])

@@ -159,14 +159,24 @@ inline void run_pass(const Args& a, int64_t row, int rows, int64_t n_begin, int6
   }
 }
 
+// Weight bytes per tile when the rows take several passes: small enough that a tile read
+// from memory by the first pass is still in L2 for the others.
+constexpr int64_t kTileBytes = 96 * 1024;
+
 // Every row of x times weight rows [n_begin, n_end): more rows than one pass serves run in
-// as few passes as possible, of equal size. A row's result does not depend on the others.
+// as few passes as possible, of equal size, tile by tile over the weight rows, so W still
+// streams from memory once. A row's result does not depend on the others.
 inline void all_rows(const Args& a, int64_t n_begin, int64_t n_end, bool avx2) {
   const int64_t passes = (a.M + kMaxPass - 1) / kMaxPass;
   const int64_t per_pass = (a.M + passes - 1) / passes;
-  for (int64_t row = 0; row < a.M; row += per_pass) {
-    const int rows = static_cast<int>(std::min<int64_t>(per_pass, a.M - row));
-    run_pass(a, row, rows, n_begin, n_end, avx2);
+  const int64_t tile = passes == 1 ? n_end - n_begin
+                                   : std::max<int64_t>(16, kTileBytes / (a.K * 4));
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += tile) {
+    const int64_t n1 = std::min(n0 + tile, n_end);
+    for (int64_t row = 0; row < a.M; row += per_pass) {
+      const int rows = static_cast<int>(std::min<int64_t>(per_pass, a.M - row));
+      run_pass(a, row, rows, n0, n1, avx2);
+    }
   }
 }
 
