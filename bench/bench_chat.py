@@ -13,6 +13,8 @@ the draft never trained on), up to ``NEW_TOKENS`` new tokens each. Providers:
 - ``osd-eagle``, ``osd-eagle-lookup``, ``osd-eagle-online``: the same three with the EAGLE
   draft (``osd.zoo.chat_eagle``, drafting from the target's features) in place of the
   standalone one;
+- ``osd-eagle-lookup-q8``: ``osd-eagle-lookup`` with the EAGLE draft's layer and head kept
+  Q8_0 (``quantize_draft="Q8_0"``: a draft step reads about a quarter of the bytes);
 - ``osd-quant-plain``, ``osd-quant-spec-lookup``, ``osd-quant-eagle-lookup``: the target
   with its GGUF weights kept quantized (``quantized=True``: the same tokens, computed by
   the quant_linear kernels) plain, with prompt lookup then the static draft (k = ``K``),
@@ -47,7 +49,7 @@ K = 4
 ROUNDS = 2
 PROVIDERS = ["transformers", "transformers-assisted", "osd-plain", "osd-spec",
              "osd-spec-lookup", "osd-online", "osd-eagle", "osd-eagle-lookup",
-             "osd-eagle-online", "osd-quant-plain", "osd-quant-spec-lookup",
+             "osd-eagle-lookup-q8", "osd-eagle-online", "osd-quant-plain", "osd-quant-spec-lookup",
              "osd-quant-eagle-lookup", "llama.cpp"]
 # The speculative shapes of the quantized-target rows (scripts/chat_spec_shapes.py
 # --quantized measured these as the fastest of their drafts, docs/benchmarks.md).
@@ -138,11 +140,13 @@ def _engine(setup, provider):
         return osd.Engine.from_pretrained(
             setup["target"], draft=_draft_of(setup, provider), max_batch_size=1,
             max_seq_len=1024, quantized=True, spec=osd.SpecConfig(**QUANT_SPECS[provider]))
-    spec = osd.SpecConfig(num_draft_tokens=K, prompt_lookup=provider.endswith("-lookup"))
+    spec = osd.SpecConfig(num_draft_tokens=K,
+                          prompt_lookup=provider.endswith(("-lookup", "-lookup-q8")))
     draft = _draft_of(setup, provider)
     if not provider.endswith("-online"):
         return osd.Engine.from_pretrained(setup["target"], draft=draft, spec=spec,
-                                          max_batch_size=1, max_seq_len=1024)
+                                          max_batch_size=1, max_seq_len=1024,
+                                          quantize_draft=_draft_format(provider))
     eng = osd.Engine.from_pretrained(
         setup["target"], draft=draft, spec=spec, max_batch_size=1, max_seq_len=1024,
         online=online_recipe("chat"))
@@ -154,6 +158,11 @@ def _engine(setup, provider):
                         max_batch_size=1, max_seq_len=1024)
     frozen.online_updates = eng.stats["online"]["updates_applied"]
     return frozen
+
+
+def _draft_format(provider):
+    """The block format a provider keeps its draft in (None: float32)."""
+    return "Q8_0" if provider.endswith("-q8") else None
 
 
 def _runner(setup, provider):
@@ -225,12 +234,12 @@ def test_chat(benchmark, setup, provider):
                     mean_accepted_length=st.get("mean_accepted_length"),
                     lookup_steps=st.get("lookup_steps"))
         draft = _draft_of(setup, provider)
-        quantized = provider.startswith("osd-quant")
+        key = (draft, provider.startswith("osd-quant"), _draft_format(provider))
         costs = setup.setdefault("c", {})
-        if (draft, quantized) not in costs:
-            costs[draft, quantized] = draft_cost_ratio(setup["target"], draft,
-                                                       quantized=quantized)
-        info["c"] = costs[draft, quantized]
+        if key not in costs:
+            costs[key] = draft_cost_ratio(setup["target"], draft, quantized=key[1],
+                                          quantize_draft=key[2])
+        info["c"] = costs[key]
         if hasattr(eng, "online_updates"):
             info["online_updates"] = eng.online_updates
     benchmark.extra_info.update(info)

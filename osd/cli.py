@@ -45,7 +45,8 @@ def _generate(args) -> int:
     engine = osd.Engine.from_pretrained(args.target, draft=args.draft, device=args.device,
                                         dtype=dtype, spec=spec, online=online,
                                         max_batch_size=1, max_seq_len=args.max_seq_len,
-                                        quantized=args.quantized)
+                                        quantized=args.quantized,
+                                        quantize_draft=args.quantize_draft)
     params = osd.SamplingParams(args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     prompt = args.prompt
@@ -172,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quantized", action="store_true",
                    help="keep a GGUF target's Q4_0/Q4_1/Q8_0 weights quantized (CPU, "
                         "float32): the same model, fewer bytes read per token")
+    g.add_argument("--quantize-draft", default=None, choices=["Q8_0", "Q4_1", "Q4_0"],
+                   help="keep the draft's layers and head in this block format (CPU, "
+                   "float32; not with --online): cheaper drafting, the same output")
     g.set_defaults(func=_generate)
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
@@ -210,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--quantized", action="store_true",
                    help="keep a GGUF target's Q4_0/Q4_1/Q8_0 weights quantized (CPU, float32)")
+    s.add_argument("--quantize-draft", default=None, choices=["Q8_0", "Q4_1", "Q4_0"],
+                   help="keep the draft's layers and head in this block format (CPU, "
+                   "float32; not with --online): cheaper drafting, the same output")
     s.add_argument("--prefix-cache", type=int, default=0, metavar="TOKENS",
                    help="keep the target's K/V of up to this many prompt tokens across "
                    "requests: a shared system prompt or a chat's earlier turns are not "

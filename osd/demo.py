@@ -136,15 +136,18 @@ def analytic_speedup(alpha: float, k: int, c: float) -> float:
 
 
 def draft_cost_ratio(target_dir: str, draft_dir: str, steps: int = 30,
-                     quantized: bool = False) -> float:
+                     quantized: bool = False, quantize_draft: str | None = None) -> float:
     """c: one draft decode step's time over one target decode step's, measured side by
     side (interleaved, median of ``steps``). An EAGLE draft's step reads a feature.
-    ``quantized``: the target (a GGUF file) keeps its quantized weights."""
+    ``quantized``: the target (a GGUF file) keeps its quantized weights;
+    ``quantize_draft``: the draft's layers and head are kept in that block format."""
     from osd.models.eagle import is_eagle_checkpoint
 
     target = osd.load_model(target_dir, quantized=quantized)
     draft = osd.load_eagle(draft_dir, target) if is_eagle_checkpoint(draft_dir) else \
         osd.load_model(draft_dir)
+    if quantize_draft is not None:
+        draft = osd.models.quantize_linears(draft, quantize_draft)
     models = [target, draft]
     caches = [m.new_cache(1, 256) for m in models]
     ids = torch.tensor([[1]])

@@ -52,6 +52,8 @@ from osd.lookup_history import LookupHistory
 from osd.models.eagle import EagleLM, is_eagle_checkpoint, load_eagle
 from osd.models.llama import DecoderLM, without_layers
 from osd.models.loading import is_transformers_model, load_model, load_tokenizer
+from osd.models.quant import FORMATS as QUANT_FORMATS
+from osd.models.quant import QuantLinear, quantize_linears
 from osd.online.collect import TeacherCollector
 from osd.online.config import OnlineConfig
 from osd.online.serving import OnlineManager
@@ -138,6 +140,12 @@ class Engine:
         if online is not None and (spec is None or spec.drafter == "ngram"):
             raise ValueError("online learning needs a model drafter (a draft or "
                              "SpecConfig(drafter='self'))")
+        if online is not None:
+            for i, d in enumerate(drafts):
+                if _has_own_quant_layers(d):
+                    raise ValueError(f"draft {i} keeps quantized layers (quantize_draft or "
+                                     f"quantize_linears), which cannot learn: online "
+                                     f"learning needs a float draft")
         if any(isinstance(d, EagleLM) for d in drafts):
             if spec is not None and spec.tree is not None:
                 raise ValueError("an EAGLE draft proposes chains: SpecConfig(tree=...) "
@@ -238,6 +246,7 @@ class Engine:
                         online: OnlineConfig | None = None, attention_backend: str = "auto",
                         tokenizer=None, cuda_graphs: bool = True,
                         prefill_chunk: int | None = None, quantized: bool = False,
+                        quantize_draft: str | None = None,
                         prefix_cache: int = 0) -> "Engine":
         """Load ``target`` (and drafts): each a checkpoint directory, a GGUF file or a
         transformers model.
@@ -263,6 +272,12 @@ class Engine:
         verify logits equal the dequantized target's bit for bit, prefill to float
         rounding, with fewer bytes read per token (drafts load as usual). CPU, float32
         and a GGUF target only (ValueError otherwise).
+
+        ``quantize_draft``: ``"Q8_0"``, ``"Q4_1"`` or ``"Q4_0"`` keeps the drafts' decoder
+        layers and output heads block-quantized (``osd.models.quantize_linears``), so a
+        draft step reads about a quarter (Q8_0) of its float32 bytes. Outputs stay the
+        target's: only the proposals change, by the rounding. CPU and float32 only; such
+        a draft cannot learn online (ValueError with ``online``).
         """
         drafts = [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) \
             else [draft]
@@ -271,11 +286,25 @@ class Engine:
                                            or is_transformers_model(source)):
                 raise TypeError(f"{name} must be a checkpoint directory path or a transformers "
                                 f"model, got {type(source).__name__}")
+        if quantize_draft is not None:
+            if quantize_draft not in QUANT_FORMATS:
+                raise ValueError(f"quantize_draft must be one of {QUANT_FORMATS}, got "
+                                 f"{quantize_draft!r}")
+            if not drafts:
+                raise ValueError("quantize_draft quantizes the drafts, but no draft was given")
+            if online is not None:
+                raise ValueError("quantize_draft keeps the drafts' weights fixed, but online "
+                                 "learning trains them: pass one or the other")
+            if torch.device(device).type != "cpu" or dtype != torch.float32:
+                raise ValueError(f"quantize_draft runs on the CPU kernels: device='cpu' and "
+                                 f"dtype=torch.float32, got {device} and {dtype}")
         model = load_model(target, device=device, dtype=dtype, attention_backend=attention_backend,
                            quantized=quantized)
         draft_models = [load_eagle(d, model) if is_eagle_checkpoint(d) else
                         load_model(d, device=device, dtype=dtype,
                                    attention_backend=attention_backend) for d in drafts]
+        if quantize_draft is not None:
+            draft_models = [quantize_linears(d, quantize_draft) for d in draft_models]
         if tokenizer is None:
             tokenizer = load_tokenizer(target)
         return cls(model, draft=draft_models or None, tokenizer=tokenizer,
@@ -758,6 +787,12 @@ class Engine:
             stats["draft_index"] = r.draft_index
         return Output(token_ids=list(r.generated), text=text, finish_reason=r.finish_reason,
                       stats=stats, prompt_token_ids=list(r.prompt), error=r.error)
+
+
+def _has_own_quant_layers(draft: DecoderLM) -> bool:
+    """Whether ``draft`` has quantized layers besides the target's shared (frozen) ones."""
+    shared = {id(m) for m in getattr(draft, "shared_modules", list)()}
+    return any(isinstance(m, QuantLinear) and id(m) not in shared for m in draft.modules())
 
 
 def _spec_width(spec: SpecConfig) -> int:

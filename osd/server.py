@@ -661,7 +661,8 @@ def serve(args) -> int:
         ae = osd.AsyncEngine.from_pretrained(
             target, draft=draft, device=args.device, dtype=dtype, spec=spec, online=online,
             max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-            quantized=args.quantized, prefix_cache=getattr(args, "prefix_cache", 0))
+            quantized=args.quantized, prefix_cache=getattr(args, "prefix_cache", 0),
+            quantize_draft=getattr(args, "quantize_draft", None))
     except BaseException:
         sock.close()
         raise

@@ -2,14 +2,15 @@
 with ``quantized=True`` gives the dequantized model's logits bit for bit in forwards of up
 to 16 tokens (decode, verify, short prefill: both go through the few-row kernels) and to
 float rounding in longer ones; plain, speculative (standalone, EAGLE, self) and sampled
-decoding emit the dequantized model's tokens; float models quantize in place; online
-EAGLE learning shares the quantized head; bad uses fail clearly."""
+decoding emit the dequantized model's tokens; float models quantize in place; drafts quantize
+at load (``quantize_draft``); online EAGLE learning shares the quantized head; bad uses fail
+clearly."""
 import pytest
 import torch
 from torch import nn
 
 import osd
-from osd.models.eagle import EagleLM
+from osd.models.eagle import EagleLM, save_eagle
 from osd.models.loading import load_model
 from osd.models.quant import QuantLinear, quantize_linears
 from tests.test_gguf import T, VOCAB, tiny_hf_model, to_gguf
@@ -134,6 +135,42 @@ def test_quantize_linears_on_a_float_model():
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]  # ref shares model
     with pytest.raises(ValueError, match="fmt must be one of"):
         quantize_linears(model, "Q5_K")
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])
+def test_quantize_draft_keeps_the_targets_tokens(tmp_path, fmt):
+    """``quantize_draft`` quantizes a standalone draft's and an EAGLE draft's layers and
+    heads (not the target's); greedy outputs stay plain decoding's."""
+    target = str(to_gguf(tiny_hf_model("llama", seed=60), tmp_path / "t.gguf"))
+    draft = str(to_gguf(tiny_hf_model("llama", seed=61), tmp_path / "d.gguf"))
+    eagle = EagleLM.from_target(load_model(target), num_layers=1)
+    eagle.init_draft(generator=torch.Generator().manual_seed(62))
+    save_eagle(eagle, tmp_path / "eagle")
+    prompts = prompts_of([6, 9, 4], vocab=VOCAB, seed=63)
+    want = [o.token_ids for o in osd.Engine.from_pretrained(target, max_seq_len=64).generate(
+        prompts, osd.SamplingParams(12))]
+    for d in (draft, str(tmp_path / "eagle")):
+        eng = osd.Engine.from_pretrained(target, draft=d, max_batch_size=3, max_seq_len=64,
+                                         quantize_draft=fmt)
+        assert all(isinstance(layer, QuantLinear) and layer.fmt == fmt
+                   for layer in _linears(eng.draft))
+        assert not any(isinstance(m, QuantLinear) for m in eng.model.modules())
+        assert [o.token_ids for o in eng.generate(prompts, osd.SamplingParams(12))] == want
+        sampled = eng.generate(prompts, osd.SamplingParams(12, temperature=0.8, top_k=40, seed=5))
+        assert all(len(o.token_ids) == 12 or o.finish_reason == "stop" for o in sampled)
+    with pytest.raises(ValueError, match="quantize_draft must be one of"):
+        osd.Engine.from_pretrained(target, draft=draft, quantize_draft="Q5_K")
+    with pytest.raises(ValueError, match="no draft was given"):
+        osd.Engine.from_pretrained(target, quantize_draft=fmt)
+    with pytest.raises(ValueError, match="online learning trains them"):
+        osd.Engine.from_pretrained(target, draft=draft, quantize_draft=fmt,
+                                   online=osd.OnlineConfig())
+    with pytest.raises(ValueError, match="CPU kernels"):
+        osd.Engine.from_pretrained(target, draft=draft, quantize_draft=fmt,
+                                   dtype=torch.bfloat16)
+    quant_draft = quantize_linears(load_model(draft), fmt)
+    with pytest.raises(ValueError, match="cannot learn"):
+        osd.Engine(load_model(target), draft=quant_draft, online=osd.OnlineConfig())
 
 
 def test_bad_uses_fail_clearly(tmp_path, q41):
