@@ -19,7 +19,7 @@ def _demo(args) -> int:
                      num_draft_tokens=args.k, out_dir=args.out, seed=args.seed,
                      threads=args.threads, draft=args.draft,
                      lookup_history=args.lookup_history, quantized=args.quantized,
-                     prefix_cache=args.prefix_cache)
+                     quantize_draft=args.quantize_draft, prefix_cache=args.prefix_cache)
     run_demo(cfg)
     return 0
 
@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 0: each request's own text)")
     d.add_argument("--quantized", action="store_true",
                    help="the chat target keeps its GGUF weights quantized")
+    d.add_argument("--quantize-draft", default=None, choices=["Q8_0", "Q4_1", "Q4_0"],
+                   help="serve the draft in this block format (it learns in float32; each "
+                   "update is quantized): cheaper drafting, the same output")
     d.add_argument("--prefix-cache", type=int, default=0, metavar="TOKENS",
                    help="keep the target's K/V of up to this many prompt tokens across "
                    "requests, for prompts that start alike (default 0: none)")
@@ -175,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "float32): the same model, fewer bytes read per token")
     g.add_argument("--quantize-draft", default=None, choices=["Q8_0", "Q4_1", "Q4_0"],
                    help="keep the draft's layers and head in this block format (CPU, "
-                   "float32; not with --online): cheaper drafting, the same output")
+                   "float32; with --online it learns in float32 and each update is "
+                   "quantized): cheaper drafting, the same output")
     g.set_defaults(func=_generate)
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
@@ -216,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep a GGUF target's Q4_0/Q4_1/Q8_0 weights quantized (CPU, float32)")
     s.add_argument("--quantize-draft", default=None, choices=["Q8_0", "Q4_1", "Q4_0"],
                    help="keep the draft's layers and head in this block format (CPU, "
-                   "float32; not with --online): cheaper drafting, the same output")
+                   "float32; with --online it learns in float32 and each update is "
+                   "quantized): cheaper drafting, the same output")
     s.add_argument("--prefix-cache", type=int, default=0, metavar="TOKENS",
                    help="keep the target's K/V of up to this many prompt tokens across "
                    "requests: a shared system prompt or a chat's earlier turns are not "

@@ -60,6 +60,8 @@ class DemoConfig:
     #                                        "eagle" (the EAGLE draft on the target's features)
     quantized: bool = False                # chat pair: the target keeps its GGUF weights
     #                                        quantized (Engine.from_pretrained(quantized=True))
+    quantize_draft: str | None = None      # the draft kept in this block format ("Q8_0",
+    #                                        Engine(quantize_draft=...)); it still learns
     prefix_cache: int = 0                  # prompt tokens whose target K/V every engine
     #                                        keeps across requests (Engine(prefix_cache=...))
     seed: int = 0                          # query-stream seed
@@ -248,7 +250,8 @@ def run_demo(cfg: DemoConfig | None = None) -> dict:
     params = osd.SamplingParams(cfg.max_new_tokens)
     k = cfg.num_draft_tokens
     max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + 8
-    c = draft_cost_ratio(target_dir, draft_dir, quantized=cfg.quantized)
+    c = draft_cost_ratio(target_dir, draft_dir, quantized=cfg.quantized,
+                         quantize_draft=cfg.quantize_draft)
     print(f"osd demo: {cfg.requests} queries ({label}); draft cost ratio c = {c:.3f}",
           flush=True)
 
@@ -262,6 +265,7 @@ def run_demo(cfg: DemoConfig | None = None) -> dict:
     online = osd.Engine.from_pretrained(target_dir, draft=draft_dir, spec=spec,
                                         online=cfg.online, max_batch_size=1,
                                         max_seq_len=max_len, quantized=cfg.quantized,
+                                        quantize_draft=cfg.quantize_draft,
                                         prefix_cache=cfg.prefix_cache)
     outputs = []
     on_rec = _serve(online, prompts, params, "online draft", plain_tps, outputs=outputs)
@@ -269,6 +273,7 @@ def run_demo(cfg: DemoConfig | None = None) -> dict:
     static = osd.Engine.from_pretrained(target_dir, draft=draft_dir, spec=spec,
                                         max_batch_size=1, max_seq_len=max_len,
                                         quantized=cfg.quantized,
+                                        quantize_draft=cfg.quantize_draft,
                                         prefix_cache=cfg.prefix_cache)
     first_static = cfg.requests - cfg.static_requests
     if static.lookup_history is not None:
@@ -359,10 +364,12 @@ def _report(cfg, label, c, base, st_rec, on_rec, online_stats, plain_tps, second
         f"{cfg.max_new_tokens} "
         f"new tokens per request, CPU fp32"
         f"{' (the target computing on its quantized GGUF weights)' if cfg.quantized else ''}"
+        f"{f', the draft served in {cfg.quantize_draft}' if cfg.quantize_draft else ''}"
         f"{f', every engine keeping up to {cfg.prefix_cache} prompt tokens of K/V across requests' if cfg.prefix_cache else ''}"
         f". Produced by `osd demo --pair {cfg.pair}"
         f"{' --draft eagle' if cfg.draft == 'eagle' else ''}"
         f"{' --quantized' if cfg.quantized else ''}"
+        f"{f' --quantize-draft {cfg.quantize_draft}' if cfg.quantize_draft else ''}"
         f"{f' --lookup-history {cfg.lookup_history}' if cfg.lookup_history else ''}"
         f"{f' --prefix-cache {cfg.prefix_cache}' if cfg.prefix_cache else ''}` in "
         f"{seconds:.0f} s.", "",

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import operator
 import os
@@ -53,7 +54,7 @@ from osd.models.eagle import EagleLM, is_eagle_checkpoint, load_eagle
 from osd.models.llama import DecoderLM, without_layers
 from osd.models.loading import is_transformers_model, load_model, load_tokenizer
 from osd.models.quant import FORMATS as QUANT_FORMATS
-from osd.models.quant import QuantLinear, quantize_linears
+from osd.models.quant import own_quant_layers, quantize_linears
 from osd.online.collect import TeacherCollector
 from osd.online.config import OnlineConfig
 from osd.online.serving import OnlineManager
@@ -89,13 +90,19 @@ class Engine:
             a prompt that starts with a kept prefix (a shared system prompt, a chat's
             earlier turns) prefills only the rest. 0 (default) keeps none. With an EAGLE
             draft the target's features at those positions are kept too.
+        quantize_draft: ``"Q8_0"``, ``"Q4_1"`` or ``"Q4_0"``: serve copies of the drafts
+            whose decoder layers and output heads are block-quantized
+            (``osd.models.quantize_linears``), so a draft step reads about a quarter (Q8_0)
+            of its float32 bytes. Outputs stay the target's; only the proposals change,
+            by the rounding. With ``online`` the learner trains the float drafts and each
+            update it publishes is quantized in its thread. CPU, float32 drafts only.
     """
 
     def __init__(self, model: DecoderLM, *, draft: DecoderLM | list[DecoderLM] | None = None,
                  tokenizer=None, max_batch_size: int = 8, max_seq_len: int = 2048,
                  spec: SpecConfig | None = None, online: OnlineConfig | None = None,
                  cuda_graphs: bool = True, prefill_chunk: int | None = None,
-                 prefix_cache: int = 0) -> None:
+                 prefix_cache: int = 0, quantize_draft: str | None = None) -> None:
         max_batch_size = operator.index(max_batch_size)
         prefix_cache = operator.index(prefix_cache)
         if prefix_cache < 0:
@@ -140,12 +147,25 @@ class Engine:
         if online is not None and (spec is None or spec.drafter == "ngram"):
             raise ValueError("online learning needs a model drafter (a draft or "
                              "SpecConfig(drafter='self'))")
-        if online is not None:
+        masters = [None] * len(drafts)      # the float drafts of quantized serving copies
+        if quantize_draft is not None:
+            if quantize_draft not in QUANT_FORMATS:
+                raise ValueError(f"quantize_draft must be one of {QUANT_FORMATS}, got "
+                                 f"{quantize_draft!r}")
+            if not drafts:
+                raise ValueError("quantize_draft quantizes the drafts, but no draft was given")
+            if model.device.type != "cpu" or any(d.dtype != torch.float32 for d in drafts):
+                raise ValueError(f"quantize_draft runs on the CPU kernels: it needs float32 "
+                                 f"drafts on the CPU, got {drafts[0].dtype} on {model.device}")
+            if online is not None:
+                masters = drafts
+            drafts = [quantize_linears(_serving_copy(d), quantize_draft) for d in drafts]
+        elif online is not None:
             for i, d in enumerate(drafts):
-                if _has_own_quant_layers(d):
-                    raise ValueError(f"draft {i} keeps quantized layers (quantize_draft or "
-                                     f"quantize_linears), which cannot learn: online "
-                                     f"learning needs a float draft")
+                if own_quant_layers(d):
+                    raise ValueError(f"draft {i} keeps quantized layers, which cannot learn: "
+                                     f"pass the float draft with quantize_draft=... to serve "
+                                     f"it quantized while it learns")
         if any(isinstance(d, EagleLM) for d in drafts):
             if spec is not None and spec.tree is not None:
                 raise ValueError("an EAGLE draft proposes chains: SpecConfig(tree=...) "
@@ -175,7 +195,7 @@ class Engine:
         drafters = [None] if spec is None else \
             self._make_drafters(spec, drafts, online is not None)
         self.online = None if online is None else \
-            OnlineManager([d.model for d in drafters], online)
+            OnlineManager([d.model for d in drafters], online, masters)
         self.lanes = [Lane(model.new_cache(max_batch_size, max_seq_len + self._headroom),
                            torch.zeros(max_batch_size, dtype=torch.int64, device=self.device),
                            model.new_cache(1, max_seq_len + self._headroom))
@@ -273,11 +293,7 @@ class Engine:
         rounding, with fewer bytes read per token (drafts load as usual). CPU, float32
         and a GGUF target only (ValueError otherwise).
 
-        ``quantize_draft``: ``"Q8_0"``, ``"Q4_1"`` or ``"Q4_0"`` keeps the drafts' decoder
-        layers and output heads block-quantized (``osd.models.quantize_linears``), so a
-        draft step reads about a quarter (Q8_0) of its float32 bytes. Outputs stay the
-        target's: only the proposals change, by the rounding. CPU and float32 only; such
-        a draft cannot learn online (ValueError with ``online``).
+        ``quantize_draft``: see :class:`Engine`.
         """
         drafts = [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) \
             else [draft]
@@ -286,31 +302,17 @@ class Engine:
                                            or is_transformers_model(source)):
                 raise TypeError(f"{name} must be a checkpoint directory path or a transformers "
                                 f"model, got {type(source).__name__}")
-        if quantize_draft is not None:
-            if quantize_draft not in QUANT_FORMATS:
-                raise ValueError(f"quantize_draft must be one of {QUANT_FORMATS}, got "
-                                 f"{quantize_draft!r}")
-            if not drafts:
-                raise ValueError("quantize_draft quantizes the drafts, but no draft was given")
-            if online is not None:
-                raise ValueError("quantize_draft keeps the drafts' weights fixed, but online "
-                                 "learning trains them: pass one or the other")
-            if torch.device(device).type != "cpu" or dtype != torch.float32:
-                raise ValueError(f"quantize_draft runs on the CPU kernels: device='cpu' and "
-                                 f"dtype=torch.float32, got {device} and {dtype}")
         model = load_model(target, device=device, dtype=dtype, attention_backend=attention_backend,
                            quantized=quantized)
         draft_models = [load_eagle(d, model) if is_eagle_checkpoint(d) else
                         load_model(d, device=device, dtype=dtype,
                                    attention_backend=attention_backend) for d in drafts]
-        if quantize_draft is not None:
-            draft_models = [quantize_linears(d, quantize_draft) for d in draft_models]
         if tokenizer is None:
             tokenizer = load_tokenizer(target)
         return cls(model, draft=draft_models or None, tokenizer=tokenizer,
                    max_batch_size=max_batch_size, max_seq_len=max_seq_len, spec=spec,
                    online=online, cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk,
-                   prefix_cache=prefix_cache)
+                   prefix_cache=prefix_cache, quantize_draft=quantize_draft)
 
     def encode(self, prompts) -> list[list[int]]:
         """Validate ``prompts`` (token-id lists or strings) and return token-id lists."""
@@ -789,10 +791,11 @@ class Engine:
                       stats=stats, prompt_token_ids=list(r.prompt), error=r.error)
 
 
-def _has_own_quant_layers(draft: DecoderLM) -> bool:
-    """Whether ``draft`` has quantized layers besides the target's shared (frozen) ones."""
-    shared = {id(m) for m in getattr(draft, "shared_modules", list)()}
-    return any(isinstance(m, QuantLinear) and id(m) not in shared for m in draft.modules())
+def _serving_copy(draft: DecoderLM) -> DecoderLM:
+    """A copy of ``draft`` that shares the target tensors it shares (an EAGLE draft's)."""
+    shared = list(getattr(draft, "shared_parameters", list)()) + \
+        list(getattr(draft, "shared_modules", list)())
+    return copy.deepcopy(draft, memo={id(t): t for t in shared})
 
 
 def _spec_width(spec: SpecConfig) -> int:

@@ -12,7 +12,7 @@ from torch import nn
 import osd
 from osd.models.eagle import EagleLM, save_eagle
 from osd.models.loading import load_model
-from osd.models.quant import QuantLinear, quantize_linears
+from osd.models.quant import QuantLinear, quantize_linears, quantize_weight
 from tests.test_gguf import T, VOCAB, tiny_hf_model, to_gguf
 from tests.test_speculative import prompts_of
 
@@ -162,15 +162,53 @@ def test_quantize_draft_keeps_the_targets_tokens(tmp_path, fmt):
         osd.Engine.from_pretrained(target, draft=draft, quantize_draft="Q5_K")
     with pytest.raises(ValueError, match="no draft was given"):
         osd.Engine.from_pretrained(target, quantize_draft=fmt)
-    with pytest.raises(ValueError, match="online learning trains them"):
-        osd.Engine.from_pretrained(target, draft=draft, quantize_draft=fmt,
-                                   online=osd.OnlineConfig())
     with pytest.raises(ValueError, match="CPU kernels"):
         osd.Engine.from_pretrained(target, draft=draft, quantize_draft=fmt,
                                    dtype=torch.bfloat16)
     quant_draft = quantize_linears(load_model(draft), fmt)
     with pytest.raises(ValueError, match="cannot learn"):
         osd.Engine(load_model(target), draft=quant_draft, online=osd.OnlineConfig())
+
+
+@pytest.mark.parametrize("kind", ["standalone", "eagle"])
+def test_quantized_draft_learns_online_through_its_float_master(tmp_path, kind):
+    """With ``online``, the learner trains the float draft and publishes each update
+    quantized: the serving draft's blocks change, stay quantized, and equal the learner's
+    weights quantized; outputs stay plain decoding's."""
+    target = str(to_gguf(tiny_hf_model("llama", seed=64), tmp_path / "t.gguf"))
+    if kind == "standalone":
+        draft = str(to_gguf(tiny_hf_model("llama", seed=65), tmp_path / "d.gguf"))
+    else:
+        eagle = EagleLM.from_target(load_model(target), num_layers=1)
+        eagle.init_draft(std=0.05, generator=torch.Generator().manual_seed(66))
+        save_eagle(eagle, tmp_path / "eagle")
+        draft = str(tmp_path / "eagle")
+    online = osd.OnlineConfig(update_every_requests=2, steps_per_update=2, lr=3e-3,
+                              background=False, guard_tolerance=1.0,
+                              checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1)
+    eng = osd.Engine.from_pretrained(target, draft=draft, online=online, quantize_draft="Q8_0",
+                                     max_batch_size=4, max_seq_len=96)
+    serving, learner = eng.draft, eng.online.learners[0]
+    wqkv = serving.layers[0].wqkv
+    before = wqkv.qweight.clone()
+    prompts = prompts_of([6, 9, 4, 7] * 2, vocab=VOCAB, seed=67)
+    want = osd.Engine.from_pretrained(target, max_batch_size=4, max_seq_len=96).generate(
+        prompts, osd.SamplingParams(12))
+    outs = eng.generate(prompts[:4], osd.SamplingParams(12)) + \
+        eng.generate(prompts[4:], osd.SamplingParams(12))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert eng.stats["online"]["updates_applied"] >= 1
+    assert isinstance(wqkv, QuantLinear) and serving.layers[0].wqkv is wqkv
+    assert not torch.equal(wqkv.qweight, before)
+    assert not any(isinstance(m, QuantLinear) for m in learner.model.modules())
+    learner.maybe_swap()                      # the newest update, if not swapped in yet
+    want_q = quantize_weight(learner.model.layers[0].wqkv.weight, "Q8_0")
+    assert torch.equal(wqkv.qweight, want_q.qweight) and torch.equal(wqkv.scales, want_q.scales)
+    # A new engine resumes from the checkpoint of the newest applied update, quantized.
+    learner.checkpoint()
+    again = osd.Engine.from_pretrained(target, draft=draft, online=online,
+                                       quantize_draft="Q8_0", max_batch_size=4, max_seq_len=96)
+    assert torch.equal(again.draft.layers[0].wqkv.qweight, wqkv.qweight)
 
 
 def test_bad_uses_fail_clearly(tmp_path, q41):

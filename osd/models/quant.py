@@ -13,7 +13,9 @@ float rounding, and autograd through ``F.linear`` on the dequantized matrix.
   head) for quantized ones built from the file (``Engine.from_pretrained(...,
   quantized=True)``);
 - :func:`quantize_linears`: quantize a float model's layers in place, with ggml's
-  reference rounding (tests, and models that do not come from a GGUF file).
+  reference rounding (drafts kept quantized, ``quantize_draft``; tests);
+- :func:`quantized_state`: a float model's weights for its quantized copy (an online
+  learner trains the float draft and publishes them to the quantized serving draft).
 """
 from __future__ import annotations
 
@@ -105,23 +107,54 @@ def _linear_slots(model) -> list[tuple[nn.Module, str, nn.Linear]]:
     return slots
 
 
+def quantize_weight(w: torch.Tensor, fmt: str,
+                    bias: torch.Tensor | None = None) -> QuantLinear:
+    """A :class:`QuantLinear` of float weight ``w [N, K]`` (``K`` a multiple of 32) in
+    ``fmt``, rounded as ggml's reference quantizer does."""
+    from osd.models.gguf import GGMLType, quantize
+
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    w = w.detach()
+    raw = torch.from_numpy(np.ascontiguousarray(quantize(w, GGMLType[fmt])))
+    bias = None if bias is None else bias.detach().clone()
+    return QuantLinear.from_gguf_blocks(raw, fmt, tuple(w.shape), bias).to(w.device)
+
+
 def quantize_linears(model, fmt: str = "Q8_0"):
     """Replace ``model``'s linear layers and output head (not its embedding) by
     :class:`QuantLinear` layers of ``fmt``, rounding as ggml's reference quantizer does.
     Layers whose input width is not a multiple of 32 stay float. Returns ``model``."""
-    from osd.models.gguf import GGMLType, quantize
-
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     for owner, name, layer in _linear_slots(model):
         if not isinstance(layer, nn.Linear) or layer.in_features % BLOCK:
             continue
-        w = layer.weight.detach()
-        raw = torch.from_numpy(np.ascontiguousarray(quantize(w, GGMLType[fmt])))
-        bias = None if layer.bias is None else layer.bias.detach().clone()
-        setattr(owner, name, QuantLinear.from_gguf_blocks(raw, fmt, tuple(w.shape), bias)
-                .to(w.device))
+        setattr(owner, name, quantize_weight(layer.weight, fmt, layer.bias))
     return model
+
+
+def own_quant_layers(model: nn.Module) -> dict[str, QuantLinear]:
+    """``model``'s :class:`QuantLinear` layers by module name, less the target layers it
+    shares (``model.shared_modules()``: an EAGLE draft's quantized head)."""
+    shared = {id(m) for m in getattr(model, "shared_modules", list)()}
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, QuantLinear) and id(m) not in shared}
+
+
+def quantized_state(state: dict[str, torch.Tensor],
+                    layers: dict[str, QuantLinear]) -> dict[str, torch.Tensor]:
+    """A float model's ``state`` (its ``state_dict()``) for a copy of it whose ``layers``
+    (:func:`own_quant_layers`) are quantized: each such layer's ``<name>.weight`` replaced
+    by its buffers, quantized in the layer's format. Other entries pass through."""
+    out = dict(state)
+    for name, layer in layers.items():
+        q = quantize_weight(out.pop(f"{name}.weight"), layer.fmt)
+        for buf in ("qweight", "scales", "mins"):
+            t = getattr(q, buf)
+            if t is not None:
+                out[f"{name}.{buf}"] = t
+    return out
 
 
 def quantize_gguf_linears(model, g) -> int:

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 import osd_kernels
+from osd.models.quant import own_quant_layers, quantized_state
 from osd.online.buffer import Example, ReplayBuffer
 from osd.online.checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
 from osd.online.config import OnlineConfig, cpu_has_fast_bf16, resolve_autocast
@@ -191,14 +192,26 @@ class OnlineLearner:
             parameters are only written by :meth:`maybe_swap`.
         config: :class:`OnlineConfig`.
         name: label used in checkpoints and statistics.
+        master: the float draft that ``draft`` is a block-quantized copy of
+            (``Engine(quantize_draft=...)``): the learner trains a copy of it and each
+            published update is quantized (in the learner's thread) into ``draft``'s
+            formats. Required when ``draft`` has quantized layers of its own.
     """
 
-    def __init__(self, draft: torch.nn.Module, config: OnlineConfig, name: str = "draft"):
+    def __init__(self, draft: torch.nn.Module, config: OnlineConfig, name: str = "draft",
+                 master: torch.nn.Module | None = None):
         self.config = config
         self.name = name
         if config.mmap_threshold is not None:
             pin_mmap_threshold(config.mmap_threshold)
         self.serving = draft
+        # A serving draft with block-quantized layers is a copy of a float draft (master):
+        # the learner trains a copy of master and publishes its weights quantized.
+        self._quant_layers = own_quant_layers(draft)
+        if self._quant_layers and master is None:
+            raise ValueError(f"online learner {name}: the draft keeps quantized layers, which "
+                             f"cannot learn; give the float draft it was quantized from")
+        draft = draft if master is None else master
         self.device = next(draft.parameters()).device
         self.autocast = resolve_autocast(config.autocast, self.device)
         if self.autocast == "bfloat16" and self.device.type == "cpu" and not cpu_has_fast_bf16():
@@ -483,6 +496,8 @@ class OnlineLearner:
                                                  alpha_before, alpha_after, False, reason,
                                                  time.perf_counter() - t0))
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if self._quant_layers:
+            state = quantized_state(state, self._quant_layers)
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
@@ -529,6 +544,8 @@ class OnlineLearner:
         with torch.no_grad():
             for k, v in self.model.state_dict().items():
                 v.copy_(state[k])
+            if self._quant_layers:
+                state = quantized_state(state, self._quant_layers)
             for k, v in self.serving.state_dict().items():
                 v.copy_(state[k])
         if optim_state:

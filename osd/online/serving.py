@@ -62,18 +62,21 @@ def example_from_request(r, domain: str | None = None) -> Example | None:
 
 
 class OnlineManager:
-    """Learners for ``drafts`` (serving models) plus a router when there are several."""
+    """Learners for ``drafts`` (serving models) plus a router when there are several.
+    ``masters[i]``: the float draft that ``drafts[i]`` is a quantized copy of (or None)."""
 
-    def __init__(self, drafts: list[torch.nn.Module], config: OnlineConfig):
+    def __init__(self, drafts: list[torch.nn.Module], config: OnlineConfig,
+                 masters: list[torch.nn.Module | None] | None = None):
         self.config = config
         self.drafts = drafts
         self.learners = []
-        for i, d in enumerate(drafts):
+        masters = masters or [None] * len(drafts)
+        for i, (d, master) in enumerate(zip(drafts, masters)):
             cfg = config
             if config.checkpoint_dir and len(drafts) > 1:
                 cfg = dataclasses.replace(
                     config, checkpoint_dir=os.path.join(config.checkpoint_dir, f"draft{i}"))
-            self.learners.append(OnlineLearner(d, cfg, name=f"draft{i}"))
+            self.learners.append(OnlineLearner(d, cfg, name=f"draft{i}", master=master))
         self.router = Router(len(drafts), config.router) if len(drafts) > 1 else None
         # (draft, alpha) of the newest requests; the totals below cover all of them.
         self.alpha_log: deque[tuple[int, float | None]] = deque(maxlen=config.history_requests)
