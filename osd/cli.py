@@ -130,9 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 0: each request's own text)")
     d.add_argument("--quantized", action="store_true",
                    help="the chat target keeps its GGUF weights quantized")
-    d.add_argument("--quantize-draft", default=None, choices=["Q8_0", "Q4_1", "Q4_0"],
+    d.add_argument("--quantize-draft", default=None, choices=["Q8_0", "Q4_1", "Q4_0", "none"],
                    help="serve the draft in this block format (it learns in float32; each "
-                   "update is quantized): cheaper drafting, the same output")
+                   "update is quantized): cheaper drafting, the same output (chat default "
+                   "Q8_0; none: float32)")
     d.add_argument("--prefix-cache", type=int, default=0, metavar="TOKENS",
                    help="keep the target's K/V of up to this many prompt tokens across "
                    "requests, for prompts that start alike (default 0: none)")

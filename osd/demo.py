@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 import osd
 from osd import zoo
+from osd.models.quant import FORMATS as QUANT_FORMATS
 
 PAIRS = ("chat", "builtin")
 DRAFTS = ("model", "eagle")
@@ -60,8 +61,9 @@ class DemoConfig:
     #                                        "eagle" (the EAGLE draft on the target's features)
     quantized: bool = False                # chat pair: the target keeps its GGUF weights
     #                                        quantized (Engine.from_pretrained(quantized=True))
-    quantize_draft: str | None = None      # the draft kept in this block format ("Q8_0",
-    #                                        Engine(quantize_draft=...)); it still learns
+    quantize_draft: str | None = None      # the draft served in this block format
+    #                                        (Engine(quantize_draft=...); it still learns, in
+    #                                        float32); "none": float32 (chat default Q8_0)
     prefix_cache: int = 0                  # prompt tokens whose target K/V every engine
     #                                        keeps across requests (Engine(prefix_cache=...))
     seed: int = 0                          # query-stream seed
@@ -83,6 +85,11 @@ class DemoConfig:
             raise ValueError("lookup_history needs prompt_lookup")
         if self.quantized and self.pair != "chat":
             raise ValueError("quantized needs the chat pair (a GGUF target)")
+        if self.quantize_draft == "none":
+            self.quantize_draft = None
+        if self.quantize_draft not in (None, *QUANT_FORMATS):
+            raise ValueError(f"quantize_draft must be one of {QUANT_FORMATS} or 'none', got "
+                             f"{self.quantize_draft!r}")
         if self.requests < 1 or self.baseline_requests < 1 or self.static_requests < 1:
             raise ValueError("requests, baseline_requests and static_requests must be >= 1")
         self.baseline_requests = min(self.baseline_requests, self.requests)
@@ -121,11 +128,11 @@ def online_recipe(pair: str) -> osd.OnlineConfig:
 DEFAULTS = {
     "chat": dict(baseline_requests=16, static_requests=50, max_new_tokens=48,
                  num_draft_tokens=4, threads=1, prompt_lookup=True, lookup_history=0,
-                 draft="model",
+                 draft="model", quantize_draft="Q8_0",
                  online=lambda: online_recipe("chat")),
     "builtin": dict(baseline_requests=40, static_requests=200, max_new_tokens=32,
                     num_draft_tokens=4, threads=1, prompt_lookup=False, lookup_history=0,
-                    draft="model",
+                    draft="model", quantize_draft="none",
                     online=lambda: online_recipe("builtin")),
 }
 

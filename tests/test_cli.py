@@ -85,6 +85,23 @@ def test_demo_with_a_lookup_history(tmp_path):
     assert "4096 tokens of earlier answers" in report and "--lookup-history 4096" in report
 
 
+def test_demo_serves_a_quantized_draft_that_learns(tmp_path):
+    """``quantize_draft``: the chat pair serves its draft in Q8_0 by default ("none":
+    float32); the demo's online pass learns through it and the report says so."""
+    from osd.demo import DemoConfig, run_demo
+
+    assert DemoConfig(pair="chat").quantize_draft == "Q8_0"
+    assert DemoConfig(pair="chat", quantize_draft="none").quantize_draft is None
+    assert DemoConfig(pair="builtin").quantize_draft is None
+    with pytest.raises(ValueError, match="quantize_draft must be one of"):
+        DemoConfig(pair="builtin", quantize_draft="Q5_K")
+    cfg = DemoConfig(pair="builtin", requests=6, baseline_requests=2, static_requests=3,
+                     max_new_tokens=8, quantize_draft="Q8_0", out_dir=str(tmp_path / "demo"))
+    run_demo(cfg)
+    report = (tmp_path / "demo" / "report.md").read_text()
+    assert "the draft served in Q8_0" in report and "--quantize-draft Q8_0" in report
+
+
 def test_demo_bad_pair():
     with pytest.raises(SystemExit):
         cli.main(["demo", "--pair", "nonsense"])
