@@ -137,6 +137,22 @@ def test_portable_cpu_path(monkeypatch):
         _check_close(out, q, kv[1, 0], kv[1, 1], lens, mask, dtype, "native portable")
 
 
+@pytest.mark.parametrize("portable", [False, True])
+def test_sharp_softmax_matches_reference(monkeypatch, portable):
+    """Scores far apart (a large scale): exponents below -87 underflow to 0 in the vector
+    and portable softmax alike, beside masked (-inf) keys."""
+    if portable:
+        monkeypatch.setenv("OSD_NO_AVX2", "1")
+    gen = torch.Generator().manual_seed(8)
+    q, kv, lens = _case(gen, 2, 9, 6, 2, 24, torch.float32, "cpu", max_prefix=150)
+    mask = random_tree_mask(gen, 2, 9)
+    for scale in (12.0, 60.0):
+        for m in (mask, None):
+            out = tree_attention(q, kv[0, 0], kv[0, 1], lens, m, scale=scale, backend="native")
+            want = tree_attention_reference(q, kv[0, 0], kv[0, 1], lens, m, scale=scale)
+            torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+
 LONG_SHAPES = [  # B, T, Hq, Hkv, D: causal blocks past the 64-bit tree mask
     (3, 65, 3, 1, 20),
     (2, 100, 4, 2, 12),

@@ -15,8 +15,8 @@
 // tests the bitmask; causal, the new keys lens[b] + [0, t_last] (t_last: the task's last
 // query) follow in blocks of kKeyBlock that test t' <= t, so a task reads no key past its
 // own diagonal.
-// Scores and P.V use AVX2/FMA intrinsics when the CPU has them (chosen at run time), else
-// portable loops.
+// Scores, the softmax (max, exp, sum) and P.V use AVX2/FMA intrinsics when the CPU has
+// them (chosen at run time), else portable loops.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -124,6 +124,67 @@ OSD_AVX2 inline void accumulate_pv_avx2_cols(const float* p, const float* const*
   for (int i = 0; i < kVecs; ++i) _mm256_storeu_ps(acc + d0 + 8 * i, a[i]);
 }
 
+// e^x for x <= 0 in 8 lanes, exp_nonpos's Cephes polynomial; x < -87 (and -inf) gives 0.
+OSD_AVX2 inline __m256 exp_nonpos_avx2(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  const __m256 xc = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_floor_ps(
+      _mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+OSD_AVX2 inline float hmax8(__m256 v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+
+OSD_AVX2 inline float hsum8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+
+// max(mx, s[0, n)).
+OSD_AVX2 inline float max_avx2(const float* s, int64_t n, float mx) {
+  __m256 m = _mm256_set1_ps(mx);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+  mx = hmax8(m);
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
+  return mx;
+}
+
+// s[j] = e^(s[j] - mx) for j < n (every s[j] <= mx); returns their sum.
+OSD_AVX2 inline float exp_sum_avx2(float* s, int64_t n, float mx) {
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp_nonpos_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = hsum8(acc);
+  for (; j < n; ++j) {
+    s[j] = exp_nonpos(s[j] - mx);
+    sum += s[j];
+  }
+  return sum;
+}
+
 OSD_AVX2 inline void accumulate_pv_avx2(const float* p, const float* const* v, int64_t n,
                                         int64_t dim, float* acc) {
   int64_t d = 0;
@@ -203,14 +264,33 @@ OSD_INLINE void process_keys(const TreeAttentionArgs& a, const scalar_t* kb, con
     } else if (mask == KeyMask::kCausal) {
       for (int64_t j = std::max<int64_t>(w.t[r] - first + 1, 0); j < n; ++j) s[j] = kNegInf;
     }
+    float sum = 0.f;
+#if defined(__x86_64__)
+    if constexpr (kAvx2) {
+      mx = max_avx2(s, n, mx);
+    } else {
+      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+    }
+#else
     for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+#endif
     if (mx == kNegInf) continue;  // nothing visible to this row yet
     const float corr = exp_nonpos(w.m[r] - mx);
-    float sum = 0.f;
+#if defined(__x86_64__)
+    if constexpr (kAvx2) {
+      sum = exp_sum_avx2(s, n, mx);
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        s[j] = exp_nonpos(s[j] - mx);
+        sum += s[j];
+      }
+    }
+#else
     for (int64_t j = 0; j < n; ++j) {
       s[j] = exp_nonpos(s[j] - mx);
       sum += s[j];
     }
+#endif
     w.l[r] = w.l[r] * corr + sum;
     w.m[r] = mx;
     float* acc = &w.acc[r * D];
