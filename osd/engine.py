@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import dataclasses
 import operator
 import os
@@ -53,8 +52,7 @@ from osd.lookup_history import LookupHistory
 from osd.models.eagle import EagleLM, is_eagle_checkpoint, load_eagle
 from osd.models.llama import DecoderLM, without_layers
 from osd.models.loading import is_transformers_model, load_model, load_tokenizer
-from osd.models.quant import FORMATS as QUANT_FORMATS
-from osd.models.quant import own_quant_layers, quantize_linears
+from osd.models.quant import serving_drafts
 from osd.online.collect import TeacherCollector
 from osd.online.config import OnlineConfig
 from osd.online.serving import OnlineManager
@@ -147,25 +145,9 @@ class Engine:
         if online is not None and (spec is None or spec.drafter == "ngram"):
             raise ValueError("online learning needs a model drafter (a draft or "
                              "SpecConfig(drafter='self'))")
-        masters = [None] * len(drafts)      # the float drafts of quantized serving copies
-        if quantize_draft is not None:
-            if quantize_draft not in QUANT_FORMATS:
-                raise ValueError(f"quantize_draft must be one of {QUANT_FORMATS}, got "
-                                 f"{quantize_draft!r}")
-            if not drafts:
-                raise ValueError("quantize_draft quantizes the drafts, but no draft was given")
-            if model.device.type != "cpu" or any(d.dtype != torch.float32 for d in drafts):
-                raise ValueError(f"quantize_draft runs on the CPU kernels: it needs float32 "
-                                 f"drafts on the CPU, got {drafts[0].dtype} on {model.device}")
-            if online is not None:
-                masters = drafts
-            drafts = [quantize_linears(_serving_copy(d), quantize_draft) for d in drafts]
-        elif online is not None:
-            for i, d in enumerate(drafts):
-                if own_quant_layers(d):
-                    raise ValueError(f"draft {i} keeps quantized layers, which cannot learn: "
-                                     f"pass the float draft with quantize_draft=... to serve "
-                                     f"it quantized while it learns")
+        masters = drafts if online is not None and quantize_draft is not None \
+            else [None] * len(drafts)      # the float drafts of quantized serving copies
+        drafts = serving_drafts(drafts, quantize_draft, model.device, online is not None)
         if any(isinstance(d, EagleLM) for d in drafts):
             if spec is not None and spec.tree is not None:
                 raise ValueError("an EAGLE draft proposes chains: SpecConfig(tree=...) "
@@ -789,13 +771,6 @@ class Engine:
             stats["draft_index"] = r.draft_index
         return Output(token_ids=list(r.generated), text=text, finish_reason=r.finish_reason,
                       stats=stats, prompt_token_ids=list(r.prompt), error=r.error)
-
-
-def _serving_copy(draft: DecoderLM) -> DecoderLM:
-    """A copy of ``draft`` that shares the target tensors it shares (an EAGLE draft's)."""
-    shared = list(getattr(draft, "shared_parameters", list)()) + \
-        list(getattr(draft, "shared_modules", list)())
-    return copy.deepcopy(draft, memo={id(t): t for t in shared})
 
 
 def _spec_width(spec: SpecConfig) -> int:

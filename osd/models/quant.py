@@ -19,6 +19,8 @@ float rounding, and autograd through ``F.linear`` on the dequantized matrix.
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 from torch import nn
@@ -140,6 +142,35 @@ def own_quant_layers(model: nn.Module) -> dict[str, QuantLinear]:
     shared = {id(m) for m in getattr(model, "shared_modules", list)()}
     return {name: m for name, m in model.named_modules()
             if isinstance(m, QuantLinear) and id(m) not in shared}
+
+
+def serving_drafts(drafts: list, fmt: str | None, device: torch.device,
+                   learning: bool) -> list:
+    """The drafts an engine serves: copies quantized in ``fmt`` (``Engine(quantize_draft=
+    ...)``; each shares the target tensors its draft shares), or ``drafts`` themselves when
+    ``fmt`` is None. ValueError for a bad ``fmt``, no drafts, drafts that are not float32
+    on the CPU, and, when ``learning``, a draft with quantized layers of its own (it could
+    not learn; its float draft with ``fmt`` can)."""
+    if fmt is None:
+        for i, d in enumerate(drafts if learning else ()):
+            if own_quant_layers(d):
+                raise ValueError(f"draft {i} keeps quantized layers, which cannot learn: pass "
+                                 f"the float draft with quantize_draft=... to serve it "
+                                 f"quantized while it learns")
+        return drafts
+    if fmt not in FORMATS:
+        raise ValueError(f"quantize_draft must be one of {FORMATS}, got {fmt!r}")
+    if not drafts:
+        raise ValueError("quantize_draft quantizes the drafts, but no draft was given")
+    if torch.device(device).type != "cpu" or any(d.dtype != torch.float32 for d in drafts):
+        raise ValueError(f"quantize_draft runs on the CPU kernels: it needs float32 drafts on "
+                         f"the CPU, got {drafts[0].dtype} on {device}")
+    copies = []
+    for d in drafts:
+        shared = list(getattr(d, "shared_parameters", list)()) + \
+            list(getattr(d, "shared_modules", list)())
+        copies.append(quantize_linears(copy.deepcopy(d, memo={id(t): t for t in shared}), fmt))
+    return copies
 
 
 def quantized_state(state: dict[str, torch.Tensor],
