@@ -10,10 +10,12 @@ weight matrix, which stays in the caches between calls; ``cold``: each call take
 next of enough copies of it to fill twice ``COLD_BYTES``, so the weights come from memory,
 as in a whole forward of a model larger than the last-level cache. CPU, float32, torch on
 ``OSD_BENCH_THREADS`` threads (default 1). Each round of ``cpp`` is preceded by one timed
-round of ``F.linear`` on the same inputs (its ``setup``); ``cpp`` calls
-``decode_linear`` with ``backend="auto"``, as the model does (the C++ kernel at these
-sizes, plus the wrapper's per-call cost). ``extra_info`` records both
-best rounds and ``speedup``; the outputs are checked to agree first.
+round of ``F.linear`` and one of ``decode_linear`` from the weight packed into panels
+(``pack_weight``, as an engine's target reads it) on the same inputs (its ``setup``);
+``cpp`` calls ``decode_linear`` with ``backend="auto"`` on the weight as given (the C++
+kernel at these sizes, plus the wrapper's per-call cost). ``extra_info`` records the three
+best rounds, ``speedup`` (F.linear / cpp) and ``packed_speedup`` (F.linear / packed); the
+outputs are checked to agree first.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_decode_linear.py
 """
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import FULL
-from osd_kernels import decode_linear
+from osd_kernels import decode_linear, pack_weight
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
 
@@ -53,15 +55,22 @@ def test_decode_linear(benchmark, shape, rows, weights):
     torch.testing.assert_close(decode_linear(x, w, b, backend="native"), F.linear(x, w, b),
                                rtol=1e-4, atol=1e-4)
     copies = 1 if weights == "hot" else -(-2 * COLD_BYTES // (4 * n * k))
+    torch.testing.assert_close(decode_linear(x, w, b, backend="native", packed=pack_weight(w)),
+                               F.linear(x, w, b), rtol=1e-4, atol=1e-4)
     ws = [w] + [w.clone() for _ in range(copies - 1)]
+    packs = [pack_weight(v) for v in ws]
     calls = max(10, min(CALLS, ROUND_ELEMENTS // (n * k)))
-    best = {"linear": float("inf")}
+    best = {"linear": float("inf"), "packed": float("inf")}
 
     def linear_round():
         start = time.perf_counter()
         for i in range(calls):
             F.linear(x, ws[i % copies], b)
         best["linear"] = min(best["linear"], time.perf_counter() - start)
+        start = time.perf_counter()
+        for i in range(calls):
+            decode_linear(x, ws[i % copies], b, packed=packs[i % copies])
+        best["packed"] = min(best["packed"], time.perf_counter() - start)
 
     def ours():
         for i in range(calls):
@@ -72,4 +81,5 @@ def test_decode_linear(benchmark, shape, rows, weights):
     benchmark.extra_info.update(
         N=n, K=k, M=rows, weights=weights, threads=torch.get_num_threads(),
         linear_us=round(best["linear"] / calls * 1e6, 2), cpp_us=round(cpp / calls * 1e6, 2),
-        speedup=round(best["linear"] / cpp, 2))
+        packed_us=round(best["packed"] / calls * 1e6, 2), speedup=round(best["linear"] / cpp, 2),
+        packed_speedup=round(best["linear"] / best["packed"], 2))

@@ -28,7 +28,8 @@ TORCH_LIBRARY(osd, m) {
       "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, "
       "Tensor? tree_mask, float scale) -> Tensor");
 
-  // y = x W^T + b for a few rows (decode and verify); x [M, K], weight [N, K], bias [N].
+  // y = x W^T + b for a few rows (decode and verify); x [M, K], weight [N, K] or packed into
+  // panels [N / 16, K, 16] (CPU), bias [N].
   // With norm_weight [K], x is first RMS-normalised: norm_weight * x / sqrt(mean(x^2) + eps).
   m.def("decode_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight=None, "
         "float eps=1e-6) -> Tensor");

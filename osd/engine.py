@@ -94,13 +94,17 @@ class Engine:
             of its float32 bytes. Outputs stay the target's; only the proposals change,
             by the rounding. With ``online`` the learner trains the float drafts and each
             update it publishes is quantized in its thread. CPU, float32 drafts only.
+        pack_weights: on the CPU, keep the float32 target's linear weights also packed for
+            the decode kernel (``DecoderLM.pack_weights``): faster decode and verify
+            forwards for a second copy of those weights in memory. False keeps one copy.
     """
 
     def __init__(self, model: DecoderLM, *, draft: DecoderLM | list[DecoderLM] | None = None,
                  tokenizer=None, max_batch_size: int = 8, max_seq_len: int = 2048,
                  spec: SpecConfig | None = None, online: OnlineConfig | None = None,
                  cuda_graphs: bool = True, prefill_chunk: int | None = None,
-                 prefix_cache: int = 0, quantize_draft: str | None = None) -> None:
+                 prefix_cache: int = 0, quantize_draft: str | None = None,
+                 pack_weights: bool = True) -> None:
         max_batch_size = operator.index(max_batch_size)
         prefix_cache = operator.index(prefix_cache)
         if prefix_cache < 0:
@@ -157,6 +161,8 @@ class Engine:
                     raise ValueError(f"EAGLE draft {i} was not built for this target (it "
                                      f"must share the target's embedding: "
                                      f"EagleLM.from_target(target) or load_eagle(path, target))")
+        if pack_weights:
+            model.pack_weights()
         self.model = model
         self.drafts = drafts
         self.draft = drafts[0] if drafts else None
@@ -249,7 +255,7 @@ class Engine:
                         tokenizer=None, cuda_graphs: bool = True,
                         prefill_chunk: int | None = None, quantized: bool = False,
                         quantize_draft: str | None = None,
-                        prefix_cache: int = 0) -> "Engine":
+                        prefix_cache: int = 0, pack_weights: bool = True) -> "Engine":
         """Load ``target`` (and drafts): each a checkpoint directory, a GGUF file or a
         transformers model.
 
@@ -275,7 +281,7 @@ class Engine:
         rounding, with fewer bytes read per token (drafts load as usual). CPU, float32
         and a GGUF target only (ValueError otherwise).
 
-        ``quantize_draft``: see :class:`Engine`.
+        ``quantize_draft``, ``pack_weights``: see :class:`Engine`.
         """
         drafts = [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) \
             else [draft]
@@ -294,7 +300,8 @@ class Engine:
         return cls(model, draft=draft_models or None, tokenizer=tokenizer,
                    max_batch_size=max_batch_size, max_seq_len=max_seq_len, spec=spec,
                    online=online, cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk,
-                   prefix_cache=prefix_cache, quantize_draft=quantize_draft)
+                   prefix_cache=prefix_cache, quantize_draft=quantize_draft,
+                   pack_weights=pack_weights)
 
     def encode(self, prompts) -> list[list[int]]:
         """Validate ``prompts`` (token-id lists or strings) and return token-id lists."""

@@ -5,7 +5,7 @@ kernel behind ``torch.ops.osd.<op>``, and (where useful) a Triton kernel. The pu
 function of the same name checks its inputs and dispatches (``backend="auto"``).
 """
 from osd_kernels._ops import native_available
-from osd_kernels.decode_linear import decode_linear, decode_linear_reference
+from osd_kernels.decode_linear import decode_linear, decode_linear_reference, pack_weight
 from osd_kernels.quant_linear import dequantize_weight, quant_linear, quant_linear_reference
 from osd_kernels.kv_rollback import chain_rollback, kv_rollback, kv_rollback_reference
 from osd_kernels.rejection_sample import rejection_sample, rejection_sample_reference
@@ -19,6 +19,7 @@ __all__ = [
     "native_available",
     "decode_linear",
     "decode_linear_reference",
+    "pack_weight",
     "quant_linear",
     "quant_linear_reference",
     "dequantize_weight",

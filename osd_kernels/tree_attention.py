@@ -26,8 +26,9 @@ from osd_kernels._ops import native_available, resolve_backend
 
 MAX_TREE = 64
 # ``auto`` on CPU: the C++ kernel for at most this many query rows per KV head (T * Hq / Hkv),
-# above it the reference, whose SDPA runs blocked GEMMs (bench/bench_tree_attention.py).
-CPU_NATIVE_MAX_ROWS = 16
+# above it the reference, whose SDPA runs blocked GEMMs: with 9 / 3 heads over 300 to 2,000
+# cached keys the kernel was faster up to 51 rows and slower from 66 (docs/benchmarks.md).
+CPU_NATIVE_MAX_ROWS = 48
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 

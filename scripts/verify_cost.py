@@ -24,9 +24,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300, help="cached tokens (300)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rows", type=int, nargs="*", default=[1, 5, 11, 16])
+    parser.add_argument("--no-pack", action="store_true",
+                        help="leave the weights unpacked (the engine packs them by default)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = osd.load_model(zoo.chat_pair()[0])
+    if not args.no_pack:
+        model.pack_weights()
     vocab = model.config.vocab_size
     cache = model.new_cache(1, args.context + max(args.rows) + 1)
     gen = torch.Generator().manual_seed(0)

@@ -1,5 +1,5 @@
-"""decode_linear: the C++ kernel against F.linear on odd shapes, both ISA paths, the auto
-dispatch rules, bad input, opcheck."""
+"""decode_linear: the C++ kernel against F.linear on odd shapes, both ISA paths, with the
+weight as given and packed into panels, the auto dispatch rules, bad input, opcheck."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -63,6 +63,58 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(monkeypatch, portable):
         for m in (2, 5, 9, 12, 16, 25, 40):
             together = osd_kernels.decode_linear(x[:m], w, b, norm_weight=norm, backend="native")
             assert torch.equal(together, alone[:m]), m
+
+
+PACKED_SHAPES = [(1, 1, 16), (1, 37, 48), (2, 320, 960), (3, 33, 80), (4, 576, 112),
+                 (5, 257, 144), (6, 1536, 64), (7, 15, 32), (9, 100, 176), (13, 40, 16),
+                 (16, 577, 96), (25, 17, 208), (61, 9, 48)]  # (M, K, N); N % 16 == 0
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("m,k,n", PACKED_SHAPES)
+def test_packed_matches_reference(monkeypatch, m, k, n, portable):
+    if portable:
+        monkeypatch.setenv("OSD_NO_AVX2", "1")
+    for seed, bias in ((m * 100 + k, True), (n, False)):
+        x, w, b = _inputs(m, k, n, seed, bias)
+        p = osd_kernels.pack_weight(w)
+        assert p.shape == (n // 16, k, 16) and torch.equal(p[1 % p.shape[0], :, 3],
+                                                           w[16 * (1 % p.shape[0]) + 3])
+        g = torch.rand(k, generator=torch.Generator().manual_seed(k)) + 0.5
+        for norm in (None, g):
+            want = osd_kernels.decode_linear_reference(x, w, b, norm_weight=norm)
+            for backend in ("native", "auto", "reference"):
+                got = osd_kernels.decode_linear(x, w, b, norm_weight=norm, backend=backend,
+                                                packed=p)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_packed_row_does_not_depend_on_the_rows_beside_it(monkeypatch, portable):
+    """From a packed weight too, a row alone equals the same row among others bit for bit,
+    over several tiles and passes and both thread shares."""
+    if portable:
+        monkeypatch.setenv("OSD_NO_AVX2", "1")
+    x, w, b = _inputs(40, 1500, 1040, 8)
+    p = osd_kernels.pack_weight(w)
+    alone = torch.cat([osd_kernels.decode_linear(x[i:i + 1], w, b, packed=p, backend="native")
+                       for i in range(40)])
+    for m in (2, 3, 5, 6, 7, 9, 12, 13, 16, 40):
+        together = osd_kernels.decode_linear(x[:m], w, b, packed=p, backend="native")
+        assert torch.equal(together, alone[:m]), m
+
+
+def test_pack_weight_and_packed_input_errors():
+    x, w, b = _inputs(2, 8, 32, 3)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        osd_kernels.pack_weight(w[:30])
+    with pytest.raises(ValueError, match="packed must be"):
+        osd_kernels.decode_linear(x, w, b, packed=osd_kernels.pack_weight(w)[:1],
+                                  backend="native")
+    with pytest.raises(RuntimeError, match="packed weight must be"):
+        torch.ops.osd.decode_linear(x, torch.zeros(2, 8, 8), None)
+    torch.library.opcheck(torch.ops.osd.decode_linear.default,
+                          (x, osd_kernels.pack_weight(w), b))
 
 
 def test_fused_rms_norm_under_autograd_takes_the_reference():

@@ -354,3 +354,36 @@ def test_rope_frequencies_match_transformers(rope):
     else:
         ref, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_cfg)
     assert torch.equal(ours, ref)
+
+
+def test_packed_weights_match_and_go_stale_safely():
+    """pack_weights keeps panel copies the decode kernel reads: decode logits still match
+    transformers; a weight changed in place or replaced after packing is read directly."""
+    hf = tiny_hf_model("llama_bias", seed=13)
+    model = load_model(hf)
+    added = model.pack_weights()
+    # every linear but the 131-row head (not a multiple of 16) is packed
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert added == sum(m.weight.numel() * 4 for m in linears if m.weight.shape[0] % 16 == 0)
+    assert model.pack_weights() == 0                      # already packed: nothing to do
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    ref = _hf_logits(hf, ids)
+
+    def decode_logits():
+        cache = model.new_cache(2, 16)
+        out = []
+        with torch.no_grad():
+            for t in range(ids.shape[1]):
+                out.append(model(ids[:, t:t + 1], cache)[:, 0])
+                cache.commit(torch.ones(2, dtype=torch.int32), 1)
+        return torch.stack(out, 1)
+
+    assert (decode_logits() - ref).abs().max() <= ATOL
+    layer = model.layers[0].w_down
+    with torch.no_grad():
+        layer.weight.mul_(0.5)                            # in place: the copy is stale
+        hf.model.layers[0].mlp.down_proj.weight.mul_(0.5)
+    ref = _hf_logits(hf, ids)
+    assert (decode_logits() - ref).abs().max() <= ATOL
+    assert model.pack_weights() == layer.weight.numel() * 4   # only the stale one re-packs
+    assert (decode_logits() - ref).abs().max() <= ATOL

@@ -5,12 +5,16 @@
 // general GEMM handles so few rows poorly on one core; the passes of cpu/linear_rows.h
 // stream W once for up to 12 rows, prefetching ahead (the zoo target's 5-token verify went
 // from 1.51 to 0.92 one-token forwards with the prefetch, docs/benchmarks.md).
+// A weight packed into panels ([N / 16, K, 16], osd_kernels.pack_weight) goes through
+// cpu/linear_panels.h instead, which needs no horizontal sums and loads each weight line
+// once for up to 6 rows.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <optional>
 
 #include "checks.h"
+#include "cpu/linear_panels.h"
 #include "cpu/linear_rows.h"
 
 namespace osd {
@@ -24,15 +28,21 @@ at::Tensor decode_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   check_dtype(weight, at::kFloat, "weight");
   OSD_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows, got ",
             x.sizes(), " strides ", x.strides());
-  OSD_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be contiguous [N, K], got ",
-            weight.sizes());
+  const bool packed = weight.dim() == 3;
+  if (packed) {
+    OSD_CHECK(weight.is_contiguous() && weight.size(2) == linear_panels::kPanel,
+              "a packed weight must be contiguous [N / 16, K, 16], got ", weight.sizes());
+  } else {
+    OSD_CHECK(weight.dim() == 2 && weight.is_contiguous(),
+              "weight must be contiguous [N, K] or packed [N / 16, K, 16], got ", weight.sizes());
+  }
   OSD_CHECK(weight.size(1) == x.size(1), "x has ", x.size(1), " features but weight expects ",
             weight.size(1));
   check_same_device(x, weight, "x", "weight");
   linear_rows::Args a;
   a.M = x.size(0);
   a.K = x.size(1);
-  a.N = weight.size(0);
+  a.N = packed ? weight.size(0) * linear_panels::kPanel : weight.size(0);
   a.ldx = x.stride(0);
   a.x = x.data_ptr<float>();
   a.w = weight.data_ptr<float>();
@@ -41,13 +51,20 @@ at::Tensor decode_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   at::Tensor y = at::empty({a.M, a.N}, x.options());
   a.y = y.data_ptr<float>();
   a.ldy = a.N;
-  if (a.M > 0 && a.N > 0) {
-    const bool avx2 = use_avx2_fma();
-    // Threads split the weight rows (each streams its share of W once per pass).
-    at::parallel_for(0, a.N, 256, [&](int64_t n_begin, int64_t n_end) {
-      linear_rows::all_rows(a, n_begin, n_end, avx2);
+  if (a.M == 0 || a.N == 0) return y;
+  const bool avx2 = use_avx2_fma();
+  if (packed) {
+    const linear_panels::Args pa{a.x, a.w, a.bias, a.y, a.M, a.N, a.K, a.ldx, a.ldy};
+    // Threads split the panels (16 at least per thread: each streams its share once).
+    at::parallel_for(0, weight.size(0), 16, [&](int64_t p_begin, int64_t p_end) {
+      linear_panels::all_rows(pa, p_begin, p_end, avx2);
     });
+    return y;
   }
+  // Threads split the weight rows (each streams its share of W once per pass).
+  at::parallel_for(0, a.N, 256, [&](int64_t n_begin, int64_t n_end) {
+    linear_rows::all_rows(a, n_begin, n_end, avx2);
+  });
   return y;
 }
 

@@ -39,7 +39,7 @@ from osd.cache import KVCache
 from osd.models.attention import attention, causal_attention, resolve_attention_backend
 from osd.models.config import ModelConfig
 from osd.models.quant import QuantLinear
-from osd_kernels.decode_linear import decode_linear
+from osd_kernels.decode_linear import PANEL, decode_linear, pack_weight
 from osd_kernels.quant_linear import quant_linear
 
 MAX_TREE = 64  # tree_mask is one int64 bitmask per query
@@ -104,6 +104,11 @@ class RMSNorm(nn.Module):
         return {"norm_weight": self.weight, "eps": self.eps}
 
 
+def _version(t: torch.Tensor) -> int:
+    """``t``'s in-place modification count (-1 for an inference tensor, which keeps none)."""
+    return -1 if t.is_inference() else t._version
+
+
 def project(x: torch.Tensor, layer: nn.Module, norm: RMSNorm | None = None) -> torch.Tensor:
     """``layer(norm(x))`` for an ``nn.Linear`` or a :class:`~osd.models.quant.QuantLinear`
     (block-quantized weights), through ``decode_linear`` / ``quant_linear``, which apply
@@ -113,7 +118,12 @@ def project(x: torch.Tensor, layer: nn.Module, norm: RMSNorm | None = None) -> t
         # the op itself, not the module's __call__: a few microseconds a call, ~120 calls
         # a decode step
         return quant_linear(x, layer.qweight, layer.scales, layer.mins, layer.bias, **kw)
-    return decode_linear(x, layer.weight, layer.bias, **kw)
+    w = layer.weight
+    packed = getattr(layer, "osd_packed", None)
+    # a packed copy is used only while it is of this very weight, unchanged since packing
+    if packed is not None and packed[0] is w and packed[1] == _version(w):
+        return decode_linear(x, w, layer.bias, packed=packed[2], **kw)
+    return decode_linear(x, w, layer.bias, **kw)
 
 
 class DecoderLayer(nn.Module):
@@ -230,6 +240,24 @@ class DecoderLM(nn.Module):
         head.weight.requires_grad_(old.requires_grad or self.embed_tokens.weight.requires_grad)
         self.lm_head = head
         return self
+
+    def pack_weights(self) -> int:
+        """Keep a copy of every float32 CPU linear weight (output head included) packed
+        for ``decode_linear`` (``osd_kernels.pack_weight``): faster decode and verify
+        forwards at the memory of a second copy. For weights that are only read (a
+        target's); a copy stops being used once its weight is replaced or changed in place.
+        Returns the bytes added."""
+        added = 0
+        for module in self.modules():
+            w = getattr(module, "weight", None)
+            if (not isinstance(module, nn.Linear) or w.device.type != "cpu"
+                    or w.dtype != torch.float32 or w.shape[0] % PANEL):
+                continue
+            old = getattr(module, "osd_packed", None)
+            if old is None or old[0] is not w or old[1] != _version(w):
+                module.osd_packed = (w, _version(w), pack_weight(w))
+                added += w.numel() * w.element_size()
+        return added
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None,
                      only: tuple[str, ...] | None = None) -> None:

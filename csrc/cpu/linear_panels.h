@@ -1,0 +1,159 @@
+// decode_linear over a weight packed into panels: W [N, K] stored as [N / 16, K, 16], panel p
+// holding weight rows 16p..16p+15 column by column, so the 16 weights that meet x[m, k] are
+// one 64-byte line and a panel streams from memory in order.
+//
+// A micro-kernel serves MR rows of x and NP panels: per k it loads NP lines of W, broadcasts
+// x[m, k] and accumulates MR x 16 NP outputs in registers (MR * 2 NP of the 16 AVX2
+// registers), with no horizontal sum at the end. Every output is summed over k in order,
+// whatever MR, NP, the thread split or the number of rows, so a row's result does not
+// depend on the rows beside it (greedy verification equals one-row decoding bit for bit).
+// The AVX2 + FMA clone is picked at load time; the portable loop sums in the same order
+// without FMA.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+
+#include "cpu/fast_math.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace osd {
+namespace linear_panels {
+
+constexpr int kPanel = 16;   // weight rows per panel: one cache line of float32
+constexpr int kMaxPass = 6;  // rows per pass: 6 x 2 accumulators + 2 weights + 1 input
+// Panels per tile when the rows take several passes: a tile read from memory by the first
+// pass is still in the core's L2 for the others.
+constexpr int64_t kTileBytes = 256 * 1024;
+// How far ahead (in k steps of one line) each panel stream is prefetched.
+constexpr int kPrefetchSteps = 16;
+
+struct Args {
+  const float* x;      // [M, K], rows ldx apart
+  const float* w;      // [N / 16, K, 16] contiguous
+  const float* bias;   // [N] or nullptr
+  float* y;            // [M, *], rows ldy apart
+  int64_t M, N, K, ldx, ldy;
+};
+
+// Panels per micro-kernel for MR rows: enough accumulators to cover the FMA latency, and
+// for one row (bound by memory) only two streams, which reads long panels faster.
+template <int MR>
+constexpr int panels_per_step() {
+  return MR <= 2 ? (MR == 1 ? 2 : 3) : (MR == 3 ? 2 : 1);
+}
+
+template <int MR, int NP>
+void micro_portable(const Args& a, const float* x, float* y, int64_t p0) {
+  float acc[MR][NP * kPanel] = {};
+  const int64_t K = a.K;
+  for (int64_t k = 0; k < K; ++k) {
+    for (int p = 0; p < NP; ++p) {
+      const float* wk = a.w + ((p0 + p) * K + k) * kPanel;
+      for (int m = 0; m < MR; ++m) {
+        const float xv = x[m * a.ldx + k];
+        for (int j = 0; j < kPanel; ++j) acc[m][p * kPanel + j] += xv * wk[j];
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NP * kPanel; ++j) {
+      const int64_t n = p0 * kPanel + j;
+      y[m * a.ldy + n] = acc[m][j] + (a.bias != nullptr ? a.bias[n] : 0.0f);
+    }
+}
+
+#if defined(__x86_64__)
+template <int MR, int NP>
+OSD_AVX2 void micro_avx2(const Args& a, const float* x, float* y, int64_t p0) {
+  __m256 acc[MR][NP][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) acc[m][p][0] = acc[m][p][1] = _mm256_setzero_ps();
+  const int64_t K = a.K;
+  const float* w0 = a.w + p0 * K * kPanel;
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w[NP][2];
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      const float* wk = w0 + (p * K + k) * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchSteps * kPanel), _MM_HINT_T0);
+      w[p][0] = _mm256_loadu_ps(wk);
+      w[p][1] = _mm256_loadu_ps(wk + 8);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xv = _mm256_broadcast_ss(x + m * a.ldx + k);
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) {
+        acc[m][p][0] = _mm256_fmadd_ps(xv, w[p][0], acc[m][p][0]);
+        acc[m][p][1] = _mm256_fmadd_ps(xv, w[p][1], acc[m][p][1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int p = 0; p < NP; ++p) {
+    const int64_t n = (p0 + p) * kPanel;
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    if (a.bias != nullptr) {
+      b0 = _mm256_loadu_ps(a.bias + n);
+      b1 = _mm256_loadu_ps(a.bias + n + 8);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      _mm256_storeu_ps(y + m * a.ldy + n, _mm256_add_ps(acc[m][p][0], b0));
+      _mm256_storeu_ps(y + m * a.ldy + n + 8, _mm256_add_ps(acc[m][p][1], b1));
+    }
+  }
+}
+#endif
+
+// One pass of MR rows (x, y point at its first row) over panels [p_begin, p_end).
+template <int MR>
+void pass(const Args& a, const float* x, float* y, int64_t p_begin, int64_t p_end, bool avx2) {
+  constexpr int NP = panels_per_step<MR>();
+  int64_t p = p_begin;
+#if defined(__x86_64__)
+  if (avx2) {
+    for (; p + NP <= p_end; p += NP) micro_avx2<MR, NP>(a, x, y, p);
+    for (; p < p_end; ++p) micro_avx2<MR, 1>(a, x, y, p);
+    return;
+  }
+#endif
+  (void)avx2;
+  for (; p + NP <= p_end; p += NP) micro_portable<MR, NP>(a, x, y, p);
+  for (; p < p_end; ++p) micro_portable<MR, 1>(a, x, y, p);
+}
+
+inline void run_pass(const Args& a, int64_t row, int rows, int64_t p_begin, int64_t p_end,
+                     bool avx2) {
+  const float* x = a.x + row * a.ldx;
+  float* y = a.y + row * a.ldy;
+  switch (rows) {
+    case 1: pass<1>(a, x, y, p_begin, p_end, avx2); break;
+    case 2: pass<2>(a, x, y, p_begin, p_end, avx2); break;
+    case 3: pass<3>(a, x, y, p_begin, p_end, avx2); break;
+    case 4: pass<4>(a, x, y, p_begin, p_end, avx2); break;
+    case 5: pass<5>(a, x, y, p_begin, p_end, avx2); break;
+    default: pass<6>(a, x, y, p_begin, p_end, avx2); break;
+  }
+}
+
+// Every row of x times panels [p_begin, p_end): passes of kMaxPass rows (the micro-kernel
+// with the most accumulators) and one of the rest, tile by tile over the panels, so W
+// streams from memory once.
+inline void all_rows(const Args& a, int64_t p_begin, int64_t p_end, bool avx2) {
+  const int64_t tile = std::max<int64_t>(1, kTileBytes / (a.K * kPanel * 4));
+  for (int64_t p0 = p_begin; p0 < p_end; p0 += tile) {
+    const int64_t p1 = std::min(p0 + tile, p_end);
+    for (int64_t row = 0; row < a.M; row += kMaxPass) {
+      run_pass(a, row, static_cast<int>(std::min<int64_t>(kMaxPass, a.M - row)), p0, p1, avx2);
+    }
+  }
+}
+
+}  // namespace linear_panels
+}  // namespace osd
