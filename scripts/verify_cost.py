@@ -2,7 +2,9 @@
 with its ancestor mask) over a cache of ``--context`` tokens, in one-row forwards; and the
 prefill of a ``--context``-token prompt (logits at its last position only, as the engine
 asks). Random token ids; best of ``--rounds`` rounds of 10 forwards (one prefill) each,
-the shapes interleaved.
+the shapes interleaved. The weights are packed as an engine packs them
+(``DecoderLM.pack_weights``); ``--compare-pack`` times every shape from the packed and
+the unpacked weights in turn within each round.
 
     .venv/bin/python scripts/verify_cost.py --threads 2
 """
@@ -26,11 +28,21 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="*", default=[1, 5, 11, 16])
     parser.add_argument("--no-pack", action="store_true",
                         help="leave the weights unpacked (the engine packs them by default)")
+    parser.add_argument("--compare-pack", action="store_true",
+                        help="time each shape packed and unpacked, side by side")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = osd.load_model(zoo.chat_pair()[0])
     if not args.no_pack:
         model.pack_weights()
+    packs = {m: m.osd_packed for m in model.modules() if hasattr(m, "osd_packed")}
+
+    def use_packs(on: bool) -> None:
+        for m, p in packs.items():
+            if on:
+                m.osd_packed = p
+            elif hasattr(m, "osd_packed"):
+                del m.osd_packed
     vocab = model.config.vocab_size
     cache = model.new_cache(1, args.context + max(args.rows) + 1)
     gen = torch.Generator().manual_seed(0)
@@ -56,24 +68,30 @@ def main() -> None:
                           logits_index=torch.tensor([[args.context - 1]]))
 
         shapes = [(T, False) for T in args.rows] + [(T, True) for T in args.rows if T > 1]
-        best = {s: float("inf") for s in shapes}
-        best_prefill = float("inf")
+        modes = (True, False) if args.compare_pack else (not args.no_pack,)
+        best = {(m, s): float("inf") for m in modes for s in shapes + ["prefill"]}
         for _ in range(args.rounds):
-            t0 = time.perf_counter()
-            prefill()
-            best_prefill = min(best_prefill, time.perf_counter() - t0)
-            for s in shapes:
+            for mode in modes:
+                use_packs(mode)
                 t0 = time.perf_counter()
-                for _ in range(10):
-                    forward(*s)
-                best[s] = min(best[s], (time.perf_counter() - t0) / 10)
-    one = best[(1, False)] if (1, False) in best else min(best.values())
-    print("| rows | mask | ms per forward | one-row forwards |")
-    print("|---|---|---|---|")
-    for (T, tree), t in best.items():
-        print(f"| {T} | {'tree' if tree else 'causal'} | {1e3 * t:.1f} | {t / one:.2f} |")
-    print(f"| prefill of {args.context} | causal | {1e3 * best_prefill:.1f} | "
-          f"{best_prefill / one:.2f} |")
+                prefill()
+                best[mode, "prefill"] = min(best[mode, "prefill"], time.perf_counter() - t0)
+                for s in shapes:
+                    t0 = time.perf_counter()
+                    for _ in range(10):
+                        forward(*s)
+                    best[mode, s] = min(best[mode, s], (time.perf_counter() - t0) / 10)
+    for mode in modes:
+        one = best[mode, (1, False)] if (1, False) in shapes else min(
+            t for (m, _), t in best.items() if m == mode)
+        print(f"weights {'packed' if mode else 'unpacked'}:")
+        print("| rows | mask | ms per forward | one-row forwards |")
+        print("|---|---|---|---|")
+        for s in shapes + ["prefill"]:
+            t = best[mode, s]
+            name = f"prefill of {args.context} | causal" if s == "prefill" else \
+                f"{s[0]} | {'tree' if s[1] else 'causal'}"
+            print(f"| {name} | {1e3 * t:.1f} | {t / one:.2f} |")
 
 
 if __name__ == "__main__":
