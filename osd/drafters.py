@@ -415,7 +415,9 @@ class EagleDrafter(ModelDrafter):
     target features the verify forward produced just before each of them, so that
     ``lens + pending = target lens``. In the chain loop the draft feeds back its own
     predicted feature. The verify forward's features replace the predicted ones at the next
-    step, so drafting errors never accumulate across steps. The chain loop runs eagerly
+    step, so drafting errors never accumulate across steps. Trees (static or dynamic) feed
+    every node the feature predicted at its parent, with the tree's ancestor mask; after
+    a tree step the features arrive along the accepted path. The draft loop runs eagerly
     (no CUDA graph).
     """
 
@@ -427,15 +429,31 @@ class EagleDrafter(ModelDrafter):
                                          model.config.hidden_size, dtype=model.dtype,
                                          device=self.device)
         self._feat: torch.Tensor | None = None    # [B, 1, H] the last predicted feature
+        self._tree_feat: torch.Tensor | None = None  # [B, n, H] per tree node (trees only)
 
     def use_graphs(self, graphs: StepGraphs | None) -> None:
         self.graphs = None
 
-    def propose(self, active, roots, params, seed, offset, *, k: int = 0, tree=None,
-                stopper=None):
-        if tree is not None:
-            raise ValueError("an EAGLE draft proposes chains, not trees")
-        return self.propose_chain(len(active), k, params, seed, offset, stopper)
+    def propose_tree(self, B: int, tree, root_tokens: torch.Tensor) -> TreeProposal:
+        logits = self._root(B)
+        self._tree_feat = self._feat       # [B, n, H]: the feature predicted at node j < n
+        if isinstance(tree, StaticTree):
+            return self._static_tree(B, tree, root_tokens, logits)
+        return self._dynamic_tree(B, tree, root_tokens, logits)
+
+    def _forward_nodes(self, tokens, parents, depths, upto: int, at: torch.Tensor):
+        """As :meth:`ModelDrafter._forward_nodes`, each node reading the feature predicted
+        at its parent (parents come before their children, so every parent ``< upto - 1``
+        was fed by the level before); the features of nodes ``1..upto-1`` are kept."""
+        par = parents[:, 1:upto].long()
+        H = self._tree_feat.shape[-1]
+        feats = self._tree_feat.gather(1, par[..., None].expand(-1, -1, H))
+        mask = _mask_with_roots(parents[:, 1:upto] - 1)
+        logits, g = self.model(tokens[:, 1:upto], self.cache, tree_mask=mask,
+                               depths=depths[:, 1:upto] - 1, features=feats,
+                               logits_index=at - 1, return_hidden=True)
+        self._tree_feat = torch.cat([self._tree_feat[:, :1], g], 1)
+        return logits
 
     @staticmethod
     def _need(hidden):

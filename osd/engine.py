@@ -152,15 +152,11 @@ class Engine:
         masters = drafts if online is not None and quantize_draft is not None \
             else [None] * len(drafts)      # the float drafts of quantized serving copies
         drafts = serving_drafts(drafts, quantize_draft, model.device, online is not None)
-        if any(isinstance(d, EagleLM) for d in drafts):
-            if spec is not None and spec.tree is not None:
-                raise ValueError("an EAGLE draft proposes chains: SpecConfig(tree=...) "
-                                 "needs a standalone draft")
-            for i, d in enumerate(drafts):
-                if isinstance(d, EagleLM) and d.embed_tokens.weight is not model.embed_tokens.weight:
-                    raise ValueError(f"EAGLE draft {i} was not built for this target (it "
-                                     f"must share the target's embedding: "
-                                     f"EagleLM.from_target(target) or load_eagle(path, target))")
+        for i, d in enumerate(drafts):
+            if isinstance(d, EagleLM) and d.embed_tokens.weight is not model.embed_tokens.weight:
+                raise ValueError(f"EAGLE draft {i} was not built for this target (it must "
+                                 f"share the target's embedding: "
+                                 f"EagleLM.from_target(target) or load_eagle(path, target))")
         if pack_weights:
             model.pack_weights()
         self.model = model

@@ -176,7 +176,8 @@ class Verdict:
     path: torch.Tensor | None          # tree: [B, D + 1] accepted node per depth
     params: BatchParams
     hidden: torch.Tensor | None = None  # [B, T, H] the target's verify features (a drafter
-    #                                     that needs_hidden), else None
+    #                                     that needs_hidden; a tree: [B, D + 1, H] along the
+    #                                     accepted path), else None
 
 
 class Speculator:
@@ -263,6 +264,8 @@ class Speculator:
         logits, hidden = self._verify(prop)                  # [B, T, V], [B, T, H] or None
         clock.append(time.perf_counter())
         out, n, path = self._sample(logits, prop, sampling)
+        if path is not None and hidden is not None:   # the features along the accepted path
+            hidden = hidden.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1]))
         clock.append(time.perf_counter())
         keep = (n + 1).to(torch.int32)
         if path is not None:

@@ -18,6 +18,11 @@ from tests.test_speculative import (V_SMALL, _small_pair, assert_joint_follows_t
                                     prompts_of)
 
 
+# Draft trees: a chain of three with siblings at the first two depths; a dynamic one.
+TREES = {"tree": [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)],
+         "dynamic-tree": osd.DynamicTree(topk=2, depth=3, max_nodes=5)}
+
+
 def _eagle(target, seed: int, head_ids=None, std: float = 0.3) -> EagleLM:
     draft = EagleLM.from_target(target, num_layers=1, head_ids=head_ids)
     draft.init_draft(std=std, generator=torch.Generator().manual_seed(seed))
@@ -111,7 +116,8 @@ def _spy_roots(eng):
     return seen
 
 
-@pytest.mark.parametrize("case", ["chain", "staged", "refill", "prefix", "prefix-staged"])
+@pytest.mark.parametrize("case", ["chain", "staged", "refill", "prefix", "prefix-staged",
+                                  "tree", "dynamic-tree"])
 def test_root_distribution_equals_a_teacher_forced_forward(target, trained, case):
     """At every step the draft's distribution at the root equals the EAGLE forward over the
     committed sequence with the target's features: the drafter's cache and pending pairs
@@ -122,14 +128,17 @@ def test_root_distribution_equals_a_teacher_forced_forward(target, trained, case
     if case in ("staged", "prefix-staged"):
         kw["prefill_chunk"] = 8            # prompts of 20-40 tokens are staged piece by piece
     lengths = {"chain": [5, 1, 9], "staged": [23, 40, 6], "refill": [7, 3, 12, 5, 9],
-               "prefix": [40, 7, 3], "prefix-staged": [40, 7, 3]}[case]
-    prompts = prompts_of(lengths, seed=5)
+               "prefix": [40, 7, 3], "prefix-staged": [40, 7, 3], "tree": [6, 9, 4, 11],
+               "dynamic-tree": [6, 9, 4, 11]}[case]
+    # Trees: the prompts the draft trained on, so that paths through siblings are accepted.
+    prompts = prompts_of(lengths, seed=1 if "tree" in case else 5)
     if case.startswith("prefix"):
         kw.update(max_batch_size=1, prefix_cache=1024)
         base = prompts[0]
         prompts += [base[:33] + prompts[1], base + prompts[2], base[:20] + prompts[1][:4],
                     base[:36]]
-    eng = osd.Engine(target, draft=[trained], spec=osd.SpecConfig(num_draft_tokens=3), **kw)
+    spec = osd.SpecConfig(num_draft_tokens=3, tree=TREES.get(case))
+    eng = osd.Engine(target, draft=[trained], spec=spec, **kw)
     seen = _spy_roots(eng)
     eng.generate(prompts, osd.SamplingParams(12))
     if case.startswith("prefix"):
@@ -153,8 +162,12 @@ def test_root_distribution_equals_a_teacher_forced_forward(target, trained, case
 
 @pytest.mark.parametrize("spec", [dict(num_draft_tokens=4), dict(num_draft_tokens=3,
                                                                  prompt_lookup=True),
-                                  dict(num_draft_tokens=4, adaptive=True)],
-                         ids=["chain", "lookup", "adaptive"])
+                                  dict(num_draft_tokens=4, adaptive=True),
+                                  dict(tree=TREES["tree"]), dict(tree=TREES["dynamic-tree"]),
+                                  dict(num_draft_tokens=4, prompt_lookup=True,
+                                       tree=TREES["tree"])],
+                         ids=["chain", "lookup", "adaptive", "tree", "dynamic-tree",
+                              "lookup-tree"])
 def test_greedy_equals_plain(target, trained, spec):
     prompts = prompts_of([5, 12, 1, 8, 30], seed=6)
     prompts[0] = prompts[0] * 3
@@ -180,16 +193,17 @@ def test_trained_draft_is_accepted_more_than_an_untrained_one(target, trained):
     assert rates[1] > rates[0] + 0.1
 
 
-def test_sampled_joint_follows_target():
-    """First three tokens of 50,000 requests with a restricted-head EAGLE draft: chi-square
-    p > 1e-3 against the warped target's exact joint."""
+@pytest.mark.parametrize("tree", [None, [(0,), (1,), (0, 0)]], ids=["chain", "tree"])
+def test_sampled_joint_follows_target(tree):
+    """First three tokens of 50,000 requests with a restricted-head EAGLE draft, drafting a
+    chain or a tree: chi-square p > 1e-3 against the warped target's exact joint."""
     hf_target, _ = _small_pair()
     target = load_model(hf_target)
     head = torch.randperm(V_SMALL, generator=torch.Generator().manual_seed(9))[:11]
     draft = _eagle(target, seed=10, head_ids=head, std=0.3)
     prompt = [3, 1, 4, 1]
     sp = osd.SamplingParams(3, seed=99, temperature=0.8, top_k=0, top_p=0.95)
-    eng = osd.Engine(target, draft=[draft], spec=osd.SpecConfig(num_draft_tokens=2),
+    eng = osd.Engine(target, draft=[draft], spec=osd.SpecConfig(num_draft_tokens=2, tree=tree),
                      max_batch_size=4096, max_seq_len=16)
     assert_joint_follows_target(eng, hf_target, prompt, sp)
 
@@ -264,9 +278,6 @@ def test_bad_uses_fail_clearly(tmp_path, target, trained):
     other = load_model(tiny_hf_model("llama", seed=32))
     with pytest.raises(ValueError, match="not built for this target"):
         osd.Engine(other, draft=[trained])
-    with pytest.raises(ValueError, match="proposes chains"):
-        osd.Engine(target, draft=[trained],
-                   spec=osd.SpecConfig(tree=osd.DynamicTree(topk=2, depth=2, max_nodes=4)))
     save_eagle(trained, tmp_path / "eagle")
     with pytest.raises(ValueError, match="built for hidden_size"):
         load_eagle(tmp_path / "eagle", load_model(_small_pair()[0]))
@@ -274,3 +285,17 @@ def test_bad_uses_fail_clearly(tmp_path, target, trained):
         load_eagle(tmp_path / "nowhere", target)
     with pytest.raises(ValueError, match="draft must be one of"):
         DemoConfig(pair="builtin", draft="eagle")
+
+
+def test_a_chain_shaped_tree_drafts_what_the_chain_drafts(target, trained):
+    """Greedy, a static tree that is a chain (every node fed its parent's predicted feature
+    through the tree forward) accepts exactly what the chain loop does, step by step."""
+    prompts = prompts_of([5, 12, 8, 30], seed=16)
+    stats = []
+    for spec in (osd.SpecConfig(num_draft_tokens=3),
+                 osd.SpecConfig(tree=[(0,), (0, 0), (0, 0, 0)])):
+        eng = osd.Engine(target, draft=[trained], spec=spec, max_batch_size=2, max_seq_len=96)
+        outs = eng.generate(prompts, osd.SamplingParams(20))
+        stats.append(([o.token_ids for o in outs], eng.stats["accepted"], eng.stats["drafted"]))
+    assert stats[0] == stats[1]
+    assert stats[0][1] > 0
