@@ -99,9 +99,10 @@ class QuantLinear(nn.Module):
 
 
 def _linear_slots(model) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """``(owner, attribute, layer)`` of every linear layer a forward reads: each decoder
-    layer's four fused projections and the output head."""
-    slots = []
+    """``(owner, attribute, layer)`` of every linear layer a forward reads: an EAGLE
+    draft's input projection, each decoder layer's four fused projections and the output
+    head."""
+    slots = [(model, "fc", model.fc)] if isinstance(getattr(model, "fc", None), nn.Linear) else []
     for layer in model.layers:
         for name in ("wqkv", "wo", "w_gate_up", "w_down"):
             slots.append((layer, name, getattr(layer, name)))
