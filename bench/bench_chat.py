@@ -7,7 +7,7 @@ the draft never trained on), up to ``NEW_TOKENS`` new tokens each. Providers:
 - ``transformers-assisted``: ``generate(assistant_model=draft)`` with ``K`` draft tokens,
   the constant schedule (the same drafts and verdicts as ``osd-spec``);
 - ``osd-plain``; ``osd-spec`` (static draft, chain of ``K``); ``osd-spec-lookup`` (prompt
-  lookup first, the draft model otherwise);
+  lookup first, the draft model otherwise; the EAGLE rows below look up 2+-token matches);
 - ``osd-online``: ``osd-spec`` with the draft after online distillation on ``WARMUP``
   other HumanEval requests (background learner), frozen for the timed rounds;
 - ``osd-eagle``, ``osd-eagle-lookup``, ``osd-eagle-online``: the same three with the EAGLE
@@ -52,7 +52,7 @@ PROVIDERS = ["transformers", "transformers-assisted", "osd-plain", "osd-spec",
              "osd-eagle-lookup-q8", "osd-eagle-online", "osd-quant-plain", "osd-quant-spec-lookup",
              "osd-quant-eagle-lookup", "llama.cpp"]
 # The speculative shapes of the quantized-target rows (scripts/chat_spec_shapes.py
-# --quantized measured these as the fastest of their drafts, docs/benchmarks.md).
+# --quantized measured these as the fastest of their drafts, docs/benchmarks_chat.md).
 QUANT_SPECS = {"osd-quant-spec-lookup": dict(num_draft_tokens=K, prompt_lookup=True),
                "osd-quant-eagle-lookup": dict(num_draft_tokens=3, prompt_lookup=True,
                                               ngram_min=2)}
@@ -140,8 +140,10 @@ def _engine(setup, provider):
         return osd.Engine.from_pretrained(
             setup["target"], draft=_draft_of(setup, provider), max_batch_size=1,
             max_seq_len=1024, quantized=True, spec=osd.SpecConfig(**QUANT_SPECS[provider]))
-    spec = osd.SpecConfig(num_draft_tokens=K,
-                          prompt_lookup=provider.endswith(("-lookup", "-lookup-q8")))
+    lookup = provider.endswith(("-lookup", "-lookup-q8"))
+    # The EAGLE draft drafts better than a 1-token match predicts: lookup on 2+-token matches.
+    spec = osd.SpecConfig(num_draft_tokens=K, prompt_lookup=lookup,
+                          ngram_min=2 if lookup and provider.startswith("osd-eagle") else 1)
     draft = _draft_of(setup, provider)
     if not provider.endswith("-online"):
         return osd.Engine.from_pretrained(setup["target"], draft=draft, spec=spec,

@@ -13,7 +13,9 @@ is asserted equal to plain greedy decoding.
 ``--eagle-ks K ...`` also runs the EAGLE draft (``osd/zoo/weights/chat_eagle``, or each
 of ``--eagle DIR ...`` side by side) in chains of each K, without prompt lookup and with
 lookup in front for each shortest match of ``--eagle-ngram-mins`` (default 1, as
-``SpecConfig``).
+``SpecConfig``); ``--eagle-trees NAME ...`` adds those rows with the draft model's chain
+replaced by one of ``EAGLE_TREES`` (lookup chains stay of length K). ``--seed`` picks
+other prompts.
 """
 from __future__ import annotations
 
@@ -41,6 +43,14 @@ SHAPES = {
     "static tree, 8 nodes, lookup": dict(num_draft_tokens=4, prompt_lookup=True, tree=STATIC),
     "dynamic tree, lookup": dict(num_draft_tokens=4, prompt_lookup=True, tree=DYNAMIC),
 }
+# Trees for the EAGLE draft that fit the verify forward's six-row pass of the packed
+# decode kernel (at most five drafts), or just past it.
+EAGLE_TREES = {
+    "tree 3+2": [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)],
+    "tree 4+1": [(0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],
+    "dynamic 2x4, 5 nodes": osd.DynamicTree(topk=2, depth=4, max_nodes=5),
+    "dynamic 2x4, 8 nodes": osd.DynamicTree(topk=2, depth=4, max_nodes=8),
+}
 # Shapes also run with the draft's full 49,152-row head (head_vocab.json ignored).
 FULL_HEAD = {"chain k=4, lookup", "chain k=4"}
 
@@ -58,6 +68,9 @@ def main() -> None:
                         help="chain lengths to run the EAGLE draft with (none by default)")
     parser.add_argument("--eagle-ngram-mins", type=int, nargs="*", default=[1],
                         help="shortest prompt-lookup matches to run the EAGLE chains with")
+    parser.add_argument("--eagle-trees", nargs="*", default=[], choices=list(EAGLE_TREES),
+                        help="also run the EAGLE rows with these trees in place of the chain")
+    parser.add_argument("--seed", type=int, default=11, help="which HumanEval prompts")
     parser.add_argument("--eagle", nargs="+", default=[zoo_chat.EAGLE_DIR],
                         help="EAGLE draft directories (default the shipped one)")
     parser.add_argument("--quantized", action="store_true",
@@ -71,7 +84,7 @@ def main() -> None:
     plain = osd.Engine.from_pretrained(target, max_batch_size=1, max_seq_len=1024,
                                        quantized=args.quantized)
     prompts = apply_chat_template(plain.tokenizer,
-                                  humaneval.conversations(args.prompts, seed=11))
+                                  humaneval.conversations(args.prompts, seed=args.seed))
     engines = {}
     if args.quantized:
         engines["plain, float32 weights"] = osd.Engine.from_pretrained(
@@ -101,16 +114,19 @@ def main() -> None:
             for n in [0] + args.eagle_ngram_mins:
                 name = f"{label} chain k={k}" + ("" if n == 0 else ", lookup" if n == 1
                                                  else f", lookup n>={n}")
-                spec = osd.SpecConfig(num_draft_tokens=k, prompt_lookup=n > 0,
-                                      ngram_min=max(n, 1), ngram_max=max(n, 3))
-                engines[name] = osd.Engine(plain.model, draft=[eagle], max_batch_size=1,
-                                           max_seq_len=1024, spec=spec)
-                if args.quantize_eagle:
-                    small = osd.models.quantize_linears(osd.load_eagle(path, plain.model),
-                                                        args.quantize_eagle)
-                    engines[f"{name}, draft {args.quantize_eagle}"] = osd.Engine(
-                        plain.model, draft=[small], max_batch_size=1, max_seq_len=1024,
-                        spec=spec)
+                for tree in [None, *args.eagle_trees]:
+                    row = name if tree is None else f"{name}, {tree}"
+                    spec = osd.SpecConfig(num_draft_tokens=k, prompt_lookup=n > 0,
+                                          ngram_min=max(n, 1), ngram_max=max(n, 3),
+                                          tree=None if tree is None else EAGLE_TREES[tree])
+                    engines[row] = osd.Engine(plain.model, draft=[eagle], max_batch_size=1,
+                                              max_seq_len=1024, spec=spec)
+                    if args.quantize_eagle:
+                        small = osd.models.quantize_linears(osd.load_eagle(path, plain.model),
+                                                            args.quantize_eagle)
+                        engines[f"{row}, draft {args.quantize_eagle}"] = osd.Engine(
+                            plain.model, draft=[small], max_batch_size=1, max_seq_len=1024,
+                            spec=spec)
     params = osd.SamplingParams(max_new_tokens=args.new_tokens)
     seconds = dict.fromkeys(["plain", *engines], 0.0)
     tokens = dict.fromkeys(seconds, 0)
