@@ -429,17 +429,11 @@ class EagleDrafter(ModelDrafter):
                                          model.config.hidden_size, dtype=model.dtype,
                                          device=self.device)
         self._feat: torch.Tensor | None = None    # [B, 1, H] the last predicted feature
-        self._tree_feat: torch.Tensor | None = None  # [B, n, H] per tree node (trees only)
+        # [B, n, H] the feature predicted at tree node j < n (the root's after _root)
+        self._tree_feat: torch.Tensor | None = None
 
     def use_graphs(self, graphs: StepGraphs | None) -> None:
         self.graphs = None
-
-    def propose_tree(self, B: int, tree, root_tokens: torch.Tensor) -> TreeProposal:
-        logits = self._root(B)
-        self._tree_feat = self._feat       # [B, n, H]: the feature predicted at node j < n
-        if isinstance(tree, StaticTree):
-            return self._static_tree(B, tree, root_tokens, logits)
-        return self._dynamic_tree(B, tree, root_tokens, logits)
 
     def _forward_nodes(self, tokens, parents, depths, upto: int, at: torch.Tensor):
         """As :meth:`ModelDrafter._forward_nodes`, each node reading the feature predicted
@@ -510,6 +504,7 @@ class EagleDrafter(ModelDrafter):
                                return_hidden=True)
         self.cache.commit(self._pending_len[:B].to(torch.int32), P)
         self._feat = g.gather(1, last[:, None, None].expand(-1, 1, g.shape[-1]))
+        self._tree_feat = self._feat    # a tree's nodes extend it level by level
         return logits[:, 0]
 
     def _advance(self, x: torch.Tensor, B: int) -> torch.Tensor:
