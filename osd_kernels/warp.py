@@ -58,14 +58,54 @@ def warp_probs(logits: torch.Tensor, temperature=None, top_k=None, top_p=None) -
     p = _per_row(top_p, n, 1.0, x.device, torch.float32)
     use_p = bool((p < 1).any()) if torch.is_tensor(top_p) else top_p is not None and top_p < 1
     if use_p:
-        sorted_p, _ = torch.sort(probs, dim=-1, descending=True)
-        # mass strictly above each sorted value: cumsum minus the mass of all its ties
-        csum = torch.cumsum(sorted_p, dim=-1)
-        # for value probs[x], mass strictly greater = csum at the last index with value > probs[x]
-        idx = torch.searchsorted(-sorted_p.contiguous(), -probs.contiguous(), right=False)
-        above = torch.where(idx > 0, csum.gather(1, (idx - 1).clamp(min=0)),
-                            torch.zeros_like(probs))
-        keep = (above < p[:, None]) | (p[:, None] >= 1)
+        keep = _top_p_keep_candidates(probs, p) if probs.device.type == "cpu" else None
+        if keep is None:
+            keep = _top_p_keep_sorted(probs, p)
         probs = torch.where(keep, probs, torch.zeros_like(probs))
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def _top_p_keep_sorted(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The top-p rule on the whole sorted distribution: ``[N, V]`` bool, token x kept iff
+    the mass strictly above it is < ``p`` (or ``p >= 1``). Sync-free (CUDA graphs)."""
+    sorted_p, _ = torch.sort(probs, dim=-1, descending=True)
+    # mass strictly above each sorted value: cumsum minus the mass of all its ties
+    csum = torch.cumsum(sorted_p, dim=-1)
+    # for value probs[x], mass strictly greater = csum at the last index with value > probs[x]
+    idx = torch.searchsorted(-sorted_p.contiguous(), -probs.contiguous(), right=False)
+    above = torch.where(idx > 0, csum.gather(1, (idx - 1).clamp(min=0)),
+                        torch.zeros_like(probs))
+    return (above < p[:, None]) | (p[:, None] >= 1)
+
+
+# Candidate counts tried by the CPU top-p path before it sorts the whole row.
+TOP_P_CANDIDATES = (64, 1024)
+
+
+def _top_p_keep_candidates(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor | None:
+    """The same set as :func:`_top_p_keep_sorted` from the ``m`` largest probabilities
+    only, or None when no tried ``m`` holds mass ``p`` in some row (one host sync per try,
+    so CPU only).
+
+    The kept set is an upper set: every token at least as likely as the least likely kept
+    one. Its members are among the ``m`` largest once their cumulative mass reaches ``p``:
+    a token below all of them has at least that mass strictly above it. The prefix sums
+    of the ``m`` largest are the first ``m`` of the whole sorted row's, so the decisions
+    are identical to the full sort's.
+    """
+    n, v = probs.shape
+    for m in TOP_P_CANDIDATES:
+        m = min(m, v)
+        vals = torch.topk(probs, m, dim=-1).values                      # [N, m] descending
+        csum = torch.cumsum(vals, dim=-1)
+        if m < v and not bool(((csum[:, -1] >= p) | (p >= 1)).all()):
+            continue
+        idx = torch.searchsorted(-vals, -vals, right=False)             # count strictly above
+        above = torch.where(idx > 0, csum.gather(1, (idx - 1).clamp(min=0)),
+                            torch.zeros_like(vals))
+        kept = above < p[:, None]
+        inf = torch.full_like(vals, float("inf"))
+        floor = torch.where(kept, vals, inf).amin(-1)                   # least likely kept
+        return (probs >= floor[:, None]) | (p[:, None] >= 1)
+    return None

@@ -48,11 +48,24 @@ def test_streams_and_offsets_differ():
 
 
 @pytest.mark.skipif(not native_available(), reason="osd_kernels._C is not built")
-def test_cpp_matches_torch():
-    n = 1031
+@pytest.mark.parametrize("n", [0, 1, 3, 1031, 49155])
+def test_cpp_matches_torch(n):
     out = torch.ops.osd.philox_uniform(SEEDS, OFFSETS, 9, n)
     ref = P.philox_uniform(SEEDS[:, None], OFFSETS[:, None], 9, torch.arange(n)[None])
     assert torch.equal(out, ref)
+    assert torch.equal(out, P.philox_uniform_rows(SEEDS, OFFSETS, 9, n))
+
+
+@pytest.mark.skipif(not native_available(), reason="osd_kernels._C is not built")
+def test_draft_sampler_noise_is_the_same_on_every_path(monkeypatch):
+    """``sample_draft`` takes its CPU noise from the C++ generator: the same tokens as the
+    PyTorch generator's."""
+    from osd import drafters
+
+    q = torch.softmax(torch.randn(SEEDS.shape[0], 1001, generator=torch.Generator().manual_seed(3)), -1)
+    fast = drafters.sample_draft(q, SEEDS, OFFSETS, 2)
+    monkeypatch.setattr(drafters, "native_available", lambda: False)
+    assert torch.equal(fast, drafters.sample_draft(q, SEEDS, OFFSETS, 2))
 
 
 @triton.jit

@@ -420,3 +420,37 @@ def test_first_token_follows_warped_target_every_backend(device, backend, V, n, 
         ex = torch.cat([ex, exp[small].sum(0, keepdim=True)])
     stat = chisquare(obs.numpy(), ex.numpy() * float(obs.sum() / ex.sum()))
     assert stat.pvalue > 1e-3, stat
+
+
+def test_top_p_from_candidates_equals_the_full_sort():
+    """On the CPU ``warp_probs`` decides top-p from the largest probabilities only; its
+    kept set equals the whole sorted row's, ties and exact-cumsum thresholds included,
+    and rows no candidate count covers fall back to the sort."""
+    from osd_kernels import warp
+
+    g = torch.Generator().manual_seed(11)
+    fallbacks = 0
+    for trial in range(240):
+        n = int(torch.randint(1, 6, (1,), generator=g))
+        v = int(torch.randint(2, 2500, (1,), generator=g))
+        x = torch.randn(n, v, generator=g) * float(torch.rand(1, generator=g)) * 8
+        if trial % 3 == 0:
+            x = (x * 2).round() / 2                       # ties everywhere
+        if trial % 7 == 0:
+            x[:, : v // 2] = x[:, :1]                     # one large tie group
+        probs = torch.softmax(x, -1)
+        p = torch.rand(n, generator=g).clamp(min=1e-3)
+        if trial % 4 == 1:                                # p exactly at a prefix sum
+            csum = torch.sort(probs, -1, descending=True).values.cumsum(-1)
+            p = csum[torch.arange(n), torch.randint(0, v, (n,), generator=g)].clamp(max=1.0)
+        if trial % 5 == 0:
+            p[0] = 1.0
+        fast = warp._top_p_keep_candidates(probs, p)
+        if fast is None:
+            fallbacks += 1
+            continue
+        assert torch.equal(fast, warp._top_p_keep_sorted(probs, p)), trial
+    assert 0 < fallbacks < 120
+    flat = torch.zeros(2, 5000)
+    assert warp._top_p_keep_candidates(torch.softmax(flat, -1), torch.tensor([0.9, 0.5])) is None
+    assert torch.allclose(warp_probs(flat, 1.0, None, 0.9), torch.full((2, 5000), 1 / 5000))

@@ -1,6 +1,8 @@
 // philox_uniform: the C++ side of the shared counter-based generator (kernels/philox.h),
-// exposed so tests can compare it word for word with the PyTorch and Triton versions.
+// exposed so tests can compare it word for word with the PyTorch and Triton versions, and
+// the draft's sampling noise on the CPU (osd.drafters.sample_draft).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "checks.h"
@@ -24,12 +26,19 @@ at::Tensor philox_uniform_cpu_op(const at::Tensor& seed, const at::Tensor& offse
   const int64_t* sp = s.data_ptr<int64_t>();
   const int64_t* op = o.data_ptr<int64_t>();
   float* outp = out.data_ptr<float>();
-  for (int64_t b = 0; b < seed.size(0); ++b) {
-    for (int64_t i = 0; i < num; ++i) {
-      outp[b * num + i] = philox_uniform(static_cast<uint64_t>(sp[b]), static_cast<uint64_t>(op[b]),
-                                         static_cast<uint32_t>(stream), static_cast<uint32_t>(i));
+  // One Philox block yields the words of four consecutive indices.
+  const int64_t blocks = (num + 3) / 4;
+  at::parallel_for(0, seed.size(0) * blocks, 2048, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / blocks, block = i % blocks;
+      const Philox4 w = philox_block(static_cast<uint64_t>(sp[b]), static_cast<uint64_t>(op[b]),
+                                     static_cast<uint32_t>(stream), static_cast<uint32_t>(block));
+      float* row = outp + b * num;
+      for (int64_t j = 0; j < 4 && block * 4 + j < num; ++j) {
+        row[block * 4 + j] = philox_to_uniform(w.x[j]);
+      }
     }
-  }
+  });
   return out;
 }
 
