@@ -78,7 +78,9 @@ class ChainProposal:
     logits: torch.Tensor | None         # [B, k, V] raw draft logits (statistics)
     num_drafted: torch.Tensor | None    # [B] int32, None = k for every row
     max_drafted: int                    # host-side max of num_drafted (k if None)
-    source: str = "model"               # "model" (draft model) or "lookup" (prompt lookup)
+    source: str = "model"               # "model" (draft model), "lookup" (prompt lookup for
+    #                                     every row) or "mixed" (lookup where a row matched)
+    lookup_rows: list[bool] | None = None  # "mixed": the rows whose drafts are lookup's
 
 
 @dataclass
@@ -573,20 +575,24 @@ class NGramDrafter:
             raise ValueError("prompt lookup drafts chains, not trees")
         return self.propose_chain([r.prompt + r.generated for r in active], k, roots.device)
 
-    def propose_chain(self, histories: list[list[int]], k: int, device,
-                      every_row: bool = False) -> ChainProposal | None:
-        """Up to ``k`` drafts per row from ``histories`` (each row's prompt + output).
-        ``every_row``: return None unless every row has a match."""
-        B = len(histories)
+    def propose_chain(self, histories: list[list[int]], k: int, device) -> ChainProposal:
+        """Up to ``k`` drafts per row from ``histories`` (each row's prompt + output)."""
+        return self.chain(self.continuations(histories, k), k, device)
+
+    def continuations(self, histories: list[list[int]], k: int) -> list[list[int]]:
+        """Each row's lookup continuation (up to ``k`` tokens; [] without a match)."""
+        return [self.lookup(hist, k) for hist in histories]
+
+    @staticmethod
+    def chain(conts: list[list[int]], k: int, device) -> ChainProposal:
+        """The lookup chain of continuations ``conts`` (one list per row)."""
+        B = len(conts)
         tokens = torch.zeros(B, k, dtype=torch.int64)
         num = torch.zeros(B, dtype=torch.int32)
-        for b, hist in enumerate(histories):
-            cont = self.lookup(hist, k)
-            if every_row and not cont:
-                return None
+        for b, cont in enumerate(conts):
             tokens[b, :len(cont)] = torch.tensor(cont, dtype=torch.int64)
             num[b] = len(cont)
-        max_drafted = int(num.max())
+        max_drafted = int(num.max()) if B else 0
         return ChainProposal(tokens[:, :max_drafted].to(device), None, None, num.to(device),
                              max_drafted, source="lookup")
 
@@ -613,8 +619,12 @@ class NGramDrafter:
 
 class LookupDrafter:
     """Prompt lookup in front of a :class:`ModelDrafter`: when every row's context has a
-    match, its continuation is the chain (no draft forward); otherwise the model drafts.
-    The model's cache catches up on the tokens accepted meanwhile (:meth:`ModelDrafter.queue`).
+    match, its continuation is the chain (no draft forward); otherwise the model drafts,
+    and in a chain step the rows that have a match still verify their lookup
+    continuation in place of the model's drafts (a one-hot q when sampling). The model's
+    cache catches up on the tokens accepted meanwhile (:meth:`ModelDrafter.queue`); after
+    a model step every row's cache keeps its pre-step tokens and queues what was
+    accepted (:meth:`ModelDrafter.set_pending`), whichever drafts a row verified.
     """
 
     has_model = True
@@ -646,12 +656,15 @@ class LookupDrafter:
 
     def propose(self, active, roots, params, seed, offset, *, k: int = 0, tree=None,
                 stopper=None):
-        prop = self.lookup.propose_chain([r.prompt + r.generated for r in active], k,
-                                         roots.device, every_row=True)
-        self._looked_up = prop is not None
-        if prop is None:
-            prop = self.inner.propose(active, roots, params, seed, offset, k=k, tree=tree,
-                                      stopper=stopper)
+        conts = self.lookup.continuations([r.prompt + r.generated for r in active], k)
+        self._looked_up = all(conts)
+        if self._looked_up:
+            return self.lookup.chain(conts, k, roots.device)
+        prop = self.inner.propose(active, roots, params, seed, offset, k=k, tree=tree,
+                                  stopper=stopper)
+        # A stopper calibrates on the model's own drafts: its steps stay the model's.
+        if tree is None and stopper is None and any(conts):
+            prop = overlay_lookup(prop, conts)
         return prop
 
     def after_verify(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
@@ -664,3 +677,30 @@ class LookupDrafter:
     def catch_up(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
                  hidden=None) -> None:
         self.inner.catch_up(B, tokens, lengths, max_len, hidden)
+
+
+def overlay_lookup(prop: ChainProposal, conts: list[list[int]]) -> ChainProposal:
+    """The model's chain ``prop`` with each row that has a lookup continuation in
+    ``conts`` drafting that instead (cut to the chain's width). Sampling proposals get a
+    one-hot q on those rows, which the verifier treats as it treats lookup drafts."""
+    B, width = prop.tokens.shape
+    if width == 0:
+        return prop
+    device = prop.tokens.device
+    tokens = prop.tokens.clone()
+    num = (torch.full((B,), width, dtype=torch.int32, device=device)
+           if prop.num_drafted is None else prop.num_drafted.clone())
+    probs = None if prop.probs is None else prop.probs.clone()
+    rows = [bool(c) for c in conts]
+    for b, cont in enumerate(conts):
+        if not cont:
+            continue
+        cont = torch.tensor(cont[:width], dtype=torch.int64, device=device)
+        n = cont.numel()
+        tokens[b, :n] = cont
+        num[b] = n
+        if probs is not None:
+            probs[b, :n] = 0
+            probs[b, torch.arange(n, device=device), cont] = 1
+    return ChainProposal(tokens, probs, prop.logits, num, width, source="mixed",
+                         lookup_rows=rows)

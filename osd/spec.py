@@ -42,8 +42,10 @@ class SpecConfig:
     does; when every row of the step has a match, those continuations (up to
     ``num_draft_tokens``) are the drafts, verified as a chain, and the draft model does not
     run (its cache catches up on the next step it drafts). Otherwise the draft model
-    drafts every row: a chain, or the ``tree`` when one is set. Lookup is nearly free and, where text
-    repeats (code, edits, retrieval), long and accurate; the draft model covers the rest.
+    drafts: a chain, in which the rows that do have a match verify their continuation
+    instead (unless ``adaptive``), or the ``tree`` when one is set. Lookup is nearly free
+    and, where text repeats (code, edits, retrieval), long and accurate; the draft model
+    covers the rest.
 
     ``lookup_history=n`` (with ``prompt_lookup`` or the ``"ngram"`` drafter) also looks the
     suffix up in the newest ``n`` tokens of the engine's finished requests (their outputs,

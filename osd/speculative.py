@@ -354,7 +354,9 @@ class Speculator:
     def _observe(self, v: Verdict) -> None:
         """Statistics of a verdict: per request and per speculator, the adaptive
         stopper's calibration, and exact α where the draft model drafted a chain."""
-        lookup = getattr(v.proposal, "source", "model") == "lookup"
+        source = getattr(v.proposal, "source", "model")
+        lookup = source == "lookup"
+        rows = v.proposal.lookup_rows if source == "mixed" else None
         if self.stopper is not None:
             self.stopper.observe(v.drafted, v.accepted)
         if (self.spec.exact_alpha and isinstance(v.proposal, ChainProposal)
@@ -364,12 +366,13 @@ class Speculator:
             r.spec_steps += 1
             r.spec_stats.add_step([v.drafted[b]], [min(v.accepted[b], v.emitted[b])],
                                   v.emitted[b])
-            r.spec_stats.lookup_steps += lookup
+            r.spec_stats.lookup_steps += lookup or (rows is not None and rows[b])
         self.stats.add_step(v.drafted, v.accepted, sum(v.emitted))
         self.stats.lookup_steps += lookup
 
     def _alpha(self, v: Verdict) -> None:
-        """Exact 1 - TV(p, q) at every drafted position (statistics only)."""
+        """Exact 1 - TV(p, q) at every position the draft model drafted (statistics only;
+        the rows of a mixed step that verified lookup drafts are left out)."""
         prop, params = v.proposal, v.params
         K = prop.tokens.shape[1]
         p_logits = v.logits[:, :K].reshape(-1, v.logits.shape[-1])
@@ -380,9 +383,10 @@ class Speculator:
             p = warp_probs(p_logits, *params.repeat(K))
             q = prop.probs.reshape(-1, p.shape[-1]).float()
         a = torch.minimum(p, q).sum(-1).view(len(v.active), K).cpu()
+        lookup_rows = prop.lookup_rows or [False] * len(v.active)
         for b, r in enumerate(v.active):
             d = v.drafted[b]
-            if d and r.finish_reason != "error":
+            if d and r.finish_reason != "error" and not lookup_rows[b]:
                 total = float(a[b, :d].sum())
                 r.spec_stats.add_alpha(total, d)
                 self.stats.add_alpha(total, d)

@@ -231,6 +231,9 @@ def test_sampled_joint_follows_target(spec, params, mode):
     assert stat.pvalue > 1e-3, stat
     st = eng.stats
     assert 0 < st["accepted"] < st["drafted"]     # the test exercised accepts and rejects
+    if spec.get("prompt_lookup"):
+        # rows with a match verified lookup drafts beside rows the draft model drafted
+        assert sum(o.stats["lookup_steps"] for o in outs) > 0
 
 
 def test_steps_where_no_row_drafts(llama_pair, plain):
@@ -266,6 +269,35 @@ def test_prompt_lookup_with_a_model_draft(llama_pair, plain):
         assert 1 <= st["mean_accepted_length"] <= 5
     # Perfect draft: the draft model's own steps accept everything (α is over them only).
     assert st["alpha"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_prompt_lookup_rows_beside_model_rows(llama_pair, plain):
+    """In a batch where some rows have a lookup match and others do not, the matched rows
+    verify their lookup continuation while the draft model drafts the rest; the output
+    equals the target's, and the draft's cache stays in step for both kinds of row."""
+    target, draft = llama_pair
+    prompts = [prompts_of([7], seed=81)[0] * 5, list(range(40, 60)), prompts_of([5], seed=85)[0] * 4]
+    ref = plain.generate(prompts, osd.SamplingParams(40))
+    eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(
+        num_draft_tokens=4, prompt_lookup=True, ngram_min=2), max_batch_size=3, max_seq_len=96)
+    sources = []
+
+    class Spy:
+        def before_step(self):
+            pass
+
+        def on_prefill(self, *args):
+            pass
+
+        def on_verdict(self, v):
+            sources.append((v.proposal.source, v.proposal.lookup_rows))
+
+    eng.speculators[0].listeners.append(Spy())
+    outs = eng.generate(prompts, osd.SamplingParams(40))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    mixed = [rows for source, rows in sources if source == "mixed"]
+    assert mixed and all(any(rows) and not all(rows) for rows in mixed)
+    assert outs[0].stats["lookup_steps"] > 0
 
 
 @pytest.mark.parametrize("tree", [[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)],
