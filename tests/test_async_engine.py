@@ -331,3 +331,30 @@ def test_long_prompts_prefill_piece_by_piece_between_decode_steps(pair, online):
         assert g.token_ids == alone[tuple(p)]
     assert len(overlap) >= 3          # at least three pieces while others decoded
     assert stats["running"] == 0
+
+
+def test_prompt_lookup_rows_get_what_they_get_alone(pair):
+    """With prompt lookup in front of the draft, a row verifies its own lookup match
+    whatever the rows beside it do, so staggered requests (repetitive prompts, where
+    lookup matches come and go) still each get exactly what they get alone."""
+    base = prompts_of([6, 9, 4, 7, 5, 8, 3], seed=51)
+    prompts = [p * 3 for p in base]
+    spec = osd.SpecConfig(num_draft_tokens=3, prompt_lookup=True)
+
+    def engine():
+        return osd.Engine.from_pretrained(pair[0], draft=pair[1], spec=spec, max_batch_size=4,
+                                          max_seq_len=MAX_SEQ)
+    alone_engine = engine()
+    alone = [alone_engine.generate([p], sp)[0] for p, sp in zip(prompts, MIXED)]
+    aeng = osd.AsyncEngine(engine())
+
+    async def main():
+        return await asyncio.gather(*[_collect(aeng, p, sp, delay=0.003 * i)
+                                      for i, (p, sp) in enumerate(zip(prompts, MIXED))])
+    try:
+        got = asyncio.run(main())
+        stats = aeng.engine.stats
+    finally:
+        aeng.close()
+    assert [g.token_ids for g in got] == [a.token_ids for a in alone]
+    assert sum(g.stats["lookup_steps"] for g in got) > stats["lookup_steps"] > 0
