@@ -19,7 +19,9 @@
 // kernels/block_reduce.cuh) pick the same digits. Fixed point moves a row's mass by less
 // than V * 2^-48, far below float32 rounding of the mass.
 #pragma once
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "kernels/common.h"
 
@@ -146,18 +148,36 @@ OSD_HD uint32_t top_k_logit_floor(uint32_t kth_key, float t) {
 
 // Serial selection over items v < n: item(v, key, weight) sets the item's key and its
 // weight (1 for counts, radix_mass(p) for masses). Returns the selected key (0 when the
-// items hold less than target).
+// items hold less than target). The first two levels read every item; the second keeps
+// the (key, weight) of the items in range, and the levels after it read only those: the
+// same histograms from two passes over the row instead of one per level.
 template <typename Item>
 inline uint32_t radix_select_serial(int64_t n, int levels, uint64_t target, Item item) {
   RadixState s = radix_init();
   uint64_t hist[kRadixBins];
+  thread_local std::vector<uint32_t> kept_keys;
+  thread_local std::vector<uint64_t> kept_weights;
+  kept_keys.clear();
+  kept_weights.clear();
   while (s.level < levels) {
     for (int d = 0; d < kRadixBins; ++d) hist[d] = 0;
-    for (int64_t v = 0; v < n; ++v) {
-      uint32_t key;
-      uint64_t weight;
-      item(v, key, weight);
-      if (radix_in_range(key, s)) hist[radix_digit(key, s)] += weight;
+    if (s.level < 2) {
+      const bool keep = s.level == 1 && levels > 2;
+      for (int64_t v = 0; v < n; ++v) {
+        uint32_t key;
+        uint64_t weight;
+        item(v, key, weight);
+        if (!radix_in_range(key, s)) continue;
+        hist[radix_digit(key, s)] += weight;
+        if (keep) {
+          kept_keys.push_back(key);
+          kept_weights.push_back(weight);
+        }
+      }
+    } else {
+      for (std::size_t i = 0; i < kept_keys.size(); ++i) {
+        if (radix_in_range(kept_keys[i], s)) hist[radix_digit(kept_keys[i], s)] += kept_weights[i];
+      }
     }
     uint64_t greater = 0;
     int d = kRadixBins - 1;
