@@ -9,16 +9,20 @@ Two pairs:
 - ``builtin``: the 8.7M-parameter pair trained on the standard library
   (``osd.zoo.default_pair``), serving code windows to a draft trained mostly on prose.
 
-Three passes over the same stream, each request served at batch size 1, greedy:
+Each request is served at batch size 1, greedy:
 
 1. the target alone (plain decoding) on the first ``baseline_requests`` requests: the
-   tokens/s that every speedup is measured against;
+   reference of the live progress and of the plots;
 2. speculative decoding with **online** distillation on over the whole stream (the
    draft learns in a background thread from the target's verdicts; updates are swapped
    in between decode steps);
-3. speculative decoding with the draft kept **static**, on the last ``static_requests``
-   requests (all of them for the built-in pair). With ``lookup_history``, its history
-   first receives the answers of the requests before those, as the online pass had them.
+3. on the last ``static_requests`` requests (all of them for the built-in pair), side by
+   side with the online engine: after the online engine serves a request, its learner
+   holds while speculative decoding with the draft kept **static** and the target alone
+   serve the same request. The report's speedups are the tokens/s of these three over
+   that window, measured at the same time on the same requests, and every output there
+   must equal the target's. With ``lookup_history``, the static engine's history first
+   receives the answers of the requests before the window, as the online pass had them.
 
 Live progress shows the rolling α, tokens/s and speedup. The report (markdown and PNG
 plots) goes to ``out_dir``: α over requests (static against online), tokens/s over
@@ -176,6 +180,17 @@ def draft_cost_ratio(target_dir: str, draft_dir: str, steps: int = 30,
     return med[1] / med[0]
 
 
+def _timed(engine, prompt, params, i: int):
+    """Serve one request -> ``(output, record)``."""
+    t0 = time.perf_counter()
+    out = engine.generate([prompt], params)[0]
+    dt = time.perf_counter() - t0
+    st = out.stats or {}
+    return out, {"request": i, "tokens": len(out.token_ids), "seconds": dt,
+                 "alpha": st.get("alpha"), "accepted": st.get("accepted"),
+                 "drafted": st.get("drafted")}
+
+
 def _serve(engine, prompts, params, label: str, plain_tps: float | None = None,
            first_index: int = 0, outputs: list | None = None):
     """Serve prompts one at a time with a progress bar; per-request records (``request``
@@ -183,17 +198,12 @@ def _serve(engine, prompts, params, label: str, plain_tps: float | None = None,
     records = []
     bar = tqdm(prompts, desc=label, unit="req", dynamic_ncols=True)
     for i, prompt in enumerate(bar, start=first_index):
-        t0 = time.perf_counter()
-        out = engine.generate([prompt], params)[0]
-        dt = time.perf_counter() - t0
+        out, rec = _timed(engine, prompt, params, i)
         if outputs is not None:
             outputs.append(out.token_ids)
-        st = out.stats or {}
-        records.append({"request": i, "tokens": len(out.token_ids), "seconds": dt,
-                        "alpha": st.get("alpha"), "accepted": st.get("accepted"),
-                        "drafted": st.get("drafted")})
+        records.append(rec)
         window = records[-20:]
-        tps = sum(r["tokens"] for r in window) / sum(r["seconds"] for r in window)
+        tps = _tps(window)
         post = {"tok/s": f"{tps:.0f}"}
         alphas = [r["alpha"] for r in window if r["alpha"] is not None]
         if alphas:
@@ -202,6 +212,33 @@ def _serve(engine, prompts, params, label: str, plain_tps: float | None = None,
             post["speedup"] = f"{tps / plain_tps:.2f}x"
         bar.set_postfix(post)
     return records
+
+
+def _side_by_side(online, static, plain, prompts, params, first_index: int,
+                  outputs: list) -> dict[str, list]:
+    """The comparison window: each request served by the online engine (its learner
+    running as in the rest of the stream), then, with the learner held
+    (``Engine.learning_paused``), by the static draft and by the target alone, so that
+    every speedup compares the same requests at the same time on this shared machine.
+    Every output must equal the target's. Records per engine name."""
+    recs = {"online": [], "static": [], "plain": []}
+    bar = tqdm(prompts, desc="side by side", unit="req", dynamic_ncols=True)
+    for i, prompt in enumerate(bar, start=first_index):
+        out, rec = _timed(online, prompt, params, i)
+        outputs.append(out.token_ids)
+        recs["online"].append(rec)
+        with online.learning_paused():
+            for name, engine in (("static", static), ("plain", plain)):
+                other, rec = _timed(engine, prompt, params, i)
+                recs[name].append(rec)
+                if other.token_ids != out.token_ids:
+                    raise AssertionError(f"request {i}: the {name} engine's output differs "
+                                         f"from the online engine's")
+        plain_tps = _tps(recs["plain"])
+        bar.set_postfix({"online": f"{_tps(recs['online']) / plain_tps:.2f}x",
+                         "static": f"{_tps(recs['static']) / plain_tps:.2f}x",
+                         "alpha": f"{_mean([r['alpha'] for r in recs['online'][-20:]]):.3f}"})
+    return recs
 
 
 def _rolling(values, w=20):
@@ -265,7 +302,9 @@ def run_demo(cfg: DemoConfig | None = None) -> dict:
     plain = osd.Engine.from_pretrained(target_dir, max_batch_size=1, max_seq_len=max_len,
                                        quantized=cfg.quantized,
                                        prefix_cache=cfg.prefix_cache)
-    base = _serve(plain, prompts[:cfg.baseline_requests], params, "target alone")
+    base_out = []
+    base = _serve(plain, prompts[:cfg.baseline_requests], params, "target alone",
+                  outputs=base_out)
     plain_tps = _tps(base)
     spec = osd.SpecConfig(num_draft_tokens=k, prompt_lookup=cfg.prompt_lookup,
                           lookup_history=cfg.lookup_history)
@@ -274,34 +313,41 @@ def run_demo(cfg: DemoConfig | None = None) -> dict:
                                         max_seq_len=max_len, quantized=cfg.quantized,
                                         quantize_draft=cfg.quantize_draft,
                                         prefix_cache=cfg.prefix_cache)
-    outputs = []
-    on_rec = _serve(online, prompts, params, "online draft", plain_tps, outputs=outputs)
-    online.close()
     static = osd.Engine.from_pretrained(target_dir, draft=draft_dir, spec=spec,
                                         max_batch_size=1, max_seq_len=max_len,
                                         quantized=cfg.quantized,
                                         quantize_draft=cfg.quantize_draft,
                                         prefix_cache=cfg.prefix_cache)
     first_static = cfg.requests - cfg.static_requests
+    outputs = []
+    on_rec = _serve(online, prompts[:first_static], params, "online draft", plain_tps,
+                    outputs=outputs)
     if static.lookup_history is not None:
         # The answers served before its first request, as the online engine had them
         # (greedy outputs are the target's whichever draft served them).
         for prompt, ids in zip(prompts[:first_static], outputs):
             static.lookup_history.add(prompt, ids)
-    st_rec = _serve(static, prompts[first_static:], params, "static draft", plain_tps,
-                    first_index=first_static)
-    # Outputs are lossless: spot-check the first requests against the target alone.
-    for i in range(min(3, cfg.baseline_requests)):
-        ref = plain.generate([prompts[i]], params)[0].token_ids
-        got = online.generate([prompts[i]], params)[0].token_ids
-        if ref != got:
+    window = _side_by_side(online, static, plain, prompts[first_static:], params,
+                           first_static, outputs)
+    on_rec += window["online"]
+    st_rec = window["static"]
+    online.close()
+    # Outputs are lossless: the online engine's answers equal the target's wherever both
+    # served (the first requests, and the window, checked as it ran).
+    for i, ref in enumerate(base_out):
+        if ref != outputs[i]:
             raise AssertionError(f"request {i}: speculative output differs from the target's")
-    summary = _report(cfg, label, c, base, st_rec, on_rec, online.stats, plain_tps,
-                      time.perf_counter() - t_start)
+    summary = _report(cfg, label, c, base, st_rec, on_rec, window["plain"], online.stats,
+                      plain_tps, time.perf_counter() - t_start)
     return summary
 
 
-def _report(cfg, label, c, base, st_rec, on_rec, online_stats, plain_tps, seconds) -> dict:
+def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps,
+            seconds) -> dict:
+    """Plots, ``summary.json`` and ``report.md``. ``base``: the target alone on the first
+    requests (live progress and the plots' reference); ``st_rec``, ``pl_rec``: the static
+    draft and the target alone side by side with the online engine's last requests,
+    which give the report's speedups."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -343,9 +389,11 @@ def _report(cfg, label, c, base, st_rec, on_rec, online_stats, plain_tps, second
           (xs_on, [analytic_speedup(a, k, c) if a is not None else None for a in ra],
            f"analytic bound, measured α, c={c:.2f}, k={k}")], (1.0, "target alone"))
 
-    st_last, on_last = st_rec[-tail:], on_rec[-tail:]
+    st_last, on_last, pl_last = st_rec[-tail:], on_rec[-tail:], pl_rec[-tail:]
+    plain_window = _tps(pl_last)
     s = {
         "pair": cfg.pair, "requests": n, "k": k, "c": c, "plain_tokens_per_s": plain_tps,
+        "plain_tokens_per_s_last": plain_window,
         "max_new_tokens": cfg.max_new_tokens, "window": tail,
         "static": {"alpha_last": _mean([r["alpha"] for r in st_last]),
                    "tokens_per_s_last": _tps(st_last), "requests": len(st_rec)},
@@ -357,10 +405,11 @@ def _report(cfg, label, c, base, st_rec, on_rec, online_stats, plain_tps, second
         "seconds": seconds,
     }
     for key in ("static", "online"):
-        s[key]["speedup_last"] = s[key]["tokens_per_s_last"] / plain_tps
+        s[key]["speedup_last"] = s[key]["tokens_per_s_last"] / plain_window
         s[key]["analytic_bound_last"] = analytic_speedup(s[key]["alpha_last"], k, c)
     with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
-        json.dump({"summary": s, "static": st_rec, "online": on_rec, "plain": base}, f, indent=1)
+        json.dump({"summary": s, "static": st_rec, "online": on_rec, "plain": base,
+                   "plain_window": pl_rec}, f, indent=1)
     gain = s["online"]["alpha_last"] - s["static"]["alpha_last"]
     lines = [
         "# osd demo report", "",
@@ -380,11 +429,15 @@ def _report(cfg, label, c, base, st_rec, on_rec, online_stats, plain_tps, second
         f"{f' --lookup-history {cfg.lookup_history}' if cfg.lookup_history else ''}"
         f"{f' --prefix-cache {cfg.prefix_cache}' if cfg.prefix_cache else ''}` in "
         f"{seconds:.0f} s.", "",
-        f"Target alone: **{plain_tps:.1f} tokens/s** (first {len(base)} requests). "
-        f"Draft cost ratio c = {c:.3f} (draft decode step / target decode step, measured).", "",
-        f"| draft | α, last {tail} requests | tokens/s, last {tail} | speedup, last {tail} "
+        f"The last {tail} requests were served side by side: each by the online engine, "
+        f"then, with its learner held, by the static draft and by the target alone, so the "
+        f"speedups compare the same requests at the same time; every output equalled the "
+        f"target's. Draft cost ratio c = {c:.3f} (draft decode step / target decode step, "
+        f"measured).", "",
+        f"| decoding | α, last {tail} requests | tokens/s, last {tail} | speedup, last {tail} "
         f"| analytic bound |",
         "|---|---|---|---|---|",
+        f"| target alone | | {plain_window:.1f} | 1.00x | |",
     ]
     for key in ("static", "online"):
         d = s[key]
@@ -394,11 +447,13 @@ def _report(cfg, label, c, base, st_rec, on_rec, online_stats, plain_tps, second
         "", f"Online α over the first 20 requests: {s['online']['alpha_first20']:.3f}; over the "
         f"last {tail}: {s['online']['alpha_last']:.3f} ({gain:+.3f} against the static draft "
         f"on the same requests). Online updates applied: {s['online']['updates_applied']}, "
-        f"rejected by the guard: {s['online']['updates_rejected']}.", "",
+        f"rejected by the guard: {s['online']['updates_rejected']}. The target alone "
+        f"served the first {len(base)} requests at {plain_tps:.1f} tokens/s (the live "
+        f"progress and the plots' reference line).", "",
         "α is the exact 1 − TV(p, q) between the target's and the draft's next-token "
         "distributions, averaged over the positions the draft model drafted"
         f"{' (steps drafted by prompt lookup are not in α, but are in tokens/s)' if cfg.prompt_lookup else ''}"
-        f". The static draft served the last {len(st_rec)} requests only"
+        f". The static draft and the target alone served the last {len(st_rec)} requests"
         f"{', its lookup history holding the answers before them' if cfg.lookup_history else ''}.", "",
         "![alpha](alpha.png)", "", "![tokens/s](tokens_per_s.png)", "", "![speedup](speedup.png)",
         "",

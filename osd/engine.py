@@ -759,6 +759,22 @@ class Engine:
         self.errors.clear()
         self._aborted, self.last_error = 0, None
 
+    @contextlib.contextmanager
+    def learning_paused(self):
+        """Context manager: the background learners hold at their next step boundary
+        until the block ends (``OnlineLearner.pause``), so that latency-critical work
+        beside this engine gets the CPU and memory bandwidth they use. This engine may
+        still serve inside the block: its requests are recorded and updates queue. Does
+        nothing without ``online``."""
+        if self.online is None:
+            yield self
+            return
+        self.online.pause()
+        try:
+            yield self
+        finally:
+            self.online.resume()
+
     def close(self) -> None:
         """Finish pending online updates and stop the learner threads."""
         if self.online is not None:

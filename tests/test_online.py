@@ -116,6 +116,34 @@ def test_background_learning_swaps_between_steps(pair):
     assert eng.stats["online"]["updates_applied"] >= 1
 
 
+def test_paused_learner_holds_until_resumed(pair):
+    """Inside ``learning_paused`` the background learner starts no update (they queue),
+    ``wait`` does not block on the held thread, and serving is unchanged; after the block
+    the queued updates run. ``close`` inside the block resumes the learner to finish."""
+    prompts = prompts_of([6, 5, 7, 8] * 2, seed=88)
+    plain = osd.Engine.from_pretrained(pair[0], max_batch_size=4, max_seq_len=96)
+    ref = plain.generate(prompts, osd.SamplingParams(12))
+    eng = _engine(pair, background=True)
+    learner = eng.online.learners[0]
+    with eng.learning_paused():
+        assert learner.paused
+        outs = [eng.generate([p], osd.SamplingParams(12))[0] for p in prompts]
+        eng.online.wait()                       # returns: the thread holds
+        assert learner.history.as_dict()["attempts"] == 0
+        assert learner.busy                     # the due updates are queued
+    assert not learner.paused
+    eng.online.wait()
+    assert learner.history.as_dict()["attempts"] >= 1
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    with eng.learning_paused():
+        eng.generate(prompts[:2], osd.SamplingParams(12))
+        eng.close()
+    assert learner._thread is None
+    with plain.learning_paused():               # no learners: nothing to pause
+        assert plain.generate(prompts[:1], osd.SamplingParams(12))[0].token_ids == \
+            ref[0].token_ids
+
+
 def test_corrected_positions_policy_and_full_logits(pair):
     eng = _engine(pair, positions="corrected", topk=None)
     eng.generate(prompts_of([6, 9, 4, 7], seed=88), osd.SamplingParams(20))

@@ -253,6 +253,10 @@ class OnlineLearner:
         self._due = 0
         self._busy = False
         self._closed = False
+        # pause(): the background thread holds at its next step boundary until resume().
+        self._unpaused = threading.Event()
+        self._unpaused.set()
+        self._parked = False
         self._gen = torch.Generator().manual_seed(config.seed)
         self._snapshot = None               # the state an update in progress rolls back to
         self._graph_step = None
@@ -332,15 +336,47 @@ class OnlineLearner:
             return bool(self._due or self._busy)
 
     def wait(self) -> None:
-        """Block until no update is queued or running."""
+        """Block until no update is queued or running; while paused, until the background
+        thread holds (the queued work goes on after :meth:`resume`)."""
         with self._lock:
-            while self._due or self._busy:
+            while (self._due or self._busy) and not self._parked:
                 self._wake.wait(timeout=0.05)
 
+    def pause(self) -> None:
+        """Hold the background thread at its next step boundary (before an update, between
+        optimizer steps, before the guard's evaluation) until :meth:`resume`: it then takes
+        no CPU or memory bandwidth from serving. Requests go on being recorded and updates
+        queue. An inline learner (``background=False``) trains only inside serving calls
+        and ignores this."""
+        self._unpaused.clear()
+
+    def resume(self) -> None:
+        """Let a paused background thread go on where it held."""
+        with self._lock:
+            self._unpaused.set()
+            self._parked = False       # wait() blocks on the resumed work from here on
+
+    @property
+    def paused(self) -> bool:
+        return not self._unpaused.is_set()
+
+    def _hold(self) -> None:
+        """In the background thread: block while paused."""
+        if self._unpaused.is_set() or threading.current_thread() is not self._thread:
+            return
+        with self._lock:
+            self._parked = True
+            self._wake.notify_all()
+        self._unpaused.wait()
+        with self._lock:
+            self._parked = False
+
     def close(self) -> None:
-        """Stop the background thread (pending work is finished first)."""
+        """Stop the background thread (pending work is finished first; a paused learner
+        is resumed for it)."""
         if self._thread is None:
             return
+        self.resume()
         self.wait()
         self._stop(None)
 
@@ -350,6 +386,7 @@ class OnlineLearner:
         thread = self._thread
         if thread is None:
             return
+        self.resume()
         with self._lock:
             self._closed = True
             self._wake.notify_all()
@@ -366,6 +403,8 @@ class OnlineLearner:
                     self._wake.wait()
                 if self._closed and not self._due:
                     return
+            self._hold()
+            with self._lock:
                 self._due = 0
                 self._busy = True
             try:
@@ -470,6 +509,7 @@ class OnlineLearner:
         batch = batch_for(self.model, examples, cfg.max_train_len, self.device)
         losses = []
         for _ in range(cfg.steps_per_update):
+            self._hold()
             losses.append(self._step(batch))
             if not math.isfinite(losses[-1]):
                 break                        # the update is discarded anyway
@@ -481,6 +521,7 @@ class OnlineLearner:
         elif not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
             reason = "non-finite weights"
         else:
+            self._hold()
             alpha_after = heldout_alpha(self.model, holdout, cfg.max_train_len, self.device)
             if (alpha_before is not None and alpha_after is not None
                     and alpha_after < alpha_before - cfg.guard_tolerance):

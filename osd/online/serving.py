@@ -162,6 +162,14 @@ class OnlineManager:
         for learner in self.learners:
             learner.wait()
 
+    def pause(self) -> None:
+        for learner in self.learners:
+            learner.pause()
+
+    def resume(self) -> None:
+        for learner in self.learners:
+            learner.resume()
+
     def close(self) -> None:
         for learner in self.learners:
             learner.close()
