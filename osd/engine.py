@@ -762,10 +762,8 @@ class Engine:
     @contextlib.contextmanager
     def learning_paused(self):
         """Context manager: the background learners hold at their next step boundary
-        until the block ends (``OnlineLearner.pause``), so that latency-critical work
-        beside this engine gets the CPU and memory bandwidth they use. This engine may
-        still serve inside the block: its requests are recorded and updates queue. Does
-        nothing without ``online``."""
+        until the block ends (``OnlineLearner.pause``), leaving their CPU and memory
+        bandwidth to other work. Serving goes on (updates queue). No-op without online."""
         if self.online is None:
             yield self
             return
