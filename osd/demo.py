@@ -130,7 +130,7 @@ def online_recipe(pair: str) -> osd.OnlineConfig:
 
 
 DEFAULTS = {
-    "chat": dict(baseline_requests=16, static_requests=50, max_new_tokens=48,
+    "chat": dict(baseline_requests=8, static_requests=50, max_new_tokens=48,
                  num_draft_tokens=4, threads=1, prompt_lookup=True, lookup_history=0,
                  draft="model", quantize_draft="Q8_0",
                  online=lambda: online_recipe("chat")),
