@@ -100,6 +100,28 @@ def test_ragged_prefill_and_logits_index(pair):
         assert (got[b, 0] - ref).abs().max() <= ATOL
 
 
+def test_rms_norm_of_a_half_input_is_fp32_without_warning():
+    """Under autocast a bf16 activation meets an fp32 norm weight: the norm computes in
+    fp32 through the fused kernel (no mixed-dtype fallback warning) and gradients reach
+    the weight."""
+    import warnings
+
+    from osd.models.llama import RMSNorm
+
+    norm = RMSNorm(24, 1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 5, 24).bfloat16()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = norm(x)
+    assert y.dtype == torch.float32
+    ref = torch.nn.functional.rms_norm(x.float(), (24,), norm.weight.detach(), 1e-6)
+    torch.testing.assert_close(y.detach(), ref)
+    y.sum().backward()
+    assert norm.weight.grad is not None
+
+
 def test_forward_train_matches_and_backprops(pair):
     _, hf, model = pair
     ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))

@@ -97,6 +97,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype:
+            # Under autocast a half input meets the fp32 weight: normalise in fp32 (what the
+            # unfused mixed-dtype path computes) through the fused kernel.
+            x = x.to(self.weight.dtype)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
     def fused(self) -> dict:
