@@ -19,7 +19,8 @@ def _demo(args) -> int:
                      num_draft_tokens=args.k, out_dir=args.out, seed=args.seed,
                      threads=args.threads, draft=args.draft,
                      lookup_history=args.lookup_history, quantized=args.quantized,
-                     quantize_draft=args.quantize_draft, prefix_cache=args.prefix_cache)
+                     quantize_draft=args.quantize_draft, prefix_cache=args.prefix_cache,
+                     plain_every=args.plain_every)
     run_demo(cfg)
     return 0
 
@@ -117,9 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--pair", default="chat", choices=["chat", "builtin"])
     d.add_argument("--requests", type=int, default=200, help="queries served (default 200)")
     d.add_argument("--baseline", type=int, default=None,
-                   help="first queries also served by the target alone (chat 16, builtin 40)")
+                   help="first queries also served by the target alone, for the live "
+                   "progress and the plots (chat 8, builtin 40)")
     d.add_argument("--static", type=int, default=None,
-                   help="last queries also served by the static draft (chat 50, builtin all)")
+                   help="last queries served side by side by the online and the static "
+                   "draft (chat 50, builtin all)")
+    d.add_argument("--plain-every", type=int, default=2, metavar="N",
+                   help="in that window the target alone serves one query in N: the "
+                   "speedups' queries (default 2)")
     d.add_argument("--max-new-tokens", type=int, default=None, help="chat 48, builtin 32")
     d.add_argument("-k", type=int, default=None, help="draft tokens per step (default 4)")
     d.add_argument("--draft", default=None, choices=["model", "eagle"],

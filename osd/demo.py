@@ -56,6 +56,8 @@ class DemoConfig:
     requests: int = 200                    # requests in the stream
     baseline_requests: int | None = None   # first n served by the target alone
     static_requests: int | None = None     # last n served by the static draft
+    plain_every: int = 2                   # in that window the target alone serves every
+    #                                        n-th request (the speedups' requests)
     max_new_tokens: int | None = None      # tokens generated per request (greedy)
     num_draft_tokens: int | None = None    # k
     prompt_lookup: bool | None = None      # prompt lookup in front of the draft model
@@ -94,8 +96,10 @@ class DemoConfig:
         if self.quantize_draft not in (None, *QUANT_FORMATS):
             raise ValueError(f"quantize_draft must be one of {QUANT_FORMATS} or 'none', got "
                              f"{self.quantize_draft!r}")
-        if self.requests < 1 or self.baseline_requests < 1 or self.static_requests < 1:
-            raise ValueError("requests, baseline_requests and static_requests must be >= 1")
+        if (self.requests < 1 or self.baseline_requests < 1 or self.static_requests < 1
+                or self.plain_every < 1):
+            raise ValueError("requests, baseline_requests, static_requests and plain_every "
+                             "must be >= 1")
         self.baseline_requests = min(self.baseline_requests, self.requests)
         self.static_requests = min(self.static_requests, self.requests)
 
@@ -215,30 +219,40 @@ def _serve(engine, prompts, params, label: str, plain_tps: float | None = None,
 
 
 def _side_by_side(online, static, plain, prompts, params, first_index: int,
-                  outputs: list) -> dict[str, list]:
+                  outputs: list, plain_every: int) -> dict[str, list]:
     """The comparison window: each request served by the online engine (its learner
     running as in the rest of the stream), then, with the learner held
-    (``Engine.learning_paused``), by the static draft and by the target alone, so that
-    every speedup compares the same requests at the same time on this shared machine.
-    Every output must equal the target's. Records per engine name."""
+    (``Engine.learning_paused``), by the static draft and, every ``plain_every``-th
+    request, by the target alone, so that the speedups compare the same requests at the
+    same time on this shared machine. Every output must equal the online engine's (the
+    target's). Records per engine name."""
     recs = {"online": [], "static": [], "plain": []}
     bar = tqdm(prompts, desc="side by side", unit="req", dynamic_ncols=True)
-    for i, prompt in enumerate(bar, start=first_index):
+    for n, prompt in enumerate(bar):
+        i = first_index + n
         out, rec = _timed(online, prompt, params, i)
         outputs.append(out.token_ids)
         recs["online"].append(rec)
+        engines = [("static", static)] + ([("plain", plain)] if n % plain_every == 0 else [])
         with online.learning_paused():
-            for name, engine in (("static", static), ("plain", plain)):
+            for name, engine in engines:
                 other, rec = _timed(engine, prompt, params, i)
                 recs[name].append(rec)
                 if other.token_ids != out.token_ids:
                     raise AssertionError(f"request {i}: the {name} engine's output differs "
                                          f"from the online engine's")
-        plain_tps = _tps(recs["plain"])
-        bar.set_postfix({"online": f"{_tps(recs['online']) / plain_tps:.2f}x",
-                         "static": f"{_tps(recs['static']) / plain_tps:.2f}x",
-                         "alpha": f"{_mean([r['alpha'] for r in recs['online'][-20:]]):.3f}"})
+        post = {"alpha": f"{_mean([r['alpha'] for r in recs['online'][-20:]]):.3f}"}
+        for name in ("online", "static"):
+            post[name] = f"{_shared_speedup(recs[name], recs['plain']):.2f}x"
+        bar.set_postfix(post)
     return recs
+
+
+def _shared_speedup(records, plain_records) -> float:
+    """tokens/s of ``records`` over the requests the target alone also served, over the
+    target alone's."""
+    served = {r["request"] for r in plain_records}
+    return _tps([r for r in records if r["request"] in served]) / _tps(plain_records)
 
 
 def _rolling(values, w=20):
@@ -328,7 +342,7 @@ def run_demo(cfg: DemoConfig | None = None) -> dict:
         for prompt, ids in zip(prompts[:first_static], outputs):
             static.lookup_history.add(prompt, ids)
     window = _side_by_side(online, static, plain, prompts[first_static:], params,
-                           first_static, outputs)
+                           first_static, outputs, cfg.plain_every)
     on_rec += window["online"]
     st_rec = window["static"]
     online.close()
@@ -389,11 +403,14 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
           (xs_on, [analytic_speedup(a, k, c) if a is not None else None for a in ra],
            f"analytic bound, measured α, c={c:.2f}, k={k}")], (1.0, "target alone"))
 
-    st_last, on_last, pl_last = st_rec[-tail:], on_rec[-tail:], pl_rec[-tail:]
+    st_last, on_last = st_rec[-tail:], on_rec[-tail:]
+    in_window = {r["request"] for r in st_last}
+    pl_last = [r for r in pl_rec if r["request"] in in_window]
+    shared = {r["request"] for r in pl_last}      # served by all three: the speedups'
     plain_window = _tps(pl_last)
     s = {
         "pair": cfg.pair, "requests": n, "k": k, "c": c, "plain_tokens_per_s": plain_tps,
-        "plain_tokens_per_s_last": plain_window,
+        "plain_tokens_per_s_shared": plain_window, "shared_requests": len(shared),
         "max_new_tokens": cfg.max_new_tokens, "window": tail,
         "static": {"alpha_last": _mean([r["alpha"] for r in st_last]),
                    "tokens_per_s_last": _tps(st_last), "requests": len(st_rec)},
@@ -404,8 +421,9 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
                    "updates_rejected": online_stats["online"]["updates_rejected"]},
         "seconds": seconds,
     }
-    for key in ("static", "online"):
-        s[key]["speedup_last"] = s[key]["tokens_per_s_last"] / plain_window
+    for key, last in (("static", st_last), ("online", on_last)):
+        s[key]["tokens_per_s_shared"] = _tps([r for r in last if r["request"] in shared])
+        s[key]["speedup_last"] = s[key]["tokens_per_s_shared"] / plain_window
         s[key]["analytic_bound_last"] = analytic_speedup(s[key]["alpha_last"], k, c)
     with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
         json.dump({"summary": s, "static": st_rec, "online": on_rec, "plain": base,
@@ -430,19 +448,21 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
         f"{f' --prefix-cache {cfg.prefix_cache}' if cfg.prefix_cache else ''}` in "
         f"{seconds:.0f} s.", "",
         f"The last {tail} requests were served side by side: each by the online engine, "
-        f"then, with its learner held, by the static draft and by the target alone, so the "
-        f"speedups compare the same requests at the same time; every output equalled the "
-        f"target's. Draft cost ratio c = {c:.3f} (draft decode step / target decode step, "
-        f"measured).", "",
-        f"| decoding | α, last {tail} requests | tokens/s, last {tail} | speedup, last {tail} "
-        f"| analytic bound |",
-        "|---|---|---|---|---|",
-        f"| target alone | | {plain_window:.1f} | 1.00x | |",
+        f"then, with its learner held, by the static draft and"
+        f"{'' if cfg.plain_every == 1 else f', on one request in {cfg.plain_every},'} by the "
+        f"target alone, so the speedups compare the same {len(shared)} requests at the same "
+        f"time; every output equalled the target's. Draft cost ratio c = {c:.3f} (draft "
+        f"decode step / target decode step, measured).", "",
+        f"| decoding | α, last {tail} requests | tokens/s, last {tail} | tokens/s, the "
+        f"{len(shared)} served by all three | speedup | analytic bound |",
+        "|---|---|---|---|---|---|",
+        f"| target alone | | | {plain_window:.1f} | 1.00x | |",
     ]
     for key in ("static", "online"):
         d = s[key]
         lines.append(f"| {key} | {d['alpha_last']:.3f} | {d['tokens_per_s_last']:.1f} | "
-                     f"{d['speedup_last']:.2f}x | {d['analytic_bound_last']:.2f}x |")
+                     f"{d['tokens_per_s_shared']:.1f} | {d['speedup_last']:.2f}x | "
+                     f"{d['analytic_bound_last']:.2f}x |")
     lines += [
         "", f"Online α over the first 20 requests: {s['online']['alpha_first20']:.3f}; over the "
         f"last {tail}: {s['online']['alpha_last']:.3f} ({gain:+.3f} against the static draft "
@@ -453,7 +473,7 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
         "α is the exact 1 − TV(p, q) between the target's and the draft's next-token "
         "distributions, averaged over the positions the draft model drafted"
         f"{' (steps drafted by prompt lookup are not in α, but are in tokens/s)' if cfg.prompt_lookup else ''}"
-        f". The static draft and the target alone served the last {len(st_rec)} requests"
+        f". The static draft served the last {len(st_rec)} requests"
         f"{', its lookup history holding the answers before them' if cfg.lookup_history else ''}.", "",
         "![alpha](alpha.png)", "", "![tokens/s](tokens_per_s.png)", "", "![speedup](speedup.png)",
         "",

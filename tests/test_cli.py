@@ -1,5 +1,7 @@
 """The ``osd`` console script: help texts, generation on the built-in pair, and errors
 reported as one ``error:`` line with exit status 2 (no traceback)."""
+import json
+
 import pytest
 
 from osd import cli, zoo
@@ -39,6 +41,7 @@ def test_generate_on_the_zoo_pair(extra, capsys):
     (["bench", "--only", "nothing_like_this"], "no benchmark"),
     (["demo", "--pair", "builtin", "--lookup-history", "1000"], "lookup_history needs prompt_lookup"),
     (["demo", "--pair", "builtin", "--quantized"], "quantized needs the chat pair"),
+    (["demo", "--pair", "builtin", "--plain-every", "0"], "plain_every must be >= 1"),
     (["generate", "--target", "TARGET", "--quantized", "hi"], "is not a GGUF file"),
 ])
 def test_errors_are_messages(argv, match, capsys):
@@ -69,7 +72,13 @@ def test_demo_builtin_writes_the_report(tmp_path):
     assert rc == 0
     for name in ("report.md", "summary.json", "alpha.png", "tokens_per_s.png", "speedup.png"):
         assert (out / name).is_file(), name
-    assert "| online |" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "| online |" in report and "| target alone |" in report
+    # the last 3 requests side by side; the target alone on one in 2 of them
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["summary"]["shared_requests"] == 2
+    assert [r["request"] for r in summary["plain_window"]] == [3, 5]
+    assert [r["request"] for r in summary["static"]] == [3, 4, 5]
 
 
 def test_demo_with_a_lookup_history(tmp_path):
