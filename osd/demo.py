@@ -263,6 +263,11 @@ def _rolling(values, w=20):
     return out
 
 
+def _rolling_rate(records, w=20):
+    """tokens/s over each request's last ``w`` requests (tokens over seconds)."""
+    return [_tps(records[max(0, i - w + 1):i + 1]) for i in range(len(records))]
+
+
 def _tps(records):
     return sum(r["tokens"] for r in records) / sum(r["seconds"] for r in records)
 
@@ -356,27 +361,18 @@ def run_demo(cfg: DemoConfig | None = None) -> dict:
     return summary
 
 
-def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps,
-            seconds) -> dict:
-    """Plots, ``summary.json`` and ``report.md``. ``base``: the target alone on the first
-    requests (live progress and the plots' reference); ``st_rec``, ``pl_rec``: the static
-    draft and the target alone side by side with the online engine's last requests,
-    which give the report's speedups."""
+def _plots(cfg, c, st_rec, on_rec, plain_tps, n_base, window_speedup, xs_window) -> None:
+    """alpha.png, tokens_per_s.png, speedup.png: rolling over 20 requests (α: mean;
+    tokens/s: tokens over seconds), against the target alone's rate on the first
+    ``n_base`` requests, with the side-by-side window's measured speedup beside it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    os.makedirs(cfg.out_dir, exist_ok=True)
     k = cfg.num_draft_tokens
-    n = len(on_rec)
-    tail = min(50, len(st_rec))              # the comparison window: the last requests
     xs_on = [r["request"] for r in on_rec]
     xs_st = [r["request"] for r in st_rec]
-    a_static = [r["alpha"] for r in st_rec]
-    a_online = [r["alpha"] for r in on_rec]
-    tps_static = [r["tokens"] / r["seconds"] for r in st_rec]
-    tps_online = [r["tokens"] / r["seconds"] for r in on_rec]
 
     def plot(name, title, ylabel, series, hline=None):
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -392,17 +388,35 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
         fig.savefig(os.path.join(cfg.out_dir, name), dpi=120)
         plt.close(fig)
 
+    a_online = _rolling([r["alpha"] for r in on_rec])
     plot("alpha.png", "Acceptance on the shifted stream", "α = 1 − TV(p, q) (rolling mean of 20)",
-         [(xs_st, _rolling(a_static), "static draft"), (xs_on, _rolling(a_online), "online draft")])
-    plot("tokens_per_s.png", "Throughput at batch size 1", "tokens/s (rolling mean of 20)",
-         [(xs_st, _rolling(tps_static), "osd, static draft"),
-          (xs_on, _rolling(tps_online), "osd, online draft")], (plain_tps, "target alone"))
-    ra = _rolling(a_online)
-    plot("speedup.png", "Speedup over the target alone", "speedup (rolling mean of 20)",
-         [(xs_on, [t / plain_tps for t in _rolling(tps_online)], "measured (online draft)"),
-          (xs_on, [analytic_speedup(a, k, c) if a is not None else None for a in ra],
+         [(xs_st, _rolling([r["alpha"] for r in st_rec]), "static draft"),
+          (xs_on, a_online, "online draft")])
+    rate_online = _rolling_rate(on_rec)
+    plot("tokens_per_s.png", "Throughput at batch size 1", "tokens/s (rolling, 20 requests)",
+         [(xs_st, _rolling_rate(st_rec), "osd, static draft"),
+          (xs_on, rate_online, "osd, online draft")],
+         (plain_tps, f"target alone (first {n_base} requests)"))
+    plot("speedup.png", "Speedup over the target alone", "speedup (rolling, 20 requests)",
+         [(xs_on, [t / plain_tps for t in rate_online],
+           f"online draft / target alone's first {n_base} requests"),
+          (xs_window, [window_speedup] * len(xs_window),
+           "online draft, side by side with the target alone"),
+          (xs_on, [analytic_speedup(a, k, c) if a is not None else None for a in a_online],
            f"analytic bound, measured α, c={c:.2f}, k={k}")], (1.0, "target alone"))
 
+
+def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps,
+            seconds) -> dict:
+    """Plots, ``summary.json`` and ``report.md``. ``base``: the target alone on the first
+    requests (live progress and the plots' reference); ``st_rec``, ``pl_rec``: the static
+    draft and the target alone side by side with the online engine's last requests,
+    which give the report's speedups."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    k = cfg.num_draft_tokens
+    n = len(on_rec)
+    tail = min(50, len(st_rec))              # the comparison window: the last requests
+    a_online = [r["alpha"] for r in on_rec]
     st_last, on_last = st_rec[-tail:], on_rec[-tail:]
     in_window = {r["request"] for r in st_last}
     pl_last = [r for r in pl_rec if r["request"] in in_window]
@@ -425,6 +439,8 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
         s[key]["tokens_per_s_shared"] = _tps([r for r in last if r["request"] in shared])
         s[key]["speedup_last"] = s[key]["tokens_per_s_shared"] / plain_window
         s[key]["analytic_bound_last"] = analytic_speedup(s[key]["alpha_last"], k, c)
+    _plots(cfg, c, st_rec, on_rec, plain_tps, len(base), s["online"]["speedup_last"],
+           xs_window=[r["request"] for r in on_last])
     with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
         json.dump({"summary": s, "static": st_rec, "online": on_rec, "plain": base,
                    "plain_window": pl_rec}, f, indent=1)
