@@ -299,3 +299,23 @@ def test_a_chain_shaped_tree_drafts_what_the_chain_drafts(target, trained):
         stats.append(([o.token_ids for o in outs], eng.stats["accepted"], eng.stats["drafted"]))
     assert stats[0] == stats[1]
     assert stats[0][1] > 0
+
+
+def test_qwen3_target_eagle_draft_round_trips_and_stays_lossless(tmp_path):
+    """A Qwen3 target (per-head q/k norms): its EAGLE draft's layer carries the norms too,
+    trains, saves and loads them, and drafts losslessly."""
+    target = load_model(tiny_hf_model("qwen3", seed=33))
+    draft = _trained(target, steps=20, seed=4)
+    assert any(k.endswith("q_norm.weight") for k in draft.own_state_dict())
+    save_eagle(draft, tmp_path / "eagle")
+    loaded = load_eagle(tmp_path / "eagle", target)
+    for name, value in draft.own_state_dict().items():
+        torch.testing.assert_close(loaded.own_state_dict()[name], value.half().float())
+    prompts = prompts_of([5, 12, 8], seed=7)
+    ref = osd.Engine(target, max_batch_size=3, max_seq_len=96).generate(
+        prompts, osd.SamplingParams(20))
+    eng = osd.Engine(target, draft=[loaded], spec=osd.SpecConfig(num_draft_tokens=3),
+                     max_batch_size=3, max_seq_len=96)
+    outs = eng.generate(prompts, osd.SamplingParams(20))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert eng.stats["drafted"] > 0

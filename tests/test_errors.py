@@ -11,7 +11,7 @@ import osd
 from osd.models import load_model
 from tests.test_models import VOCAB, tiny_hf_model
 
-SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"
+SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
 VALID_PROMPTS = [[3, 14, 15, 92, 65], [35, 89]]
 
 

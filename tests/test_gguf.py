@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, \
+    Qwen3Config, Qwen3ForCausalLM
 
 import osd
 from osd.chat import apply_chat_template
@@ -54,6 +55,8 @@ def tiny_hf_model(family: str = "llama", *, tie: bool = False, seed: int = 0):
         model = LlamaForCausalLM(LlamaConfig(rope_scaling=rope, **common))
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif family == "qwen3":      # head_dim 32, not hidden / heads = 16
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=32, **common))
     else:
         raise ValueError(family)
     gen = torch.Generator().manual_seed(seed)
@@ -77,7 +80,8 @@ def llama_cpp_permute(weights: torch.Tensor, n_head: int, n_head_kv: int | None)
 _NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def trained_bpe() -> Tokenizer:
@@ -112,7 +116,7 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
     weights as ``qtype`` and 1-D ones as F32, ``output.weight`` left out when tied.
     ``extra`` adds metadata (a None value removes the key); ``skip`` leaves tensors out."""
     cfg = hf.config
-    arch = "qwen2" if isinstance(hf, Qwen2ForCausalLM) else "llama"
+    arch = {Qwen2ForCausalLM: "qwen2", Qwen3ForCausalLM: "qwen3"}.get(type(hf), "llama")
     meta = {"general.architecture": arch, "general.name": "tiny",
             f"{arch}.block_count": cfg.num_hidden_layers,
             f"{arch}.context_length": cfg.max_position_embeddings,
@@ -120,6 +124,8 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
             f"{arch}.feed_forward_length": cfg.intermediate_size,
             f"{arch}.attention.head_count": cfg.num_attention_heads,
             f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
+            f"{arch}.attention.key_length": getattr(cfg, "head_dim", None),
+            f"{arch}.attention.value_length": getattr(cfg, "head_dim", None),
             f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
             f"{arch}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]
                                             if getattr(cfg, "rope_parameters", None)
@@ -365,7 +371,7 @@ def test_unpermute_inverts_llama_cpp_permute():
 
 @pytest.mark.parametrize("family,tie", [("llama", False), ("llama", True), ("llama_bias", False),
                                         ("llama3", False), ("llama_linear", True),
-                                        ("qwen2", True)])
+                                        ("qwen2", True), ("qwen3", True), ("qwen3", False)])
 def test_f32_logits_match_transformers(family, tie, tmp_path):
     hf = tiny_hf_model(family, tie=tie)
     path = to_gguf(hf, tmp_path / "m.gguf")

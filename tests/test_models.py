@@ -1,7 +1,7 @@
 """Our Llama-family runtime against transformers, on tiny random models built in the test.
 
 Every family (Llama, Llama with Llama-3 RoPE scaling, Llama with biases, Mistral, Qwen2
-with q/k/v bias) is compared in fp32 with max abs diff <= 1e-4: prefill logits,
+with q/k/v bias, Qwen3 with per-head q/k norms and a head width of its own) is compared in fp32 with max abs diff <= 1e-4: prefill logits,
 step-by-step decode logits, the training forward, and checkpoint directories written by
 ``save_pretrained`` (safetensors, sharded safetensors, .bin and sharded .bin).
 """
@@ -11,13 +11,13 @@ import json
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, \
-    Qwen2Config, Qwen2ForCausalLM
+    Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from osd.cache import KVCache
 from osd.models import DecoderLM, ModelConfig, load_model
 from osd_kernels.tree_attention import causal_tree_mask
 
-FAMILIES = ("llama", "llama3", "llama_bias", "mistral", "qwen2")
+FAMILIES = ("llama", "llama3", "llama_bias", "mistral", "qwen2", "qwen3")
 VOCAB = 131
 ATOL = 1e-4
 
@@ -43,6 +43,8 @@ def tiny_hf_model(family: str, *, seed: int = 0, eos_token_id=None) -> torch.nn.
         model = MistralForCausalLM(MistralConfig(**common))
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif family == "qwen3":      # head_dim 24, not hidden / heads = 16
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=24, **common))
     else:
         raise ValueError(family)
     gen = torch.Generator().manual_seed(seed)

@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
 
 # model_type -> architecture, for configs that do not list ``architectures``.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
@@ -25,7 +26,7 @@ ATTENTION_BACKENDS = ("auto", "reference", "native", "triton", "flash")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama, Llama-3, Mistral, Qwen2)."""
+    """Shape and numerics of a Llama-family decoder (Llama, Llama-3, Mistral, Qwen2, Qwen3)."""
 
     architecture: str                 # one of SUPPORTED_ARCHITECTURES
     vocab_size: int                   # rows of the embedding and of the LM head
@@ -47,6 +48,7 @@ class ModelConfig:
     qkv_bias: bool = False            # bias on q/k/v projections (Qwen2; Llama attention_bias)
     o_bias: bool = False              # bias on the output projection (Llama attention_bias)
     mlp_bias: bool = False            # bias on gate/up/down (Llama mlp_bias)
+    qk_norm: bool = False             # RMSNorm over each query and key head before RoPE (Qwen3)
     sliding_window: int | None = None     # Mistral/Qwen2 window; contexts must fit inside it
     eos_token_ids: tuple[int, ...] = ()   # every id that ends a sequence
     bos_token_id: int | None = None
@@ -77,7 +79,8 @@ class ModelConfig:
         """Parameter count of the decoder described by this config."""
         d, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attn = d * (q + 2 * kv) + q * d + (q + 2 * kv) * self.qkv_bias + d * self.o_bias
+        attn = d * (q + 2 * kv) + q * d + (q + 2 * kv) * self.qkv_bias + d * self.o_bias \
+            + 2 * self.head_dim * self.qk_norm
         mlp = 3 * d * i + (2 * i + d) * self.mlp_bias
         per_layer = attn + mlp + 2 * d
         return v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + d
@@ -106,9 +109,10 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos = [] if eos is None else eos if isinstance(eos, (list, tuple)) else [eos]
         is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
         attention_bias = bool(d.get("attention_bias", False))
         window = d.get("sliding_window")
-        if is_qwen2 and not d.get("use_sliding_window", False):
+        if is_qwen and not d.get("use_sliding_window", False):
             window = None
         return cls(
             architecture=arch,
@@ -132,6 +136,7 @@ class ModelConfig:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=None if window is None else int(window),
             eos_token_ids=tuple(int(e) for e in eos),
             bos_token_id=d.get("bos_token_id"),

@@ -1,8 +1,9 @@
 """Our Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
 One class, :class:`DecoderLM`, serves ``LlamaForCausalLM`` (including Llama-3 RoPE
-scaling), ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (q/k/v bias); the differences are
-fields of :class:`~osd.models.config.ModelConfig`. Weights are stored fused for a lean
+scaling), ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (q/k/v bias) and
+``Qwen3ForCausalLM`` (an RMSNorm over each query and key head); the differences are fields
+of :class:`~osd.models.config.ModelConfig`. Weights are stored fused for a lean
 forward: ``wqkv = [q; k; v]`` and ``w_gate_up = [gate; up]`` (``osd.models.loading`` maps
 Hugging Face names onto them).
 
@@ -151,6 +152,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
         self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        # Qwen3: per-head RMSNorms [D] on queries and keys, before RoPE
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Queries ``[B, T, Hq, D]`` and keys, values ``[B, T, Hkv, D]``, RoPE applied."""
@@ -158,7 +162,10 @@ class DecoderLayer(nn.Module):
         hq, hkv = self.num_heads, self.num_kv_heads
         qkv = project(x, self.wqkv, self.input_norm)
         qkv = qkv.view(B, T, hq + 2 * hkv, self.head_dim)
-        q, k = apply_rope(qkv[:, :, :hq + hkv], cos, sin).split((hq, hkv), dim=2)
+        qk = qkv[:, :, :hq + hkv]
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :, :hq]), self.k_norm(qk[:, :, hq:])), dim=2)
+        q, k = apply_rope(qk, cos, sin).split((hq, hkv), dim=2)
         return q, k, qkv[:, :, hq + hkv:]
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -171,7 +178,7 @@ class DecoderLayer(nn.Module):
 
 class DecoderLM(nn.Module):
     """A Llama-family causal LM (``LlamaForCausalLM``, ``MistralForCausalLM``,
-    ``Qwen2ForCausalLM``).
+    ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``).
 
     Parameters are created uninitialised on ``device`` in ``dtype``: load weights with
     ``osd.models.load_model`` (or ``load_hf_state_dict``), or call

@@ -239,6 +239,8 @@ def _hf_sources(name: str) -> list[str]:
         "input_norm": [pre + "input_layernorm." + kind],
         "post_attention_norm": [pre + "post_attention_layernorm." + kind],
         "wqkv": [pre + f"self_attn.{p}_proj.{kind}" for p in "qkv"],
+        "q_norm": [pre + "self_attn.q_norm." + kind],
+        "k_norm": [pre + "self_attn.k_norm." + kind],
         "wo": [pre + "self_attn.o_proj." + kind],
         "w_gate_up": [pre + f"mlp.{p}_proj.{kind}" for p in ("gate", "up")],
         "w_down": [pre + "mlp.down_proj." + kind],
