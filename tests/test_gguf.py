@@ -192,13 +192,16 @@ def osd_logits(model, ids):
 
 
 # -- reference dequantizers and quantizers (one block at a time, after ggml's C code) -----
+K_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)      # 256-weight super-blocks
+
+
 def _h(b, i):
     return np.float32(np.frombuffer(bytes(b[i:i + 2]), np.float16)[0])
 
 
 def _ref_block(b, t):
     f32 = np.float32
-    y = np.zeros(256 if t in (T.Q4_K, T.Q6_K) else 32, np.float32)
+    y = np.zeros(256 if t in K_TYPES else 32, np.float32)
     if t == T.Q8_0:
         d = _h(b, 0)
         for j in range(32):
@@ -224,8 +227,9 @@ def _ref_block(b, t):
             else:
                 m = _h(b, 2)
                 y[j], y[j + 16] = f32(x0) * d + m, f32(x1) * d + m
-    elif t == T.Q4_K:
-        d, dmin, sc, q = _h(b, 0), _h(b, 2), b[4:16], b[16:144]
+    elif t in (T.Q4_K, T.Q5_K):
+        d, dmin, sc = _h(b, 0), _h(b, 2), b[4:16]
+        q, qh = (b[16:144], None) if t == T.Q4_K else (b[48:176], b[16:48])
 
         def scale_min(j):
             if j < 4:
@@ -239,11 +243,43 @@ def _ref_block(b, t):
             d1, m1 = d * f32(s), dmin * f32(m)
             s, m = scale_min(is_ + 1)
             d2, m2 = d * f32(s), dmin * f32(m)
+            u1, u2 = 1 << is_, 2 << is_         # Q5_K: the fifth bits of this 64
             for lane in range(32):
-                y[out + lane] = d1 * f32(q[qi + lane] & 0xF) - m1
+                h = 16 if qh is not None and qh[lane] & u1 else 0
+                y[out + lane] = d1 * f32((q[qi + lane] & 0xF) + h) - m1
             for lane in range(32):
-                y[out + 32 + lane] = d2 * f32(q[qi + lane] >> 4) - m2
+                h = 16 if qh is not None and qh[lane] & u2 else 0
+                y[out + 32 + lane] = d2 * f32((q[qi + lane] >> 4) + h) - m2
             out, qi, is_ = out + 64, qi + 32, is_ + 2
+    elif t == T.Q2_K:
+        sc, q, d, dmin = b[0:16], b[16:80], _h(b, 80), _h(b, 82)
+        out, is_ = 0, 0
+        for qi in (0, 32):
+            for shift in (0, 2, 4, 6):
+                for part in (0, 16):
+                    dl, ml = d * f32(sc[is_] & 0xF), dmin * f32(sc[is_] >> 4)
+                    for lane in range(16):
+                        y[out + lane] = dl * f32((q[qi + part + lane] >> shift) & 3) - ml
+                    out, is_ = out + 16, is_ + 1
+    elif t == T.Q3_K:
+        hm, q, raw, d = b[0:32], b[32:96], b[96:108], _h(b, 108)
+        aux = list(struct.unpack("<3I", bytes(raw))) + [0]
+        k1, k2, tmp = 0x03030303, 0x0F0F0F0F, aux[2]
+        aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4)
+        aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4)
+        aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4)
+        aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4)
+        scales = np.frombuffer(struct.pack("<4I", *aux), np.int8)
+        out, is_, m = 0, 0, 1
+        for qi in (0, 32):
+            for shift in (0, 2, 4, 6):
+                for part in (0, 16):
+                    dl = d * f32(int(scales[is_]) - 32)
+                    for lane in range(16):
+                        low = (q[qi + part + lane] >> shift) & 3
+                        y[out + lane] = dl * f32(low - (0 if hm[part + lane] & m else 4))
+                    out, is_ = out + 16, is_ + 1
+                m <<= 1
     elif t == T.Q6_K:
         ql, qh = b[0:128], b[128:192]
         sc = np.frombuffer(bytes(b[192:208]), np.int8)
@@ -311,21 +347,22 @@ def random_blocks(t, n: int, seed: int = 0) -> np.ndarray:
     size = gguf.BLOCK_LAYOUT[t][1]
     b = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
     halves = {T.Q8_0: [0], T.Q4_0: [0], T.Q5_0: [0], T.Q4_1: [0, 2], T.Q5_1: [0, 2],
-              T.Q4_K: [0, 2], T.Q6_K: [208]}[t]
+              T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2],
+              T.Q6_K: [208]}[t]
     for at in halves:
         b[:, at:at + 2] = rng.uniform(-2, 2, n).astype(np.float16).view(np.uint8).reshape(n, 2)
     return b.reshape(-1)
 
 
 # -- tests ----------------------------------------------------------------------------------
-BLOCK_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q6_K]
+BLOCK_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, *K_TYPES]
 
 
 @pytest.mark.parametrize("t", BLOCK_TYPES, ids=lambda t: t.name)
 def test_dequantize_matches_per_block_reference(t):
-    n = 7 if t in (T.Q4_K, T.Q6_K) else 21
+    n = 7 if t in K_TYPES else 21
     raw = random_blocks(t, n, seed=int(t))
-    per_row = gguf.BLOCK_LAYOUT[t][0] * (1 if t in (T.Q4_K, T.Q6_K) else 3)
+    per_row = gguf.BLOCK_LAYOUT[t][0] * (1 if t in K_TYPES else 3)
     shape = (n * gguf.BLOCK_LAYOUT[t][0] // per_row, per_row)
     got = dequantize(torch.from_numpy(raw.copy()), t, shape)
     want = torch.from_numpy(ref_dequantize(raw, t)).reshape(shape)
@@ -536,17 +573,17 @@ def test_unsupported_architecture_and_quantization(good_file, tmp_path):
                                    b"\x05\x00\x00\x00\x00\x00\x00\x00gpt-2", 1))
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt-2'.*llama"):
         load_model(other)
-    # Re-type one tensor as Q2_K: its type field follows the name, n_dims and the dims.
+    # Re-type one tensor as IQ4_NL: its type field follows the name, n_dims and the dims.
     name = b"blk.1.ffn_up.weight"
     at = data.index(name) + len(name) + 4 + 2 * 8
     assert struct.unpack_from("<I", data, at)[0] == T.Q4_0
-    q2k = tmp_path / "q2k.gguf"
-    q2k.write_bytes(data[:at] + struct.pack("<I", T.Q2_K) + data[at + 4:])
-    with pytest.raises(ValueError, match="'blk.1.ffn_up.weight' has quantization type Q2_K"):
-        load_model(q2k)
-    q2k.write_bytes(data[:at] + struct.pack("<I", 99) + data[at + 4:])
+    iq = tmp_path / "iq4_nl.gguf"
+    iq.write_bytes(data[:at] + struct.pack("<I", T.IQ4_NL) + data[at + 4:])
+    with pytest.raises(ValueError, match="'blk.1.ffn_up.weight' has quantization type IQ4_NL"):
+        load_model(iq)
+    iq.write_bytes(data[:at] + struct.pack("<I", 99) + data[at + 4:])
     with pytest.raises(ValueError, match="unknown type 99"):
-        load_model(q2k)
+        load_model(iq)
 
 
 def test_missing_metadata_tensor_and_ambiguous_directory(tmp_path):

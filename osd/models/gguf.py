@@ -71,7 +71,12 @@ BLOCK_LAYOUT = {
     GGMLType.Q5_0: (32, 22),     # fp16 d, u32 high bits, 16 bytes of nibbles
     GGMLType.Q5_1: (32, 24),     # fp16 d, fp16 m, u32 high bits, 16 bytes of nibbles
     GGMLType.Q8_0: (32, 34),     # fp16 d, 32 int8
+    GGMLType.Q2_K: (256, 84),    # 16 bytes of 4-bit scale/min pairs, 64 bytes of 2-bit codes,
+    #                              fp16 d, fp16 dmin
+    GGMLType.Q3_K: (256, 110),   # 32 bytes of high bits, 64 bytes of 2-bit codes, 12 bytes of
+    #                              6-bit scales, fp16 d
     GGMLType.Q4_K: (256, 144),   # fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 nibbles
+    GGMLType.Q5_K: (256, 176),   # Q4_K's fields, then 32 bytes of high bits before the nibbles
     GGMLType.Q6_K: (256, 210),   # 128 low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, fp16 d
 }
 SUPPORTED_TYPES = tuple(BLOCK_LAYOUT)
@@ -285,6 +290,22 @@ def _high_bits(qh: torch.Tensor) -> torch.Tensor:
     return ((qh.unsqueeze(-1) >> shifts) & 1).reshape(qh.shape[0], 32)
 
 
+def _bit_planes(h: torch.Tensor) -> torch.Tensor:
+    """[n, 32] bytes -> [n, 8, 32] bits: plane ``j`` holds bit ``j`` of every byte (the
+    K-quants' high bits: sub-block ``j`` of 32 weights reads plane ``j``)."""
+    shifts = torch.arange(8, device=h.device, dtype=torch.uint8).view(1, 8, 1)
+    return (h.unsqueeze(1) >> shifts) & 1
+
+
+def _k3_scales(s: torch.Tensor) -> torch.Tensor:
+    """Q3_K's 12 bytes -> 16 signed six-bit scales [n, 16] int (stored with a +32 offset):
+    the low four bits are the nibbles of bytes 0-7 (low nibbles first), the high two bits
+    come from bytes 8-11, two bits at a time."""
+    low = torch.cat([s[:, :8] & 0xF, s[:, :8] >> 4], dim=1)
+    high = torch.cat([(s[:, 8:12] >> sh) & 3 for sh in (0, 2, 4, 6)], dim=1)
+    return (low | (high << 4)).to(torch.int16) - 32
+
+
 def _k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins, [n, 8] each."""
     lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
@@ -308,13 +329,33 @@ def _dequant_blocks(b: torch.Tensor, ggml_type: int) -> torch.Tensor:
     if ggml_type == GGMLType.Q5_1:
         q = _nibbles(b[:, 8:]) | (_high_bits(b[:, 4:8]) << 4)
         return q.float() * _f16(b, 0) + _f16(b, 2)
-    if ggml_type == GGMLType.Q4_K:
+    if ggml_type in (GGMLType.Q4_K, GGMLType.Q5_K):
         scales, mins = _k4_scales(b[:, 4:16])
-        qs = b[:, 16:].reshape(n, 4, 32)
-        q = torch.stack([qs & 0xF, qs >> 4], dim=2).reshape(n, 8, 32).float()
+        qs = b[:, 16:].reshape(n, 4, 32) if ggml_type == GGMLType.Q4_K \
+            else b[:, 48:].reshape(n, 4, 32)
+        q = torch.stack([qs & 0xF, qs >> 4], dim=2).reshape(n, 8, 32)
+        if ggml_type == GGMLType.Q5_K:           # sub-block j's fifth bit: bit j of qh
+            q = q | (_bit_planes(b[:, 16:48]) << 4)
         d = _f16(b, 0) * scales.float()          # ggml: d1 = d * sc, y = d1 * q - m1
         m = _f16(b, 2) * mins.float()
+        return (d.unsqueeze(-1) * q.float() - m.unsqueeze(-1)).reshape(n, 256)
+    if ggml_type == GGMLType.Q2_K:
+        sc = b[:, :16]
+        qs = b[:, 16:80].reshape(n, 2, 1, 32)    # [half, shift, 32 lanes] -> 16 groups of 16
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+        q = ((qs >> shifts) & 3).reshape(n, 16, 16).float()
+        d = _f16(b, 80) * (sc & 0xF).float()     # ggml: dl = d * (sc & 0xF), ml = dmin * (sc >> 4)
+        m = _f16(b, 82) * (sc >> 4).float()
         return (d.unsqueeze(-1) * q - m.unsqueeze(-1)).reshape(n, 256)
+    if ggml_type == GGMLType.Q3_K:
+        qs = b[:, 32:96].reshape(n, 2, 1, 32)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+        low = ((qs >> shifts) & 3).reshape(n, 16, 16)
+        # a clear high bit subtracts 4 (ggml: (hm & m) ? 0 : 4)
+        high = _bit_planes(b[:, :32]).reshape(n, 16, 16)
+        q = low.to(torch.int8) - ((high ^ 1) << 2).to(torch.int8)
+        return (_f16(b, 108) * _k3_scales(b[:, 96:108]).float()).unsqueeze(-1).mul(
+            q.float()).reshape(n, 256)
     if ggml_type == GGMLType.Q6_K:
         ql = b[:, :128].reshape(n, 2, 2, 32)     # [half, first/second 32 bytes, 32]
         qh = b[:, 128:192].reshape(n, 2, 32)
