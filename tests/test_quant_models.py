@@ -5,6 +5,7 @@ float rounding in longer ones; plain, speculative (standalone, EAGLE, self) and 
 decoding emit the dequantized model's tokens; float models quantize in place; drafts quantize
 at load (``quantize_draft``); online EAGLE learning shares the quantized head; bad uses fail
 clearly."""
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -50,6 +51,74 @@ def test_quantized_target_equals_its_dequantized_model(tmp_path, t, family, tie)
     long_ids = prompts_of([70], vocab=VOCAB, seed=43)[0]   # prefill rows past the kernels
     for a, b in zip(_forward(quant, long_ids, [5]), _forward(float_model, long_ids, [5])):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+def k_quant_gguf(path, linear_type, v_type=None, seed: int = 0):
+    """A random 2-layer Llama GGUF as wide as a K-quant super-block (hidden 256, 4 heads /
+    2 KV heads, SwiGLU 512, vocab 300) whose linear weights and head are random
+    ``linear_type`` blocks (``v_type`` for ``attn_v``, as Q4_K_M files keep some in Q6_K),
+    scaled to keep activations moderate; embedding and norms float32."""
+    from osd.models.gguf import BLOCK_LAYOUT, write_gguf
+    from tests.test_gguf import random_blocks
+
+    rng = np.random.default_rng(seed)
+    H, F, V = 256, 512, VOCAB
+    meta = {"general.architecture": "llama", "llama.block_count": 2,
+            "llama.context_length": 256, "llama.embedding_length": H,
+            "llama.feed_forward_length": F, "llama.attention.head_count": 4,
+            "llama.attention.head_count_kv": 2, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+            "llama.rope.freq_base": 10000.0}
+
+    def blocks(t, shape):
+        n = shape[0] * shape[1] // BLOCK_LAYOUT[t][0]
+        b = random_blocks(t, n, seed=int(rng.integers(1 << 30))).reshape(n, -1)
+        for at in {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[t]:   # d (and dmin)
+            b[:, at:at + 2] = (rng.uniform(-1, 1, n) * 5e-4).astype(np.float16) \
+                .view(np.uint8).reshape(n, 2)
+        return b.reshape(-1), t, shape
+
+    def norm(n):
+        return torch.from_numpy(1 + 0.1 * rng.standard_normal(n).astype(np.float32)), T.F32
+
+    tensors = {"token_embd.weight": (torch.from_numpy(
+                   0.3 * rng.standard_normal((V, H)).astype(np.float32)), T.F32),
+               "output_norm.weight": norm(H), "output.weight": blocks(linear_type, (V, H))}
+    for i in range(2):
+        for name, shape in (("attn_q", (H, H)), ("attn_k", (H // 2, H)),
+                            ("attn_v", (H // 2, H)), ("attn_output", (H, H)),
+                            ("ffn_gate", (F, H)), ("ffn_up", (F, H)), ("ffn_down", (H, F))):
+            t = v_type if name == "attn_v" and v_type is not None else linear_type
+            tensors[f"blk.{i}.{name}.weight"] = blocks(t, shape)
+        tensors[f"blk.{i}.attn_norm.weight"] = norm(H)
+        tensors[f"blk.{i}.ffn_norm.weight"] = norm(H)
+    write_gguf(path, meta, tensors)
+    return path
+
+
+@pytest.mark.parametrize("t,v", [(T.Q4_K, None), (T.Q5_K, None), (T.Q4_K, T.Q6_K)],
+                         ids=["Q4_K", "Q5_K", "Q4_K-v-Q6_K"])
+def test_k_quant_target_equals_its_dequantized_model(tmp_path, t, v):
+    """Q4_K and Q5_K weights stay quantized (their 32-weight sub-blocks as 4- and 8-bit
+    codes) and give the dequantized model's logits bit for bit in decode and verify
+    forwards; a projection with a part in another type (Q6_K) stays float."""
+    path = k_quant_gguf(tmp_path / "k.gguf", t, v, seed=int(t))
+    float_model = load_model(path)
+    quant = load_model(path, quantized=True)
+    for layer in quant.layers:
+        assert isinstance(layer.wqkv, QuantLinear) == (v is None)
+        assert all(isinstance(getattr(layer, n), QuantLinear) and getattr(layer, n).fmt == t.name
+                   for n in ("wo", "w_gate_up", "w_down"))
+    assert isinstance(quant.lm_head, QuantLinear)
+    for a, b in zip(_linears(quant), _linears(float_model)):
+        if isinstance(a, QuantLinear):
+            assert torch.equal(a.dequantize(), b.weight)
+    ids = prompts_of([13], vocab=VOCAB, seed=44)[0]
+    for tokens in ([5], [7, 8, 9, 10, 11]):          # a decode step, a verify forward
+        for a, b in zip(_forward(quant, ids, tokens), _forward(float_model, ids, tokens)):
+            assert torch.isfinite(b).all() and torch.equal(a, b)
+    long_ids = prompts_of([70], vocab=VOCAB, seed=45)[0]   # prefill rows past the kernels
+    for a, b in zip(_forward(quant, long_ids, [5]), _forward(float_model, long_ids, [5])):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
 
 
 def test_float_tensors_stay_float(tmp_path):

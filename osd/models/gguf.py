@@ -490,8 +490,9 @@ def write_gguf(path: str | os.PathLike, metadata: Mapping[str, Any],
     Args:
         metadata: key -> bool, int (u32, or i64 when outside u32), float (f32), str, or a
             list of one of those.
-        tensors: name -> (float weights in torch order, GGMLType); quantized with
-            :func:`quantize`.
+        tensors: name -> (float weights in torch order, GGMLType), quantized with
+            :func:`quantize`; or (stored bytes, GGMLType, torch shape) for blocks encoded
+            elsewhere (uint8, the type's whole blocks).
         alignment: data alignment; stored as ``general.alignment`` when not the default.
     """
     meta = dict(metadata)
@@ -502,9 +503,17 @@ def write_gguf(path: str | os.PathLike, metadata: Mapping[str, Any],
         vtype = _value_type(value)
         out += [_pack_string(key), struct.pack("<I", vtype), _pack_value(value, vtype)]
     blobs, offset = [], 0
-    for name, (array, ggml_type) in tensors.items():
-        shape = tuple(array.shape)
-        data = quantize(array, ggml_type).tobytes()
+    for name, (array, ggml_type, *stored) in tensors.items():
+        if stored:
+            shape = tuple(stored[0])
+            data = np.asarray(array, dtype=np.uint8).tobytes()
+            block, size = BLOCK_LAYOUT[ggml_type]
+            if len(data) * block != math.prod(shape) * size:
+                raise ValueError(f"tensor {name!r}: {len(data)} bytes of "
+                                 f"{type_name(ggml_type)} do not hold shape {shape}")
+        else:
+            shape = tuple(array.shape)
+            data = quantize(array, ggml_type).tobytes()
         out += [_pack_string(name), struct.pack("<I", len(shape)),
                 struct.pack(f"<{len(shape)}Q", *reversed(shape)),
                 struct.pack("<IQ", int(ggml_type), offset)]

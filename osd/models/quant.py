@@ -1,4 +1,5 @@
-"""Linear layers whose weights stay block-quantized in memory (GGUF's Q4_0, Q4_1, Q8_0).
+"""Linear layers whose weights stay block-quantized in memory (GGUF's Q4_0, Q4_1, Q8_0,
+and Q4_K / Q5_K from files).
 
 On a CPU a decode or verify forward is bound by reading the weights: a GGUF checkpoint's
 4-bit weights read 0.75 bytes each where their float32 copy reads 4. A
@@ -27,8 +28,11 @@ from torch import nn
 
 from osd_kernels.quant_linear import BLOCK, dequantize_weight, quant_linear
 
-# GGUF block types a QuantLinear holds, by name.
+# Block types a float layer can be quantized to (ggml's reference rounding), by name.
 FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+# GGUF block types a QuantLinear holds as stored: FORMATS, and the K-quants whose 32-weight
+# sub-blocks are affine in their codes (Q4_K as 4-bit codes, Q5_K as 8-bit ones).
+GGUF_FORMATS = FORMATS + ("Q4_K", "Q5_K")
 
 
 class QuantLinear(nn.Module):
@@ -77,10 +81,12 @@ class QuantLinear(nn.Module):
     def from_gguf_blocks(cls, raw: torch.Tensor, fmt: str, shape: tuple[int, int],
                          bias: torch.Tensor | None = None) -> "QuantLinear":
         """A layer from one GGUF tensor's stored bytes (``raw`` uint8, ``shape = (N, K)``
-        in torch order) of block type ``fmt`` (one of :data:`FORMATS`)."""
-        if fmt not in FORMATS:
-            raise ValueError(f"QuantLinear holds {', '.join(FORMATS)} weights, not {fmt}")
+        in torch order) of block type ``fmt`` (one of :data:`GGUF_FORMATS`)."""
+        if fmt not in GGUF_FORMATS:
+            raise ValueError(f"QuantLinear holds {', '.join(GGUF_FORMATS)} weights, not {fmt}")
         N, K = shape
+        if fmt in ("Q4_K", "Q5_K"):
+            return cls(*_k_quant_codes(raw, fmt, N, K), bias, fmt)
         blocks = raw.reshape(N, K // BLOCK, -1)
         d = blocks[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
         if fmt == "Q8_0":
@@ -96,6 +102,37 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
                f"format={self.fmt}, bias={self.bias is not None}"
+
+
+def _k_quant_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
+    """Q4_K / Q5_K super-blocks (256 weights) -> ``(qweight, scales, mins)``.
+
+    Sub-block ``j`` of 32 weights is ``d * sc[j] * q - dmin * m[j]`` (ggml): its scale is
+    ``d * sc[j]`` and its min ``-(dmin * m[j])``, both computed in float32 as ggml does. A
+    scale is a float16 value times a 6-bit integer (17 significant bits), so a 4- or 5-bit
+    code times it is exact in float32 and the kernel's ``q * scale + min`` rounds once, as
+    ggml's dequantization does: the weights are the dequantized file's bit for bit.
+    Q4_K's codes are repacked into the 4-bit layout (byte ``j`` of a block: elements ``j``
+    and ``j + 16``); Q5_K's 5-bit codes are kept as 8-bit ones.
+    """
+    from osd.models.gguf import _bit_planes, _k4_scales
+
+    if K % 256:
+        raise ValueError(f"{fmt} rows hold whole super-blocks of 256 weights, got K = {K}")
+    b = raw.reshape(-1, 144 if fmt == "Q4_K" else 176)
+    n = b.shape[0]
+    sc, mn = _k4_scales(b[:, 4:16])
+    d = b[:, 0:2].contiguous().view(torch.float16).float()
+    dmin = b[:, 2:4].contiguous().view(torch.float16).float()
+    scales = (d * sc.float()).reshape(N, K // BLOCK).contiguous()
+    mins = (-(dmin * mn.float())).reshape(N, K // BLOCK).contiguous()
+    qs = (b[:, 16:] if fmt == "Q4_K" else b[:, 48:]).reshape(n, 4, 32)
+    q = torch.stack([qs & 0xF, qs >> 4], dim=2).reshape(n, 8, 32)   # [super, sub-block, 32]
+    if fmt == "Q5_K":
+        q = q | (_bit_planes(b[:, 16:48]) << 4)
+        return q.to(torch.int8).reshape(N, K).contiguous(), scales, mins
+    packed = q[..., :16] | (q[..., 16:] << 4)      # the 4-bit layout: j | (j + 16) << 4
+    return packed.reshape(N, K // 2).contiguous(), scales, mins
 
 
 def _linear_slots(model) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -193,7 +230,7 @@ def quantize_gguf_linears(model, g) -> int:
     """Swap ``model``'s linear layers (and output head) for :class:`QuantLinear` layers
     holding the stored blocks of GGUF file ``g`` (a ``GGUFFile`` the model was loaded
     from). A fused projection is quantized when all its parts share one of
-    :data:`FORMATS`; other layers stay float. Returns the number of layers swapped."""
+    :data:`GGUF_FORMATS`; other layers stay float. Returns the number of layers swapped."""
     from osd.models.gguf import ARCHITECTURES, type_name, unpermute_rope_rows
 
     permuted = ARCHITECTURES[g.architecture][1]
@@ -201,7 +238,7 @@ def quantize_gguf_linears(model, g) -> int:
 
     def part(name: str, heads: int | None = None) -> tuple[str, torch.Tensor] | None:
         info = g.tensors.get(name)
-        if info is None or type_name(info.type) not in FORMATS:
+        if info is None or type_name(info.type) not in GGUF_FORMATS:
             return None
         N, K = info.shape
         raw = g.raw(name).reshape(N, -1)
@@ -237,4 +274,5 @@ def quantize_gguf_linears(model, g) -> int:
     return swapped
 
 
-__all__ = ["QuantLinear", "FORMATS", "quantize_linears", "quantize_gguf_linears"]
+__all__ = ["QuantLinear", "FORMATS", "GGUF_FORMATS", "quantize_linears",
+           "quantize_gguf_linears"]
