@@ -334,7 +334,8 @@ class Engine:
             if len(ids) >= self.max_seq_len:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens, longer than the maximum "
                                  f"context allows (max_seq_len={self.max_seq_len}, which must "
-                                 f"leave room for one generated token)")
+                                 f"leave room for one generated token; the model's trained "
+                                 f"context: {self.model.config.max_position_embeddings})")
             out.append(ids)
         return out
 
