@@ -26,8 +26,9 @@ Every osd and transformers provider's output is asserted equal to osd plain gree
 is interleaved prompt by prompt with ``osd-plain`` as the anchor, best of ``ROUNDS``; the
 ratios ``vs_plain`` come from those side-by-side sums. ``c`` is the draft's one-token
 forward over the target's (interleaved, median; ``osd.demo.draft_cost_ratio``). The chat model is fetched on first use;
-the module is skipped when it cannot be (no network, no cache). ``OSD_BENCH_CHAT_DRAFT``
-benchmarks another draft directory; ``OSD_BENCH_CHAT_TOKENS``, ``_PROMPTS``, ``_WARMUP``
+the module is skipped when it cannot be (no network, no cache). ``OSD_BENCH_CHAT_TARGET``
+benchmarks another GGUF file of the same model (another quantization, such as a Q4_K_M
+file), ``OSD_BENCH_CHAT_DRAFT`` another draft directory; ``OSD_BENCH_CHAT_TOKENS``, ``_PROMPTS``, ``_WARMUP``
 change the workload.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_chat.py \\
@@ -69,7 +70,8 @@ def setup():
         target, draft = zoo.chat_pair()
     except Exception as exc:        # pragma: no cover - offline machines
         pytest.skip(f"the chat pair is not available: {exc}")
-    draft = os.environ.get("OSD_BENCH_CHAT_DRAFT", draft)   # benchmark another draft
+    target = os.environ.get("OSD_BENCH_CHAT_TARGET", target)   # another file of the model
+    draft = os.environ.get("OSD_BENCH_CHAT_DRAFT", draft)      # benchmark another draft
     if draft is None:
         pytest.skip("the chat pair has no draft")
     convs = humaneval.conversations(NUM_PROMPTS + WARMUP, seed=11)

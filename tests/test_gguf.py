@@ -312,7 +312,7 @@ def _roundf(v: np.float32) -> int:
 
 
 def ref_quantize(x: np.ndarray, t) -> bytes:
-    """ggml's quantize_row_{q8_0,q4_0,q4_1}_ref, one block at a time in float32."""
+    """ggml's quantize_row_{q8_0,q4_0,q4_1,q5_0,q5_1}_ref, one block at a time in float32."""
     f32, out = np.float32, b""
     for blk in np.asarray(x, np.float32).reshape(-1, 32):
         if t == T.Q8_0:
@@ -322,22 +322,27 @@ def ref_quantize(x: np.ndarray, t) -> bytes:
             q = [_roundf(v * inv) for v in blk]
             out += np.float16(d).tobytes() + np.array(q, np.int8).tobytes()
             continue
-        if t == T.Q4_0:
+        five = t in (T.Q5_0, T.Q5_1)
+        if t in (T.Q4_0, T.Q5_0):
             amax, mx = f32(0), f32(0)
             for v in blk:
                 if amax < abs(v):
                     amax, mx = abs(v), v
-            d = mx / f32(-8)
+            d = mx / f32(-16 if five else -8)
             inv = f32(1) / d if d else f32(0)
-            q = [min(15, int(v * inv + f32(8.5))) for v in blk]
+            q = [min(31 if five else 15, int(v * inv + f32(16.5 if five else 8.5)))
+                 for v in blk]
             head = np.float16(d).tobytes()
         else:
             lo, hi = min(blk), max(blk)
-            d = (hi - lo) / f32(15)
+            d = (hi - lo) / f32(31 if five else 15)
             inv = f32(1) / d if d else f32(0)
-            q = [min(15, int((v - lo) * inv + f32(0.5))) for v in blk]
+            q = [min(31 if five else 15, int((v - lo) * inv + f32(0.5))) for v in blk]
             head = np.float16(d).tobytes() + np.float16(lo).tobytes()
-        out += head + bytes(q[j] | (q[j + 16] << 4) for j in range(16))
+        if five:
+            qh = sum(((q[j] & 0x10) >> 4) << j for j in range(32))
+            head += struct.pack("<I", qh)
+        out += head + bytes((q[j] & 0xF) | ((q[j + 16] & 0xF) << 4) for j in range(16))
     return out
 
 
@@ -372,7 +377,7 @@ def test_dequantize_matches_per_block_reference(t):
     assert torch.equal(half, want.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1], ids=lambda t: t.name)
 def test_quantize_matches_ggml_reference(t):
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1)) * 3
     x[0, :32] = 0.0           # an all-zero block: d = 0
@@ -382,10 +387,12 @@ def test_quantize_matches_ggml_reference(t):
     back = torch.from_numpy(ref_dequantize(raw, t)).reshape(-1, 32)
     blocks = x.reshape(-1, 32)
     amax = blocks.abs().amax(1, keepdim=True)
-    # Worst error in steps: half a step (Q4_0: a whole one, its +8 end is clamped to 15),
-    # plus the fp16 rounding of d (and of Q4_1's minimum).
+    # Worst error in steps: half a step (Q4_0, Q5_0: a whole one, the end at +8 / +16 is
+    # clamped), plus the fp16 rounding of d (and of Q4_1's and Q5_1's minimum).
+    spread = blocks.amax(1, True) - blocks.amin(1, True)
     step, steps = {T.Q8_0: (amax / 127, 0.5), T.Q4_0: (amax / 8, 1.0),
-                   T.Q4_1: ((blocks.amax(1, True) - blocks.amin(1, True)) / 15, 0.5)}[t]
+                   T.Q4_1: (spread / 15, 0.5), T.Q5_0: (amax / 16, 1.0),
+                   T.Q5_1: (spread / 31, 0.5)}[t]
     assert ((back - blocks).abs() <= step * (steps + 0.1) + amax * 2 ** -10).all()
 
 

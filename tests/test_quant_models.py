@@ -17,7 +17,7 @@ from osd.models.quant import QuantLinear, quantize_linears, quantize_weight
 from tests.test_gguf import T, VOCAB, tiny_hf_model, to_gguf
 from tests.test_speculative import prompts_of
 
-QTYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
+QTYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1]
 
 
 def _linears(model):

@@ -399,8 +399,8 @@ def _fp16_bytes(x: np.ndarray) -> np.ndarray:
 
 def quantize(x: np.ndarray | torch.Tensor, ggml_type: int) -> np.ndarray:
     """Float weights -> their GGUF bytes (uint8 [nbytes]), as ggml's reference
-    ``quantize_row_*_ref`` computes them. Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1; the last
-    dim must be a multiple of 32 for the block types."""
+    ``quantize_row_*_ref`` computes them. Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
+    Q5_1; the last dim must be a multiple of 32 for the block types."""
     if isinstance(x, torch.Tensor):
         if ggml_type == GGMLType.BF16:
             return x.detach().cpu().to(torch.bfloat16).contiguous().view(torch.uint8) \
@@ -413,9 +413,10 @@ def quantize(x: np.ndarray | torch.Tensor, ggml_type: int) -> np.ndarray:
         return x.astype(np.float16).reshape(-1).view(np.uint8)
     if ggml_type == GGMLType.BF16:
         return quantize(torch.from_numpy(x), ggml_type)
-    if ggml_type not in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1):
-        raise ValueError(f"quantize supports F32, F16, BF16, Q8_0, Q4_0, Q4_1, not "
-                         f"{type_name(ggml_type)}")
+    if ggml_type not in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0,
+                         GGMLType.Q5_1):
+        raise ValueError(f"quantize supports F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+                         f"not {type_name(ggml_type)}")
     if x.shape[-1] % 32:
         raise ValueError(f"rows of {x.shape[-1]} weights are not whole blocks of 32")
     blocks = x.reshape(-1, 32)
@@ -427,19 +428,26 @@ def quantize(x: np.ndarray | torch.Tensor, ggml_type: int) -> np.ndarray:
             # roundf (halves away from zero); + 0.5 in float64 is exact for float32 v
             q = (np.sign(v) * np.floor(np.abs(v).astype(np.float64) + 0.5)).astype(np.int8)
             return np.concatenate([_fp16_bytes(d), q.view(np.uint8)], axis=1).reshape(-1)
-        if ggml_type == GGMLType.Q4_0:
+        top = 31 if ggml_type in (GGMLType.Q5_0, GGMLType.Q5_1) else 15
+        if ggml_type in (GGMLType.Q4_0, GGMLType.Q5_0):
             signed_max = blocks[np.arange(len(blocks)), np.abs(blocks).argmax(axis=1)]
-            d = signed_max / -8
+            half = (top + 1) // 2                # the code of 0: 8 (Q4_0) or 16 (Q5_0)
+            d = signed_max / -half
             inv = np.where(d != 0, 1 / d, 0).astype(np.float32)
-            q = np.minimum(15, np.trunc(blocks * inv[:, None] + 8.5)).astype(np.uint8)
+            q = np.minimum(top, np.trunc(blocks * inv[:, None] + (half + 0.5))).astype(np.uint8)
         else:
             lo, hi = blocks.min(axis=1), blocks.max(axis=1)
-            d = (hi - lo) / 15
+            d = (hi - lo) / top
             inv = np.where(d != 0, 1 / d, 0).astype(np.float32)
-            q = np.minimum(15, np.trunc((blocks - lo[:, None]) * inv[:, None] + 0.5)) \
+            q = np.minimum(top, np.trunc((blocks - lo[:, None]) * inv[:, None] + 0.5)) \
                 .astype(np.uint8)
-    packed = q[:, :16] | (q[:, 16:] << 4)
-    head = [_fp16_bytes(d)] + ([_fp16_bytes(lo)] if ggml_type == GGMLType.Q4_1 else [])
+    packed = (q[:, :16] & 0xF) | ((q[:, 16:] & 0xF) << 4)
+    head = [_fp16_bytes(d)]
+    if ggml_type in (GGMLType.Q4_1, GGMLType.Q5_1):
+        head.append(_fp16_bytes(lo))
+    if top == 31:                                # the fifth bits: bit j of a u32, element j
+        bits = (q >> 4).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+        head.append(bits.sum(axis=1, dtype=np.uint32).astype("<u4")[:, None].view(np.uint8))
     return np.concatenate(head + [packed], axis=1).reshape(-1)
 
 

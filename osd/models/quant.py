@@ -1,5 +1,5 @@
 """Linear layers whose weights stay block-quantized in memory (GGUF's Q4_0, Q4_1, Q8_0,
-and Q4_K / Q5_K from files).
+and Q5_0 / Q5_1 / Q4_K / Q5_K from files).
 
 On a CPU a decode or verify forward is bound by reading the weights: a GGUF checkpoint's
 4-bit weights read 0.75 bytes each where their float32 copy reads 4. A
@@ -30,9 +30,10 @@ from osd_kernels.quant_linear import BLOCK, dequantize_weight, quant_linear
 
 # Block types a float layer can be quantized to (ggml's reference rounding), by name.
 FORMATS = ("Q4_0", "Q4_1", "Q8_0")
-# GGUF block types a QuantLinear holds as stored: FORMATS, and the K-quants whose 32-weight
-# sub-blocks are affine in their codes (Q4_K as 4-bit codes, Q5_K as 8-bit ones).
-GGUF_FORMATS = FORMATS + ("Q4_K", "Q5_K")
+# GGUF block types a QuantLinear holds as codes: FORMATS, the 5-bit types (as 8-bit codes),
+# and the K-quants whose 32-weight sub-blocks are affine in their codes (Q4_K as 4-bit
+# codes, Q5_K as 8-bit ones).
+GGUF_FORMATS = FORMATS + ("Q5_0", "Q5_1", "Q4_K", "Q5_K")
 
 
 class QuantLinear(nn.Module):
@@ -89,6 +90,17 @@ class QuantLinear(nn.Module):
             return cls(*_k_quant_codes(raw, fmt, N, K), bias, fmt)
         blocks = raw.reshape(N, K // BLOCK, -1)
         d = blocks[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
+        if fmt in ("Q5_0", "Q5_1"):
+            # 5-bit codes as 8-bit ones: (q - 16) d = q d + (-16 d) for Q5_0, q d + m for
+            # Q5_1; a 5-bit code times a float16 scale is exact in float32.
+            from osd.models.gguf import _high_bits, _nibbles
+            lo = 2 if fmt == "Q5_0" else 4
+            flat = blocks.reshape(N * (K // BLOCK), -1)
+            q = _nibbles(flat[:, lo + 4:]) | (_high_bits(flat[:, lo:lo + 4]) << 4)
+            m = -16.0 * d if fmt == "Q5_0" else \
+                blocks[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+            return cls(q.to(torch.int8).reshape(N, K).contiguous(), d.contiguous(),
+                       m.contiguous(), bias, fmt)
         if fmt == "Q8_0":
             q = blocks[..., 2:].contiguous().view(torch.int8).reshape(N, K)
             return cls(q, d.contiguous(), None, bias, fmt)
