@@ -72,7 +72,8 @@ def k_quant_gguf(path, linear_type, v_type=None, seed: int = 0):
     def blocks(t, shape):
         n = shape[0] * shape[1] // BLOCK_LAYOUT[t][0]
         b = random_blocks(t, n, seed=int(rng.integers(1 << 30))).reshape(n, -1)
-        for at in {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[t]:   # d (and dmin)
+        for at in {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q5_0: (0,),
+                   T.Q8_0: (0,)}[t]:                                    # d (and dmin)
             b[:, at:at + 2] = (rng.uniform(-1, 1, n) * 5e-4).astype(np.float16) \
                 .view(np.uint8).reshape(n, 2)
         return b.reshape(-1), t, shape
@@ -95,17 +96,19 @@ def k_quant_gguf(path, linear_type, v_type=None, seed: int = 0):
     return path
 
 
-@pytest.mark.parametrize("t,v", [(T.Q4_K, None), (T.Q5_K, None), (T.Q4_K, T.Q6_K)],
-                         ids=["Q4_K", "Q5_K", "Q4_K-v-Q6_K"])
-def test_k_quant_target_equals_its_dequantized_model(tmp_path, t, v):
+@pytest.mark.parametrize("t,v,qkv", [(T.Q4_K, None, "Q4_K"), (T.Q5_K, None, "Q5_K"),
+                                      (T.Q4_K, T.Q6_K, None), (T.Q5_0, T.Q8_0, "Q5_0+Q8_0")],
+                         ids=["Q4_K", "Q5_K", "Q4_K-v-Q6_K", "Q5_0-v-Q8_0"])
+def test_k_quant_target_equals_its_dequantized_model(tmp_path, t, v, qkv):
     """Q4_K and Q5_K weights stay quantized (their 32-weight sub-blocks as 4- and 8-bit
     codes) and give the dequantized model's logits bit for bit in decode and verify
-    forwards; a projection with a part in another type (Q6_K) stays float."""
+    forwards; a fused projection whose parts differ in type fuses when their codes have
+    the same width (Q5_0 and Q8_0: 8 bits) and stays float otherwise (with Q6_K)."""
     path = k_quant_gguf(tmp_path / "k.gguf", t, v, seed=int(t))
     float_model = load_model(path)
     quant = load_model(path, quantized=True)
     for layer in quant.layers:
-        assert isinstance(layer.wqkv, QuantLinear) == (v is None)
+        assert (layer.wqkv.fmt if isinstance(layer.wqkv, QuantLinear) else None) == qkv
         assert all(isinstance(getattr(layer, n), QuantLinear) and getattr(layer, n).fmt == t.name
                    for n in ("wo", "w_gate_up", "w_down"))
     assert isinstance(quant.lm_head, QuantLinear)

@@ -116,6 +116,22 @@ class QuantLinear(nn.Module):
                f"format={self.fmt}, bias={self.bias is not None}"
 
 
+def _fused(pieces: list[QuantLinear], bias: torch.Tensor | None) -> QuantLinear:
+    """One layer of ``pieces`` stacked along the output rows (a fused projection whose
+    parts a file stores apart, maybe in different types with the same code width); a
+    piece without mins gets zero mins when another has them."""
+    if len(pieces) == 1:
+        p = pieces[0]
+        return QuantLinear(p.qweight, p.scales, p.mins, bias, p.fmt)
+    mins = None
+    if any(p.mins is not None for p in pieces):
+        mins = torch.cat([torch.zeros_like(p.scales) if p.mins is None else p.mins
+                          for p in pieces])
+    fmts = list(dict.fromkeys(p.fmt for p in pieces))
+    return QuantLinear(torch.cat([p.qweight for p in pieces]),
+                       torch.cat([p.scales for p in pieces]), mins, bias, "+".join(fmts))
+
+
 def _k_quant_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
     """Q4_K / Q5_K super-blocks (256 weights) -> ``(qweight, scales, mins)``.
 
@@ -241,8 +257,9 @@ def quantized_state(state: dict[str, torch.Tensor],
 def quantize_gguf_linears(model, g) -> int:
     """Swap ``model``'s linear layers (and output head) for :class:`QuantLinear` layers
     holding the stored blocks of GGUF file ``g`` (a ``GGUFFile`` the model was loaded
-    from). A fused projection is quantized when all its parts share one of
-    :data:`GGUF_FORMATS`; other layers stay float. Returns the number of layers swapped."""
+    from). A fused projection is quantized when all its parts are in
+    :data:`GGUF_FORMATS` with the same code width (4 or 8 bits; e.g. Q5_0 and Q8_0 parts
+    fuse); other layers stay float. Returns the number of layers swapped."""
     from osd.models.gguf import ARCHITECTURES, type_name, unpermute_rope_rows
 
     permuted = ARCHITECTURES[g.architecture][1]
@@ -267,14 +284,16 @@ def quantize_gguf_linears(model, g) -> int:
                   "w_gate_up": [part(f"blk.{i}.ffn_gate.weight"), part(f"blk.{i}.ffn_up.weight")],
                   "w_down": [part(f"blk.{i}.ffn_down.weight")]}
         for name, parts in groups.items():
-            if any(p is None for p in parts) or len({p[0] for p in parts}) > 1:
+            if any(p is None for p in parts):
                 continue
             old = getattr(layer, name)
-            fmt = parts[0][0]
-            raw = torch.cat([p[1] for p in parts])
+            K = old.weight.shape[1]
+            pieces = [QuantLinear.from_gguf_blocks(raw, fmt, (raw.shape[0], K))
+                      for fmt, raw in parts]
+            if len({q.qweight.dtype for q in pieces}) > 1:   # 4- and 8-bit codes do not fuse
+                continue
             bias = None if old.bias is None else old.bias.detach()
-            new = QuantLinear.from_gguf_blocks(raw, fmt, tuple(old.weight.shape), bias)
-            setattr(layer, name, new.to(old.weight.device))
+            setattr(layer, name, _fused(pieces, bias).to(old.weight.device))
             swapped += 1
     head = part("output.weight") or (part("token_embd.weight") if "output.weight" not in
                                      g.tensors else None)
