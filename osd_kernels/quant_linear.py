@@ -1,22 +1,24 @@
 """``quant_linear``: :func:`~osd_kernels.decode_linear` with the weight kept block-quantized,
-in the 4- and 8-bit formats of GGUF files (Q4_0, Q4_1, Q8_0).
+as 4- or 8-bit codes with float32 factors per group of 32 or 16 weights (the formats of
+GGUF files: Q4_0, Q4_1, Q8_0 as stored; the 5-bit and K-quant types re-expressed).
 
-A weight ``[N, K]`` is stored as codes and per-block affine factors, blocks of
-:data:`BLOCK` (32) weights along ``K``::
+A weight ``[N, K]`` is stored as codes and per-group affine factors, groups of ``G`` (32
+or 16; ``G = K / scales.shape[1]``) weights along ``K``::
 
-    W[n, k] = q[n, k] * scales[n, k // 32] + mins[n, k // 32]      (mins None: 0)
+    W[n, k] = q[n, k] * scales[n, k // G] + mins[n, k // G]      (mins None: 0)
 
 - 4-bit: ``qweight`` uint8 ``[N, K / 2]``, codes 0..15; in each block's 16 bytes, byte
   ``j`` holds element ``j`` in its low nibble and element ``j + 16`` in its high one (the
   order of GGUF's Q4_0/Q4_1 blocks, so a file's bytes are used as they are);
 - 8-bit: ``qweight`` int8 ``[N, K]``, codes -128..127 (Q8_0).
 
-``scales`` and ``mins`` are float32 ``[N, K / 32]``. Decode and verify forwards on a CPU
+``scales`` and ``mins`` are float32 ``[N, K / G]``; codes are laid out in blocks of
+:data:`BLOCK` (32) whatever ``G``. Decode and verify forwards on a CPU
 are bound by reading weights from memory: 4-bit codes with float32 factors are 0.75 bytes a
 weight against float32's 4. The C++ kernel (``csrc/cpu/quant_linear.cpp``; AVX-512, AVX2
 and portable paths) dequantizes each block in registers and multiplies it into every
 row's running sums in decode_linear's order; a code times a scale that came from float16
-is exact in float32, so its result equals ``decode_linear`` on :func:`dequantize_weight`'s
+(times a small integer, for the K-quants) is exact in float32, so its result equals ``decode_linear`` on :func:`dequantize_weight`'s
 matrix bit for bit, and a row's result never depends on the other rows.
 
 Past 64 rows (prefill pieces, large batches) the kernel dequantizes 256 weight rows at a
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 
 from osd_kernels._ops import native_available, resolve_backend
 
-BLOCK = 32  # weights per scale and min
+BLOCK = 32  # weights per block of codes (one or two groups of scale and min)
 
 
 def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor,
@@ -46,6 +48,7 @@ def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor,
         q = torch.cat([packed & 0xF, packed >> 4], dim=-1)              # [N, K / 32, 32]
     else:
         q = qweight.reshape(N, -1, BLOCK)
+    q = q.reshape(N, scales.shape[1], -1)                               # [N, K / G, G]
     w = q.float() * scales.unsqueeze(-1)
     if mins is not None:
         w = w + mins.unsqueeze(-1)
@@ -77,10 +80,14 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"x must be [..., K={K}], got {tuple(x.shape)}")
     if not x.dtype.is_floating_point:
         raise TypeError(f"x must be a float tensor, got {x.dtype}")
+    groups = scales.shape[-1] if scales.dim() == 2 else -1
+    if groups not in (K // BLOCK, 2 * K // BLOCK):
+        groups = K // BLOCK
     for name, t in (("scales", scales), ("mins", mins)):
-        if t is not None and (t.shape != (N, K // BLOCK) or t.dtype != torch.float32):
-            raise ValueError(f"{name} must be float32 [N={N}, K / {BLOCK}={K // BLOCK}], got "
-                             f"{t.dtype} {tuple(t.shape)}")
+        if t is not None and (t.shape != (N, groups) or t.dtype != torch.float32):
+            raise ValueError(f"{name} must be float32 [N={N}, K / 32={K // BLOCK}] or [N, "
+                             f"K / 16={2 * K // BLOCK}] (mins like scales), got {t.dtype} "
+                             f"{tuple(t.shape)}")
     if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be {x.dtype} [N={N}], got {bias.dtype} {tuple(bias.shape)}")
     if norm_weight is not None and (norm_weight.shape != (K,) or norm_weight.dtype != x.dtype):
@@ -104,8 +111,8 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     Args:
         x: ``[..., K]`` float (``M`` rows in all); ``K`` a multiple of 32.
         qweight: uint8 ``[N, K / 2]`` 4-bit codes or int8 ``[N, K]`` 8-bit codes.
-        scales: float32 ``[N, K / 32]``.
-        mins: float32 ``[N, K / 32]`` or None (zero).
+        scales: float32 ``[N, K / G]``, ``G`` (weights per scale) 32 or 16.
+        mins: float32 like ``scales``, or None (zero).
         bias: ``[N]`` or None.
         norm_weight: ``[K]`` or None: the RMSNorm applied to each row of ``x`` first.
         eps: the RMSNorm epsilon.

@@ -1,6 +1,6 @@
 """quant_linear: the C++ kernel against decode_linear on the dequantized weights (bit for
-bit, on each ISA path: AVX-512, AVX2, portable) and against the reference on odd shapes;
-the GGUF block formats; the auto dispatch rules; bad input; opcheck."""
+bit, on each ISA path: AVX-512, AVX2, portable; scales per 32 and per 16 weights) and
+against the reference on odd shapes; the GGUF block formats; the auto dispatch rules; bad input; opcheck."""
 import numpy as np
 import pytest
 import torch
@@ -15,15 +15,15 @@ SHAPES = [(1, 32, 1), (2, 64, 7), (3, 96, 13), (5, 576, 97), (7, 32, 5), (11, 16
           (65, 64, 300), (130, 96, 17)]  # (M, K, N)
 
 
-def _inputs(m, k, n, bits, seed, *, mins=True, bias=True):
+def _inputs(m, k, n, bits, seed, *, mins=True, bias=True, group=32):
     g = torch.Generator().manual_seed(seed)
     if bits == 4:
         q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
     else:
         q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     # scales and mins from float16, as GGUF stores them
-    scales = (torch.rand(n, k // 32, generator=g) * 0.1).half().float()
-    mn = (-torch.rand(n, k // 32, generator=g) * 0.5).half().float() if mins else None
+    scales = (torch.rand(n, k // group, generator=g) * 0.1).half().float()
+    mn = (-torch.rand(n, k // group, generator=g) * 0.5).half().float() if mins else None
     x = torch.randn(m, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
     return x, q, scales, mn, b
@@ -38,12 +38,13 @@ def _isa(monkeypatch, isa):
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (4, 16), (8, 16)])
 @pytest.mark.parametrize("m,k,n", SHAPES)
-def test_native_equals_decode_linear_on_dequantized_weights(monkeypatch, m, k, n, bits, isa):
+def test_native_equals_decode_linear_on_dequantized_weights(monkeypatch, m, k, n, bits, group,
+                                                            isa):
     _isa(monkeypatch, isa)
     for seed, extras in ((m * 100 + k, True), (n, False)):
-        x, q, s, mn, b = _inputs(m, k, n, bits, seed, mins=extras, bias=extras)
+        x, q, s, mn, b = _inputs(m, k, n, bits, seed, mins=extras, bias=extras, group=group)
         norm = torch.rand(k) + 0.5 if extras else None
         got = osd_kernels.quant_linear(x, q, s, mn, b, norm_weight=norm, backend="native")
         w = osd_kernels.dequantize_weight(q, s, mn)
@@ -57,8 +58,8 @@ def test_native_equals_decode_linear_on_dequantized_weights(monkeypatch, m, k, n
 def test_isa_paths_agree(monkeypatch):
     # AVX-512 and AVX2 bit for bit (the same operations per weight row); portable (no FMA)
     # to rounding
-    for bits in (4, 8):
-        x, q, s, mn, b = _inputs(5, 576, 61, bits, 1)
+    for bits, group in ((4, 32), (8, 32), (4, 16), (8, 16)):
+        x, q, s, mn, b = _inputs(5, 576, 61, bits, 1, group=group)
         out = {}
         for isa in ("avx512", "avx2", "portable"):
             with monkeypatch.context() as m:
@@ -73,8 +74,8 @@ def test_a_row_does_not_depend_on_the_others(monkeypatch, isa):
     # greedy speculative decoding equals plain decoding only if a verify row's result is
     # what the same row alone (a decode step) gives
     _isa(monkeypatch, isa)
-    for bits in (4, 8):
-        x, q, s, mn, b = _inputs(FUSED_MAX_ROWS, 192, 45, bits, 7)
+    for bits, group in ((4, 32), (8, 32), (4, 16), (8, 16)):
+        x, q, s, mn, b = _inputs(FUSED_MAX_ROWS, 192, 45, bits, 7, group=group)
         alone = torch.cat([osd_kernels.quant_linear(x[i:i + 1], q, s, mn, b, backend="native")
                            for i in range(FUSED_MAX_ROWS)])
         for m in (2, 5, 12, 16, 40, FUSED_MAX_ROWS):
@@ -82,13 +83,26 @@ def test_a_row_does_not_depend_on_the_others(monkeypatch, isa):
             assert torch.equal(together, alone[:m])
 
 
-@pytest.mark.parametrize("t", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0], ids=lambda t: t.name)
+K_TYPES = [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+
+
+@pytest.mark.parametrize("t", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q5_0,
+                               GGMLType.Q5_1, *K_TYPES], ids=lambda t: t.name)
 def test_gguf_blocks_dequantize_like_the_file_reader(t):
-    w = torch.randn(37, 96, generator=torch.Generator().manual_seed(int(t)))
-    raw = torch.from_numpy(np.ascontiguousarray(quantize(w, t)))
-    layer = QuantLinear.from_gguf_blocks(raw, t.name, (37, 96))
-    assert torch.equal(layer.dequantize(), dequantize(raw, t, (37, 96)))
-    x = torch.randn(3, 96)
+    """Every block type a file keeps quantized holds exactly the file reader's weights, and
+    the kernel computes on exactly them (random blocks for the K-quants)."""
+    from tests.test_gguf import random_blocks
+
+    K = 512 if t in K_TYPES else 96
+    if t in K_TYPES:
+        raw = torch.from_numpy(random_blocks(t, 37 * K // 256, seed=int(t)).copy())
+    else:
+        w = torch.randn(37, K, generator=torch.Generator().manual_seed(int(t)))
+        raw = torch.from_numpy(np.ascontiguousarray(quantize(w, t)))
+    layer = QuantLinear.from_gguf_blocks(raw, t.name, (37, K))
+    assert layer.in_features == K and layer.out_features == 37
+    assert torch.equal(layer.dequantize(), dequantize(raw, t, (37, K)))
+    x = torch.randn(3, K)
     assert torch.equal(layer(x), osd_kernels.decode_linear(x, layer.dequantize()))
     rows = layer.select_rows(torch.tensor([5, 0, 36]))
     assert torch.equal(rows.dequantize(), layer.dequantize()[[5, 0, 36]])
@@ -128,6 +142,8 @@ def test_bad_input_names_the_problem(backend):
         osd_kernels.quant_linear(x, q, s[:, :1], mn, backend=backend)
     with pytest.raises(ValueError, match="mins must be"):
         osd_kernels.quant_linear(x, q, s, mn.double(), backend=backend)
+    with pytest.raises(ValueError, match="mins must be"):           # groups of 16 and 32
+        osd_kernels.quant_linear(x, q, s.repeat_interleave(2, 1), mn, backend=backend)
     with pytest.raises(ValueError, match="bias must be"):
         osd_kernels.quant_linear(x, q, s, mn, b[:3], backend=backend)
     with pytest.raises(ValueError, match="norm_weight must be"):

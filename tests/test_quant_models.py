@@ -72,8 +72,8 @@ def k_quant_gguf(path, linear_type, v_type=None, seed: int = 0):
     def blocks(t, shape):
         n = shape[0] * shape[1] // BLOCK_LAYOUT[t][0]
         b = random_blocks(t, n, seed=int(rng.integers(1 << 30))).reshape(n, -1)
-        for at in {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q5_0: (0,),
-                   T.Q8_0: (0,)}[t]:                                    # d (and dmin)
+        for at in {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2),
+                   T.Q6_K: (208,), T.Q5_0: (0,), T.Q8_0: (0,)}[t]:   # d (and dmin)
             b[:, at:at + 2] = (rng.uniform(-1, 1, n) * 5e-4).astype(np.float16) \
                 .view(np.uint8).reshape(n, 2)
         return b.reshape(-1), t, shape
@@ -96,14 +96,17 @@ def k_quant_gguf(path, linear_type, v_type=None, seed: int = 0):
     return path
 
 
-@pytest.mark.parametrize("t,v,qkv", [(T.Q4_K, None, "Q4_K"), (T.Q5_K, None, "Q5_K"),
-                                      (T.Q4_K, T.Q6_K, None), (T.Q5_0, T.Q8_0, "Q5_0+Q8_0")],
-                         ids=["Q4_K", "Q5_K", "Q4_K-v-Q6_K", "Q5_0-v-Q8_0"])
+@pytest.mark.parametrize("t,v,qkv", [
+    (T.Q2_K, None, "Q2_K"), (T.Q3_K, None, "Q3_K"), (T.Q4_K, None, "Q4_K"),
+    (T.Q5_K, None, "Q5_K"), (T.Q6_K, None, "Q6_K"), (T.Q4_K, T.Q6_K, "Q4_K+Q6_K"),
+    (T.Q3_K, T.Q4_K, "Q3_K+Q4_K"), (T.Q5_0, T.Q8_0, "Q5_0+Q8_0")],
+    ids=["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_K-v-Q6_K", "Q3_K-v-Q4_K", "Q5_0-v-Q8_0"])
 def test_k_quant_target_equals_its_dequantized_model(tmp_path, t, v, qkv):
-    """Q4_K and Q5_K weights stay quantized (their 32-weight sub-blocks as 4- and 8-bit
-    codes) and give the dequantized model's logits bit for bit in decode and verify
-    forwards; a fused projection whose parts differ in type fuses when their codes have
-    the same width (Q5_0 and Q8_0: 8 bits) and stays float otherwise (with Q6_K)."""
+    """K-quant weights stay quantized (their 16- or 32-weight groups as 4- or 8-bit codes
+    with float32 factors) and give the dequantized model's logits bit for bit in decode and
+    verify forwards; a fused projection whose parts differ in type is widened to one form
+    (Q4_K with Q6_K: 8-bit codes, groups of 16; Q3_K with Q4_K: groups of 16; Q5_0 with
+    Q8_0: mins)."""
     path = k_quant_gguf(tmp_path / "k.gguf", t, v, seed=int(t))
     float_model = load_model(path)
     quant = load_model(path, quantized=True)
@@ -291,5 +294,7 @@ def test_bad_uses_fail_clearly(tmp_path, q41):
         osd.Engine.from_pretrained(q41, dtype=torch.bfloat16, quantized=True)
     layer = load_model(q41, quantized=True).lm_head
     with pytest.raises(ValueError, match="holds Q4_0, Q4_1, Q8_0"):
+        QuantLinear.from_gguf_blocks(torch.zeros(8, dtype=torch.uint8), "IQ4_NL", (1, 32))
+    with pytest.raises(ValueError, match="whole super-blocks of 256"):
         QuantLinear.from_gguf_blocks(torch.zeros(8, dtype=torch.uint8), "Q6_K", (1, 32))
     assert not isinstance(layer, nn.Linear)

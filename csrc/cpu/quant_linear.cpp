@@ -1,10 +1,11 @@
 // quant_linear: checks and the C++ CPU kernel of y = x W^T + b for few rows, with W kept
 // block-quantized in memory (the 4- and 8-bit formats of GGUF files).
 //
-// W's element (n, k) is q * scales[n, k / 32] + mins[n, k / 32] (mins absent: 0), q an
+// W's element (n, k) is q * scales[n, k / G] + mins[n, k / G] (mins absent: 0), q an
 // unsigned 4-bit code (qweight uint8 [N, K / 2]: in each block of 32, byte j holds element
 // j in its low nibble and element j + 16 in its high one, GGUF's Q4_0/Q4_1 order) or a
-// signed 8-bit one (qweight int8 [N, K], Q8_0). Few-row decode and verify forwards are
+// signed 8-bit one (qweight int8 [N, K], Q8_0). G, the weights per scale, is 32 or 16
+// (the K-quants whose sub-blocks are 16 weights: Q2_K, Q3_K, Q6_K); scales is [N, K / G]. Few-row decode and verify forwards are
 // bound by reading W from DRAM: 4-bit codes with float32 scale and min per block are 0.75
 // bytes a weight against float32's 4.
 //
@@ -29,7 +30,7 @@
 namespace osd {
 namespace {
 
-constexpr int64_t kBlock = 32;  // weights per scale (and min)
+constexpr int64_t kBlock = 32;  // weights per block of codes (one or two scales, mins)
 constexpr int64_t kGroup = 12;  // weight rows dequantized at a time (a multiple of 1..4)
 // Up to this many rows the fused passes run (each pass of up to 12 rows dequantizes W
 // again, in registers); more rows (prefill pieces, large batches) dequantize kTileRows
@@ -39,29 +40,32 @@ constexpr int64_t kTileRows = 256;
 
 struct QuantArgs {
   const uint8_t* q;      // [N, K / 2] (4-bit) or [N, K] (8-bit) codes
-  const float* scales;   // [N, K / 32]
-  const float* mins;     // [N, K / 32] or nullptr
+  const float* scales;   // [N, K / G]
+  const float* mins;     // [N, K / G] or nullptr
   int64_t K;
   int bits;              // 4 or 8
+  int halves;            // scales per block of 32: 1 (G = 32) or 2 (G = 16)
 };
 
 // Weight rows [n, n + rows) into out [rows, K].
 void dequant_portable(const QuantArgs& a, int64_t n, int64_t rows, float* out) {
   const int64_t nb = a.K / kBlock;
+  const int64_t ns = nb * a.halves;  // scales per weight row
   for (int64_t r = n; r < n + rows; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
-      const float d = a.scales[r * nb + b];
-      const float m = a.mins != nullptr ? a.mins[r * nb + b] : 0.0f;
       float* o = out + (r - n) * a.K + b * kBlock;
-      if (a.bits == 4) {
-        const uint8_t* src = a.q + r * (a.K / 2) + b * (kBlock / 2);
-        for (int j = 0; j < 16; ++j) {
-          o[j] = static_cast<float>(src[j] & 0xF) * d + m;
-          o[j + 16] = static_cast<float>(src[j] >> 4) * d + m;
+      for (int j = 0; j < 32; ++j) {
+        const int64_t s = r * ns + b * a.halves + (a.halves == 2 ? j / 16 : 0);
+        const float d = a.scales[s];
+        const float m = a.mins != nullptr ? a.mins[s] : 0.0f;
+        float code;
+        if (a.bits == 4) {
+          const uint8_t byte = a.q[r * (a.K / 2) + b * (kBlock / 2) + (j & 15)];
+          code = static_cast<float>(j < 16 ? byte & 0xF : byte >> 4);
+        } else {
+          code = static_cast<float>(reinterpret_cast<const int8_t*>(a.q)[r * a.K + b * kBlock + j]);
         }
-      } else {
-        const int8_t* src = reinterpret_cast<const int8_t*>(a.q) + r * a.K + b * kBlock;
-        for (int j = 0; j < 32; ++j) o[j] = static_cast<float>(src[j]) * d + m;
+        o[j] = code * d + m;
       }
     }
   }
@@ -103,10 +107,12 @@ OSD_AVX2 void dequant_avx2(const QuantArgs& q, int64_t n, int64_t rows, float* o
     for (int64_t b = 0; b < nb; ++b) {
       Codes<BITS> codes;
       codes.load(q.q + (r * nb + b) * kCodeBytes);
-      const __m256 d = _mm256_set1_ps(q.scales[r * nb + b]);
-      const __m256 m = _mm256_set1_ps(q.mins != nullptr ? q.mins[r * nb + b] : 0.0f);
       float* o = out + (r - n) * q.K + b * kBlock;
       for (int s = 0; s < 4; ++s) {
+        // steps 0, 1 are weights 0..15 of the block, steps 2, 3 weights 16..31
+        const int64_t at = (r * nb + b) * q.halves + (q.halves == 2 ? s / 2 : 0);
+        const __m256 d = _mm256_set1_ps(q.scales[at]);
+        const __m256 m = _mm256_set1_ps(q.mins != nullptr ? q.mins[at] : 0.0f);
         _mm256_storeu_ps(o + 8 * s, _mm256_fmadd_ps(codes.step(s), d, m));
       }
     }
@@ -116,7 +122,8 @@ OSD_AVX2 void dequant_avx2(const QuantArgs& q, int64_t n, int64_t rows, float* o
 // Fused: the block's weights are dequantized in registers and used at once, in the order
 // of decode_linear's AVX2 loop (k ascending, one running sum per row and weight row, the
 // same final reduction), so the result equals it on the dequantized matrix bit for bit.
-template <int M, int NB, int BITS>
+// H: scales per block of 32 (1, or 2 for 16-weight groups: steps 0, 1 use the first).
+template <int M, int NB, int BITS, int H>
 OSD_AVX2 void block_fused(const QuantArgs& q, const linear_rows::Args& a, const float* x,
                           float* y, int64_t n0, int64_t N) {
   constexpr int64_t kCodeBytes = BITS * kBlock / 8;  // bytes of codes per block
@@ -134,17 +141,21 @@ OSD_AVX2 void block_fused(const QuantArgs& q, const linear_rows::Args& a, const 
     _mm_prefetch(p, _MM_HINT_T0);
     if constexpr (kCodeBytes * NB > 64) _mm_prefetch(p + 64, _MM_HINT_T0);
     Codes<BITS> codes[NB];
-    __m256 d[NB], mn[NB];
+    __m256 d[NB][H], mn[NB][H];
     for (int j = 0; j < NB; ++j) {
       const int64_t r = n0 + j;
       codes[j].load(q.q + r * row_bytes + b * kCodeBytes);
-      d[j] = _mm256_set1_ps(q.scales[r * nb + b]);
-      mn[j] = _mm256_set1_ps(q.mins != nullptr ? q.mins[r * nb + b] : 0.0f);
+      for (int h = 0; h < H; ++h) {
+        const int64_t at = (r * nb + b) * H + h;
+        d[j][h] = _mm256_set1_ps(q.scales[at]);
+        mn[j][h] = _mm256_set1_ps(q.mins != nullptr ? q.mins[at] : 0.0f);
+      }
     }
     for (int s = 0; s < 4; ++s) {
       const int64_t k = b * kBlock + 8 * s;
+      const int h = H == 2 ? s / 2 : 0;
       __m256 w[NB];
-      for (int j = 0; j < NB; ++j) w[j] = _mm256_fmadd_ps(codes[j].step(s), d[j], mn[j]);
+      for (int j = 0; j < NB; ++j) w[j] = _mm256_fmadd_ps(codes[j].step(s), d[j][h], mn[j][h]);
       for (int m = 0; m < M; ++m) {
         const __m256 xv = _mm256_loadu_ps(x + m * a.ldx + k);
         for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_fmadd_ps(xv, w[j], acc[m][j]);
@@ -192,7 +203,7 @@ OSD_AVX512 inline __m512 pair_of(float lo, float hi) {
   return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1);
 }
 
-template <int M, int NP, int BITS>
+template <int M, int NP, int BITS, int H>
 OSD_AVX512 void block_fused_512(const QuantArgs& q, const linear_rows::Args& a, const float* x,
                                 float* y, int64_t n0, int64_t N) {
   constexpr int NB = 2 * NP;
@@ -209,19 +220,22 @@ OSD_AVX512 void block_fused_512(const QuantArgs& q, const linear_rows::Args& a, 
     _mm_prefetch(pf, _MM_HINT_T0);
     if constexpr (kCodeBytes * NB > 64) _mm_prefetch(pf + 64, _MM_HINT_T0);
     CodePair<BITS> codes[NP];
-    __m512 d[NP], mn[NP];
+    __m512 d[NP][H], mn[NP][H];
     for (int p = 0; p < NP; ++p) {
       const int64_t r = n0 + 2 * p;
       codes[p].load(q.q + r * row_bytes + b * kCodeBytes,
                     q.q + (r + 1) * row_bytes + b * kCodeBytes);
-      d[p] = pair_of(q.scales[r * nb + b], q.scales[(r + 1) * nb + b]);
-      mn[p] = q.mins != nullptr ? pair_of(q.mins[r * nb + b], q.mins[(r + 1) * nb + b])
-                                : _mm512_setzero_ps();
+      for (int h = 0; h < H; ++h) {
+        const int64_t at0 = (r * nb + b) * H + h, at1 = ((r + 1) * nb + b) * H + h;
+        d[p][h] = pair_of(q.scales[at0], q.scales[at1]);
+        mn[p][h] = q.mins != nullptr ? pair_of(q.mins[at0], q.mins[at1]) : _mm512_setzero_ps();
+      }
     }
     for (int s = 0; s < 4; ++s) {
       const int64_t k = b * kBlock + 8 * s;
+      const int h = H == 2 ? s / 2 : 0;
       __m512 w[NP];
-      for (int p = 0; p < NP; ++p) w[p] = _mm512_fmadd_ps(codes[p].step(s), d[p], mn[p]);
+      for (int p = 0; p < NP; ++p) w[p] = _mm512_fmadd_ps(codes[p].step(s), d[p][h], mn[p][h]);
       for (int m = 0; m < M; ++m) {
         const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + m * a.ldx + k));
         for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_fmadd_ps(xv, w[p], acc[m][p]);
@@ -249,14 +263,14 @@ constexpr int fused_pairs() {
   return M <= 6 ? 2 : 1;
 }
 
-template <int M, int BITS>
+template <int M, int BITS, int H>
 OSD_AVX512 void pass_fused_512(const QuantArgs& q, const linear_rows::Args& a, const float* x,
                                float* y, int64_t n_begin, int64_t n_end, int64_t N) {
   constexpr int NP = fused_pairs<M>();
   int64_t n = n_begin;
-  for (; n + 2 * NP <= n_end; n += 2 * NP) block_fused_512<M, NP, BITS>(q, a, x, y, n, N);
-  for (; n + 2 <= n_end; n += 2) block_fused_512<M, 1, BITS>(q, a, x, y, n, N);
-  for (; n < n_end; ++n) block_fused<M, 1, BITS>(q, a, x, y, n, N);
+  for (; n + 2 * NP <= n_end; n += 2 * NP) block_fused_512<M, NP, BITS, H>(q, a, x, y, n, N);
+  for (; n + 2 <= n_end; n += 2) block_fused_512<M, 1, BITS, H>(q, a, x, y, n, N);
+  for (; n < n_end; ++n) block_fused<M, 1, BITS, H>(q, a, x, y, n, N);
 }
 
 // Weight rows per fused block for a pass of M rows: M * NB sums + 4 NB code, scale and
@@ -266,20 +280,24 @@ constexpr int fused_block_rows() {
   return M <= 2 ? 2 : 1;
 }
 
-template <int M, int BITS>
+template <int M, int BITS, int H>
 OSD_AVX2 void pass_fused(const QuantArgs& q, const linear_rows::Args& a, const float* x,
                          float* y, int64_t n_begin, int64_t n_end, int64_t N) {
   constexpr int NB = fused_block_rows<M>();
   int64_t n = n_begin;
-  for (; n + NB <= n_end; n += NB) block_fused<M, NB, BITS>(q, a, x, y, n, N);
-  for (; n < n_end; ++n) block_fused<M, 1, BITS>(q, a, x, y, n, N);
+  for (; n + NB <= n_end; n += NB) block_fused<M, NB, BITS, H>(q, a, x, y, n, N);
+  for (; n < n_end; ++n) block_fused<M, 1, BITS, H>(q, a, x, y, n, N);
 }
 
 template <int M, int BITS>
 void pass_any(const QuantArgs& q, const linear_rows::Args& a, const float* x, float* y,
               int64_t n_begin, int64_t n_end, int64_t N, bool avx512) {
-  if (avx512) return pass_fused_512<M, BITS>(q, a, x, y, n_begin, n_end, N);
-  pass_fused<M, BITS>(q, a, x, y, n_begin, n_end, N);
+  if (q.halves == 2) {
+    if (avx512) return pass_fused_512<M, BITS, 2>(q, a, x, y, n_begin, n_end, N);
+    return pass_fused<M, BITS, 2>(q, a, x, y, n_begin, n_end, N);
+  }
+  if (avx512) return pass_fused_512<M, BITS, 1>(q, a, x, y, n_begin, n_end, N);
+  pass_fused<M, BITS, 1>(q, a, x, y, n_begin, n_end, N);
 }
 
 template <int BITS>
@@ -348,11 +366,14 @@ at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
   check_same_device(x, qweight, "x", "qweight");
   check_dtype(scales, at::kFloat, "scales");
   check_same_device(x, scales, "x", "scales");
-  OSD_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / kBlock &&
+  OSD_CHECK(scales.dim() == 2 && scales.size(0) == N &&
+                (scales.size(1) == K / kBlock || scales.size(1) == 2 * K / kBlock) &&
                 scales.is_contiguous(),
-            "scales must be contiguous [N=", N, ", K / 32=", K / kBlock, "], got ", scales.sizes());
+            "scales must be contiguous [N=", N, ", K / 32=", K / kBlock, "] or [N, K / 16=",
+            2 * K / kBlock, "], got ", scales.sizes());
+  const int halves = scales.size(1) == K / kBlock ? 1 : 2;
   QuantArgs q{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(), nullptr,
-              K, bits};
+              K, bits, halves};
   if (mins.has_value()) {
     check_dtype(*mins, at::kFloat, "mins");
     check_same_device(x, *mins, "x", "mins");

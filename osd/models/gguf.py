@@ -314,6 +314,56 @@ def _k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scales, mins
 
 
+K_QUANTS = (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
+
+
+def k_quant_parts(b: torch.Tensor, ggml_type: int):
+    """K-quant super-blocks ``[n, bytes_per_block]`` -> ``(codes, scales, mins)``: integer
+    codes ``[n, 256]`` (int16, weight order) and float32 factors ``[n, G]`` per group of
+    ``256 / G`` weights (32 for Q4_K and Q5_K, 16 for Q2_K, Q3_K and Q6_K), ``mins`` None
+    for the types without one, such that a weight is ``code * scale + min``.
+
+    The factors are computed in float32 as ggml's ``dequantize_row_*`` computes its
+    ``d1 = d * sc`` and ``m1 = dmin * m`` (``min = -m1``); a factor is a float16 value times
+    a small integer and a code has at most 6 bits, so ``code * scale`` is exact in float32
+    and ``code * scale + min`` rounds once, as ggml's ``d1 * q - m1`` does.
+    """
+    n = b.shape[0]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+    if ggml_type in (GGMLType.Q4_K, GGMLType.Q5_K):
+        sc, mn = _k4_scales(b[:, 4:16])
+        qs = b[:, 16:].reshape(n, 4, 32) if ggml_type == GGMLType.Q4_K \
+            else b[:, 48:].reshape(n, 4, 32)
+        q = torch.stack([qs & 0xF, qs >> 4], dim=2).reshape(n, 8, 32)
+        if ggml_type == GGMLType.Q5_K:           # sub-block j's fifth bit: bit j of qh
+            q = q | (_bit_planes(b[:, 16:48]) << 4)
+        return (q.reshape(n, 256).to(torch.int16), _f16(b, 0) * sc.float(),
+                -(_f16(b, 2) * mn.float()))
+    if ggml_type == GGMLType.Q2_K:
+        sc = b[:, :16]
+        qs = b[:, 16:80].reshape(n, 2, 1, 32)    # [half, shift, 32 lanes] -> 16 groups of 16
+        q = ((qs >> shifts) & 3).reshape(n, 256).to(torch.int16)
+        # ggml: dl = d * (sc & 0xF), ml = dmin * (sc >> 4), y = dl * q - ml
+        return q, _f16(b, 80) * (sc & 0xF).float(), -(_f16(b, 82) * (sc >> 4).float())
+    if ggml_type == GGMLType.Q3_K:
+        qs = b[:, 32:96].reshape(n, 2, 1, 32)
+        low = ((qs >> shifts) & 3).reshape(n, 256).to(torch.int16)
+        # a clear high bit subtracts 4 (ggml: (hm & m) ? 0 : 4)
+        high = _bit_planes(b[:, :32]).reshape(n, 256).to(torch.int16)
+        return low - ((high ^ 1) << 2), _f16(b, 108) * _k3_scales(b[:, 96:108]).float(), None
+    if ggml_type == GGMLType.Q6_K:
+        ql = b[:, :128].reshape(n, 2, 2, 32)     # [half, first/second 32 bytes, 32]
+        qh = b[:, 128:192].reshape(n, 2, 32)
+        low = torch.stack([ql[:, :, 0] & 0xF, ql[:, :, 1] & 0xF, ql[:, :, 0] >> 4,
+                           ql[:, :, 1] >> 4], dim=2)                      # [n, 2, 4, 32]
+        high = torch.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2)  # [n, 2, 4, 32]
+        q = (low | (high << 4)).reshape(n, 256).to(torch.int16) - 32
+        # group g (16 weights) has scale sc[g]; ggml: d * sc[is] * q
+        sc = b[:, 192:208].contiguous().view(torch.int8).float()
+        return q, _f16(b, 208) * sc, None
+    raise ValueError(f"{type_name(ggml_type)} is not a K-quant type")
+
+
 def _dequant_blocks(b: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """[n, bytes_per_block] uint8 -> [n, weights_per_block] float32, as ggml computes it."""
     n = b.shape[0]
@@ -329,43 +379,12 @@ def _dequant_blocks(b: torch.Tensor, ggml_type: int) -> torch.Tensor:
     if ggml_type == GGMLType.Q5_1:
         q = _nibbles(b[:, 8:]) | (_high_bits(b[:, 4:8]) << 4)
         return q.float() * _f16(b, 0) + _f16(b, 2)
-    if ggml_type in (GGMLType.Q4_K, GGMLType.Q5_K):
-        scales, mins = _k4_scales(b[:, 4:16])
-        qs = b[:, 16:].reshape(n, 4, 32) if ggml_type == GGMLType.Q4_K \
-            else b[:, 48:].reshape(n, 4, 32)
-        q = torch.stack([qs & 0xF, qs >> 4], dim=2).reshape(n, 8, 32)
-        if ggml_type == GGMLType.Q5_K:           # sub-block j's fifth bit: bit j of qh
-            q = q | (_bit_planes(b[:, 16:48]) << 4)
-        d = _f16(b, 0) * scales.float()          # ggml: d1 = d * sc, y = d1 * q - m1
-        m = _f16(b, 2) * mins.float()
-        return (d.unsqueeze(-1) * q.float() - m.unsqueeze(-1)).reshape(n, 256)
-    if ggml_type == GGMLType.Q2_K:
-        sc = b[:, :16]
-        qs = b[:, 16:80].reshape(n, 2, 1, 32)    # [half, shift, 32 lanes] -> 16 groups of 16
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
-        q = ((qs >> shifts) & 3).reshape(n, 16, 16).float()
-        d = _f16(b, 80) * (sc & 0xF).float()     # ggml: dl = d * (sc & 0xF), ml = dmin * (sc >> 4)
-        m = _f16(b, 82) * (sc >> 4).float()
-        return (d.unsqueeze(-1) * q - m.unsqueeze(-1)).reshape(n, 256)
-    if ggml_type == GGMLType.Q3_K:
-        qs = b[:, 32:96].reshape(n, 2, 1, 32)
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
-        low = ((qs >> shifts) & 3).reshape(n, 16, 16)
-        # a clear high bit subtracts 4 (ggml: (hm & m) ? 0 : 4)
-        high = _bit_planes(b[:, :32]).reshape(n, 16, 16)
-        q = low.to(torch.int8) - ((high ^ 1) << 2).to(torch.int8)
-        return (_f16(b, 108) * _k3_scales(b[:, 96:108]).float()).unsqueeze(-1).mul(
-            q.float()).reshape(n, 256)
-    if ggml_type == GGMLType.Q6_K:
-        ql = b[:, :128].reshape(n, 2, 2, 32)     # [half, first/second 32 bytes, 32]
-        qh = b[:, 128:192].reshape(n, 2, 32)
-        low = torch.stack([ql[:, :, 0] & 0xF, ql[:, :, 1] & 0xF, ql[:, :, 0] >> 4,
-                           ql[:, :, 1] >> 4], dim=2)                      # [n, 2, 4, 32]
-        high = torch.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2)  # [n, 2, 4, 32]
-        q = ((low | (high << 4)).float() - 32).reshape(n, 2, 4, 2, 16)
-        scales = b[:, 192:208].contiguous().view(torch.int8).float().reshape(n, 2, 4, 2, 1)
-        d = b[:, 208:210].contiguous().view(torch.float16).float().reshape(n, 1, 1, 1, 1)
-        return (d * scales * q).reshape(n, 256)  # ggml: d * sc[is] * q
+    if ggml_type in K_QUANTS:
+        q, scales, mins = k_quant_parts(b, ggml_type)
+        w = q.float().reshape(n, scales.shape[1], -1) * scales.unsqueeze(-1)
+        if mins is not None:
+            w = w + mins.unsqueeze(-1)
+        return w.reshape(n, 256)
     raise ValueError(f"cannot dequantize {type_name(ggml_type)}")
 
 

@@ -1,5 +1,5 @@
 """Linear layers whose weights stay block-quantized in memory (GGUF's Q4_0, Q4_1, Q8_0,
-and Q5_0 / Q5_1 / Q4_K / Q5_K from files).
+and from files Q5_0, Q5_1 and the K-quants Q2_K to Q6_K).
 
 On a CPU a decode or verify forward is bound by reading the weights: a GGUF checkpoint's
 4-bit weights read 0.75 bytes each where their float32 copy reads 4. A
@@ -30,17 +30,17 @@ from osd_kernels.quant_linear import BLOCK, dequantize_weight, quant_linear
 
 # Block types a float layer can be quantized to (ggml's reference rounding), by name.
 FORMATS = ("Q4_0", "Q4_1", "Q8_0")
-# GGUF block types a QuantLinear holds as codes: FORMATS, the 5-bit types (as 8-bit codes),
-# and the K-quants whose 32-weight sub-blocks are affine in their codes (Q4_K as 4-bit
-# codes, Q5_K as 8-bit ones).
-GGUF_FORMATS = FORMATS + ("Q5_0", "Q5_1", "Q4_K", "Q5_K")
+# GGUF block types a QuantLinear holds as codes: FORMATS, the 5-bit types (as 8-bit codes)
+# and the K-quants, whose 16- or 32-weight groups are affine in their codes.
+GGUF_FORMATS = FORMATS + ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 class QuantLinear(nn.Module):
     """``y = x W^T + b`` with ``W [N, K]`` block-quantized (see ``osd_kernels.quant_linear``).
 
     Buffers: ``qweight`` (uint8 ``[N, K / 2]`` or int8 ``[N, K]``), ``scales`` and ``mins``
-    (float32 ``[N, K / 32]``; ``mins`` may be None), ``bias`` (``[N]`` or None). Not
+    (float32 ``[N, K / G]``, ``G`` = 32 or 16; ``mins`` may be None), ``bias`` (``[N]`` or
+    None). Not
     trainable: the weights are fixed (a target model's, or a shared output head).
     """
 
@@ -60,7 +60,7 @@ class QuantLinear(nn.Module):
 
     @property
     def in_features(self) -> int:
-        return self.scales.shape[1] * BLOCK
+        return self.qweight.shape[1] * (2 if self.qweight.dtype == torch.uint8 else 1)
 
     def forward(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None,
                 eps: float = 1e-6) -> torch.Tensor:
@@ -86,7 +86,7 @@ class QuantLinear(nn.Module):
         if fmt not in GGUF_FORMATS:
             raise ValueError(f"QuantLinear holds {', '.join(GGUF_FORMATS)} weights, not {fmt}")
         N, K = shape
-        if fmt in ("Q4_K", "Q5_K"):
+        if fmt.endswith("_K"):
             return cls(*_k_quant_codes(raw, fmt, N, K), bias, fmt)
         blocks = raw.reshape(N, K // BLOCK, -1)
         d = blocks[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
@@ -118,49 +118,55 @@ class QuantLinear(nn.Module):
 
 def _fused(pieces: list[QuantLinear], bias: torch.Tensor | None) -> QuantLinear:
     """One layer of ``pieces`` stacked along the output rows (a fused projection whose
-    parts a file stores apart, maybe in different types with the same code width); a
-    piece without mins gets zero mins when another has them."""
+    parts a file stores apart, maybe in different types). Parts are widened to the widest
+    part's form first, exactly: 4-bit codes to 8-bit ones when another part has 8-bit
+    codes, a scale (and min) per 32 weights repeated per 16 when another part has groups
+    of 16, zero mins where another part has mins."""
     if len(pieces) == 1:
         p = pieces[0]
         return QuantLinear(p.qweight, p.scales, p.mins, bias, p.fmt)
-    mins = None
-    if any(p.mins is not None for p in pieces):
-        mins = torch.cat([torch.zeros_like(p.scales) if p.mins is None else p.mins
-                          for p in pieces])
-    fmts = list(dict.fromkeys(p.fmt for p in pieces))
-    return QuantLinear(torch.cat([p.qweight for p in pieces]),
-                       torch.cat([p.scales for p in pieces]), mins, bias, "+".join(fmts))
+    K = pieces[0].in_features
+    wide = any(p.qweight.dtype == torch.int8 for p in pieces)
+    groups = max(p.scales.shape[1] for p in pieces)
+    with_mins = any(p.mins is not None for p in pieces)
+    qs, scales, mins = [], [], []
+    for p in pieces:
+        q = p.qweight
+        if wide and q.dtype == torch.uint8:       # nibbles j, j + 16 of each block of 32
+            q = q.reshape(q.shape[0], -1, 16)
+            q = torch.cat([q & 0xF, q >> 4], dim=-1).reshape(q.shape[0], K).to(torch.int8)
+        repeat = groups // p.scales.shape[1]
+        qs.append(q)
+        scales.append(p.scales.repeat_interleave(repeat, dim=1))
+        m = torch.zeros_like(p.scales) if p.mins is None else p.mins
+        mins.append(m.repeat_interleave(repeat, dim=1))
+    fmts = "+".join(dict.fromkeys(p.fmt for p in pieces))
+    return QuantLinear(torch.cat(qs), torch.cat(scales).contiguous(),
+                       torch.cat(mins).contiguous() if with_mins else None, bias, fmts)
 
 
 def _k_quant_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
-    """Q4_K / Q5_K super-blocks (256 weights) -> ``(qweight, scales, mins)``.
+    """K-quant super-blocks (256 weights) -> ``(qweight, scales, mins)``, from
+    :func:`osd.models.gguf.k_quant_parts` (whose factors reproduce ggml's dequantization
+    bit for bit): Q4_K's codes and Q2_K's as 4-bit codes, Q3_K's (-4..3) as 4-bit codes
+    plus 4 with a min of ``-4 * scale`` (exact: every term is a multiple of the scale well
+    inside float32's precision), Q5_K's and Q6_K's as 8-bit codes. Q4_K and Q5_K have a
+    scale per 32 weights, the others per 16."""
+    from osd.models.gguf import GGMLType, k_quant_parts, BLOCK_LAYOUT
 
-    Sub-block ``j`` of 32 weights is ``d * sc[j] * q - dmin * m[j]`` (ggml): its scale is
-    ``d * sc[j]`` and its min ``-(dmin * m[j])``, both computed in float32 as ggml does. A
-    scale is a float16 value times a 6-bit integer (17 significant bits), so a 4- or 5-bit
-    code times it is exact in float32 and the kernel's ``q * scale + min`` rounds once, as
-    ggml's dequantization does: the weights are the dequantized file's bit for bit.
-    Q4_K's codes are repacked into the 4-bit layout (byte ``j`` of a block: elements ``j``
-    and ``j + 16``); Q5_K's 5-bit codes are kept as 8-bit ones.
-    """
-    from osd.models.gguf import _bit_planes, _k4_scales
-
+    t = GGMLType[fmt]
     if K % 256:
         raise ValueError(f"{fmt} rows hold whole super-blocks of 256 weights, got K = {K}")
-    b = raw.reshape(-1, 144 if fmt == "Q4_K" else 176)
-    n = b.shape[0]
-    sc, mn = _k4_scales(b[:, 4:16])
-    d = b[:, 0:2].contiguous().view(torch.float16).float()
-    dmin = b[:, 2:4].contiguous().view(torch.float16).float()
-    scales = (d * sc.float()).reshape(N, K // BLOCK).contiguous()
-    mins = (-(dmin * mn.float())).reshape(N, K // BLOCK).contiguous()
-    qs = (b[:, 16:] if fmt == "Q4_K" else b[:, 48:]).reshape(n, 4, 32)
-    q = torch.stack([qs & 0xF, qs >> 4], dim=2).reshape(n, 8, 32)   # [super, sub-block, 32]
-    if fmt == "Q5_K":
-        q = q | (_bit_planes(b[:, 16:48]) << 4)
+    q, scales, mins = k_quant_parts(raw.reshape(-1, BLOCK_LAYOUT[t][1]), t)
+    groups = scales.shape[1] * (K // 256)                 # per weight row
+    if t == GGMLType.Q3_K:
+        q, mins = q + 4, -4.0 * scales
+    scales = scales.reshape(N, groups).contiguous()
+    mins = None if mins is None else mins.reshape(N, groups).contiguous()
+    if t in (GGMLType.Q5_K, GGMLType.Q6_K):
         return q.to(torch.int8).reshape(N, K).contiguous(), scales, mins
-    packed = q[..., :16] | (q[..., 16:] << 4)      # the 4-bit layout: j | (j + 16) << 4
-    return packed.reshape(N, K // 2).contiguous(), scales, mins
+    q = q.to(torch.uint8).reshape(-1, 2, 16)              # blocks of 32: j | (j + 16) << 4
+    return (q[:, 0] | (q[:, 1] << 4)).reshape(N, K // 2).contiguous(), scales, mins
 
 
 def _linear_slots(model) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -258,8 +264,8 @@ def quantize_gguf_linears(model, g) -> int:
     """Swap ``model``'s linear layers (and output head) for :class:`QuantLinear` layers
     holding the stored blocks of GGUF file ``g`` (a ``GGUFFile`` the model was loaded
     from). A fused projection is quantized when all its parts are in
-    :data:`GGUF_FORMATS` with the same code width (4 or 8 bits; e.g. Q5_0 and Q8_0 parts
-    fuse); other layers stay float. Returns the number of layers swapped."""
+    :data:`GGUF_FORMATS` (parts of different types are widened to one form, see
+    :func:`_fused`); other layers stay float. Returns the number of layers swapped."""
     from osd.models.gguf import ARCHITECTURES, type_name, unpermute_rope_rows
 
     permuted = ARCHITECTURES[g.architecture][1]
@@ -290,8 +296,6 @@ def quantize_gguf_linears(model, g) -> int:
             K = old.weight.shape[1]
             pieces = [QuantLinear.from_gguf_blocks(raw, fmt, (raw.shape[0], K))
                       for fmt, raw in parts]
-            if len({q.qweight.dtype for q in pieces}) > 1:   # 4- and 8-bit codes do not fuse
-                continue
             bias = None if old.bias is None else old.bias.detach()
             setattr(layer, name, _fused(pieces, bias).to(old.weight.device))
             swapped += 1
