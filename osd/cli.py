@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--quantized", action="store_true",
-                   help="keep a GGUF target's Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/Q4_K/Q5_K weights "
+                   help="keep a GGUF target's block-quantized weights (Q4_0 to Q6_K) "
                         "quantized (CPU, float32): the same model, fewer bytes read per token")
     g.add_argument("--quantize-draft", default=None, choices=["Q8_0", "Q4_1", "Q4_0"],
                    help="keep the draft's layers and head in this block format (CPU, "
@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--quantized", action="store_true",
-                   help="keep a GGUF target's Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/Q4_K/Q5_K weights "
+                   help="keep a GGUF target's block-quantized weights (Q4_0 to Q6_K) "
                         "quantized (CPU, float32)")
     s.add_argument("--quantize-draft", default=None, choices=["Q8_0", "Q4_1", "Q4_0"],
                    help="keep the draft's layers and head in this block format (CPU, "
