@@ -266,7 +266,8 @@ constexpr int fused_pairs() {
 template <int M, int BITS, int H>
 OSD_AVX512 void pass_fused_512(const QuantArgs& q, const linear_rows::Args& a, const float* x,
                                float* y, int64_t n_begin, int64_t n_end, int64_t N) {
-  constexpr int NP = fused_pairs<M>();
+  // groups of 16 hold twice the scale and min registers: one pair per block then
+  constexpr int NP = H == 2 ? 1 : fused_pairs<M>();
   int64_t n = n_begin;
   for (; n + 2 * NP <= n_end; n += 2 * NP) block_fused_512<M, NP, BITS, H>(q, a, x, y, n, N);
   for (; n + 2 <= n_end; n += 2) block_fused_512<M, 1, BITS, H>(q, a, x, y, n, N);
@@ -283,7 +284,7 @@ constexpr int fused_block_rows() {
 template <int M, int BITS, int H>
 OSD_AVX2 void pass_fused(const QuantArgs& q, const linear_rows::Args& a, const float* x,
                          float* y, int64_t n_begin, int64_t n_end, int64_t N) {
-  constexpr int NB = fused_block_rows<M>();
+  constexpr int NB = H == 2 ? 1 : fused_block_rows<M>();
   int64_t n = n_begin;
   for (; n + NB <= n_end; n += NB) block_fused<M, NB, BITS, H>(q, a, x, y, n, N);
   for (; n < n_end; ++n) block_fused<M, 1, BITS, H>(q, a, x, y, n, N);
