@@ -1,5 +1,6 @@
-"""``quant_linear`` (4-bit Q4_1 and 8-bit Q8_0 weights) against ``decode_linear`` on the
-same weights dequantized to float32, at decode and verify sizes, side by side.
+"""``quant_linear`` (4-bit Q4_1 and 8-bit Q8_0 weights, and the K-quants' forms with a scale
+per 16 weights: 8-bit Q6_K, 4-bit Q2_K / Q3_K) against ``decode_linear`` on the same
+weights dequantized to float32, at decode and verify sizes, side by side.
 
 Weight shapes of the chat target (SmolLM2-135M: hidden 576, MLP 1536, vocabulary 49,152;
 ``osd.zoo.chat_pair``); M rows (1 = decode at batch 1, 3 and 5 = verifies of k = 2 and 4,
@@ -21,9 +22,11 @@ from osd_kernels import decode_linear, dequantize_weight, quant_linear
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
 
-SHAPES = {   # name: (N, K, bits)
-    "chat-qkv-q4": (960, 576, 4), "chat-gate-up-q4": (3072, 576, 4),
-    "chat-down-q4": (576, 1536, 4), "chat-lm-head-q8": (49152, 576, 8),
+SHAPES = {   # name: (N, K, bits, weights per scale)
+    "chat-qkv-q4": (960, 576, 4, 32), "chat-gate-up-q4": (3072, 576, 4, 32),
+    "chat-down-q4": (576, 1536, 4, 32), "chat-lm-head-q8": (49152, 576, 8, 32),
+    "chat-down-q8": (576, 1536, 8, 32), "chat-down-q6k": (576, 1536, 8, 16),
+    "chat-down-q3k": (576, 1536, 4, 16),
 }
 ROWS = (1, 3, 5, 11, 16)
 CALLS = 60    # calls per timed round
@@ -33,15 +36,15 @@ COLD_BYTES = 64 << 20
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_quant_linear(benchmark, shape, rows):
-    n, k, bits = SHAPES[shape]
+    n, k, bits, group = SHAPES[shape]
     gen = torch.Generator().manual_seed(n + rows)
     if bits == 4:
         q = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
-        mins = (-torch.rand(n, k // 32, generator=gen) * 0.05).half().float()
+        mins = (-torch.rand(n, k // group, generator=gen) * 0.05).half().float()
     else:
         q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
         mins = None
-    scales = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
+    scales = (torch.rand(n, k // group, generator=gen) * 0.01).half().float()
     x = torch.randn(rows, k, generator=gen)
     w = dequantize_weight(q, scales, mins)
     assert torch.equal(quant_linear(x, q, scales, mins), decode_linear(x, w))
@@ -64,6 +67,6 @@ def test_quant_linear(benchmark, shape, rows):
     benchmark.pedantic(quant, setup=float_round, rounds=8, iterations=1, warmup_rounds=1)
     ours = benchmark.stats.stats.min
     benchmark.extra_info.update(
-        N=n, K=k, M=rows, bits=bits, threads=torch.get_num_threads(),
+        N=n, K=k, M=rows, bits=bits, group=group, threads=torch.get_num_threads(),
         float32_us=round(best["float32"] / CALLS * 1e6, 2),
         quant_us=round(ours / CALLS * 1e6, 2), speedup=round(best["float32"] / ours, 2))
