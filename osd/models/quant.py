@@ -40,8 +40,7 @@ class QuantLinear(nn.Module):
 
     Buffers: ``qweight`` (uint8 ``[N, K / 2]`` or int8 ``[N, K]``), ``scales`` and ``mins``
     (float32 ``[N, K / G]``, ``G`` = 32 or 16; ``mins`` may be None), ``bias`` (``[N]`` or
-    None). Not
-    trainable: the weights are fixed (a target model's, or a shared output head).
+    None). Not trainable: the weights are fixed (a target model's, or a shared output head).
     """
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor,
@@ -152,7 +151,7 @@ def _k_quant_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
     plus 4 with a min of ``-4 * scale`` (exact: every term is a multiple of the scale well
     inside float32's precision), Q5_K's and Q6_K's as 8-bit codes. Q4_K and Q5_K have a
     scale per 32 weights, the others per 16."""
-    from osd.models.gguf import GGMLType, k_quant_parts, BLOCK_LAYOUT
+    from osd.models.gguf import BLOCK_LAYOUT, GGMLType, k_quant_parts
 
     t = GGMLType[fmt]
     if K % 256:
