@@ -264,7 +264,7 @@ class ModelDrafter:
                 x = logits.argmax(-1)
                 q = None
             else:
-                q = warp_probs(logits, params.temperature, params.top_k, params.top_p)
+                q = self._warp(logits, params)
                 x = sample_draft(q, seed, offset, i)
                 probs.append(q)
             toks.append(x)
@@ -277,6 +277,18 @@ class ModelDrafter:
             if i + 1 < k:
                 logits = self._advance(x, B)
         return toks, probs, raw, num
+
+    def _warp(self, logits: torch.Tensor, params: SamplingParams | BatchParams) -> torch.Tensor:
+        """The warped draft distribution ``[B, V]`` of ``logits [B, V]``. A draft with a
+        restricted head has ``-inf`` logits outside its kept columns, whose probability
+        is 0 under any warp: on the CPU its columns alone are warped (8,192 of the chat
+        draft's 49,152), the same distribution for a sixth of the work."""
+        head = self.model.head_ids
+        if head is None or logits.device.type != "cpu":
+            return warp_probs(logits, params.temperature, params.top_k, params.top_p)
+        q = warp_probs(logits.index_select(1, head), params.temperature, params.top_k,
+                       params.top_p)
+        return logits.new_zeros(logits.shape, dtype=torch.float32).index_copy_(1, head, q)
 
     def _advance(self, x: torch.Tensor, B: int) -> torch.Tensor:
         """Feed the drafted tokens ``x [B]``; the draft's logits after them ``[B, V]``."""
@@ -513,6 +525,18 @@ class EagleDrafter(ModelDrafter):
         self._feat = g.gather(1, last[:, None, None].expand(-1, 1, g.shape[-1]))
         self._tree_feat = self._feat    # a tree's nodes extend it level by level
         return logits[:, 0]
+
+    def _warp(self, logits: torch.Tensor, params: SamplingParams | BatchParams) -> torch.Tensor:
+        """The warped draft distribution ``[B, V]`` of ``logits [B, V]``. A draft with a
+        restricted head has ``-inf`` logits outside its kept columns, whose probability
+        is 0 under any warp: on the CPU its columns alone are warped (8,192 of the chat
+        draft's 49,152), the same distribution for a sixth of the work."""
+        head = self.model.head_ids
+        if head is None or logits.device.type != "cpu":
+            return warp_probs(logits, params.temperature, params.top_k, params.top_p)
+        q = warp_probs(logits.index_select(1, head), params.temperature, params.top_k,
+                       params.top_p)
+        return logits.new_zeros(logits.shape, dtype=torch.float32).index_copy_(1, head, q)
 
     def _advance(self, x: torch.Tensor, B: int) -> torch.Tensor:
         logits, g = self.model(x[:, None], self.cache, features=self._feat, return_hidden=True)

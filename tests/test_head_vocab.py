@@ -45,6 +45,26 @@ def test_logits_are_the_full_heads_at_kept_tokens(pair):
     torch.testing.assert_close(train, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("params", [osd.SamplingParams(8, temperature=0.8),
+                                    osd.SamplingParams(8, temperature=0.7, top_k=5, top_p=0.9),
+                                    osd.SamplingParams(8, temperature=1.3, top_k=80)])
+def test_draft_warps_only_the_kept_columns(pair, params):
+    """The drafter warps a restricted head's own columns: the distribution warping the
+    whole row gives (the other tokens have probability 0)."""
+    from osd.drafters import ModelDrafter
+    from osd_kernels.warp import warp_probs
+
+    ids = _kept(VOCAB, 50, seed=3)
+    cut = load_model(pair[1]).restrict_head(ids)
+    drafter = ModelDrafter(cut, 2, 32)
+    x = torch.tensor(prompts_of([9, 9], seed=4))
+    logits = cut.prefill(x, cut.new_cache(2, 32), torch.tensor([9, 6], dtype=torch.int32))[:, -1]
+    got = drafter._warp(logits, params)
+    want = warp_probs(logits, params.temperature, params.top_k, params.top_p)
+    assert got.shape == want.shape and torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
 def test_restrict_head_refuses_bad_ids(pair):
     m = load_model(pair[1])
     for ids, msg in (([], "at least one"), ([0, VOCAB], "must lie in"), ([3, 3], "distinct")):
