@@ -19,6 +19,7 @@ the draft never trained on), up to ``NEW_TOKENS`` new tokens each. Providers:
   with its GGUF weights kept quantized (``quantized=True``: the same tokens, computed by
   the quant_linear kernels) plain, with prompt lookup then the static draft (k = ``K``),
   and with prompt lookup on 2+-token matches then the EAGLE draft (k = 3);
+  ``osd-quant-eagle-lookup-q8``: the last with the EAGLE draft in Q8_0 as well;
 - ``llama.cpp``: llama-cpp-python on the same GGUF (2 threads), when installed (the
   optional ``bench`` extra); skipped otherwise.
 
@@ -51,12 +52,13 @@ ROUNDS = 2
 PROVIDERS = ["transformers", "transformers-assisted", "osd-plain", "osd-spec",
              "osd-spec-lookup", "osd-online", "osd-eagle", "osd-eagle-lookup",
              "osd-eagle-lookup-q8", "osd-eagle-online", "osd-quant-plain", "osd-quant-spec-lookup",
-             "osd-quant-eagle-lookup", "llama.cpp"]
+             "osd-quant-eagle-lookup", "osd-quant-eagle-lookup-q8", "llama.cpp"]
 # The speculative shapes of the quantized-target rows (scripts/chat_spec_shapes.py
 # --quantized measured these as the fastest of their drafts, docs/benchmarks_chat.md).
 QUANT_SPECS = {"osd-quant-spec-lookup": dict(num_draft_tokens=K, prompt_lookup=True),
                "osd-quant-eagle-lookup": dict(num_draft_tokens=3, prompt_lookup=True,
                                               ngram_min=2)}
+QUANT_SPECS["osd-quant-eagle-lookup-q8"] = QUANT_SPECS["osd-quant-eagle-lookup"]
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +143,8 @@ def _engine(setup, provider):
                                               max_seq_len=1024, quantized=True)
         return osd.Engine.from_pretrained(
             setup["target"], draft=_draft_of(setup, provider), max_batch_size=1,
-            max_seq_len=1024, quantized=True, spec=osd.SpecConfig(**QUANT_SPECS[provider]))
+            max_seq_len=1024, quantized=True, spec=osd.SpecConfig(**QUANT_SPECS[provider]),
+            quantize_draft=_draft_format(provider))
     lookup = provider.endswith(("-lookup", "-lookup-q8"))
     # The EAGLE draft drafts better than a 1-token match predicts: lookup on 2+-token matches.
     spec = osd.SpecConfig(num_draft_tokens=K, prompt_lookup=lookup,
