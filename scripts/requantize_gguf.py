@@ -79,10 +79,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--check", metavar="FILE", help="check FILE instead (see above)")
     args = parser.parse_args(argv)
-    if args.check:
-        check(args.check)
-        return 0
-    if not args.out:
+    if not args.out and not args.check:
         parser.error("--out is required (or --check FILE)")
     try:
         import llama_cpp
@@ -90,6 +87,9 @@ def main(argv=None) -> int:
         print("error: llama-cpp-python is not installed (pip install -e '.[bench]')",
               file=sys.stderr)
         return 2
+    if args.check:
+        check(args.check)
+        return 0
     source = args.source
     if source is None:
         from osd.zoo import chat
