@@ -526,18 +526,6 @@ class EagleDrafter(ModelDrafter):
         self._tree_feat = self._feat    # a tree's nodes extend it level by level
         return logits[:, 0]
 
-    def _warp(self, logits: torch.Tensor, params: SamplingParams | BatchParams) -> torch.Tensor:
-        """The warped draft distribution ``[B, V]`` of ``logits [B, V]``. A draft with a
-        restricted head has ``-inf`` logits outside its kept columns, whose probability
-        is 0 under any warp: on the CPU its columns alone are warped (8,192 of the chat
-        draft's 49,152), the same distribution for a sixth of the work."""
-        head = self.model.head_ids
-        if head is None or logits.device.type != "cpu":
-            return warp_probs(logits, params.temperature, params.top_k, params.top_p)
-        q = warp_probs(logits.index_select(1, head), params.temperature, params.top_k,
-                       params.top_p)
-        return logits.new_zeros(logits.shape, dtype=torch.float32).index_copy_(1, head, q)
-
     def _advance(self, x: torch.Tensor, B: int) -> torch.Tensor:
         logits, g = self.model(x[:, None], self.cache, features=self._feat, return_hidden=True)
         self.cache.commit(self._one[:B], 1)

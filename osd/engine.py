@@ -57,7 +57,7 @@ from osd.online.collect import TeacherCollector
 from osd.online.config import OnlineConfig
 from osd.online.serving import OnlineManager
 from osd.prefix_cache import PrefixCache
-from osd.request import RequestError, RequestState
+from osd.request import RequestError, RequestState, encode_prompts
 from osd.sampling import (BatchParams, Output, SamplingParams, fail_nonfinite, request_seed,
                           sample_tokens)
 from osd.spec import SpecConfig
@@ -300,44 +300,10 @@ class Engine:
                    pack_weights=pack_weights)
 
     def encode(self, prompts) -> list[list[int]]:
-        """Validate ``prompts`` (token-id lists or strings) and return token-id lists."""
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a list of prompts (token-id lists or strings), "
-                            f"got {type(prompts).__name__}")
-        if not prompts:
-            raise ValueError("prompts is empty: give at least one prompt")
-        vocab = self.model.vocab_size
-        out = []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise TypeError(f"prompt {i} is a string but this engine has no tokenizer; "
-                                    "pass token ids")
-                ids = list(self.tokenizer.encode(prompt)) if prompt else []
-            elif isinstance(prompt, torch.Tensor) and prompt.dim() == 1:
-                ids = prompt.tolist()
-            elif isinstance(prompt, (list, tuple)):
-                ids = list(prompt)
-            else:
-                raise TypeError(f"prompt {i} must be a list of token ids or a string, got "
-                                f"{type(prompt).__name__}")
-            if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            for t in ids:
-                if isinstance(t, bool) or not hasattr(t, "__index__"):
-                    raise TypeError(f"prompt {i} has a non-integer token {t!r}")
-            ids = [operator.index(t) for t in ids]
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary "
-                                 f"[0, {vocab})")
-            if len(ids) >= self.max_seq_len:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens, longer than the maximum "
-                                 f"context allows (max_seq_len={self.max_seq_len}, which must "
-                                 f"leave room for one generated token; the model's trained "
-                                 f"context: {self.model.config.max_position_embeddings})")
-            out.append(ids)
-        return out
+        """Validate ``prompts`` (token-id lists or strings) and return token-id lists
+        (:func:`osd.request.encode_prompts`)."""
+        return encode_prompts(prompts, self.tokenizer, self.model.vocab_size, self.max_seq_len,
+                              self.model.config.max_position_embeddings)
 
     def requests(self, prompts, params: SamplingParams | list[SamplingParams],
                  base_index: int = 0, draft: int | None = None) -> list[RequestState]:

@@ -1,8 +1,12 @@
-"""Host-side state of one request as the engine serves it, and the error a request that
-fails while it runs raises (``osd.RequestError``)."""
+"""Host-side state of one request as the engine serves it, the error a request that
+fails while it runs raises (``osd.RequestError``), and the validation of prompts before
+they become requests (:func:`encode_prompts`)."""
 from __future__ import annotations
 
 import dataclasses
+import operator
+
+import torch
 
 from osd.sampling import SamplingParams
 from osd.stats import SpecStats
@@ -54,3 +58,48 @@ class RequestState:
     def fail(self, message: str, kind: str = "nonfinite_logits") -> None:
         """End the request with ``finish_reason = "error"``; it teaches no draft."""
         self.finish_reason, self.error, self.error_kind = "error", message, kind
+
+
+def encode_prompts(prompts, tokenizer, vocab_size: int, max_seq_len: int,
+                   trained_context: int) -> list[list[int]]:
+    """Validate ``prompts`` (token-id lists, 1-D tensors or strings, encoded with
+    ``tokenizer``) and return token-id lists. TypeError or ValueError naming the prompt
+    and the problem: not a list, empty, a string without a tokenizer, a non-integer
+    token, an id outside ``[0, vocab_size)``, or no room for one generated token within
+    ``max_seq_len`` (the message names the model's ``trained_context`` too)."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a list of prompts (token-id lists or strings), "
+                        f"got {type(prompts).__name__}")
+    if not prompts:
+        raise ValueError("prompts is empty: give at least one prompt")
+    out = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise TypeError(f"prompt {i} is a string but this engine has no tokenizer; "
+                                "pass token ids")
+            ids = list(tokenizer.encode(prompt)) if prompt else []
+        elif isinstance(prompt, torch.Tensor) and prompt.dim() == 1:
+            ids = prompt.tolist()
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+        else:
+            raise TypeError(f"prompt {i} must be a list of token ids or a string, got "
+                            f"{type(prompt).__name__}")
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        for t in ids:
+            if isinstance(t, bool) or not hasattr(t, "__index__"):
+                raise TypeError(f"prompt {i} has a non-integer token {t!r}")
+        ids = [operator.index(t) for t in ids]
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary "
+                             f"[0, {vocab_size})")
+        if len(ids) >= max_seq_len:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens, longer than the maximum "
+                             f"context allows (max_seq_len={max_seq_len}, which must leave "
+                             f"room for one generated token; the model's trained context: "
+                             f"{trained_context})")
+        out.append(ids)
+    return out

@@ -126,7 +126,9 @@ def test_draft_vocabulary_differs(engine, expected, hf):
 
 
 def test_prompt_longer_than_context(engine, expected):
-    with pytest.raises(ValueError, match="prompt 1 has 24 tokens.*max_seq_len=24"):
+    trained = engine.model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"prompt 1 has 24 tokens.*max_seq_len=24.*trained "
+                                         f"context: {trained}"):
         engine.generate([[1, 2], [5] * 24], osd.SamplingParams(4))
     with pytest.raises(ValueError, match="prompt 0 has 40 tokens"):
         engine.generate([[5] * 40], osd.SamplingParams(4))

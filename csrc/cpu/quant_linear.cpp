@@ -50,22 +50,22 @@ struct QuantArgs {
 // Weight rows [n, n + rows) into out [rows, K].
 void dequant_portable(const QuantArgs& a, int64_t n, int64_t rows, float* out) {
   const int64_t nb = a.K / kBlock;
-  const int64_t ns = nb * a.halves;  // scales per weight row
   for (int64_t r = n; r < n + rows; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       float* o = out + (r - n) * a.K + b * kBlock;
-      for (int j = 0; j < 32; ++j) {
-        const int64_t s = r * ns + b * a.halves + (a.halves == 2 ? j / 16 : 0);
-        const float d = a.scales[s];
-        const float m = a.mins != nullptr ? a.mins[s] : 0.0f;
-        float code;
+      for (int h = 0; h < 2; ++h) {  // weights 16h .. 16h + 15 of the block
+        const int64_t at = (r * nb + b) * a.halves + (a.halves == 2 ? h : 0);
+        const float d = a.scales[at];
+        const float m = a.mins != nullptr ? a.mins[at] : 0.0f;
         if (a.bits == 4) {
-          const uint8_t byte = a.q[r * (a.K / 2) + b * (kBlock / 2) + (j & 15)];
-          code = static_cast<float>(j < 16 ? byte & 0xF : byte >> 4);
+          const uint8_t* src = a.q + r * (a.K / 2) + b * (kBlock / 2);
+          for (int j = 0; j < 16; ++j) {
+            o[16 * h + j] = static_cast<float>(h == 0 ? src[j] & 0xF : src[j] >> 4) * d + m;
+          }
         } else {
-          code = static_cast<float>(reinterpret_cast<const int8_t*>(a.q)[r * a.K + b * kBlock + j]);
+          const int8_t* src = reinterpret_cast<const int8_t*>(a.q) + r * a.K + b * kBlock;
+          for (int j = 16 * h; j < 16 * h + 16; ++j) o[j] = static_cast<float>(src[j]) * d + m;
         }
-        o[j] = code * d + m;
       }
     }
   }
