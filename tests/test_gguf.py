@@ -193,6 +193,8 @@ def osd_logits(model, ids):
 
 # -- reference dequantizers and quantizers (one block at a time, after ggml's C code) -----
 K_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)      # 256-weight super-blocks
+SUPER_TYPES = (*K_TYPES, T.IQ4_XS)
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def _h(b, i):
@@ -201,7 +203,7 @@ def _h(b, i):
 
 def _ref_block(b, t):
     f32 = np.float32
-    y = np.zeros(256 if t in K_TYPES else 32, np.float32)
+    y = np.zeros(256 if t in SUPER_TYPES else 32, np.float32)
     if t == T.Q8_0:
         d = _h(b, 0)
         for j in range(32):
@@ -296,6 +298,20 @@ def _ref_block(b, t):
                 y[o + lane + 32] = d * f32(sc[S + is_ + 2]) * f32(q2)
                 y[o + lane + 64] = d * f32(sc[S + is_ + 4]) * f32(q3)
                 y[o + lane + 96] = d * f32(sc[S + is_ + 6]) * f32(q4)
+    elif t == T.IQ4_NL:
+        d, qs = _h(b, 0), b[2:18]
+        for j in range(16):
+            y[j] = d * f32(IQ4_VALUES[qs[j] & 0xF])
+            y[j + 16] = d * f32(IQ4_VALUES[qs[j] >> 4])
+    elif t == T.IQ4_XS:
+        d, scales_h = _h(b, 0), struct.unpack("<H", bytes(b[2:4]))[0]
+        scales_l, qs = b[4:8], b[8:136]
+        for ib in range(8):
+            ls = ((scales_l[ib // 2] >> (4 * (ib % 2))) & 0xF) | (((scales_h >> (2 * ib)) & 3) << 4)
+            dl = d * f32(ls - 32)
+            for j in range(16):
+                y[32 * ib + j] = dl * f32(IQ4_VALUES[qs[16 * ib + j] & 0xF])
+                y[32 * ib + j + 16] = dl * f32(IQ4_VALUES[qs[16 * ib + j] >> 4])
     else:
         raise ValueError(t)
     return y
@@ -353,21 +369,21 @@ def random_blocks(t, n: int, seed: int = 0) -> np.ndarray:
     b = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
     halves = {T.Q8_0: [0], T.Q4_0: [0], T.Q5_0: [0], T.Q4_1: [0, 2], T.Q5_1: [0, 2],
               T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2],
-              T.Q6_K: [208]}[t]
+              T.Q6_K: [208], T.IQ4_NL: [0], T.IQ4_XS: [0]}[t]
     for at in halves:
         b[:, at:at + 2] = rng.uniform(-2, 2, n).astype(np.float16).view(np.uint8).reshape(n, 2)
     return b.reshape(-1)
 
 
 # -- tests ----------------------------------------------------------------------------------
-BLOCK_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, *K_TYPES]
+BLOCK_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, *SUPER_TYPES]
 
 
 @pytest.mark.parametrize("t", BLOCK_TYPES, ids=lambda t: t.name)
 def test_dequantize_matches_per_block_reference(t):
-    n = 7 if t in K_TYPES else 21
+    n = 7 if t in SUPER_TYPES else 21
     raw = random_blocks(t, n, seed=int(t))
-    per_row = gguf.BLOCK_LAYOUT[t][0] * (1 if t in K_TYPES else 3)
+    per_row = gguf.BLOCK_LAYOUT[t][0] * (1 if t in SUPER_TYPES else 3)
     shape = (n * gguf.BLOCK_LAYOUT[t][0] // per_row, per_row)
     got = dequantize(torch.from_numpy(raw.copy()), t, shape)
     want = torch.from_numpy(ref_dequantize(raw, t)).reshape(shape)
@@ -580,13 +596,13 @@ def test_unsupported_architecture_and_quantization(good_file, tmp_path):
                                    b"\x05\x00\x00\x00\x00\x00\x00\x00gpt-2", 1))
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt-2'.*llama"):
         load_model(other)
-    # Re-type one tensor as IQ4_NL: its type field follows the name, n_dims and the dims.
+    # Re-type one tensor as IQ2_XXS: its type field follows the name, n_dims and the dims.
     name = b"blk.1.ffn_up.weight"
     at = data.index(name) + len(name) + 4 + 2 * 8
     assert struct.unpack_from("<I", data, at)[0] == T.Q4_0
-    iq = tmp_path / "iq4_nl.gguf"
-    iq.write_bytes(data[:at] + struct.pack("<I", T.IQ4_NL) + data[at + 4:])
-    with pytest.raises(ValueError, match="'blk.1.ffn_up.weight' has quantization type IQ4_NL"):
+    iq = tmp_path / "iq2_xxs.gguf"
+    iq.write_bytes(data[:at] + struct.pack("<I", T.IQ2_XXS) + data[at + 4:])
+    with pytest.raises(ValueError, match="'blk.1.ffn_up.weight' has quantization type IQ2_XXS"):
         load_model(iq)
     iq.write_bytes(data[:at] + struct.pack("<I", 99) + data[at + 4:])
     with pytest.raises(ValueError, match="unknown type 99"):

@@ -84,18 +84,21 @@ def test_a_row_does_not_depend_on_the_others(monkeypatch, isa):
 
 
 K_TYPES = [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+FILE_ONLY = [*K_TYPES, GGMLType.IQ4_NL, GGMLType.IQ4_XS]    # random blocks, not quantize()
 
 
 @pytest.mark.parametrize("t", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q5_0,
-                               GGMLType.Q5_1, *K_TYPES], ids=lambda t: t.name)
+                               GGMLType.Q5_1, *FILE_ONLY], ids=lambda t: t.name)
 def test_gguf_blocks_dequantize_like_the_file_reader(t):
     """Every block type a file keeps quantized holds exactly the file reader's weights, and
-    the kernel computes on exactly them (random blocks for the K-quants)."""
+    the kernel computes on exactly them (random blocks for the types osd only reads)."""
+    from osd.models.gguf import BLOCK_LAYOUT
     from tests.test_gguf import random_blocks
 
-    K = 512 if t in K_TYPES else 96
-    if t in K_TYPES:
-        raw = torch.from_numpy(random_blocks(t, 37 * K // 256, seed=int(t)).copy())
+    K = 512 if t in FILE_ONLY else 96
+    if t in FILE_ONLY:
+        n = 37 * K // BLOCK_LAYOUT[t][0]
+        raw = torch.from_numpy(random_blocks(t, n, seed=int(t)).copy())
     else:
         w = torch.randn(37, K, generator=torch.Generator().manual_seed(int(t)))
         raw = torch.from_numpy(np.ascontiguousarray(quantize(w, t)))

@@ -73,7 +73,8 @@ def k_quant_gguf(path, linear_type, v_type=None, seed: int = 0):
         n = shape[0] * shape[1] // BLOCK_LAYOUT[t][0]
         b = random_blocks(t, n, seed=int(rng.integers(1 << 30))).reshape(n, -1)
         for at in {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2),
-                   T.Q6_K: (208,), T.Q5_0: (0,), T.Q8_0: (0,)}[t]:   # d (and dmin)
+                   T.Q6_K: (208,), T.Q5_0: (0,), T.Q8_0: (0,), T.IQ4_NL: (0,),
+                   T.IQ4_XS: (0,)}[t]:                                # d (and dmin)
             b[:, at:at + 2] = (rng.uniform(-1, 1, n) * 5e-4).astype(np.float16) \
                 .view(np.uint8).reshape(n, 2)
         return b.reshape(-1), t, shape
@@ -99,8 +100,10 @@ def k_quant_gguf(path, linear_type, v_type=None, seed: int = 0):
 @pytest.mark.parametrize("t,v,qkv", [
     (T.Q2_K, None, "Q2_K"), (T.Q3_K, None, "Q3_K"), (T.Q4_K, None, "Q4_K"),
     (T.Q5_K, None, "Q5_K"), (T.Q6_K, None, "Q6_K"), (T.Q4_K, T.Q6_K, "Q4_K+Q6_K"),
-    (T.Q3_K, T.Q4_K, "Q3_K+Q4_K"), (T.Q5_0, T.Q8_0, "Q5_0+Q8_0")],
-    ids=["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_K-v-Q6_K", "Q3_K-v-Q4_K", "Q5_0-v-Q8_0"])
+    (T.Q3_K, T.Q4_K, "Q3_K+Q4_K"), (T.Q5_0, T.Q8_0, "Q5_0+Q8_0"), (T.IQ4_NL, None, "IQ4_NL"),
+    (T.IQ4_XS, None, "IQ4_XS"), (T.IQ4_XS, T.Q4_K, "IQ4_XS+Q4_K")],
+    ids=["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_K-v-Q6_K", "Q3_K-v-Q4_K", "Q5_0-v-Q8_0",
+         "IQ4_NL", "IQ4_XS", "IQ4_XS-v-Q4_K"])
 def test_k_quant_target_equals_its_dequantized_model(tmp_path, t, v, qkv):
     """K-quant weights stay quantized (their 16- or 32-weight groups as 4- or 8-bit codes
     with float32 factors) and give the dequantized model's logits bit for bit in decode and
@@ -294,7 +297,9 @@ def test_bad_uses_fail_clearly(tmp_path, q41):
         osd.Engine.from_pretrained(q41, dtype=torch.bfloat16, quantized=True)
     layer = load_model(q41, quantized=True).lm_head
     with pytest.raises(ValueError, match="holds Q4_0, Q4_1, Q8_0"):
-        QuantLinear.from_gguf_blocks(torch.zeros(8, dtype=torch.uint8), "IQ4_NL", (1, 32))
+        QuantLinear.from_gguf_blocks(torch.zeros(8, dtype=torch.uint8), "IQ2_XXS", (1, 32))
     with pytest.raises(ValueError, match="whole super-blocks of 256"):
         QuantLinear.from_gguf_blocks(torch.zeros(8, dtype=torch.uint8), "Q6_K", (1, 32))
+    with pytest.raises(ValueError, match="IQ4_XS rows hold whole blocks of 256"):
+        QuantLinear.from_gguf_blocks(torch.zeros(8, dtype=torch.uint8), "IQ4_XS", (1, 32))
     assert not isinstance(layer, nn.Linear)

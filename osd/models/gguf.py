@@ -78,7 +78,12 @@ BLOCK_LAYOUT = {
     GGMLType.Q4_K: (256, 144),   # fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 nibbles
     GGMLType.Q5_K: (256, 176),   # Q4_K's fields, then 32 bytes of high bits before the nibbles
     GGMLType.Q6_K: (256, 210),   # 128 low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, fp16 d
+    GGMLType.IQ4_NL: (32, 18),   # fp16 d, 16 bytes of nibbles indexing IQ4_VALUES
+    GGMLType.IQ4_XS: (256, 136),  # fp16 d, u16 high scale bits, 4 bytes of low scale nibbles,
+    #                               128 bytes of nibbles indexing IQ4_VALUES
 }
+# The 16 levels a nibble of IQ4_NL and IQ4_XS selects (ggml's kvalues_iq4nl).
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 SUPPORTED_TYPES = tuple(BLOCK_LAYOUT)
 
 # GGUF metadata value types.
@@ -364,6 +369,31 @@ def k_quant_parts(b: torch.Tensor, ggml_type: int):
     raise ValueError(f"{type_name(ggml_type)} is not a K-quant type")
 
 
+def iq4_parts(b: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ4_NL blocks ``[n, 18]`` or IQ4_XS super-blocks ``[n, 136]`` -> ``(codes, scales)``:
+    the level of each weight (:data:`IQ4_VALUES`, int16 ``[n, W]``, weight order) and a
+    float32 scale per 32 weights ``[n, W / 32]``, such that a weight is ``code * scale``.
+
+    As in ggml's ``dequantize_row_iq4_*``: IQ4_NL's scale is its ``d``; IQ4_XS's sub-block
+    ``j`` has the six-bit scale ``ls`` (low four bits from nibble ``j`` of ``scales_l``,
+    high two from bits ``2j`` of ``scales_h``) and the scale ``d * (ls - 32)`` in float32.
+    Every ``code * scale`` is exact in float32 (at most 11 + 5 + 7 significant bits).
+    """
+    n = b.shape[0]
+    levels = torch.tensor(IQ4_VALUES, dtype=torch.int16, device=b.device)
+    if ggml_type == GGMLType.IQ4_NL:
+        return levels[_nibbles(b[:, 2:]).long()], _f16(b, 0)
+    if ggml_type != GGMLType.IQ4_XS:
+        raise ValueError(f"{type_name(ggml_type)} is not an IQ4 type")
+    q = levels[_nibbles(b[:, 8:].reshape(n * 8, 16)).long()].reshape(n, 256)
+    low = torch.stack([b[:, 4:8] & 0xF, b[:, 4:8] >> 4], dim=2).reshape(n, 8).to(torch.int32)
+    high = b[:, 2:4].to(torch.int32)
+    high = high[:, 0] | (high[:, 1] << 8)                          # u16 scales_h
+    shifts = torch.arange(0, 16, 2, dtype=torch.int32, device=b.device)
+    ls = low | (((high.unsqueeze(1) >> shifts) & 3) << 4)
+    return q, _f16(b, 0) * (ls - 32).float()
+
+
 def _dequant_blocks(b: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """[n, bytes_per_block] uint8 -> [n, weights_per_block] float32, as ggml computes it."""
     n = b.shape[0]
@@ -385,6 +415,9 @@ def _dequant_blocks(b: torch.Tensor, ggml_type: int) -> torch.Tensor:
         if mins is not None:
             w = w + mins.unsqueeze(-1)
         return w.reshape(n, 256)
+    if ggml_type in (GGMLType.IQ4_NL, GGMLType.IQ4_XS):
+        q, scales = iq4_parts(b, ggml_type)
+        return (q.float().reshape(n, scales.shape[1], 32) * scales.unsqueeze(-1)).reshape(n, -1)
     raise ValueError(f"cannot dequantize {type_name(ggml_type)}")
 
 

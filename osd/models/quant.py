@@ -1,5 +1,5 @@
 """Linear layers whose weights stay block-quantized in memory (GGUF's Q4_0, Q4_1, Q8_0,
-and from files Q5_0, Q5_1 and the K-quants Q2_K to Q6_K).
+and from files Q5_0, Q5_1, the K-quants Q2_K to Q6_K, IQ4_NL and IQ4_XS).
 
 On a CPU a decode or verify forward is bound by reading the weights: a GGUF checkpoint's
 4-bit weights read 0.75 bytes each where their float32 copy reads 4. A
@@ -30,9 +30,11 @@ from osd_kernels.quant_linear import BLOCK, dequantize_weight, quant_linear
 
 # Block types a float layer can be quantized to (ggml's reference rounding), by name.
 FORMATS = ("Q4_0", "Q4_1", "Q8_0")
-# GGUF block types a QuantLinear holds as codes: FORMATS, the 5-bit types (as 8-bit codes)
-# and the K-quants, whose 16- or 32-weight groups are affine in their codes.
-GGUF_FORMATS = FORMATS + ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# GGUF block types a QuantLinear holds as codes: FORMATS, the 5-bit types (as 8-bit codes),
+# the K-quants, whose 16- or 32-weight groups are affine in their codes, and IQ4_NL and
+# IQ4_XS, whose 16 non-uniform levels are 8-bit codes times a scale per 32 weights.
+GGUF_FORMATS = FORMATS + ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+                          "IQ4_XS")
 
 
 class QuantLinear(nn.Module):
@@ -87,6 +89,8 @@ class QuantLinear(nn.Module):
         N, K = shape
         if fmt.endswith("_K"):
             return cls(*_k_quant_codes(raw, fmt, N, K), bias, fmt)
+        if fmt.startswith("IQ4"):
+            return cls(*_iq4_codes(raw, fmt, N, K), None, bias, fmt)
         blocks = raw.reshape(N, K // BLOCK, -1)
         d = blocks[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
         if fmt in ("Q5_0", "Q5_1"):
@@ -166,6 +170,20 @@ def _k_quant_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
         return q.to(torch.int8).reshape(N, K).contiguous(), scales, mins
     q = q.to(torch.uint8).reshape(-1, 2, 16)              # blocks of 32: j | (j + 16) << 4
     return (q[:, 0] | (q[:, 1] << 4)).reshape(N, K // 2).contiguous(), scales, mins
+
+
+def _iq4_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
+    """IQ4_NL / IQ4_XS blocks -> ``(qweight, scales)``: each weight's level (-127..113) as
+    an 8-bit code and a scale per 32 weights, from :func:`osd.models.gguf.iq4_parts`."""
+    from osd.models.gguf import BLOCK_LAYOUT, GGMLType, iq4_parts
+
+    t = GGMLType[fmt]
+    per_block, size = BLOCK_LAYOUT[t]
+    if K % per_block:
+        raise ValueError(f"{fmt} rows hold whole blocks of {per_block} weights, got K = {K}")
+    q, scales = iq4_parts(raw.reshape(-1, size), t)
+    return (q.to(torch.int8).reshape(N, K).contiguous(),
+            scales.reshape(N, K // 32).contiguous())
 
 
 def _linear_slots(model) -> list[tuple[nn.Module, str, nn.Linear]]:
