@@ -96,7 +96,7 @@ class QuantLinear(nn.Module):
         if fmt in ("Q5_0", "Q5_1"):
             # 5-bit codes as 8-bit ones: (q - 16) d = q d + (-16 d) for Q5_0, q d + m for
             # Q5_1; a 5-bit code times a float16 scale is exact in float32.
-            from osd.models.gguf import _high_bits, _nibbles
+            from osd.models.gguf_blocks import _high_bits, _nibbles
             lo = 2 if fmt == "Q5_0" else 4
             flat = blocks.reshape(N * (K // BLOCK), -1)
             q = _nibbles(flat[:, lo + 4:]) | (_high_bits(flat[:, lo:lo + 4]) << 4)
@@ -150,12 +150,12 @@ def _fused(pieces: list[QuantLinear], bias: torch.Tensor | None) -> QuantLinear:
 
 def _k_quant_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
     """K-quant super-blocks (256 weights) -> ``(qweight, scales, mins)``, from
-    :func:`osd.models.gguf.k_quant_parts` (whose factors reproduce ggml's dequantization
+    :func:`osd.models.gguf_blocks.k_quant_parts` (whose factors reproduce ggml's dequantization
     bit for bit): Q4_K's codes and Q2_K's as 4-bit codes, Q3_K's (-4..3) as 4-bit codes
     plus 4 with a min of ``-4 * scale`` (exact: every term is a multiple of the scale well
     inside float32's precision), Q5_K's and Q6_K's as 8-bit codes. Q4_K and Q5_K have a
     scale per 32 weights, the others per 16."""
-    from osd.models.gguf import BLOCK_LAYOUT, GGMLType, k_quant_parts
+    from osd.models.gguf_blocks import BLOCK_LAYOUT, GGMLType, k_quant_parts
 
     t = GGMLType[fmt]
     if K % 256:
@@ -174,8 +174,8 @@ def _k_quant_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
 
 def _iq4_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
     """IQ4_NL / IQ4_XS blocks -> ``(qweight, scales)``: each weight's level (-127..113) as
-    an 8-bit code and a scale per 32 weights, from :func:`osd.models.gguf.iq4_parts`."""
-    from osd.models.gguf import BLOCK_LAYOUT, GGMLType, iq4_parts
+    an 8-bit code and a scale per 32 weights, from :func:`osd.models.gguf_blocks.iq4_parts`."""
+    from osd.models.gguf_blocks import BLOCK_LAYOUT, GGMLType, iq4_parts
 
     t = GGMLType[fmt]
     per_block, size = BLOCK_LAYOUT[t]
@@ -202,7 +202,7 @@ def quantize_weight(w: torch.Tensor, fmt: str,
                     bias: torch.Tensor | None = None) -> QuantLinear:
     """A :class:`QuantLinear` of float weight ``w [N, K]`` (``K`` a multiple of 32) in
     ``fmt``, rounded as ggml's reference quantizer does."""
-    from osd.models.gguf import GGMLType, quantize
+    from osd.models.gguf_blocks import GGMLType, quantize
 
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
