@@ -301,12 +301,15 @@ def test_a_chain_shaped_tree_drafts_what_the_chain_drafts(target, trained):
     assert stats[0][1] > 0
 
 
-def test_qwen3_target_eagle_draft_round_trips_and_stays_lossless(tmp_path):
-    """A Qwen3 target (per-head q/k norms): its EAGLE draft's layer carries the norms too,
-    trains, saves and loads them, and drafts losslessly."""
-    target = load_model(tiny_hf_model("qwen3", seed=33))
+@pytest.mark.parametrize("family", ["qwen3", "granite"])
+def test_family_target_eagle_draft_round_trips_and_stays_lossless(tmp_path, family):
+    """A Qwen3 target (per-head q/k norms: its EAGLE draft's layer carries the norms too)
+    and a Granite one (residual multiplier, attention scale and logit scaling in the draft's
+    layer and shared head): the draft trains, saves and loads, and drafts losslessly."""
+    target = load_model(tiny_hf_model(family, seed=33))
     draft = _trained(target, steps=20, seed=4)
-    assert any(k.endswith("q_norm.weight") for k in draft.own_state_dict())
+    if family == "qwen3":
+        assert any(k.endswith("q_norm.weight") for k in draft.own_state_dict())
     save_eagle(draft, tmp_path / "eagle")
     loaded = load_eagle(tmp_path / "eagle", target)
     for name, value in draft.own_state_dict().items():

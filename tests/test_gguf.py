@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, \
-    Qwen3Config, Qwen3ForCausalLM
+from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, \
+    Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import osd
 from osd.chat import apply_chat_template
@@ -57,6 +57,9 @@ def tiny_hf_model(family: str = "llama", *, tie: bool = False, seed: int = 0):
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif family == "qwen3":      # head_dim 32, not hidden / heads = 16
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=32, **common))
+    elif family == "granite":
+        from tests.test_models import GRANITE
+        model = GraniteForCausalLM(GraniteConfig(**GRANITE, **common))
     else:
         raise ValueError(family)
     gen = torch.Generator().manual_seed(seed)
@@ -116,7 +119,8 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
     weights as ``qtype`` and 1-D ones as F32, ``output.weight`` left out when tied.
     ``extra`` adds metadata (a None value removes the key); ``skip`` leaves tensors out."""
     cfg = hf.config
-    arch = {Qwen2ForCausalLM: "qwen2", Qwen3ForCausalLM: "qwen3"}.get(type(hf), "llama")
+    arch = {Qwen2ForCausalLM: "qwen2", Qwen3ForCausalLM: "qwen3",
+            GraniteForCausalLM: "granite"}.get(type(hf), "llama")
     meta = {"general.architecture": arch, "general.name": "tiny",
             f"{arch}.block_count": cfg.num_hidden_layers,
             f"{arch}.context_length": cfg.max_position_embeddings,
@@ -130,6 +134,10 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
             f"{arch}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]
                                             if getattr(cfg, "rope_parameters", None)
                                             else cfg.rope_theta)}
+    if arch == "granite":
+        meta.update({f"granite.{k}": float(getattr(cfg, name)) for k, name in (
+            ("embedding_scale", "embedding_multiplier"), ("residual_scale", "residual_multiplier"),
+            ("attention.scale", "attention_multiplier"), ("logit_scale", "logits_scaling"))})
     meta.update(extra or {})
     meta = {k: v for k, v in meta.items() if v is not None}
     tensors = {}
@@ -146,9 +154,9 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
             _, _, i, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
             gname = f"blk.{i}.{_NAMES[module]}.{kind}"
-            if arch == "llama" and module == "self_attn.q_proj":
+            if arch in ("llama", "granite") and module == "self_attn.q_proj":
                 w = llama_cpp_permute(w, cfg.num_attention_heads, cfg.num_attention_heads)
-            elif arch == "llama" and module == "self_attn.k_proj":
+            elif arch in ("llama", "granite") and module == "self_attn.k_proj":
                 w = llama_cpp_permute(w, cfg.num_attention_heads, cfg.num_key_value_heads)
         if gname not in skip:
             tensors[gname] = (w, qtype if w.dim() == 2 else T.F32)
@@ -431,7 +439,8 @@ def test_unpermute_inverts_llama_cpp_permute():
 
 @pytest.mark.parametrize("family,tie", [("llama", False), ("llama", True), ("llama_bias", False),
                                         ("llama3", False), ("llama_linear", True),
-                                        ("qwen2", True), ("qwen3", True), ("qwen3", False)])
+                                        ("qwen2", True), ("qwen3", True), ("qwen3", False),
+                                        ("granite", True), ("granite", False)])
 def test_f32_logits_match_transformers(family, tie, tmp_path):
     hf = tiny_hf_model(family, tie=tie)
     path = to_gguf(hf, tmp_path / "m.gguf")

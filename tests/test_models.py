@@ -1,7 +1,8 @@
 """Our Llama-family runtime against transformers, on tiny random models built in the test.
 
 Every family (Llama, Llama with Llama-3 RoPE scaling, Llama with biases, Mistral, Qwen2
-with q/k/v bias, Qwen3 with per-head q/k norms and a head width of its own) is compared in fp32 with max abs diff <= 1e-4: prefill logits,
+with q/k/v bias, Qwen3 with per-head q/k norms and a head width of its own, Granite with its
+embedding, residual, attention and logit multipliers) is compared in fp32 with max abs diff <= 1e-4: prefill logits,
 step-by-step decode logits, the training forward, and checkpoint directories written by
 ``save_pretrained`` (safetensors, sharded safetensors, .bin and sharded .bin).
 """
@@ -10,14 +11,18 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, \
-    Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, \
+    MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, \
+    Qwen3ForCausalLM
 
 from osd.cache import KVCache
 from osd.models import DecoderLM, ModelConfig, load_model
 from osd_kernels.tree_attention import causal_tree_mask
 
-FAMILIES = ("llama", "llama3", "llama_bias", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "llama3", "llama_bias", "mistral", "qwen2", "qwen3", "granite")
+# Granite-3's multipliers (its 2B and 8B configs use these values)
+GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
+               logits_scaling=8.0)
 VOCAB = 131
 ATOL = 1e-4
 
@@ -45,6 +50,8 @@ def tiny_hf_model(family: str, *, seed: int = 0, eos_token_id=None) -> torch.nn.
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif family == "qwen3":      # head_dim 24, not hidden / heads = 16
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=24, **common))
+    elif family == "granite":
+        model = GraniteForCausalLM(GraniteConfig(**GRANITE, **common))
     else:
         raise ValueError(family)
     gen = torch.Generator().manual_seed(seed)
@@ -155,7 +162,9 @@ def test_skip_layers_consistent_between_forwards(pair):
         train = model.forward_train(ids, skip_layers=frozenset({1}))
         full = model.forward_train(ids)
         no_layers = model.forward_train(ids, skip_layers=frozenset({0, 1}))
-        direct = model.lm_head(model.norm(model.embed_tokens(ids))).float()
+        c = model.config             # Granite's multipliers are 1 in the other families
+        x = model.embed_tokens(ids) * c.embedding_multiplier
+        direct = model.lm_head(model.norm(x)).float() / c.logits_scaling
     assert (cached - train).abs().max() <= ATOL
     assert (train - full).abs().max() > 1e-2
     assert (no_layers - direct).abs().max() <= ATOL

@@ -10,11 +10,12 @@ import dataclasses
 from typing import Any, Mapping
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
+                           "Qwen3ForCausalLM", "GraniteForCausalLM")
 
 # model_type -> architecture, for configs that do not list ``architectures``.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "granite": "GraniteForCausalLM"}
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
@@ -26,7 +27,8 @@ ATTENTION_BACKENDS = ("auto", "reference", "native", "triton", "flash")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama, Llama-3, Mistral, Qwen2, Qwen3)."""
+    """Shape and numerics of a Llama-family decoder (Llama, Llama-3, Mistral, Qwen2, Qwen3,
+    Granite)."""
 
     architecture: str                 # one of SUPPORTED_ARCHITECTURES
     vocab_size: int                   # rows of the embedding and of the LM head
@@ -49,6 +51,13 @@ class ModelConfig:
     o_bias: bool = False              # bias on the output projection (Llama attention_bias)
     mlp_bias: bool = False            # bias on gate/up/down (Llama mlp_bias)
     qk_norm: bool = False             # RMSNorm over each query and key head before RoPE (Qwen3)
+    # Granite's scalars: embeddings times embedding_multiplier, each block's output times
+    # residual_multiplier before its residual add, attention_multiplier as the softmax scale
+    # (None: head_dim ** -0.5), logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     sliding_window: int | None = None     # Mistral/Qwen2 window; contexts must fit inside it
     eos_token_ids: tuple[int, ...] = ()   # every id that ends a sequence
     bos_token_id: int | None = None
@@ -73,6 +82,13 @@ class ModelConfig:
                              f"({self.num_kv_heads})")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.logits_scaling > 0:
+            raise ValueError(f"logits_scaling must be > 0, got {self.logits_scaling}")
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of attention: ``attention_multiplier`` or ``head_dim ** -0.5``."""
+        return self.attention_multiplier or self.head_dim ** -0.5
 
     @property
     def num_parameters(self) -> int:
@@ -137,6 +153,11 @@ class ModelConfig:
             o_bias=attention_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
+            embedding_multiplier=float(d.get("embedding_multiplier") or 1.0),
+            residual_multiplier=float(d.get("residual_multiplier") or 1.0),
+            attention_multiplier=None if d.get("attention_multiplier") is None
+            else float(d["attention_multiplier"]),
+            logits_scaling=float(d.get("logits_scaling") or 1.0),
             sliding_window=None if window is None else int(window),
             eos_token_ids=tuple(int(e) for e in eos),
             bos_token_id=d.get("bos_token_id"),

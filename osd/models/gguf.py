@@ -66,7 +66,11 @@ _NUMPY = {_UINT8: "<u1", _INT8: "<i1", _UINT16: "<u2", _INT16: "<i2", _UINT32: "
 # general.architecture -> (our architecture, whether Q/K rows carry llama.cpp's RoPE permutation).
 # Mistral checkpoints are converted as "llama"; Qwen2's converter keeps the HF row order.
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
-                 "qwen3": ("Qwen3ForCausalLM", False)}
+                 "qwen3": ("Qwen3ForCausalLM", False), "granite": ("GraniteForCausalLM", True)}
+# Granite's scalars: GGUF key (after "granite.") -> transformers config name.
+_GRANITE_SCALARS = {"embedding_scale": "embedding_multiplier",
+                    "residual_scale": "residual_multiplier",
+                    "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,6 +404,9 @@ def config_from_gguf(g: GGUFFile, *, attention_backend: str = "auto") -> ModelCo
             "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
             "tokenizer.ggml.eom_token_id") if meta.get(k) is not None}),
     }
+    if arch == "granite":
+        hf.update({name: float(key(k)) for k, name in _GRANITE_SCALARS.items()
+                   if key(k) is not None})
     scaling = key("rope.scaling.type", "none")
     if scaling == "linear":
         hf["rope_scaling"] = {"rope_type": "linear",

@@ -152,6 +152,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
         self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.residual_multiplier = c.residual_multiplier           # Granite; 1 elsewhere
         # Qwen3: per-head RMSNorms [D] on queries and keys, before RoPE
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
@@ -170,15 +171,18 @@ class DecoderLayer(nn.Module):
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual after attention output ``attn [B, T, Hq, D]``, then the SwiGLU block."""
-        x = x + project(attn.flatten(2), self.wo)
+        r = self.residual_multiplier
+        out = project(attn.flatten(2), self.wo)
+        x = x + (out if r == 1.0 else out * r)
         h = project(x, self.w_gate_up, self.post_attention_norm)
         gate, up = h.chunk(2, dim=-1)
-        return x + project(F.silu(gate) * up, self.w_down)
+        out = project(F.silu(gate) * up, self.w_down)
+        return x + (out if r == 1.0 else out * r)
 
 
 class DecoderLM(nn.Module):
     """A Llama-family causal LM (``LlamaForCausalLM``, ``MistralForCausalLM``,
-    ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``).
+    ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``GraniteForCausalLM``).
 
     Parameters are created uninitialised on ``device`` in ``dtype``: load weights with
     ``osd.models.load_model`` (or ``load_hf_state_dict``), or call
@@ -198,7 +202,7 @@ class DecoderLM(nn.Module):
         self.to(dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.attention_scale
         self.attention_backend = resolve_attention_backend(config.attention_backend,
                                                            self.device, dtype)
         self._inv_freq = rope_inv_freq(config)
@@ -396,7 +400,9 @@ class DecoderLM(nn.Module):
         take input features (``osd.models.eagle``) combine them here."""
         if features is not None:
             raise ValueError(f"{type(self).__name__} takes no input features")
-        return self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids)
+        m = self.config.embedding_multiplier
+        return x if m == 1.0 else x * m
 
     def _hidden(self, input_ids: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor | None,
                 depths: torch.Tensor | None, skip_layers: frozenset[int],
@@ -482,6 +488,8 @@ class DecoderLM(nn.Module):
         if logits_index is not None:
             x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
         y = project(x, self.lm_head, self.norm).float()
+        if self.config.logits_scaling != 1.0:
+            y = y / self.config.logits_scaling
         if self.head_ids is None or not full_vocab:
             return y
         out = y.new_full((*y.shape[:-1], self.vocab_size), float("-inf"))
