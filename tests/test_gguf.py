@@ -14,7 +14,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, \
-    Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    Olmo2Config, Olmo2ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import osd
 from osd.chat import apply_chat_template
@@ -60,6 +60,8 @@ def tiny_hf_model(family: str = "llama", *, tie: bool = False, seed: int = 0):
     elif family == "granite":
         from tests.test_models import GRANITE
         model = GraniteForCausalLM(GraniteConfig(**GRANITE, **common))
+    elif family == "olmo2":
+        model = Olmo2ForCausalLM(Olmo2Config(**common))
     else:
         raise ValueError(family)
     gen = torch.Generator().manual_seed(seed)
@@ -84,7 +86,8 @@ _NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+          "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def trained_bpe() -> Tokenizer:
@@ -120,7 +123,7 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
     ``extra`` adds metadata (a None value removes the key); ``skip`` leaves tensors out."""
     cfg = hf.config
     arch = {Qwen2ForCausalLM: "qwen2", Qwen3ForCausalLM: "qwen3",
-            GraniteForCausalLM: "granite"}.get(type(hf), "llama")
+            GraniteForCausalLM: "granite", Olmo2ForCausalLM: "olmo2"}.get(type(hf), "llama")
     meta = {"general.architecture": arch, "general.name": "tiny",
             f"{arch}.block_count": cfg.num_hidden_layers,
             f"{arch}.context_length": cfg.max_position_embeddings,
@@ -154,6 +157,8 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
             _, _, i, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
             gname = f"blk.{i}.{_NAMES[module]}.{kind}"
+            if arch == "olmo2" and module == "post_attention_layernorm":   # after attention
+                gname = f"blk.{i}.post_attention_norm.{kind}"
             if arch in ("llama", "granite") and module == "self_attn.q_proj":
                 w = llama_cpp_permute(w, cfg.num_attention_heads, cfg.num_attention_heads)
             elif arch in ("llama", "granite") and module == "self_attn.k_proj":
@@ -440,7 +445,8 @@ def test_unpermute_inverts_llama_cpp_permute():
 @pytest.mark.parametrize("family,tie", [("llama", False), ("llama", True), ("llama_bias", False),
                                         ("llama3", False), ("llama_linear", True),
                                         ("qwen2", True), ("qwen3", True), ("qwen3", False),
-                                        ("granite", True), ("granite", False)])
+                                        ("granite", True), ("granite", False),
+                                        ("olmo2", True), ("olmo2", False)])
 def test_f32_logits_match_transformers(family, tie, tmp_path):
     hf = tiny_hf_model(family, tie=tie)
     path = to_gguf(hf, tmp_path / "m.gguf")

@@ -2,7 +2,8 @@
 
 Every family (Llama, Llama with Llama-3 RoPE scaling, Llama with biases, Mistral, Qwen2
 with q/k/v bias, Qwen3 with per-head q/k norms and a head width of its own, Granite with its
-embedding, residual, attention and logit multipliers) is compared in fp32 with max abs diff <= 1e-4: prefill logits,
+embedding, residual, attention and logit multipliers, OLMo-2 with norms on each block's
+output and on whole query and key projections) is compared in fp32 with max abs diff <= 1e-4: prefill logits,
 step-by-step decode logits, the training forward, and checkpoint directories written by
 ``save_pretrained`` (safetensors, sharded safetensors, .bin and sharded .bin).
 """
@@ -12,14 +13,14 @@ import json
 import pytest
 import torch
 from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, \
-    MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, \
-    Qwen3ForCausalLM
+    MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Qwen2Config, \
+    Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from osd.cache import KVCache
 from osd.models import DecoderLM, ModelConfig, load_model
 from osd_kernels.tree_attention import causal_tree_mask
 
-FAMILIES = ("llama", "llama3", "llama_bias", "mistral", "qwen2", "qwen3", "granite")
+FAMILIES = ("llama", "llama3", "llama_bias", "mistral", "qwen2", "qwen3", "granite", "olmo2")
 # Granite-3's multipliers (its 2B and 8B configs use these values)
 GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
                logits_scaling=8.0)
@@ -52,6 +53,8 @@ def tiny_hf_model(family: str, *, seed: int = 0, eos_token_id=None) -> torch.nn.
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=24, **common))
     elif family == "granite":
         model = GraniteForCausalLM(GraniteConfig(**GRANITE, **common))
+    elif family == "olmo2":
+        model = Olmo2ForCausalLM(Olmo2Config(**common))
     else:
         raise ValueError(family)
     gen = torch.Generator().manual_seed(seed)

@@ -10,17 +10,19 @@ import dataclasses
 from typing import Any, Mapping
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "GraniteForCausalLM")
+                           "Qwen3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM")
 
 # model_type -> architecture, for configs that do not list ``architectures``.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "granite": "GraniteForCausalLM"}
+                "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
 
 ROPE_TYPES = ("default", "linear", "llama3")
+
+QK_NORMS = ("none", "head", "full")
 
 ATTENTION_BACKENDS = ("auto", "reference", "native", "triton", "flash")
 
@@ -28,7 +30,7 @@ ATTENTION_BACKENDS = ("auto", "reference", "native", "triton", "flash")
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (Llama, Llama-3, Mistral, Qwen2, Qwen3,
-    Granite)."""
+    Granite, OLMo-2)."""
 
     architecture: str                 # one of SUPPORTED_ARCHITECTURES
     vocab_size: int                   # rows of the embedding and of the LM head
@@ -50,7 +52,11 @@ class ModelConfig:
     qkv_bias: bool = False            # bias on q/k/v projections (Qwen2; Llama attention_bias)
     o_bias: bool = False              # bias on the output projection (Llama attention_bias)
     mlp_bias: bool = False            # bias on gate/up/down (Llama mlp_bias)
-    qk_norm: bool = False             # RMSNorm over each query and key head before RoPE (Qwen3)
+    qk_norm: str = "none"             # RMSNorm on queries and keys before RoPE: "head" over
+    #                                   each head (Qwen3), "full" over each token's whole
+    #                                   projection (OLMo-2), one of QK_NORMS
+    post_norm: bool = False           # norms on each block's output, x + norm(block(x)),
+    #                                   instead of its input (OLMo-2)
     # Granite's scalars: embeddings times embedding_multiplier, each block's output times
     # residual_multiplier before its residual add, attention_multiplier as the softmax scale
     # (None: head_dim ** -0.5), logits divided by logits_scaling.
@@ -82,6 +88,8 @@ class ModelConfig:
                              f"({self.num_kv_heads})")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
         if not self.logits_scaling > 0:
             raise ValueError(f"logits_scaling must be > 0, got {self.logits_scaling}")
 
@@ -96,7 +104,7 @@ class ModelConfig:
         d, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = d * (q + 2 * kv) + q * d + (q + 2 * kv) * self.qkv_bias + d * self.o_bias \
-            + 2 * self.head_dim * self.qk_norm
+            + {"none": 0, "head": 2 * self.head_dim, "full": q + kv}[self.qk_norm]
         mlp = 3 * d * i + (2 * i + d) * self.mlp_bias
         per_layer = attn + mlp + 2 * d
         return v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + d
@@ -152,7 +160,8 @@ class ModelConfig:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm={"Qwen3ForCausalLM": "head", "Olmo2ForCausalLM": "full"}.get(arch, "none"),
+            post_norm=arch == "Olmo2ForCausalLM",
             embedding_multiplier=float(d.get("embedding_multiplier") or 1.0),
             residual_multiplier=float(d.get("residual_multiplier") or 1.0),
             attention_multiplier=None if d.get("attention_multiplier") is None

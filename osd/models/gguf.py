@@ -66,7 +66,8 @@ _NUMPY = {_UINT8: "<u1", _INT8: "<i1", _UINT16: "<u2", _INT16: "<i2", _UINT32: "
 # general.architecture -> (our architecture, whether Q/K rows carry llama.cpp's RoPE permutation).
 # Mistral checkpoints are converted as "llama"; Qwen2's converter keeps the HF row order.
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
-                 "qwen3": ("Qwen3ForCausalLM", False), "granite": ("GraniteForCausalLM", True)}
+                 "qwen3": ("Qwen3ForCausalLM", False), "granite": ("GraniteForCausalLM", True),
+                 "olmo2": ("Olmo2ForCausalLM", False)}
 # Granite's scalars: GGUF key (after "granite.") -> transformers config name.
 _GRANITE_SCALARS = {"embedding_scale": "embedding_multiplier",
                     "residual_scale": "residual_multiplier",
@@ -344,7 +345,8 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
+    "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}

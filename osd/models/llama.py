@@ -132,7 +132,8 @@ def project(x: torch.Tensor, layer: nn.Module, norm: RMSNorm | None = None) -> t
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + SwiGLU(norm(x))``.
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + SwiGLU(norm(x))``; with
+    ``config.post_norm`` (OLMo-2) ``x + norm(attn(x))``, then ``x + norm(SwiGLU(x))``.
 
     The forward is split around attention (:meth:`qkv`, then :meth:`finish`) so that the
     cached and the training forward share everything but the attention call. Linear layers
@@ -145,7 +146,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        # Pre-norm: input_norm before attention, post_attention_norm before the MLP.
+        # Post-norm (OLMo-2): post_attention_norm on attention's output, post_feedforward_norm
+        # on the MLP's.
+        self.post_norm = c.post_norm
+        self.input_norm = None if c.post_norm else RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_feedforward_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.post_norm \
+            else None
         self.wqkv = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
                               bias=c.qkv_bias)
         self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
@@ -153,18 +160,26 @@ class DecoderLayer(nn.Module):
         self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
         self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
         self.residual_multiplier = c.residual_multiplier           # Granite; 1 elsewhere
-        # Qwen3: per-head RMSNorms [D] on queries and keys, before RoPE
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        # RMSNorms on queries and keys before RoPE: per head [D] (Qwen3) or over the whole
+        # projection [Hq * D] and [Hkv * D] (OLMo-2)
+        self.qk_norm = c.qk_norm
+        full = c.qk_norm == "full"
+        self.q_norm = None if c.qk_norm == "none" else \
+            RMSNorm(c.num_heads * c.head_dim if full else c.head_dim, c.rms_norm_eps)
+        self.k_norm = None if c.qk_norm == "none" else \
+            RMSNorm(c.num_kv_heads * c.head_dim if full else c.head_dim, c.rms_norm_eps)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Queries ``[B, T, Hq, D]`` and keys, values ``[B, T, Hkv, D]``, RoPE applied."""
         B, T, _ = x.shape
         hq, hkv = self.num_heads, self.num_kv_heads
         qkv = project(x, self.wqkv, self.input_norm)
+        if self.qk_norm == "full":
+            q, k, v = qkv.split((hq * self.head_dim, hkv * self.head_dim, hkv * self.head_dim), -1)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
         qkv = qkv.view(B, T, hq + 2 * hkv, self.head_dim)
         qk = qkv[:, :, :hq + hkv]
-        if self.q_norm is not None:
+        if self.qk_norm == "head":
             qk = torch.cat((self.q_norm(qk[:, :, :hq]), self.k_norm(qk[:, :, hq:])), dim=2)
         q, k = apply_rope(qk, cos, sin).split((hq, hkv), dim=2)
         return q, k, qkv[:, :, hq + hkv:]
@@ -173,16 +188,21 @@ class DecoderLayer(nn.Module):
         """Residual after attention output ``attn [B, T, Hq, D]``, then the SwiGLU block."""
         r = self.residual_multiplier
         out = project(attn.flatten(2), self.wo)
+        if self.post_norm:
+            out = self.post_attention_norm(out)
         x = x + (out if r == 1.0 else out * r)
-        h = project(x, self.w_gate_up, self.post_attention_norm)
+        h = project(x, self.w_gate_up, None if self.post_norm else self.post_attention_norm)
         gate, up = h.chunk(2, dim=-1)
         out = project(F.silu(gate) * up, self.w_down)
+        if self.post_norm:
+            out = self.post_feedforward_norm(out)
         return x + (out if r == 1.0 else out * r)
 
 
 class DecoderLM(nn.Module):
     """A Llama-family causal LM (``LlamaForCausalLM``, ``MistralForCausalLM``,
-    ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``GraniteForCausalLM``).
+    ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``GraniteForCausalLM``,
+    ``Olmo2ForCausalLM``).
 
     Parameters are created uninitialised on ``device`` in ``dtype``: load weights with
     ``osd.models.load_model`` (or ``load_hf_state_dict``), or call

@@ -238,6 +238,7 @@ def _hf_sources(name: str) -> list[str]:
     return {
         "input_norm": [pre + "input_layernorm." + kind],
         "post_attention_norm": [pre + "post_attention_layernorm." + kind],
+        "post_feedforward_norm": [pre + "post_feedforward_layernorm." + kind],
         "wqkv": [pre + f"self_attn.{p}_proj.{kind}" for p in "qkv"],
         "q_norm": [pre + "self_attn.q_norm." + kind],
         "k_norm": [pre + "self_attn.k_norm." + kind],
