@@ -119,6 +119,11 @@ class Engine:
             raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's sliding window "
                              f"({window}); sliding-window attention is not implemented, so "
                              f"contexts must fit inside the window")
+        original = model.config.rope_original_max_positions
+        if model.config.rope_type == "longrope" and max_seq_len > original:
+            raise ValueError(f"max_seq_len={max_seq_len} exceeds the {original} positions of "
+                             f"the model's LongRoPE short factors; its long factors are not "
+                             f"implemented, so contexts must fit in {original} tokens")
         drafts = [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) \
             else [draft]
         for i, d in enumerate(drafts):

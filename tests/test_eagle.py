@@ -301,7 +301,7 @@ def test_a_chain_shaped_tree_drafts_what_the_chain_drafts(target, trained):
     assert stats[0][1] > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3", "granite", "olmo2"])
+@pytest.mark.parametrize("family", ["qwen3", "granite", "olmo2", "phi3_longrope"])
 def test_family_target_eagle_draft_round_trips_and_stays_lossless(tmp_path, family):
     """A Qwen3 target (per-head q/k norms: its EAGLE draft's layer carries the norms too),
     a Granite one (residual multiplier, attention scale and logit scaling in the draft's

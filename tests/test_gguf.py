@@ -14,7 +14,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, \
-    Olmo2Config, Olmo2ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    Olmo2Config, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, \
+    Qwen3ForCausalLM
 
 import osd
 from osd.chat import apply_chat_template
@@ -62,6 +63,9 @@ def tiny_hf_model(family: str = "llama", *, tie: bool = False, seed: int = 0):
         model = GraniteForCausalLM(GraniteConfig(**GRANITE, **common))
     elif family == "olmo2":
         model = Olmo2ForCausalLM(Olmo2Config(**common))
+    elif family.startswith("phi3"):        # longrope: short factors up to 128 of 256 positions
+        from tests.test_models import phi3_config
+        model = Phi3ForCausalLM(phi3_config(family, common, original=128))
     else:
         raise ValueError(family)
     gen = torch.Generator().manual_seed(seed)
@@ -87,7 +91,8 @@ _NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-          "post_feedforward_layernorm": "post_ffw_norm"}
+          "post_feedforward_layernorm": "post_ffw_norm", "self_attn.qkv_proj": "attn_qkv",
+          "mlp.gate_up_proj": "ffn_up"}
 
 
 def trained_bpe() -> Tokenizer:
@@ -123,7 +128,8 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
     ``extra`` adds metadata (a None value removes the key); ``skip`` leaves tensors out."""
     cfg = hf.config
     arch = {Qwen2ForCausalLM: "qwen2", Qwen3ForCausalLM: "qwen3",
-            GraniteForCausalLM: "granite", Olmo2ForCausalLM: "olmo2"}.get(type(hf), "llama")
+            GraniteForCausalLM: "granite", Olmo2ForCausalLM: "olmo2",
+            Phi3ForCausalLM: "phi3"}.get(type(hf), "llama")
     meta = {"general.architecture": arch, "general.name": "tiny",
             f"{arch}.block_count": cfg.num_hidden_layers,
             f"{arch}.context_length": cfg.max_position_embeddings,
@@ -166,7 +172,19 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
         if gname not in skip:
             tensors[gname] = (w, qtype if w.dim() == 2 else T.F32)
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    if rope.get("rope_type") == "llama3":
+    if arch == "phi3":                     # as llama.cpp's Phi3MiniModel writes them
+        meta["phi3.rope.dimension_count"] = int(rope.get("partial_rotary_factor", 1.0)
+                                                * cfg.hidden_size) // cfg.num_attention_heads
+        meta["phi3.rope.scaling.original_context_length"] = \
+            rope.get("original_max_position_embeddings", cfg.max_position_embeddings)
+        if rope.get("rope_type") == "longrope":
+            scale = cfg.max_position_embeddings / rope["original_max_position_embeddings"]
+            meta["phi3.rope.scaling.attn_factor"] = math.sqrt(
+                1 + math.log(scale) / math.log(rope["original_max_position_embeddings"]))
+            for kind in ("long", "short"):
+                tensors[f"rope_factors_{kind}.weight"] = (
+                    torch.tensor(rope[f"{kind}_factor"], dtype=torch.float32), T.F32)
+    elif rope.get("rope_type") == "llama3":
         factors = gguf.llama3_rope_factors(rope["rope_theta"], 16, rope["factor"],
                                            rope["low_freq_factor"], rope["high_freq_factor"],
                                            rope["original_max_position_embeddings"])
@@ -446,7 +464,8 @@ def test_unpermute_inverts_llama_cpp_permute():
                                         ("llama3", False), ("llama_linear", True),
                                         ("qwen2", True), ("qwen3", True), ("qwen3", False),
                                         ("granite", True), ("granite", False),
-                                        ("olmo2", True), ("olmo2", False)])
+                                        ("olmo2", True), ("olmo2", False), ("phi3", False),
+                                        ("phi3_longrope", False)])
 def test_f32_logits_match_transformers(family, tie, tmp_path):
     hf = tiny_hf_model(family, tie=tie)
     path = to_gguf(hf, tmp_path / "m.gguf")

@@ -50,7 +50,8 @@ def llama():
     return hf, perturbed(hf, 0.35, seed=5), prompts, ref
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "granite", "olmo2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "granite", "olmo2",
+                                    "phi3"])
 def test_greedy_equals_transformers(family):
     """Each prompt alone (one cache row, continuous refill); 2,000 tokens is four pieces of
     the default 512-token chunk."""

@@ -3,9 +3,11 @@
 Every family (Llama, Llama with Llama-3 RoPE scaling, Llama with biases, Mistral, Qwen2
 with q/k/v bias, Qwen3 with per-head q/k norms and a head width of its own, Granite with its
 embedding, residual, attention and logit multipliers, OLMo-2 with norms on each block's
-output and on whole query and key projections) is compared in fp32 with max abs diff <= 1e-4: prefill logits,
-step-by-step decode logits, the training forward, and checkpoint directories written by
-``save_pretrained`` (safetensors, sharded safetensors, .bin and sharded .bin).
+output and on whole query and key projections, Phi-3 with fused projections, and Phi-3
+with Phi-4-mini's partial rotary embedding and LongRoPE) is compared in fp32 with max abs
+diff <= 1e-4: prefill logits, step-by-step decode logits, the training forward, and
+checkpoint directories written by ``save_pretrained`` (safetensors, sharded safetensors,
+.bin and sharded .bin).
 """
 import copy
 import json
@@ -13,14 +15,29 @@ import json
 import pytest
 import torch
 from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, \
-    MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Qwen2Config, \
-    Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, \
+    Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from osd.cache import KVCache
 from osd.models import DecoderLM, ModelConfig, load_model
 from osd_kernels.tree_attention import causal_tree_mask
 
-FAMILIES = ("llama", "llama3", "llama_bias", "mistral", "qwen2", "qwen3", "granite", "olmo2")
+FAMILIES = ("llama", "llama3", "llama_bias", "mistral", "qwen2", "qwen3", "granite", "olmo2",
+            "phi3", "phi3_longrope")
+def phi3_config(family: str, common: dict, original: int = 256) -> Phi3Config:
+    """Phi-3 (fused q/k/v and gate/up weights); ``phi3_longrope`` as Phi-4-mini: RoPE on
+    the leading 3/4 of each head, LongRoPE short factors up to ``original`` positions and
+    its attention factor (from the context ratio, here 512 / 256)."""
+    if family == "phi3":
+        return Phi3Config(**common)
+    half = int(0.75 * common["hidden_size"] // common["num_attention_heads"]) // 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.3 * i for i in range(half)], "long_factor": [4.0] * half,
+            "original_max_position_embeddings": original}
+    return Phi3Config(rope_parameters=rope, partial_rotary_factor=0.75,
+                      original_max_position_embeddings=original, **common)
+
+
 # Granite-3's multipliers (its 2B and 8B configs use these values)
 GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
                logits_scaling=8.0)
@@ -55,6 +72,8 @@ def tiny_hf_model(family: str, *, seed: int = 0, eos_token_id=None) -> torch.nn.
         model = GraniteForCausalLM(GraniteConfig(**GRANITE, **common))
     elif family == "olmo2":
         model = Olmo2ForCausalLM(Olmo2Config(**common))
+    elif family.startswith("phi3"):
+        model = Phi3ForCausalLM(phi3_config(family, common))
     else:
         raise ValueError(family)
     gen = torch.Generator().manual_seed(seed)

@@ -7,20 +7,23 @@ supported: see :data:`SUPPORTED_ARCHITECTURES`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM")
+                           "Qwen3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
+                           "Phi3ForCausalLM")
 
 # model_type -> architecture, for configs that do not list ``architectures``.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+                "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                "phi3": "Phi3ForCausalLM"}
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 QK_NORMS = ("none", "head", "full")
 
@@ -30,7 +33,7 @@ ATTENTION_BACKENDS = ("auto", "reference", "native", "triton", "flash")
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (Llama, Llama-3, Mistral, Qwen2, Qwen3,
-    Granite, OLMo-2)."""
+    Granite, OLMo-2, Phi-3)."""
 
     architecture: str                 # one of SUPPORTED_ARCHITECTURES
     vocab_size: int                   # rows of the embedding and of the LM head
@@ -46,7 +49,12 @@ class ModelConfig:
     rope_factor: float = 1.0          # "linear" and "llama3": frequency division factor
     rope_low_freq_factor: float = 1.0     # "llama3" only
     rope_high_freq_factor: float = 4.0    # "llama3" only
-    rope_original_max_positions: int = 8192   # "llama3" only: pre-training context
+    rope_original_max_positions: int = 8192   # "llama3", "longrope": pre-training context
+    # "longrope" (Phi-3.5, Phi-4-mini): per-frequency divisors [rotary_dim / 2] used up to
+    # rope_original_max_positions, and the factor on cos and sin
+    rope_short_factor: tuple[float, ...] = ()
+    rope_attention_factor: float = 1.0
+    rotary_dim: int | None = None     # leading dims of each head that RoPE rotates (None: all)
     max_position_embeddings: int = 2048   # the context the checkpoint was trained for
     tie_word_embeddings: bool = False     # LM head shares the embedding matrix
     qkv_bias: bool = False            # bias on q/k/v projections (Qwen2; Llama attention_bias)
@@ -88,10 +96,22 @@ class ModelConfig:
                              f"({self.num_kv_heads})")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        rot = self.rotary_dim
+        if rot is not None and not (0 < rot <= self.head_dim and rot % 2 == 0):
+            raise ValueError(f"rotary_dim must be even and in 1..head_dim ({self.head_dim}), "
+                             f"got {rot}")
+        if self.rope_type == "longrope" and len(self.rope_short_factor) != self.rope_dim // 2:
+            raise ValueError(f"longrope needs {self.rope_dim // 2} short factors, got "
+                             f"{len(self.rope_short_factor)}")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
         if not self.logits_scaling > 0:
             raise ValueError(f"logits_scaling must be > 0, got {self.logits_scaling}")
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each head that RoPE rotates (``rotary_dim``, or all of them)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def attention_scale(self) -> float:
@@ -130,6 +150,11 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {act!r}: only SwiGLU (silu) decoders")
         hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
         rope = _rope_parameters(d)
+        head_dim = int(d.get("head_dim") or hidden // heads)
+        partial = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor")) or 1.0)
+        original = int(rope.get("original_max_position_embeddings")
+                       or d.get("original_max_position_embeddings")
+                       or d.get("max_position_embeddings", 8192))
         eos = d.get("eos_token_id")
         eos = [] if eos is None else eos if isinstance(eos, (list, tuple)) else [eos]
         is_qwen2 = arch == "Qwen2ForCausalLM"
@@ -146,15 +171,17 @@ class ModelConfig:
             num_layers=int(d["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             rope_type=rope.get("rope_type", "default"),
             rope_factor=float(rope.get("factor", 1.0)),
             rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
             rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            rope_original_max_positions=int(rope.get("original_max_position_embeddings",
-                                                     d.get("max_position_embeddings", 8192))),
+            rope_original_max_positions=original,
+            rope_short_factor=tuple(float(f) for f in rope.get("short_factor") or ()),
+            rope_attention_factor=_longrope_attention_factor(rope, d, original),
+            rotary_dim=None if partial == 1.0 else int(head_dim * partial),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=is_qwen2 or attention_bias,
@@ -187,6 +214,19 @@ def _architecture_of(d: Mapping[str, Any]) -> str | None:
     if archs:
         return archs[0]
     return _MODEL_TYPES.get(d.get("model_type"), d.get("model_type"))
+
+
+def _longrope_attention_factor(rope: Mapping[str, Any], d: Mapping[str, Any],
+                                original: int) -> float:
+    """LongRoPE's factor on cos and sin, as transformers derives it: ``attention_factor``
+    when given, else ``sqrt(1 + ln(s) / ln(original))`` for ``s`` = ``factor`` or the
+    context ratio ``max_position_embeddings / original`` (1 when ``s <= 1``)."""
+    if rope.get("rope_type") != "longrope":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    s = rope.get("factor") or d.get("max_position_embeddings", original) / original
+    return 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(original))
 
 
 def _rope_parameters(d: Mapping[str, Any]) -> dict:

@@ -67,7 +67,7 @@ _NUMPY = {_UINT8: "<u1", _INT8: "<i1", _UINT16: "<u2", _INT16: "<i2", _UINT32: "
 # Mistral checkpoints are converted as "llama"; Qwen2's converter keeps the HF row order.
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
                  "qwen3": ("Qwen3ForCausalLM", False), "granite": ("GraniteForCausalLM", True),
-                 "olmo2": ("Olmo2ForCausalLM", False)}
+                 "olmo2": ("Olmo2ForCausalLM", False), "phi3": ("Phi3ForCausalLM", False)}
 # Granite's scalars: GGUF key (after "granite.") -> transformers config name.
 _GRANITE_SCALARS = {"embedding_scale": "embedding_multiplier",
                     "residual_scale": "residual_multiplier",
@@ -346,23 +346,27 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm", "attn_qkv": "self_attn.qkv_proj",
 }
+# Per architecture, layer tensors whose name means something else there: Phi-3's ffn_up
+# holds the gate and up projections stacked.
+_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors that carry no weights of ours: precomputed RoPE factors (read into the config).
-_CONFIG_TENSORS = ("rope_freqs.weight",)
+_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
 
 
-def hf_name(gguf_name: str) -> str:
-    """The Hugging Face name of a llama.cpp tensor name (unknown names come back as is,
-    so the loader reports them as unexpected)."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """The Hugging Face name of a llama.cpp tensor name in a file of architecture ``arch``
+    (unknown names come back as is, so the loader reports them as unexpected)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return gguf_name
 
 
@@ -383,6 +387,7 @@ def config_from_gguf(g: GGUFFile, *, attention_backend: str = "auto") -> ModelCo
 
     heads = int(key("attention.head_count", required=True))
     hidden = int(key("embedding_length", required=True))
+    head_dim = int(key("attention.key_length", hidden // heads))
     embed = g.tensors.get("token_embd.weight")
     vocab = (embed.shape[0] if embed else None) or key("vocab_size") \
         or len(meta.get("tokenizer.ggml.tokens", ()))
@@ -394,7 +399,7 @@ def config_from_gguf(g: GGUFFile, *, attention_backend: str = "auto") -> ModelCo
         "num_hidden_layers": int(key("block_count", required=True)),
         "num_attention_heads": heads,
         "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "head_dim": head_dim,
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(key("context_length", 2048)),
@@ -416,6 +421,19 @@ def config_from_gguf(g: GGUFFile, *, attention_backend: str = "auto") -> ModelCo
     elif scaling not in ("none", None):
         raise ValueError(f"unsupported RoPE scaling {scaling!r} in {str(g.path)!r}; "
                          "supported: none, linear, llama3 (rope_freqs)")
+    rope_dims = key("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        hf["partial_rotary_factor"] = int(rope_dims) / head_dim
+    if key("attention.sliding_window"):                  # 0: none (Phi-4-mini)
+        hf["sliding_window"] = int(key("attention.sliding_window"))
+    if "rope_factors_short.weight" in g.tensors:          # LongRoPE (Phi-3.5, Phi-4-mini)
+        hf["rope_scaling"] = {
+            "rope_type": "longrope",
+            "short_factor": g.tensor("rope_factors_short.weight").tolist(),
+            "long_factor": g.tensor("rope_factors_long.weight").tolist(),
+            "original_max_position_embeddings": int(key("rope.scaling.original_context_length",
+                                                        hf["max_position_embeddings"])),
+            "attention_factor": key("rope.scaling.attn_factor")}
     if "rope_freqs.weight" in g.tensors:
         hf["rope_scaling"] = _llama3_rope(g.tensor("rope_freqs.weight").double(),
                                           hf["rope_theta"], hf["head_dim"], g.path)
@@ -465,7 +483,7 @@ def open_gguf_weights(g: GGUFFile, config: ModelConfig, device: torch.device | s
         raise ValueError(f"GGUF file {str(g.path)!r}: {unsupported_type_message(bad[0])}"
                          + (f" ({len(bad)} such tensors)" if len(bad) > 1 else ""))
     permuted = ARCHITECTURES[g.architecture][1]
-    names = {hf_name(n): n for n in g.tensors if n not in _CONFIG_TENSORS}
+    names = {hf_name(n, g.architecture): n for n in g.tensors if n not in _CONFIG_TENSORS}
 
     def get(key: str) -> torch.Tensor:
         name = names[key]

@@ -50,10 +50,15 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies ``[head_dim / 2]`` float32, as transformers computes them.
 
     ``default``: ``theta^(-2i/d)``; ``linear``: divided by ``factor``; ``llama3``: low
-    frequencies divided by ``factor``, high ones kept, the band between interpolated.
+    frequencies divided by ``factor``, high ones kept, the band between interpolated;
+    ``longrope``: divided by the short factors. ``d`` is the rotated width
+    (``config.rope_dim``: all of a head, or its leading ``rotary_dim`` dims).
     """
-    dim = config.head_dim
+    dim = config.rope_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    if config.rope_type == "longrope":
+        factors = torch.tensor(config.rope_short_factor, dtype=torch.float32)
+        return 1.0 / (factors * config.rope_theta ** exponents)
     inv_freq = 1.0 / (config.rope_theta ** exponents)
     if config.rope_type == "linear":
         return inv_freq / config.rope_factor
@@ -69,12 +74,15 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rope_tables(inv_freq: torch.Tensor, n: int, dtype: torch.dtype, device: torch.device):
+def rope_tables(inv_freq: torch.Tensor, n: int, dtype: torch.dtype, device: torch.device,
+                scale: float = 1.0):
     """``cos, sin`` tables ``[n, D]`` for positions ``0..n-1``, in the layout of
-    :func:`apply_rope`: ``cos = [c, c]`` and ``sin = [-s, s]`` (computed in float32 as
-    transformers does, then cast)."""
+    :func:`apply_rope`: ``cos = [c, c]`` and ``sin = [-s, s]``, times ``scale`` (LongRoPE's
+    attention factor; computed in float32 as transformers does, then cast)."""
     freqs = torch.arange(n, dtype=torch.float32)[:, None] * inv_freq[None, :]
     cos, sin = freqs.cos(), freqs.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     return (torch.cat((cos, cos), dim=-1).to(device=device, dtype=dtype),
             torch.cat((-sin, sin), dim=-1).to(device=device, dtype=dtype))
 
@@ -83,9 +91,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate ``x [B, T, H, D]`` by ``cos, sin [B, T, 1, D]`` from :func:`rope_tables`.
 
     Half-split convention: ``[x1, x2] -> [x1 c - x2 s, x2 c + x1 s]``, written as
-    ``x * cos + roll(x, D/2) * sin`` with ``sin = [-s, s]``.
+    ``x * cos + roll(x, D/2) * sin`` with ``sin = [-s, s]``. Tables narrower than ``D``
+    (partial rotary, Phi-4-mini) rotate the leading dims and pass the rest through.
     """
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+    return torch.addcmul(x * cos, x.roll(rot // 2, dims=-1), sin)
 
 
 class RMSNorm(nn.Module):
@@ -202,7 +214,7 @@ class DecoderLayer(nn.Module):
 class DecoderLM(nn.Module):
     """A Llama-family causal LM (``LlamaForCausalLM``, ``MistralForCausalLM``,
     ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``GraniteForCausalLM``,
-    ``Olmo2ForCausalLM``).
+    ``Olmo2ForCausalLM``, ``Phi3ForCausalLM``).
 
     Parameters are created uninitialised on ``device`` in ``dtype``: load weights with
     ``osd.models.load_model`` (or ``load_hf_state_dict``), or call
@@ -325,7 +337,8 @@ class DecoderLM(nn.Module):
         size check only) so that they cover ``needed`` positions."""
         if self._cos.shape[0] < needed or self._cos.device != self.device:
             n = max(needed, 2 * self._cos.shape[0], 256)
-            self._cos, self._sin = rope_tables(self._inv_freq, n, self.dtype, self.device)
+            self._cos, self._sin = rope_tables(self._inv_freq, n, self.dtype, self.device,
+                                               self.config.rope_attention_factor)
         return self._cos[positions].unsqueeze(2), self._sin[positions].unsqueeze(2)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, *,

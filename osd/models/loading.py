@@ -227,14 +227,18 @@ def _read_file(file: Path):
         raise ValueError(f"corrupt checkpoint file {str(file)!r}: {exc}") from None
 
 
-def _hf_sources(name: str) -> list[str]:
-    """Hugging Face tensor names that make up our parameter ``name`` (concatenated)."""
+def _hf_sources(name: str, keys=()) -> list[str]:
+    """Hugging Face tensor names that make up our parameter ``name`` (concatenated): the
+    fused ``qkv_proj`` and ``gate_up_proj`` of Phi-3 checkpoints when ``keys`` has them."""
     if not name.startswith("layers."):
         return {"embed_tokens.weight": ["model.embed_tokens.weight"],
                 "norm.weight": ["model.norm.weight"],
                 "lm_head.weight": ["lm_head.weight"]}[name]
     _, index, module, kind = name.split(".")
     pre = f"model.layers.{index}."
+    fused = {"wqkv": "self_attn.qkv_proj", "w_gate_up": "mlp.gate_up_proj"}.get(module)
+    if fused and pre + fused + "." + kind in keys:
+        return [pre + fused + "." + kind]
     return {
         "input_norm": [pre + "input_layernorm." + kind],
         "post_attention_norm": [pre + "post_attention_layernorm." + kind],
@@ -264,7 +268,7 @@ def load_hf_state_dict(model: DecoderLM, keys, get: Callable[[str], torch.Tensor
     tied = model.config.tie_word_embeddings
     with torch.no_grad():
         for name, param in model.named_parameters(remove_duplicate=True):
-            sources = _hf_sources(name)
+            sources = _hf_sources(name, keys)
             absent = [s for s in sources if s not in keys]
             if absent:
                 missing += absent

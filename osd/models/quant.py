@@ -306,6 +306,9 @@ def quantize_gguf_linears(model, g) -> int:
                   "wo": [part(f"blk.{i}.attn_output.weight")],
                   "w_gate_up": [part(f"blk.{i}.ffn_gate.weight"), part(f"blk.{i}.ffn_up.weight")],
                   "w_down": [part(f"blk.{i}.ffn_down.weight")]}
+        if g.architecture == "phi3":      # fused in the file: attn_qkv, ffn_up = [gate; up]
+            groups["wqkv"] = [part(f"blk.{i}.attn_qkv.weight")]
+            groups["w_gate_up"] = [part(f"blk.{i}.ffn_up.weight")]
         for name, parts in groups.items():
             if any(p is None for p in parts):
                 continue
