@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, \
     Olmo2Config, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, \
-    Qwen3ForCausalLM
+    Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
 
 import osd
 from osd.chat import apply_chat_template
@@ -66,6 +66,8 @@ def tiny_hf_model(family: str = "llama", *, tie: bool = False, seed: int = 0):
     elif family.startswith("phi3"):        # longrope: short factors up to 128 of 256 positions
         from tests.test_models import phi3_config
         model = Phi3ForCausalLM(phi3_config(family, common, original=128))
+    elif family == "smollm3":              # 4 layers: llama.cpp's NoPE on every 4th
+        model = SmolLM3ForCausalLM(SmolLM3Config(**{**common, "num_hidden_layers": 4}))
     else:
         raise ValueError(family)
     gen = torch.Generator().manual_seed(seed)
@@ -122,6 +124,9 @@ def bpe_metadata(tok: Tokenizer, pre: str = "gpt2") -> dict:
             "tokenizer.ggml.add_bos_token": False, "tokenizer.chat_template": CHATML}
 
 
+PERMUTED = ("llama", "granite", "smollm3")     # Q/K rows reordered by llama.cpp's converter
+
+
 def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
     """Write ``hf`` as llama.cpp would: its tensor names, Q/K rows permuted (Llama), 2-D
     weights as ``qtype`` and 1-D ones as F32, ``output.weight`` left out when tied.
@@ -129,7 +134,7 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
     cfg = hf.config
     arch = {Qwen2ForCausalLM: "qwen2", Qwen3ForCausalLM: "qwen3",
             GraniteForCausalLM: "granite", Olmo2ForCausalLM: "olmo2",
-            Phi3ForCausalLM: "phi3"}.get(type(hf), "llama")
+            Phi3ForCausalLM: "phi3", SmolLM3ForCausalLM: "smollm3"}.get(type(hf), "llama")
     meta = {"general.architecture": arch, "general.name": "tiny",
             f"{arch}.block_count": cfg.num_hidden_layers,
             f"{arch}.context_length": cfg.max_position_embeddings,
@@ -165,9 +170,9 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
             gname = f"blk.{i}.{_NAMES[module]}.{kind}"
             if arch == "olmo2" and module == "post_attention_layernorm":   # after attention
                 gname = f"blk.{i}.post_attention_norm.{kind}"
-            if arch in ("llama", "granite") and module == "self_attn.q_proj":
+            if arch in PERMUTED and module == "self_attn.q_proj":
                 w = llama_cpp_permute(w, cfg.num_attention_heads, cfg.num_attention_heads)
-            elif arch in ("llama", "granite") and module == "self_attn.k_proj":
+            elif arch in PERMUTED and module == "self_attn.k_proj":
                 w = llama_cpp_permute(w, cfg.num_attention_heads, cfg.num_key_value_heads)
         if gname not in skip:
             tensors[gname] = (w, qtype if w.dim() == 2 else T.F32)
@@ -465,7 +470,7 @@ def test_unpermute_inverts_llama_cpp_permute():
                                         ("qwen2", True), ("qwen3", True), ("qwen3", False),
                                         ("granite", True), ("granite", False),
                                         ("olmo2", True), ("olmo2", False), ("phi3", False),
-                                        ("phi3_longrope", False)])
+                                        ("phi3_longrope", False), ("smollm3", True)])
 def test_f32_logits_match_transformers(family, tie, tmp_path):
     hf = tiny_hf_model(family, tie=tie)
     path = to_gguf(hf, tmp_path / "m.gguf")

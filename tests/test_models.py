@@ -4,7 +4,8 @@ Every family (Llama, Llama with Llama-3 RoPE scaling, Llama with biases, Mistral
 with q/k/v bias, Qwen3 with per-head q/k norms and a head width of its own, Granite with its
 embedding, residual, attention and logit multipliers, OLMo-2 with norms on each block's
 output and on whole query and key projections, Phi-3 with fused projections, and Phi-3
-with Phi-4-mini's partial rotary embedding and LongRoPE) is compared in fp32 with max abs
+with Phi-4-mini's partial rotary embedding and LongRoPE, SmolLM3 with a layer without
+RoPE) is compared in fp32 with max abs
 diff <= 1e-4: prefill logits, step-by-step decode logits, the training forward, and
 checkpoint directories written by ``save_pretrained`` (safetensors, sharded safetensors,
 .bin and sharded .bin).
@@ -16,14 +17,15 @@ import pytest
 import torch
 from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, \
     MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, \
-    Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config, \
+    SmolLM3ForCausalLM
 
 from osd.cache import KVCache
 from osd.models import DecoderLM, ModelConfig, load_model
 from osd_kernels.tree_attention import causal_tree_mask
 
 FAMILIES = ("llama", "llama3", "llama_bias", "mistral", "qwen2", "qwen3", "granite", "olmo2",
-            "phi3", "phi3_longrope")
+            "phi3", "phi3_longrope", "smollm3")
 def phi3_config(family: str, common: dict, original: int = 256) -> Phi3Config:
     """Phi-3 (fused q/k/v and gate/up weights); ``phi3_longrope`` as Phi-4-mini: RoPE on
     the leading 3/4 of each head, LongRoPE short factors up to ``original`` positions and
@@ -74,6 +76,8 @@ def tiny_hf_model(family: str, *, seed: int = 0, eos_token_id=None) -> torch.nn.
         model = Olmo2ForCausalLM(Olmo2Config(**common))
     elif family.startswith("phi3"):
         model = Phi3ForCausalLM(phi3_config(family, common))
+    elif family == "smollm3":    # the second layer without RoPE
+        model = SmolLM3ForCausalLM(SmolLM3Config(no_rope_layers=[1, 0], **common))
     else:
         raise ValueError(family)
     gen = torch.Generator().manual_seed(seed)
@@ -442,3 +446,25 @@ def test_packed_weights_match_and_go_stale_safely():
     assert (decode_logits() - ref).abs().max() <= ATOL
     assert model.pack_weights() == layer.weight.numel() * 4   # only the stale one re-packs
     assert (decode_logits() - ref).abs().max() <= ATOL
+
+
+def test_layer_skipping_copy_keeps_the_nope_layers():
+    """SmolLM3 without its second layer: the standalone copy (self-speculation's draft)
+    keeps RoPE off in the layer that had it off, now at a new index, and computes what the
+    full model computes with that layer skipped."""
+    from osd.models.llama import without_layers
+
+    hf = SmolLM3ForCausalLM(SmolLM3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=88,
+                                          num_hidden_layers=4, num_attention_heads=4,
+                                          num_key_value_heads=2, no_rope_layers=[1, 1, 0, 1],
+                                          pad_token_id=None, bos_token_id=None,
+                                          eos_token_id=None))
+    model = load_model(hf.eval())
+    assert model.config.nope_layers == (2,)
+    sub = without_layers(model, frozenset({1}))
+    assert sub.config.nope_layers == (1,) and [layer.rope for layer in sub.layers] == \
+        [True, False, True]
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = model.forward_train(ids, skip_layers=frozenset({1}))
+        assert (sub.forward_train(ids) - want).abs().max() <= ATOL

@@ -12,13 +12,13 @@ from typing import Any, Mapping
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
-                           "Phi3ForCausalLM")
+                           "Phi3ForCausalLM", "SmolLM3ForCausalLM")
 
 # model_type -> architecture, for configs that do not list ``architectures``.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                "phi3": "Phi3ForCausalLM"}
+                "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
@@ -33,7 +33,7 @@ ATTENTION_BACKENDS = ("auto", "reference", "native", "triton", "flash")
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (Llama, Llama-3, Mistral, Qwen2, Qwen3,
-    Granite, OLMo-2, Phi-3)."""
+    Granite, OLMo-2, Phi-3, SmolLM3)."""
 
     architecture: str                 # one of SUPPORTED_ARCHITECTURES
     vocab_size: int                   # rows of the embedding and of the LM head
@@ -55,6 +55,7 @@ class ModelConfig:
     rope_short_factor: tuple[float, ...] = ()
     rope_attention_factor: float = 1.0
     rotary_dim: int | None = None     # leading dims of each head that RoPE rotates (None: all)
+    nope_layers: tuple[int, ...] = ()  # decoder layers whose attention has no RoPE (SmolLM3)
     max_position_embeddings: int = 2048   # the context the checkpoint was trained for
     tie_word_embeddings: bool = False     # LM head shares the embedding matrix
     qkv_bias: bool = False            # bias on q/k/v projections (Qwen2; Llama attention_bias)
@@ -103,6 +104,9 @@ class ModelConfig:
         if self.rope_type == "longrope" and len(self.rope_short_factor) != self.rope_dim // 2:
             raise ValueError(f"longrope needs {self.rope_dim // 2} short factors, got "
                              f"{len(self.rope_short_factor)}")
+        if any(not 0 <= i < self.num_layers for i in self.nope_layers):
+            raise ValueError(f"nope_layers must index layers 0..{self.num_layers - 1}, got "
+                             f"{self.nope_layers}")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
         if not self.logits_scaling > 0:
@@ -158,7 +162,7 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos = [] if eos is None else eos if isinstance(eos, (list, tuple)) else [eos]
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
         attention_bias = bool(d.get("attention_bias", False))
         window = d.get("sliding_window")
         if is_qwen and not d.get("use_sliding_window", False):
@@ -189,6 +193,7 @@ class ModelConfig:
             mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm={"Qwen3ForCausalLM": "head", "Olmo2ForCausalLM": "full"}.get(arch, "none"),
             post_norm=arch == "Olmo2ForCausalLM",
+            nope_layers=_nope_layers(d) if arch == "SmolLM3ForCausalLM" else (),
             embedding_multiplier=float(d.get("embedding_multiplier") or 1.0),
             residual_multiplier=float(d.get("residual_multiplier") or 1.0),
             attention_multiplier=None if d.get("attention_multiplier") is None
@@ -214,6 +219,16 @@ def _architecture_of(d: Mapping[str, Any]) -> str | None:
     if archs:
         return archs[0]
     return _MODEL_TYPES.get(d.get("model_type"), d.get("model_type"))
+
+
+def _nope_layers(d: Mapping[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: the zeros of ``no_rope_layers`` (1 = RoPE), or every
+    ``no_rope_layer_interval``-th layer (default 4) when the list is absent."""
+    flags = d.get("no_rope_layers")
+    if flags is None:
+        step = int(d.get("no_rope_layer_interval") or 4)
+        return tuple(i for i in range(int(d["num_hidden_layers"])) if (i + 1) % step == 0)
+    return tuple(i for i, rope in enumerate(flags) if not rope)
 
 
 def _longrope_attention_factor(rope: Mapping[str, Any], d: Mapping[str, Any],

@@ -67,7 +67,8 @@ _NUMPY = {_UINT8: "<u1", _INT8: "<i1", _UINT16: "<u2", _INT16: "<i2", _UINT32: "
 # Mistral checkpoints are converted as "llama"; Qwen2's converter keeps the HF row order.
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
                  "qwen3": ("Qwen3ForCausalLM", False), "granite": ("GraniteForCausalLM", True),
-                 "olmo2": ("Olmo2ForCausalLM", False), "phi3": ("Phi3ForCausalLM", False)}
+                 "olmo2": ("Olmo2ForCausalLM", False), "phi3": ("Phi3ForCausalLM", False),
+                 "smollm3": ("SmolLM3ForCausalLM", True)}
 # Granite's scalars: GGUF key (after "granite.") -> transformers config name.
 _GRANITE_SCALARS = {"embedding_scale": "embedding_multiplier",
                     "residual_scale": "residual_multiplier",

@@ -154,10 +154,11 @@ class DecoderLayer(nn.Module):
     low. Any of them may be a :class:`~osd.models.quant.QuantLinear`.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.rope = index not in c.nope_layers        # SmolLM3: some layers have no RoPE
         # Pre-norm: input_norm before attention, post_attention_norm before the MLP.
         # Post-norm (OLMo-2): post_attention_norm on attention's output, post_feedforward_norm
         # on the MLP's.
@@ -182,7 +183,8 @@ class DecoderLayer(nn.Module):
             RMSNorm(c.num_kv_heads * c.head_dim if full else c.head_dim, c.rms_norm_eps)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Queries ``[B, T, Hq, D]`` and keys, values ``[B, T, Hkv, D]``, RoPE applied."""
+        """Queries ``[B, T, Hq, D]`` and keys, values ``[B, T, Hkv, D]``, RoPE applied (in
+        layers that have it)."""
         B, T, _ = x.shape
         hq, hkv = self.num_heads, self.num_kv_heads
         qkv = project(x, self.wqkv, self.input_norm)
@@ -193,7 +195,7 @@ class DecoderLayer(nn.Module):
         qk = qkv[:, :, :hq + hkv]
         if self.qk_norm == "head":
             qk = torch.cat((self.q_norm(qk[:, :, :hq]), self.k_norm(qk[:, :, hq:])), dim=2)
-        q, k = apply_rope(qk, cos, sin).split((hq, hkv), dim=2)
+        q, k = (apply_rope(qk, cos, sin) if self.rope else qk).split((hq, hkv), dim=2)
         return q, k, qkv[:, :, hq + hkv:]
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -214,7 +216,7 @@ class DecoderLayer(nn.Module):
 class DecoderLM(nn.Module):
     """A Llama-family causal LM (``LlamaForCausalLM``, ``MistralForCausalLM``,
     ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``GraniteForCausalLM``,
-    ``Olmo2ForCausalLM``, ``Phi3ForCausalLM``).
+    ``Olmo2ForCausalLM``, ``Phi3ForCausalLM``, ``SmolLM3ForCausalLM``).
 
     Parameters are created uninitialised on ``device`` in ``dtype``: load weights with
     ``osd.models.load_model`` (or ``load_hf_state_dict``), or call
@@ -227,7 +229,7 @@ class DecoderLM(nn.Module):
         self.config = config
         with torch.device("meta"):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-            self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+            self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.to_empty(device=torch.device(device))
@@ -533,7 +535,8 @@ def without_layers(model: DecoderLM, skip: frozenset[int]) -> DecoderLM:
     """A standalone copy of ``model`` without the layers in ``skip``: the self-speculative
     draft as a model of its own (its embeddings, kept layers, norm and head copied)."""
     keep = [i for i in range(model.config.num_layers) if i not in skip]
-    config = dataclasses.replace(model.config, num_layers=len(keep))
+    config = dataclasses.replace(model.config, num_layers=len(keep), nope_layers=tuple(
+        new for new, old in enumerate(keep) if old in model.config.nope_layers))
     sub = DecoderLM(config, device=model.device, dtype=model.dtype)
     # Block-quantized layers are shared (they are never trained).
     for new, old in enumerate(keep):
