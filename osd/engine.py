@@ -114,11 +114,6 @@ class Engine:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
-        window = model.config.sliding_window
-        if window is not None and max_seq_len > window:
-            raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's sliding window "
-                             f"({window}); sliding-window attention is not implemented, so "
-                             f"contexts must fit inside the window")
         original = model.config.rope_original_max_positions
         if model.config.rope_type == "longrope" and max_seq_len > original:
             raise ValueError(f"max_seq_len={max_seq_len} exceeds the {original} positions of "

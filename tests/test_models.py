@@ -1,14 +1,14 @@
 """Our Llama-family runtime against transformers, on tiny random models built in the test.
 
-Every family (Llama, Llama with Llama-3 RoPE scaling, Llama with biases, Mistral, Qwen2
-with q/k/v bias, Qwen3 with per-head q/k norms and a head width of its own, Granite with its
+Every family is compared in fp32 with max abs diff <= 1e-4: prefill logits, step-by-step
+decode logits, the training forward, and checkpoint directories written by
+``save_pretrained`` (safetensors, sharded safetensors, .bin and sharded .bin). The
+families: Llama, Llama with Llama-3 RoPE scaling, Llama with biases, Mistral, Qwen2 with
+q/k/v bias, Qwen3 with per-head q/k norms and a head width of its own, Granite with its
 embedding, residual, attention and logit multipliers, OLMo-2 with norms on each block's
-output and on whole query and key projections, Phi-3 with fused projections, and Phi-3
-with Phi-4-mini's partial rotary embedding and LongRoPE, SmolLM3 with a layer without
-RoPE) is compared in fp32 with max abs
-diff <= 1e-4: prefill logits, step-by-step decode logits, the training forward, and
-checkpoint directories written by ``save_pretrained`` (safetensors, sharded safetensors,
-.bin and sharded .bin).
+output and on whole query and key projections, Phi-3 with fused projections, Phi-3 with
+Phi-4-mini's partial rotary embedding and LongRoPE, SmolLM3 with a layer without RoPE, and
+Mistral and Qwen2 with sliding windows shorter than the test sequences.
 """
 import copy
 import json
@@ -25,7 +25,7 @@ from osd.models import DecoderLM, ModelConfig, load_model
 from osd_kernels.tree_attention import causal_tree_mask
 
 FAMILIES = ("llama", "llama3", "llama_bias", "mistral", "qwen2", "qwen3", "granite", "olmo2",
-            "phi3", "phi3_longrope", "smollm3")
+            "phi3", "phi3_longrope", "smollm3", "mistral_window", "qwen2_window")
 def phi3_config(family: str, common: dict, original: int = 256) -> Phi3Config:
     """Phi-3 (fused q/k/v and gate/up weights); ``phi3_longrope`` as Phi-4-mini: RoPE on
     the leading 3/4 of each head, LongRoPE short factors up to ``original`` positions and
@@ -76,6 +76,11 @@ def tiny_hf_model(family: str, *, seed: int = 0, eos_token_id=None) -> torch.nn.
         model = Olmo2ForCausalLM(Olmo2Config(**common))
     elif family.startswith("phi3"):
         model = Phi3ForCausalLM(phi3_config(family, common))
+    elif family == "mistral_window":     # an 8-token sliding window in every layer
+        model = MistralForCausalLM(MistralConfig(sliding_window=8, **common))
+    elif family == "qwen2_window":       # the second layer's window only
+        model = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=True, sliding_window=5,
+                                             max_window_layers=1, **common))
     elif family == "smollm3":    # the second layer without RoPE
         model = SmolLM3ForCausalLM(SmolLM3Config(no_rope_layers=[1, 0], **common))
     else:

@@ -18,6 +18,12 @@ queries; a tree mask covers at most 64. Backends (``ModelConfig.attention_backen
 
 :func:`causal_attention` is the cacheless full-sequence path used for training
 (differentiable, plain SDPA).
+
+Sliding-window layers (Mistral, Phi-3-mini, Qwen2 with ``use_sliding_window``) pass
+``window``: a query at position ``p`` sees only keys at positions above ``p - window``.
+Calls whose keys all lie within the window (``max_kv_len <= window``) take the paths
+above unchanged; the others go to :func:`windowed_attention`, an SDPA with the window in
+its boolean mask, on every backend and device.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from osd_kernels import native_available, tree_attention
-from osd_kernels.tree_attention import CPU_NATIVE_MAX_ROWS
+from osd_kernels.tree_attention import CPU_NATIVE_MAX_ROWS, tree_attention_mask
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,7 +69,8 @@ def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.d
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: torch.Tensor,
               tree_mask: torch.Tensor | None, *, scale: float, max_kv_len: int,
-              backend: str) -> torch.Tensor:
+              backend: str, window: int | None = None,
+              depths: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``T`` new queries per row over the row's cache (prefix + new keys).
 
     Args:
@@ -76,10 +83,16 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, len
         scale: softmax scale.
         max_kv_len: host-side upper bound of ``max(lens[:B]) + T``.
         backend: a resolved backend (:func:`resolve_attention_backend`).
+        window: the layer's sliding window, or None.
+        depths: ``[B, T]`` tree depths of the queries (None: ``0..T-1``); with ``window``,
+            they give the new keys' positions.
 
     Returns:
         ``[B, T, Hq, D]`` in the dtype of ``q``.
     """
+    if window is not None and max_kv_len > window:
+        return windowed_attention(q, k_cache, v_cache, lens, tree_mask, depths, scale=scale,
+                                  max_kv_len=max_kv_len, window=window)
     if backend == "flash":
         if tree_mask is None:
             return _flash_causal(q, k_cache, v_cache, lens, scale)
@@ -91,6 +104,35 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, len
         return torch.ops.osd.tree_attention(q, k_cache, v_cache, lens, tree_mask, scale)
     return tree_attention(q, k_cache, v_cache, lens, tree_mask, scale=scale,
                           max_kv_len=max_kv_len, backend=backend)
+
+
+def windowed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       lens: torch.Tensor, tree_mask: torch.Tensor | None,
+                       depths: torch.Tensor | None, *, scale: float, max_kv_len: int,
+                       window: int) -> torch.Tensor:
+    """:func:`attention` with a sliding window: query ``i`` of row ``b`` (position
+    ``p = lens[b] + depth``) sees what the tree or causal mask lets it see among keys
+    whose position is above ``p - window``. A cached key's position is its slot; a new
+    key's is ``lens[b]`` plus its depth. Arguments as :func:`attention`; ``[B, T, Hq, D]``.
+    """
+    B, T, Hq, _ = q.shape
+    if B == 0 or T == 0:
+        return q.new_zeros(q.shape)
+    kv_len = min(max_kv_len, k_cache.shape[2])
+    visible = tree_attention_mask(lens, tree_mask, B, T, kv_len)           # [B, T, kv]
+    base = lens[:B].to(torch.int64).view(B, 1)
+    steps = torch.arange(T, device=q.device).view(1, T).expand(B, T) if depths is None \
+        else depths.to(torch.int64)
+    slots = torch.arange(kv_len, device=q.device).view(1, kv_len)
+    rel = slots - base                                                      # [B, kv]
+    new = (rel >= 0) & (rel < T)
+    key_pos = torch.where(new, base + steps.gather(1, rel.clamp(0, T - 1)), slots)
+    visible = visible & (key_pos.unsqueeze(1) > (base + steps - window).unsqueeze(2))
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k_cache[:B, :, :kv_len], v_cache[:B, :, :kv_len],
+        attn_mask=visible.unsqueeze(1), scale=scale, enable_gqa=Hq != k_cache.shape[1])
+    # A query that sees nothing (possible only in a malformed tree) outputs zero.
+    return out.transpose(1, 2).masked_fill(~visible.any(-1).view(B, T, 1, 1), 0.0)
 
 
 def _flash_causal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -106,7 +148,8 @@ def _flash_causal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     key_padding_mask: torch.Tensor | None, *, scale: float) -> torch.Tensor:
+                     key_padding_mask: torch.Tensor | None, *, scale: float,
+                     window: int | None = None) -> torch.Tensor:
     """Cacheless causal self-attention over whole sequences (training; differentiable).
 
     Args:
@@ -114,6 +157,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         key_padding_mask: ``[N, T]`` bool, False for padding keys; None when unpadded. A
             query always sees itself, so no row is fully masked.
         scale: softmax scale.
+        window: the layer's sliding window (query ``i`` sees keys ``j > i - window``), or
+            None.
 
     Returns:
         ``[N, T, Hq, D]``.
@@ -121,7 +166,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     T = q.shape[1]
     gqa = q.shape[2] != k.shape[2]
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if key_padding_mask is None:
+    if window is not None and T > window:
+        i = torch.arange(T, device=q.device)
+        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)   # [T, T]
+        if key_padding_mask is not None:
+            eye = torch.eye(T, dtype=torch.bool, device=q.device)
+            mask = (mask & key_padding_mask[:, None, :]) | eye                    # [N, T, T]
+        mask = mask if mask.dim() == 3 else mask.expand(q.shape[0], T, T)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None], scale=scale,
+                                             enable_gqa=gqa)
+    elif key_padding_mask is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                              enable_gqa=gqa)
     else:

@@ -73,7 +73,8 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
-    sliding_window: int | None = None     # Mistral/Qwen2 window; contexts must fit inside it
+    sliding_window: int | None = None     # attention window of the sliding-window layers
+    window_layers: tuple[int, ...] | None = None  # the layers with the window (None: all)
     eos_token_ids: tuple[int, ...] = ()   # every id that ends a sequence
     bos_token_id: int | None = None
     attention_backend: str = "auto"   # one of ATTENTION_BACKENDS (see osd.models.attention)
@@ -200,6 +201,7 @@ class ModelConfig:
             else float(d["attention_multiplier"]),
             logits_scaling=float(d.get("logits_scaling") or 1.0),
             sliding_window=None if window is None else int(window),
+            window_layers=_window_layers(d) if window is not None else None,
             eos_token_ids=tuple(int(e) for e in eos),
             bos_token_id=d.get("bos_token_id"),
             attention_backend=attention_backend,
@@ -219,6 +221,14 @@ def _architecture_of(d: Mapping[str, Any]) -> str | None:
     if archs:
         return archs[0]
     return _MODEL_TYPES.get(d.get("model_type"), d.get("model_type"))
+
+
+def _window_layers(d: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The sliding-window layers a config's ``layer_types`` names (None: every layer)."""
+    types = d.get("layer_types")
+    if not types:
+        return None
+    return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
 
 
 def _nope_layers(d: Mapping[str, Any]) -> tuple[int, ...]:

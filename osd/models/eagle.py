@@ -66,9 +66,10 @@ class EagleLM(DecoderLM):
             raise TypeError("an EAGLE draft drafts for a plain DecoderLM target")
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-        # the draft's own layers all use RoPE, whatever the target's NoPE layers (SmolLM3)
+        # the draft's own layers all use RoPE and full attention, whatever the target's
+        # NoPE (SmolLM3) and sliding-window layers
         config = dataclasses.replace(
-            target.config, num_layers=num_layers, nope_layers=(),
+            target.config, num_layers=num_layers, nope_layers=(), window_layers=(),
             intermediate_size=intermediate_size or target.config.intermediate_size)
         model = cls(config, device=target.device, dtype=target.dtype)
         model.embed_tokens.weight = target.embed_tokens.weight

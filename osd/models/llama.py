@@ -159,6 +159,8 @@ class DecoderLayer(nn.Module):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.rope = index not in c.nope_layers        # SmolLM3: some layers have no RoPE
+        self.window = c.sliding_window if c.window_layers is None or index in c.window_layers \
+            else None
         # Pre-norm: input_norm before attention, post_attention_norm before the MLP.
         # Post-norm (OLMo-2): post_attention_norm on attention's output, post_feedforward_norm
         # on the MLP's.
@@ -468,7 +470,8 @@ class DecoderLM(nn.Module):
             # write K/V at [row, slot]: a [B_max, S, 2, H, D] view indexed by (rows, slots)
             kv.permute(1, 3, 0, 2, 4).index_put_((rows, slots), torch.stack((k, v), dim=2))
             out = attention(q, kv[0], kv[1], cache.lens, tree_mask, scale=self.scale,
-                            max_kv_len=max_kv_len, backend=self.attention_backend)
+                            max_kv_len=max_kv_len, backend=self.attention_backend,
+                            window=layer.window, depths=depths)
             x = layer.finish(x, out)
         return x
 
@@ -511,7 +514,8 @@ class DecoderLM(nn.Module):
             if index in skip_layers:
                 continue
             q, k, v = layer.qkv(x, cos, sin)
-            x = layer.finish(x, causal_attention(q, k, v, key_mask, scale=self.scale))
+            x = layer.finish(x, causal_attention(q, k, v, key_mask, scale=self.scale,
+                                                 window=layer.window))
         hidden = x
         if rows is not None:
             x = x.reshape(N * T, x.shape[-1]).index_select(0, rows)
@@ -535,8 +539,14 @@ def without_layers(model: DecoderLM, skip: frozenset[int]) -> DecoderLM:
     """A standalone copy of ``model`` without the layers in ``skip``: the self-speculative
     draft as a model of its own (its embeddings, kept layers, norm and head copied)."""
     keep = [i for i in range(model.config.num_layers) if i not in skip]
-    config = dataclasses.replace(model.config, num_layers=len(keep), nope_layers=tuple(
-        new for new, old in enumerate(keep) if old in model.config.nope_layers))
+    c = model.config
+
+    def renumbered(layers):
+        return None if layers is None else tuple(new for new, old in enumerate(keep)
+                                                 if old in layers)
+
+    config = dataclasses.replace(c, num_layers=len(keep), nope_layers=renumbered(c.nope_layers),
+                                 window_layers=renumbered(c.window_layers))
     sub = DecoderLM(config, device=model.device, dtype=model.dtype)
     # Block-quantized layers are shared (they are never trained).
     for new, old in enumerate(keep):
