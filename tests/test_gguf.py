@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, \
     Olmo2Config, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, \
-    Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
+    Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
 import osd
 from osd.chat import apply_chat_template
@@ -66,6 +66,10 @@ def tiny_hf_model(family: str = "llama", *, tie: bool = False, seed: int = 0):
     elif family.startswith("phi3"):        # longrope: short factors up to 128 of 256 positions
         from tests.test_models import phi3_config
         model = Phi3ForCausalLM(phi3_config(family, common, original=128))
+    elif family == "gemma3":               # 6 layers: llama.cpp's 5 sliding, then 1 global
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 6, "pad_token_id": None}, sliding_window=5,
+            head_dim=16, query_pre_attn_scalar=16))      # llama.cpp scales by the head width
     elif family == "smollm3":              # 4 layers: llama.cpp's NoPE on every 4th
         model = SmolLM3ForCausalLM(SmolLM3Config(**{**common, "num_hidden_layers": 4}))
     else:
@@ -94,7 +98,7 @@ _NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
           "post_feedforward_layernorm": "post_ffw_norm", "self_attn.qkv_proj": "attn_qkv",
-          "mlp.gate_up_proj": "ffn_up"}
+          "mlp.gate_up_proj": "ffn_up", "pre_feedforward_layernorm": "ffn_norm"}
 
 
 def trained_bpe() -> Tokenizer:
@@ -124,6 +128,15 @@ def bpe_metadata(tok: Tokenizer, pre: str = "gpt2") -> dict:
             "tokenizer.ggml.add_bos_token": False, "tokenizer.chat_template": CHATML}
 
 
+def _rope_theta(cfg) -> float:
+    """The (global layers') RoPE base of a transformers config."""
+    rope = getattr(cfg, "rope_parameters", None)
+    if not rope:
+        return float(cfg.rope_theta)
+    return float(rope["full_attention"]["rope_theta"] if "full_attention" in rope
+                 else rope["rope_theta"])
+
+
 PERMUTED = ("llama", "granite", "smollm3")     # Q/K rows reordered by llama.cpp's converter
 
 
@@ -134,7 +147,8 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
     cfg = hf.config
     arch = {Qwen2ForCausalLM: "qwen2", Qwen3ForCausalLM: "qwen3",
             GraniteForCausalLM: "granite", Olmo2ForCausalLM: "olmo2",
-            Phi3ForCausalLM: "phi3", SmolLM3ForCausalLM: "smollm3"}.get(type(hf), "llama")
+            Phi3ForCausalLM: "phi3", SmolLM3ForCausalLM: "smollm3",
+            Gemma3ForCausalLM: "gemma3"}.get(type(hf), "llama")
     meta = {"general.architecture": arch, "general.name": "tiny",
             f"{arch}.block_count": cfg.num_hidden_layers,
             f"{arch}.context_length": cfg.max_position_embeddings,
@@ -145,9 +159,9 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
             f"{arch}.attention.key_length": getattr(cfg, "head_dim", None),
             f"{arch}.attention.value_length": getattr(cfg, "head_dim", None),
             f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
-            f"{arch}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]
-                                            if getattr(cfg, "rope_parameters", None)
-                                            else cfg.rope_theta)}
+            f"{arch}.rope.freq_base": _rope_theta(cfg)}
+    if arch == "gemma3":
+        meta["gemma3.attention.sliding_window"] = cfg.sliding_window
     if arch == "granite":
         meta.update({f"granite.{k}": float(getattr(cfg, name)) for k, name in (
             ("embedding_scale", "embedding_multiplier"), ("residual_scale", "residual_multiplier"),
@@ -168,12 +182,14 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
             _, _, i, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
             gname = f"blk.{i}.{_NAMES[module]}.{kind}"
-            if arch == "olmo2" and module == "post_attention_layernorm":   # after attention
-                gname = f"blk.{i}.post_attention_norm.{kind}"
+            if arch in ("olmo2", "gemma3") and module == "post_attention_layernorm":
+                gname = f"blk.{i}.post_attention_norm.{kind}"          # after attention
             if arch in PERMUTED and module == "self_attn.q_proj":
                 w = llama_cpp_permute(w, cfg.num_attention_heads, cfg.num_attention_heads)
             elif arch in PERMUTED and module == "self_attn.k_proj":
                 w = llama_cpp_permute(w, cfg.num_attention_heads, cfg.num_key_value_heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w + 1                  # llama.cpp stores Gemma's 1 + weight
         if gname not in skip:
             tensors[gname] = (w, qtype if w.dim() == 2 else T.F32)
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
@@ -470,7 +486,8 @@ def test_unpermute_inverts_llama_cpp_permute():
                                         ("qwen2", True), ("qwen3", True), ("qwen3", False),
                                         ("granite", True), ("granite", False),
                                         ("olmo2", True), ("olmo2", False), ("phi3", False),
-                                        ("phi3_longrope", False), ("smollm3", True)])
+                                        ("phi3_longrope", False), ("smollm3", True),
+                                        ("gemma3", True)])
 def test_f32_logits_match_transformers(family, tie, tmp_path):
     hf = tiny_hf_model(family, tie=tie)
     path = to_gguf(hf, tmp_path / "m.gguf")

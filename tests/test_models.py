@@ -7,8 +7,9 @@ families: Llama, Llama with Llama-3 RoPE scaling, Llama with biases, Mistral, Qw
 q/k/v bias, Qwen3 with per-head q/k norms and a head width of its own, Granite with its
 embedding, residual, attention and logit multipliers, OLMo-2 with norms on each block's
 output and on whole query and key projections, Phi-3 with fused projections, Phi-3 with
-Phi-4-mini's partial rotary embedding and LongRoPE, SmolLM3 with a layer without RoPE, and
-Mistral and Qwen2 with sliding windows shorter than the test sequences.
+Phi-4-mini's partial rotary embedding and LongRoPE, SmolLM3 with a layer without RoPE,
+Mistral and Qwen2 with sliding windows shorter than the test sequences, and Gemma 3 with a
+sliding and a global layer.
 """
 import copy
 import json
@@ -18,14 +19,14 @@ import torch
 from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, \
     MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, \
     Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config, \
-    SmolLM3ForCausalLM
+    SmolLM3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
 from osd.cache import KVCache
 from osd.models import DecoderLM, ModelConfig, load_model
 from osd_kernels.tree_attention import causal_tree_mask
 
 FAMILIES = ("llama", "llama3", "llama_bias", "mistral", "qwen2", "qwen3", "granite", "olmo2",
-            "phi3", "phi3_longrope", "smollm3", "mistral_window", "qwen2_window")
+            "phi3", "phi3_longrope", "smollm3", "mistral_window", "qwen2_window", "gemma3")
 def phi3_config(family: str, common: dict, original: int = 256) -> Phi3Config:
     """Phi-3 (fused q/k/v and gate/up weights); ``phi3_longrope`` as Phi-4-mini: RoPE on
     the leading 3/4 of each head, LongRoPE short factors up to ``original`` positions and
@@ -38,6 +39,18 @@ def phi3_config(family: str, common: dict, original: int = 256) -> Phi3Config:
             "original_max_position_embeddings": original}
     return Phi3Config(rope_parameters=rope, partial_rotary_factor=0.75,
                       original_max_position_embeddings=original, **common)
+
+
+def gemma3_config(common: dict) -> Gemma3TextConfig:
+    """Gemma 3 (GeGLU, four norms of ``1 + weight`` per layer, per-head q/k norms, scaled
+    embeddings, query scale 1/sqrt(24)) with a 5-token sliding window in its first layer
+    (RoPE base 10,000) and a global second layer (base 10^6, linear scaling by 8)."""
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}
+    common = {**common, "pad_token_id": None}
+    return Gemma3TextConfig(head_dim=16, sliding_window=5, query_pre_attn_scalar=24,
+                            layer_types=["sliding_attention", "full_attention"],
+                            rope_parameters=rope, **common)
 
 
 # Granite-3's multipliers (its 2B and 8B configs use these values)
@@ -81,6 +94,8 @@ def tiny_hf_model(family: str, *, seed: int = 0, eos_token_id=None) -> torch.nn.
     elif family == "qwen2_window":       # the second layer's window only
         model = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=True, sliding_window=5,
                                              max_window_layers=1, **common))
+    elif family == "gemma3":
+        model = Gemma3ForCausalLM(gemma3_config(common))
     elif family == "smollm3":    # the second layer without RoPE
         model = SmolLM3ForCausalLM(SmolLM3Config(no_rope_layers=[1, 0], **common))
     else:

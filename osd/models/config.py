@@ -12,13 +12,14 @@ from typing import Any, Mapping
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
-                           "Phi3ForCausalLM", "SmolLM3ForCausalLM")
+                           "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Gemma3ForCausalLM")
 
 # model_type -> architecture, for configs that do not list ``architectures``.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM"}
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
@@ -27,13 +28,15 @@ ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 QK_NORMS = ("none", "head", "full")
 
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")   # the gate's activation: SwiGLU, GeGLU (Gemma)
+
 ATTENTION_BACKENDS = ("auto", "reference", "native", "triton", "flash")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (Llama, Llama-3, Mistral, Qwen2, Qwen3,
-    Granite, OLMo-2, Phi-3, SmolLM3)."""
+    Granite, OLMo-2, Phi-3, SmolLM3, Gemma 3)."""
 
     architecture: str                 # one of SUPPORTED_ARCHITECTURES
     vocab_size: int                   # rows of the embedding and of the LM head
@@ -64,8 +67,12 @@ class ModelConfig:
     qk_norm: str = "none"             # RMSNorm on queries and keys before RoPE: "head" over
     #                                   each head (Qwen3), "full" over each token's whole
     #                                   projection (OLMo-2), one of QK_NORMS
-    post_norm: bool = False           # norms on each block's output, x + norm(block(x)),
-    #                                   instead of its input (OLMo-2)
+    pre_norm: bool = True             # norms on each block's input, x + block(norm(x))
+    post_norm: bool = False           # norms on each block's output, x + norm(block(x))
+    #                                   (OLMo-2: post only; Gemma 3: both)
+    hidden_act: str = "silu"          # the MLP gate's activation, one of ACTIVATIONS
+    rope_local_theta: float | None = None  # RoPE base of the sliding-window layers (Gemma 3;
+    #                                        None: rope_theta, with the global scaling)
     # Granite's scalars: embeddings times embedding_multiplier, each block's output times
     # residual_multiplier before its residual add, attention_multiplier as the softmax scale
     # (None: head_dim ** -0.5), logits divided by logits_scaling.
@@ -108,6 +115,11 @@ class ModelConfig:
         if any(not 0 <= i < self.num_layers for i in self.nope_layers):
             raise ValueError(f"nope_layers must index layers 0..{self.num_layers - 1}, got "
                              f"{self.nope_layers}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: "
+                             f"{ACTIVATIONS}")
+        if not (self.pre_norm or self.post_norm):
+            raise ValueError("a decoder needs pre_norm or post_norm")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
         if not self.logits_scaling > 0:
@@ -150,9 +162,17 @@ class ModelConfig:
         missing = [k for k in _REQUIRED if d.get(k) is None]
         if missing:
             raise ValueError(f"config is missing {', '.join(missing)}")
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}: only SwiGLU (silu) decoders")
+        act = d.get("hidden_act") or d.get("hidden_activation") or "silu"
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r}: only SwiGLU (silu) and GeGLU "
+                             f"(gelu_pytorch_tanh) decoders")
+        for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if d.get(cap) is not None:
+                raise ValueError(f"unsupported {cap}={d[cap]}: logit soft-capping is not "
+                                 f"implemented")
+        gemma = arch == "Gemma3ForCausalLM"
+        if gemma:
+            d = _gemma3(d)
         hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
         rope = _rope_parameters(d)
         head_dim = int(d.get("head_dim") or hidden // heads)
@@ -192,8 +212,12 @@ class ModelConfig:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm={"Qwen3ForCausalLM": "head", "Olmo2ForCausalLM": "full"}.get(arch, "none"),
-            post_norm=arch == "Olmo2ForCausalLM",
+            qk_norm={"Qwen3ForCausalLM": "head", "Olmo2ForCausalLM": "full",
+                     "Gemma3ForCausalLM": "head"}.get(arch, "none"),
+            pre_norm=arch != "Olmo2ForCausalLM",
+            post_norm=arch in ("Olmo2ForCausalLM", "Gemma3ForCausalLM"),
+            hidden_act=act,
+            rope_local_theta=d.get("rope_local_base_freq"),
             nope_layers=_nope_layers(d) if arch == "SmolLM3ForCausalLM" else (),
             embedding_multiplier=float(d.get("embedding_multiplier") or 1.0),
             residual_multiplier=float(d.get("residual_multiplier") or 1.0),
@@ -221,6 +245,29 @@ def _architecture_of(d: Mapping[str, Any]) -> str | None:
     if archs:
         return archs[0]
     return _MODEL_TYPES.get(d.get("model_type"), d.get("model_type"))
+
+
+def _gemma3(d: Mapping[str, Any]) -> dict:
+    """A Gemma 3 text config in the keys :meth:`ModelConfig.from_hf` reads: embeddings
+    times ``sqrt(hidden_size)``, attention scale ``query_pre_attn_scalar ** -0.5``, the
+    global layers' RoPE as ``rope_theta`` / ``rope_scaling`` and the sliding layers' base
+    as ``rope_local_base_freq`` (from per-layer-type ``rope_parameters`` or the older
+    keys), the sliding layers from ``layer_types`` or ``sliding_window_pattern``."""
+    d = dict(d)
+    d["embedding_multiplier"] = d["hidden_size"] ** 0.5
+    d["attention_multiplier"] = float(d.get("query_pre_attn_scalar") or 256) ** -0.5
+    rope = d.get("rope_parameters")
+    if isinstance(rope, Mapping) and "full_attention" in rope:
+        full, local = dict(rope["full_attention"]), rope.get("sliding_attention") or {}
+        d["rope_theta"] = full.pop("rope_theta", d.get("rope_theta"))
+        d["rope_parameters"] = full if full.get("rope_type", "default") != "default" else None
+        d["rope_local_base_freq"] = local.get("rope_theta", d.get("rope_local_base_freq"))
+    d.setdefault("rope_local_base_freq", 10000.0)
+    if not d.get("layer_types"):
+        pattern = int(d.get("sliding_window_pattern") or 6)
+        d["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                            for i in range(int(d["num_hidden_layers"]))]
+    return d
 
 
 def _window_layers(d: Mapping[str, Any]) -> tuple[int, ...] | None:

@@ -143,6 +143,11 @@ def project(x: torch.Tensor, layer: nn.Module, norm: RMSNorm | None = None) -> t
     return decode_linear(x, w, layer.bias, **kw)
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``gelu_pytorch_tanh`` (Gemma's MLP gate)."""
+    return F.gelu(x, approximate="tanh")
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + SwiGLU(norm(x))``; with
     ``config.post_norm`` (OLMo-2) ``x + norm(attn(x))``, then ``x + norm(SwiGLU(x))``.
@@ -161,13 +166,19 @@ class DecoderLayer(nn.Module):
         self.rope = index not in c.nope_layers        # SmolLM3: some layers have no RoPE
         self.window = c.sliding_window if c.window_layers is None or index in c.window_layers \
             else None
-        # Pre-norm: input_norm before attention, post_attention_norm before the MLP.
-        # Post-norm (OLMo-2): post_attention_norm on attention's output, post_feedforward_norm
+        # Pre-norms: input_norm before attention; before the MLP post_attention_norm, or
+        # pre_feedforward_norm when the block has post-norms too (Gemma 3). Post-norms
+        # (OLMo-2, Gemma 3): post_attention_norm on attention's output, post_feedforward_norm
         # on the MLP's.
         self.post_norm = c.post_norm
-        self.input_norm = None if c.post_norm else RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.pre_norm else None
+        self.pre_feedforward_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) \
+            if c.pre_norm and c.post_norm else None
         self.post_feedforward_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.post_norm \
             else None
+        self.act = F.silu if c.hidden_act == "silu" else _gelu_tanh
+        # Gemma 3: the sliding-window layers rotate with a RoPE base of their own
+        self.local_rope = self.window is not None and c.rope_local_theta is not None
         self.wqkv = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
                               bias=c.qkv_bias)
         self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
@@ -201,15 +212,17 @@ class DecoderLayer(nn.Module):
         return q, k, qkv[:, :, hq + hkv:]
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Residual after attention output ``attn [B, T, Hq, D]``, then the SwiGLU block."""
+        """Residual after attention output ``attn [B, T, Hq, D]``, then the gated MLP block
+        (SwiGLU, or GeGLU for Gemma 3)."""
         r = self.residual_multiplier
         out = project(attn.flatten(2), self.wo)
         if self.post_norm:
             out = self.post_attention_norm(out)
         x = x + (out if r == 1.0 else out * r)
-        h = project(x, self.w_gate_up, None if self.post_norm else self.post_attention_norm)
+        h = project(x, self.w_gate_up,
+                    self.pre_feedforward_norm if self.post_norm else self.post_attention_norm)
         gate, up = h.chunk(2, dim=-1)
-        out = project(F.silu(gate) * up, self.w_down)
+        out = project(self.act(gate) * up, self.w_down)
         if self.post_norm:
             out = self.post_feedforward_norm(out)
         return x + (out if r == 1.0 else out * r)
@@ -218,7 +231,8 @@ class DecoderLayer(nn.Module):
 class DecoderLM(nn.Module):
     """A Llama-family causal LM (``LlamaForCausalLM``, ``MistralForCausalLM``,
     ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``GraniteForCausalLM``,
-    ``Olmo2ForCausalLM``, ``Phi3ForCausalLM``, ``SmolLM3ForCausalLM``).
+    ``Olmo2ForCausalLM``, ``Phi3ForCausalLM``, ``SmolLM3ForCausalLM``,
+    ``Gemma3ForCausalLM``).
 
     Parameters are created uninitialised on ``device`` in ``dtype``: load weights with
     ``osd.models.load_model`` (or ``load_hf_state_dict``), or call
@@ -242,7 +256,12 @@ class DecoderLM(nn.Module):
         self.attention_backend = resolve_attention_backend(config.attention_backend,
                                                            self.device, dtype)
         self._inv_freq = rope_inv_freq(config)
-        self._cos = self._sin = self._arange = torch.empty(0)
+        # the sliding layers' RoPE (Gemma 3), or None
+        self._inv_freq_local = None if config.rope_local_theta is None else rope_inv_freq(
+            dataclasses.replace(config, rope_theta=config.rope_local_theta,
+                                rope_type="default", rope_factor=1.0))
+        self._tables: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}   # local -> cos, sin
+        self._arange = torch.empty(0)
         # [V_head] int64 vocabulary ids of the head's rows; None: the head covers every id.
         self.register_buffer("head_ids", None)
 
@@ -336,14 +355,23 @@ class DecoderLM(nn.Module):
             self._arange = torch.arange(max(n, 64), device=self.device)
         return self._arange[:n]
 
-    def _rope_tables(self, positions: torch.Tensor, needed: int):
-        """``cos, sin [B, T, 1, D]`` at ``positions [B, T]``; grows the tables (host-side
-        size check only) so that they cover ``needed`` positions."""
-        if self._cos.shape[0] < needed or self._cos.device != self.device:
-            n = max(needed, 2 * self._cos.shape[0], 256)
-            self._cos, self._sin = rope_tables(self._inv_freq, n, self.dtype, self.device,
-                                               self.config.rope_attention_factor)
-        return self._cos[positions].unsqueeze(2), self._sin[positions].unsqueeze(2)
+    def _rope_tables(self, positions: torch.Tensor, needed: int, local: bool = False):
+        """``cos, sin [B, T, 1, D]`` at ``positions [B, T]`` (``local``: the sliding layers'
+        RoPE); grows the tables (host-side size check only) so that they cover ``needed``
+        positions (rebuilt when the model moved or changed dtype)."""
+        cos, sin = self._tables.get(local, (torch.empty(0), None))
+        if cos.shape[0] < needed or cos.device != self.device or cos.dtype != self.dtype:
+            n = max(needed, 2 * cos.shape[0], 256)
+            inv_freq = self._inv_freq_local if local else self._inv_freq
+            cos, sin = self._tables[local] = rope_tables(
+                inv_freq, n, self.dtype, self.device, self.config.rope_attention_factor)
+        return cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)
+
+    def _layer_ropes(self, positions: torch.Tensor, needed: int):
+        """``(global, local)`` RoPE tables at ``positions`` (local None without one)."""
+        local = None if self._inv_freq_local is None else \
+            self._rope_tables(positions, needed, local=True)
+        return self._rope_tables(positions, needed), local
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, *,
                 tree_mask: torch.Tensor | None = None, depths: torch.Tensor | None = None,
@@ -458,14 +486,14 @@ class DecoderLM(nn.Module):
         lens = cache.lens[:B, None].to(torch.int64)                        # [B, 1]
         slots = lens + self._iota(T)                                       # [B, T] K/V slots
         positions = slots if depths is None else lens + depths
-        cos, sin = self._rope_tables(positions, cache.capacity)
+        ropes = self._layer_ropes(positions, cache.capacity)
         rows = self._iota(B)[:, None]                                      # [B, 1]
         max_kv_len = cache.bound + T
         x = self._embed(input_ids, features)
         for index, layer in enumerate(self.layers):
             if index in skip_layers:
                 continue
-            q, k, v = layer.qkv(x, cos, sin)
+            q, k, v = layer.qkv(x, *ropes[layer.local_rope])
             kv = cache.kv[index]                                            # [2, B_max, H, S, D]
             # write K/V at [row, slot]: a [B_max, S, 2, H, D] view indexed by (rows, slots)
             kv.permute(1, 3, 0, 2, 4).index_put_((rows, slots), torch.stack((k, v), dim=2))
@@ -508,12 +536,12 @@ class DecoderLM(nn.Module):
         else:
             key_mask = attention_mask.to(device=input_ids.device).bool()
             positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)
-        cos, sin = self._rope_tables(positions, T)
+        ropes = self._layer_ropes(positions, T)
         x = self._embed(input_ids, features)
         for index, layer in enumerate(self.layers):
             if index in skip_layers:
                 continue
-            q, k, v = layer.qkv(x, cos, sin)
+            q, k, v = layer.qkv(x, *ropes[layer.local_rope])
             x = layer.finish(x, causal_attention(q, k, v, key_mask, scale=self.scale,
                                                  window=layer.window))
         hidden = x

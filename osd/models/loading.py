@@ -108,7 +108,8 @@ def load_model(source, *, device: torch.device | str = "cpu", dtype: torch.dtype
         raise TypeError(f"expected a checkpoint directory path or a transformers model, got "
                         f"{type(source).__name__}")
     model = DecoderLM(config, device=device, dtype=dtype)
-    load_hf_state_dict(model, keys, getter)
+    load_hf_state_dict(model, keys, getter,
+                       norm_shift=1.0 if config.architecture == "Gemma3ForCausalLM" else 0.0)
     if head_vocab and isinstance(source, (str, os.PathLike)):
         ids = read_head_vocab(checkpoint_dir(source))
         if ids is not None:
@@ -242,6 +243,7 @@ def _hf_sources(name: str, keys=()) -> list[str]:
     return {
         "input_norm": [pre + "input_layernorm." + kind],
         "post_attention_norm": [pre + "post_attention_layernorm." + kind],
+        "pre_feedforward_norm": [pre + "pre_feedforward_layernorm." + kind],
         "post_feedforward_norm": [pre + "post_feedforward_layernorm." + kind],
         "wqkv": [pre + f"self_attn.{p}_proj.{kind}" for p in "qkv"],
         "q_norm": [pre + "self_attn.q_norm." + kind],
@@ -252,13 +254,16 @@ def _hf_sources(name: str, keys=()) -> list[str]:
     }[module]
 
 
-def load_hf_state_dict(model: DecoderLM, keys, get: Callable[[str], torch.Tensor]) -> None:
+def load_hf_state_dict(model: DecoderLM, keys, get: Callable[[str], torch.Tensor], *,
+                       norm_shift: float = 0.0) -> None:
     """Copy Hugging Face named tensors into ``model``'s (fused) parameters.
 
     Args:
         model: the decoder to fill (in place).
         keys: the tensor names available.
         get: returns the tensor of a name.
+        norm_shift: added to every RMSNorm weight (in float32): 1 for Gemma checkpoints,
+            whose norms multiply by ``1 + weight`` (GGUF files store the sum).
 
     Raises ValueError naming missing, unexpected or mis-shaped tensors.
     """
@@ -276,6 +281,8 @@ def load_hf_state_dict(model: DecoderLM, keys, get: Callable[[str], torch.Tensor
             offset = 0
             for src in sources:
                 tensor = get(src)
+                if norm_shift and name.endswith("norm.weight"):
+                    tensor = tensor.float() + norm_shift
                 rows = tensor.shape[0]
                 want = (rows,) + tuple(param.shape[1:])
                 if tuple(tensor.shape) != want or offset + rows > param.shape[0]:

@@ -226,9 +226,7 @@ class OnlineLearner:
         if half:
             # fp32 master weights and optimizer state: AdamW steps on half weights round
             # most updates away. The serving draft gets them cast at each swap.
-            self.model.float()
-            if hasattr(self.model, "_cos"):
-                self.model._cos = self.model._sin = torch.empty(0)   # rebuilt in fp32
+            self.model.float()           # its RoPE tables follow the dtype on first use
         self.model.requires_grad_(True)
         for p in getattr(self.model, "shared_parameters", list)():
             p.requires_grad_(False)
