@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a continuation of one prompt",
                        description="Generate from a local checkpoint: an HF directory or a "
                        "GGUF file (Llama, Mistral, Qwen2, Qwen3, Granite, OLMo-2, Phi-3, SmolLM3, "
-                       "Gemma 3); "
+                       "Gemma 2, Gemma 3); "
                        "without --target, the chat pair "
                        "(SmolLM2-135M-Instruct and its draft, osd.zoo.chat_pair). With a "
                        "draft, speculative decoding; with --online, the draft learns while "

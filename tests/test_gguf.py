@@ -15,7 +15,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, \
     Olmo2Config, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, \
-    Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+    Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM, Gemma2Config, Gemma2ForCausalLM, \
+    Gemma3ForCausalLM, Gemma3TextConfig
 
 import osd
 from osd.chat import apply_chat_template
@@ -66,6 +67,10 @@ def tiny_hf_model(family: str = "llama", *, tie: bool = False, seed: int = 0):
     elif family.startswith("phi3"):        # longrope: short factors up to 128 of 256 positions
         from tests.test_models import phi3_config
         model = Phi3ForCausalLM(phi3_config(family, common, original=128))
+    elif family == "gemma2":               # sliding, then global; soft caps that bend
+        model = Gemma2ForCausalLM(Gemma2Config(
+            **{**common, "pad_token_id": None}, head_dim=16, query_pre_attn_scalar=16,
+            sliding_window=5, attn_logit_softcapping=5.0, final_logit_softcapping=3.0))
     elif family == "gemma3":               # 6 layers: llama.cpp's 5 sliding, then 1 global
         model = Gemma3ForCausalLM(Gemma3TextConfig(
             **{**common, "num_hidden_layers": 6, "pad_token_id": None}, sliding_window=5,
@@ -148,7 +153,7 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
     arch = {Qwen2ForCausalLM: "qwen2", Qwen3ForCausalLM: "qwen3",
             GraniteForCausalLM: "granite", Olmo2ForCausalLM: "olmo2",
             Phi3ForCausalLM: "phi3", SmolLM3ForCausalLM: "smollm3",
-            Gemma3ForCausalLM: "gemma3"}.get(type(hf), "llama")
+            Gemma2ForCausalLM: "gemma2", Gemma3ForCausalLM: "gemma3"}.get(type(hf), "llama")
     meta = {"general.architecture": arch, "general.name": "tiny",
             f"{arch}.block_count": cfg.num_hidden_layers,
             f"{arch}.context_length": cfg.max_position_embeddings,
@@ -160,8 +165,11 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
             f"{arch}.attention.value_length": getattr(cfg, "head_dim", None),
             f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
             f"{arch}.rope.freq_base": _rope_theta(cfg)}
-    if arch == "gemma3":
-        meta["gemma3.attention.sliding_window"] = cfg.sliding_window
+    if arch in ("gemma2", "gemma3"):
+        meta[f"{arch}.attention.sliding_window"] = cfg.sliding_window
+    if arch == "gemma2":
+        meta["gemma2.attn_logit_softcapping"] = float(cfg.attn_logit_softcapping)
+        meta["gemma2.final_logit_softcapping"] = float(cfg.final_logit_softcapping)
     if arch == "granite":
         meta.update({f"granite.{k}": float(getattr(cfg, name)) for k, name in (
             ("embedding_scale", "embedding_multiplier"), ("residual_scale", "residual_multiplier"),
@@ -182,13 +190,13 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
             _, _, i, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
             gname = f"blk.{i}.{_NAMES[module]}.{kind}"
-            if arch in ("olmo2", "gemma3") and module == "post_attention_layernorm":
+            if arch in ("olmo2", "gemma2", "gemma3") and module == "post_attention_layernorm":
                 gname = f"blk.{i}.post_attention_norm.{kind}"          # after attention
             if arch in PERMUTED and module == "self_attn.q_proj":
                 w = llama_cpp_permute(w, cfg.num_attention_heads, cfg.num_attention_heads)
             elif arch in PERMUTED and module == "self_attn.k_proj":
                 w = llama_cpp_permute(w, cfg.num_attention_heads, cfg.num_key_value_heads)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             w = w + 1                  # llama.cpp stores Gemma's 1 + weight
         if gname not in skip:
             tensors[gname] = (w, qtype if w.dim() == 2 else T.F32)
@@ -487,7 +495,7 @@ def test_unpermute_inverts_llama_cpp_permute():
                                         ("granite", True), ("granite", False),
                                         ("olmo2", True), ("olmo2", False), ("phi3", False),
                                         ("phi3_longrope", False), ("smollm3", True),
-                                        ("gemma3", True)])
+                                        ("gemma2", True), ("gemma3", True)])
 def test_f32_logits_match_transformers(family, tie, tmp_path):
     hf = tiny_hf_model(family, tie=tie)
     path = to_gguf(hf, tmp_path / "m.gguf")

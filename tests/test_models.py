@@ -8,8 +8,8 @@ q/k/v bias, Qwen3 with per-head q/k norms and a head width of its own, Granite w
 embedding, residual, attention and logit multipliers, OLMo-2 with norms on each block's
 output and on whole query and key projections, Phi-3 with fused projections, Phi-3 with
 Phi-4-mini's partial rotary embedding and LongRoPE, SmolLM3 with a layer without RoPE,
-Mistral and Qwen2 with sliding windows shorter than the test sequences, and Gemma 3 with a
-sliding and a global layer.
+Mistral and Qwen2 with sliding windows shorter than the test sequences, Gemma 2 with
+soft-capped attention scores and logits, and Gemma 3 with a sliding and a global layer.
 """
 import copy
 import json
@@ -19,14 +19,15 @@ import torch
 from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, \
     MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, \
     Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config, \
-    SmolLM3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+    SmolLM3ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
 from osd.cache import KVCache
 from osd.models import DecoderLM, ModelConfig, load_model
 from osd_kernels.tree_attention import causal_tree_mask
 
 FAMILIES = ("llama", "llama3", "llama_bias", "mistral", "qwen2", "qwen3", "granite", "olmo2",
-            "phi3", "phi3_longrope", "smollm3", "mistral_window", "qwen2_window", "gemma3")
+            "phi3", "phi3_longrope", "smollm3", "mistral_window", "qwen2_window", "gemma2",
+            "gemma3")
 def phi3_config(family: str, common: dict, original: int = 256) -> Phi3Config:
     """Phi-3 (fused q/k/v and gate/up weights); ``phi3_longrope`` as Phi-4-mini: RoPE on
     the leading 3/4 of each head, LongRoPE short factors up to ``original`` positions and
@@ -94,6 +95,10 @@ def tiny_hf_model(family: str, *, seed: int = 0, eos_token_id=None) -> torch.nn.
     elif family == "qwen2_window":       # the second layer's window only
         model = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=True, sliding_window=5,
                                              max_window_layers=1, **common))
+    elif family == "gemma2":     # soft caps low enough to bend the scores and logits
+        model = Gemma2ForCausalLM(Gemma2Config(
+            **{**common, "pad_token_id": None}, head_dim=16, query_pre_attn_scalar=16,
+            sliding_window=5, attn_logit_softcapping=5.0, final_logit_softcapping=3.0))
     elif family == "gemma3":
         model = Gemma3ForCausalLM(gemma3_config(common))
     elif family == "smollm3":    # the second layer without RoPE
@@ -211,6 +216,8 @@ def test_skip_layers_consistent_between_forwards(pair):
         c = model.config             # Granite's multipliers are 1 in the other families
         x = model.embed_tokens(ids) * c.embedding_multiplier
         direct = model.lm_head(model.norm(x)).float() / c.logits_scaling
+        if c.final_logit_softcapping is not None:                  # Gemma 2
+            direct = torch.tanh(direct / c.final_logit_softcapping) * c.final_logit_softcapping
     assert (cached - train).abs().max() <= ATOL
     assert (train - full).abs().max() > 1e-2
     assert (no_layers - direct).abs().max() <= ATOL

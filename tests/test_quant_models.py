@@ -37,7 +37,7 @@ def _forward(model, ids, tokens):
 @pytest.mark.parametrize("family,tie", [("llama", True), ("llama", False), ("qwen2", False),
                                         ("qwen3", False), ("granite", True),
                                         ("olmo2", False), ("phi3_longrope", False),
-                                        ("gemma3", True)])
+                                        ("gemma2", True), ("gemma3", True)])
 @pytest.mark.parametrize("t", QTYPES, ids=lambda t: t.name)
 def test_quantized_target_equals_its_dequantized_model(tmp_path, t, family, tie):
     path = to_gguf(tiny_hf_model(family, tie=tie, seed=41), tmp_path / "m.gguf", t)

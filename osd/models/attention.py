@@ -19,11 +19,13 @@ queries; a tree mask covers at most 64. Backends (``ModelConfig.attention_backen
 :func:`causal_attention` is the cacheless full-sequence path used for training
 (differentiable, plain SDPA).
 
-Sliding-window layers (Mistral, Phi-3-mini, Qwen2 with ``use_sliding_window``) pass
-``window``: a query at position ``p`` sees only keys at positions above ``p - window``.
-Calls whose keys all lie within the window (``max_kv_len <= window``) take the paths
-above unchanged; the others go to :func:`windowed_attention`, an SDPA with the window in
-its boolean mask, on every backend and device.
+Sliding-window layers (Mistral, Phi-3-mini, Qwen2 with ``use_sliding_window``, Gemma)
+pass ``window``: a query at position ``p`` sees only keys at positions above
+``p - window``. Calls whose keys all lie within the window (``max_kv_len <= window``) take
+the paths above unchanged; the others go to :func:`windowed_attention`, an SDPA with the
+window in its boolean mask, on every backend and device. Soft-capped scores (Gemma 2,
+``softcap``: ``c * tanh(s / c)`` before the mask) take :func:`windowed_attention` too,
+which then computes the scores itself.
 """
 from __future__ import annotations
 
@@ -70,7 +72,8 @@ def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.d
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: torch.Tensor,
               tree_mask: torch.Tensor | None, *, scale: float, max_kv_len: int,
               backend: str, window: int | None = None,
-              depths: torch.Tensor | None = None) -> torch.Tensor:
+              depths: torch.Tensor | None = None,
+              softcap: float | None = None) -> torch.Tensor:
     """Attention of ``T`` new queries per row over the row's cache (prefix + new keys).
 
     Args:
@@ -86,13 +89,14 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, len
         window: the layer's sliding window, or None.
         depths: ``[B, T]`` tree depths of the queries (None: ``0..T-1``); with ``window``,
             they give the new keys' positions.
+        softcap: soft-capping of the scaled scores, or None.
 
     Returns:
         ``[B, T, Hq, D]`` in the dtype of ``q``.
     """
-    if window is not None and max_kv_len > window:
+    if softcap is not None or (window is not None and max_kv_len > window):
         return windowed_attention(q, k_cache, v_cache, lens, tree_mask, depths, scale=scale,
-                                  max_kv_len=max_kv_len, window=window)
+                                  max_kv_len=max_kv_len, window=window, softcap=softcap)
     if backend == "flash":
         if tree_mask is None:
             return _flash_causal(q, k_cache, v_cache, lens, scale)
@@ -109,11 +113,13 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, len
 def windowed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        lens: torch.Tensor, tree_mask: torch.Tensor | None,
                        depths: torch.Tensor | None, *, scale: float, max_kv_len: int,
-                       window: int) -> torch.Tensor:
+                       window: int | None, softcap: float | None = None) -> torch.Tensor:
     """:func:`attention` with a sliding window: query ``i`` of row ``b`` (position
     ``p = lens[b] + depth``) sees what the tree or causal mask lets it see among keys
-    whose position is above ``p - window``. A cached key's position is its slot; a new
-    key's is ``lens[b]`` plus its depth. Arguments as :func:`attention`; ``[B, T, Hq, D]``.
+    whose position is above ``p - window`` (every key when ``window`` is None). A cached
+    key's position is its slot; a new key's is ``lens[b]`` plus its depth. With
+    ``softcap``, the scaled scores are soft-capped before the mask. Arguments as
+    :func:`attention`; ``[B, T, Hq, D]``.
     """
     B, T, Hq, _ = q.shape
     if B == 0 or T == 0:
@@ -127,12 +133,32 @@ def windowed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     rel = slots - base                                                      # [B, kv]
     new = (rel >= 0) & (rel < T)
     key_pos = torch.where(new, base + steps.gather(1, rel.clamp(0, T - 1)), slots)
-    visible = visible & (key_pos.unsqueeze(1) > (base + steps - window).unsqueeze(2))
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k_cache[:B, :, :kv_len], v_cache[:B, :, :kv_len],
-        attn_mask=visible.unsqueeze(1), scale=scale, enable_gqa=Hq != k_cache.shape[1])
+    if window is not None:
+        visible = visible & (key_pos.unsqueeze(1) > (base + steps - window).unsqueeze(2))
+    out = _masked_sdpa(q.transpose(1, 2), k_cache[:B, :, :kv_len], v_cache[:B, :, :kv_len],
+                       visible.unsqueeze(1), scale, softcap)
     # A query that sees nothing (possible only in a malformed tree) outputs zero.
     return out.transpose(1, 2).masked_fill(~visible.any(-1).view(B, T, 1, 1), 0.0)
+
+
+def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                 scale: float, softcap: float | None) -> torch.Tensor:
+    """SDPA of ``q [N, Hq, T, D]`` over ``k, v [N, Hkv, S, D]`` under the boolean ``mask``
+    (broadcast to ``[N, Hq, T, S]``); with ``softcap``, the scores are computed here and
+    soft-capped (``c * tanh(s / c)``) before the mask, with the softmax in float32, as
+    transformers' Gemma 2 eager attention computes them."""
+    gqa = q.shape[1] != k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def _flash_causal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -149,7 +175,7 @@ def _flash_causal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      key_padding_mask: torch.Tensor | None, *, scale: float,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Cacheless causal self-attention over whole sequences (training; differentiable).
 
     Args:
@@ -159,6 +185,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         scale: softmax scale.
         window: the layer's sliding window (query ``i`` sees keys ``j > i - window``), or
             None.
+        softcap: soft-capping of the scaled scores, or None.
 
     Returns:
         ``[N, T, Hq, D]``.
@@ -166,15 +193,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     T = q.shape[1]
     gqa = q.shape[2] != k.shape[2]
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if window is not None and T > window:
+    if softcap is not None or (window is not None and T > window):
         i = torch.arange(T, device=q.device)
-        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)   # [T, T]
+        mask = i[None, :] <= i[:, None]                                           # [T, T]
+        if window is not None:
+            mask = mask & (i[None, :] > i[:, None] - window)
         if key_padding_mask is not None:
             eye = torch.eye(T, dtype=torch.bool, device=q.device)
             mask = (mask & key_padding_mask[:, None, :]) | eye                    # [N, T, T]
         mask = mask if mask.dim() == 3 else mask.expand(q.shape[0], T, T)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None], scale=scale,
-                                             enable_gqa=gqa)
+        out = _masked_sdpa(qh, kh, vh, mask[:, None], scale, softcap)
     elif key_padding_mask is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                              enable_gqa=gqa)

@@ -12,14 +12,15 @@ from typing import Any, Mapping
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
-                           "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Gemma3ForCausalLM")
+                           "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM",
+                           "Gemma3ForCausalLM")
 
 # model_type -> architecture, for configs that do not list ``architectures``.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
                 "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                "gemma3_text": "Gemma3ForCausalLM"}
+                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
@@ -36,7 +37,7 @@ ATTENTION_BACKENDS = ("auto", "reference", "native", "triton", "flash")
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (Llama, Llama-3, Mistral, Qwen2, Qwen3,
-    Granite, OLMo-2, Phi-3, SmolLM3, Gemma 3)."""
+    Granite, OLMo-2, Phi-3, SmolLM3, Gemma 2, Gemma 3)."""
 
     architecture: str                 # one of SUPPORTED_ARCHITECTURES
     vocab_size: int                   # rows of the embedding and of the LM head
@@ -73,6 +74,8 @@ class ModelConfig:
     hidden_act: str = "silu"          # the MLP gate's activation, one of ACTIVATIONS
     rope_local_theta: float | None = None  # RoPE base of the sliding-window layers (Gemma 3;
     #                                        None: rope_theta, with the global scaling)
+    attn_logit_softcapping: float | None = None   # scores -> c * tanh(scores / c) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c) (Gemma 2)
     # Granite's scalars: embeddings times embedding_multiplier, each block's output times
     # residual_multiplier before its residual add, attention_multiplier as the softmax scale
     # (None: head_dim ** -0.5), logits divided by logits_scaling.
@@ -166,13 +169,9 @@ class ModelConfig:
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r}: only SwiGLU (silu) and GeGLU "
                              f"(gelu_pytorch_tanh) decoders")
-        for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if d.get(cap) is not None:
-                raise ValueError(f"unsupported {cap}={d[cap]}: logit soft-capping is not "
-                                 f"implemented")
-        gemma = arch == "Gemma3ForCausalLM"
+        gemma = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
         if gemma:
-            d = _gemma3(d)
+            d = _gemma(d)
         hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
         rope = _rope_parameters(d)
         head_dim = int(d.get("head_dim") or hidden // heads)
@@ -215,7 +214,9 @@ class ModelConfig:
             qk_norm={"Qwen3ForCausalLM": "head", "Olmo2ForCausalLM": "full",
                      "Gemma3ForCausalLM": "head"}.get(arch, "none"),
             pre_norm=arch != "Olmo2ForCausalLM",
-            post_norm=arch in ("Olmo2ForCausalLM", "Gemma3ForCausalLM"),
+            post_norm=arch == "Olmo2ForCausalLM" or gemma,
+            attn_logit_softcapping=_float_or_none(d.get("attn_logit_softcapping")),
+            final_logit_softcapping=_float_or_none(d.get("final_logit_softcapping")),
             hidden_act=act,
             rope_local_theta=d.get("rope_local_base_freq"),
             nope_layers=_nope_layers(d) if arch == "SmolLM3ForCausalLM" else (),
@@ -247,13 +248,20 @@ def _architecture_of(d: Mapping[str, Any]) -> str | None:
     return _MODEL_TYPES.get(d.get("model_type"), d.get("model_type"))
 
 
-def _gemma3(d: Mapping[str, Any]) -> dict:
-    """A Gemma 3 text config in the keys :meth:`ModelConfig.from_hf` reads: embeddings
-    times ``sqrt(hidden_size)``, attention scale ``query_pre_attn_scalar ** -0.5``, the
-    global layers' RoPE as ``rope_theta`` / ``rope_scaling`` and the sliding layers' base
-    as ``rope_local_base_freq`` (from per-layer-type ``rope_parameters`` or the older
-    keys), the sliding layers from ``layer_types`` or ``sliding_window_pattern``."""
+def _float_or_none(value) -> float | None:
+    return None if value is None else float(value)
+
+
+def _gemma(d: Mapping[str, Any]) -> dict:
+    """A Gemma 2 or Gemma 3 text config in the keys :meth:`ModelConfig.from_hf` reads:
+    embeddings times ``sqrt(hidden_size)``, attention scale
+    ``query_pre_attn_scalar ** -0.5``, the sliding layers from ``layer_types`` or
+    ``sliding_window_pattern`` (Gemma 2: every other layer). Gemma 3: the global layers'
+    RoPE as ``rope_theta`` / ``rope_scaling`` and the sliding layers' base as
+    ``rope_local_base_freq`` (from per-layer-type ``rope_parameters`` or the older keys)."""
     d = dict(d)
+    gemma2 = d.get("model_type") == "gemma2" or "Gemma2ForCausalLM" in (d.get("architectures")
+                                                                        or ())
     d["embedding_multiplier"] = d["hidden_size"] ** 0.5
     d["attention_multiplier"] = float(d.get("query_pre_attn_scalar") or 256) ** -0.5
     rope = d.get("rope_parameters")
@@ -262,9 +270,10 @@ def _gemma3(d: Mapping[str, Any]) -> dict:
         d["rope_theta"] = full.pop("rope_theta", d.get("rope_theta"))
         d["rope_parameters"] = full if full.get("rope_type", "default") != "default" else None
         d["rope_local_base_freq"] = local.get("rope_theta", d.get("rope_local_base_freq"))
-    d.setdefault("rope_local_base_freq", 10000.0)
+    if not gemma2:
+        d.setdefault("rope_local_base_freq", 10000.0)
     if not d.get("layer_types"):
-        pattern = int(d.get("sliding_window_pattern") or 6)
+        pattern = int(d.get("sliding_window_pattern") or (2 if gemma2 else 6))
         d["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                             for i in range(int(d["num_hidden_layers"]))]
     return d

@@ -68,7 +68,8 @@ _NUMPY = {_UINT8: "<u1", _INT8: "<i1", _UINT16: "<u2", _INT16: "<i2", _UINT32: "
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
                  "qwen3": ("Qwen3ForCausalLM", False), "granite": ("GraniteForCausalLM", True),
                  "olmo2": ("Olmo2ForCausalLM", False), "phi3": ("Phi3ForCausalLM", False),
-                 "smollm3": ("SmolLM3ForCausalLM", True), "gemma3": ("Gemma3ForCausalLM", False)}
+                 "smollm3": ("SmolLM3ForCausalLM", True), "gemma2": ("Gemma2ForCausalLM", False),
+                 "gemma3": ("Gemma3ForCausalLM", False)}
 # Granite's scalars: GGUF key (after "granite.") -> transformers config name.
 _GRANITE_SCALARS = {"embedding_scale": "embedding_multiplier",
                     "residual_scale": "residual_multiplier",
@@ -350,9 +351,10 @@ _LAYER_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm", "attn_qkv": "self_attn.qkv_proj",
 }
 # Per architecture, layer tensors whose name means something else there: Phi-3's ffn_up
-# holds the gate and up projections stacked; Gemma 3's ffn_norm is the norm before the MLP
+# holds the gate and up projections stacked; Gemma's ffn_norm is the norm before the MLP
 # (its post_attention_norm is the one on attention's output).
 _ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"},
+                     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
                      "gemma3": {"ffn_norm": "pre_feedforward_layernorm"}}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
@@ -414,16 +416,19 @@ def config_from_gguf(g: GGUFFile, *, attention_backend: str = "auto") -> ModelCo
             "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
             "tokenizer.ggml.eom_token_id") if meta.get(k) is not None}),
     }
-    if arch == "gemma3":
-        # llama.cpp's reading of a gemma3 file: GeGLU, every sixth layer global, the sliding
-        # layers' RoPE base 10,000 unless stored, queries scaled by the head width (by
-        # hidden / heads in the 62-layer 27B model)
-        hf.update({"hidden_activation": "gelu_pytorch_tanh", "sliding_window_pattern": 6,
-                   "rope_local_base_freq": float(key("rope.freq_base_swa", 10000.0)),
-                   "query_pre_attn_scalar": hidden // heads if hf["num_hidden_layers"] == 62
-                   else head_dim,
+    if arch in ("gemma2", "gemma3"):
+        # llama.cpp's reading of gemma2/gemma3 files: GeGLU, every second (gemma2) or sixth
+        # (gemma3) layer global, gemma3's sliding layers' RoPE base 10,000 unless stored,
+        # queries scaled by the head width (by hidden / heads in the 27B models: 46 and 62
+        # layers)
+        big = hf["num_hidden_layers"] == (46 if arch == "gemma2" else 62)
+        hf.update({"hidden_activation": "gelu_pytorch_tanh",
+                   "sliding_window_pattern": 2 if arch == "gemma2" else 6,
+                   "query_pre_attn_scalar": hidden // heads if big else head_dim,
                    "final_logit_softcapping": key("final_logit_softcapping"),
                    "attn_logit_softcapping": key("attn_logit_softcapping")})
+        if arch == "gemma3":
+            hf["rope_local_base_freq"] = float(key("rope.freq_base_swa", 10000.0))
     if arch == "granite":
         hf.update({name: float(key(k)) for k, name in _GRANITE_SCALARS.items()
                    if key(k) is not None})

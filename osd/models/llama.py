@@ -179,6 +179,7 @@ class DecoderLayer(nn.Module):
         self.act = F.silu if c.hidden_act == "silu" else _gelu_tanh
         # Gemma 3: the sliding-window layers rotate with a RoPE base of their own
         self.local_rope = self.window is not None and c.rope_local_theta is not None
+        self.softcap = c.attn_logit_softcapping                   # Gemma 2; None elsewhere
         self.wqkv = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
                               bias=c.qkv_bias)
         self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
@@ -232,7 +233,7 @@ class DecoderLM(nn.Module):
     """A Llama-family causal LM (``LlamaForCausalLM``, ``MistralForCausalLM``,
     ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``GraniteForCausalLM``,
     ``Olmo2ForCausalLM``, ``Phi3ForCausalLM``, ``SmolLM3ForCausalLM``,
-    ``Gemma3ForCausalLM``).
+    ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``).
 
     Parameters are created uninitialised on ``device`` in ``dtype``: load weights with
     ``osd.models.load_model`` (or ``load_hf_state_dict``), or call
@@ -499,7 +500,7 @@ class DecoderLM(nn.Module):
             kv.permute(1, 3, 0, 2, 4).index_put_((rows, slots), torch.stack((k, v), dim=2))
             out = attention(q, kv[0], kv[1], cache.lens, tree_mask, scale=self.scale,
                             max_kv_len=max_kv_len, backend=self.attention_backend,
-                            window=layer.window, depths=depths)
+                            window=layer.window, depths=depths, softcap=layer.softcap)
             x = layer.finish(x, out)
         return x
 
@@ -543,7 +544,7 @@ class DecoderLM(nn.Module):
                 continue
             q, k, v = layer.qkv(x, *ropes[layer.local_rope])
             x = layer.finish(x, causal_attention(q, k, v, key_mask, scale=self.scale,
-                                                 window=layer.window))
+                                                 window=layer.window, softcap=layer.softcap))
         hidden = x
         if rows is not None:
             x = x.reshape(N * T, x.shape[-1]).index_select(0, rows)
@@ -557,6 +558,9 @@ class DecoderLM(nn.Module):
         y = project(x, self.lm_head, self.norm).float()
         if self.config.logits_scaling != 1.0:
             y = y / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            y = torch.tanh(y / cap) * cap
         if self.head_ids is None or not full_vocab:
             return y
         out = y.new_full((*y.shape[:-1], self.vocab_size), float("-inf"))

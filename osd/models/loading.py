@@ -108,8 +108,8 @@ def load_model(source, *, device: torch.device | str = "cpu", dtype: torch.dtype
         raise TypeError(f"expected a checkpoint directory path or a transformers model, got "
                         f"{type(source).__name__}")
     model = DecoderLM(config, device=device, dtype=dtype)
-    load_hf_state_dict(model, keys, getter,
-                       norm_shift=1.0 if config.architecture == "Gemma3ForCausalLM" else 0.0)
+    gemma = config.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+    load_hf_state_dict(model, keys, getter, norm_shift=1.0 if gemma else 0.0)
     if head_vocab and isinstance(source, (str, os.PathLike)):
         ids = read_head_vocab(checkpoint_dir(source))
         if ids is not None:
