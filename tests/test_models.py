@@ -363,6 +363,21 @@ def test_config_parsing_old_and_new_styles():
         ModelConfig.from_hf({**old, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig.from_hf({**old, "hidden_act": "gelu"})
+    # Gemma 3 1B's config.json as written before per-layer-type RoPE parameters
+    gemma = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+             "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
+             "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+             "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+             "query_pre_attn_scalar": 256, "rope_theta": 1000000, "rope_local_base_freq": 10000,
+             "rope_scaling": None, "sliding_window": 512, "sliding_window_pattern": 6,
+             "final_logit_softcapping": None, "attn_logit_softcapping": None,
+             "max_position_embeddings": 32768}
+    g = ModelConfig.from_hf(gemma)
+    assert (g.rope_theta, g.rope_local_theta, g.sliding_window) == (1e6, 1e4, 512)
+    assert g.window_layers == tuple(i for i in range(26) if (i + 1) % 6)
+    assert g.embedding_multiplier == 1152 ** 0.5 and g.attention_multiplier == 1 / 16
+    assert (g.qk_norm, g.pre_norm, g.post_norm, g.hidden_act) == \
+        ("head", True, True, "gelu_pytorch_tanh")
 
 
 def test_param_count_and_init_weights():
