@@ -123,6 +123,8 @@ class ModelConfig:
                              f"{ACTIVATIONS}")
         if not (self.pre_norm or self.post_norm):
             raise ValueError("a decoder needs pre_norm or post_norm")
+        if isinstance(self.qk_norm, bool):         # the older boolean: per-head norms or none
+            object.__setattr__(self, "qk_norm", "head" if self.qk_norm else "none")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
         if not self.logits_scaling > 0:
