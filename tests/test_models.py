@@ -510,3 +510,30 @@ def test_layer_skipping_copy_keeps_the_nope_layers():
     with torch.no_grad():
         want = model.forward_train(ids, skip_layers=frozenset({1}))
         assert (sub.forward_train(ids) - want).abs().max() <= ATOL
+
+
+def test_multimodal_gemma3_checkpoint_loads_its_language_model(tmp_path):
+    """Gemma 3 4B and larger ship as Gemma3ForConditionalGeneration: the language model
+    (text_config, language_model.* tensors) loads on its own, in memory and from a saved
+    directory, and gives the multimodal model's text logits."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    text = gemma3_config({**dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=88,
+                                 num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=512)})
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    hf = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+        image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_((0.1 if "norm" in name else 0.3) * torch.randn(p.shape, generator=gen))
+    hf.eval().save_pretrained(tmp_path)
+    ids = torch.randint(0, VOCAB - 3, (1, 11), generator=gen)
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits.float()
+        for model in (load_model(hf), load_model(tmp_path)):
+            assert model.config.architecture == "Gemma3ForCausalLM"
+            assert (model(ids, model.new_cache(1, 16)) - ref).abs().max() <= ATOL

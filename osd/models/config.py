@@ -29,7 +29,10 @@ ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 QK_NORMS = ("none", "head", "full")
 
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")   # the gate's activation: SwiGLU, GeGLU (Gemma)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+# Multimodal checkpoints whose language model we load on its own: wrapper -> text model.
+TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}   # the gate's activation: SwiGLU, GeGLU (Gemma)
 
 ATTENTION_BACKENDS = ("auto", "reference", "native", "triton", "flash")
 
@@ -162,6 +165,8 @@ class ModelConfig:
         """
         d = dict(config) if isinstance(config, Mapping) else config.to_dict()
         arch = architecture or _architecture_of(d)
+        if arch in TEXT_MODELS:
+            d, arch = text_config(d), TEXT_MODELS[arch]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(unsupported_message(arch))
         missing = [k for k in _REQUIRED if d.get(k) is None]
@@ -238,6 +243,19 @@ class ModelConfig:
 def unsupported_message(architecture: str | None) -> str:
     return (f"unsupported architecture {architecture!r}; supported architectures: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def text_config(d: Mapping[str, Any]) -> dict:
+    """The language model's config inside a multimodal one (:data:`TEXT_MODELS`): its
+    ``text_config``, with the token ids and embedding tying of the outer config where the
+    inner one lacks them."""
+    text = dict(d.get("text_config") or {})
+    if not text:
+        raise ValueError("multimodal config without a text_config")
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if text.get(key) is None and d.get(key) is not None:
+            text[key] = d[key]
+    return text
 
 
 def _architecture_of(d: Mapping[str, Any]) -> str | None:

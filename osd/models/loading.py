@@ -23,7 +23,7 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from osd.models.config import ModelConfig
+from osd.models.config import TEXT_MODELS, ModelConfig
 from osd.models.llama import DecoderLM
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -97,13 +97,18 @@ def load_model(source, *, device: torch.device | str = "cpu", dtype: torch.dtype
         state = source.state_dict()
         getter: Callable[[str], torch.Tensor] = state.__getitem__
         keys = set(state)
+        if type(source).__name__ in TEXT_MODELS:
+            keys, getter = language_model_view(keys, getter)
     elif isinstance(source, (str, os.PathLike)):
         path = checkpoint_dir(source)
+        raw = read_config(path)
         try:
-            config = ModelConfig.from_hf(read_config(path), attention_backend=attention_backend)
+            config = ModelConfig.from_hf(raw, attention_backend=attention_backend)
         except ValueError as exc:
             raise ValueError(f"checkpoint {str(path)!r}: {exc}") from None
         keys, getter = _open_weights(path)
+        if set(raw.get("architectures") or ()) & set(TEXT_MODELS):
+            keys, getter = language_model_view(keys, getter)
     else:
         raise TypeError(f"expected a checkpoint directory path or a transformers model, got "
                         f"{type(source).__name__}")
@@ -226,6 +231,26 @@ def _read_file(file: Path):
         return _BinReader(state)
     except Exception as exc:  # safetensors / pickle raise many types for a corrupt file
         raise ValueError(f"corrupt checkpoint file {str(file)!r}: {exc}") from None
+
+
+# Where a multimodal checkpoint keeps its language model's tensors (older and newer
+# transformers layouts), and what these names are in a text-only checkpoint.
+_LANGUAGE_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                      ("language_model.lm_head.", "lm_head."))
+
+
+def language_model_view(keys, get: Callable[[str], torch.Tensor]):
+    """``(keys, get)`` over a multimodal checkpoint's language-model tensors under their
+    text-only names (``model.layers...``, ``lm_head.weight``); the vision tower and the
+    projector are left out."""
+    names = {}
+    for key in keys:
+        for prefix, text in _LANGUAGE_PREFIXES:
+            if key.startswith(prefix):
+                names[text + key[len(prefix):]] = key
+        if key == "lm_head.weight":
+            names[key] = key
+    return set(names), lambda name: get(names[name])
 
 
 def _hf_sources(name: str, keys=()) -> list[str]:
