@@ -150,7 +150,8 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + SwiGLU(norm(x))``; with
-    ``config.post_norm`` (OLMo-2) ``x + norm(attn(x))``, then ``x + norm(SwiGLU(x))``.
+    ``config.post_norm`` and no pre-norms (OLMo-2) ``x + norm(attn(x))``, then
+    ``x + norm(SwiGLU(x))``; with both (Gemma) ``x + norm(attn(norm(x)))`` and so on.
 
     The forward is split around attention (:meth:`qkv`, then :meth:`finish`) so that the
     cached and the training forward share everything but the attention call. Linear layers
@@ -167,8 +168,8 @@ class DecoderLayer(nn.Module):
         self.window = c.sliding_window if c.window_layers is None or index in c.window_layers \
             else None
         # Pre-norms: input_norm before attention; before the MLP post_attention_norm, or
-        # pre_feedforward_norm when the block has post-norms too (Gemma 3). Post-norms
-        # (OLMo-2, Gemma 3): post_attention_norm on attention's output, post_feedforward_norm
+        # pre_feedforward_norm when the block has post-norms too (Gemma). Post-norms
+        # (OLMo-2, Gemma): post_attention_norm on attention's output, post_feedforward_norm
         # on the MLP's.
         self.post_norm = c.post_norm
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.pre_norm else None
@@ -214,7 +215,7 @@ class DecoderLayer(nn.Module):
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual after attention output ``attn [B, T, Hq, D]``, then the gated MLP block
-        (SwiGLU, or GeGLU for Gemma 3)."""
+        (SwiGLU, or GeGLU for Gemma)."""
         r = self.residual_multiplier
         out = project(attn.flatten(2), self.wo)
         if self.post_norm:
