@@ -27,11 +27,14 @@ class KVCache:
         max_batch_size: rows ``B_max``.
         max_seq_len: capacity ``S`` per row.
         dtype, device: of the K/V (the model's).
+        context: the longest sequence the owner serves (default: the capacity, which may
+            hold a few more slots for speculative headroom); models whose RoPE depends on
+            the context length (LongRoPE) read it as :attr:`context`.
     """
 
     def __init__(self, num_layers: int, max_batch_size: int, num_kv_heads: int, max_seq_len: int,
                  head_dim: int, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", context: int | None = None) -> None:
         for name, value in (("num_layers", num_layers), ("max_batch_size", max_batch_size),
                             ("num_kv_heads", num_kv_heads), ("max_seq_len", max_seq_len),
                             ("head_dim", head_dim)):
@@ -41,14 +44,15 @@ class KVCache:
                               dtype=dtype, device=device)
         self.lens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
         self.bound = 0
+        self.context = int(max_seq_len if context is None else context)
 
     @classmethod
     def for_model(cls, config, max_batch_size: int, max_seq_len: int, *,
-                  dtype: torch.dtype = torch.float32,
-                  device: torch.device | str = "cpu") -> "KVCache":
+                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                  context: int | None = None) -> "KVCache":
         """A cache shaped for a model with ``config`` (an ``osd.models.ModelConfig``)."""
         return cls(config.num_layers, max_batch_size, config.num_kv_heads, max_seq_len,
-                   config.head_dim, dtype=dtype, device=device)
+                   config.head_dim, dtype=dtype, device=device, context=context)
 
     @property
     def max_batch_size(self) -> int:
@@ -127,4 +131,5 @@ class KVCache:
         view.kv = self.kv[:, :, start:start + count]
         view.lens = self.lens[start:start + count]
         view.bound = self.bound
+        view.context = self.context
         return view

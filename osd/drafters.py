@@ -109,10 +109,11 @@ class ModelDrafter:
     PENDING_LIMIT = 24
 
     def __init__(self, model: DecoderLM, max_batch_size: int, capacity: int,
-                 skip_layers: frozenset[int] = frozenset()):
+                 skip_layers: frozenset[int] = frozenset(), context: int | None = None):
         self.model = model
         self.skip_layers = frozenset(skip_layers)
-        self.cache = model.new_cache(max_batch_size, capacity)
+        # context: the engine's, so that a LongRoPE draft rotates as the target does
+        self.cache = model.new_cache(max_batch_size, capacity, context=context)
         self.device = model.device
         dev = self.device
         self._pending = torch.zeros(max_batch_size, 72, dtype=torch.int64, device=dev)
@@ -442,8 +443,9 @@ class EagleDrafter(ModelDrafter):
 
     needs_hidden = True
 
-    def __init__(self, model: DecoderLM, max_batch_size: int, capacity: int):
-        super().__init__(model, max_batch_size, capacity)
+    def __init__(self, model: DecoderLM, max_batch_size: int, capacity: int,
+                 context: int | None = None):
+        super().__init__(model, max_batch_size, capacity, context=context)
         self._pending_feat = torch.zeros(max_batch_size, self._pending.shape[1],
                                          model.config.hidden_size, dtype=model.dtype,
                                          device=self.device)

@@ -114,11 +114,6 @@ class Engine:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
-        original = model.config.rope_original_max_positions
-        if model.config.rope_type == "longrope" and max_seq_len > original:
-            raise ValueError(f"max_seq_len={max_seq_len} exceeds the {original} positions of "
-                             f"the model's LongRoPE short factors; its long factors are not "
-                             f"implemented, so contexts must fit in {original} tokens")
         drafts = [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) \
             else [draft]
         for i, d in enumerate(drafts):
@@ -180,9 +175,11 @@ class Engine:
             self._make_drafters(spec, drafts, online is not None)
         self.online = None if online is None else \
             OnlineManager([d.model for d in drafters], online, masters)
-        self.lanes = [Lane(model.new_cache(max_batch_size, max_seq_len + self._headroom),
+        self.lanes = [Lane(model.new_cache(max_batch_size, max_seq_len + self._headroom,
+                                           context=max_seq_len),
                            torch.zeros(max_batch_size, dtype=torch.int64, device=self.device),
-                           model.new_cache(1, max_seq_len + self._headroom))
+                           model.new_cache(1, max_seq_len + self._headroom,
+                                           context=max_seq_len))
                       for _ in drafters]
         self.prefix_cache = PrefixCache(prefix_cache) if prefix_cache else None
         for lane in self.lanes:
@@ -218,7 +215,7 @@ class Engine:
         """The drafters of ``spec``. Self-speculation drafts with the target's own layers,
         except when the draft learns online (``learning``): then it drafts with a copy of
         the layers it uses, so training never writes the target's weights."""
-        capacity = self.max_seq_len + self._headroom + 72
+        capacity, context = self.max_seq_len + self._headroom + 72, self.max_seq_len
         history = self.lookup_history
         if spec.drafter == "ngram":
             return [NGramDrafter(spec.ngram_min, spec.ngram_max, history)]
@@ -232,12 +229,15 @@ class Engine:
                                  f"{n} layers, got {sorted(skip)}")
             if learning:
                 drafters = [ModelDrafter(without_layers(self.model, skip), self.max_batch_size,
-                                         capacity)]
+                                         capacity, context=context)]
             else:
-                drafters = [ModelDrafter(self.model, self.max_batch_size, capacity, skip)]
+                drafters = [ModelDrafter(self.model, self.max_batch_size, capacity, skip,
+                                         context=context)]
         else:
-            drafters = [EagleDrafter(d, self.max_batch_size, capacity) if isinstance(d, EagleLM)
-                        else ModelDrafter(d, self.max_batch_size, capacity) for d in drafts]
+            drafters = [EagleDrafter(d, self.max_batch_size, capacity, context=context)
+                        if isinstance(d, EagleLM) else
+                        ModelDrafter(d, self.max_batch_size, capacity, context=context)
+                        for d in drafts]
         if spec.prompt_lookup:
             drafters = [LookupDrafter(d, NGramDrafter(spec.ngram_min, spec.ngram_max, history))
                         for d in drafters]

@@ -64,6 +64,26 @@ def test_greedy_equals_transformers(family):
         assert out.token_ids == _hf_greedy(hf, prompt, NEW), len(prompt)
 
 
+def test_longrope_long_factors_past_the_original_context():
+    """Phi-3 LongRoPE (Phi-4-mini's layout) past its original context, 256 positions in the
+    tiny model: an engine whose context exceeds it rotates with the long factors, as
+    transformers does for sequences longer than that, so greedy from prompts of 300 and
+    480 tokens equals transformers', plain and speculative (self-speculation included).
+    (The model keeps its declared 512 positions: transformers derives the attention
+    factor from them when it builds the model.)"""
+    hf = tiny_hf_model("phi3_longrope", seed=9)
+    prompts = prompts_of((300, 480), seed=10)
+    model = load_model(hf)
+    plain = osd.Engine(model, max_batch_size=1, max_seq_len=500)
+    outs = plain.generate(prompts, osd.SamplingParams(NEW))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == _hf_greedy(hf, prompt, NEW), len(prompt)
+    spec = osd.Engine(model, max_batch_size=1, max_seq_len=500,
+                      spec=osd.SpecConfig(drafter="self", num_draft_tokens=3))
+    assert [o.token_ids for o in spec.generate(prompts, osd.SamplingParams(NEW))] == \
+        [o.token_ids for o in outs]
+
+
 SPECS = {
     "chain": dict(num_draft_tokens=4),
     "dynamic_tree": dict(tree=DynamicTree(topk=3, depth=3, max_nodes=12)),

@@ -57,9 +57,11 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0     # "llama3" only
     rope_high_freq_factor: float = 4.0    # "llama3" only
     rope_original_max_positions: int = 8192   # "llama3", "longrope": pre-training context
-    # "longrope" (Phi-3.5, Phi-4-mini): per-frequency divisors [rotary_dim / 2] used up to
-    # rope_original_max_positions, and the factor on cos and sin
+    # "longrope" (Phi-3.5, Phi-4-mini): per-frequency divisors [rotary_dim / 2] for contexts
+    # of up to rope_original_max_positions (short) and longer ones (long), and the factor on
+    # cos and sin
     rope_short_factor: tuple[float, ...] = ()
+    rope_long_factor: tuple[float, ...] = ()
     rope_attention_factor: float = 1.0
     rotary_dim: int | None = None     # leading dims of each head that RoPE rotates (None: all)
     nope_layers: tuple[int, ...] = ()  # decoder layers whose attention has no RoPE (SmolLM3)
@@ -115,9 +117,10 @@ class ModelConfig:
         if rot is not None and not (0 < rot <= self.head_dim and rot % 2 == 0):
             raise ValueError(f"rotary_dim must be even and in 1..head_dim ({self.head_dim}), "
                              f"got {rot}")
-        if self.rope_type == "longrope" and len(self.rope_short_factor) != self.rope_dim // 2:
-            raise ValueError(f"longrope needs {self.rope_dim // 2} short factors, got "
-                             f"{len(self.rope_short_factor)}")
+        if self.rope_type == "longrope" and not (
+                len(self.rope_short_factor) == len(self.rope_long_factor) == self.rope_dim // 2):
+            raise ValueError(f"longrope needs {self.rope_dim // 2} short and long factors, got "
+                             f"{len(self.rope_short_factor)} and {len(self.rope_long_factor)}")
         if any(not 0 <= i < self.num_layers for i in self.nope_layers):
             raise ValueError(f"nope_layers must index layers 0..{self.num_layers - 1}, got "
                              f"{self.nope_layers}")
@@ -211,6 +214,7 @@ class ModelConfig:
             rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
             rope_original_max_positions=original,
             rope_short_factor=tuple(float(f) for f in rope.get("short_factor") or ()),
+            rope_long_factor=tuple(float(f) for f in rope.get("long_factor") or ()),
             rope_attention_factor=_longrope_attention_factor(rope, d, original),
             rotary_dim=None if partial == 1.0 else int(head_dim * partial),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),

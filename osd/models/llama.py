@@ -46,18 +46,20 @@ from osd_kernels.quant_linear import quant_linear
 MAX_TREE = 64  # tree_mask is one int64 bitmask per query
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
     """Inverse frequencies ``[head_dim / 2]`` float32, as transformers computes them.
 
     ``default``: ``theta^(-2i/d)``; ``linear``: divided by ``factor``; ``llama3``: low
     frequencies divided by ``factor``, high ones kept, the band between interpolated;
-    ``longrope``: divided by the short factors. ``d`` is the rotated width
+    ``longrope``: divided by the short factors (``long``: the long ones). ``d`` is the
+    rotated width
     (``config.rope_dim``: all of a head, or its leading ``rotary_dim`` dims).
     """
     dim = config.rope_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     if config.rope_type == "longrope":
-        factors = torch.tensor(config.rope_short_factor, dtype=torch.float32)
+        factors = torch.tensor(config.rope_long_factor if long else config.rope_short_factor,
+                               dtype=torch.float32)
         return 1.0 / (factors * config.rope_theta ** exponents)
     inv_freq = 1.0 / (config.rope_theta ** exponents)
     if config.rope_type == "linear":
@@ -262,7 +264,8 @@ class DecoderLM(nn.Module):
         self._inv_freq_local = None if config.rope_local_theta is None else rope_inv_freq(
             dataclasses.replace(config, rope_theta=config.rope_local_theta,
                                 rope_type="default", rope_factor=1.0))
-        self._tables: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}   # local -> cos, sin
+        # (local, long) -> cos, sin; long: LongRoPE's long factors
+        self._tables: dict[tuple[bool, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         self._arange = torch.empty(0)
         # [V_head] int64 vocabulary ids of the head's rows; None: the head covers every id.
         self.register_buffer("head_ids", None)
@@ -346,10 +349,12 @@ class DecoderLM(nn.Module):
                 else:
                     p.normal_(0.0, std, generator=generator)
 
-    def new_cache(self, max_batch_size: int, max_seq_len: int) -> KVCache:
-        """A :class:`~osd.cache.KVCache` for this model on its device and dtype."""
+    def new_cache(self, max_batch_size: int, max_seq_len: int, *,
+                  context: int | None = None) -> KVCache:
+        """A :class:`~osd.cache.KVCache` for this model on its device and dtype (``context``:
+        the longest sequence it will serve, default ``max_seq_len``)."""
         return KVCache.for_model(self.config, max_batch_size, max_seq_len, dtype=self.dtype,
-                                 device=self.device)
+                                 device=self.device, context=context)
 
     def _iota(self, n: int) -> torch.Tensor:
         """``arange(n)`` int64 on the model's device, sliced from a cached buffer."""
@@ -357,23 +362,30 @@ class DecoderLM(nn.Module):
             self._arange = torch.arange(max(n, 64), device=self.device)
         return self._arange[:n]
 
-    def _rope_tables(self, positions: torch.Tensor, needed: int, local: bool = False):
+    def _rope_tables(self, positions: torch.Tensor, needed: int, local: bool = False,
+                     context: int | None = None):
         """``cos, sin [B, T, 1, D]`` at ``positions [B, T]`` (``local``: the sliding layers'
         RoPE); grows the tables (host-side size check only) so that they cover ``needed``
-        positions (rebuilt when the model moved or changed dtype)."""
-        cos, sin = self._tables.get(local, (torch.empty(0), None))
+        positions (rebuilt when the model moved or changed dtype). A LongRoPE model uses its
+        long factors when ``context`` (a cache's, default ``needed``) exceeds the original
+        context, as llama.cpp chooses by its context size."""
+        c = self.config
+        long = c.rope_type == "longrope" and not local and \
+            (needed if context is None else context) > c.rope_original_max_positions
+        cos, sin = self._tables.get((local, long), (torch.empty(0), None))
         if cos.shape[0] < needed or cos.device != self.device or cos.dtype != self.dtype:
             n = max(needed, 2 * cos.shape[0], 256)
-            inv_freq = self._inv_freq_local if local else self._inv_freq
-            cos, sin = self._tables[local] = rope_tables(
-                inv_freq, n, self.dtype, self.device, self.config.rope_attention_factor)
+            inv_freq = self._inv_freq_local if local else \
+                rope_inv_freq(c, long=True) if long else self._inv_freq
+            cos, sin = self._tables[(local, long)] = rope_tables(
+                inv_freq, n, self.dtype, self.device, c.rope_attention_factor)
         return cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)
 
-    def _layer_ropes(self, positions: torch.Tensor, needed: int):
+    def _layer_ropes(self, positions: torch.Tensor, needed: int, context: int | None = None):
         """``(global, local)`` RoPE tables at ``positions`` (local None without one)."""
         local = None if self._inv_freq_local is None else \
             self._rope_tables(positions, needed, local=True)
-        return self._rope_tables(positions, needed), local
+        return self._rope_tables(positions, needed, context=context), local
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, *,
                 tree_mask: torch.Tensor | None = None, depths: torch.Tensor | None = None,
@@ -488,7 +500,7 @@ class DecoderLM(nn.Module):
         lens = cache.lens[:B, None].to(torch.int64)                        # [B, 1]
         slots = lens + self._iota(T)                                       # [B, T] K/V slots
         positions = slots if depths is None else lens + depths
-        ropes = self._layer_ropes(positions, cache.capacity)
+        ropes = self._layer_ropes(positions, cache.capacity, cache.context)
         rows = self._iota(B)[:, None]                                      # [B, 1]
         max_kv_len = cache.bound + T
         x = self._embed(input_ids, features)
