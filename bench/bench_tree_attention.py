@@ -12,6 +12,7 @@ decode attention (SDPA, one query per row, no mask) over L + 64 keys;
 ``test_gpu_goal_triton`` reports ``decode_ms`` and ``ratio`` (skipped without a GPU).
 
 Default sweep: B in {1, 8}, T in {1, 8, 64}, L = 1024, Hq/Hkv = 8/2, D = 64.
+``test_windowed_attention``: the sliding-window / soft-capped path beside the C++ kernel.
 ``OSD_BENCH_FULL=1``: L in {1024, 4096}, B in {1, 8, 32}.
 
 Split KV (``test_split_kv_triton``, GPU only): the Triton path as dispatched (split KV when
@@ -23,6 +24,8 @@ and, for T = 8, ``ratio`` to a T = 1 decode over the same prefix (goal 1.3).
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_tree_attention.py
 """
+import timeit
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -189,3 +192,33 @@ def test_split_kv_triton(benchmark, B, L, T):
           f"(single pass {single_ms * 1e3:.1f} us), {roofline_ms / tree_ms:.0%} of the "
           f"{H200_HBM_BYTES_PER_S / 1e12:.1f} TB/s roofline ({roofline_ms * 1e3:.1f} us)"
           + (f", {info['ratio']:.2f}x a T=1 decode" if T > 1 else ""))
+
+
+WINDOW_CASES = [(B, T, cap) for B in (1, 8) for T in (1, 8) for cap in (None, 50.0)]
+
+
+@pytest.mark.parametrize("B,T,softcap", WINDOW_CASES)
+def test_windowed_attention(benchmark, B, T, softcap):
+    """The sliding-window path (``osd.models.attention.windowed_attention``: SDPA with the
+    window in its mask, or explicit scores when soft-capped) over L = 1024 cached keys and
+    a 512-key window, CPU float32, beside the C++ tree kernel's full attention over the same
+    keys; reports ``cpp_ms`` and ``ratio`` (best windowed time / best C++ time)."""
+    from osd.models.attention import windowed_attention
+
+    L, window = 1024, 512
+    q, k, v, lens, mask = _case(B, T, L, HQ, HKV, D, torch.float32, "cpu")
+    scale = D ** -0.5
+
+    def run():
+        return windowed_attention(q, k, v, lens, mask, None, scale=scale, max_kv_len=L + T,
+                                  window=window, softcap=softcap)
+
+    def cpp():
+        return tree_attention(q, k, v, lens, mask, scale=scale, max_kv_len=L + T,
+                              backend="native")
+
+    run()
+    cpp_s = min(timeit.repeat(cpp, number=20, repeat=3)) / 20
+    benchmark.pedantic(run, rounds=20, warmup_rounds=2)
+    benchmark.extra_info.update(B=B, T=T, L=L, window=window, softcap=softcap,
+                                cpp_ms=cpp_s * 1e3, ratio=benchmark.stats.stats.min / cpp_s)

@@ -147,18 +147,18 @@ def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     (broadcast to ``[N, Hq, T, S]``); with ``softcap``, the scores are computed here and
     soft-capped (``c * tanh(s / c)``) before the mask, with the softmax in float32, as
     transformers' Gemma 2 eager attention computes them."""
-    gqa = q.shape[1] != k.shape[1]
+    N, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                              enable_gqa=gqa)
-    if gqa:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+                                              enable_gqa=Hq != Hkv)
+    # The query heads of one KV head are consecutive: multiply each group by its K and V
+    # once ([N, Hkv, rep * T, D]) instead of copying K and V for every query head.
+    scores = torch.matmul(q.reshape(N, Hkv, Hq // Hkv * T, D), k.transpose(2, 3)) * scale
     scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores.view(N, Hq, T, S).masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    return torch.matmul(probs.view(N, Hkv, Hq // Hkv * T, S), v).view(N, Hq, T, D)
 
 
 def _flash_causal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
