@@ -561,6 +561,42 @@ def test_bpe_tokenizer_matches_the_tokenizers_library(pre, tmp_path):
     assert tok.eos_token == "<|im_end|>" and tok.bos_token == "<|im_start|>"
 
 
+@pytest.mark.parametrize("pre, pieces", [
+    ("default", ["abc", " ", "123", "45", "!!", " HelloWorld", " isn", "'", "t"]),
+    ("gpt2", ["abc", " 12345", "!!", " HelloWorld", " isn", "'t"]),
+    ("llama-bpe", ["abc", " ", "123", "45", "!!", " HelloWorld", " isn", "'t"]),
+    ("qwen2", ["abc", " ", "1", "2", "3", "4", "5", "!!", " HelloWorld", " isn", "'t"]),
+    ("deepseek-coder", ["abc", " ", "1", "2", "3", "4", "5", "!!", " HelloWorld", " isn", "'",
+                        "t"]),
+    ("tekken", ["abc", " ", "1", "2", "3", "4", "5", "!!", " Hello", "World", " isn", "'t"]),
+    ("gpt-4o", ["abc", " ", "123", "45", "!!", " Hello", "World", " isn't"])])
+def test_bpe_pre_tokenizers_split_as_llama_cpp(pre, pieces):
+    """Each pre-tokenizer splits text as llama.cpp's regexes for it do (the real
+    vocabularies are checked by scripts/check_gguf_vocabs.py, docs/gguf.md)."""
+    from osd.models.gguf_tokenizer import _bpe_tokenizer
+
+    tok = _bpe_tokenizer(bpe_metadata(trained_bpe(), pre))
+    got = tok.pre_tokenizer.pre_tokenize_str("abc 12345!! HelloWorld isn't")
+    assert [p.replace("Ġ", " ") for p, _ in got] == pieces
+
+
+def test_llama3_bpe_takes_whole_words_and_adds_bos(tmp_path):
+    """Llama 3's pre-tokenizer takes a word found whole in the vocabulary as one token,
+    merges or not, and adds BOS unless the file says otherwise."""
+    ref = trained_bpe()
+    for pre in ("llama-bpe", "gpt2"):
+        meta = bpe_metadata(ref, pre)
+        del meta["tokenizer.ggml.add_bos_token"]
+        meta["tokenizer.ggml.tokens"] = meta["tokenizer.ggml.tokens"] + ["Ġzqxj"]
+        meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"] + [1]
+        write_gguf(tmp_path / f"{pre}.gguf", {"general.architecture": "llama", **meta}, {})
+        ids = load_tokenizer(tmp_path / f"{pre}.gguf").encode(" zqxj")
+        if pre == "llama-bpe":
+            assert ids == [1, VOCAB]
+        else:                      # no merge leads to the word: byte-level pieces, no BOS
+            assert VOCAB not in ids and ids[0] != 1 and len(ids) > 1
+
+
 def test_sentencepiece_tokenizer(tmp_path):
     byte_tokens = [f"<0x{i:02X}>" for i in range(256)]
     pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "a", "b", "c", "ab", "▁h", "ll", "▁he",
