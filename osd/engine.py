@@ -326,6 +326,9 @@ class Engine:
                 if not isinstance(p, SamplingParams):
                     raise TypeError(f"params must be an osd.SamplingParams, got "
                                     f"{type(p).__name__}")
+                if p.stop and self.tokenizer is None:
+                    raise ValueError("stop strings need a tokenizer; this engine has none "
+                                     "(use stop_token_ids)")
             token_lists = self.encode(prompts)
             if per is not None and len(per) != len(token_lists):
                 raise ValueError(f"got {len(per)} SamplingParams for {len(token_lists)} prompts")
@@ -641,6 +644,8 @@ class Engine:
         host-side length bound to the exact longest cached sequence."""
         lane = lane or self.lanes[0]
         speculator = speculator or lane.speculator
+        for r in active:
+            r.check_stop_strings(self.tokenizer)
         for b in reversed(range(len(active))):
             r = active[b]
             if r.finish_reason is None:
@@ -747,8 +752,8 @@ class Engine:
 
     def output(self, r: RequestState) -> Output:
         """The :class:`~osd.Output` of ``r`` as it stands (a snapshot while it runs)."""
-        text = None
-        if self.tokenizer is not None:
+        text = r.stop_text
+        if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(r.generated, skip_special_tokens=True)
         stats = r.spec_stats.as_dict() if r.spec_stats is not None else None
         if stats is not None:

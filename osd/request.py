@@ -36,6 +36,8 @@ class RequestState:
     spec_steps: int = 0               # speculative steps so far (the Philox offset)
     spec_stats: SpecStats | None = None
     teacher: list = dataclasses.field(default_factory=list)  # collected target distributions
+    stop_checked: int = 0             # generated tokens already searched for stop strings
+    stop_text: str | None = None      # the text cut before the stop string that ended it
 
     @property
     def length(self) -> int:
@@ -55,9 +57,46 @@ class RequestState:
         elif len(self.generated) >= self.max_new_tokens or self.length >= max_seq_len:
             self.finish_reason = "length"
 
+    def check_stop_strings(self, tokenizer) -> None:
+        """End the request at the first of its stop strings that its newly generated
+        tokens completed: ``generated`` is cut after the token that completed it and
+        ``stop_text`` holds the text before the string. Searched once per step, in a
+        window of tail tokens wide enough for the longest stop string."""
+        stops = self.params.stop if self.params is not None else None
+        new = len(self.generated)
+        if not stops or new == self.stop_checked or self.finish_reason in ("error", "abort"):
+            return
+        hit = find_stop_string(tokenizer, self.generated, self.stop_checked, stops)
+        self.stop_checked = new
+        if hit is not None:
+            m, self.stop_text = hit
+            del self.generated[m:]
+            self.finish_reason = "stop"
+
     def fail(self, message: str, kind: str = "nonfinite_logits") -> None:
         """End the request with ``finish_reason = "error"``; it teaches no draft."""
         self.finish_reason, self.error, self.error_kind = "error", message, kind
+
+
+def find_stop_string(tokenizer, ids: list[int], start: int, stops) -> tuple[int, str] | None:
+    """``(m, text)`` for the first of ``stops`` that ``ids[start:]`` completes: ``m`` the
+    fewest tokens whose decoded text holds a stop string (so the cut does not depend on how
+    many tokens a step accepted) and ``text`` the decoded ``ids[:m]`` cut before the
+    earliest one; None when there is none.
+
+    The search decodes a tail window only: every token but a special or partial-byte one
+    decodes to at least one character, so a string of L characters that ends in the new
+    tokens starts within the L tokens before them (a margin of 8 covers the rest)."""
+    lo = max(0, start - max(map(len, stops)) - 8)
+    tail = tokenizer.decode(ids[lo:], skip_special_tokens=True)
+    if not any(s in tail for s in stops):
+        return None
+    for m in range(start + 1, len(ids) + 1):
+        text = tokenizer.decode(ids[:m], skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if hits:
+            return m, text[:min(hits)]
+    return None
 
 
 def encode_prompts(prompts, tokenizer, vocab_size: int, max_seq_len: int,

@@ -42,6 +42,10 @@ class SamplingParams:
             torch's global generator.
         stop_token_ids: ids that end a sequence (the stop token is part of the output),
             in addition to the checkpoint's EOS ids.
+        stop: strings that end a sequence once its decoded text holds one (a str or a
+            sequence of them; needs the engine's tokenizer). The output's text is cut
+            before the earliest stop string and its ids end at the token that completed
+            it; ``finish_reason`` is ``"stop"``.
     """
 
     max_new_tokens: int
@@ -50,6 +54,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: Sequence[int] | None = None
+    stop: str | Sequence[str] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -75,6 +80,13 @@ class SamplingParams:
                 raise TypeError("stop_token_ids must be a sequence of ints")
             set_(self, "stop_token_ids",
                  tuple(_as_int("stop_token_ids[]", t) for t in self.stop_token_ids))
+        if self.stop is not None:
+            stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+            if isinstance(stop, bytes) or not all(isinstance(s, str) for s in stop):
+                raise TypeError("stop must be a string or a sequence of strings")
+            if any(s == "" for s in stop):
+                raise ValueError("stop strings must not be empty")
+            set_(self, "stop", tuple(stop) or None)
 
     @property
     def greedy(self) -> bool:

@@ -10,8 +10,8 @@ and ``GET /metrics`` (Prometheus text, vLLM's spec-decode metric names under ``o
 
 Every request is validated here before it reaches the engine, so a bad one gets a 4xx
 with an OpenAI-style error body naming the field, and the engine never sees it. Stop
-strings are found in the decoded text: the text is cut before the stop string and the
-engine request is aborted so its row frees at once. fastapi is imported lazily (only
+strings go to the engine (``SamplingParams.stop``), which ends the request at the token
+that completes one, so its row frees at once; the text is cut before it. fastapi is imported lazily (only
 :func:`build_app` and :func:`serve` need it), so ``import osd`` works without it.
 """
 # No ``from __future__ import annotations``: FastAPI reads the endpoints' annotations
@@ -20,7 +20,7 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import osd
 from osd.sampling import SamplingParams
@@ -276,7 +276,7 @@ def _finish_parse(kind, body, engine, ids, default_max_tokens) -> GenRequest:
     draft = body.get("draft")
     if draft is not None and (isinstance(draft, bool) or not isinstance(draft, int)):
         raise _bad("draft must be an integer index into the served drafts", "draft")
-    return GenRequest(kind, ids, params, stop, stream, bool((opts or {}).get("include_usage")),
+    return GenRequest(kind, ids, replace(params, stop=stop or None), stop, stream, bool((opts or {}).get("include_usage")),
                       rti or engine.tokenizer is None, draft)
 
 
@@ -295,9 +295,9 @@ class Generation:
     """One request running on the AsyncEngine, as a stream of :class:`Step`s.
 
     Text is decoded from the generated ids; in a stream the tail that could still become a
-    stop string, and an unfinished UTF-8 character (decoded as U+FFFD), are held back. A
-    stop string ends the request (text cut before it, ids up to the token that completed
-    it) and aborts it in the engine.
+    stop string, and an unfinished UTF-8 character (decoded as U+FFFD), are held back. The
+    engine ends a request at a stop string (ids up to the token that completed it); the
+    text is cut before the string.
     """
 
     def __init__(self, async_engine, req: GenRequest, request_id: str,
@@ -318,21 +318,6 @@ class Generation:
         if finish == "stop" and ids and ids[-1] in self.stop_ids:
             ids = ids[:-1]
         return self.tok.decode(ids, skip_special_tokens=True)
-
-    def _find_stop(self, ids: list[int], text: str):
-        """(cut text, ids up to the token that completed the earliest stop string), or
-        None when ``text`` holds no stop string."""
-        hits = [i for i in (text.find(s) for s in self.req.stop) if i >= 0]
-        if not hits:
-            return None
-        cut = text[:min(hits)]
-        # The fewest tokens whose text holds a stop string: the same for any batching or
-        # acceptance pattern, so usage counts are deterministic.
-        for m in range(len(self.ids) + 1, len(ids) + 1):
-            if any(s in self.tok.decode(ids[:m], skip_special_tokens=True)
-                   for s in self.req.stop):
-                return cut, ids[:m]
-        return cut, ids
 
     def _held_back(self, text: str) -> int:
         """How many trailing characters a stream must hold back for now."""
@@ -372,13 +357,11 @@ class Generation:
             raise APIError(503, "the request was aborted by the engine (shutting down?)",
                            type="server_error")
         text = self._decode(ids, finish)
-        hit = self._find_stop(ids, text) if self.req.stop else None
-        if hit is not None:
-            text, ids = hit
-            if finish is None:
-                self.counters.aborted["stop_string"] += 1
-                await self._abort()
-            finish = "stop"
+        hits = [i for i in (text.find(s) for s in self.req.stop) if i >= 0] \
+            if finish == "stop" else []
+        if hits:
+            text = text[:min(hits)]
+            self.counters.stop_strings += 1
         visible = text if finish is not None or not self.req.stream else \
             text[:len(text) - self._held_back(text)]
         delta = visible[len(self.text):] if visible.startswith(self.text) else ""

@@ -13,7 +13,8 @@ class Counters:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finished: dict = field(default_factory=lambda: {"stop": 0, "length": 0})
-    aborted: dict = field(default_factory=lambda: {"client_disconnect": 0, "stop_string": 0})
+    aborted: dict = field(default_factory=lambda: {"client_disconnect": 0})
+    stop_strings: int = 0             # requests a stop string ended
     api_errors: dict = field(default_factory=dict)    # (status, type) -> count
 
 
@@ -135,8 +136,10 @@ def metrics_text(snapshot: tuple[dict, list[int], list[int]], counters: Counters
     family("osd:request_success_total", "counter", "Finished requests by finish reason.",
            [({"finished_reason": k}, v) for k, v in sorted(counters.finished.items())])
     family("osd:request_aborted_total", "counter",
-           "Requests aborted in the engine: the client left, or a stop string ended them.",
+           "Requests aborted in the engine because the client left.",
            [({"reason": k}, v) for k, v in sorted(counters.aborted.items())])
+    family("osd:request_stop_string_total", "counter",
+           "Requests a stop string ended.", counters.stop_strings)
     family("osd:prompt_tokens_total", "counter", "Prompt tokens of accepted requests.",
            counters.prompt_tokens)
     family("osd:completion_tokens_total", "counter", "Completion tokens returned.",

@@ -253,7 +253,7 @@ def test_stop_strings_and_stop_token_ids(setup):
     assert (c.token_ids, c.finish_reason) == (cut, "stop")
     assert c.text == tok.decode(cut[:-1], skip_special_tokens=True)
     m = _metrics(setup)
-    assert m['osd:request_aborted_total{reason="stop_string"}'] >= 2
+    assert m["osd:request_stop_string_total"] >= 2
     assert m["osd:num_requests_running"] == 0
 
 
