@@ -12,7 +12,7 @@ from osd.request import RequestError
 from osd.models import DecoderLM, EagleLM, ModelConfig, load_eagle, load_model
 from osd.online.config import OnlineConfig
 from osd.online.router import RouterConfig
-from osd.sampling import Output, SamplingParams
+from osd.sampling import Output, SamplingParams, TokenLogprobs
 from osd.spec import DynamicTree, SpecConfig
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "RequestError",
     "SamplingParams",
     "Output",
+    "TokenLogprobs",
     "SpecConfig",
     "DynamicTree",
     "OnlineConfig",

@@ -58,8 +58,8 @@ from osd.online.config import OnlineConfig
 from osd.online.serving import OnlineManager
 from osd.prefix_cache import PrefixCache
 from osd.request import RequestError, RequestState, encode_prompts
-from osd.sampling import (BatchParams, Output, SamplingParams, fail_nonfinite, request_seed,
-                          sample_tokens)
+from osd.sampling import (BatchParams, Output, SamplingParams, fail_nonfinite, record_logprobs,
+                          request_seed, sample_tokens)
 from osd.spec import SpecConfig
 from osd.speculative import Speculator
 from osd.stats import SpecStats
@@ -343,7 +343,8 @@ class Engine:
             # A shared seed is spread over the prompts; a prompt's own seed is its alone.
             out.append(RequestState(base_index + i, ids, p.max_new_tokens, stop_ids,
                                     request_seed(base_seed, 0 if per else base_index + i), p,
-                                    pinned_draft=draft))
+                                    pinned_draft=draft,
+                                    logprobs=None if p.logprobs is None else []))
         return out
 
     _requests = requests
@@ -592,7 +593,7 @@ class Engine:
         tokens = sample_tokens(logits[:, -1], BatchParams([r.params for r in new], self.device),
                                *self._sampling_keys(new))
         lane.next_tokens[start_row:start_row + n] = tokens
-        self._record(new, tokens)
+        self._record(new, tokens, logits[:, -1])
         stats = self.plain_stats if lane.speculator is None else lane.speculator.stats
         stats.add_time("prefill", time.perf_counter() - t0)
         if early_hidden is not None:
@@ -613,7 +614,7 @@ class Engine:
         fail_nonfinite(active, logits)
         tokens = sample_tokens(logits[:, 0], params, *self._sampling_keys(active))
         lane.next_tokens[:B] = tokens
-        self._record(active, tokens)
+        self._record(active, tokens, logits[:, 0])
         # The forward counts as "verify" (a one-token verify): the target's forward time.
         st = self.plain_stats
         st.target_forwards += 1
@@ -629,12 +630,18 @@ class Engine:
                             dtype=torch.int64).to(self.device, non_blocking=True)
         return keys[0], keys[1]
 
-    def _record(self, requests: list[RequestState], tokens: torch.Tensor) -> None:
+    def _record(self, requests: list[RequestState], tokens: torch.Tensor,
+                logits: torch.Tensor) -> None:
+        """Append each row's sampled token (``tokens [B]``, drawn from ``logits [B, V]``)."""
         # The one host sync per step: the stop check (EOS, stop ids, lengths) needs the
         # sampled ids on the host, and Output.token_ids collects them there anyway.
-        for r, t in zip(requests, tokens.tolist()):
+        rows = []
+        for b, (r, t) in enumerate(zip(requests, tokens.tolist())):
             if r.finish_reason is None:
                 r.append(t, self.max_seq_len)
+                if r.logprobs is not None:
+                    rows.append((b, b, t))
+        record_logprobs(requests, logits, rows)
 
     def retire(self, active: list[RequestState], speculator: Speculator | None = None,
                lane: Lane | None = None) -> None:
@@ -759,7 +766,8 @@ class Engine:
         if stats is not None:
             stats["draft_index"] = r.draft_index
         return Output(token_ids=list(r.generated), text=text, finish_reason=r.finish_reason,
-                      stats=stats, prompt_token_ids=list(r.prompt), error=r.error)
+                      stats=stats, prompt_token_ids=list(r.prompt), error=r.error,
+                      logprobs=None if r.logprobs is None else list(r.logprobs))
 
 
 def _spec_width(spec: SpecConfig) -> int:

@@ -38,6 +38,7 @@ class RequestState:
     teacher: list = dataclasses.field(default_factory=list)  # collected target distributions
     stop_checked: int = 0             # generated tokens already searched for stop strings
     stop_text: str | None = None      # the text cut before the stop string that ended it
+    logprobs: list | None = None      # TokenLogprobs per generated token (params.logprobs)
 
     @property
     def length(self) -> int:
@@ -71,6 +72,8 @@ class RequestState:
         if hit is not None:
             m, self.stop_text = hit
             del self.generated[m:]
+            if self.logprobs is not None:
+                del self.logprobs[m:]
             self.finish_reason = "stop"
 
     def fail(self, message: str, kind: str = "nonfinite_logits") -> None:

@@ -16,6 +16,7 @@ import torch
 import osd_kernels
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+MAX_LOGPROBS = 20
 
 
 def _as_int(name: str, value) -> int:
@@ -46,6 +47,11 @@ class SamplingParams:
             sequence of them; needs the engine's tokenizer). The output's text is cut
             before the earliest stop string and its ids end at the token that completed
             it; ``finish_reason`` is ``"stop"``.
+        logprobs: None, or return each generated token's log-probability and the
+            ``logprobs`` (0 to 20) most likely tokens' (``Output.logprobs``): the target's
+            distribution before temperature, top-k and top-p, at the position the token
+            was generated for (with speculation: the verify forward's, whose prefix is the
+            accepted one).
     """
 
     max_new_tokens: int
@@ -55,6 +61,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: Sequence[int] | None = None
     stop: str | Sequence[str] | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -87,6 +94,10 @@ class SamplingParams:
             if any(s == "" for s in stop):
                 raise ValueError("stop strings must not be empty")
             set_(self, "stop", tuple(stop) or None)
+        if self.logprobs is not None:
+            set_(self, "logprobs", _as_int("logprobs", self.logprobs))
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -107,6 +118,8 @@ class Output:
             None for plain decoding.
         prompt_token_ids: the prompt's ids.
         error: why the request failed (``finish_reason == "error"``), else None.
+        logprobs: with ``SamplingParams.logprobs``, one :class:`TokenLogprobs` per id of
+            ``token_ids``; else None.
     """
 
     token_ids: list[int]
@@ -115,6 +128,44 @@ class Output:
     stats: dict | None = None
     prompt_token_ids: list[int] | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability under the target, and the most likely
+    tokens' (``top``: ``(token_id, logprob)`` pairs, most likely first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[TokenLogprobs]:
+    """:class:`TokenLogprobs` of ``tokens [R]`` under ``logits [R, V]``, each with the
+    ``n`` most likely tokens (one host copy for all rows)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, tokens.view(-1, 1).long())[:, 0].tolist()
+    if n:
+        top = lp.topk(n, dim=-1)
+        ids, vals = top.indices.tolist(), top.values.tolist()
+    else:
+        ids = vals = [[] for _ in chosen]
+    return [TokenLogprobs(int(t), c, tuple(zip(i, v)))
+            for t, c, i, v in zip(tokens.tolist(), chosen, ids, vals)]
+
+
+def record_logprobs(requests, logits: torch.Tensor, rows: list[tuple[int, int, int]]) -> None:
+    """Append to each request's ``logprobs`` the entries of ``rows``: ``(request index,
+    logits row, token)``, ``logits [N, V]``; one batch per distinct ``n`` wanted."""
+    if not rows:
+        return
+    for n in {requests[i].params.logprobs for i, _, _ in rows}:
+        mine = [(i, j, t) for i, j, t in rows if requests[i].params.logprobs == n]
+        got = token_logprobs(logits[[j for _, j, _ in mine]],
+                             torch.tensor([t for _, _, t in mine], device=logits.device), n)
+        for (i, _, _), entry in zip(mine, got):
+            requests[i].logprobs.append(entry)
 
 
 class BatchParams:

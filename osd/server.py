@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, replace
 
 import osd
-from osd.sampling import SamplingParams
+from osd.sampling import MAX_LOGPROBS, SamplingParams
 from osd.server_metrics import Counters, engine_snapshot, metrics_text
 
 # OpenAI's documented default for completions; chat defaults to the room left in the context.
@@ -31,8 +31,7 @@ DEFAULT_COMPLETION_TOKENS = 16
 # Request fields this server does not implement, with the values that mean "off". Any
 # other value is refused with a 400 rather than silently ignored.
 UNSUPPORTED = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
-    "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
+    "echo": (None, False), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
     "logit_bias": (None,), "tools": (None,), "functions": (None,),
     "best_of": (None, 1),
@@ -69,6 +68,7 @@ class GenRequest:
     include_usage: bool               # stream_options.include_usage
     return_token_ids: bool            # add token_ids / prompt_token_ids to each choice
     draft: int | None = None          # the draft asked for (an index), else routed
+    logprobs: int | None = None       # top log-probabilities per token, None for none
 
 
 # ---- Request validation ----
@@ -276,8 +276,31 @@ def _finish_parse(kind, body, engine, ids, default_max_tokens) -> GenRequest:
     draft = body.get("draft")
     if draft is not None and (isinstance(draft, bool) or not isinstance(draft, int)):
         raise _bad("draft must be an integer index into the served drafts", "draft")
-    return GenRequest(kind, ids, replace(params, stop=stop or None), stop, stream, bool((opts or {}).get("include_usage")),
-                      rti or engine.tokenizer is None, draft)
+    logprobs = _logprobs_field(kind, body)
+    params = replace(params, stop=stop or None, logprobs=logprobs)
+    return GenRequest(kind, ids, params, stop, stream, bool((opts or {}).get("include_usage")),
+                      rti or engine.tokenizer is None, draft, logprobs)
+
+
+def _logprobs_field(kind: str, body: dict) -> int | None:
+    """How many top log-probabilities each token gets (None: no logprobs). Completions:
+    ``logprobs`` (an integer); chat: ``logprobs: true`` with ``top_logprobs``."""
+    if kind == "completion":
+        n, name = _int_field(body, "logprobs"), "logprobs"
+        if body.get("top_logprobs") is not None:
+            raise _bad("top_logprobs is a chat field; completions take logprobs: <int>",
+                       "top_logprobs")
+    else:
+        on = body.get("logprobs")
+        if on is not None and not isinstance(on, bool):
+            raise _bad(f"logprobs must be a boolean, got {json.dumps(on)}", "logprobs")
+        n, name = _int_field(body, "top_logprobs"), "top_logprobs"
+        if n is not None and not on:
+            raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+        n = (n or 0) if on else None
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise _bad(f"{name} must be in [0, {MAX_LOGPROBS}], got {n}", name)
+    return n
 
 
 # ---- Driving one request: text deltas, stop strings, abort ----
@@ -289,6 +312,7 @@ class Step:
     text: str                  # new visible text
     token_ids: list[int]       # new token ids
     finish_reason: str | None  # "stop" | "length" on the last step
+    logprobs: list             # osd.TokenLogprobs of token_ids (when asked for)
 
 
 class Generation:
@@ -307,6 +331,7 @@ class Generation:
         self.stop_ids = frozenset(req.params.stop_token_ids or ())
         self.text = ""             # text sent so far
         self.ids: list[int] = []   # ids sent so far
+        self.logprobs: list = []   # their osd.TokenLogprobs (when asked for)
         self.finish_reason: str | None = None
         self.done = False          # the engine request is over (finished or aborted)
         self._iter = None
@@ -368,6 +393,8 @@ class Generation:
         if delta:
             self.text += delta
         new_ids = ids[len(self.ids):]
+        new_logprobs = (out.logprobs or [])[len(self.ids):len(ids)]
+        self.logprobs += new_logprobs
         self.ids = ids
         if finish is not None:
             self._end()
@@ -376,7 +403,7 @@ class Generation:
             self.finish_reason = finish
             self.counters.finished[finish] = self.counters.finished.get(finish, 0) + 1
             self.counters.completion_tokens += len(ids)
-        return Step(delta, new_ids, finish)
+        return Step(delta, new_ids, finish, new_logprobs)
 
     def _end(self) -> None:
         if not self.done:
@@ -413,17 +440,46 @@ class Generation:
 
 # ---- Responses ----
 
+def _token_text(tok, token_id: int) -> str:
+    return f"token_id:{token_id}" if tok is None else tok.decode([token_id])
+
+
+def _logprobs_body(gen: Generation, req: GenRequest, logprobs: list, offset: int):
+    """OpenAI's ``logprobs`` object of a choice: chat's ``content`` list, or the
+    completions' parallel lists (``text_offset`` from ``offset``, the characters sent
+    before these tokens)."""
+    if req.logprobs is None:
+        return None
+    tok = gen.tok
+    if req.kind == "chat":
+        def entry(i, lp):
+            t = _token_text(tok, i)
+            return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+        return {"content": [{**entry(e.token_id, e.logprob),
+                             "top_logprobs": [entry(i, lp) for i, lp in e.top]}
+                            for e in logprobs]}
+    tokens = [_token_text(tok, e.token_id) for e in logprobs]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in logprobs],
+            "top_logprobs": [{_token_text(tok, i): lp for i, lp in e.top} for e in logprobs],
+            "text_offset": offsets}
+
+
 def _choice(gen: Generation, req: GenRequest, text: str, ids: list[int],
-            finish: str | None, stream: bool) -> dict:
+            finish: str | None, stream: bool, logprobs: list, offset: int = 0) -> dict:
+    lp = _logprobs_body(gen, req, logprobs, offset)
     if req.kind == "chat":
         if stream:
             c = {"index": 0, "delta": {"content": text} if text else {},
-                 "logprobs": None, "finish_reason": finish}
+                 "logprobs": lp, "finish_reason": finish}
         else:
             c = {"index": 0, "message": {"role": "assistant", "content": text},
-                 "logprobs": None, "finish_reason": finish}
+                 "logprobs": lp, "finish_reason": finish}
     else:
-        c = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        c = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
     if req.return_token_ids:
         c["token_ids"] = ids
         if not stream or finish is not None:
@@ -462,7 +518,8 @@ async def _respond(request, async_engine, model_name: str, counters: Counters,
             await gen.cancel()
             raise
         body = _envelope(gen, model_name, created, False)
-        body["choices"] = [_choice(gen, req, gen.text, gen.ids, gen.finish_reason, False)]
+        body["choices"] = [_choice(gen, req, gen.text, gen.ids, gen.finish_reason, False,
+                                   gen.logprobs)]
         body["usage"] = gen.usage()
         return JSONResponse(body)
 
@@ -473,12 +530,14 @@ async def _respond(request, async_engine, model_name: str, counters: Counters,
                 yield _sse({**head, "choices": [{"index": 0, "delta": {
                     "role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}]})
-            step = first
+            step, sent = first, 0
             while True:
                 if step.text or step.finish_reason is not None or \
-                        (req.return_token_ids and step.token_ids):
+                        ((req.return_token_ids or req.logprobs is not None) and step.token_ids):
                     yield _sse({**head, "choices": [_choice(
-                        gen, req, step.text, step.token_ids, step.finish_reason, True)]})
+                        gen, req, step.text, step.token_ids, step.finish_reason, True,
+                        step.logprobs, sent)]})
+                    sent += sum(len(_token_text(gen.tok, t)) for t in step.token_ids)
                 if gen.done:
                     break
                 try:

@@ -26,7 +26,7 @@ import torch
 import osd_kernels
 from osd.drafters import ChainProposal, TreeProposal
 from osd.graphs import StepGraphs, graphed_forward
-from osd.sampling import BatchParams, fail_nonfinite
+from osd.sampling import BatchParams, fail_nonfinite, record_logprobs
 from osd.spec import SpecConfig
 from osd.stats import SpecStats
 from osd_kernels.warp import warp_probs
@@ -298,6 +298,8 @@ class Speculator:
                     break
                 r.append(t, self.engine.max_seq_len)
             emitted.append(len(r.generated) - before)
+        if any(r.logprobs is not None for r in active):
+            self._logprobs(active, logits, out_host, emitted, path)
         verdict = Verdict(active, logits, prop, n_host, drafted, emitted, path, params, hidden)
         self._observe(verdict)
         for listener in self.listeners:
@@ -342,6 +344,17 @@ class Speculator:
         out, n = osd_kernels.rejection_sample(
             logits, prop.tokens, prop.probs, num_draft_tokens=prop.num_drafted, **sampling)
         return out, n, None
+
+    @staticmethod
+    def _logprobs(active, logits: torch.Tensor, out_host, emitted, path) -> None:
+        """Record the emitted tokens' log-probabilities: token ``j`` of row ``b`` was
+        sampled from verify position ``j`` (a tree: the accepted node at depth ``j``)."""
+        nodes = path.tolist() if path is not None else None
+        T = logits.shape[1]
+        rows = [(b, b * T + (nodes[b][j] if nodes is not None else j), out_host[b][j])
+                for b, r in enumerate(active) if r.logprobs is not None
+                for j in range(emitted[b])]
+        record_logprobs(active, logits.reshape(-1, logits.shape[-1]), rows)
 
     def _sampling_tensors(self, active, params: BatchParams) -> dict:
         dev = self.engine.device

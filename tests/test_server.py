@@ -99,7 +99,7 @@ def setup():
     server = Server(build_app(ae, MODEL))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
                            timeout=60)
-    yield dict(server=server, client=client, ae=ae, engine=engine, tok=tok,
+    yield dict(server=server, client=client, ae=ae, engine=engine, tok=tok, ref_engine=ref_engine,
                reference=reference, chat_reference=chat_reference, long_ref=long_ref)
     server.stop()
     ae.close()
@@ -180,6 +180,39 @@ def test_chat_plain_and_streamed(setup):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ref.text
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+
+
+def test_logprobs(setup):
+    """Completions' and chat's logprobs are the engine's (``SamplingParams.logprobs``),
+    streamed or not."""
+    client, tok = setup["client"], setup["tok"]
+    want = setup["ref_engine"].generate([PROMPTS[0]], osd.SamplingParams(NEW, logprobs=3))[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=NEW,
+                                  temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [tok.decode([e.token_id]) for e in want.logprobs]
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+    assert [len(t) for t in lp.top_logprobs] == [3] * len(want.logprobs)
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == r.choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=NEW,
+                                            temperature=0, logprobs=3, stream=True))
+    streamed = [t for ch in chunks if ch.choices[0].logprobs
+                for t in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-6)
+    offsets = [o for ch in chunks if ch.choices[0].logprobs
+               for o in ch.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
+
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token
+               and c.bytes == list(c.token.encode()) for c in content)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                       temperature=0)
+    assert r.choices[0].logprobs is None
 
 
 def test_chat_without_template_is_a_400(setup):
@@ -299,7 +332,14 @@ BAD = [
     ({"prompt": "x", "n": 2}, 400, "n must be 1"),
     ({"prompt": "x", "stop": [3]}, 400, "stop must be"),
     ({"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
-    ({"prompt": "x", "logprobs": 2}, 400, "logprobs is not supported"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs must be in [0, 20]"),
+    ({"prompt": "x", "logprobs": True}, 400, "logprobs must be an integer"),
+    ({"prompt": "x", "top_logprobs": 2}, 400, "top_logprobs is a chat field"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+     "top_logprobs needs logprobs: true"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 3}, 400,
+     "logprobs must be a boolean"),
+    ({"prompt": "x", "echo": True}, 400, "echo is not supported"),
     ({"prompt": "x", "stream": True, "temperature": -1}, 400, "temperature"),
     ("[1, 2", 400, "not valid JSON"),
     ("[1, 2]", 400, "JSON object"),

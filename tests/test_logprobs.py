@@ -1,0 +1,71 @@
+"""``SamplingParams.logprobs``: each generated token's log-probability under the target
+(before warping) and the most likely tokens', equal to transformers' on the same sequence
+whether the token came from plain decoding, a chain or a tree verify, or sampling."""
+import pytest
+import torch
+
+import osd
+from osd import zoo
+from tests.test_models import tiny_hf_model
+from tests.test_speculative import TREE, perturbed, prompts_of
+
+N_TOP = 5
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_hf_model("llama", seed=31)
+
+
+def _reference(hf, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """transformers' log-probabilities ``[len(generated), V]`` of each generated position."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + generated])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+
+
+def _check(hf, prompt, out, n_top=N_TOP):
+    ref = _reference(hf, prompt, out.token_ids)
+    assert [e.token_id for e in out.logprobs] == out.token_ids
+    for j, e in enumerate(out.logprobs):
+        assert e.logprob == pytest.approx(ref[j, e.token_id].item(), abs=1e-4)
+        assert len(e.top) == n_top
+        top = ref[j].topk(n_top)
+        assert [v for _, v in e.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert {i for i, _ in e.top} == set(top.indices.tolist())
+
+
+@pytest.mark.parametrize("spec", [None, dict(num_draft_tokens=4), dict(tree=TREE),
+                                  dict(tree=osd.DynamicTree(topk=3, depth=3, max_nodes=8))],
+                         ids=["plain", "chain", "tree", "dynamic"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_logprobs_equal_transformers(target, spec, temperature):
+    draft = perturbed(target, 0.3, seed=32) if spec is not None else None
+    eng = osd.Engine.from_pretrained(target, draft=draft, max_batch_size=3, max_seq_len=96,
+                                     spec=osd.SpecConfig(**spec) if spec else None)
+    prompts = prompts_of([5, 11, 3], seed=33)
+    params = osd.SamplingParams(20, temperature=temperature, top_k=20, seed=4,
+                                logprobs=N_TOP)
+    outs = eng.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        _check(target, prompt, out)
+        if temperature == 0:           # greedy: the chosen token is the most likely one
+            assert all(e.top[0][0] == e.token_id for e in out.logprobs)
+    # Without logprobs, none are kept; with 0, only the chosen token's.
+    assert eng.generate(prompts[:1], osd.SamplingParams(4))[0].logprobs is None
+    [out] = eng.generate(prompts[:1], osd.SamplingParams(6, logprobs=0))
+    _check(target, prompts[0], out, n_top=0)
+
+
+def test_logprobs_follow_stop_strings_and_bad_values_raise():
+    target, draft = zoo.default_pair()
+    eng = osd.Engine.from_pretrained(target, draft=draft, max_batch_size=1, max_seq_len=128,
+                                     spec=osd.SpecConfig(num_draft_tokens=4))
+    [free] = eng.generate(["def add(a, b):"], osd.SamplingParams(32, logprobs=2))
+    stop = free.text[len(free.text) // 2:len(free.text) // 2 + 2]
+    [cut] = eng.generate(["def add(a, b):"], osd.SamplingParams(32, logprobs=2, stop=stop))
+    assert len(cut.logprobs) == len(cut.token_ids) < len(free.token_ids)
+    assert cut.logprobs == free.logprobs[:len(cut.token_ids)]
+    for bad, err in [(-1, ValueError), (21, ValueError), (2.5, TypeError), ("3", TypeError)]:
+        with pytest.raises(err, match="logprobs"):
+            osd.SamplingParams(4, logprobs=bad)
