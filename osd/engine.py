@@ -80,7 +80,8 @@ class Engine:
         online: :class:`~osd.OnlineConfig` to let the drafts learn while serving.
         cuda_graphs: on CUDA, replay the decode forward (and, unless
             ``spec.cuda_graphs`` is False, the draft loop and verify forward) from CUDA
-            graphs per batch-size bucket (``osd.graphs``). CPU always runs eagerly.
+            graphs per batch-size bucket (``osd.graphs``). CPU always runs eagerly, and so does
+            a mixture-of-experts target.
         prefill_chunk: feed prompts in pieces of at most this many tokens (bounds the
             prefill's peak memory); None keeps the models' ``config.prefill_chunk``.
         prefix_cache: keep the target's K/V of up to this many prompt tokens across
@@ -198,7 +199,9 @@ class Engine:
                                               if lane.speculator is not None]
         self.cache = self.lanes[0].cache
         self.graphs: StepGraphs | None = None
-        if cuda_graphs and (spec is None or spec.cuda_graphs) and self.device.type == "cuda":
+        # A mixture of experts picks its experts on the host: no graphs for such a target.
+        if cuda_graphs and (spec is None or spec.cuda_graphs) and self.device.type == "cuda" \
+                and not self.model.config.num_experts:
             self.use_graphs(StepGraphs(self.device))
         self._wall, self._generated, self._requests_served = 0.0, 0, 0
         self.plain_stats = SpecStats()       # plain lanes: target forwards, time by phase

@@ -28,7 +28,8 @@ import types
 
 import torch
 
-FAMILIES = ("granite", "olmo2", "phi3", "smollm3", "gemma2", "gemma3")
+FAMILIES = ("granite", "olmo2", "phi3", "smollm3", "gemma2", "gemma3", "mixtral", "qwen2moe",
+            "qwen3moe")
 NEW_TOKENS = 24
 
 
@@ -62,10 +63,22 @@ def hf_model(family: str, vocab: int, ids: dict):
         "gemma3": lambda: tf.Gemma3TextConfig(
             num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
             **common),
+        "mixtral": lambda: tf.MixtralConfig(num_hidden_layers=2, num_local_experts=4,
+                                            num_experts_per_tok=2, tie_word_embeddings=False,
+                                            **common),
+        "qwen2moe": lambda: tf.Qwen2MoeConfig(
+            num_hidden_layers=2, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=64,
+            shared_expert_intermediate_size=192, norm_topk_prob=False, tie_word_embeddings=False,
+            **common),
+        "qwen3moe": lambda: tf.Qwen3MoeConfig(
+            num_hidden_layers=2, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=64,
+            norm_topk_prob=True, tie_word_embeddings=False, **common),
     }
     classes = {"granite": tf.GraniteForCausalLM, "olmo2": tf.Olmo2ForCausalLM,
                "phi3": tf.Phi3ForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
-               "gemma2": tf.Gemma2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM}
+               "gemma2": tf.Gemma2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM,
+               "mixtral": tf.MixtralForCausalLM, "qwen2moe": tf.Qwen2MoeForCausalLM,
+               "qwen3moe": tf.Qwen3MoeForCausalLM}
     torch.manual_seed(0)
     model = classes[family](configs[family]()).eval()
     gemma = family.startswith("gemma")     # Gemma's norms multiply by 1 + weight

@@ -302,14 +302,15 @@ def test_a_chain_shaped_tree_drafts_what_the_chain_drafts(target, trained):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "granite", "olmo2", "phi3_longrope",
-                                    "smollm3", "gemma2", "gemma3"])
+                                    "smollm3", "gemma2", "gemma3", "qwen3_moe"])
 def test_family_target_eagle_draft_round_trips_and_stays_lossless(tmp_path, family):
     """A Qwen3 target (per-head q/k norms: its EAGLE draft's layer carries the norms too),
     a Granite one (residual multiplier, attention scale and logit scaling in the draft's
     layer and shared head), an OLMo-2 one (post-norm layer), a Phi-3 one (partial rotary,
     LongRoPE), a SmolLM3 one (a NoPE layer; the draft's own layer has RoPE), a Gemma 2 one
-    (soft-capping) and a Gemma 3 one (sliding and global layers, GeGLU, four norms a layer):
-    the draft trains, saves and loads, and drafts losslessly."""
+    (soft-capping), a Gemma 3 one (sliding and global layers, GeGLU, four norms a layer) and
+    a Qwen3-MoE one (the draft's layer is a dense SwiGLU): the draft trains, saves and
+    loads, and drafts losslessly."""
     target = load_model(tiny_hf_model(family, seed=33))
     draft = _trained(target, steps=20, seed=4)
     if family == "qwen3":

@@ -12,28 +12,23 @@ import struct
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, \
     Olmo2Config, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, \
     Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM, Gemma2Config, Gemma2ForCausalLM, \
-    Gemma3ForCausalLM, Gemma3TextConfig
+    Gemma3ForCausalLM, Gemma3TextConfig, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, \
+    Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import osd
-from osd.chat import apply_chat_template
 from osd.models import gguf
 from osd.models.gguf import GGMLType, GGUFFile, dequantize, quantize, write_gguf
 from osd.models.loading import load_model, load_tokenizer
 from osd.zoo import chat as zoo_chat
+from osd.chat import apply_chat_template
+from tests.test_gguf_tokenizer import bpe_metadata, trained_bpe
 
 T = GGMLType
 ATOL = 1e-4
 VOCAB = 300
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-CORPUS = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
-          "The quick brown fox jumps over the lazy dog. It's 2024, isn't it?",
-          "Hello world! Hello there, the world says hello back 12345 times."] * 20
 
 
 # -- tiny models and the llama.cpp-style conversion ---------------------------------------
@@ -77,6 +72,17 @@ def tiny_hf_model(family: str = "llama", *, tie: bool = False, seed: int = 0):
             head_dim=16, query_pre_attn_scalar=16))      # llama.cpp scales by the head width
     elif family == "smollm3":              # 4 layers: llama.cpp's NoPE on every 4th
         model = SmolLM3ForCausalLM(SmolLM3Config(**{**common, "num_hidden_layers": 4}))
+    elif family == "mixtral":              # the llama architecture with 4 experts
+        model = MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
+                                                 **common))
+    elif family == "qwen2_moe":            # routing weights as they are, a shared expert
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+            num_experts=5, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=64, norm_topk_prob=False, **common))
+    elif family == "qwen3_moe":            # routing weights summing to 1
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
+            head_dim=32, **common))
     else:
         raise ValueError(family)
     gen = torch.Generator().manual_seed(seed)
@@ -103,34 +109,11 @@ _NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
           "post_feedforward_layernorm": "post_ffw_norm", "self_attn.qkv_proj": "attn_qkv",
-          "mlp.gate_up_proj": "ffn_up", "pre_feedforward_layernorm": "ffn_norm"}
-
-
-def trained_bpe() -> Tokenizer:
-    """A byte-level BPE of 300 tokens (the GPT-2 recipe) trained on CORPUS."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer)
-    assert tok.get_vocab_size() == VOCAB
-    return tok
-
-
-def bpe_metadata(tok: Tokenizer, pre: str = "gpt2") -> dict:
-    import json
-
-    model = json.loads(tok.to_str())["model"]
-    vocab = sorted(model["vocab"].items(), key=lambda kv: kv[1])
-    tokens = [t for t, _ in vocab]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
-            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
-            "tokenizer.ggml.token_type": [3 if t in SPECIALS else 1 for t in tokens],
-            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
-            "tokenizer.ggml.add_bos_token": False, "tokenizer.chat_template": CHATML}
+          "mlp.gate_up_proj": "ffn_up", "pre_feedforward_layernorm": "ffn_norm",
+          "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+          "mlp.shared_expert.up_proj": "ffn_up_shexp",
+          "mlp.shared_expert.down_proj": "ffn_down_shexp",
+          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 
 
 def _rope_theta(cfg) -> float:
@@ -153,7 +136,8 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
     arch = {Qwen2ForCausalLM: "qwen2", Qwen3ForCausalLM: "qwen3",
             GraniteForCausalLM: "granite", Olmo2ForCausalLM: "olmo2",
             Phi3ForCausalLM: "phi3", SmolLM3ForCausalLM: "smollm3",
-            Gemma2ForCausalLM: "gemma2", Gemma3ForCausalLM: "gemma3"}.get(type(hf), "llama")
+            Gemma2ForCausalLM: "gemma2", Gemma3ForCausalLM: "gemma3",
+            Qwen2MoeForCausalLM: "qwen2moe", Qwen3MoeForCausalLM: "qwen3moe"}.get(type(hf), "llama")
     meta = {"general.architecture": arch, "general.name": "tiny",
             f"{arch}.block_count": cfg.num_hidden_layers,
             f"{arch}.context_length": cfg.max_position_embeddings,
@@ -174,10 +158,29 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
         meta.update({f"granite.{k}": float(getattr(cfg, name)) for k, name in (
             ("embedding_scale", "embedding_multiplier"), ("residual_scale", "residual_multiplier"),
             ("attention.scale", "attention_multiplier"), ("logit_scale", "logits_scaling"))})
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        meta.update({f"{arch}.expert_count": experts,
+                     f"{arch}.expert_used_count": cfg.num_experts_per_tok,
+                     f"{arch}.expert_feed_forward_length": getattr(cfg, "moe_intermediate_size",
+                                                                   None),
+                     f"{arch}.expert_shared_feed_forward_length": getattr(
+                         cfg, "shared_expert_intermediate_size", None)})
     meta.update(extra or {})
     meta = {k: v for k, v in meta.items() if v is not None}
     tensors = {}
     for name, w in hf.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):        # [E, 2I, H] -> gate and up
+            i = name.split(".")[2]
+            gate, up = w.chunk(2, dim=1)
+            tensors[f"blk.{i}.ffn_gate_exps.weight"] = (gate, T.F32)
+            tensors[f"blk.{i}.ffn_up_exps.weight"] = (up, T.F32)
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            tensors[f"blk.{name.split('.')[2]}.ffn_down_exps.weight"] = (w, T.F32)
+            continue
+        if name.endswith("mlp.shared_expert_gate.weight"):   # stored as [hidden]
+            w = w.reshape(-1)
         if name == "lm_head.weight":
             if cfg.tie_word_embeddings:
                 continue
@@ -495,7 +498,9 @@ def test_unpermute_inverts_llama_cpp_permute():
                                         ("granite", True), ("granite", False),
                                         ("olmo2", True), ("olmo2", False), ("phi3", False),
                                         ("phi3_longrope", False), ("smollm3", True),
-                                        ("gemma2", True), ("gemma3", True)])
+                                        ("gemma2", True), ("gemma3", True),
+                                        ("mixtral", False), ("qwen2_moe", False),
+                                        ("qwen3_moe", True)])
 def test_f32_logits_match_transformers(family, tie, tmp_path):
     hf = tiny_hf_model(family, tie=tie)
     path = to_gguf(hf, tmp_path / "m.gguf")
@@ -516,6 +521,29 @@ def test_quantized_file_matches_transformers_with_dequantized_weights(t, tmp_pat
     ids = [1, 2, 3, 200, 150, 42, 42, 9]
     torch.testing.assert_close(osd_logits(load_model(path), ids), hf_logits(want, ids),
                                atol=ATOL, rtol=0)
+
+
+def test_quantized_moe_file_keeps_its_linear_layers_quantized(tmp_path):
+    """A Qwen2-MoE file in Q8_0 with ``quantized=True``: attention, the shared expert and the
+    head stay in their blocks (the routed experts, F32 in the file, stay float); logits
+    equal the dequantized model's, and speculative greedy equals plain."""
+    from osd.models.quant import QuantLinear
+
+    hf = tiny_hf_model("qwen2_moe", seed=6)
+    path = to_gguf(hf, tmp_path / "m.gguf", T.Q8_0)
+    quant, plain = load_model(path, quantized=True), load_model(path)
+    kept = [n for n, m in quant.named_modules() if isinstance(m, QuantLinear)]
+    assert {n.split(".")[-1] for n in kept} == {"wqkv", "wo", "shared_gate_up", "shared_down",
+                                                "lm_head"}
+    ids = [1, 2, 3, 200, 150, 42, 42, 9]
+    torch.testing.assert_close(osd_logits(quant, ids), osd_logits(plain, ids), atol=ATOL, rtol=0)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    want = osd.Engine(plain, max_batch_size=2, max_seq_len=64).generate(
+        prompts, osd.SamplingParams(16))
+    got = osd.Engine(quant, draft=load_model(tiny_hf_model("qwen3_moe", seed=7)), max_batch_size=2,
+                     max_seq_len=64, spec=osd.SpecConfig(num_draft_tokens=3)).generate(
+        prompts, osd.SamplingParams(16))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
 def test_dtype_and_directory_loading(tmp_path):
@@ -540,86 +568,6 @@ def test_engine_from_pretrained_generates_like_transformers(tmp_path):
         if ids[-1] == 2:
             break
     assert out.token_ids == ids[len(prompt):]
-
-
-@pytest.mark.parametrize("pre", ["gpt2", "smollm"])
-def test_bpe_tokenizer_matches_the_tokenizers_library(pre, tmp_path):
-    ref = trained_bpe()
-    if pre == "smollm":   # llama.cpp's "smollm": every digit split off first
-        ref.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True),
-             pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    path = tmp_path / "t.gguf"
-    write_gguf(path, {"general.architecture": "llama", **bpe_metadata(ref, pre)}, {})
-    tok = load_tokenizer(path)
-    texts = ["Hello world!", "  two  spaces\n\nand\ttabs", "x = 12345 + 6.78", "café 日本 🤗",
-             "<|im_start|>user\nhi<|im_end|>", "isn't it's we'll"]
-    for text in texts:
-        assert tok.encode(text) == ref.encode(text).ids, text
-        assert tok.decode(tok.encode(text)) == text
-    assert tok.encode("<|im_start|>") == [1]          # control tokens stay whole
-    assert tok.eos_token == "<|im_end|>" and tok.bos_token == "<|im_start|>"
-
-
-@pytest.mark.parametrize("pre, pieces", [
-    ("default", ["abc", " ", "123", "45", "!!", " HelloWorld", " isn", "'", "t"]),
-    ("gpt2", ["abc", " 12345", "!!", " HelloWorld", " isn", "'t"]),
-    ("llama-bpe", ["abc", " ", "123", "45", "!!", " HelloWorld", " isn", "'t"]),
-    ("qwen2", ["abc", " ", "1", "2", "3", "4", "5", "!!", " HelloWorld", " isn", "'t"]),
-    ("deepseek-coder", ["abc", " ", "1", "2", "3", "4", "5", "!!", " HelloWorld", " isn", "'",
-                        "t"]),
-    ("tekken", ["abc", " ", "1", "2", "3", "4", "5", "!!", " Hello", "World", " isn", "'t"]),
-    ("gpt-4o", ["abc", " ", "123", "45", "!!", " Hello", "World", " isn't"])])
-def test_bpe_pre_tokenizers_split_as_llama_cpp(pre, pieces):
-    """Each pre-tokenizer splits text as llama.cpp's regexes for it do (the real
-    vocabularies are checked by scripts/check_gguf_vocabs.py, docs/gguf.md)."""
-    from osd.models.gguf_tokenizer import _bpe_tokenizer
-
-    tok = _bpe_tokenizer(bpe_metadata(trained_bpe(), pre))
-    got = tok.pre_tokenizer.pre_tokenize_str("abc 12345!! HelloWorld isn't")
-    assert [p.replace("Ġ", " ") for p, _ in got] == pieces
-
-
-def test_llama3_bpe_takes_whole_words_and_adds_bos(tmp_path):
-    """Llama 3's pre-tokenizer takes a word found whole in the vocabulary as one token,
-    merges or not, and adds BOS unless the file says otherwise."""
-    ref = trained_bpe()
-    for pre in ("llama-bpe", "gpt2"):
-        meta = bpe_metadata(ref, pre)
-        del meta["tokenizer.ggml.add_bos_token"]
-        meta["tokenizer.ggml.tokens"] = meta["tokenizer.ggml.tokens"] + ["Ġzqxj"]
-        meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"] + [1]
-        write_gguf(tmp_path / f"{pre}.gguf", {"general.architecture": "llama", **meta}, {})
-        ids = load_tokenizer(tmp_path / f"{pre}.gguf").encode(" zqxj")
-        if pre == "llama-bpe":
-            assert ids == [1, VOCAB]
-        else:                      # no merge leads to the word: byte-level pieces, no BOS
-            assert VOCAB not in ids and ids[0] != 1 and len(ids) > 1
-
-
-def test_sentencepiece_tokenizer(tmp_path):
-    byte_tokens = [f"<0x{i:02X}>" for i in range(256)]
-    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "a", "b", "c", "ab", "▁h", "ll", "▁he",
-              "▁hell", "▁hello", "▁w", "or", "▁wor", "ld", "▁world", "bc"]
-    tokens = ["<unk>", "<s>", "</s>"] + byte_tokens + pieces
-    scores = [0.0] * (3 + 256) + [-float(i) for i in range(len(pieces))][::-1]
-    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
-    meta = {"general.architecture": "llama", "tokenizer.ggml.model": "llama",
-            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
-            "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1,
-            "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
-    path = tmp_path / "spm.gguf"
-    write_gguf(path, meta, {})
-    tok = load_tokenizer(path)
-    ids = tok.encode("hello world")
-    assert ids[0] == 1                                     # BOS added (llama default)
-    assert [tokens[i] for i in ids[1:]] == ["▁hello", "▁world"]
-    assert tok.decode(ids, skip_special_tokens=True) == "hello world"
-    # "bc" outscores "ab" (a later piece scores higher), so it merges first.
-    assert [tokens[i] for i in tok.encode("abc", add_special_tokens=False)] == ["▁", "a", "bc"]
-    e = tok.encode("hé", add_special_tokens=False)         # é is not in the vocabulary
-    assert [tokens[i] for i in e] == ["▁h", "<0xC3>", "<0xA9>"]
-    assert tok.decode(e) == "hé"
 
 
 def test_metadata_value_types_and_alignment(tmp_path):
@@ -719,34 +667,6 @@ def test_missing_metadata_tensor_and_ambiguous_directory(tmp_path):
         load_model(tmp_path)
     with pytest.raises(ValueError, match="no metadata llama.block_count"):
         load_model(tmp_path / "b.gguf")
-
-
-def test_apply_chat_template_and_its_errors(tmp_path):
-    path = tmp_path / "t.gguf"
-    write_gguf(path, {"general.architecture": "llama", **bpe_metadata(trained_bpe())}, {})
-    tok = load_tokenizer(path)
-    convs = [[{"role": "user", "content": "hi"}],
-             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]]
-    ids = apply_chat_template(tok, convs)
-    assert tok.decode(ids[0]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert tok.decode(ids[1]).startswith("<|im_start|>system\nBe brief.<|im_end|>")
-    with pytest.raises(TypeError, match="pass \\[messages\\]"):
-        apply_chat_template(tok, convs[0])
-    with pytest.raises(ValueError, match="conversations is empty"):
-        apply_chat_template(tok, [])
-    with pytest.raises(ValueError, match="conversation 0 is empty"):
-        apply_chat_template(tok, [[]])
-    with pytest.raises(ValueError, match="message 0 has role 'bot'"):
-        apply_chat_template(tok, [[{"role": "bot", "content": "x"}]])
-    with pytest.raises(ValueError, match="message 1 has no 'role'"):
-        apply_chat_template(tok, [[{"role": "user", "content": "x"}, {"content": "y"}]])
-    with pytest.raises(ValueError, match="has no 'content'"):
-        apply_chat_template(tok, [[{"role": "user"}]])
-    with pytest.raises(TypeError, match="content must be a str"):
-        apply_chat_template(tok, [[{"role": "user", "content": 3}]])
-    tok.chat_template = None
-    with pytest.raises(ValueError, match="no chat template"):
-        apply_chat_template(tok, convs)
 
 
 # -- the real model -----------------------------------------------------------------------

@@ -52,7 +52,7 @@ def llama():
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "granite", "olmo2",
                                     "phi3", "smollm3",
-                                    "mistral_window", "gemma2", "gemma3"])
+                                    "mistral_window", "gemma2", "gemma3", "mixtral"])
 def test_greedy_equals_transformers(family):
     """Each prompt alone (one cache row, continuous refill); 2,000 tokens is four pieces of
     the default 512-token chunk."""

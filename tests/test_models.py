@@ -9,7 +9,9 @@ embedding, residual, attention and logit multipliers, OLMo-2 with norms on each 
 output and on whole query and key projections, Phi-3 with fused projections, Phi-3 with
 Phi-4-mini's partial rotary embedding and LongRoPE, SmolLM3 with a layer without RoPE,
 Mistral and Qwen2 with sliding windows shorter than the test sequences, Gemma 2 with
-soft-capped attention scores and logits, and Gemma 3 with a sliding and a global layer.
+soft-capped attention scores and logits, Gemma 3 with a sliding and a global layer, and
+the mixtures of experts: Mixtral, Qwen2-MoE with its shared expert and a dense layer, and
+Qwen3-MoE with renormalized routing weights.
 """
 import copy
 import json
@@ -19,7 +21,9 @@ import torch
 from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, \
     MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, \
     Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config, \
-    SmolLM3ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+    SmolLM3ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, \
+    MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, \
+    Qwen3MoeForCausalLM
 
 from osd.cache import KVCache
 from osd.models import DecoderLM, ModelConfig, load_model
@@ -27,7 +31,7 @@ from osd_kernels.tree_attention import causal_tree_mask
 
 FAMILIES = ("llama", "llama3", "llama_bias", "mistral", "qwen2", "qwen3", "granite", "olmo2",
             "phi3", "phi3_longrope", "smollm3", "mistral_window", "qwen2_window", "gemma2",
-            "gemma3")
+            "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
 def phi3_config(family: str, common: dict, original: int = 256) -> Phi3Config:
     """Phi-3 (fused q/k/v and gate/up weights); ``phi3_longrope`` as Phi-4-mini: RoPE on
     the leading 3/4 of each head, LongRoPE short factors up to ``original`` positions and
@@ -103,6 +107,18 @@ def tiny_hf_model(family: str, *, seed: int = 0, eos_token_id=None) -> torch.nn.
         model = Gemma3ForCausalLM(gemma3_config(common))
     elif family == "smollm3":    # the second layer without RoPE
         model = SmolLM3ForCausalLM(SmolLM3Config(no_rope_layers=[1, 0], **common))
+    elif family == "mixtral":    # 4 experts, 2 per token
+        model = MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
+                                                 **common))
+    elif family == "qwen2_moe":  # a shared expert; the second layer a dense MLP
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+            num_experts=5, num_experts_per_tok=2, moe_intermediate_size=40,
+            shared_expert_intermediate_size=56, norm_topk_prob=False, mlp_only_layers=[1],
+            **common))
+    elif family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40, norm_topk_prob=True,
+            head_dim=24, **common))
     else:
         raise ValueError(family)
     gen = torch.Generator().manual_seed(seed)

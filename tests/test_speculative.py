@@ -50,7 +50,7 @@ def _spec_engine(target, draft, **spec):
 @pytest.mark.parametrize("family", ["llama", "llama3", "mistral", "qwen2", "qwen3", "granite",
                                     "olmo2", "phi3_longrope", "smollm3",
                                     "mistral_window", "qwen2_window", "gemma2",
-                                    "gemma3"])
+                                    "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_greedy_chain_equals_target_and_transformers(family):
     target = tiny_hf_model(family, seed=21)
     draft = perturbed(target, 0.3, seed=22)

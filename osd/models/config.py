@@ -13,14 +13,19 @@ from typing import Any, Mapping
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
                            "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM",
-                           "Gemma3ForCausalLM")
+                           "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                           "Qwen3MoeForCausalLM")
+# Mixture-of-experts decoders: routed SwiGLU experts in place of the MLP.
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 # model_type -> architecture, for configs that do not list ``architectures``.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
                 "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
@@ -40,7 +45,7 @@ ATTENTION_BACKENDS = ("auto", "reference", "native", "triton", "flash")
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (Llama, Llama-3, Mistral, Qwen2, Qwen3,
-    Granite, OLMo-2, Phi-3, SmolLM3, Gemma 2, Gemma 3)."""
+    Granite, OLMo-2, Phi-3, SmolLM3, Gemma 2, Gemma 3; Mixtral, Qwen2-MoE, Qwen3-MoE)."""
 
     architecture: str                 # one of SUPPORTED_ARCHITECTURES
     vocab_size: int                   # rows of the embedding and of the LM head
@@ -90,6 +95,16 @@ class ModelConfig:
     logits_scaling: float = 1.0
     sliding_window: int | None = None     # attention window of the sliding-window layers
     window_layers: tuple[int, ...] | None = None  # the layers with the window (None: all)
+    # Mixture of experts (Mixtral, Qwen-MoE): each token's MLP is the weighted sum of the
+    # num_experts_per_tok experts its router scores highest (softmax over all experts, the
+    # top ones renormalized to sum 1 when norm_topk_prob), plus a shared expert gated by a
+    # sigmoid when shared_expert_intermediate_size (Qwen2-MoE).
+    num_experts: int = 0              # experts per MoE layer (0: dense MLPs)
+    num_experts_per_tok: int = 0      # experts each token is routed to
+    moe_intermediate_size: int = 0    # each expert's SwiGLU width
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] | None = None   # the layers with experts (None: all)
     eos_token_ids: tuple[int, ...] = ()   # every id that ends a sequence
     bos_token_id: int | None = None
     attention_backend: str = "auto"   # one of ATTENTION_BACKENDS (see osd.models.attention)
@@ -135,6 +150,15 @@ class ModelConfig:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
         if not self.logits_scaling > 0:
             raise ValueError(f"logits_scaling must be > 0, got {self.logits_scaling}")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0):
+            raise ValueError(f"a mixture of experts needs 1 <= num_experts_per_tok <= "
+                             f"num_experts ({self.num_experts}) and moe_intermediate_size >= 1, "
+                             f"got {self.num_experts_per_tok} and {self.moe_intermediate_size}")
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer ``index`` routes its tokens to experts."""
+        return self.num_experts > 0 and (self.moe_layers is None or index in self.moe_layers)
 
     @property
     def rope_dim(self) -> int:
@@ -154,8 +178,12 @@ class ModelConfig:
         attn = d * (q + 2 * kv) + q * d + (q + 2 * kv) * self.qkv_bias + d * self.o_bias \
             + {"none": 0, "head": 2 * self.head_dim, "full": q + kv}[self.qk_norm]
         mlp = 3 * d * i + (2 * i + d) * self.mlp_bias
-        per_layer = attn + mlp + 2 * d
-        return v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + d
+        moe = self.num_experts * (d + 3 * d * self.moe_intermediate_size) \
+            + (3 * self.shared_expert_intermediate_size + 1) * d * bool(
+                self.shared_expert_intermediate_size)
+        layers = sum(attn + (moe if self.is_moe_layer(n) else mlp) + 2 * d
+                     for n in range(self.num_layers))
+        return v * d * (1 if self.tie_word_embeddings else 2) + layers + d
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any] | Any, *, architecture: str | None = None,
@@ -191,8 +219,9 @@ class ModelConfig:
                        or d.get("max_position_embeddings", 8192))
         eos = d.get("eos_token_id")
         eos = [] if eos is None else eos if isinstance(eos, (list, tuple)) else [eos]
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
+        is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM",
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
         attention_bias = bool(d.get("attention_bias", False))
         window = d.get("sliding_window")
         if is_qwen and not d.get("use_sliding_window", False):
@@ -223,7 +252,7 @@ class ModelConfig:
             o_bias=attention_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm={"Qwen3ForCausalLM": "head", "Olmo2ForCausalLM": "full",
-                     "Gemma3ForCausalLM": "head"}.get(arch, "none"),
+                     "Gemma3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head"}.get(arch, "none"),
             pre_norm=arch != "Olmo2ForCausalLM",
             post_norm=arch == "Olmo2ForCausalLM" or gemma,
             attn_logit_softcapping=_float_or_none(d.get("attn_logit_softcapping")),
@@ -241,6 +270,7 @@ class ModelConfig:
             eos_token_ids=tuple(int(e) for e in eos),
             bos_token_id=d.get("bos_token_id"),
             attention_backend=attention_backend,
+            **(_moe(d, arch) if arch in MOE_ARCHITECTURES else {}),
         )
 
 
@@ -301,6 +331,30 @@ def _gemma(d: Mapping[str, Any]) -> dict:
         d["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                             for i in range(int(d["num_hidden_layers"]))]
     return d
+
+
+def _moe(d: Mapping[str, Any], arch: str) -> dict:
+    """The mixture-of-experts fields of a Mixtral or Qwen-MoE config. Mixtral: every layer,
+    experts as wide as ``intermediate_size``, top-k weights renormalized. Qwen-MoE:
+    ``moe_intermediate_size``, ``norm_topk_prob``, dense MLPs in ``mlp_only_layers`` and
+    off the ``decoder_sparse_step`` grid, and Qwen2-MoE's shared expert."""
+    experts = d.get("num_local_experts") or d.get("num_experts")
+    if not experts or not d.get("num_experts_per_tok"):
+        raise ValueError(f"{arch} config needs num_experts (num_local_experts) and "
+                         "num_experts_per_tok")
+    out = {"num_experts": int(experts), "num_experts_per_tok": int(d["num_experts_per_tok"])}
+    if arch == "MixtralForCausalLM":
+        return {**out, "moe_intermediate_size": int(d["intermediate_size"])}
+    n, step = int(d["num_hidden_layers"]), int(d.get("decoder_sparse_step") or 1)
+    dense = set(d.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
+    return {**out, "moe_intermediate_size": int(d.get("moe_intermediate_size")
+                                                 or d["intermediate_size"]),
+            "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+            "shared_expert_intermediate_size": int(
+                d.get("shared_expert_intermediate_size") or 0)
+            if arch == "Qwen2MoeForCausalLM" else 0,
+            "moe_layers": None if len(layers) == n else layers}
 
 
 def _window_layers(d: Mapping[str, Any]) -> tuple[int, ...] | None:

@@ -68,9 +68,10 @@ class EagleLM(DecoderLM):
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         # the draft's own layers all use RoPE and full attention, whatever the target's
         # NoPE (SmolLM3) and sliding-window layers
-        config = dataclasses.replace(
+        config = dataclasses.replace(   # dense layers, also for a mixture-of-experts target
             target.config, num_layers=num_layers, nope_layers=(), window_layers=(),
-            intermediate_size=intermediate_size or target.config.intermediate_size)
+            intermediate_size=intermediate_size or target.config.intermediate_size,
+            num_experts=0, moe_layers=None)
         model = cls(config, device=target.device, dtype=target.dtype)
         model.embed_tokens.weight = target.embed_tokens.weight
         model.norm.weight = target.norm.weight

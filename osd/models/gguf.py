@@ -69,7 +69,9 @@ ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalL
                  "qwen3": ("Qwen3ForCausalLM", False), "granite": ("GraniteForCausalLM", True),
                  "olmo2": ("Olmo2ForCausalLM", False), "phi3": ("Phi3ForCausalLM", False),
                  "smollm3": ("SmolLM3ForCausalLM", True), "gemma2": ("Gemma2ForCausalLM", False),
-                 "gemma3": ("Gemma3ForCausalLM", False)}
+                 "gemma3": ("Gemma3ForCausalLM", False),
+                 "qwen2moe": ("Qwen2MoeForCausalLM", False),
+                 "qwen3moe": ("Qwen3MoeForCausalLM", False)}
 # Granite's scalars: GGUF key (after "granite.") -> transformers config name.
 _GRANITE_SCALARS = {"embedding_scale": "embedding_multiplier",
                     "residual_scale": "residual_multiplier",
@@ -349,7 +351,14 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm", "attn_qkv": "self_attn.qkv_proj",
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Experts stacked [E, rows, K] in the file, as transformers holds them: gate and up become
+# one [E, 2I, H] tensor (each expert's gate rows, then its up rows).
+_EXPERT_NAMES = {"ffn_gate_exps": "mlp.experts.gate_up_proj", "ffn_up_exps": None,
+                 "ffn_down_exps": "mlp.experts.down_proj"}
 # Per architecture, layer tensors whose name means something else there: Phi-3's ffn_up
 # holds the gate and up projections stacked; Gemma's ffn_norm is the norm before the MLP
 # (its post_attention_norm is the one on attention's output).
@@ -396,8 +405,10 @@ def config_from_gguf(g: GGUFFile, *, attention_backend: str = "auto") -> ModelCo
     embed = g.tensors.get("token_embd.weight")
     vocab = (embed.shape[0] if embed else None) or key("vocab_size") \
         or len(meta.get("tokenizer.ggml.tokens", ()))
+    experts = int(key("expert_count", 0) or 0)
     hf: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch][0]],
+        "architectures": ["MixtralForCausalLM" if arch == "llama" and experts
+                          else ARCHITECTURES[arch][0]],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(key("feed_forward_length", required=True)),
@@ -409,7 +420,7 @@ def config_from_gguf(g: GGUFFile, *, attention_backend: str = "auto") -> ModelCo
         "rope_theta": float(key("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(key("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in g.tensors,
-        "attention_bias": arch != "qwen2" and "blk.0.attn_q.bias" in g.tensors,
+        "attention_bias": arch not in ("qwen2", "qwen2moe") and "blk.0.attn_q.bias" in g.tensors,
         "mlp_bias": "blk.0.ffn_gate.bias" in g.tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": sorted({int(meta[k]) for k in (
@@ -432,6 +443,14 @@ def config_from_gguf(g: GGUFFile, *, attention_backend: str = "auto") -> ModelCo
     if arch == "granite":
         hf.update({name: float(key(k)) for k, name in _GRANITE_SCALARS.items()
                    if key(k) is not None})
+    if experts:     # llama.cpp's routing: Qwen2-MoE's top-k weights as they are, others' summing to 1
+        hf.update({"num_experts": experts,
+                   "num_experts_per_tok": int(key("expert_used_count", required=True)),
+                   "moe_intermediate_size": int(key("expert_feed_forward_length",
+                                                    hf["intermediate_size"])),
+                   "shared_expert_intermediate_size": int(
+                       key("expert_shared_feed_forward_length", 0) or 0),
+                   "norm_topk_prob": arch != "qwen2moe"})
     scaling = key("rope.scaling.type", "none")
     if scaling == "linear":
         hf["rope_scaling"] = {"rope_type": "linear",
@@ -501,18 +520,35 @@ def open_gguf_weights(g: GGUFFile, config: ModelConfig, device: torch.device | s
         raise ValueError(f"GGUF file {str(g.path)!r}: {unsupported_type_message(bad[0])}"
                          + (f" ({len(bad)} such tensors)" if len(bad) > 1 else ""))
     permuted = ARCHITECTURES[g.architecture][1]
-    names = {hf_name(n, g.architecture): n for n in g.tensors if n not in _CONFIG_TENSORS}
+    names, experts = {}, {}
+    for n in g.tensors:
+        m = _LAYER_RE.fullmatch(n)
+        if m and m.group(2) in _EXPERT_NAMES:
+            if _EXPERT_NAMES[m.group(2)] is not None:
+                experts[f"model.layers.{m.group(1)}.{_EXPERT_NAMES[m.group(2)]}"] = n
+        elif n not in _CONFIG_TENSORS:
+            names[hf_name(n, g.architecture)] = n
 
     def get(key: str) -> torch.Tensor:
+        if key in experts:
+            name = experts[key]
+            w = g.tensor(name, dtype=dtype, device=device)
+            if name.endswith("ffn_gate_exps.weight"):
+                up = g.tensor(name.replace("ffn_gate_exps", "ffn_up_exps"), dtype=dtype,
+                              device=device)
+                w = torch.cat((w, up), dim=1)
+            return w
         name = names[key]
         w = g.tensor(name, dtype=dtype, device=device)
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            w = w.reshape(1, -1)                       # stored as [hidden]
         if permuted and ".attn_q." in name:
             w = unpermute_rope_rows(w, config.num_heads)
         elif permuted and ".attn_k." in name:
             w = unpermute_rope_rows(w, config.num_kv_heads)
         return w
 
-    return set(names), get
+    return set(names) | set(experts), get
 
 
 def find_gguf(source: str | os.PathLike) -> Path | None:

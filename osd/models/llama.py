@@ -150,6 +150,62 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+class MoE(nn.Module):
+    """Routed SwiGLU experts (Mixtral, Qwen-MoE): each token goes to the
+    ``num_experts_per_tok`` experts whose router softmax is highest, weighted by those
+    probabilities (renormalized to sum 1 when ``norm_topk_prob``), plus, with
+    ``shared_expert_intermediate_size``, a shared SwiGLU expert scaled by
+    ``sigmoid(shared_gate(x))`` (Qwen2-MoE).
+
+    Parameters: ``router.weight [E, H]``, ``gate_up [E, 2I, H]`` (each expert's gate rows,
+    then its up rows), ``down [E, H, I]``; the shared expert's ``shared_gate_up``,
+    ``shared_down`` and ``shared_gate`` linears. The forward groups the tokens by expert
+    and runs only the experts that got tokens (one host sync per layer for that list).
+    """
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        E, H, I = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        self.top_k, self.norm_topk = c.num_experts_per_tok, c.norm_topk_prob
+        self.router = nn.Linear(H, E, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down = nn.Parameter(torch.empty(E, H, I))
+        shared = c.shared_expert_intermediate_size
+        self.shared_gate_up = nn.Linear(H, 2 * shared, bias=False) if shared else None
+        self.shared_down = nn.Linear(shared, H, bias=False) if shared else None
+        self.shared_gate = nn.Linear(H, 1, bias=False) if shared else None
+
+    def forward(self, x: torch.Tensor, act) -> torch.Tensor:
+        """``x [B, T, H]`` (already normed) -> ``[B, T, H]``."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a mixture-of-experts layer chooses its experts on the host and "
+                               "cannot be captured in a CUDA graph: pass cuda_graphs=False")
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(F.linear(flat, self.router.weight).float(), dim=-1)
+        weight, chosen = probs.topk(self.top_k, dim=-1)                  # [N, k]
+        if self.norm_topk:
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        weight = weight.to(flat.dtype).flatten()
+        order = chosen.flatten().argsort()                                # slots by expert
+        counts = torch.bincount(chosen.flatten(), minlength=self.gate_up.shape[0]).tolist()
+        out = torch.zeros_like(flat)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            slots = order[start:start + n]
+            start += n
+            tokens = slots // self.top_k
+            gate, up = F.linear(flat[tokens], self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(act(gate) * up, self.down[e]) * weight[slots, None]
+            out.index_add_(0, tokens, y)
+        if self.shared_gate_up is not None:
+            gate, up = project(flat, self.shared_gate_up).chunk(2, dim=-1)
+            shared = project(act(gate) * up, self.shared_down)
+            out = out + torch.sigmoid(F.linear(flat, self.shared_gate.weight)) * shared
+        return out.view_as(x)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + SwiGLU(norm(x))``; with
     ``config.post_norm`` and no pre-norms (OLMo-2) ``x + norm(attn(x))``, then
@@ -187,8 +243,10 @@ class DecoderLayer(nn.Module):
                               bias=c.qkv_bias)
         self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
-        self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.moe = MoE(c) if c.is_moe_layer(index) else None
+        if self.moe is None:
+            self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
+            self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
         self.residual_multiplier = c.residual_multiplier           # Granite; 1 elsewhere
         # RMSNorms on queries and keys before RoPE: per head [D] (Qwen3) or over the whole
         # projection [Hq * D] and [Hkv * D] (OLMo-2)
@@ -223,10 +281,12 @@ class DecoderLayer(nn.Module):
         if self.post_norm:
             out = self.post_attention_norm(out)
         x = x + (out if r == 1.0 else out * r)
-        h = project(x, self.w_gate_up,
-                    self.pre_feedforward_norm if self.post_norm else self.post_attention_norm)
-        gate, up = h.chunk(2, dim=-1)
-        out = project(self.act(gate) * up, self.w_down)
+        norm = self.pre_feedforward_norm if self.post_norm else self.post_attention_norm
+        if self.moe is not None:
+            out = self.moe(x if norm is None else norm(x), self.act)
+        else:
+            gate, up = project(x, self.w_gate_up, norm).chunk(2, dim=-1)
+            out = project(self.act(gate) * up, self.w_down)
         if self.post_norm:
             out = self.post_feedforward_norm(out)
         return x + (out if r == 1.0 else out * r)

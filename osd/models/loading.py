@@ -253,15 +253,22 @@ def language_model_view(keys, get: Callable[[str], torch.Tensor]):
     return set(names), lambda name: get(names[name])
 
 
-def _hf_sources(name: str, keys=()) -> list[str]:
-    """Hugging Face tensor names that make up our parameter ``name`` (concatenated): the
-    fused ``qkv_proj`` and ``gate_up_proj`` of Phi-3 checkpoints when ``keys`` has them."""
+def _hf_sources(name: str, keys=(), num_experts: int = 0) -> list[str]:
+    """Hugging Face tensor names that make up our parameter ``name`` (concatenated along
+    its first dim, or along its first two for per-expert tensors): the fused ``qkv_proj``
+    and ``gate_up_proj`` of Phi-3 checkpoints when ``keys`` has them; a mixture of
+    experts from transformers' fused ``experts.gate_up_proj`` / ``down_proj`` or from the
+    checkpoints' per-expert tensors (Mixtral's ``block_sparse_moe.experts.E.w1/w3/w2``,
+    Qwen-MoE's ``mlp.experts.E.gate_proj/up_proj/down_proj``)."""
     if not name.startswith("layers."):
         return {"embed_tokens.weight": ["model.embed_tokens.weight"],
                 "norm.weight": ["model.norm.weight"],
                 "lm_head.weight": ["lm_head.weight"]}[name]
-    _, index, module, kind = name.split(".")
-    pre = f"model.layers.{index}."
+    parts = name.split(".")
+    pre = f"model.layers.{parts[1]}."
+    if parts[2] == "moe":
+        return _moe_sources(pre, parts[3], keys, num_experts)
+    _, index, module, kind = parts
     fused = {"wqkv": "self_attn.qkv_proj", "w_gate_up": "mlp.gate_up_proj"}.get(module)
     if fused and pre + fused + "." + kind in keys:
         return [pre + fused + "." + kind]
@@ -277,6 +284,23 @@ def _hf_sources(name: str, keys=()) -> list[str]:
         "w_gate_up": [pre + f"mlp.{p}_proj.{kind}" for p in ("gate", "up")],
         "w_down": [pre + "mlp.down_proj." + kind],
     }[module]
+
+
+def _moe_sources(pre: str, part: str, keys, num_experts: int) -> list[str]:
+    """The sources of :class:`~osd.models.llama.MoE` parameter ``part`` of layer ``pre``."""
+    mixtral = pre + "block_sparse_moe.gate.weight" in keys
+    moe = pre + ("block_sparse_moe." if mixtral else "mlp.")
+    fused = {"gate_up": pre + "mlp.experts.gate_up_proj", "down": pre + "mlp.experts.down_proj"}
+    if part in fused and fused[part] in keys:
+        return [fused[part]]
+    names = ({"gate_up": ("w1", "w3"), "down": ("w2",)} if mixtral else
+             {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)})
+    if part in names:
+        return [f"{moe}experts.{e}.{p}.weight" for e in range(num_experts) for p in names[part]]
+    return {"router": [moe + "gate.weight"],
+            "shared_gate_up": [pre + f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up")],
+            "shared_down": [pre + "mlp.shared_expert.down_proj.weight"],
+            "shared_gate": [pre + "mlp.shared_expert_gate.weight"]}[part]
 
 
 def load_hf_state_dict(model: DecoderLM, keys, get: Callable[[str], torch.Tensor], *,
@@ -298,26 +322,29 @@ def load_hf_state_dict(model: DecoderLM, keys, get: Callable[[str], torch.Tensor
     tied = model.config.tie_word_embeddings
     with torch.no_grad():
         for name, param in model.named_parameters(remove_duplicate=True):
-            sources = _hf_sources(name, keys)
+            sources = _hf_sources(name, keys, model.config.num_experts)
             absent = [s for s in sources if s not in keys]
             if absent:
                 missing += absent
                 continue
             offset = 0
+            dst = param
             for src in sources:
                 tensor = get(src)
                 if norm_shift and name.endswith("norm.weight"):
                     tensor = tensor.float() + norm_shift
+                if tensor.dim() == param.dim() - 1 and param.dim() == 3:
+                    dst = param.flatten(0, 1)          # per-expert [rows, K] into [E * rows, K]
                 rows = tensor.shape[0]
-                want = (rows,) + tuple(param.shape[1:])
-                if tuple(tensor.shape) != want or offset + rows > param.shape[0]:
+                want = (rows,) + tuple(dst.shape[1:])
+                if tuple(tensor.shape) != want or offset + rows > dst.shape[0]:
                     raise ValueError(f"tensor {src} has shape {tuple(tensor.shape)}, expected "
                                      f"{want} for this config")
-                param[offset:offset + rows].copy_(tensor)
+                dst[offset:offset + rows].copy_(tensor)
                 offset += rows
                 used.add(src)
-            if offset != param.shape[0]:
-                raise ValueError(f"tensors {sources} give {offset} rows, expected {param.shape[0]}")
+            if offset != dst.shape[0]:
+                raise ValueError(f"tensors {sources} give {offset} rows, expected {dst.shape[0]}")
     if tied:
         used.add("lm_head.weight")
     if missing:

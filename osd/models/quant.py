@@ -188,12 +188,13 @@ def _iq4_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
 
 def _linear_slots(model) -> list[tuple[nn.Module, str, nn.Linear]]:
     """``(owner, attribute, layer)`` of every linear layer a forward reads: an EAGLE
-    draft's input projection, each decoder layer's four fused projections and the output
-    head."""
+    draft's input projection, each decoder layer's four fused projections (two in a
+    mixture-of-experts layer, whose experts stay float) and the output head."""
     slots = [(model, "fc", model.fc)] if isinstance(getattr(model, "fc", None), nn.Linear) else []
     for layer in model.layers:
         for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-            slots.append((layer, name, getattr(layer, name)))
+            if hasattr(layer, name):
+                slots.append((layer, name, getattr(layer, name)))
     slots.append((model, "lm_head", model.lm_head))
     return slots
 
@@ -309,15 +310,24 @@ def quantize_gguf_linears(model, g) -> int:
         if g.architecture == "phi3":      # fused in the file: attn_qkv, ffn_up = [gate; up]
             groups["wqkv"] = [part(f"blk.{i}.attn_qkv.weight")]
             groups["w_gate_up"] = [part(f"blk.{i}.ffn_up.weight")]
+        owners = dict.fromkeys(groups, layer)
+        if layer.moe is not None:         # the routed experts stay float; a shared one not
+            del groups["w_gate_up"], groups["w_down"]
+            if layer.moe.shared_gate_up is not None:
+                groups["shared_gate_up"] = [part(f"blk.{i}.ffn_gate_shexp.weight"),
+                                            part(f"blk.{i}.ffn_up_shexp.weight")]
+                groups["shared_down"] = [part(f"blk.{i}.ffn_down_shexp.weight")]
+                owners.update(shared_gate_up=layer.moe, shared_down=layer.moe)
         for name, parts in groups.items():
             if any(p is None for p in parts):
                 continue
-            old = getattr(layer, name)
+            owner = owners[name]
+            old = getattr(owner, name)
             K = old.weight.shape[1]
             pieces = [QuantLinear.from_gguf_blocks(raw, fmt, (raw.shape[0], K))
                       for fmt, raw in parts]
             bias = None if old.bias is None else old.bias.detach()
-            setattr(layer, name, _fused(pieces, bias).to(old.weight.device))
+            setattr(owner, name, _fused(pieces, bias).to(old.weight.device))
             swapped += 1
     head = part("output.weight") or (part("token_embd.weight") if "output.weight" not in
                                      g.tensors else None)
