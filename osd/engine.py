@@ -56,6 +56,7 @@ from osd.models.quant import serving_drafts
 from osd.online.collect import TeacherCollector
 from osd.online.config import OnlineConfig
 from osd.online.serving import OnlineManager
+from osd.penalties import penalize, wants_penalties
 from osd.prefix_cache import PrefixCache
 from osd.request import RequestError, RequestState, encode_prompts
 from osd.sampling import (BatchParams, Output, SamplingParams, fail_nonfinite, record_logprobs,
@@ -593,7 +594,10 @@ class Engine:
                 hidden[b, d:len(r.prompt)] = rest_hidden[b, :len(r.prompt) - d]
         lane.cache.set_bound(max(lane.cache.bound, max(len(r.prompt) for r in new)))
         fail_nonfinite(new, logits)
-        tokens = sample_tokens(logits[:, -1], BatchParams([r.params for r in new], self.device),
+        last = logits[:, -1]
+        if wants_penalties(new):
+            last = penalize(last[:, None], new)[:, 0]
+        tokens = sample_tokens(last, BatchParams([r.params for r in new], self.device),
                                *self._sampling_keys(new))
         lane.next_tokens[start_row:start_row + n] = tokens
         self._record(new, tokens, logits[:, -1])
@@ -615,7 +619,8 @@ class Engine:
         lane.cache.commit(self._ones[:B], 1)
         t1 = time.perf_counter()
         fail_nonfinite(active, logits)
-        tokens = sample_tokens(logits[:, 0], params, *self._sampling_keys(active))
+        step = penalize(logits, active) if wants_penalties(active) else logits
+        tokens = sample_tokens(step[:, 0], params, *self._sampling_keys(active))
         lane.next_tokens[:B] = tokens
         self._record(active, tokens, logits[:, 0])
         # The forward counts as "verify" (a one-token verify): the target's forward time.

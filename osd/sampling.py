@@ -52,6 +52,14 @@ class SamplingParams:
             distribution before temperature, top-k and top-p, at the position the token
             was generated for (with speculation: the verify forward's, whose prefix is the
             accepted one).
+        repetition_penalty: > 0 (1 = off): a token already in the prompt or the output has
+            a positive logit divided by it and a negative one multiplied by it.
+        presence_penalty: in [-2, 2] (0 = off), subtracted from the logit of every token
+            already in the output.
+        frequency_penalty: in [-2, 2] (0 = off), times a token's count in the output,
+            subtracted from its logit. Penalties apply to the target's logits before
+            temperature, top-k and top-p, at every position a speculative step verifies
+            (``osd.penalties``).
     """
 
     max_new_tokens: int
@@ -62,6 +70,9 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = None
     stop: str | Sequence[str] | None = None
     logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -98,10 +109,26 @@ class SamplingParams:
             set_(self, "logprobs", _as_int("logprobs", self.logprobs))
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            set_(self, name, float(value))
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got "
+                             f"{self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
 
 @dataclasses.dataclass

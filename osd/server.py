@@ -31,10 +31,8 @@ DEFAULT_COMPLETION_TOKENS = 16
 # Request fields this server does not implement, with the values that mean "off". Any
 # other value is refused with a 400 rather than silently ignored.
 UNSUPPORTED = {
-    "echo": (None, False), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None,), "tools": (None,), "functions": (None,),
-    "best_of": (None, 1),
+    "echo": (None, False), "suffix": (None, ""), "logit_bias": (None,), "tools": (None,),
+    "functions": (None,), "best_of": (None, 1),
 }
 
 
@@ -139,9 +137,17 @@ def _sampling(body: dict, prompt_len: int, max_seq_len: int, vocab: int,
         if bad:
             raise _bad(f"stop_token_ids has token id {bad[0]} outside the vocabulary "
                        f"[0, {vocab})", "stop_token_ids")
+    penalties = {}
+    for name, default, low, high in (("presence_penalty", 0.0, -2, 2),
+                                     ("frequency_penalty", 0.0, -2, 2),
+                                     ("repetition_penalty", 1.0, 0, math.inf)):
+        penalties[name] = _float_field(body, name, default)
+        if not low <= penalties[name] <= high or penalties[name] == 0 == low:
+            raise _bad(f"{name} must be {'> 0' if low == 0 else f'in [{low}, {high}]'}, "
+                       f"got {penalties[name]}", name)
     try:
         return SamplingParams(max_tokens, temperature=temperature, top_k=max(top_k, 0),
-                              top_p=top_p, seed=seed, stop_token_ids=stop_ids)
+                              top_p=top_p, seed=seed, stop_token_ids=stop_ids, **penalties)
     except (ValueError, TypeError) as exc:
         raise _bad(str(exc)) from None
 

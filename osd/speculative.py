@@ -26,6 +26,7 @@ import torch
 import osd_kernels
 from osd.drafters import ChainProposal, TreeProposal
 from osd.graphs import StepGraphs, graphed_forward
+from osd.penalties import penalize, tree_ancestors, wants_penalties
 from osd.sampling import BatchParams, fail_nonfinite, record_logprobs
 from osd.spec import SpecConfig
 from osd.stats import SpecStats
@@ -263,7 +264,8 @@ class Speculator:
         lens_before = cache.lens[:B].clone()
         logits, hidden = self._verify(prop)                  # [B, T, V], [B, T, H] or None
         clock.append(time.perf_counter())
-        out, n, path = self._sample(logits, prop, sampling)
+        scored = self._penalized(active, logits, prop) if wants_penalties(active) else logits
+        out, n, path = self._sample(scored, prop, sampling)
         if path is not None and hidden is not None:   # the features along the accepted path
             hidden = hidden.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1]))
         clock.append(time.perf_counter())
@@ -334,6 +336,14 @@ class Speculator:
         if self.graphs is None:
             return model(inputs, self.cache, tree_mask=mask, depths=depths), None
         return graphed_forward(self.graphs, model, self.cache, inputs, mask, depths), None
+
+    def _penalized(self, active, logits: torch.Tensor, prop) -> torch.Tensor:
+        """``logits`` with the rows' penalties, each position counting the drafts on its
+        own path (``osd.penalties``); the raw logits stay the statistics' and teachers'."""
+        if isinstance(prop, TreeProposal):
+            return penalize(logits, active, prop.tokens, tree_ancestors(prop.mask))
+        B = logits.shape[0]
+        return penalize(logits, active, torch.cat([self.next_tokens[:B, None], prop.tokens], 1))
 
     def _sample(self, logits: torch.Tensor, prop, sampling: dict):
         """The rejection sampler: ``(tokens [B, D + 1], accepted [B], path or None)``."""

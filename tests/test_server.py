@@ -215,6 +215,16 @@ def test_logprobs(setup):
     assert r.choices[0].logprobs is None
 
 
+def test_penalties_are_the_engines(setup):
+    client = setup["client"]
+    p = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5)
+    want = setup["ref_engine"].generate([PROMPTS[2]], osd.SamplingParams(NEW, **p))[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=NEW, temperature=0,
+                                  presence_penalty=0.5, frequency_penalty=0.5,
+                                  extra_body={"repetition_penalty": 1.3, "return_token_ids": True})
+    assert r.choices[0].token_ids == want.token_ids
+
+
 def test_chat_without_template_is_a_400(setup):
     tok = setup["engine"].tokenizer
     saved, tok.chat_template = tok.chat_template, None
@@ -340,6 +350,9 @@ BAD = [
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 3}, 400,
      "logprobs must be a boolean"),
     ({"prompt": "x", "echo": True}, 400, "echo is not supported"),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
+    ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty must be > 0"),
+    ({"prompt": "x", "frequency_penalty": "a"}, 400, "frequency_penalty must be a finite"),
     ({"prompt": "x", "stream": True, "temperature": -1}, 400, "temperature"),
     ("[1, 2", 400, "not valid JSON"),
     ("[1, 2]", 400, "JSON object"),

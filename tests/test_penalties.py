@@ -1,0 +1,97 @@
+"""Repetition, presence and frequency penalties: plain and speculative decoding (chain,
+static and dynamic trees, prompt lookup) sample from the penalized target, each verified
+position counting the drafts on its own path. Greedy output equals a step-by-step loop
+over transformers' logits with the penalties written out; sampled output follows the
+penalized target's exact joint."""
+import pytest
+import torch
+
+import osd
+from osd_kernels.warp import warp_probs
+from tests.test_models import tiny_hf_model
+from tests.test_speculative import (TREE, V_SMALL, _chi2, _small_pair, perturbed,
+                                    prompts_of)
+
+PENALTIES = dict(repetition_penalty=1.6, presence_penalty=0.7, frequency_penalty=0.4)
+
+
+def _penalized(logits: torch.Tensor, prompt, output, p) -> torch.Tensor:
+    """vLLM's penalties on one position's ``logits [V]``, written out token by token."""
+    x = logits.clone()
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t in set(output):
+        x[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
+    return x
+
+
+def _reference(hf, prompt, n, p):
+    out = []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1].float()
+        out.append(int(_penalized(logits, prompt, out, p).argmax()))
+    return out
+
+
+@pytest.mark.parametrize("spec", [None, dict(num_draft_tokens=4), dict(tree=TREE),
+                                  dict(tree=osd.DynamicTree(topk=3, depth=3, max_nodes=8)),
+                                  dict(num_draft_tokens=3, prompt_lookup=True, ngram_min=1)],
+                         ids=["plain", "chain", "tree", "dynamic", "lookup"])
+def test_greedy_with_penalties_equals_the_written_out_loop(spec):
+    target = tiny_hf_model("llama", seed=41)
+    draft = perturbed(target, 0.3, seed=42) if spec else None
+    eng = osd.Engine.from_pretrained(target, draft=draft, max_batch_size=3, max_seq_len=96,
+                                     spec=osd.SpecConfig(**spec) if spec else None)
+    prompts = prompts_of([6, 3, 9], seed=43)
+    prompts[2] = prompts[2] * 3                  # repeats: lookup matches, penalties bite
+    p = osd.SamplingParams(24, **PENALTIES)
+    outs = eng.generate(prompts, p)
+    free = eng.generate(prompts, osd.SamplingParams(24))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == _reference(target, prompt, 24, p)
+    assert [o.token_ids for o in outs] != [o.token_ids for o in free]   # penalties changed it
+    if spec:
+        assert eng.stats["accepted"] > 0
+
+
+def _exact_joint(target, prompt, params, n=3):
+    """P(first n tokens) of the penalized, warped target alone, by enumeration."""
+    joint, ctxs = torch.ones(1), [[]]
+    for _ in range(n):
+        with torch.no_grad():
+            logits = target(torch.tensor([prompt + c for c in ctxs])).logits[:, -1].float()
+        logits = torch.stack([_penalized(x, prompt, c, params) for x, c in zip(logits, ctxs)])
+        B = logits.shape[0]
+        probs = warp_probs(logits, torch.full((B,), params.temperature),
+                           torch.full((B,), params.top_k), torch.full((B,), params.top_p))
+        joint = (joint[:, None] * probs).reshape(-1)
+        ctxs = [c + [t] for c in ctxs for t in range(V_SMALL)]
+    return joint
+
+
+@pytest.mark.parametrize("spec", [dict(num_draft_tokens=2), dict(tree=[(0,), (1,), (0, 0)])],
+                         ids=["chain", "tree"])
+def test_sampled_with_penalties_follows_the_penalized_target(spec):
+    target, draft = _small_pair()
+    prompt, n = [3, 1, 4, 1], 40_000
+    sp = osd.SamplingParams(3, seed=99, temperature=0.9, top_k=10, **PENALTIES)
+    eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(**spec),
+                                     max_batch_size=4096, max_seq_len=16)
+    outs = eng.generate([prompt] * n, sp)
+    codes = torch.tensor([o.token_ids[0] * V_SMALL ** 2 + o.token_ids[1] * V_SMALL
+                          + o.token_ids[2] for o in outs])
+    counts = torch.bincount(codes, minlength=V_SMALL ** 3).double()
+    expected = _exact_joint(target, prompt, sp).double()
+    assert counts[expected == 0].sum() == 0
+    assert _chi2(counts, expected).pvalue > 1e-3
+    assert 0 < eng.stats["accepted"] < eng.stats["drafted"]
+
+
+@pytest.mark.parametrize("field,value,err", [
+    ("repetition_penalty", 0.0, ValueError), ("repetition_penalty", float("inf"), ValueError),
+    ("presence_penalty", 2.5, ValueError), ("frequency_penalty", -3, ValueError),
+    ("presence_penalty", "1", TypeError), ("repetition_penalty", True, TypeError)])
+def test_bad_penalties_raise(field, value, err):
+    with pytest.raises(err, match=field):
+        osd.SamplingParams(4, **{field: value})
