@@ -95,3 +95,22 @@ def test_sampled_with_penalties_follows_the_penalized_target(spec):
 def test_bad_penalties_raise(field, value, err):
     with pytest.raises(err, match=field):
         osd.SamplingParams(4, **{field: value})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_moe_target_with_penalties_and_logprobs_equals_cpu():
+    """On CUDA (eager: a mixture of experts runs without graphs): a Qwen3-MoE target with a
+    dense draft, penalties and logprobs gives the CPU engine's greedy tokens."""
+    target = tiny_hf_model("qwen3_moe", seed=51)
+    draft = tiny_hf_model("qwen3", seed=52)
+    prompts = prompts_of([7, 4], seed=53)
+    p = osd.SamplingParams(20, logprobs=2, **PENALTIES)
+    outs = {}
+    for device in ("cpu", "cuda"):
+        eng = osd.Engine.from_pretrained(target, draft=draft, device=device, max_batch_size=2,
+                                         max_seq_len=64, spec=osd.SpecConfig(num_draft_tokens=3))
+        outs[device] = eng.generate(prompts, p)
+    for a, b in zip(outs["cpu"], outs["cuda"]):
+        assert a.token_ids == b.token_ids
+        assert [e.logprob for e in a.logprobs] == pytest.approx([e.logprob for e in b.logprobs],
+                                                                abs=1e-3)
