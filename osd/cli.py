@@ -49,7 +49,11 @@ def _generate(args) -> int:
                                         quantized=args.quantized,
                                         quantize_draft=args.quantize_draft)
     params = osd.SamplingParams(args.max_new_tokens, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                stop=args.stop or None,
+                                repetition_penalty=args.repetition_penalty,
+                                presence_penalty=args.presence_penalty,
+                                frequency_penalty=args.frequency_penalty)
     prompt = args.prompt
     if engine.tokenizer is None:
         prompt = [int(t) for t in prompt.split()]
@@ -180,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop once the output holds TEXT (repeatable)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="0 = off")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="0 = off")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--quantized", action="store_true",

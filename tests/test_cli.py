@@ -19,8 +19,9 @@ def test_help(argv, capsys):
         assert "--prompt-lookup" in out and "--online" in out
 
 
-@pytest.mark.parametrize("extra", [[], ["--prompt-lookup"], ["--online"]],
-                         ids=["spec", "lookup", "online"])
+@pytest.mark.parametrize("extra", [[], ["--prompt-lookup"], ["--online"],
+                                   ["--repetition-penalty", "1.3", "--presence-penalty", "0.5"]],
+                         ids=["spec", "lookup", "online", "penalties"])
 def test_generate_on_the_zoo_pair(extra, capsys):
     target, draft = zoo.default_pair()
     rc = cli.main(["generate", "--target", target, "--draft", draft, "--max-new-tokens", "12",
@@ -38,6 +39,8 @@ def test_generate_on_the_zoo_pair(extra, capsys):
     (["generate", "--target", "TARGET", "--draft", "DRAFT", "-k", "0", "hi"],
      "num_draft_tokens must be in"),
     (["generate", "--target", "TARGET", "--temperature", "-1", "hi"], "temperature"),
+    (["generate", "--target", "TARGET", "--repetition-penalty", "0", "hi"], "repetition_penalty"),
+    (["generate", "--target", "TARGET", "--stop", "", "hi"], "stop strings must not be empty"),
     (["bench", "--only", "nothing_like_this"], "no benchmark"),
     (["demo", "--pair", "builtin", "--lookup-history", "1000"], "lookup_history needs prompt_lookup"),
     (["demo", "--pair", "builtin", "--quantized"], "quantized needs the chat pair"),
@@ -51,6 +54,18 @@ def test_errors_are_messages(argv, match, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and match in err
     assert "Traceback" not in err
+
+
+def test_generate_stops_at_a_stop_string(capsys):
+    target, draft = zoo.default_pair()
+    prompt = "def __init__(self, name):\n    self.name = name\n"
+    assert cli.main(["generate", "--target", target, "--max-new-tokens", "24", prompt]) == 0
+    free = capsys.readouterr().out.rstrip("\n")
+    stop = free[len(free) // 2:len(free) // 2 + 3]
+    assert cli.main(["generate", "--target", target, "--draft", draft, "--max-new-tokens", "24",
+                     "--stop", stop, prompt]) == 0
+    out = capsys.readouterr().out
+    assert stop in out and len(out.rstrip("\n")) < len(free)
 
 
 def test_generate_quantized_gguf_equals_dequantized(tmp_path, capsys):
