@@ -56,7 +56,7 @@ from osd.models.quant import serving_drafts
 from osd.online.collect import TeacherCollector
 from osd.online.config import OnlineConfig
 from osd.online.serving import OnlineManager
-from osd.penalties import penalize, wants_penalties
+from osd.penalties import Penalties, wants_penalties
 from osd.prefix_cache import PrefixCache
 from osd.request import RequestError, RequestState, encode_prompts
 from osd.sampling import (BatchParams, Output, SamplingParams, fail_nonfinite, record_logprobs,
@@ -596,7 +596,7 @@ class Engine:
         fail_nonfinite(new, logits)
         last = logits[:, -1]
         if wants_penalties(new):
-            last = penalize(last[:, None], new)[:, 0]
+            last = Penalties(new, last.shape[-1], self.device).apply(last[:, None])[:, 0]
         tokens = sample_tokens(last, BatchParams([r.params for r in new], self.device),
                                *self._sampling_keys(new))
         lane.next_tokens[start_row:start_row + n] = tokens
@@ -619,7 +619,8 @@ class Engine:
         lane.cache.commit(self._ones[:B], 1)
         t1 = time.perf_counter()
         fail_nonfinite(active, logits)
-        step = penalize(logits, active) if wants_penalties(active) else logits
+        step = Penalties(active, logits.shape[-1], self.device).apply(logits) \
+            if wants_penalties(active) else logits
         tokens = sample_tokens(step[:, 0], params, *self._sampling_keys(active))
         lane.next_tokens[:B] = tokens
         self._record(active, tokens, logits[:, 0])

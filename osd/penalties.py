@@ -9,7 +9,9 @@ in the output so far. A verify forward scores several positions at once: each po
 "so far" is the request's output plus the drafted tokens on its own path (a chain's
 earlier drafts, a tree node's ancestors and itself), so the penalized target at each
 position is exactly the distribution plain decoding would sample from there, and the
-rejection sampler stays lossless. The draft is not penalized (it only proposes).
+rejection sampler stays lossless. Drafts are not penalized: any draft distribution is
+lossless, and penalizing the chat pair's EAGLE draft the same way did not raise its
+acceptance (docs/benchmarks_chat.md).
 """
 from __future__ import annotations
 
@@ -21,45 +23,57 @@ def wants_penalties(requests) -> bool:
     return any(r.params is not None and r.params.has_penalties for r in requests)
 
 
-def penalize(logits: torch.Tensor, requests, inputs: torch.Tensor | None = None,
-             ancestors: torch.Tensor | None = None) -> torch.Tensor:
-    """Penalized copy of ``logits [B, T, V]`` (row ``b`` is ``requests[b]``).
+class Penalties:
+    """The penalties of a batch's rows (row ``b`` is ``requests[b]``) over a ``vocab``-wide
+    vocabulary on ``device``: each row's output counts and prompt tokens, built once."""
 
-    Args:
-        inputs: ``[B, T]`` the tokens the forward fed (position 0, the last sampled token,
-            is already in the output); None for one position per row.
-        ancestors: ``[B, T, T]`` bool, ``[b, n, i]``: input ``i`` precedes position ``n``'s
-            prediction on its path (itself included); None for a chain (every earlier
-            input).
-    """
-    B, T, V = logits.shape
-    dev = logits.device
-    counts = torch.zeros(B, V, dtype=torch.float32, device=dev)
-    prompt = torch.zeros(B, V, dtype=torch.bool, device=dev)
-    rows = [b for b, r in enumerate(requests) for _ in r.generated]
-    if rows:
-        toks = [t for r in requests for t in r.generated]
-        counts.index_put_((torch.tensor(rows, device=dev), torch.tensor(toks, device=dev)),
-                          torch.ones(len(rows), device=dev), accumulate=True)
-    rows = [b for b, r in enumerate(requests) for _ in r.prompt]
-    prompt[torch.tensor(rows, device=dev), torch.tensor([t for r in requests for t in r.prompt],
-                                                        device=dev)] = True
-    counts = counts[:, None].expand(B, T, V)
-    if inputs is not None and T > 1:
+    def __init__(self, requests, vocab: int, device) -> None:
+        B = len(requests)
+        self.counts = torch.zeros(B, vocab, dtype=torch.float32, device=device)  # [B, V]
+        self.prompt = torch.zeros(B, vocab, dtype=torch.bool, device=device)     # [B, V]
+        rows = [b for b, r in enumerate(requests) for _ in r.generated]
+        if rows:
+            toks = [t for r in requests for t in r.generated]
+            self.counts.index_put_((torch.tensor(rows, device=device),
+                                    torch.tensor(toks, device=device)),
+                                   torch.ones(len(rows), device=device), accumulate=True)
+        rows = [b for b, r in enumerate(requests) for _ in r.prompt]
+        self.prompt[torch.tensor(rows, device=device),
+                    torch.tensor([t for r in requests for t in r.prompt], device=device)] = True
+
+        def column(name: str) -> torch.Tensor:                               # [B, 1, 1]
+            return torch.tensor([getattr(r.params, name) for r in requests],
+                                dtype=torch.float32, device=device)[:, None, None]
+
+        self.repetition = column("repetition_penalty")
+        self.presence = column("presence_penalty")
+        self.frequency = column("frequency_penalty")
+
+    def apply(self, logits: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """Penalized copy of ``logits [B, T, V]``; ``extra [B, T, V]``: counts of the
+        tokens on each position's path beyond the output (None: none)."""
+        counts = self.counts[:, None] if extra is None else self.counts[:, None] + extra
+        x = logits.float()
+        seen = self.prompt[:, None] | (counts > 0)
+        x = torch.where(seen, torch.where(x > 0, x / self.repetition, x * self.repetition), x)
+        x = x - self.frequency * counts - self.presence * (counts > 0)
+        return x.to(logits.dtype)
+
+    def verify(self, logits: torch.Tensor, inputs: torch.Tensor,
+               ancestors: torch.Tensor | None = None) -> torch.Tensor:
+        """Penalized ``logits [B, T, V]`` of a verify forward that fed ``inputs [B, T]``
+        (position 0, the last sampled token, is in the output already). ``ancestors
+        [B, T, T]`` bool, ``[b, n, i]``: input ``i`` is on position ``n``'s path (itself
+        included); None for a chain (every earlier input)."""
+        B, T, V = logits.shape
+        if T == 1:
+            return self.apply(logits)
         if ancestors is None:
-            ancestors = torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(B, T, T)
+            ancestors = torch.ones(T, T, dtype=torch.bool, device=logits.device).tril()
+            ancestors = ancestors.expand(B, T, T)
         fed = torch.nn.functional.one_hot(inputs, V).float()
-        fed[:, 0] = 0                                   # the root is in the output already
-        counts = counts + torch.bmm(ancestors.float(), fed)
-    params = [r.params for r in requests]
-    col = lambda name: torch.tensor([getattr(p, name) for p in params], dtype=torch.float32,
-                                    device=dev)[:, None, None]
-    rep = col("repetition_penalty")
-    x = logits.float()
-    seen = prompt[:, None] | (counts > 0)
-    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    x = x - col("frequency_penalty") * counts - col("presence_penalty") * (counts > 0)
-    return x.to(logits.dtype)
+        fed[:, 0] = 0
+        return self.apply(logits, torch.bmm(ancestors.float(), fed))
 
 
 def tree_ancestors(mask: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 import osd_kernels
 from osd.drafters import ChainProposal, TreeProposal
 from osd.graphs import StepGraphs, graphed_forward
-from osd.penalties import penalize, tree_ancestors, wants_penalties
+from osd.penalties import Penalties, tree_ancestors, wants_penalties
 from osd.sampling import BatchParams, fail_nonfinite, record_logprobs
 from osd.spec import SpecConfig
 from osd.stats import SpecStats
@@ -340,10 +340,11 @@ class Speculator:
     def _penalized(self, active, logits: torch.Tensor, prop) -> torch.Tensor:
         """``logits`` with the rows' penalties, each position counting the drafts on its
         own path (``osd.penalties``); the raw logits stay the statistics' and teachers'."""
+        penalties = Penalties(active, logits.shape[-1], logits.device)
         if isinstance(prop, TreeProposal):
-            return penalize(logits, active, prop.tokens, tree_ancestors(prop.mask))
+            return penalties.verify(logits, prop.tokens, tree_ancestors(prop.mask))
         B = logits.shape[0]
-        return penalize(logits, active, torch.cat([self.next_tokens[:B, None], prop.tokens], 1))
+        return penalties.verify(logits, torch.cat([self.next_tokens[:B, None], prop.tokens], 1))
 
     def _sample(self, logits: torch.Tensor, prop, sampling: dict):
         """The rejection sampler: ``(tokens [B, D + 1], accepted [B], path or None)``."""
