@@ -29,7 +29,7 @@ import types
 import torch
 
 FAMILIES = ("granite", "olmo2", "phi3", "smollm3", "gemma2", "gemma3", "mixtral", "qwen2moe",
-            "qwen3moe")
+            "qwen3moe", "olmoe", "granitemoe")
 NEW_TOKENS = 24
 
 
@@ -73,12 +73,23 @@ def hf_model(family: str, vocab: int, ids: dict):
         "qwen3moe": lambda: tf.Qwen3MoeConfig(
             num_hidden_layers=2, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=64,
             norm_topk_prob=True, tie_word_embeddings=False, **common),
+        # llama.cpp sizes OLMoE's k norm by the hidden width (as many KV heads as heads) and
+        # its converter writes OLMoE's epsilon, 1e-5, whatever the config says
+        "olmoe": lambda: tf.OlmoeConfig(num_hidden_layers=2, num_experts=5, num_experts_per_tok=2,
+                                        tie_word_embeddings=False,
+                                        **{**common, "num_key_value_heads": 4,
+                                           "rms_norm_eps": 1e-5}),
+        "granitemoe": lambda: tf.GraniteMoeConfig(
+            num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+            embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
+            logits_scaling=8.0, tie_word_embeddings=True, **common),
     }
     classes = {"granite": tf.GraniteForCausalLM, "olmo2": tf.Olmo2ForCausalLM,
                "phi3": tf.Phi3ForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
                "gemma2": tf.Gemma2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM,
                "mixtral": tf.MixtralForCausalLM, "qwen2moe": tf.Qwen2MoeForCausalLM,
-               "qwen3moe": tf.Qwen3MoeForCausalLM}
+               "qwen3moe": tf.Qwen3MoeForCausalLM, "olmoe": tf.OlmoeForCausalLM,
+               "granitemoe": tf.GraniteMoeForCausalLM}
     torch.manual_seed(0)
     model = classes[family](configs[family]()).eval()
     gemma = family.startswith("gemma")     # Gemma's norms multiply by 1 + weight

@@ -16,7 +16,8 @@ from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaFo
     Olmo2Config, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, \
     Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM, Gemma2Config, Gemma2ForCausalLM, \
     Gemma3ForCausalLM, Gemma3TextConfig, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, \
-    Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, OlmoeConfig, OlmoeForCausalLM, \
+    GraniteMoeConfig, GraniteMoeForCausalLM
 
 import osd
 from osd.models import gguf
@@ -83,6 +84,12 @@ def tiny_hf_model(family: str = "llama", *, tie: bool = False, seed: int = 0):
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
             num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
             head_dim=32, **common))
+    elif family == "olmoe":                # q/k norms over whole projections
+        model = OlmoeForCausalLM(OlmoeConfig(num_experts=5, num_experts_per_tok=2, **common))
+    elif family == "granite_moe":          # Granite's multipliers
+        from tests.test_models import GRANITE
+        model = GraniteMoeForCausalLM(GraniteMoeConfig(num_local_experts=4, num_experts_per_tok=2,
+                                                       **GRANITE, **common))
     else:
         raise ValueError(family)
     gen = torch.Generator().manual_seed(seed)
@@ -113,7 +120,7 @@ _NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
           "mlp.shared_expert.up_proj": "ffn_up_shexp",
           "mlp.shared_expert.down_proj": "ffn_down_shexp",
-          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+          "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "block_sparse_moe.router": "ffn_gate_inp"}
 
 
 def _rope_theta(cfg) -> float:
@@ -125,7 +132,7 @@ def _rope_theta(cfg) -> float:
                  else rope["rope_theta"])
 
 
-PERMUTED = ("llama", "granite", "smollm3")     # Q/K rows reordered by llama.cpp's converter
+PERMUTED = ("llama", "granite", "granitemoe", "smollm3")   # Q/K rows reordered by llama.cpp
 
 
 def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
@@ -137,7 +144,8 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
             GraniteForCausalLM: "granite", Olmo2ForCausalLM: "olmo2",
             Phi3ForCausalLM: "phi3", SmolLM3ForCausalLM: "smollm3",
             Gemma2ForCausalLM: "gemma2", Gemma3ForCausalLM: "gemma3",
-            Qwen2MoeForCausalLM: "qwen2moe", Qwen3MoeForCausalLM: "qwen3moe"}.get(type(hf), "llama")
+            Qwen2MoeForCausalLM: "qwen2moe", Qwen3MoeForCausalLM: "qwen3moe",
+            OlmoeForCausalLM: "olmoe", GraniteMoeForCausalLM: "granitemoe"}.get(type(hf), "llama")
     meta = {"general.architecture": arch, "general.name": "tiny",
             f"{arch}.block_count": cfg.num_hidden_layers,
             f"{arch}.context_length": cfg.max_position_embeddings,
@@ -154,8 +162,8 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
     if arch == "gemma2":
         meta["gemma2.attn_logit_softcapping"] = float(cfg.attn_logit_softcapping)
         meta["gemma2.final_logit_softcapping"] = float(cfg.final_logit_softcapping)
-    if arch == "granite":
-        meta.update({f"granite.{k}": float(getattr(cfg, name)) for k, name in (
+    if arch in ("granite", "granitemoe"):
+        meta.update({f"{arch}.{k}": float(getattr(cfg, name)) for k, name in (
             ("embedding_scale", "embedding_multiplier"), ("residual_scale", "residual_multiplier"),
             ("attention.scale", "attention_multiplier"), ("logit_scale", "logits_scaling"))})
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
@@ -170,13 +178,13 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
     meta = {k: v for k, v in meta.items() if v is not None}
     tensors = {}
     for name, w in hf.state_dict().items():
-        if name.endswith("mlp.experts.gate_up_proj"):        # [E, 2I, H] -> gate and up
+        if name.endswith("experts.gate_up_proj"):            # [E, 2I, H] -> gate and up
             i = name.split(".")[2]
             gate, up = w.chunk(2, dim=1)
             tensors[f"blk.{i}.ffn_gate_exps.weight"] = (gate, T.F32)
             tensors[f"blk.{i}.ffn_up_exps.weight"] = (up, T.F32)
             continue
-        if name.endswith("mlp.experts.down_proj"):
+        if name.endswith("experts.down_proj"):
             tensors[f"blk.{name.split('.')[2]}.ffn_down_exps.weight"] = (w, T.F32)
             continue
         if name.endswith("mlp.shared_expert_gate.weight"):   # stored as [hidden]
@@ -500,7 +508,8 @@ def test_unpermute_inverts_llama_cpp_permute():
                                         ("phi3_longrope", False), ("smollm3", True),
                                         ("gemma2", True), ("gemma3", True),
                                         ("mixtral", False), ("qwen2_moe", False),
-                                        ("qwen3_moe", True)])
+                                        ("qwen3_moe", True), ("olmoe", False),
+                                        ("granite_moe", True)])
 def test_f32_logits_match_transformers(family, tie, tmp_path):
     hf = tiny_hf_model(family, tie=tie)
     path = to_gguf(hf, tmp_path / "m.gguf")

@@ -10,8 +10,9 @@ output and on whole query and key projections, Phi-3 with fused projections, Phi
 Phi-4-mini's partial rotary embedding and LongRoPE, SmolLM3 with a layer without RoPE,
 Mistral and Qwen2 with sliding windows shorter than the test sequences, Gemma 2 with
 soft-capped attention scores and logits, Gemma 3 with a sliding and a global layer, and
-the mixtures of experts: Mixtral, Qwen2-MoE with its shared expert and a dense layer, and
-Qwen3-MoE with renormalized routing weights.
+the mixtures of experts: Mixtral, Qwen2-MoE with its shared expert and a dense layer,
+Qwen3-MoE with renormalized routing weights, OLMoE (q/k norms over whole projections) and
+Granite-MoE (Granite's multipliers).
 """
 import copy
 import json
@@ -23,7 +24,7 @@ from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaFo
     Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config, \
     SmolLM3ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, \
     MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, \
-    Qwen3MoeForCausalLM
+    Qwen3MoeForCausalLM, OlmoeConfig, OlmoeForCausalLM, GraniteMoeConfig, GraniteMoeForCausalLM
 
 from osd.cache import KVCache
 from osd.models import DecoderLM, ModelConfig, load_model
@@ -31,7 +32,7 @@ from osd_kernels.tree_attention import causal_tree_mask
 
 FAMILIES = ("llama", "llama3", "llama_bias", "mistral", "qwen2", "qwen3", "granite", "olmo2",
             "phi3", "phi3_longrope", "smollm3", "mistral_window", "qwen2_window", "gemma2",
-            "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
+            "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granite_moe")
 def phi3_config(family: str, common: dict, original: int = 256) -> Phi3Config:
     """Phi-3 (fused q/k/v and gate/up weights); ``phi3_longrope`` as Phi-4-mini: RoPE on
     the leading 3/4 of each head, LongRoPE short factors up to ``original`` positions and
@@ -119,6 +120,11 @@ def tiny_hf_model(family: str, *, seed: int = 0, eos_token_id=None) -> torch.nn.
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
             num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40, norm_topk_prob=True,
             head_dim=24, **common))
+    elif family == "olmoe":
+        model = OlmoeForCausalLM(OlmoeConfig(num_experts=5, num_experts_per_tok=2, **common))
+    elif family == "granite_moe":
+        model = GraniteMoeForCausalLM(GraniteMoeConfig(num_local_experts=4, num_experts_per_tok=2,
+                                                       **GRANITE, **common))
     else:
         raise ValueError(family)
     gen = torch.Generator().manual_seed(seed)

@@ -14,9 +14,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Qwen3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
                            "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM",
                            "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                           "Qwen3MoeForCausalLM")
+                           "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM")
 # Mixture-of-experts decoders: routed SwiGLU experts in place of the MLP.
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                     "OlmoeForCausalLM", "GraniteMoeForCausalLM")
 
 # model_type -> architecture, for configs that do not list ``architectures``.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -25,7 +26,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM"}
+                "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+                "granitemoe": "GraniteMoeForCausalLM"}
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
@@ -45,7 +47,8 @@ ATTENTION_BACKENDS = ("auto", "reference", "native", "triton", "flash")
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (Llama, Llama-3, Mistral, Qwen2, Qwen3,
-    Granite, OLMo-2, Phi-3, SmolLM3, Gemma 2, Gemma 3; Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+    Granite, OLMo-2, Phi-3, SmolLM3, Gemma 2, Gemma 3; Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+    Granite-MoE)."""
 
     architecture: str                 # one of SUPPORTED_ARCHITECTURES
     vocab_size: int                   # rows of the embedding and of the LM head
@@ -252,7 +255,8 @@ class ModelConfig:
             o_bias=attention_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm={"Qwen3ForCausalLM": "head", "Olmo2ForCausalLM": "full",
-                     "Gemma3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head"}.get(arch, "none"),
+                     "Gemma3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head",
+                     "OlmoeForCausalLM": "full"}.get(arch, "none"),
             pre_norm=arch != "Olmo2ForCausalLM",
             post_norm=arch == "Olmo2ForCausalLM" or gemma,
             attn_logit_softcapping=_float_or_none(d.get("attn_logit_softcapping")),
@@ -334,17 +338,24 @@ def _gemma(d: Mapping[str, Any]) -> dict:
 
 
 def _moe(d: Mapping[str, Any], arch: str) -> dict:
-    """The mixture-of-experts fields of a Mixtral or Qwen-MoE config. Mixtral: every layer,
-    experts as wide as ``intermediate_size``, top-k weights renormalized. Qwen-MoE:
+    """The mixture-of-experts fields of a Mixtral, Qwen-MoE, OLMoE or Granite-MoE config.
+    Mixtral and Granite-MoE (whose router's softmax over its top-k logits is the same
+    thing): every layer, experts as wide as ``intermediate_size``, top-k weights
+    renormalized. OLMoE: the same width, ``norm_topk_prob``. Qwen-MoE:
     ``moe_intermediate_size``, ``norm_topk_prob``, dense MLPs in ``mlp_only_layers`` and
     off the ``decoder_sparse_step`` grid, and Qwen2-MoE's shared expert."""
     experts = d.get("num_local_experts") or d.get("num_experts")
     if not experts or not d.get("num_experts_per_tok"):
         raise ValueError(f"{arch} config needs num_experts (num_local_experts) and "
                          "num_experts_per_tok")
-    out = {"num_experts": int(experts), "num_experts_per_tok": int(d["num_experts_per_tok"])}
-    if arch == "MixtralForCausalLM":
-        return {**out, "moe_intermediate_size": int(d["intermediate_size"])}
+    if d.get("clip_qkv") is not None:
+        raise ValueError(f"{arch} config with clip_qkv={d['clip_qkv']} is not supported")
+    out = {"num_experts": int(experts), "num_experts_per_tok": int(d["num_experts_per_tok"]),
+           "moe_intermediate_size": int(d["intermediate_size"])}
+    if arch in ("MixtralForCausalLM", "GraniteMoeForCausalLM"):
+        return out
+    if arch == "OlmoeForCausalLM":
+        return {**out, "norm_topk_prob": bool(d.get("norm_topk_prob", False))}
     n, step = int(d["num_hidden_layers"]), int(d.get("decoder_sparse_step") or 1)
     dense = set(d.get("mlp_only_layers") or ())
     layers = tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)

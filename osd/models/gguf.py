@@ -71,7 +71,8 @@ ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalL
                  "smollm3": ("SmolLM3ForCausalLM", True), "gemma2": ("Gemma2ForCausalLM", False),
                  "gemma3": ("Gemma3ForCausalLM", False),
                  "qwen2moe": ("Qwen2MoeForCausalLM", False),
-                 "qwen3moe": ("Qwen3MoeForCausalLM", False)}
+                 "qwen3moe": ("Qwen3MoeForCausalLM", False), "olmoe": ("OlmoeForCausalLM", False),
+                 "granitemoe": ("GraniteMoeForCausalLM", True)}
 # Granite's scalars: GGUF key (after "granite.") -> transformers config name.
 _GRANITE_SCALARS = {"embedding_scale": "embedding_multiplier",
                     "residual_scale": "residual_multiplier",
@@ -440,7 +441,7 @@ def config_from_gguf(g: GGUFFile, *, attention_backend: str = "auto") -> ModelCo
                    "attn_logit_softcapping": key("attn_logit_softcapping")})
         if arch == "gemma3":
             hf["rope_local_base_freq"] = float(key("rope.freq_base_swa", 10000.0))
-    if arch == "granite":
+    if arch in ("granite", "granitemoe"):
         hf.update({name: float(key(k)) for k, name in _GRANITE_SCALARS.items()
                    if key(k) is not None})
     if experts:     # llama.cpp's routing: Qwen2-MoE's top-k weights as they are, others' summing to 1
@@ -450,7 +451,7 @@ def config_from_gguf(g: GGUFFile, *, attention_backend: str = "auto") -> ModelCo
                                                     hf["intermediate_size"])),
                    "shared_expert_intermediate_size": int(
                        key("expert_shared_feed_forward_length", 0) or 0),
-                   "norm_topk_prob": arch != "qwen2moe"})
+                   "norm_topk_prob": arch not in ("qwen2moe", "olmoe")})
     scaling = key("rope.scaling.type", "none")
     if scaling == "linear":
         hf["rope_scaling"] = {"rope_type": "linear",

@@ -257,9 +257,10 @@ def _hf_sources(name: str, keys=(), num_experts: int = 0) -> list[str]:
     """Hugging Face tensor names that make up our parameter ``name`` (concatenated along
     its first dim, or along its first two for per-expert tensors): the fused ``qkv_proj``
     and ``gate_up_proj`` of Phi-3 checkpoints when ``keys`` has them; a mixture of
-    experts from transformers' fused ``experts.gate_up_proj`` / ``down_proj`` or from the
-    checkpoints' per-expert tensors (Mixtral's ``block_sparse_moe.experts.E.w1/w3/w2``,
-    Qwen-MoE's ``mlp.experts.E.gate_proj/up_proj/down_proj``)."""
+    experts from transformers' fused ``experts.gate_up_proj`` / ``down_proj``, Granite-MoE
+    checkpoints' ``input_linear`` / ``output_linear``, or the checkpoints' per-expert
+    tensors (Mixtral's ``block_sparse_moe.experts.E.w1/w3/w2``, Qwen-MoE's and OLMoE's
+    ``mlp.experts.E.gate_proj/up_proj/down_proj``)."""
     if not name.startswith("layers."):
         return {"embed_tokens.weight": ["model.embed_tokens.weight"],
                 "norm.weight": ["model.norm.weight"],
@@ -289,10 +290,17 @@ def _hf_sources(name: str, keys=(), num_experts: int = 0) -> list[str]:
 def _moe_sources(pre: str, part: str, keys, num_experts: int) -> list[str]:
     """The sources of :class:`~osd.models.llama.MoE` parameter ``part`` of layer ``pre``."""
     mixtral = pre + "block_sparse_moe.gate.weight" in keys
-    moe = pre + ("block_sparse_moe." if mixtral else "mlp.")
-    fused = {"gate_up": pre + "mlp.experts.gate_up_proj", "down": pre + "mlp.experts.down_proj"}
-    if part in fused and fused[part] in keys:
-        return [fused[part]]
+    granite = pre + "block_sparse_moe.router.layer.weight" in keys \
+        or pre + "block_sparse_moe.router.weight" in keys
+    moe = pre + ("block_sparse_moe." if mixtral or granite else "mlp.")
+    fused = {"gate_up": [moe + "experts.gate_up_proj", moe + "input_linear.weight"],
+             "down": [moe + "experts.down_proj", moe + "output_linear.weight"]}
+    for name in fused.get(part, ()):
+        if name in keys:
+            return [name]
+    if granite and part == "router":
+        return [moe + ("router.layer.weight" if moe + "router.layer.weight" in keys
+                       else "router.weight")]
     names = ({"gate_up": ("w1", "w3"), "down": ("w2",)} if mixtral else
              {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)})
     if part in names:
