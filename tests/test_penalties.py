@@ -114,3 +114,23 @@ def test_cuda_moe_target_with_penalties_and_logprobs_equals_cpu():
         assert a.token_ids == b.token_ids
         assert [e.logprob for e in a.logprobs] == pytest.approx([e.logprob for e in b.logprobs],
                                                                 abs=1e-3)
+
+
+def test_mixed_batch_rows_equal_each_alone():
+    """Rows with penalties, logprobs and stop ids share a speculative batch with plain rows;
+    each gets what it gets alone."""
+    target = tiny_hf_model("llama", seed=61)
+    eng = osd.Engine.from_pretrained(target, draft=perturbed(target, 0.3, seed=62),
+                                     max_batch_size=4, max_seq_len=96,
+                                     spec=osd.SpecConfig(num_draft_tokens=3))
+    prompts = prompts_of([5, 8, 3, 6], seed=63)
+    free = eng.generate(prompts[3:], osd.SamplingParams(20))[0]
+    params = [osd.SamplingParams(20, **PENALTIES), osd.SamplingParams(20),
+              osd.SamplingParams(20, logprobs=1, repetition_penalty=1.2),
+              osd.SamplingParams(20, stop_token_ids=[free.token_ids[6]], temperature=0.8,
+                                 seed=5, frequency_penalty=0.5)]
+    together = eng.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, together):
+        [alone] = eng.generate([prompt], p)
+        assert out.token_ids == alone.token_ids
+        assert (out.logprobs is None) == (p.logprobs is None)
