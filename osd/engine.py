@@ -333,6 +333,10 @@ class Engine:
                 if p.stop and self.tokenizer is None:
                     raise ValueError("stop strings need a tokenizer; this engine has none "
                                      "(use stop_token_ids)")
+                bad = [t for t in p.logit_bias or () if not 0 <= t < self.model.vocab_size]
+                if bad:
+                    raise ValueError(f"logit_bias has token id {bad[0]} outside the vocabulary "
+                                     f"[0, {self.model.vocab_size})")
             token_lists = self.encode(prompts)
             if per is not None and len(per) != len(token_lists):
                 raise ValueError(f"got {len(per)} SamplingParams for {len(token_lists)} prompts")

@@ -1,8 +1,9 @@
-"""Repetition, presence and frequency penalties on the target's logits, as vLLM defines
-them, for every position a step samples from (``SamplingParams.repetition_penalty``,
-``presence_penalty``, ``frequency_penalty``).
+"""Logit bias and repetition, presence and frequency penalties on the target's logits, as
+OpenAI and vLLM define them, for every position a step samples from
+(``SamplingParams.logit_bias``, ``repetition_penalty``, ``presence_penalty``,
+``frequency_penalty``).
 
-For a token seen in the prompt or the output so far, the repetition penalty ``r`` divides
+The bias is added first, as if the model had produced it. For a token seen in the prompt or the output so far, the repetition penalty ``r`` divides
 a positive logit by ``r`` and multiplies a negative one by ``r``; then every token loses
 ``frequency_penalty * count + presence_penalty * (count > 0)``, ``count`` its occurrences
 in the output so far. A verify forward scores several positions at once: each position's
@@ -19,7 +20,7 @@ import torch
 
 
 def wants_penalties(requests) -> bool:
-    """Whether any of ``requests`` asks for a penalty."""
+    """Whether any of ``requests`` asks for a penalty or a logit bias."""
     return any(r.params is not None and r.params.has_penalties for r in requests)
 
 
@@ -45,6 +46,12 @@ class Penalties:
             return torch.tensor([getattr(r.params, name) for r in requests],
                                 dtype=torch.float32, device=device)[:, None, None]
 
+        self.bias = None                                                      # [B, 1, V]
+        if any(r.params.logit_bias for r in requests):
+            self.bias = torch.zeros(B, 1, vocab, dtype=torch.float32, device=device)
+            for b, r in enumerate(requests):
+                for t, v in (r.params.logit_bias or {}).items():
+                    self.bias[b, 0, t] = v
         self.repetition = column("repetition_penalty")
         self.presence = column("presence_penalty")
         self.frequency = column("frequency_penalty")
@@ -53,7 +60,7 @@ class Penalties:
         """Penalized copy of ``logits [B, T, V]``; ``extra [B, T, V]``: counts of the
         tokens on each position's path beyond the output (None: none)."""
         counts = self.counts[:, None] if extra is None else self.counts[:, None] + extra
-        x = logits.float()
+        x = logits.float() if self.bias is None else logits.float() + self.bias
         seen = self.prompt[:, None] | (counts > 0)
         x = torch.where(seen, torch.where(x > 0, x / self.repetition, x * self.repetition), x)
         x = x - self.frequency * counts - self.presence * (counts > 0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -60,6 +60,8 @@ class SamplingParams:
             subtracted from its logit. Penalties apply to the target's logits before
             temperature, top-k and top-p, at every position a speculative step verifies
             (``osd.penalties``).
+        logit_bias: ``{token_id: bias}`` added to the target's logits before the
+            penalties (OpenAI's ``logit_bias``; each bias in [-100, 100]).
     """
 
     max_new_tokens: int
@@ -73,6 +75,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -120,6 +123,17 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise TypeError("logit_bias must be a mapping {token_id: bias}")
+            bias = {}
+            for t, b in self.logit_bias.items():
+                if isinstance(b, bool) or not isinstance(b, (int, float)):
+                    raise TypeError(f"logit_bias[{t!r}] must be a number, got {type(b).__name__}")
+                if not -100 <= b <= 100:
+                    raise ValueError(f"logit_bias[{t!r}] must be in [-100, 100], got {b}")
+                bias[_as_int("logit_bias token id", t)] = float(b)
+            set_(self, "logit_bias", bias or None)
 
     @property
     def greedy(self) -> bool:
@@ -127,8 +141,9 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
+        """Whether the target's logits are adjusted (penalties or a logit bias)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias))
 
 
 @dataclasses.dataclass

@@ -31,8 +31,8 @@ DEFAULT_COMPLETION_TOKENS = 16
 # Request fields this server does not implement, with the values that mean "off". Any
 # other value is refused with a 400 rather than silently ignored.
 UNSUPPORTED = {
-    "echo": (None, False), "suffix": (None, ""), "logit_bias": (None,), "tools": (None,),
-    "functions": (None,), "best_of": (None, 1),
+    "echo": (None, False), "suffix": (None, ""), "tools": (None,), "functions": (None,),
+    "best_of": (None, 1),
 }
 
 
@@ -145,9 +145,22 @@ def _sampling(body: dict, prompt_len: int, max_seq_len: int, vocab: int,
         if not low <= penalties[name] <= high or penalties[name] == 0 == low:
             raise _bad(f"{name} must be {'> 0' if low == 0 else f'in [{low}, {high}]'}, "
                        f"got {penalties[name]}", name)
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise _bad("logit_bias must be an object {token id: bias}", "logit_bias")
+        try:
+            bias = {int(t): b for t, b in bias.items()}
+        except ValueError:
+            raise _bad("logit_bias keys must be token ids", "logit_bias") from None
+        bad = [t for t in bias if not 0 <= t < vocab]
+        if bad:
+            raise _bad(f"logit_bias has token id {bad[0]} outside the vocabulary [0, {vocab})",
+                       "logit_bias")
     try:
         return SamplingParams(max_tokens, temperature=temperature, top_k=max(top_k, 0),
-                              top_p=top_p, seed=seed, stop_token_ids=stop_ids, **penalties)
+                              top_p=top_p, seed=seed, stop_token_ids=stop_ids,
+                              logit_bias=bias, **penalties)
     except (ValueError, TypeError) as exc:
         raise _bad(str(exc)) from None
 

@@ -134,3 +134,31 @@ def test_mixed_batch_rows_equal_each_alone():
         [alone] = eng.generate([prompt], p)
         assert out.token_ids == alone.token_ids
         assert (out.logprobs is None) == (p.logprobs is None)
+
+
+@pytest.mark.parametrize("spec", [None, dict(num_draft_tokens=4), dict(tree=TREE)],
+                         ids=["plain", "chain", "tree"])
+def test_logit_bias(spec):
+    """A bias of +100 forces its token; -100 bans the free greedy choice at every step;
+    speculative output equals plain."""
+    target = tiny_hf_model("llama", seed=71)
+    kw = dict(max_batch_size=2, max_seq_len=64)
+    plain = osd.Engine.from_pretrained(target, **kw)
+    eng = osd.Engine.from_pretrained(target, draft=perturbed(target, 0.3, seed=72) if spec
+                                     else None, spec=osd.SpecConfig(**spec) if spec else None,
+                                     **kw)
+    prompts = prompts_of([5, 7], seed=73)
+    [forced] = eng.generate(prompts[:1], osd.SamplingParams(8, logit_bias={17: 100}))
+    assert forced.token_ids == [17] * 8
+    free = plain.generate(prompts, osd.SamplingParams(12))
+    ban = {free[0].token_ids[0]: -100, free[1].token_ids[3]: -100}
+    p = osd.SamplingParams(12, logit_bias=ban, repetition_penalty=1.3)
+    want, got = plain.generate(prompts, p), eng.generate(prompts, p)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(t not in ban for o in got for t in o.token_ids)
+    with pytest.raises(ValueError, match="logit_bias has token id 999"):
+        eng.generate(prompts, osd.SamplingParams(4, logit_bias={999: 1.0}))
+    with pytest.raises(ValueError, match=r"logit_bias\[3\] must be in \[-100, 100\]"):
+        osd.SamplingParams(4, logit_bias={3: 101})
+    with pytest.raises(TypeError, match="logit_bias must be a mapping"):
+        osd.SamplingParams(4, logit_bias=[3])

@@ -223,6 +223,9 @@ def test_penalties_are_the_engines(setup):
                                   presence_penalty=0.5, frequency_penalty=0.5,
                                   extra_body={"repetition_penalty": 1.3, "return_token_ids": True})
     assert r.choices[0].token_ids == want.token_ids
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=4, temperature=0,
+                                  logit_bias={"42": 100}, extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == [42] * 4
 
 
 def test_chat_without_template_is_a_400(setup):
@@ -353,6 +356,9 @@ BAD = [
     ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
     ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty must be > 0"),
     ({"prompt": "x", "frequency_penalty": "a"}, 400, "frequency_penalty must be a finite"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias keys must be token ids"),
+    ({"prompt": "x", "logit_bias": {"5": 200}}, 400, "must be in [-100, 100]"),
+    ({"prompt": "x", "logit_bias": {"1000000": 1}}, 400, "outside the vocabulary"),
     ({"prompt": "x", "stream": True, "temperature": -1}, 400, "temperature"),
     ("[1, 2", 400, "not valid JSON"),
     ("[1, 2]", 400, "JSON object"),
