@@ -162,6 +162,11 @@ class AsyncEngine:
                              f"context max_seq_len={limit}")
         return request
 
+    async def score(self, prompt, logprobs: int = 0) -> list:
+        """:meth:`osd.Engine.score` of one prompt, run in a worker thread between the
+        loop's steps."""
+        return (await asyncio.to_thread(self.engine.score, [prompt], logprobs))[0]
+
     @property
     def stats(self) -> dict:
         """``engine.stats`` (errors by kind included), taken between steps."""

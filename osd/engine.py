@@ -59,8 +59,8 @@ from osd.online.serving import OnlineManager
 from osd.penalties import Penalties, wants_penalties
 from osd.prefix_cache import PrefixCache
 from osd.request import RequestError, RequestState, encode_prompts
-from osd.sampling import (BatchParams, Output, SamplingParams, fail_nonfinite, record_logprobs,
-                          request_seed, sample_tokens)
+from osd.sampling import (BatchParams, Output, SamplingParams, TokenLogprobs, fail_nonfinite,
+                          record_logprobs, request_seed, sample_tokens, token_logprobs)
 from osd.spec import SpecConfig
 from osd.speculative import Speculator
 from osd.stats import SpecStats
@@ -381,6 +381,39 @@ class Engine:
             for _ in self.run(requests):
                 pass
         return [self.output(r) for r in requests]
+
+    def score(self, prompts, logprobs: int = 0) -> list[list[TokenLogprobs | None]]:
+        """Each prompt token's log-probability under the target given the tokens before it,
+        with the ``logprobs`` (0 to 20) most likely tokens' (an evaluation harness's
+        loglikelihood; the server's ``echo``).
+
+        Args:
+            prompts: token-id lists or (with a tokenizer) strings, as for :meth:`generate`.
+            logprobs: how many most likely tokens each entry lists.
+
+        Returns:
+            Per prompt, one entry per token: None for the first, then
+            :class:`~osd.TokenLogprobs`. Each prompt runs through the target alone, in
+            pieces of ``prefill_chunk`` tokens, in a cache of its own (the serving rows are
+            untouched), between the engine's steps.
+        """
+        n = SamplingParams(1, logprobs=logprobs).logprobs
+        token_lists = self.encode(prompts)
+        out = []
+        chunk = self.model.config.prefill_chunk
+        with self._exclusive(), torch.inference_mode():
+            for ids in token_lists:
+                cache = self.model.new_cache(1, len(ids), context=self.max_seq_len)
+                entries: list[TokenLogprobs | None] = [None]
+                for start in range(0, len(ids) - 1, chunk):
+                    piece = ids[start:min(start + chunk, len(ids) - 1)]
+                    logits = self.model(torch.tensor([piece], device=self.device), cache)
+                    cache.commit(torch.full((1,), len(piece), dtype=torch.int32,
+                                            device=self.device), len(piece))
+                    nxt = torch.tensor(ids[start + 1:start + 1 + len(piece)], device=self.device)
+                    entries += token_logprobs(logits[0], nxt, n)
+                out.append(entries)
+        return out
 
     def chat(self, conversations, params: SamplingParams) -> list[Output]:
         """Answer each conversation: its messages formatted with the tokenizer's chat

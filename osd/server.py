@@ -8,319 +8,23 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 and ``GET /metrics`` (Prometheus text, vLLM's spec-decode metric names under ``osd:``).
 ``docs/serving.md`` lists the request fields and metrics.
 
-Every request is validated here before it reaches the engine, so a bad one gets a 4xx
-with an OpenAI-style error body naming the field, and the engine never sees it. Stop
-strings go to the engine (``SamplingParams.stop``), which ends the request at the token
-that completes one, so its row frees at once; the text is cut before it. fastapi is imported lazily (only
-:func:`build_app` and :func:`serve` need it), so ``import osd`` works without it.
+Every request is validated before it reaches the engine (:mod:`osd.server_requests`), so
+a bad one gets a 4xx with an OpenAI-style error body naming the field, and the engine
+never sees it. Stop strings go to the engine (``SamplingParams.stop``), which ends the
+request at the token that completes one, so its row frees at once; the text is cut
+before it. fastapi is imported lazily (only :func:`build_app` and :func:`serve` need it),
+so ``import osd`` works without it.
 """
 # No ``from __future__ import annotations``: FastAPI reads the endpoints' annotations
 # (``request: Request``, imported lazily inside build_app) as objects, not strings.
 import json
-import math
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import osd
-from osd.sampling import MAX_LOGPROBS, SamplingParams
 from osd.server_metrics import Counters, engine_snapshot, metrics_text
-
-# OpenAI's documented default for completions; chat defaults to the room left in the context.
-DEFAULT_COMPLETION_TOKENS = 16
-# Request fields this server does not implement, with the values that mean "off". Any
-# other value is refused with a 400 rather than silently ignored.
-UNSUPPORTED = {
-    "echo": (None, False), "suffix": (None, ""), "tools": (None,), "functions": (None,),
-    "best_of": (None, 1),
-}
-
-
-class APIError(Exception):
-    """A request the server refuses: HTTP ``status`` and an OpenAI-style error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = \
-            status, message, param, code, type
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def _bad(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param)
-
-
-@dataclass
-class GenRequest:
-    """One validated generation request (completion or chat)."""
-
-    kind: str                         # "completion" | "chat"
-    prompt_ids: list[int]
-    params: SamplingParams
-    stop: list[str]                   # stop strings, found in the decoded text
-    stream: bool
-    include_usage: bool               # stream_options.include_usage
-    return_token_ids: bool            # add token_ids / prompt_token_ids to each choice
-    draft: int | None = None          # the draft asked for (an index), else routed
-    logprobs: int | None = None       # top log-probabilities per token, None for none
-
-
-# ---- Request validation ----
-
-def _int_field(body: dict, name: str, default=None):
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"{name} must be an integer, got {json.dumps(value)}", name)
-    return value
-
-
-def _float_field(body: dict, name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not math.isfinite(value):
-        raise _bad(f"{name} must be a finite number, got {json.dumps(value)}", name)
-    return float(value)
-
-
-def _stop_strings(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise _bad("stop must be a string or a list of strings", "stop")
-    if any(s == "" for s in stops):
-        raise _bad("stop strings must not be empty", "stop")
-    return stops
-
-
-def _sampling(body: dict, prompt_len: int, max_seq_len: int, vocab: int,
-              default_max_tokens: int | None) -> SamplingParams:
-    """SamplingParams from the request's fields; every bad value is a 400 naming it."""
-    max_tokens = _int_field(body, "max_completion_tokens")
-    name = "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, name = _int_field(body, "max_tokens"), "max_tokens"
-    room = max_seq_len - prompt_len
-    if max_tokens is None:
-        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
-    elif max_tokens < 1:
-        raise _bad(f"{name} must be at least 1, got {max_tokens}", name)
-    elif max_tokens > room:
-        raise _bad(f"this model's maximum context length is {max_seq_len} tokens; the prompt "
-                   f"has {prompt_len} and {name} asks for {max_tokens} more (at most {room} "
-                   "fit)", name)
-    temperature = _float_field(body, "temperature", 1.0)
-    if temperature < 0:
-        raise _bad(f"temperature must be >= 0 (0 is greedy), got {temperature}", "temperature")
-    top_p = _float_field(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise _bad(f"top_p must be in (0, 1], got {top_p}", "top_p")
-    top_k = _int_field(body, "top_k", 0)
-    if top_k < -1:
-        raise _bad(f"top_k must be >= 1, or 0 / -1 for no limit; got {top_k}", "top_k")
-    seed = _int_field(body, "seed")
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-            raise _bad("stop_token_ids must be a list of integers", "stop_token_ids")
-        bad = [t for t in stop_ids if not 0 <= t < vocab]
-        if bad:
-            raise _bad(f"stop_token_ids has token id {bad[0]} outside the vocabulary "
-                       f"[0, {vocab})", "stop_token_ids")
-    penalties = {}
-    for name, default, low, high in (("presence_penalty", 0.0, -2, 2),
-                                     ("frequency_penalty", 0.0, -2, 2),
-                                     ("repetition_penalty", 1.0, 0, math.inf)):
-        penalties[name] = _float_field(body, name, default)
-        if not low <= penalties[name] <= high or penalties[name] == 0 == low:
-            raise _bad(f"{name} must be {'> 0' if low == 0 else f'in [{low}, {high}]'}, "
-                       f"got {penalties[name]}", name)
-    bias = body.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, dict):
-            raise _bad("logit_bias must be an object {token id: bias}", "logit_bias")
-        try:
-            bias = {int(t): b for t, b in bias.items()}
-        except ValueError:
-            raise _bad("logit_bias keys must be token ids", "logit_bias") from None
-        bad = [t for t in bias if not 0 <= t < vocab]
-        if bad:
-            raise _bad(f"logit_bias has token id {bad[0]} outside the vocabulary [0, {vocab})",
-                       "logit_bias")
-    try:
-        return SamplingParams(max_tokens, temperature=temperature, top_k=max(top_k, 0),
-                              top_p=top_p, seed=seed, stop_token_ids=stop_ids,
-                              logit_bias=bias, **penalties)
-    except (ValueError, TypeError) as exc:
-        raise _bad(str(exc)) from None
-
-
-def _common(body, model_name: str) -> None:
-    """Checks shared by both endpoints: the body's shape, the model, n, unsupported
-    fields."""
-    if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                       f"{model_name!r}", "model", "model_not_found")
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise _bad(f"n must be 1 (one choice per request), got {json.dumps(n)}", "n")
-    for name, off in UNSUPPORTED.items():
-        value = body.get(name)
-        # Compare types too: False == 0 in Python, but logprobs=0 is not "off".
-        is_off = value in ({}, []) or any(type(value) is type(v) and value == v for v in off)
-        if not is_off:
-            raise _bad(f"{name} is not supported by this server (got {json.dumps(value)})",
-                       name)
-    stream = body.get("stream", False)
-    if stream is not None and not isinstance(stream, bool):
-        raise _bad("stream must be a boolean", "stream")
-
-
-def _encode(engine, prompt, param: str) -> list[int]:
-    """Validated token ids of one prompt (a string or token ids), through the engine's own
-    ``encode`` so the server and the engine agree on ids and limits."""
-    if isinstance(prompt, str):
-        prompt = list(engine.tokenizer.encode(prompt))
-    if len(prompt) >= engine.max_seq_len:
-        raise _bad(f"the prompt has {len(prompt)} tokens; this model's maximum context length "
-                   f"is {engine.max_seq_len} tokens, which must leave room for at least one "
-                   "generated token", param)
-    try:
-        return engine.encode([prompt])[0]
-    except (ValueError, TypeError) as exc:
-        raise _bad(str(exc).replace("prompt 0 ", "the prompt "), param) from None
-
-
-def parse_completion(body, engine, model_name: str) -> GenRequest:
-    """Validate a ``/v1/completions`` body."""
-    _common(body, model_name)
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise _bad("prompt is required: a string or a list of token ids", "prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise _bad(f"batched prompts are not supported: send one prompt per request "
-                       f"(got {len(prompt)})", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if engine.tokenizer is None:
-            raise _bad("this model has no tokenizer: send the prompt as a list of token ids",
-                       "prompt")
-        if not prompt:
-            raise _bad("prompt is empty", "prompt")
-    elif isinstance(prompt, list):
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise _bad("prompt must be a string or a list of integer token ids", "prompt")
-    else:
-        raise _bad("prompt must be a string or a list of token ids", "prompt")
-    ids = _encode(engine, prompt, "prompt")
-    return _finish_parse("completion", body, engine, ids, DEFAULT_COMPLETION_TOKENS)
-
-
-def _content(msg: dict, i: int):
-    """A message's content as a string: OpenAI's list of parts is joined when every part
-    is text."""
-    content = msg.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or \
-                    not isinstance(part.get("text"), str):
-                raise _bad(f"messages[{i}]: only text content parts are supported",
-                           "messages")
-            texts.append(part["text"])
-        return "".join(texts)
-    return content
-
-
-def parse_chat(body, engine, model_name: str) -> GenRequest:
-    """Validate a ``/v1/chat/completions`` body and format its messages with the
-    tokenizer's chat template."""
-    from osd.chat import apply_chat_template
-
-    _common(body, model_name)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("messages is required: a non-empty list of {role, content} messages",
-                   "messages")
-    tok = engine.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise _bad("this model's tokenizer has no chat template, so chat completions are "
-                   "unavailable; use /v1/completions", "messages")
-    conv = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise _bad(f"messages[{i}] must be an object with role and content", "messages")
-        role = "system" if msg.get("role") == "developer" else msg.get("role")
-        conv.append({"role": role, "content": _content(msg, i)})
-    try:
-        text_ids = apply_chat_template(tok, [conv])[0]
-    except (ValueError, TypeError) as exc:
-        raise _bad(str(exc).replace("conversation 0, ", ""), "messages") from None
-    except Exception as exc:           # the template itself raised (jinja error, bad role order)
-        raise _bad(f"the chat template could not format these messages: {exc}",
-                   "messages") from None
-    ids = _encode(engine, text_ids, "messages")
-    return _finish_parse("chat", body, engine, ids, None)
-
-
-def _finish_parse(kind, body, engine, ids, default_max_tokens) -> GenRequest:
-    params = _sampling(body, len(ids), engine.max_seq_len, engine.model.vocab_size,
-                       default_max_tokens)
-    stop = _stop_strings(body)
-    if stop and engine.tokenizer is None:
-        raise _bad("stop strings need a tokenizer; this model has none (use stop_token_ids)",
-                   "stop")
-    stream = bool(body.get("stream"))
-    opts = body.get("stream_options")
-    if opts is not None and (not isinstance(opts, dict) or not stream):
-        raise _bad("stream_options must be an object, and only with stream: true",
-                   "stream_options")
-    rti = body.get("return_token_ids", False)
-    if not isinstance(rti, bool):
-        raise _bad("return_token_ids must be a boolean", "return_token_ids")
-    draft = body.get("draft")
-    if draft is not None and (isinstance(draft, bool) or not isinstance(draft, int)):
-        raise _bad("draft must be an integer index into the served drafts", "draft")
-    logprobs = _logprobs_field(kind, body)
-    params = replace(params, stop=stop or None, logprobs=logprobs)
-    return GenRequest(kind, ids, params, stop, stream, bool((opts or {}).get("include_usage")),
-                      rti or engine.tokenizer is None, draft, logprobs)
-
-
-def _logprobs_field(kind: str, body: dict) -> int | None:
-    """How many top log-probabilities each token gets (None: no logprobs). Completions:
-    ``logprobs`` (an integer); chat: ``logprobs: true`` with ``top_logprobs``."""
-    if kind == "completion":
-        n, name = _int_field(body, "logprobs"), "logprobs"
-        if body.get("top_logprobs") is not None:
-            raise _bad("top_logprobs is a chat field; completions take logprobs: <int>",
-                       "top_logprobs")
-    else:
-        on = body.get("logprobs")
-        if on is not None and not isinstance(on, bool):
-            raise _bad(f"logprobs must be a boolean, got {json.dumps(on)}", "logprobs")
-        n, name = _int_field(body, "top_logprobs"), "top_logprobs"
-        if n is not None and not on:
-            raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
-        n = (n or 0) if on else None
-    if n is not None and not 0 <= n <= MAX_LOGPROBS:
-        raise _bad(f"{name} must be in [0, {MAX_LOGPROBS}], got {n}", name)
-    return n
-
+from osd.server_requests import APIError, GenRequest, _bad, parse_chat, parse_completion
 
 # ---- Driving one request: text deltas, stop strings, abort ----
 
@@ -463,33 +167,38 @@ def _token_text(tok, token_id: int) -> str:
     return f"token_id:{token_id}" if tok is None else tok.decode([token_id])
 
 
-def _logprobs_body(gen: Generation, req: GenRequest, logprobs: list, offset: int):
-    """OpenAI's ``logprobs`` object of a choice: chat's ``content`` list, or the
+def _logprobs_body(tok, req: GenRequest, pairs: list, offset: int):
+    """OpenAI's ``logprobs`` object of a choice from ``(token id, osd.TokenLogprobs or
+    None)`` pairs (None: an echoed prompt's first token): chat's ``content`` list, or the
     completions' parallel lists (``text_offset`` from ``offset``, the characters sent
     before these tokens)."""
     if req.logprobs is None:
         return None
-    tok = gen.tok
     if req.kind == "chat":
         def entry(i, lp):
             t = _token_text(tok, i)
             return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
         return {"content": [{**entry(e.token_id, e.logprob),
                              "top_logprobs": [entry(i, lp) for i, lp in e.top]}
-                            for e in logprobs]}
-    tokens = [_token_text(tok, e.token_id) for e in logprobs]
+                            for _, e in pairs]}
+    tokens = [_token_text(tok, i) for i, _ in pairs]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in logprobs],
-            "top_logprobs": [{_token_text(tok, i): lp for i, lp in e.top} for e in logprobs],
+    return {"tokens": tokens, "token_logprobs": [e and e.logprob for _, e in pairs],
+            "top_logprobs": [e and {_token_text(tok, i): lp for i, lp in e.top}
+                             for _, e in pairs],
             "text_offset": offsets}
 
 
-def _choice(gen: Generation, req: GenRequest, text: str, ids: list[int],
-            finish: str | None, stream: bool, logprobs: list, offset: int = 0) -> dict:
-    lp = _logprobs_body(gen, req, logprobs, offset)
+def _pairs(logprobs: list) -> list:
+    return [(e.token_id, e) for e in logprobs]
+
+
+def _choice(tok, req: GenRequest, text: str, ids: list[int], finish: str | None,
+            stream: bool, pairs: list, offset: int = 0) -> dict:
+    lp = _logprobs_body(tok, req, pairs, offset)
     if req.kind == "chat":
         if stream:
             c = {"index": 0, "delta": {"content": text} if text else {},
@@ -506,10 +215,36 @@ def _choice(gen: Generation, req: GenRequest, text: str, ids: list[int],
     return c
 
 
-def _envelope(gen: Generation, model_name: str, created: int, stream: bool) -> dict:
+def _envelope(kind: str, request_id: str, model_name: str, created: int, stream: bool) -> dict:
     obj = {"chat": ("chat.completion", "chat.completion.chunk"),
-           "completion": ("text_completion", "text_completion")}[gen.req.kind][int(stream)]
-    return {"id": gen.id, "object": obj, "created": created, "model": model_name}
+           "completion": ("text_completion", "text_completion")}[kind][int(stream)]
+    return {"id": request_id, "object": obj, "created": created, "model": model_name}
+
+
+async def _echo(async_engine, req: GenRequest) -> tuple[str, list]:
+    """The echoed prompt: its text and its ``(token id, logprobs)`` pairs (scored by the
+    target only when logprobs are asked for)."""
+    tok = async_engine.engine.tokenizer
+    text = "" if tok is None else tok.decode(req.prompt_ids)
+    scores = [None] * len(req.prompt_ids) if req.logprobs is None else \
+        await async_engine.score(req.prompt_ids, req.logprobs)
+    return text, list(zip(req.prompt_ids, scores))
+
+
+def _echo_only(req: GenRequest, echo, head: dict, tok):
+    """The response to ``echo`` with ``max_tokens`` 0: the prompt alone."""
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    choice = _choice(tok, req, echo[0], [], "length", req.stream, echo[1])
+    usage = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": 0,
+             "total_tokens": len(req.prompt_ids)}
+    if not req.stream:
+        return JSONResponse({**head, "choices": [choice], "usage": usage})
+    events = [_sse({**head, "choices": [choice]})]
+    if req.include_usage:
+        events.append(_sse({**head, "choices": [], "usage": usage}))
+    return StreamingResponse(iter(events + ["data: [DONE]\n\n"]),
+                             media_type="text/event-stream")
 
 
 def _sse(obj) -> str:
@@ -522,8 +257,14 @@ async def _respond(request, async_engine, model_name: str, counters: Counters,
     from starlette.background import BackgroundTask
 
     prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
-    gen = Generation(async_engine, req, f"{prefix}-{uuid.uuid4().hex}", counters)
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
     created = int(time.time())
+    tok = async_engine.engine.tokenizer
+    echo = await _echo(async_engine, req) if req.echo else ("", [])
+    if not req.generate:
+        return _echo_only(req, echo, _envelope(req.kind, request_id, model_name, created,
+                                               req.stream), tok)
+    gen = Generation(async_engine, req, request_id, counters)
     first = await gen.start()
 
     if not req.stream:
@@ -536,26 +277,29 @@ async def _respond(request, async_engine, model_name: str, counters: Counters,
         except BaseException:
             await gen.cancel()
             raise
-        body = _envelope(gen, model_name, created, False)
-        body["choices"] = [_choice(gen, req, gen.text, gen.ids, gen.finish_reason, False,
-                                   gen.logprobs)]
+        body = _envelope(req.kind, request_id, model_name, created, False)
+        body["choices"] = [_choice(tok, req, echo[0] + gen.text, gen.ids, gen.finish_reason,
+                                   False, echo[1] + _pairs(gen.logprobs))]
         body["usage"] = gen.usage()
         return JSONResponse(body)
 
     async def events():
         try:
-            head = _envelope(gen, model_name, created, True)
+            head = _envelope(req.kind, request_id, model_name, created, True)
             if req.kind == "chat":     # the first chat chunk names the role (OpenAI's format)
                 yield _sse({**head, "choices": [{"index": 0, "delta": {
                     "role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}]})
-            step, sent = first, 0
+            if req.echo:               # the prompt first, as its own chunk
+                yield _sse({**head, "choices": [_choice(tok, req, echo[0], [], None, True,
+                                                        echo[1])]})
+            step, sent = first, sum(len(_token_text(tok, i)) for i, _ in echo[1])
             while True:
                 if step.text or step.finish_reason is not None or \
                         ((req.return_token_ids or req.logprobs is not None) and step.token_ids):
                     yield _sse({**head, "choices": [_choice(
-                        gen, req, step.text, step.token_ids, step.finish_reason, True,
-                        step.logprobs, sent)]})
+                        tok, req, step.text, step.token_ids, step.finish_reason, True,
+                        _pairs(step.logprobs), sent)]})
                     sent += sum(len(_token_text(gen.tok, t)) for t in step.token_ids)
                 if gen.done:
                     break

@@ -69,3 +69,27 @@ def test_logprobs_follow_stop_strings_and_bad_values_raise():
     for bad, err in [(-1, ValueError), (21, ValueError), (2.5, TypeError), ("3", TypeError)]:
         with pytest.raises(err, match="logprobs"):
             osd.SamplingParams(4, logprobs=bad)
+
+
+def test_score_equals_transformers(target):
+    """``Engine.score``: each prompt token's log-probability given the ones before it, in
+    pieces of ``prefill_chunk`` tokens (here 4), equal to transformers' on the whole
+    prompt; the serving engine's outputs are unchanged around it."""
+    eng = osd.Engine.from_pretrained(target, draft=perturbed(target, 0.3, seed=34),
+                                     max_batch_size=2, max_seq_len=96, prefill_chunk=4,
+                                     spec=osd.SpecConfig(num_draft_tokens=3))
+    prompts = prompts_of([11, 2, 9], seed=35)
+    before = eng.generate(prompts[:1], osd.SamplingParams(10))[0].token_ids
+    scored = eng.score(prompts, logprobs=3)
+    for prompt, entries in zip(prompts, scored):
+        assert len(entries) == len(prompt) and entries[0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(target(torch.tensor([prompt])).logits[0].float(), -1)
+        for j, e in enumerate(entries[1:], start=1):
+            assert e.token_id == prompt[j]
+            assert e.logprob == pytest.approx(ref[j - 1, prompt[j]].item(), abs=1e-4)
+            assert [v for _, v in e.top] == pytest.approx(ref[j - 1].topk(3).values.tolist(),
+                                                          abs=1e-4)
+    assert eng.generate(prompts[:1], osd.SamplingParams(10))[0].token_ids == before
+    with pytest.raises(ValueError, match="logprobs must be in"):
+        eng.score(prompts, logprobs=50)

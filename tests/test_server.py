@@ -215,6 +215,32 @@ def test_logprobs(setup):
     assert r.choices[0].logprobs is None
 
 
+def test_echo_and_prompt_logprobs(setup):
+    """``echo``: the prompt leads the text, and with ``logprobs`` its tokens' scores
+    (``Engine.score``; the first is null) lead the lists; ``max_tokens: 0`` scores only."""
+    client, tok = setup["client"], setup["tok"]
+    ids = tok.encode(PROMPTS[0])
+    want = setup["ref_engine"].score([ids], logprobs=2)[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=0, echo=True,
+                                  logprobs=2)
+    c = r.choices[0]
+    assert c.text == tok.decode(ids) and r.usage.completion_tokens == 0
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert c.logprobs.token_logprobs[1:] == pytest.approx([e.logprob for e in want[1:]],
+                                                          abs=1e-4)
+    ref = setup["reference"][0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=NEW, temperature=0,
+                                  echo=True, logprobs=1)
+    c = r.choices[0]
+    assert c.text == tok.decode(ids) + ref.text
+    assert len(c.logprobs.tokens) == len(ids) + len(ref.token_ids)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=NEW,
+                                            temperature=0, echo=True, logprobs=1, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    assert [o for ch in chunks for o in ch.choices[0].logprobs.text_offset] == \
+        c.logprobs.text_offset
+
+
 def test_penalties_are_the_engines(setup):
     client = setup["client"]
     p = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5)
@@ -352,7 +378,9 @@ BAD = [
      "top_logprobs needs logprobs: true"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 3}, 400,
      "logprobs must be a boolean"),
-    ({"prompt": "x", "echo": True}, 400, "echo is not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400,
+     "echo must be a boolean, and only for completions"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "0 only with echo"),
     ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
     ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty must be > 0"),
     ({"prompt": "x", "frequency_penalty": "a"}, 400, "frequency_penalty must be a finite"),

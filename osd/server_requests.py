@@ -1,0 +1,312 @@
+"""Validation of the OpenAI-compatible server's requests (:mod:`osd.server`): a request
+body becomes a :class:`GenRequest` (token ids, :class:`~osd.SamplingParams`, stream and
+response options) or an :class:`APIError` naming the bad field, before the engine sees it.
+"""
+import json
+import math
+from dataclasses import dataclass, replace
+
+from osd.sampling import MAX_LOGPROBS, SamplingParams
+
+# OpenAI's documented default for completions; chat defaults to the room left in the context.
+DEFAULT_COMPLETION_TOKENS = 16
+# Request fields this server does not implement, with the values that mean "off". Any
+# other value is refused with a 400 rather than silently ignored.
+UNSUPPORTED = {
+    "suffix": (None, ""), "tools": (None,), "functions": (None,), "best_of": (None, 1),
+}
+
+
+class APIError(Exception):
+    """A request the server refuses: HTTP ``status`` and an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = \
+            status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def _bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+@dataclass
+class GenRequest:
+    """One validated generation request (completion or chat)."""
+
+    kind: str                         # "completion" | "chat"
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: list[str]                   # stop strings, found in the decoded text
+    stream: bool
+    include_usage: bool               # stream_options.include_usage
+    return_token_ids: bool            # add token_ids / prompt_token_ids to each choice
+    draft: int | None = None          # the draft asked for (an index), else routed
+    logprobs: int | None = None       # top log-probabilities per token, None for none
+    echo: bool = False                # completions: the prompt leads the text (and logprobs)
+    generate: bool = True             # False: echo with max_tokens 0, nothing generated
+
+
+# ---- Request validation ----
+
+def _int_field(body: dict, name: str, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"{name} must be an integer, got {json.dumps(value)}", name)
+    return value
+
+
+def _float_field(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value):
+        raise _bad(f"{name} must be a finite number, got {json.dumps(value)}", name)
+    return float(value)
+
+
+def _stop_strings(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _bad("stop must be a string or a list of strings", "stop")
+    if any(s == "" for s in stops):
+        raise _bad("stop strings must not be empty", "stop")
+    return stops
+
+
+def _sampling(body: dict, prompt_len: int, max_seq_len: int, vocab: int,
+              default_max_tokens: int | None) -> SamplingParams:
+    """SamplingParams from the request's fields; every bad value is a 400 naming it. With
+    ``echo``, ``max_tokens`` may be 0 (the caller generates nothing; the params say 1)."""
+    max_tokens = _int_field(body, "max_completion_tokens")
+    name = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, name = _int_field(body, "max_tokens"), "max_tokens"
+    room = max_seq_len - prompt_len
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif max_tokens == 0 and body.get("echo") is True:
+        max_tokens = 1
+    elif max_tokens < 1:
+        raise _bad(f"{name} must be at least 1 (0 only with echo), got {max_tokens}", name)
+    elif max_tokens > room:
+        raise _bad(f"this model's maximum context length is {max_seq_len} tokens; the prompt "
+                   f"has {prompt_len} and {name} asks for {max_tokens} more (at most {room} "
+                   "fit)", name)
+    temperature = _float_field(body, "temperature", 1.0)
+    if temperature < 0:
+        raise _bad(f"temperature must be >= 0 (0 is greedy), got {temperature}", "temperature")
+    top_p = _float_field(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise _bad(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    top_k = _int_field(body, "top_k", 0)
+    if top_k < -1:
+        raise _bad(f"top_k must be >= 1, or 0 / -1 for no limit; got {top_k}", "top_k")
+    seed = _int_field(body, "seed")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+            raise _bad("stop_token_ids must be a list of integers", "stop_token_ids")
+        bad = [t for t in stop_ids if not 0 <= t < vocab]
+        if bad:
+            raise _bad(f"stop_token_ids has token id {bad[0]} outside the vocabulary "
+                       f"[0, {vocab})", "stop_token_ids")
+    penalties = {}
+    for name, default, low, high in (("presence_penalty", 0.0, -2, 2),
+                                     ("frequency_penalty", 0.0, -2, 2),
+                                     ("repetition_penalty", 1.0, 0, math.inf)):
+        penalties[name] = _float_field(body, name, default)
+        if not low <= penalties[name] <= high or penalties[name] == 0 == low:
+            raise _bad(f"{name} must be {'> 0' if low == 0 else f'in [{low}, {high}]'}, "
+                       f"got {penalties[name]}", name)
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise _bad("logit_bias must be an object {token id: bias}", "logit_bias")
+        try:
+            bias = {int(t): b for t, b in bias.items()}
+        except ValueError:
+            raise _bad("logit_bias keys must be token ids", "logit_bias") from None
+        bad = [t for t in bias if not 0 <= t < vocab]
+        if bad:
+            raise _bad(f"logit_bias has token id {bad[0]} outside the vocabulary [0, {vocab})",
+                       "logit_bias")
+    try:
+        return SamplingParams(max_tokens, temperature=temperature, top_k=max(top_k, 0),
+                              top_p=top_p, seed=seed, stop_token_ids=stop_ids,
+                              logit_bias=bias, **penalties)
+    except (ValueError, TypeError) as exc:
+        raise _bad(str(exc)) from None
+
+
+def _common(body, model_name: str) -> None:
+    """Checks shared by both endpoints: the body's shape, the model, n, unsupported
+    fields."""
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                       f"{model_name!r}", "model", "model_not_found")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise _bad(f"n must be 1 (one choice per request), got {json.dumps(n)}", "n")
+    for name, off in UNSUPPORTED.items():
+        value = body.get(name)
+        # Compare types too: False == 0 in Python, but logprobs=0 is not "off".
+        is_off = value in ({}, []) or any(type(value) is type(v) and value == v for v in off)
+        if not is_off:
+            raise _bad(f"{name} is not supported by this server (got {json.dumps(value)})",
+                       name)
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise _bad("stream must be a boolean", "stream")
+
+
+def _encode(engine, prompt, param: str) -> list[int]:
+    """Validated token ids of one prompt (a string or token ids), through the engine's own
+    ``encode`` so the server and the engine agree on ids and limits."""
+    if isinstance(prompt, str):
+        prompt = list(engine.tokenizer.encode(prompt))
+    if len(prompt) >= engine.max_seq_len:
+        raise _bad(f"the prompt has {len(prompt)} tokens; this model's maximum context length "
+                   f"is {engine.max_seq_len} tokens, which must leave room for at least one "
+                   "generated token", param)
+    try:
+        return engine.encode([prompt])[0]
+    except (ValueError, TypeError) as exc:
+        raise _bad(str(exc).replace("prompt 0 ", "the prompt "), param) from None
+
+
+def parse_completion(body, engine, model_name: str) -> GenRequest:
+    """Validate a ``/v1/completions`` body."""
+    _common(body, model_name)
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise _bad("prompt is required: a string or a list of token ids", "prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise _bad(f"batched prompts are not supported: send one prompt per request "
+                       f"(got {len(prompt)})", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if engine.tokenizer is None:
+            raise _bad("this model has no tokenizer: send the prompt as a list of token ids",
+                       "prompt")
+        if not prompt:
+            raise _bad("prompt is empty", "prompt")
+    elif isinstance(prompt, list):
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise _bad("prompt must be a string or a list of integer token ids", "prompt")
+    else:
+        raise _bad("prompt must be a string or a list of token ids", "prompt")
+    ids = _encode(engine, prompt, "prompt")
+    return _finish_parse("completion", body, engine, ids, DEFAULT_COMPLETION_TOKENS)
+
+
+def _content(msg: dict, i: int):
+    """A message's content as a string: OpenAI's list of parts is joined when every part
+    is text."""
+    content = msg.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or \
+                    not isinstance(part.get("text"), str):
+                raise _bad(f"messages[{i}]: only text content parts are supported",
+                           "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    return content
+
+
+def parse_chat(body, engine, model_name: str) -> GenRequest:
+    """Validate a ``/v1/chat/completions`` body and format its messages with the
+    tokenizer's chat template."""
+    from osd.chat import apply_chat_template
+
+    _common(body, model_name)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages is required: a non-empty list of {role, content} messages",
+                   "messages")
+    tok = engine.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise _bad("this model's tokenizer has no chat template, so chat completions are "
+                   "unavailable; use /v1/completions", "messages")
+    conv = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise _bad(f"messages[{i}] must be an object with role and content", "messages")
+        role = "system" if msg.get("role") == "developer" else msg.get("role")
+        conv.append({"role": role, "content": _content(msg, i)})
+    try:
+        text_ids = apply_chat_template(tok, [conv])[0]
+    except (ValueError, TypeError) as exc:
+        raise _bad(str(exc).replace("conversation 0, ", ""), "messages") from None
+    except Exception as exc:           # the template itself raised (jinja error, bad role order)
+        raise _bad(f"the chat template could not format these messages: {exc}",
+                   "messages") from None
+    ids = _encode(engine, text_ids, "messages")
+    return _finish_parse("chat", body, engine, ids, None)
+
+
+def _finish_parse(kind, body, engine, ids, default_max_tokens) -> GenRequest:
+    params = _sampling(body, len(ids), engine.max_seq_len, engine.model.vocab_size,
+                       default_max_tokens)
+    stop = _stop_strings(body)
+    if stop and engine.tokenizer is None:
+        raise _bad("stop strings need a tokenizer; this model has none (use stop_token_ids)",
+                   "stop")
+    stream = bool(body.get("stream"))
+    opts = body.get("stream_options")
+    if opts is not None and (not isinstance(opts, dict) or not stream):
+        raise _bad("stream_options must be an object, and only with stream: true",
+                   "stream_options")
+    rti = body.get("return_token_ids", False)
+    if not isinstance(rti, bool):
+        raise _bad("return_token_ids must be a boolean", "return_token_ids")
+    draft = body.get("draft")
+    if draft is not None and (isinstance(draft, bool) or not isinstance(draft, int)):
+        raise _bad("draft must be an integer index into the served drafts", "draft")
+    logprobs = _logprobs_field(kind, body)
+    params = replace(params, stop=stop or None, logprobs=logprobs)
+    echo = body.get("echo")
+    if echo is not None and (not isinstance(echo, bool) or (echo and kind == "chat")):
+        raise _bad("echo must be a boolean, and only for completions", "echo")
+    generate = not (echo and body.get("max_tokens") == 0)
+    return GenRequest(kind, ids, params, stop, stream, bool((opts or {}).get("include_usage")),
+                      rti or engine.tokenizer is None, draft, logprobs, bool(echo), generate)
+
+
+def _logprobs_field(kind: str, body: dict) -> int | None:
+    """How many top log-probabilities each token gets (None: no logprobs). Completions:
+    ``logprobs`` (an integer); chat: ``logprobs: true`` with ``top_logprobs``."""
+    if kind == "completion":
+        n, name = _int_field(body, "logprobs"), "logprobs"
+        if body.get("top_logprobs") is not None:
+            raise _bad("top_logprobs is a chat field; completions take logprobs: <int>",
+                       "top_logprobs")
+    else:
+        on = body.get("logprobs")
+        if on is not None and not isinstance(on, bool):
+            raise _bad(f"logprobs must be a boolean, got {json.dumps(on)}", "logprobs")
+        n, name = _int_field(body, "top_logprobs"), "top_logprobs"
+        if n is not None and not on:
+            raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+        n = (n or 0) if on else None
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise _bad(f"{name} must be in [0, {MAX_LOGPROBS}], got {n}", name)
+    return n
