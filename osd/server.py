@@ -48,8 +48,9 @@ class Generation:
     """
 
     def __init__(self, async_engine, req: GenRequest, request_id: str,
-                 counters: Counters) -> None:
+                 counters: Counters, params=None) -> None:
         self.ae, self.req, self.id, self.counters = async_engine, req, request_id, counters
+        self.params = params or req.params          # this choice's (its own seed)
         self.tok = async_engine.engine.tokenizer
         self.stop_ids = frozenset(req.params.stop_token_ids or ())
         self.text = ""             # text sent so far
@@ -82,7 +83,7 @@ class Generation:
         becomes a 400 here, before any response has started."""
         self.counters.running += 1
         self.counters.prompt_tokens += len(self.req.prompt_ids)
-        self._iter = self.ae.generate(self.req.prompt_ids, self.req.params,
+        self._iter = self.ae.generate(self.req.prompt_ids, self.params,
                                       request_id=self.id, draft=self.req.draft).__aiter__()
         return await self.next_step()
 
@@ -156,10 +157,6 @@ class Generation:
         with anyio.CancelScope(shield=True):
             await self._abort()
 
-    def usage(self) -> dict:
-        p, c = len(self.req.prompt_ids), len(self.ids)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
 
 # ---- Responses ----
 
@@ -197,17 +194,17 @@ def _pairs(logprobs: list) -> list:
 
 
 def _choice(tok, req: GenRequest, text: str, ids: list[int], finish: str | None,
-            stream: bool, pairs: list, offset: int = 0) -> dict:
+            stream: bool, pairs: list, offset: int = 0, index: int = 0) -> dict:
     lp = _logprobs_body(tok, req, pairs, offset)
     if req.kind == "chat":
         if stream:
-            c = {"index": 0, "delta": {"content": text} if text else {},
+            c = {"index": index, "delta": {"content": text} if text else {},
                  "logprobs": lp, "finish_reason": finish}
         else:
-            c = {"index": 0, "message": {"role": "assistant", "content": text},
+            c = {"index": index, "message": {"role": "assistant", "content": text},
                  "logprobs": lp, "finish_reason": finish}
     else:
-        c = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+        c = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
     if req.return_token_ids:
         c["token_ids"] = ids
         if not stream or finish is not None:
@@ -253,6 +250,8 @@ def _sse(obj) -> str:
 
 async def _respond(request, async_engine, model_name: str, counters: Counters,
                    req: GenRequest):
+    import asyncio
+
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.background import BackgroundTask
 
@@ -264,63 +263,102 @@ async def _respond(request, async_engine, model_name: str, counters: Counters,
     if not req.generate:
         return _echo_only(req, echo, _envelope(req.kind, request_id, model_name, created,
                                                req.stream), tok)
-    gen = Generation(async_engine, req, request_id, counters)
-    first = await gen.start()
+    # One engine request per choice; the engine batches them.
+    gens = [Generation(async_engine, req, request_id if req.n == 1 else f"{request_id}-{i}",
+                       counters, req.choice_params(i)) for i in range(req.n)]
+
+    async def cancel_all() -> None:
+        for g in gens:
+            await g.cancel()
+
+    firsts = []
+    try:
+        for g in gens:
+            firsts.append(await g.start())
+    except BaseException:
+        await cancel_all()
+        raise
+
+    def usage() -> dict:
+        p, c = len(req.prompt_ids), sum(len(g.ids) for g in gens)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     if not req.stream:
         try:
-            while not gen.done:
+            while not all(g.done for g in gens):
                 if await request.is_disconnected():
-                    await gen.cancel()
+                    await cancel_all()
                     return JSONResponse({}, status_code=499)
-                await gen.next_step()
+                await asyncio.gather(*(g.next_step() for g in gens if not g.done))
         except BaseException:
-            await gen.cancel()
+            await cancel_all()
             raise
         body = _envelope(req.kind, request_id, model_name, created, False)
-        body["choices"] = [_choice(tok, req, echo[0] + gen.text, gen.ids, gen.finish_reason,
-                                   False, echo[1] + _pairs(gen.logprobs))]
-        body["usage"] = gen.usage()
+        body["choices"] = [_choice(tok, req, echo[0] + g.text, g.ids, g.finish_reason, False,
+                                   echo[1] + _pairs(g.logprobs), index=i)
+                           for i, g in enumerate(gens)]
+        body["usage"] = usage()
         return JSONResponse(body)
 
     async def events():
+        head = _envelope(req.kind, request_id, model_name, created, True)
+        base = sum(len(_token_text(tok, i)) for i, _ in echo[1])
+        sent = [base] * req.n
+        tasks: dict = {}
+
+        def chunk(i: int, step: Step) -> str | None:
+            if not (step.text or step.finish_reason is not None or (
+                    (req.return_token_ids or req.logprobs is not None) and step.token_ids)):
+                return None
+            c = _choice(tok, req, step.text, step.token_ids, step.finish_reason, True,
+                        _pairs(step.logprobs), sent[i], index=i)
+            sent[i] += sum(len(_token_text(tok, t)) for t in step.token_ids)
+            return _sse({**head, "choices": [c]})
+
         try:
-            head = _envelope(req.kind, request_id, model_name, created, True)
-            if req.kind == "chat":     # the first chat chunk names the role (OpenAI's format)
-                yield _sse({**head, "choices": [{"index": 0, "delta": {
-                    "role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None}]})
-            if req.echo:               # the prompt first, as its own chunk
-                yield _sse({**head, "choices": [_choice(tok, req, echo[0], [], None, True,
-                                                        echo[1])]})
-            step, sent = first, sum(len(_token_text(tok, i)) for i, _ in echo[1])
-            while True:
-                if step.text or step.finish_reason is not None or \
-                        ((req.return_token_ids or req.logprobs is not None) and step.token_ids):
-                    yield _sse({**head, "choices": [_choice(
-                        tok, req, step.text, step.token_ids, step.finish_reason, True,
-                        _pairs(step.logprobs), sent)]})
-                    sent += sum(len(_token_text(gen.tok, t)) for t in step.token_ids)
-                if gen.done:
-                    break
-                try:
-                    step = await gen.next_step()
-                except APIError as exc:
-                    counters.api_errors[(exc.status, exc.type)] = \
-                        counters.api_errors.get((exc.status, exc.type), 0) + 1
-                    yield _sse(exc.body())
-                    break
+            for i in range(req.n):
+                if req.kind == "chat":   # a chat choice's first chunk names the role
+                    yield _sse({**head, "choices": [{"index": i, "delta": {
+                        "role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}]})
+                if req.echo:             # the prompt first, as its own chunk
+                    yield _sse({**head, "choices": [_choice(tok, req, echo[0], [], None, True,
+                                                            echo[1], index=i)]})
+            for i, step in enumerate(firsts):
+                out = chunk(i, step)
+                if out:
+                    yield out
+                if not gens[i].done:
+                    tasks[asyncio.ensure_future(gens[i].next_step())] = i
+            while tasks:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    i = tasks.pop(task)
+                    try:
+                        step = task.result()
+                    except APIError as exc:
+                        counters.api_errors[(exc.status, exc.type)] = \
+                            counters.api_errors.get((exc.status, exc.type), 0) + 1
+                        yield _sse(exc.body())
+                        continue
+                    out = chunk(i, step)
+                    if out:
+                        yield out
+                    if not gens[i].done:
+                        tasks[asyncio.ensure_future(gens[i].next_step())] = i
             if req.include_usage:
-                yield _sse({**head, "choices": [], "usage": gen.usage()})
+                yield _sse({**head, "choices": [], "usage": usage()})
             yield "data: [DONE]\n\n"
         finally:
-            await gen.cancel()
+            for task in tasks:
+                task.cancel()
+            await cancel_all()
 
     # The generator's finally covers a cancelled stream; the background task covers a
     # generator that never resumes after the client left (it is not closed at once).
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"},
-                             background=BackgroundTask(gen.cancel))
+                             background=BackgroundTask(cancel_all))
 
 
 # ---- The app ----

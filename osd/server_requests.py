@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from osd.sampling import MAX_LOGPROBS, SamplingParams
 
+MAX_CHOICES = 16                  # most choices (n) one request may ask for
 # OpenAI's documented default for completions; chat defaults to the room left in the context.
 DEFAULT_COMPLETION_TOKENS = 16
 # Request fields this server does not implement, with the values that mean "off". Any
@@ -50,6 +51,12 @@ class GenRequest:
     logprobs: int | None = None       # top log-probabilities per token, None for none
     echo: bool = False                # completions: the prompt leads the text (and logprobs)
     generate: bool = True             # False: echo with max_tokens 0, nothing generated
+    n: int = 1                        # choices, each its own engine request
+
+    def choice_params(self, i: int) -> SamplingParams:
+        """Choice ``i``'s parameters: a given seed moves by ``i`` so the choices differ."""
+        p = self.params
+        return p if p.seed is None or i == 0 else replace(p, seed=p.seed + i)
 
 
 # ---- Request validation ----
@@ -161,8 +168,9 @@ def _common(body, model_name: str) -> None:
         raise APIError(404, f"the model {model!r} does not exist; this server serves "
                        f"{model_name!r}", "model", "model_not_found")
     n = body.get("n")
-    if n is not None and n != 1:
-        raise _bad(f"n must be 1 (one choice per request), got {json.dumps(n)}", "n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int)
+                          or not 1 <= n <= MAX_CHOICES):
+        raise _bad(f"n must be an integer in [1, {MAX_CHOICES}], got {json.dumps(n)}", "n")
     for name, off in UNSUPPORTED.items():
         value = body.get(name)
         # Compare types too: False == 0 in Python, but logprobs=0 is not "off".
@@ -288,7 +296,8 @@ def _finish_parse(kind, body, engine, ids, default_max_tokens) -> GenRequest:
         raise _bad("echo must be a boolean, and only for completions", "echo")
     generate = not (echo and body.get("max_tokens") == 0)
     return GenRequest(kind, ids, params, stop, stream, bool((opts or {}).get("include_usage")),
-                      rti or engine.tokenizer is None, draft, logprobs, bool(echo), generate)
+                      rti or engine.tokenizer is None, draft, logprobs, bool(echo), generate,
+                      body.get("n") or 1)
 
 
 def _logprobs_field(kind: str, body: dict) -> int | None:

@@ -215,6 +215,28 @@ def test_logprobs(setup):
     assert r.choices[0].logprobs is None
 
 
+def test_n_choices(setup):
+    """``n``: one engine request per choice, choice ``i`` sampled as a one-choice request
+    with seed + i; streamed chunks carry their choice's index."""
+    client = setup["client"]
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=NEW, temperature=0.9)
+    r = client.completions.create(n=3, seed=5, **kw, extra_body={"return_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for i, c in enumerate(r.choices):
+        alone = client.completions.create(seed=5 + i, **kw).choices[0]
+        assert c.text == alone.text
+    assert len({c.text for c in r.choices}) > 1
+    assert r.usage.completion_tokens == sum(len(c.token_ids) for c in r.choices)
+    texts = ["", "", ""]
+    for ch in client.completions.create(n=3, seed=5, stream=True, **kw):
+        for c in ch.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in r.choices]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=8, n=2, temperature=0)
+    assert len(r.choices) == 2 and r.choices[0].message.content == r.choices[1].message.content
+
+
 def test_echo_and_prompt_logprobs(setup):
     """``echo``: the prompt leads the text, and with ``logprobs`` its tokens' scores
     (``Engine.score``; the first is null) lead the lists; ``max_tokens: 0`` scores only."""
@@ -368,7 +390,8 @@ BAD = [
     ({"prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
-    ({"prompt": "x", "n": 2}, 400, "n must be 1"),
+    ({"prompt": "x", "n": 17}, 400, "n must be an integer in [1, 16]"),
+    ({"prompt": "x", "n": 0}, 400, "n must be an integer in [1, 16]"),
     ({"prompt": "x", "stop": [3]}, 400, "stop must be"),
     ({"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs must be in [0, 20]"),
@@ -421,8 +444,8 @@ def test_bad_requests_are_openai_errors(setup, body, status, match):
 
 def test_bad_request_through_the_client(setup):
     with pytest.raises(openai.BadRequestError) as exc:
-        setup["client"].completions.create(model=MODEL, prompt="x", max_tokens=2, n=3)
-    assert exc.value.status_code == 400 and "n must be 1" in exc.value.message
+        setup["client"].completions.create(model=MODEL, prompt="x", max_tokens=2, n=30)
+    assert exc.value.status_code == 400 and "n must be an integer" in exc.value.message
     with pytest.raises(openai.NotFoundError):
         setup["client"].completions.create(model="nope", prompt="x", max_tokens=2)
 
