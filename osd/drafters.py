@@ -718,3 +718,40 @@ def overlay_lookup(prop: ChainProposal, conts: list[list[int]]) -> ChainProposal
             probs[b, torch.arange(n, device=device), cont] = 1
     return ChainProposal(tokens, probs, prop.logits, num, width, source="mixed",
                          lookup_rows=rows)
+
+
+def make_drafters(spec, target: DecoderLM, drafts: list[DecoderLM], max_batch_size: int,
+                  capacity: int, context: int, history: LookupHistory | None,
+                  learning: bool = False) -> list:
+    """The drafters of ``spec`` (``osd.SpecConfig``) for ``target``: one per draft model
+    (an EAGLE draft gets an :class:`EagleDrafter`), or the n-gram drafter, or the target's
+    own layers (self-speculation), each behind prompt lookup when ``spec.prompt_lookup``;
+    caches of ``capacity`` slots for sequences of up to ``context`` tokens. Self-speculation
+    drafts with the target's own layers, except when the draft learns online
+    (``learning``): then with a copy of the layers it uses, so training never writes the
+    target's weights."""
+    from osd.models.eagle import EagleLM
+    from osd.models.llama import without_layers
+
+    if spec.drafter == "ngram":
+        return [NGramDrafter(spec.ngram_min, spec.ngram_max, history)]
+    if spec.drafter == "self":
+        n = target.config.num_layers
+        skip = frozenset(spec.skip_layers) if spec.skip_layers is not None else \
+            frozenset(range(1, n, 2))
+        bad = [i for i in skip if not 0 <= i < n]
+        if bad or len(skip) >= n:
+            raise ValueError(f"skip_layers must name some (not all) of the target's "
+                             f"{n} layers, got {sorted(skip)}")
+        drafters = [ModelDrafter(without_layers(target, skip), max_batch_size, capacity,
+                                 context=context) if learning else
+                    ModelDrafter(target, max_batch_size, capacity, skip, context=context)]
+    else:
+        drafters = [EagleDrafter(d, max_batch_size, capacity, context=context)
+                    if isinstance(d, EagleLM) else
+                    ModelDrafter(d, max_batch_size, capacity, context=context)
+                    for d in drafts]
+    if spec.prompt_lookup:
+        drafters = [LookupDrafter(d, NGramDrafter(spec.ngram_min, spec.ngram_max, history))
+                    for d in drafters]
+    return drafters

@@ -45,12 +45,12 @@ import time
 
 import torch
 
-from osd.drafters import EagleDrafter, LookupDrafter, ModelDrafter, NGramDrafter
+from osd.drafters import make_drafters
 from osd.graphs import StepGraphs, graphed_forward
 from osd.lanes import Lane
 from osd.lookup_history import LookupHistory
 from osd.models.eagle import EagleLM, is_eagle_checkpoint, load_eagle
-from osd.models.llama import DecoderLM, without_layers
+from osd.models.llama import DecoderLM
 from osd.models.loading import is_transformers_model, load_model, load_tokenizer
 from osd.models.quant import serving_drafts
 from osd.online.collect import TeacherCollector
@@ -60,7 +60,8 @@ from osd.penalties import Penalties, wants_penalties
 from osd.prefix_cache import PrefixCache
 from osd.request import RequestError, RequestState, encode_prompts
 from osd.sampling import (BatchParams, Output, SamplingParams, TokenLogprobs, fail_nonfinite,
-                          record_logprobs, request_seed, sample_tokens, token_logprobs)
+                          record_logprobs, request_seed, sample_tokens)
+from osd.scoring import score_tokens
 from osd.spec import SpecConfig
 from osd.speculative import Speculator
 from osd.stats import SpecStats
@@ -173,8 +174,9 @@ class Engine:
             if spec is not None and spec.lookup_history else None
         # One lane (target cache rows) per drafter, so requests of every draft are served
         # in the same steps; plain decoding has one lane without a speculator.
-        drafters = [None] if spec is None else \
-            self._make_drafters(spec, drafts, online is not None)
+        drafters = [None] if spec is None else make_drafters(
+            spec, model, drafts, max_batch_size, max_seq_len + self._headroom + 72, max_seq_len,
+            self.lookup_history, learning=online is not None)
         self.online = None if online is None else \
             OnlineManager([d.model for d in drafters], online, masters)
         self.lanes = [Lane(model.new_cache(max_batch_size, max_seq_len + self._headroom,
@@ -214,38 +216,6 @@ class Engine:
         self._call_owner: int | None = None
         self.eos_token_ids = frozenset(model.config.eos_token_ids)
         self._ones = torch.ones(max_batch_size, dtype=torch.int32, device=self.device)
-
-    def _make_drafters(self, spec: SpecConfig, drafts: list[DecoderLM], learning: bool) -> list:
-        """The drafters of ``spec``. Self-speculation drafts with the target's own layers,
-        except when the draft learns online (``learning``): then it drafts with a copy of
-        the layers it uses, so training never writes the target's weights."""
-        capacity, context = self.max_seq_len + self._headroom + 72, self.max_seq_len
-        history = self.lookup_history
-        if spec.drafter == "ngram":
-            return [NGramDrafter(spec.ngram_min, spec.ngram_max, history)]
-        if spec.drafter == "self":
-            n = self.model.config.num_layers
-            skip = frozenset(spec.skip_layers) if spec.skip_layers is not None else \
-                frozenset(range(1, n, 2))
-            bad = [i for i in skip if not 0 <= i < n]
-            if bad or len(skip) >= n:
-                raise ValueError(f"skip_layers must name some (not all) of the target's "
-                                 f"{n} layers, got {sorted(skip)}")
-            if learning:
-                drafters = [ModelDrafter(without_layers(self.model, skip), self.max_batch_size,
-                                         capacity, context=context)]
-            else:
-                drafters = [ModelDrafter(self.model, self.max_batch_size, capacity, skip,
-                                         context=context)]
-        else:
-            drafters = [EagleDrafter(d, self.max_batch_size, capacity, context=context)
-                        if isinstance(d, EagleLM) else
-                        ModelDrafter(d, self.max_batch_size, capacity, context=context)
-                        for d in drafts]
-        if spec.prompt_lookup:
-            drafters = [LookupDrafter(d, NGramDrafter(spec.ngram_min, spec.ngram_max, history))
-                        for d in drafters]
-        return drafters
 
     @classmethod
     def from_pretrained(cls, target, draft=None, *, device: torch.device | str = "cpu",
@@ -399,21 +369,8 @@ class Engine:
         """
         n = SamplingParams(1, logprobs=logprobs).logprobs
         token_lists = self.encode(prompts)
-        out = []
-        chunk = self.model.config.prefill_chunk
         with self._exclusive(), torch.inference_mode():
-            for ids in token_lists:
-                cache = self.model.new_cache(1, len(ids), context=self.max_seq_len)
-                entries: list[TokenLogprobs | None] = [None]
-                for start in range(0, len(ids) - 1, chunk):
-                    piece = ids[start:min(start + chunk, len(ids) - 1)]
-                    logits = self.model(torch.tensor([piece], device=self.device), cache)
-                    cache.commit(torch.full((1,), len(piece), dtype=torch.int32,
-                                            device=self.device), len(piece))
-                    nxt = torch.tensor(ids[start + 1:start + 1 + len(piece)], device=self.device)
-                    entries += token_logprobs(logits[0], nxt, n)
-                out.append(entries)
-        return out
+            return [score_tokens(self.model, ids, n, self.max_seq_len) for ids in token_lists]
 
     def chat(self, conversations, params: SamplingParams) -> list[Output]:
         """Answer each conversation: its messages formatted with the tokenizer's chat
