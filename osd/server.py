@@ -228,16 +228,16 @@ async def _echo(async_engine, req: GenRequest) -> tuple[str, list]:
     return text, list(zip(req.prompt_ids, scores))
 
 
-def _echo_only(req: GenRequest, echo, head: dict, tok):
-    """The response to ``echo`` with ``max_tokens`` 0: the prompt alone."""
+def _echo_only(slots: list, head: dict, tok, usage: dict):
+    """The response to ``echo`` with ``max_tokens`` 0: each choice's prompt alone."""
     from fastapi.responses import JSONResponse, StreamingResponse
 
-    choice = _choice(tok, req, echo[0], [], "length", req.stream, echo[1])
-    usage = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": 0,
-             "total_tokens": len(req.prompt_ids)}
+    req = slots[0][0]
+    choices = [_choice(tok, r, echo[0], [], "length", req.stream, echo[1], index=k)
+               for k, (r, echo, _) in enumerate(slots)]
     if not req.stream:
-        return JSONResponse({**head, "choices": [choice], "usage": usage})
-    events = [_sse({**head, "choices": [choice]})]
+        return JSONResponse({**head, "choices": choices, "usage": usage})
+    events = [_sse({**head, "choices": [c]}) for c in choices]
     if req.include_usage:
         events.append(_sse({**head, "choices": [], "usage": usage}))
     return StreamingResponse(iter(events + ["data: [DONE]\n\n"]),
@@ -249,23 +249,29 @@ def _sse(obj) -> str:
 
 
 async def _respond(request, async_engine, model_name: str, counters: Counters,
-                   req: GenRequest):
+                   reqs: list[GenRequest]):
+    """Serve ``reqs`` (one per prompt; they share every option): ``n`` choices of each,
+    choice ``k`` being prompt ``k // n``'s choice ``k % n``, each its own engine request."""
     import asyncio
 
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.background import BackgroundTask
 
+    req = reqs[0]
     prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     created = int(time.time())
     tok = async_engine.engine.tokenizer
-    echo = await _echo(async_engine, req) if req.echo else ("", [])
+    echoes = [await _echo(async_engine, r) if r.echo else ("", []) for r in reqs]
+    slots = [(r, echo, i) for r, echo in zip(reqs, echoes) for i in range(r.n)]
+    prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
     if not req.generate:
-        return _echo_only(req, echo, _envelope(req.kind, request_id, model_name, created,
-                                               req.stream), tok)
-    # One engine request per choice; the engine batches them.
-    gens = [Generation(async_engine, req, request_id if req.n == 1 else f"{request_id}-{i}",
-                       counters, req.choice_params(i)) for i in range(req.n)]
+        return _echo_only(slots, _envelope(req.kind, request_id, model_name, created,
+                                           req.stream), tok,
+                          {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                           "total_tokens": prompt_tokens})
+    gens = [Generation(async_engine, r, request_id if len(slots) == 1 else f"{request_id}-{k}",
+                       counters, r.choice_params(i)) for k, (r, _, i) in enumerate(slots)]
 
     async def cancel_all() -> None:
         for g in gens:
@@ -280,8 +286,9 @@ async def _respond(request, async_engine, model_name: str, counters: Counters,
         raise
 
     def usage() -> dict:
-        p, c = len(req.prompt_ids), sum(len(g.ids) for g in gens)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        c = sum(len(g.ids) for g in gens)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": c,
+                "total_tokens": prompt_tokens + c}
 
     if not req.stream:
         try:
@@ -294,36 +301,36 @@ async def _respond(request, async_engine, model_name: str, counters: Counters,
             await cancel_all()
             raise
         body = _envelope(req.kind, request_id, model_name, created, False)
-        body["choices"] = [_choice(tok, req, echo[0] + g.text, g.ids, g.finish_reason, False,
-                                   echo[1] + _pairs(g.logprobs), index=i)
-                           for i, g in enumerate(gens)]
+        body["choices"] = [_choice(tok, r, echo[0] + g.text, g.ids, g.finish_reason, False,
+                                   echo[1] + _pairs(g.logprobs), index=k)
+                           for k, (g, (r, echo, _)) in enumerate(zip(gens, slots))]
         body["usage"] = usage()
         return JSONResponse(body)
 
     async def events():
         head = _envelope(req.kind, request_id, model_name, created, True)
-        base = sum(len(_token_text(tok, i)) for i, _ in echo[1])
-        sent = [base] * req.n
+        sent = [sum(len(_token_text(tok, i)) for i, _ in echo[1]) for _, echo, _ in slots]
         tasks: dict = {}
 
-        def chunk(i: int, step: Step) -> str | None:
+        def chunk(k: int, step: Step) -> str | None:
+            r = slots[k][0]
             if not (step.text or step.finish_reason is not None or (
-                    (req.return_token_ids or req.logprobs is not None) and step.token_ids)):
+                    (r.return_token_ids or r.logprobs is not None) and step.token_ids)):
                 return None
-            c = _choice(tok, req, step.text, step.token_ids, step.finish_reason, True,
-                        _pairs(step.logprobs), sent[i], index=i)
-            sent[i] += sum(len(_token_text(tok, t)) for t in step.token_ids)
+            c = _choice(tok, r, step.text, step.token_ids, step.finish_reason, True,
+                        _pairs(step.logprobs), sent[k], index=k)
+            sent[k] += sum(len(_token_text(tok, t)) for t in step.token_ids)
             return _sse({**head, "choices": [c]})
 
         try:
-            for i in range(req.n):
+            for k, (r, echo, _) in enumerate(slots):
                 if req.kind == "chat":   # a chat choice's first chunk names the role
-                    yield _sse({**head, "choices": [{"index": i, "delta": {
+                    yield _sse({**head, "choices": [{"index": k, "delta": {
                         "role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None}]})
                 if req.echo:             # the prompt first, as its own chunk
-                    yield _sse({**head, "choices": [_choice(tok, req, echo[0], [], None, True,
-                                                            echo[1], index=i)]})
+                    yield _sse({**head, "choices": [_choice(tok, r, echo[0], [], None, True,
+                                                            echo[1], index=k)]})
             for i, step in enumerate(firsts):
                 out = chunk(i, step)
                 if out:
@@ -426,13 +433,13 @@ def build_app(async_engine, model_name: str):
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse_completion(await body_of(request), engine, model_name)
-        return await _respond(request, async_engine, model_name, counters, req)
+        reqs = parse_completion(await body_of(request), engine, model_name)
+        return await _respond(request, async_engine, model_name, counters, reqs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = parse_chat(await body_of(request), engine, model_name)
-        return await _respond(request, async_engine, model_name, counters, req)
+        return await _respond(request, async_engine, model_name, counters, [req])
 
     @app.get("/metrics")
     async def metrics():

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from osd.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_CHOICES = 16                  # most choices (n) one request may ask for
+MAX_PROMPTS = 64                  # most prompts in one batched completions request
 # OpenAI's documented default for completions; chat defaults to the room left in the context.
 DEFAULT_COMPLETION_TOKENS = 16
 # Request fields this server does not implement, with the values that mean "off". Any
@@ -198,17 +199,22 @@ def _encode(engine, prompt, param: str) -> list[int]:
         raise _bad(str(exc).replace("prompt 0 ", "the prompt "), param) from None
 
 
-def parse_completion(body, engine, model_name: str) -> GenRequest:
-    """Validate a ``/v1/completions`` body."""
+def parse_completion(body, engine, model_name: str) -> list[GenRequest]:
+    """Validate a ``/v1/completions`` body: one :class:`GenRequest` per prompt (a batch is
+    a list of strings or of token-id lists, up to :data:`MAX_PROMPTS`)."""
     _common(body, model_name)
     prompt = body.get("prompt")
     if prompt is None:
         raise _bad("prompt is required: a string or a list of token ids", "prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise _bad(f"batched prompts are not supported: send one prompt per request "
-                       f"(got {len(prompt)})", "prompt")
-        prompt = prompt[0]
+        if len(prompt) > MAX_PROMPTS:
+            raise _bad(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}",
+                       "prompt")
+        return [_completion(body, engine, p) for p in prompt]
+    return [_completion(body, engine, prompt)]
+
+
+def _completion(body, engine, prompt) -> GenRequest:
     if isinstance(prompt, str):
         if engine.tokenizer is None:
             raise _bad("this model has no tokenizer: send the prompt as a list of token ids",

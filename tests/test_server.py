@@ -237,6 +237,28 @@ def test_n_choices(setup):
     assert len(r.choices) == 2 and r.choices[0].message.content == r.choices[1].message.content
 
 
+def test_batched_prompts(setup):
+    """A list of prompts: ``n`` choices of each, choice ``k`` of prompt ``k // n``, equal to
+    the prompts sent one by one (greedy)."""
+    client, ref = setup["client"], setup["reference"]
+    ids = setup["tok"].encode(PROMPTS[2])
+    for prompt in ([PROMPTS[0], PROMPTS[1]], [setup["tok"].encode(PROMPTS[0]), ids]):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0,
+                                      n=2, extra_body={"return_token_ids": True})
+        assert [c.index for c in r.choices] == [0, 1, 2, 3]
+        want = [ref[0].token_ids] * 2 + [ref[1].token_ids if isinstance(prompt[1], str)
+                                          else ref[2].token_ids] * 2
+        assert [c.token_ids for c in r.choices] == want
+        assert r.usage.completion_tokens == sum(len(t) for t in want)
+    chunks = list(client.completions.create(model=MODEL, prompt=[PROMPTS[0], PROMPTS[1]],
+                                            max_tokens=NEW, temperature=0, stream=True))
+    texts = ["", ""]
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] += c.text
+    assert texts == [ref[0].text, ref[1].text]
+
+
 def test_echo_and_prompt_logprobs(setup):
     """``echo``: the prompt leads the text, and with ``logprobs`` its tokens' scores
     (``Engine.score``; the first is null) lead the lists; ``max_tokens: 0`` scores only."""
@@ -386,7 +408,8 @@ BAD = [
     ({"prompt": [1, 2, 10**6]}, 400, "vocabulary"),
     ({"prompt": ""}, 400, "prompt is empty"),
     ({"max_tokens": 3}, 400, "prompt is required"),
-    ({"prompt": ["a", "b"]}, 400, "batched prompts"),
+    ({"prompt": ["a"] * 65}, 400, "at most 64 prompts"),
+    ({"prompt": ["a", ""]}, 400, "prompt is empty"),
     ({"prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
