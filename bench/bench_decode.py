@@ -9,7 +9,8 @@ preceded by one transformers ``generate`` on the same prompts (run in the round'
 and timed by hand), so both see the same machine state. Ratios compare the best rounds:
 on a shared machine the minimum is the least disturbed measurement.
 
-Sizes: ``4M`` (4 layers, hidden 256) and ``90M`` (12 layers, hidden 768). Batches 1 and 8.
+Sizes: ``4M`` (4 layers, hidden 256), ``90M`` (12 layers, hidden 768) and ``moe`` (a
+Qwen3-MoE: 4 layers, hidden 512, 8 experts of width 512, 2 per token). Batches 1 and 8.
 Providers: ``osd`` (default attention backend: the SDPA reference on CPU) and
 ``osd-native-attn`` (the C++ tree-attention kernel). ``OSD_BENCH_FULL=1`` generates more
 tokens and takes more rounds; ``OSD_BENCH_THREADS`` sets torch's thread count (default 1).
@@ -21,19 +22,22 @@ import time
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import osd
 from bench.common import FULL
 
 NEW_TOKENS = 128 if FULL else 32
-ROUNDS = {"4M": 10 if FULL else 5, "90M": 5 if FULL else 3}
+ROUNDS = {"4M": 10 if FULL else 5, "90M": 5 if FULL else 3, "moe": 5 if FULL else 3}
 PROMPT_LEN = 16
 SIZES = {
     "4M": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=688,
                num_attention_heads=4, vocab_size=4096),
     "90M": dict(num_hidden_layers=12, hidden_size=768, intermediate_size=2048,
                 num_attention_heads=12, vocab_size=8192),
+    "moe": dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1024,
+                num_attention_heads=8, num_key_value_heads=4, vocab_size=8192, num_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=512, norm_topk_prob=True),
 }
 PROVIDERS = ["osd", "osd-native-attn"]
 CASES = [(size, batch, provider) for size in SIZES for batch in (1, 8) for provider in PROVIDERS]
@@ -42,13 +46,15 @@ pytestmark = pytest.mark.usefixtures("torch_threads")
 _models: dict = {}
 
 
-def _hf_model(size: str) -> LlamaForCausalLM:
+def _hf_model(size: str):
     """Random weights drawn wide (std 0.1, unit norms) so greedy decoding has no near-ties."""
     if size not in _models:
         _models.clear()
-        cfg = LlamaConfig(**SIZES[size], max_position_embeddings=1024, tie_word_embeddings=True,
-                          eos_token_id=None, bos_token_id=None, pad_token_id=None)
-        model = LlamaForCausalLM(cfg).eval()
+        config, cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if size == "moe" else \
+            (LlamaConfig, LlamaForCausalLM)
+        cfg = config(**SIZES[size], max_position_embeddings=1024, tie_word_embeddings=True,
+                     eos_token_id=None, bos_token_id=None, pad_token_id=None)
+        model = cls(cfg).eval()
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for name, p in model.named_parameters():
