@@ -317,7 +317,8 @@ class Engine:
         for i, ids in enumerate(token_lists):
             p = per[i] if per is not None else params
             base_seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,)))
-            stop_ids = self.eos_token_ids | frozenset(p.stop_token_ids or ())
+            stop_ids = (frozenset() if p.ignore_eos else self.eos_token_ids) \
+                | frozenset(p.stop_token_ids or ())
             # A shared seed is spread over the prompts; a prompt's own seed is its alone.
             out.append(RequestState(base_index + i, ids, p.max_new_tokens, stop_ids,
                                     request_seed(base_seed, 0 if per else base_index + i), p,

@@ -62,6 +62,10 @@ class SamplingParams:
             (``osd.penalties``).
         logit_bias: ``{token_id: bias}`` added to the target's logits before the
             penalties (OpenAI's ``logit_bias``; each bias in [-100, 100]).
+        min_tokens: EOS and the stop ids cannot be sampled before this many tokens
+            (vLLM's ``min_tokens``; at most ``max_new_tokens``).
+        ignore_eos: the checkpoint's EOS ids do not end the sequence (``stop_token_ids``
+            still do): every request generates ``max_new_tokens``, as benchmarks want.
     """
 
     max_new_tokens: int
@@ -76,6 +80,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Mapping[int, float] | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -134,16 +140,23 @@ class SamplingParams:
                     raise ValueError(f"logit_bias[{t!r}] must be in [-100, 100], got {b}")
                 bias[_as_int("logit_bias token id", t)] = float(b)
             set_(self, "logit_bias", bias or None)
+        set_(self, "min_tokens", _as_int("min_tokens", self.min_tokens))
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                             f"got {self.min_tokens}")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     @property
-    def has_penalties(self) -> bool:
-        """Whether the target's logits are adjusted (penalties or a logit bias)."""
+    def adjusts_logits(self) -> bool:
+        """Whether the target's logits are adjusted (penalties, a logit bias, min_tokens)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or bool(self.logit_bias))
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias)
+                or self.min_tokens > 0)
 
 
 @dataclasses.dataclass

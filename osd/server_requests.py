@@ -151,10 +151,15 @@ def _sampling(body: dict, prompt_len: int, max_seq_len: int, vocab: int,
         if bad:
             raise _bad(f"logit_bias has token id {bad[0]} outside the vocabulary [0, {vocab})",
                        "logit_bias")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise _bad("ignore_eos must be a boolean", "ignore_eos")
+    min_tokens = _int_field(body, "min_tokens", 0)
     try:
         return SamplingParams(max_tokens, temperature=temperature, top_k=max(top_k, 0),
                               top_p=top_p, seed=seed, stop_token_ids=stop_ids,
-                              logit_bias=bias, **penalties)
+                              logit_bias=bias, ignore_eos=ignore_eos, min_tokens=min_tokens,
+                              **penalties)
     except (ValueError, TypeError) as exc:
         raise _bad(str(exc)) from None
 

@@ -342,7 +342,7 @@ class Speculator:
         own path (``osd.penalties``); the raw logits stay the statistics' and teachers'."""
         penalties = Penalties(active, logits.shape[-1], logits.device)
         if isinstance(prop, TreeProposal):
-            return penalties.verify(logits, prop.tokens, tree_ancestors(prop.mask))
+            return penalties.verify(logits, prop.tokens, tree_ancestors(prop.mask), prop.depths)
         B = logits.shape[0]
         return penalties.verify(logits, torch.cat([self.next_tokens[:B, None], prop.tokens], 1))
 

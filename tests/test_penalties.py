@@ -162,3 +162,40 @@ def test_logit_bias(spec):
         osd.SamplingParams(4, logit_bias={3: 101})
     with pytest.raises(TypeError, match="logit_bias must be a mapping"):
         osd.SamplingParams(4, logit_bias=[3])
+
+
+@pytest.mark.parametrize("spec", [None, dict(num_draft_tokens=4), dict(tree=TREE)],
+                         ids=["plain", "chain", "tree"])
+def test_min_tokens_and_ignore_eos(spec):
+    """``min_tokens``: the stop ids are banned until that many tokens (the output equals a
+    written-out loop that bans them); ``ignore_eos``: EOS no longer ends the output."""
+    target = tiny_hf_model("llama", seed=81)
+    prompts = prompts_of([4, 6, 5, 7], seed=82)
+    free = osd.Engine.from_pretrained(target, max_batch_size=4, max_seq_len=64).generate(
+        prompts, osd.SamplingParams(16))
+    eos = free[0].token_ids[2]               # an id every row may meet early
+    target.config.eos_token_id = eos
+    kw = dict(max_batch_size=4, max_seq_len=64)
+    eng = osd.Engine.from_pretrained(target, draft=perturbed(target, 0.3, seed=83) if spec
+                                     else None, spec=osd.SpecConfig(**spec) if spec else None,
+                                     **kw)
+    stopped = eng.generate(prompts, osd.SamplingParams(16))
+    assert stopped[0].token_ids == free[0].token_ids[:3] and stopped[0].finish_reason == "stop"
+    got = eng.generate(prompts, osd.SamplingParams(16, min_tokens=8))
+    for prompt, out in zip(prompts, got):
+        ref = []
+        for _ in range(16):
+            with torch.no_grad():
+                logits = target(torch.tensor([prompt + ref])).logits[0, -1].float()
+            if len(ref) < 8:
+                logits[eos] = float("-inf")
+            ref.append(int(logits.argmax()))
+            if ref[-1] == eos:
+                break
+        assert out.token_ids == ref
+        assert eos not in out.token_ids[:8]
+    ignored = eng.generate(prompts, osd.SamplingParams(16, ignore_eos=True))
+    assert [o.token_ids for o in ignored] == [o.token_ids for o in free]
+    assert all(o.finish_reason == "length" for o in ignored)
+    with pytest.raises(ValueError, match="min_tokens must be in"):
+        osd.SamplingParams(4, min_tokens=5)

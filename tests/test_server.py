@@ -296,6 +296,15 @@ def test_penalties_are_the_engines(setup):
     r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=4, temperature=0,
                                   logit_bias={"42": 100}, extra_body={"return_token_ids": True})
     assert r.choices[0].token_ids == [42] * 4
+    eos = setup["tok"].eos_token_id                 # forced by the bias, then ignored
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=5, temperature=0,
+                                  logit_bias={str(eos): 100},
+                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert r.choices[0].token_ids == [eos] * 5 and r.choices[0].finish_reason == "length"
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=5, temperature=0,
+                                  logit_bias={str(eos): 100},
+                                  extra_body={"return_token_ids": True, "min_tokens": 3})
+    assert len(r.choices[0].token_ids) == 4 and r.choices[0].token_ids[-1] == eos
 
 
 def test_chat_without_template_is_a_400(setup):
@@ -431,6 +440,8 @@ BAD = [
     ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty must be > 0"),
     ({"prompt": "x", "frequency_penalty": "a"}, 400, "frequency_penalty must be a finite"),
     ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias keys must be token ids"),
+    ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens must be in"),
+    ({"prompt": "x", "ignore_eos": "yes"}, 400, "ignore_eos must be a boolean"),
     ({"prompt": "x", "logit_bias": {"5": 200}}, 400, "must be in [-100, 100]"),
     ({"prompt": "x", "logit_bias": {"1000000": 1}}, 400, "outside the vocabulary"),
     ({"prompt": "x", "stream": True, "temperature": -1}, 400, "temperature"),
