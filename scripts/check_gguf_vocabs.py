@@ -12,6 +12,10 @@ script builds osd's tokenizer (:func:`osd.models.gguf.tokenizer_from_gguf`) and 
   text inside) osd encodes as llama.cpp does with BOS added as the file says and special
   tokens parsed, and how many (without those) decode back to their text.
 
+One more row comes from a vocabulary rewritten here: ``llama-spm`` with
+``tokenizer.ggml.add_space_prefix`` false (how llama.cpp writes Gemma's SentencePiece
+vocabularies), through :func:`osd.models.gguf.write_gguf`.
+
     .venv/bin/python scripts/check_gguf_vocabs.py --llama-cpp /tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp
 """
 from __future__ import annotations
@@ -21,6 +25,7 @@ import glob
 import os
 import random
 import sysconfig
+import tempfile
 import warnings
 
 PASSAGES = 200
@@ -102,6 +107,21 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for path in files:
         print(check(path, passages), flush=True)
+    spm = os.path.join(args.llama_cpp, "models", "ggml-vocab-llama-spm.gguf")
+    if os.path.exists(spm):
+        with tempfile.TemporaryDirectory() as tmp:
+            print(check(without_space_prefix(spm, tmp), passages), flush=True)
+
+
+def without_space_prefix(path: str, directory: str) -> str:
+    """A copy of vocabulary file ``path`` with ``tokenizer.ggml.add_space_prefix`` false."""
+    from osd.models.gguf import GGUFFile, write_gguf
+
+    meta = dict(GGUFFile(path).metadata)
+    meta["tokenizer.ggml.add_space_prefix"] = False
+    out = os.path.join(directory, "ggml-vocab-llama-spm-no-space-prefix.gguf")
+    write_gguf(out, meta, {})
+    return out
 
 
 if __name__ == "__main__":

@@ -579,6 +579,22 @@ def test_engine_from_pretrained_generates_like_transformers(tmp_path):
     assert out.token_ids == ids[len(prompt):]
 
 
+def test_written_numpy_arrays_keep_their_element_type(tmp_path):
+    """``write_gguf`` stores a numpy array with its dtype (llama.cpp reads token_type only
+    as int32), a list of ints as u32."""
+    meta = {"general.architecture": "llama", "i32": np.array([2, -3, 7], dtype=np.int32),
+            "f32": np.array([0.5, -1.0], dtype=np.float32), "u8": np.array([1, 255], np.uint8),
+            "ints": [1, 2, 3]}
+    write_gguf(tmp_path / "a.gguf", meta, {})
+    raw = (tmp_path / "a.gguf").read_bytes()
+    for key, etype in (("i32", 5), ("f32", 6), ("u8", 0), ("ints", 4)):
+        at = raw.index(key.encode()) + len(key)
+        assert struct.unpack_from("<II", raw, at) == (9, etype), key     # array of etype
+    back = GGUFFile(tmp_path / "a.gguf").metadata
+    assert back["i32"].tolist() == [2, -3, 7] and back["f32"].tolist() == [0.5, -1.0]
+    assert back["u8"].tolist() == [1, 255] and list(back["ints"]) == [1, 2, 3]
+
+
 def test_metadata_value_types_and_alignment(tmp_path):
     """A hand-packed file with every metadata value type and a 64-byte alignment."""
     def s(x):

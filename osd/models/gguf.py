@@ -250,6 +250,9 @@ def _nbytes(name: str, shape: tuple[int, ...], ggml_type: int) -> int:
 
 
 # -- writing ----------------------------------------------------------------------------------
+_FROM_NUMPY = {np.dtype(dtype): etype for etype, dtype in _NUMPY.items() if etype != _BOOL}
+
+
 def _pack_string(s: str) -> bytes:
     b = s.encode("utf-8")
     return struct.pack("<Q", len(b)) + b
@@ -274,6 +277,10 @@ def _pack_value(v, vtype: int) -> bytes:
         return _pack_string(v)
     if vtype != _ARRAY:
         return struct.pack(_SCALAR[vtype], v)
+    if isinstance(v, np.ndarray) and v.dtype.newbyteorder("<") in _FROM_NUMPY:
+        # a numeric array keeps its element type (llama.cpp wants token_type as int32)
+        dtype = v.dtype.newbyteorder("<")
+        return struct.pack("<IQ", _FROM_NUMPY[dtype], v.size) + v.astype(dtype).tobytes()
     items = list(v)
     kinds = {_value_type(i) for i in items}
     if kinds <= {_UINT32, _INT64}:                 # ints (or an empty list)
