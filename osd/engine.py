@@ -58,7 +58,7 @@ from osd.online.config import OnlineConfig
 from osd.online.serving import OnlineManager
 from osd.penalties import Penalties, wants_penalties
 from osd.prefix_cache import PrefixCache
-from osd.request import RequestError, RequestState, encode_prompts
+from osd.request import RequestError, RequestState, encode_prompts, stop_prefix_length
 from osd.sampling import (BatchParams, Output, SamplingParams, TokenLogprobs, fail_nonfinite,
                           record_logprobs, request_seed, sample_tokens)
 from osd.scoring import score_tokens
@@ -766,6 +766,9 @@ class Engine:
         text = r.stop_text
         if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(r.generated, skip_special_tokens=True)
+            if r.finish_reason is None and r.params is not None and r.params.stop:
+                # a snapshot's text is always a prefix of the final one
+                text = text[:len(text) - stop_prefix_length(text, r.params.stop)]
         stats = r.spec_stats.as_dict() if r.spec_stats is not None else None
         if stats is not None:
             stats["draft_index"] = r.draft_index

@@ -102,6 +102,18 @@ def find_stop_string(tokenizer, ids: list[int], start: int, stops) -> tuple[int,
     return None
 
 
+def stop_prefix_length(text: str, stops) -> int:
+    """The longest tail of ``text`` that is the start of one of ``stops`` (what a stream
+    holds back: it may still become a stop string, whose text is cut)."""
+    n = 0
+    for s in stops or ():
+        for k in range(min(len(s) - 1, len(text)), n, -1):
+            if text.endswith(s[:k]):
+                n = k
+                break
+    return n
+
+
 def encode_prompts(prompts, tokenizer, vocab_size: int, max_seq_len: int,
                    trained_context: int) -> list[list[int]]:
     """Validate ``prompts`` (token-id lists, 1-D tensors or strings, encoded with

@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass
 
 import osd
+from osd.request import stop_prefix_length
 from osd.server_metrics import Counters, engine_snapshot, metrics_text
 from osd.server_requests import APIError, GenRequest, _bad, parse_chat, parse_completion
 
@@ -69,14 +70,10 @@ class Generation:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def _held_back(self, text: str) -> int:
-        """How many trailing characters a stream must hold back for now."""
-        n = len(text) - len(text.rstrip("\ufffd"))
-        for s in self.req.stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    n = max(n, k)
-                    break
-        return n
+        """How many trailing characters a stream must hold back for now: an unfinished
+        UTF-8 character, or a tail that may still become a stop string."""
+        return max(len(text) - len(text.rstrip("\ufffd")),
+                   stop_prefix_length(text, self.req.stop))
 
     async def start(self) -> Step:
         """Submit the request and wait for its first step. Bad input the engine refuses

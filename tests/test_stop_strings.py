@@ -72,3 +72,25 @@ def test_bad_stop_strings_raise_and_the_engine_serves_on(pair):
     assert len(bare.generate([[1, 2, 3]], osd.SamplingParams(4))[0].token_ids) == 4
     assert plain.generate([PROMPTS[0]], osd.SamplingParams(NEW))[0].token_ids == \
         free[0].token_ids
+
+
+def test_async_snapshots_are_prefixes_of_the_final_text(pair):
+    """``AsyncEngine`` snapshots hold back a tail that may still become a stop string, so
+    each snapshot's text is a prefix of the final (cut) text."""
+    import asyncio
+
+    _, spec, free = pair
+    s = _stop_in(free[2].text, 0.7)
+    ae = osd.AsyncEngine(spec)
+
+    async def run():
+        return [out async for out in ae.generate(PROMPTS[2], osd.SamplingParams(NEW, stop=s))]
+
+    try:
+        outs = asyncio.run(run())
+    finally:
+        ae.close()
+    final = outs[-1]
+    assert final.finish_reason == "stop" and final.text == free[2].text[:free[2].text.find(s)]
+    assert all(final.text.startswith(o.text) for o in outs)
+    assert len(outs) > 2
