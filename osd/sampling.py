@@ -63,7 +63,8 @@ class SamplingParams:
         logit_bias: ``{token_id: bias}`` added to the target's logits before the
             penalties (OpenAI's ``logit_bias``; each bias in [-100, 100]).
         min_tokens: EOS and the stop ids cannot be sampled before this many tokens
-            (vLLM's ``min_tokens``; at most ``max_new_tokens``).
+            (vLLM's ``min_tokens``; at most ``max_new_tokens``). Stop strings are not
+            affected.
         ignore_eos: the checkpoint's EOS ids do not end the sequence (``stop_token_ids``
             still do): every request generates ``max_new_tokens``, as benchmarks want.
     """
