@@ -10,10 +10,11 @@ prompt equal transformers' and llama.cpp's (llama-cpp-python, float32 KV cache).
 
     .venv/bin/python scripts/check_converted_family.py --llama-cpp /tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp
 
-Needs llama-cpp-python (the optional ``bench`` extra) and the chat pair's tokenizer.
-llama.cpp's converter reads a SentencePiece model for Gemma 2 (none here), so the script
-makes it take the byte-level BPE vocabulary for that family; without the sentencepiece
-package, a stand-in module lets the Llama-family converter reach that vocabulary too.
+Needs llama-cpp-python and sentencepiece (the optional ``bench`` extra; llama.cpp's
+Llama-family converter imports sentencepiece, then takes the BPE vocabulary when there is
+no ``tokenizer.model``) and the chat pair's tokenizer. llama.cpp's converter reads a
+SentencePiece model for Gemma 2 (none here), so the script makes it take the byte-level
+BPE vocabulary for that family.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ import os
 import runpy
 import sys
 import tempfile
-import types
 
 import torch
 
@@ -108,13 +108,6 @@ def convert(llama_cpp: str, src: str, out: str, family: str) -> None:
     saved_argv, saved_path = sys.argv, list(sys.path)
     os.chdir(llama_cpp)
     sys.path[:0] = [os.path.join(llama_cpp, "gguf-py"), llama_cpp]
-    stubbed = importlib.util.find_spec("sentencepiece") is None
-    if stubbed:
-        # The Llama-family converter imports it before it looks for tokenizer.model (there
-        # is none here, so it goes on to the BPE vocabulary); a stand-in lets it get there.
-        stub = types.ModuleType("sentencepiece")
-        stub.SentencePieceProcessor = type("SentencePieceProcessor", (), {})
-        sys.modules["sentencepiece"] = stub
     try:
         if family == "gemma2":
             import conversion.gemma as gemma
@@ -124,8 +117,6 @@ def convert(llama_cpp: str, src: str, out: str, family: str) -> None:
     finally:
         os.chdir(here)
         sys.argv, sys.path[:] = saved_argv, saved_path
-        if stubbed:                       # transformers must not find the stand-in
-            sys.modules.pop("sentencepiece", None)
 
 
 def check(family: str, llama_cpp: str, workdir: str) -> str:
@@ -177,6 +168,10 @@ def main() -> None:
                         help="llama.cpp sources (holding convert_hf_to_gguf.py and gguf-py)")
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES)
     args = parser.parse_args()
+    missing = [m for m in ("llama_cpp", "sentencepiece") if importlib.util.find_spec(m) is None]
+    if missing:     # llama.cpp's Llama-family converter imports sentencepiece up front
+        raise SystemExit(f"this check needs {' and '.join(missing)}: "
+                         "pip install -e '.[bench]'")
     torch.set_num_threads(2)
     print("| family | max abs logit diff vs transformers | largest logit | greedy = transformers "
           "| greedy = llama.cpp |")

@@ -9,8 +9,8 @@ import torch
 import osd
 from osd_kernels.warp import warp_probs
 from tests.test_models import tiny_hf_model
-from tests.test_speculative import (TREE, V_SMALL, _chi2, _small_pair, perturbed,
-                                    prompts_of)
+from tests.test_speculative import (TREE, V_SMALL, _small_pair, assert_joint_follows_target,
+                                    perturbed, prompts_of)
 
 PENALTIES = dict(repetition_penalty=1.6, presence_penalty=0.7, frequency_penalty=0.4)
 
@@ -78,14 +78,7 @@ def test_sampled_with_penalties_follows_the_penalized_target(spec):
     sp = osd.SamplingParams(3, seed=99, temperature=0.9, top_k=10, **PENALTIES)
     eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(**spec),
                                      max_batch_size=4096, max_seq_len=16)
-    outs = eng.generate([prompt] * n, sp)
-    codes = torch.tensor([o.token_ids[0] * V_SMALL ** 2 + o.token_ids[1] * V_SMALL
-                          + o.token_ids[2] for o in outs])
-    counts = torch.bincount(codes, minlength=V_SMALL ** 3).double()
-    expected = _exact_joint(target, prompt, sp).double()
-    assert counts[expected == 0].sum() == 0
-    assert _chi2(counts, expected).pvalue > 1e-3
-    assert 0 < eng.stats["accepted"] < eng.stats["drafted"]
+    assert_joint_follows_target(eng, target, prompt, sp, n, exact_joint=_exact_joint)
 
 
 @pytest.mark.parametrize("field,value,err", [

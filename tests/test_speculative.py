@@ -170,15 +170,17 @@ def _exact_joint(target, prompt, params, n=3):
     return joint                                            # [V^n], lexicographic
 
 
-def assert_joint_follows_target(eng, hf_target, prompt, sp, n: int = 50_000) -> None:
+def assert_joint_follows_target(eng, hf_target, prompt, sp, n: int = 50_000,
+                                exact_joint=None) -> None:
     """``eng``'s first three tokens of ``n`` requests for ``prompt`` follow the warped
-    target's exact joint (chi-square p > 1e-3, nothing outside its support), and its draft
+    target's exact joint (``exact_joint(hf_target, prompt, sp)``, default
+    :func:`_exact_joint`; chi-square p > 1e-3, nothing outside its support), and its draft
     was accepted sometimes, not always."""
     outs = eng.generate([prompt] * n, sp)
     codes = torch.tensor([o.token_ids[0] * V_SMALL ** 2 + o.token_ids[1] * V_SMALL
                           + o.token_ids[2] for o in outs])
     counts = torch.bincount(codes, minlength=V_SMALL ** 3).double()
-    expected = _exact_joint(hf_target, prompt, sp).double()
+    expected = (exact_joint or _exact_joint)(hf_target, prompt, sp).double()
     assert counts[expected == 0].sum() == 0
     assert _chi2(counts, expected).pvalue > 1e-3
     assert 0 < eng.stats["accepted"] < eng.stats["drafted"]
