@@ -13,9 +13,9 @@ GEMM is the kernel (this op has no Triton or CUDA kernel of its own).
 A weight that is only read (a target model's) can also be given packed into panels,
 ``pack_weight(weight)``: ``[N / 16, K, 16]``, the 16 weights that meet one input element on
 one cache line. The kernel then broadcasts inputs against whole lines and needs no
-horizontal sums, 6 rows per pass: faster than the unpacked passes, and than torch's GEMM
-up to prompt-sized inputs (``docs/benchmarks.md``), at the memory of a second copy of the
-weight (the reference and ``F.linear`` read the original).
+horizontal sums, 6 rows per pass (12 with AVX-512): faster than the unpacked passes, and
+than torch's GEMM up to prompt-sized inputs (``docs/benchmarks.md``), at the memory of a
+second copy of the weight (the reference and ``F.linear`` read the original).
 
 The reference is ``F.linear`` (after ``F.rms_norm`` with ``norm_weight``). The kernel sums
 in a different order (8 partial sums per output, or in order over ``K`` from a packed

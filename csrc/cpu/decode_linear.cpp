@@ -55,9 +55,14 @@ at::Tensor decode_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   const bool avx2 = use_avx2_fma();
   if (packed) {
     const linear_panels::Args pa{a.x, a.w, a.bias, a.y, a.M, a.N, a.K, a.ldx, a.ldy};
+    // Up to 6 rows (a decode step, a short chain's verify) the AVX2 kernel streams the
+    // weights from memory in one pass; AVX-512 takes over where AVX2 would need several.
+    const int level = use_avx512() && a.M > linear_panels::kMaxPass
+                          ? linear_panels::kAvx512
+                          : (avx2 ? linear_panels::kAvx2 : linear_panels::kPortable);
     // Threads split the panels (16 at least per thread: each streams its share once).
     at::parallel_for(0, weight.size(0), 16, [&](int64_t p_begin, int64_t p_end) {
-      linear_panels::all_rows(pa, p_begin, p_end, avx2);
+      linear_panels::all_rows(pa, p_begin, p_end, level);
     });
     return y;
   }

@@ -3,11 +3,13 @@
 // one 64-byte line and a panel streams from memory in order.
 //
 // A micro-kernel serves MR rows of x and NP panels: per k it loads NP lines of W, broadcasts
-// x[m, k] and accumulates MR x 16 NP outputs in registers (MR * 2 NP of the 16 AVX2
-// registers), with no horizontal sum at the end. Every output is summed over k in order,
-// whatever MR, NP, the thread split or the number of rows, so a row's result does not
-// depend on the rows beside it (greedy verification equals one-row decoding bit for bit).
-// The AVX2 + FMA clone is picked at load time; the portable loop sums in the same order
+// x[m, k] and accumulates MR x 16 NP outputs in registers, with no horizontal sum at the
+// end. AVX2 holds up to 6 rows (MR * 2 NP of its 16 registers); AVX-512, one line per
+// register, up to 12 (MR * NP of its 32), so a verify forward of up to 12 rows streams each
+// weight from memory once. Every output is summed over k in order with one FMA per step,
+// whatever the ISA, MR, NP, the thread split or the number of rows, so a row's result does
+// not depend on the rows beside it (greedy verification equals one-row decoding bit for
+// bit). The vector clones are picked at load time; the portable loop sums in the same order
 // without FMA.
 #pragma once
 #include <algorithm>
@@ -109,48 +111,119 @@ OSD_AVX2 void micro_avx2(const Args& a, const float* x, float* y, int64_t p0) {
     }
   }
 }
+
+// AVX-512: one panel line is one zmm register, and 32 registers hold up to 12 rows x 2
+// panels of accumulators, so a verify forward of up to 12 rows reads each weight once.
+// The same FMA per lane in the same k order as the AVX2 kernel: results are bit-identical.
+template <int MR, int NP>
+OSD_AVX512 void micro_avx512(const Args& a, const float* x, float* y, int64_t p0) {
+  __m512 acc[MR][NP];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  const int64_t K = a.K;
+  const float* w0 = a.w + p0 * K * kPanel;
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 w[NP];
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      const float* wk = w0 + (p * K + k) * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchSteps * kPanel), _MM_HINT_T0);
+      w[p] = _mm512_loadu_ps(wk);
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * a.ldx + k]);
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_fmadd_ps(xv, w[p], acc[m][p]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int p = 0; p < NP; ++p) {
+    const int64_t n = (p0 + p) * kPanel;
+    const __m512 b = a.bias != nullptr ? _mm512_loadu_ps(a.bias + n) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * a.ldy + n, _mm512_add_ps(acc[m][p], b));
+  }
+}
 #endif
+
+// Panels per AVX-512 micro-kernel for MR rows: 8 to 24 accumulators of the 32 registers,
+// enough to cover the FMA latency; 4 or 2, so that tiles of a multiple of 4 panels split
+// evenly.
+template <int MR>
+constexpr int panels_per_step_512() {
+  return MR <= 6 ? 4 : 2;
+}
+
+// Vector level of a call: 0 portable, 1 AVX2 + FMA, 2 AVX-512.
+enum Level : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // One pass of MR rows (x, y point at its first row) over panels [p_begin, p_end).
 template <int MR>
-void pass(const Args& a, const float* x, float* y, int64_t p_begin, int64_t p_end, bool avx2) {
-  constexpr int NP = panels_per_step<MR>();
+void pass(const Args& a, const float* x, float* y, int64_t p_begin, int64_t p_end, int level) {
   int64_t p = p_begin;
 #if defined(__x86_64__)
-  if (avx2) {
-    for (; p + NP <= p_end; p += NP) micro_avx2<MR, NP>(a, x, y, p);
-    for (; p < p_end; ++p) micro_avx2<MR, 1>(a, x, y, p);
+  if (level == kAvx512) {
+    constexpr int NP = panels_per_step_512<MR>();
+    for (; p + NP <= p_end; p += NP) micro_avx512<MR, NP>(a, x, y, p);
+    if constexpr (NP > 2) {
+      for (; p + 2 <= p_end; p += 2) micro_avx512<MR, 2>(a, x, y, p);
+    }
+    for (; p < p_end; ++p) micro_avx512<MR, 1>(a, x, y, p);
     return;
   }
+  if constexpr (MR <= kMaxPass) {
+    constexpr int NP = panels_per_step<MR>();
+    if (level == kAvx2) {
+      for (; p + NP <= p_end; p += NP) micro_avx2<MR, NP>(a, x, y, p);
+      for (; p < p_end; ++p) micro_avx2<MR, 1>(a, x, y, p);
+      return;
+    }
+  }
 #endif
-  (void)avx2;
+  (void)level;
+  constexpr int NP = MR <= kMaxPass ? panels_per_step<MR>() : 1;
   for (; p + NP <= p_end; p += NP) micro_portable<MR, NP>(a, x, y, p);
   for (; p < p_end; ++p) micro_portable<MR, 1>(a, x, y, p);
 }
 
 inline void run_pass(const Args& a, int64_t row, int rows, int64_t p_begin, int64_t p_end,
-                     bool avx2) {
+                     int level) {
   const float* x = a.x + row * a.ldx;
   float* y = a.y + row * a.ldy;
   switch (rows) {
-    case 1: pass<1>(a, x, y, p_begin, p_end, avx2); break;
-    case 2: pass<2>(a, x, y, p_begin, p_end, avx2); break;
-    case 3: pass<3>(a, x, y, p_begin, p_end, avx2); break;
-    case 4: pass<4>(a, x, y, p_begin, p_end, avx2); break;
-    case 5: pass<5>(a, x, y, p_begin, p_end, avx2); break;
-    default: pass<6>(a, x, y, p_begin, p_end, avx2); break;
+    case 1: pass<1>(a, x, y, p_begin, p_end, level); break;
+    case 2: pass<2>(a, x, y, p_begin, p_end, level); break;
+    case 3: pass<3>(a, x, y, p_begin, p_end, level); break;
+    case 4: pass<4>(a, x, y, p_begin, p_end, level); break;
+    case 5: pass<5>(a, x, y, p_begin, p_end, level); break;
+    case 6: pass<6>(a, x, y, p_begin, p_end, level); break;
+    case 7: pass<7>(a, x, y, p_begin, p_end, level); break;
+    case 8: pass<8>(a, x, y, p_begin, p_end, level); break;
+    case 9: pass<9>(a, x, y, p_begin, p_end, level); break;
+    case 10: pass<10>(a, x, y, p_begin, p_end, level); break;
+    case 11: pass<11>(a, x, y, p_begin, p_end, level); break;
+    default: pass<12>(a, x, y, p_begin, p_end, level); break;
   }
 }
 
-// Every row of x times panels [p_begin, p_end): passes of kMaxPass rows (the micro-kernel
-// with the most accumulators) and one of the rest, tile by tile over the panels, so W
-// streams from memory once.
-inline void all_rows(const Args& a, int64_t p_begin, int64_t p_end, bool avx2) {
-  const int64_t tile = std::max<int64_t>(1, kTileBytes / (a.K * kPanel * 4));
+// Every row of x times panels [p_begin, p_end): passes of at most kMaxPass rows (AVX2,
+// portable) or kMaxPass512 (AVX-512), balanced, tile by tile over the panels, so W streams
+// from memory once.
+constexpr int kMaxPass512 = 12;
+
+inline void all_rows(const Args& a, int64_t p_begin, int64_t p_end, int level) {
+  // A multiple of 4 panels, so that every micro-kernel of a tile runs at its full width.
+  const int64_t tile = std::max<int64_t>(4, kTileBytes / (a.K * kPanel * 4) / 4 * 4);
+  const int64_t most = level == kAvx512 ? kMaxPass512 : kMaxPass;
+  const int64_t passes = (a.M + most - 1) / most;
+  const int64_t per_pass = passes > 0 ? (a.M + passes - 1) / passes : 0;
   for (int64_t p0 = p_begin; p0 < p_end; p0 += tile) {
     const int64_t p1 = std::min(p0 + tile, p_end);
-    for (int64_t row = 0; row < a.M; row += kMaxPass) {
-      run_pass(a, row, static_cast<int>(std::min<int64_t>(kMaxPass, a.M - row)), p0, p1, avx2);
+    for (int64_t row = 0; row < a.M; row += per_pass) {
+      run_pass(a, row, static_cast<int>(std::min<int64_t>(per_pass, a.M - row)), p0, p1, level);
     }
   }
 }
