@@ -4,13 +4,15 @@ prefill of a ``--context``-token prompt (logits at its last position only, as th
 asks). Random token ids; best of ``--rounds`` rounds of 10 forwards (one prefill) each,
 the shapes interleaved. The weights are packed as an engine packs them
 (``DecoderLM.pack_weights``); ``--compare-pack`` times every shape from the packed and
-the unpacked weights in turn within each round.
+the unpacked weights in turn within each round; ``--compare-isa`` times them with the
+packed kernel's AVX-512 passes and with its AVX2 passes only (``OSD_NO_AVX512``) in turn.
 
     .venv/bin/python scripts/verify_cost.py --threads 2
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -30,6 +32,8 @@ def main() -> None:
                         help="leave the weights unpacked (the engine packs them by default)")
     parser.add_argument("--compare-pack", action="store_true",
                         help="time each shape packed and unpacked, side by side")
+    parser.add_argument("--compare-isa", action="store_true",
+                        help="time each shape with and without the AVX-512 passes, side by side")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = osd.load_model(zoo.chat_pair()[0])
@@ -68,11 +72,21 @@ def main() -> None:
                           logits_index=torch.tensor([[args.context - 1]]))
 
         shapes = [(T, False) for T in args.rows] + [(T, True) for T in args.rows if T > 1]
-        modes = (True, False) if args.compare_pack else (not args.no_pack,)
+        if args.compare_isa:
+            modes = ("AVX-512", "AVX2")
+        else:
+            modes = (True, False) if args.compare_pack else (not args.no_pack,)
         best = {(m, s): float("inf") for m in modes for s in shapes + ["prefill"]}
         for _ in range(args.rounds):
             for mode in modes:
-                use_packs(mode)
+                if args.compare_isa:
+                    use_packs(not args.no_pack)
+                    if mode == "AVX2":
+                        os.environ["OSD_NO_AVX512"] = "1"
+                    else:
+                        os.environ.pop("OSD_NO_AVX512", None)
+                else:
+                    use_packs(mode)
                 t0 = time.perf_counter()
                 prefill()
                 best[mode, "prefill"] = min(best[mode, "prefill"], time.perf_counter() - t0)
@@ -84,7 +98,8 @@ def main() -> None:
     for mode in modes:
         one = best[mode, (1, False)] if (1, False) in shapes else min(
             t for (m, _), t in best.items() if m == mode)
-        print(f"weights {'packed' if mode else 'unpacked'}:")
+        print(f"{mode} passes:" if args.compare_isa else
+              f"weights {'packed' if mode else 'unpacked'}:")
         print("| rows | mask | ms per forward | one-row forwards |")
         print("|---|---|---|---|")
         for s in shapes + ["prefill"]:
