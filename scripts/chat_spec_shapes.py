@@ -43,13 +43,15 @@ SHAPES = {
     "static tree, 8 nodes, lookup": dict(num_draft_tokens=4, prompt_lookup=True, tree=STATIC),
     "dynamic tree, lookup": dict(num_draft_tokens=4, prompt_lookup=True, tree=DYNAMIC),
 }
-# Trees for the EAGLE draft that fit the verify forward's six-row pass of the packed
-# decode kernel (at most five drafts), or just past it.
+# Trees for the EAGLE draft: ones that fit the verify forward's six-row AVX2 pass of the
+# packed decode kernel (at most five drafts), and larger ones for its 12-row AVX-512 pass.
 EAGLE_TREES = {
     "tree 3+2": [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)],
     "tree 4+1": [(0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],
+    "tree 9": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)],
     "dynamic 2x4, 5 nodes": osd.DynamicTree(topk=2, depth=4, max_nodes=5),
     "dynamic 2x4, 8 nodes": osd.DynamicTree(topk=2, depth=4, max_nodes=8),
+    "dynamic 3x5, 11 nodes": osd.DynamicTree(topk=3, depth=5, max_nodes=11),
 }
 # Shapes also run with the draft's full 49,152-row head (head_vocab.json ignored).
 FULL_HEAD = {"chain k=4, lookup", "chain k=4"}
