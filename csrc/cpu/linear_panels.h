@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "cpu/fast_math.h"
+#include "cpu/row_dispatch.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -26,6 +27,7 @@ namespace linear_panels {
 
 constexpr int kPanel = 16;   // weight rows per panel: one cache line of float32
 constexpr int kMaxPass = 6;  // rows per pass: 6 x 2 accumulators + 2 weights + 1 input
+constexpr int kMaxPass512 = 12;  // AVX-512: 12 x 2 accumulators of 32 registers
 // Panels per tile when the rows take several passes: a tile read from memory by the first
 // pass is still in the core's L2 for the others.
 constexpr int64_t kTileBytes = 256 * 1024;
@@ -193,27 +195,14 @@ inline void run_pass(const Args& a, int64_t row, int rows, int64_t p_begin, int6
                      int level) {
   const float* x = a.x + row * a.ldx;
   float* y = a.y + row * a.ldy;
-  switch (rows) {
-    case 1: pass<1>(a, x, y, p_begin, p_end, level); break;
-    case 2: pass<2>(a, x, y, p_begin, p_end, level); break;
-    case 3: pass<3>(a, x, y, p_begin, p_end, level); break;
-    case 4: pass<4>(a, x, y, p_begin, p_end, level); break;
-    case 5: pass<5>(a, x, y, p_begin, p_end, level); break;
-    case 6: pass<6>(a, x, y, p_begin, p_end, level); break;
-    case 7: pass<7>(a, x, y, p_begin, p_end, level); break;
-    case 8: pass<8>(a, x, y, p_begin, p_end, level); break;
-    case 9: pass<9>(a, x, y, p_begin, p_end, level); break;
-    case 10: pass<10>(a, x, y, p_begin, p_end, level); break;
-    case 11: pass<11>(a, x, y, p_begin, p_end, level); break;
-    default: pass<12>(a, x, y, p_begin, p_end, level); break;
-  }
+  with_rows<kMaxPass512>(rows, [&](auto mr) {
+    pass<decltype(mr)::value>(a, x, y, p_begin, p_end, level);
+  });
 }
 
 // Every row of x times panels [p_begin, p_end): passes of at most kMaxPass rows (AVX2,
 // portable) or kMaxPass512 (AVX-512), balanced, tile by tile over the panels, so W streams
 // from memory once.
-constexpr int kMaxPass512 = 12;
-
 inline void all_rows(const Args& a, int64_t p_begin, int64_t p_end, int level) {
   // A multiple of 4 panels, so that every micro-kernel of a tile runs at its full width.
   const int64_t tile = std::max<int64_t>(4, kTileBytes / (a.K * kPanel * 4) / 4 * 4);

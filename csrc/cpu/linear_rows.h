@@ -16,6 +16,7 @@
 
 #include "checks.h"
 #include "cpu/fast_math.h"
+#include "cpu/row_dispatch.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -143,20 +144,9 @@ inline void run_pass(const Args& a, int64_t row, int rows, int64_t n_begin, int6
                      bool avx2) {
   const float* x = a.x + row * a.ldx;
   float* y = a.y + row * a.ldy;
-  switch (rows) {
-    case 1: pass<1>(a, x, y, n_begin, n_end, avx2); break;
-    case 2: pass<2>(a, x, y, n_begin, n_end, avx2); break;
-    case 3: pass<3>(a, x, y, n_begin, n_end, avx2); break;
-    case 4: pass<4>(a, x, y, n_begin, n_end, avx2); break;
-    case 5: pass<5>(a, x, y, n_begin, n_end, avx2); break;
-    case 6: pass<6>(a, x, y, n_begin, n_end, avx2); break;
-    case 7: pass<7>(a, x, y, n_begin, n_end, avx2); break;
-    case 8: pass<8>(a, x, y, n_begin, n_end, avx2); break;
-    case 9: pass<9>(a, x, y, n_begin, n_end, avx2); break;
-    case 10: pass<10>(a, x, y, n_begin, n_end, avx2); break;
-    case 11: pass<11>(a, x, y, n_begin, n_end, avx2); break;
-    default: pass<12>(a, x, y, n_begin, n_end, avx2); break;
-  }
+  with_rows<kMaxPass>(rows, [&](auto mr) {
+    pass<decltype(mr)::value>(a, x, y, n_begin, n_end, avx2);
+  });
 }
 
 // Weight bytes per tile when the rows take several passes: small enough that a tile read
