@@ -327,3 +327,69 @@ def test_family_target_eagle_draft_round_trips_and_stays_lossless(tmp_path, fami
     outs = eng.generate(prompts, osd.SamplingParams(20))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert eng.stats["drafted"] > 0
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _on_cuda(tmp_path, hf_target, draft):
+    """The target (a transformers model) and an EAGLE draft for it, loaded on CUDA in
+    fp32 through a checkpoint (the draft's own tensors round to fp16 there)."""
+    save_eagle(draft, tmp_path / "eagle")
+    target = load_model(hf_target, device="cuda")
+    return target, load_eagle(tmp_path / "eagle", target)
+
+
+@cuda_only
+@pytest.mark.parametrize("spec", [dict(num_draft_tokens=4), dict(tree=TREES["dynamic-tree"]),
+                                  dict(num_draft_tokens=3, prompt_lookup=True)],
+                         ids=["chain", "dynamic-tree", "lookup"])
+def test_greedy_equals_plain_on_cuda(tmp_path, trained, spec):
+    target, draft = _on_cuda(tmp_path, tiny_hf_model("llama", seed=31), trained)
+    prompts = prompts_of([5, 12, 1, 8, 30], seed=6)
+    prompts[0] = prompts[0] * 3
+    ref = osd.Engine(target, max_batch_size=3, max_seq_len=128).generate(
+        prompts, osd.SamplingParams(24))
+    eng = osd.Engine(target, draft=[draft], spec=osd.SpecConfig(**spec), max_batch_size=3,
+                     max_seq_len=128, prefill_chunk=16)
+    outs = eng.generate(prompts, osd.SamplingParams(24))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert 0 < eng.stats["accepted"] <= eng.stats["drafted"]
+
+
+@cuda_only
+@pytest.mark.parametrize("tree", [None, [(0,), (1,), (0, 0)]], ids=["chain", "tree"])
+def test_sampled_joint_follows_target_on_cuda(tmp_path, tree):
+    hf_target, _ = _small_pair()
+    head = torch.randperm(V_SMALL, generator=torch.Generator().manual_seed(9))[:11]
+    target, draft = _on_cuda(tmp_path, hf_target,
+                             _eagle(load_model(hf_target), seed=10, head_ids=head, std=0.3))
+    sp = osd.SamplingParams(3, seed=99, temperature=0.8, top_k=0, top_p=0.95)
+    eng = osd.Engine(target, draft=[draft], spec=osd.SpecConfig(num_draft_tokens=2, tree=tree),
+                     max_batch_size=4096, max_seq_len=16)
+    assert_joint_follows_target(eng, hf_target, [3, 1, 4, 1], sp)
+
+
+@cuda_only
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "background"])
+def test_learns_online_on_cuda(tmp_path, background):
+    """Online distillation of an EAGLE draft on CUDA: outputs stay plain greedy's and
+    updates are applied, inline or from the background learner."""
+    hf = tiny_hf_model("llama", seed=31)
+    target, draft = _on_cuda(tmp_path, hf, _eagle(load_model(hf), seed=13, std=0.05))
+    own = draft.own_state_dict()["fc.weight"].clone()
+    online = osd.OnlineConfig(update_every_requests=2, steps_per_update=3, lr=3e-3,
+                              background=background, wait_for_update=background,
+                              holdout_every=4, guard_tolerance=1.0)
+    eng = osd.Engine(target, draft=[draft], online=online, max_batch_size=4, max_seq_len=128,
+                     spec=osd.SpecConfig(num_draft_tokens=3))
+    prompts = prompts_of([6, 9, 4, 7] * 3, seed=14)
+    ref = osd.Engine(target, max_batch_size=4, max_seq_len=128).generate(
+        prompts, osd.SamplingParams(20))
+    outs = []
+    for i in range(0, len(prompts), 4):
+        outs += eng.generate(prompts[i:i + 4], osd.SamplingParams(20))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert eng.stats["online"]["updates_applied"] >= 1
+    serving = eng.speculators[0].drafter.model
+    assert not torch.equal(serving.own_state_dict()["fc.weight"], own)
