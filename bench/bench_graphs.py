@@ -3,8 +3,9 @@
 GPU only (skipped without CUDA; `make gpu-check` runs it). The built-in pair
 (``osd.zoo``) in bfloat16, greedy chain speculation with k = 4 (``spec``) or the target
 alone (``plain``), code prompts of 48 tokens, ``NEW_TOKENS`` new tokens each, batch 1 and
-8. Two engines differ only in ``cuda_graphs``; their outputs are asserted equal before
-timing, and their rounds alternate so both see the same machine state. Recorded in
+8. Two engines differ only in ``cuda_graphs``; how many of their output rows are identical
+is recorded (bf16 rounding may flip a near-tie), and their rounds alternate so both see
+the same machine state. Recorded in
 ``extra_info``: best-round tokens/s of each and ``graphs_over_eager``.
 
     python -m pytest -q -p no:cacheprovider bench/bench_graphs.py
@@ -39,8 +40,11 @@ def test_cuda_graphs_speedup(benchmark, mode, batch):
     params = osd.SamplingParams(NEW_TOKENS)
     engines = {"eager": _engine(False, batch, mode), "graphs": _engine(True, batch, mode)}
     outs = {name: [o.token_ids for o in e.generate(prompts, params)] for name, e in engines.items()}
-    assert outs["graphs"] == outs["eager"], "graphed output differs from eager"
-    tokens = sum(len(t) for t in outs["eager"])
+    # In bf16 the graph (padded bucket, widest key range) rounds differently from the eager
+    # step, so a near-tie can flip a greedy token; fp32 equality is tested in
+    # tests/test_graphs.py. Here the count of identical rows is recorded.
+    same = sum(a == b for a, b in zip(outs["graphs"], outs["eager"]))
+    tokens = {name: sum(len(t) for t in o) for name, o in outs.items()}
     best = dict.fromkeys(engines, float("inf"))
 
     def eager_round():
@@ -56,10 +60,10 @@ def test_cuda_graphs_speedup(benchmark, mode, batch):
 
     benchmark.pedantic(graphs_round, setup=eager_round, rounds=ROUNDS, iterations=1)
     best["graphs"] = benchmark.stats.stats.min
-    tps = {name: tokens / t for name, t in best.items()}
+    tps = {name: tokens[name] / t for name, t in best.items()}
     benchmark.extra_info.update(
         mode=mode, batch=batch, k=K if mode == "spec" else None, new_tokens=NEW_TOKENS,
         dtype="bfloat16",
         eager_tokens_per_s=round(tps["eager"], 1), graphs_tokens_per_s=round(tps["graphs"], 1),
         graphs_over_eager=round(tps["graphs"] / tps["eager"], 2),
-        graphs=engines["graphs"].stats["cuda_graphs"])
+        graphs=engines["graphs"].stats["cuda_graphs"], same_output_rows=f"{same}/{batch}")

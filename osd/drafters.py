@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from osd.graphs import StepGraphs, batch_bucket
+from osd.graphs import StepGraphs, batch_bucket, graphable
 from osd.lookup_history import LookupHistory
 from osd.models.llama import DecoderLM
 from osd.sampling import BatchParams, SamplingParams
@@ -230,8 +230,10 @@ class ModelDrafter:
         length) may end rows early; without one, the loop replays a CUDA graph when
         :attr:`graphs` is set.
         """
-        # Graphs are keyed on the warp scalars: rows with mixed parameters run eagerly.
-        if self.graphs is not None and stopper is None and getattr(params, "uniform", params):
+        # Graphs are keyed on the warp scalars: rows with mixed parameters run eagerly, and
+        # so do top-k / top-p draws (osd.graphs.graphable).
+        if self.graphs is not None and stopper is None and getattr(params, "uniform", params) \
+                and graphable(params):
             tokens, probs, raw = self._chain_graphed(B, k, params, seed, offset)
             return ChainProposal(tokens=tokens, probs=probs, logits=raw, num_drafted=None,
                                  max_drafted=k)

@@ -46,7 +46,7 @@ import time
 import torch
 
 from osd.drafters import make_drafters
-from osd.graphs import StepGraphs, graphed_forward
+from osd.graphs import StepGraphs, graphable, graphed_forward
 from osd.lanes import Lane
 from osd.lookup_history import LookupHistory
 from osd.models.eagle import EagleLM, is_eagle_checkpoint, load_eagle
@@ -609,7 +609,7 @@ class Engine:
         B = len(active)
         t0 = time.perf_counter()
         ids = lane.next_tokens[:B, None]
-        logits = (self.model(ids, lane.cache) if self.graphs is None
+        logits = (self.model(ids, lane.cache) if self.graphs is None or not graphable(params)
                   else graphed_forward(self.graphs, self.model, lane.cache, ids))
         lane.cache.commit(self._ones[:B], 1)
         t1 = time.perf_counter()

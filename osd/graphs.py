@@ -12,7 +12,8 @@ rivals its work. :class:`StepGraphs` captures, per batch-size bucket,
 and replays them. Everything that varies per step is a tensor read by the graph: the
 tokens, tree masks and depths, the caches' device-side lengths, and the randomness
 (per-row Philox ``seed`` and ``offset``), so no capture bakes in a step's values. Sampling
-parameters (temperature, top-k, top-p) are part of the key.
+parameters (temperature, top-k, top-p) are part of the key. Steps that sample with top-k or
+top-p run eagerly (:func:`graphable`).
 
 Batches are padded up to the bucket (1, 2, 4, 8, ... and the engine's largest batch).
 Rows past the active batch are free rows of the caches, so padding them is harmless: their
@@ -31,11 +32,12 @@ draft cache's lengths) is saved and restored, and K/V written past a row's lengt
 scratch by the cache's contract.
 
 ``emulate=True`` runs the same static-tensor path with plain calls instead of graph
-capture and replay, so the bookkeeping is tested on CPU. **The CUDA capture itself has not
-run on a GPU yet.**
+capture and replay, so the bookkeeping is tested on CPU; the CUDA capture itself is tested
+on a GPU by ``make gpu-check`` (``docs/gpu.md`` has the results).
 """
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -47,6 +49,19 @@ WARMUP_RUNS = 2
 # PyTorch supports one CUDA graph capture per process at a time: every capture in osd
 # (serving steps here, the learner's training step in ``osd.online.graphs``) holds this.
 capture_lock = threading.Lock()
+
+
+# Diagnostics only: OSD_GRAPH_TRUNCATED=1 graphs top-k / top-p steps too (see graphable).
+GRAPH_TRUNCATED = os.environ.get("OSD_GRAPH_TRUNCATED") == "1"
+
+
+def graphable(params) -> bool:
+    """Whether a step sampled with ``params`` (``SamplingParams`` or ``BatchParams``) may
+    replay graphs: greedy and temperature-only sampling do. Steps with top-k or top-p run
+    eagerly, since graphed steps with those cuts did not reproduce the eager steps on a GPU
+    (``docs/gpu.md``); the eager CUDA path passes the engine's chi-square tests with them.
+    :data:`GRAPH_TRUNCATED` lifts the restriction, to study it on a GPU."""
+    return GRAPH_TRUNCATED or not params.truncates
 
 
 def batch_bucket(batch: int, max_batch_size: int) -> int:

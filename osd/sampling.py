@@ -153,6 +153,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def truncates(self) -> bool:
+        """Whether sampling cuts the distribution (top-k or top-p on a sampled row)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+    @property
     def adjusts_logits(self) -> bool:
         """Whether the target's logits are adjusted (penalties, a logit bias, min_tokens)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
@@ -229,7 +234,8 @@ class BatchParams:
 
     ``temperature``, ``top_k``, ``top_p`` are numbers when every row shares them
     (``uniform`` is then that :class:`SamplingParams`) and ``[B]`` tensors on ``device``
-    otherwise; a row with temperature 0 is greedy. ``greedy``: every row is greedy.
+    otherwise; a row with temperature 0 is greedy. ``greedy``: every row is greedy;
+    ``truncates``: some sampled row uses top-k or top-p.
     """
 
     def __init__(self, params: Sequence[SamplingParams], device) -> None:
@@ -238,6 +244,7 @@ class BatchParams:
         same = all((p.temperature, p.top_k, p.top_p) == key for p in params)
         self.uniform: SamplingParams | None = first if same else None
         self.greedy = all(p.greedy for p in params)
+        self.truncates = any(p.truncates for p in params)
         if same:
             self.temperature, self.top_k, self.top_p = key
         else:

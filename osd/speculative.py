@@ -25,7 +25,7 @@ import torch
 
 import osd_kernels
 from osd.drafters import ChainProposal, TreeProposal
-from osd.graphs import StepGraphs, graphed_forward
+from osd.graphs import StepGraphs, graphable, graphed_forward
 from osd.penalties import Penalties, tree_ancestors, wants_penalties
 from osd.sampling import BatchParams, fail_nonfinite, record_logprobs
 from osd.spec import SpecConfig
@@ -262,7 +262,7 @@ class Speculator:
                                         stopper=self.stopper)
         clock.append(time.perf_counter())
         lens_before = cache.lens[:B].clone()
-        logits, hidden = self._verify(prop)                  # [B, T, V], [B, T, H] or None
+        logits, hidden = self._verify(prop, graphable(params))  # [B, T, V], [B, T, H] / None
         clock.append(time.perf_counter())
         scored = self._penalized(active, logits, prop) if wants_penalties(active) else logits
         out, n, path = self._sample(scored, prop, sampling)
@@ -318,10 +318,10 @@ class Speculator:
         self.graphs = graphs
         self.drafter.use_graphs(graphs)
 
-    def _verify(self, prop: ChainProposal | TreeProposal):
+    def _verify(self, prop: ChainProposal | TreeProposal, graphed: bool = True):
         """The target's forward over the roots and the drafts (a tree: its ancestor mask
         and depths) -> ``([B, T, V] logits, [B, T, H] features or None)``, from a CUDA
-        graph of the batch bucket when enabled. The features (the last layer's output
+        graph of the batch bucket when enabled and ``graphed``. The features (the last layer's output
         before the final norm) are kept only for a drafter that ``needs_hidden``; that
         forward runs eagerly."""
         if isinstance(prop, TreeProposal):
@@ -333,7 +333,7 @@ class Speculator:
         model = self.engine.model
         if self.drafter.needs_hidden:
             return model(inputs, self.cache, tree_mask=mask, depths=depths, return_hidden=True)
-        if self.graphs is None:
+        if self.graphs is None or not graphed:
             return model(inputs, self.cache, tree_mask=mask, depths=depths), None
         return graphed_forward(self.graphs, model, self.cache, inputs, mask, depths), None
 

@@ -8,20 +8,26 @@
 #   4. the speed goals at their own sizes (scripts/gpu_goals.py: samplers at V = 128,256,
 #      attention over 4k-32k prefixes, 1.1B decode against the HBM roofline, speculative
 #      vs plain at batch 1, 8, 64);
-#   5. the GPU microbenchmarks (triton and cuda providers);
-#   6. the rest of the suite with the GPU present, in whatever time is left;
-#   7. a summary table of the stages.
+#   5. a probe of graphed top-k / top-p steps (OSD_GRAPH_TRUNCATED=1, which the engine does
+#      not do by default) with CUDA_LAUNCH_BLOCKING=1, so a failure names its op;
+#   6. the GPU microbenchmarks (triton and cuda providers);
+#   7. the rest of the suite with the GPU present, in whatever time is left;
+#   8. a summary table of the stages.
 # Each stage gets at most its own cap and never more than the time left, so the whole call
-# ends inside the budget; a stage cut short reports rc 124. Tests run on parallel workers
+# ends inside the budget; a test stage cut short is interrupted (SIGINT), so pytest still
+# prints its failures, and reports rc 124 or 130. Tests run verbosely on parallel workers
 # when pytest-xdist is installed (a crashing test then takes down one worker, not the
-# stage). It uses the machine's own python (PYTHON, default python3) and installs nothing,
-# since a GPU box may have no network. Results land in ${OUT:-out}/ (at most 8 files).
+# stage; a device-side assert fails the rest of its worker's tests too, so read the first
+# failure of each worker). It uses the machine's own python (PYTHON, default python3) and
+# installs nothing, since a GPU box may have no network. Results land in ${OUT:-out}/
+# (7 files; JSON under /tmp/osd_gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUTDIR=${OUT:-out}
 BUDGET=${GPU_CHECK_BUDGET:-480}
-mkdir -p "$OUTDIR"
+JSON=/tmp/osd_gpu_check
+mkdir -p "$OUTDIR" "$JSON"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 START=$(date +%s)
@@ -34,8 +40,9 @@ $PY -c "import xdist" 2>/dev/null && WORKERS=(-n "${GPU_CHECK_WORKERS:-8}")
 PER_TEST=()
 $PY -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 150)
 # test workers share the cores: two threads each
-PYTEST=(env OMP_NUM_THREADS=${GPU_CHECK_THREADS:-2} $PY -m pytest -q -p no:cacheprovider --benchmark-disable -rfE "${WORKERS[@]}" "${PER_TEST[@]}")
-GPU_TESTS="cuda or graphs or sampled_joint or online_alpha or background_learners or long_prompt"
+PYTEST=(env OMP_NUM_THREADS=${GPU_CHECK_THREADS:-2} $PY -m pytest -v --tb=short -p no:cacheprovider
+        --benchmark-disable -rfE "${WORKERS[@]}" "${PER_TEST[@]}")
+GPU_TESTS="cuda or graphed_drafting"
 
 echo "== environment"
 $PY - <<'PY'
@@ -53,7 +60,8 @@ echo "build: $(( $(date +%s) - t0 )) s"
 $PY -c "from osd_kernels import _C; assert _C.WITH_CUDA, 'extension built without CUDA'; print('osd_kernels._C WITH_CUDA =', _C.WITH_CUDA)" || build_rc=1
 
 echo "== GPU tests"
-timeout "$(cap 210)" "${PYTEST[@]}" -k "$GPU_TESTS" tests 2>&1 | tee "$OUTDIR/gpu_tests_first.log" | tail -n 40
+timeout -s INT "$(cap 210)" "${PYTEST[@]}" -k "$GPU_TESTS" tests 2>&1 | tee "$OUTDIR/gpu_tests_first.log" \
+    | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 40
 first_rc=${PIPESTATUS[0]}
 
 echo "== Triton compile check (this machine's Triton)"
@@ -61,17 +69,25 @@ timeout "$(cap 60)" $PY scripts/triton_check.py 2>&1 | tee "$OUTDIR/triton_check
 triton_rc=${PIPESTATUS[0]}
 
 echo "== speed goals (samplers, attention, decode roofline, speculation at batch)"
-timeout "$(cap 150)" $PY scripts/gpu_goals.py --json "$OUTDIR/gpu_goals.json" 2>&1 | tee "$OUTDIR/gpu_goals.md" | tail -n 45
+timeout "$(cap 150)" $PY scripts/gpu_goals.py --json "$JSON/gpu_goals.json" 2>&1 | tee "$OUTDIR/gpu_goals.md" | tail -n 45
 goals_rc=${PIPESTATUS[0]}
+
+echo "== probe: graphed top-k / top-p steps, launches blocking"
+OSD_GRAPH_TRUNCATED=1 CUDA_LAUNCH_BLOCKING=1 timeout -s INT "$(cap 90)" "${PYTEST[@]}" \
+    -k "(truncated and cuda) or (sampled_joint and graphs1) or cuda_graph_of_a_draft_draw" \
+    tests/test_graphs.py tests/test_speculative.py 2>&1 | tee "$OUTDIR/gpu_probe.log" \
+    | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 30
+probe_rc=${PIPESTATUS[0]}
 
 echo "== GPU benchmarks"
 timeout "$(cap 100)" $PY -m pytest -q -p no:cacheprovider bench -k "cuda or triton" \
-    --benchmark-json="$OUTDIR/gpu_bench.json" 2>&1 | tail -n 30
+    --benchmark-json="$JSON/gpu_bench.json" 2>&1 | tail -n 30
 bench_rc=${PIPESTATUS[0]}
-$PY scripts/bench_table.py "$OUTDIR/gpu_bench.json" > "$OUTDIR/gpu_bench.md" 2>&1 || true
+$PY scripts/bench_table.py "$JSON/gpu_bench.json" > "$OUTDIR/gpu_bench.md" 2>&1 || true
 
 echo "== the rest of the suite (with a GPU present), in the time left"
-timeout "$(cap 300)" "${PYTEST[@]}" -k "not ($GPU_TESTS)" tests 2>&1 | tee "$OUTDIR/gpu_tests_rest.log" | tail -n 25
+timeout -s INT "$(cap 300)" "${PYTEST[@]}" -k "not ($GPU_TESTS)" tests 2>&1 \
+    | tee "$OUTDIR/gpu_tests_rest.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 25
 rest_rc=${PIPESTATUS[0]}
 
 echo "== results ($(( $(date +%s) - START )) s of a ${BUDGET} s budget)"
@@ -82,6 +98,7 @@ echo "== results ($(( $(date +%s) - START )) s of a ${BUDGET} s budget)"
   echo "| GPU tests | $first_rc | $(summary "$OUTDIR/gpu_tests_first.log") |"
   echo "| triton compile check | $triton_rc | $OUTDIR/triton_check.log |"
   echo "| speed goals table | $goals_rc | $OUTDIR/gpu_goals.md |"
+  echo "| probe: graphed top-k / top-p (informational) | $probe_rc | $(summary "$OUTDIR/gpu_probe.log") |"
   echo "| GPU benchmarks | $bench_rc | $OUTDIR/gpu_bench.md |"
   echo "| rest of the suite | $rest_rc | $(summary "$OUTDIR/gpu_tests_rest.log") |"
 } | tee "$OUTDIR/gpu_summary.md"

@@ -3,19 +3,24 @@
 On CPU the static-buffer path runs emulated (``StepGraphs(emulate=True)``: the same
 bucketing, padding, static inputs, warm-up with state restore and cache-bound bookkeeping,
 with plain calls in place of capture and replay); it must emit exactly what the eager
-engine emits. The real capture runs only where CUDA is present."""
+engine emits. The real capture runs only where CUDA is present. Steps that sample with
+top-k or top-p run eagerly (``osd.graphs.graphable``): they emit what the eager engine
+emits and replay nothing."""
 import pytest
 import torch
 
 import osd
-from osd.graphs import StepGraphs, batch_bucket
+from osd.drafters import sample_draft
+from osd.graphs import StepGraphs, batch_bucket, graphable
+from osd_kernels.warp import warp_probs
 from tests.test_models import tiny_hf_model
 from tests.test_speculative import perturbed, prompts_of
 
 TREE = [(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (2,)]
 CASES = {
     "greedy-chain": (dict(num_draft_tokens=3), dict(temperature=0.0)),
-    "sampled-chain": (dict(num_draft_tokens=4), dict(temperature=0.8, top_k=20, top_p=0.9)),
+    "sampled-chain": (dict(num_draft_tokens=4), dict(temperature=0.8)),
+    "truncated-chain": (dict(num_draft_tokens=4), dict(temperature=0.8, top_k=20, top_p=0.9)),
     "greedy-tree": (dict(num_draft_tokens=len(TREE), tree=TREE), dict(temperature=0.0)),
     "sampled-tree": (dict(num_draft_tokens=len(TREE), tree=TREE), dict(temperature=1.0)),
     "self-speculation": (dict(num_draft_tokens=3, drafter="self"), dict(temperature=0.0)),
@@ -47,7 +52,8 @@ def test_step_graphs_need_cuda_unless_emulated():
         StepGraphs(torch.device("cpu"))
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_p=0.8)])
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9),
+                                      dict(temperature=0.9, top_p=0.8)])
 def test_emulated_graphs_in_plain_decoding(pair, sampling):
     prompts = prompts_of([7, 3, 11, 5, 9], seed=38)
     params = osd.SamplingParams(16, seed=39, **sampling)
@@ -59,7 +65,16 @@ def test_emulated_graphs_in_plain_decoding(pair, sampling):
     eng = engine()
     eng.use_graphs(StepGraphs(eng.device, emulate=True))
     assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in eager]
-    assert eng.stats["cuda_graphs"]["replays"] > eng.stats["cuda_graphs"]["graphs"] > 0
+    _assert_replayed(eng, params)
+
+
+def _assert_replayed(eng, params):
+    """Graphs replayed, unless the sampling truncates (top-k / top-p: eager steps)."""
+    info = eng.stats["cuda_graphs"]
+    if not graphable(params):
+        assert info["replays"] == 0
+    else:
+        assert info["replays"] > info["graphs"] > 0
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -73,8 +88,8 @@ def test_emulated_graphs_emit_what_eager_emits(pair, case):
     eng.use_graphs(StepGraphs(eng.device, emulate=True))
     graphed = eng.generate(prompts, params)
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    _assert_replayed(eng, params)
     info = eng.stats["cuda_graphs"]
-    assert info["replays"] > info["graphs"] > 0
     # A second call reuses the captured graphs (same buckets, same sampling params).
     again = eng.generate(prompts, params)
     assert [o.token_ids for o in again] == [o.token_ids for o in eager]
@@ -106,7 +121,7 @@ def test_cuda_graphs_emit_what_eager_emits(pair, case):
     assert eng.graphs is not None and not eng.graphs.emulate
     graphed = eng.generate(prompts, params)
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
-    assert eng.stats["cuda_graphs"]["replays"] > 0
+    _assert_replayed(eng, params)
     if sampling["temperature"] == 0.0:
         plain = osd.Engine.from_pretrained(pair[0], device="cuda", max_batch_size=4,
                                            max_seq_len=80)
@@ -119,7 +134,7 @@ def test_cuda_graphs_emit_what_eager_emits(pair, case):
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-@pytest.mark.parametrize("case", ["greedy-chain", "sampled-chain"])
+@pytest.mark.parametrize("case", ["greedy-chain", "sampled-chain", "truncated-chain"])
 def test_graphed_drafting_proposes_what_eager_drafting_proposes(pair, case, device):
     """Step by step, the draft loop replayed from graphs (emulated on CPU, captured on
     CUDA) proposes the same tokens with the same q as the eager draft loop."""
@@ -146,10 +161,50 @@ def test_graphed_drafting_proposes_what_eager_drafting_proposes(pair, case, devi
         drafter.propose_chain = recorded
         eng.generate(prompts, osd.SamplingParams(16, seed=5, **params))
         if graphed:
-            assert eng.graphs.replays > 0
+            assert (eng.graphs.replays > 0) == graphable(osd.SamplingParams(16, **params))
         logs[graphed] = log
     assert len(logs[False]) == len(logs[True]) > 3
     for (tok_e, q_e), (tok_g, q_g) in zip(logs[False], logs[True]):
         assert torch.equal(tok_e, tok_g)
         if q_e is not None:
             torch.testing.assert_close(q_g, q_e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@pytest.mark.parametrize("V", [12, 131, 49_152])
+@pytest.mark.parametrize("warp", [dict(temperature=0.8), dict(temperature=0.8, top_k=6),
+                                  dict(temperature=0.8, top_p=0.9),
+                                  dict(temperature=0.7, top_k=20, top_p=0.9)],
+                         ids=["t", "top_k", "top_p", "top_k-top_p"])
+@pytest.mark.parametrize("B", [4, 4096])
+def test_cuda_graph_of_a_draft_draw_equals_eager(V, warp, B):
+    """The draft loop's sampling ops alone (``warp_probs``, then ``sample_draft``),
+    captured once and replayed on fresh logits, seeds and offsets: the same q and tokens
+    as the eager ops. Localises a graph-unsafe op among the warps."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device="cpu").manual_seed(B + V)
+    static = {"logits": torch.randn(B, V, generator=gen).to(dev),
+              "seed": torch.arange(B, dtype=torch.int64, device=dev),
+              "offset": torch.zeros(B, dtype=torch.int64, device=dev)}
+
+    def body():
+        q = warp_probs(static["logits"], warp["temperature"], warp.get("top_k"),
+                       warp.get("top_p"))
+        return q, sample_draft(q, static["seed"], static["offset"], 1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_g, x_g = body()
+    for step in range(3):
+        static["logits"].copy_(torch.randn(B, V, generator=gen).to(dev) * (1 + step))
+        static["seed"].add_(7)
+        static["offset"].fill_(step + 1)
+        graph.replay()
+        q_e, x_e = body()
+        torch.testing.assert_close(q_g, q_e, rtol=1e-5, atol=1e-7)
+        assert torch.equal(x_g, x_e)

@@ -404,11 +404,15 @@ def test_first_token_follows_warped_target_every_backend(device, backend, V, n, 
     q = torch.softmax(logits[0, :K] + torch.randn(K, V, generator=gen), -1)
     drafts = torch.multinomial(q, n, replacement=True, generator=gen).T.contiguous()
     dev = torch.device(device)
-    out, _ = rejection_sample(logits.to(dev).expand(n, K + 1, V), drafts.to(dev),
-                              q.to(dev).expand(n, K, V), seed=torch.arange(n, device=dev),
-                              offset=torch.full((n,), 7, device=dev), backend=backend,
-                              **{k: torch.full((n,), v, device=dev) for k, v in warp.items()})
-    first = out[:, 0].cpu()
+
+    def draw(a: int, b: int) -> torch.Tensor:
+        m = b - a
+        out, _ = rejection_sample(logits.to(dev).expand(m, K + 1, V), drafts[a:b].to(dev),
+                                  q.to(dev).expand(m, K, V), seed=torch.arange(a, b, device=dev),
+                                  offset=torch.full((m,), 7, device=dev), backend=backend,
+                                  **{k: torch.full((m,), v, device=dev) for k, v in warp.items()})
+        return out[:, 0].cpu()
+    first = in_row_chunks(n, (2 * K + 1) * V * 4, dev, draw)
     p0 = warp_probs(logits[0, :1], **{k: torch.tensor([v]) for k, v in warp.items()})[0]
     counts = torch.bincount(first, minlength=V).double()
     assert counts[p0 == 0].sum() == 0, "a token outside the warped target was emitted"
@@ -454,3 +458,12 @@ def test_top_p_from_candidates_equals_the_full_sort():
     flat = torch.zeros(2, 5000)
     assert warp._top_p_keep_candidates(torch.softmax(flat, -1), torch.tensor([0.9, 0.5])) is None
     assert torch.allclose(warp_probs(flat, 1.0, None, 0.9), torch.full((2, 5000), 1 / 5000))
+
+
+def in_row_chunks(n: int, row_bytes: int, dev: torch.device, draw) -> torch.Tensor:
+    """``draw(a, b)`` over row ranges covering ``0 .. n-1``, concatenated. On CUDA the
+    ranges hold at most 256 MiB of ``row_bytes`` rows: the reference and the Triton
+    wrappers materialise the expanded (stride 0) inputs, which at V = 128,256 and 100,000
+    rows would not fit the GPU. Row ``i`` keeps seed ``i`` either way."""
+    step = n if dev.type == "cpu" else max(1, (256 << 20) // row_bytes)
+    return torch.cat([draw(a, min(n, a + step)) for a in range(0, n, step)])

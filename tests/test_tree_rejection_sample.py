@@ -9,6 +9,7 @@ from osd_kernels._ops import native_available
 from osd_kernels.tree_rejection_sample import tree_depths
 from osd_kernels.warp import warp_probs
 from tests.conftest import backends_for
+from tests.test_rejection_sample import in_row_chunks
 
 MODES = ["greedy", "point_mass", "with_replacement", "without_replacement"]
 ALPHA = 1e-3  # significance of the chi-square tests: each fails by chance with prob 1e-3
@@ -574,14 +575,18 @@ def test_first_token_follows_warped_target_every_backend(device, backend, V, n, 
                                               generator=gen) for _ in range(n)])
     tokens = torch.cat([torch.zeros(n, 1, dtype=torch.int64), children], 1)
     parents = torch.tensor([-1, 0, 0], dtype=torch.int32).expand(n, T).contiguous()
-    draft = torch.cat([q0[None], torch.full((T - 1, V), 1.0 / V)]).expand(n, T, V)
+    draft = torch.cat([q0[None], torch.full((T - 1, V), 1.0 / V)])
     dev = torch.device(device)
-    _, out, _ = tree_rejection_sample(
-        logits.to(dev).expand(n, T, V), tokens.to(dev), parents.to(dev), draft.to(dev),
-        seed=torch.arange(n, device=dev), offset=torch.full((n,), 5, device=dev),
-        without_replacement=without_replacement, backend=backend,
-        **{k: torch.full((n,), v, device=dev) for k, v in warp.items()})
-    first = out[:, 0].cpu()
+
+    def draw(a: int, b: int) -> torch.Tensor:
+        m = b - a
+        _, out, _ = tree_rejection_sample(
+            logits.to(dev).expand(m, T, V), tokens[a:b].to(dev), parents[a:b].to(dev),
+            draft.to(dev).expand(m, T, V), seed=torch.arange(a, b, device=dev),
+            offset=torch.full((m,), 5, device=dev), without_replacement=without_replacement,
+            backend=backend, **{k: torch.full((m,), v, device=dev) for k, v in warp.items()})
+        return out[:, 0].cpu()
+    first = in_row_chunks(n, 2 * T * V * 4, dev, draw)
     p0 = warp_probs(logits[0, :1], **{k: torch.tensor([v]) for k, v in warp.items()})[0]
     counts = torch.bincount(first, minlength=V).double()
     assert counts[p0 == 0].sum() == 0, "a token outside the warped target was emitted"
