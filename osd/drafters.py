@@ -201,12 +201,14 @@ class ModelDrafter:
             self._pending_max = 0
         width = tokens.shape[1]
         j = torch.arange(width, device=self.device)
-        valid = j < lengths[:, None]                                   # [B, width]
+        # Entries past a row's length go to the last column, which pending tokens never
+        # reach (they are fed at PENDING_LIMIT): a scatter without a host sync.
+        scratch = self._pending.shape[1] - 1
+        cols = torch.where(j < lengths[:, None], self._pending_len[:B, None] + j, scratch)
         rows = torch.arange(B, device=self.device)[:, None].expand(B, width)
-        cols = self._pending_len[:B, None] + j
-        self._pending[rows[valid], cols[valid]] = tokens.clamp(min=0)[valid]
+        self._pending[rows, cols] = tokens.clamp(min=0)
         if hidden is not None:
-            self._pending_feat[rows[valid], cols[valid]] = hidden[:, :width][valid]
+            self._pending_feat[rows, cols] = hidden[:, :width]
         self._pending_len[:B] += lengths
         self._pending_max += max_len        # an upper bound of the rows' pending lengths
 

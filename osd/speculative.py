@@ -106,20 +106,31 @@ class DraftLengthController:
     ``k_max``. An arm's goodput is the tokens a step emitted per second of its wall time
     (which includes the step's host sync, so it is device time on a GPU), as an
     exponential moving average per batch bucket (1, 2, 4, ...). A step takes the best arm,
-    except every ``explore_every``-th step of a bucket, which re-measures the arm measured
-    longest ago, so that a change in acceptance or in cost is noticed. The first
-    measurement of an arm in a bucket is dropped: it pays one-time costs (CUDA graph
-    capture, allocator growth).
+    except an exploring step, which re-measures the best arm's neighbour (the next shorter
+    or longer chain) measured longest ago, so that a change in acceptance or in cost is
+    noticed; goodput is unimodal in the chain length, so the best arm moves one neighbour
+    at a time, and a neighbour costs less to try than the longest chain. Exploring steps
+    come ``explore_every``
+    steps apart; each one that leaves the best arm as it was doubles the spacing, up to
+    ``explore_max`` (default ``8 * explore_every``), and one that changes it resets the
+    spacing: where one arm clearly wins (plain decoding against a useless draft) the
+    slower arms cost little. The first measurement of an arm in a bucket is dropped: it
+    pays one-time costs (CUDA graph capture, allocator growth).
     """
 
-    def __init__(self, k_max: int, explore_every: int = 16, decay: float = 0.7):
+    def __init__(self, k_max: int, explore_every: int = 16, decay: float = 0.7,
+                 explore_max: int | None = None):
         self.arms = sorted({k for k in (k_max, 0, 1, 2, k_max // 2) if 0 <= k <= k_max})
         self.explore_every = explore_every
+        self.explore_max = explore_max or 8 * explore_every
         self.decay = decay
         self.goodput: dict[int, dict[int, float]] = {}    # bucket -> arm -> tokens/s
         self._seen: dict[int, dict[int, int]] = {}        # bucket -> arm -> measurements
         self._when: dict[int, dict[int, int]] = {}        # bucket -> arm -> last step
         self._steps: dict[int, int] = {}
+        self._spacing: dict[int, int] = {}                # bucket -> steps between explorations
+        self._explored: dict[int, int] = {}               # bucket -> step of the last one
+        self._probe: dict[int, tuple[int, int]] = {}      # bucket -> (arm explored, best then)
         self.chosen: dict[int, dict[int, int]] = {}       # bucket -> arm -> steps
 
     @staticmethod
@@ -133,9 +144,14 @@ class DraftLengthController:
         untried = [k for k in reversed(self.arms) if k not in good]
         if untried:
             k = untried[0]
-        elif step % self.explore_every == 0:
-            when = self._when[b]
-            k = min(self.arms, key=lambda a: when.get(a, -1))
+            self._explored[b] = step
+        elif step - self._explored[b] >= self._spacing.setdefault(b, self.explore_every):
+            when, best = self._when[b], max(good, key=good.get)
+            i = self.arms.index(best)
+            k = min(self.arms[max(0, i - 1):i] + self.arms[i + 1:i + 2],
+                    key=lambda a: when.get(a, -1))
+            self._explored[b] = step
+            self._probe[b] = (k, best)
         else:
             k = max(good, key=good.get)
         counts = self.chosen.setdefault(b, {})
@@ -147,11 +163,15 @@ class DraftLengthController:
         seen = self._seen.setdefault(b, {})
         seen[k] = seen.get(k, 0) + 1
         self._when.setdefault(b, {})[k] = self._steps.get(b, 0)
-        if seen[k] == 1 or seconds <= 0:
-            return
-        rate = tokens / seconds
         good = self.goodput.setdefault(b, {})
-        good[k] = rate if k not in good else self.decay * good[k] + (1 - self.decay) * rate
+        if seen[k] > 1 and seconds > 0:
+            rate = tokens / seconds
+            good[k] = rate if k not in good else self.decay * good[k] + (1 - self.decay) * rate
+        probe = self._probe.pop(b, None)
+        if probe is not None and probe[0] == k:
+            same = max(good, key=good.get) == probe[1]
+            self._spacing[b] = min(2 * self._spacing[b], self.explore_max) if same \
+                else self.explore_every
 
     def summary(self) -> dict:
         """Per batch bucket: goodput (tokens/s) per arm and how often each arm ran."""
@@ -261,7 +281,8 @@ class Speculator:
                                         sampling["offset"], k=k, tree=self.spec.tree,
                                         stopper=self.stopper)
         clock.append(time.perf_counter())
-        lens_before = cache.lens[:B].clone()
+        plain = isinstance(prop, ChainProposal) and prop.source == "none"
+        lens_before = None if plain else cache.lens[:B].clone()
         logits, hidden = self._verify(prop, graphable(params))  # [B, T, V], [B, T, H] / None
         clock.append(time.perf_counter())
         scored = self._penalized(active, logits, prop) if wants_penalties(active) else logits
@@ -281,7 +302,7 @@ class Speculator:
         out_host = out.tolist()
         fail_nonfinite(active, logits)
         self.next_tokens[:B] = out.gather(1, n[:, None].long())[:, 0]
-        if isinstance(prop, ChainProposal) and prop.source == "none":
+        if plain:
             self.drafter.catch_up(B, out, keep.long(), max(n_host) + 1, hidden)
         else:
             self.drafter.after_verify(B, out, keep.long(), max(n_host) + 1, lens_before + 1,
@@ -348,6 +369,10 @@ class Speculator:
 
     def _sample(self, logits: torch.Tensor, prop, sampling: dict):
         """The rejection sampler: ``(tokens [B, D + 1], accepted [B], path or None)``."""
+        if "temperature" not in sampling and prop.tokens.shape[1] == 0:
+            # greedy without drafts (auto_k's plain steps): the argmax is the whole sampler
+            return logits.argmax(-1), logits.new_zeros(logits.shape[0], dtype=torch.int32), \
+                None
         if isinstance(prop, TreeProposal):
             path, out, n = osd_kernels.tree_rejection_sample(
                 logits, prop.tokens, prop.parents, None, **sampling, max_depth=prop.max_depth)
