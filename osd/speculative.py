@@ -431,11 +431,14 @@ class Speculator:
         else:
             p = warp_probs(p_logits, *params.repeat(K))
             q = prop.probs.reshape(-1, p.shape[-1]).float()
-        a = torch.minimum(p, q).sum(-1).view(len(v.active), K).cpu()
+        a = torch.minimum(p, q).sum(-1).view(len(v.active), K)
+        drafted = torch.tensor(v.drafted, device=a.device)
+        # per row: the sum over its drafted positions, in one reduction and one transfer
+        totals = torch.where(torch.arange(K, device=a.device) < drafted[:, None], a, 0.0) \
+            .sum(1).tolist()
         lookup_rows = prop.lookup_rows or [False] * len(v.active)
         for b, r in enumerate(v.active):
             d = v.drafted[b]
             if d and r.finish_reason != "error" and not lookup_rows[b]:
-                total = float(a[b, :d].sum())
-                r.spec_stats.add_alpha(total, d)
-                self.stats.add_alpha(total, d)
+                r.spec_stats.add_alpha(totals[b], d)
+                self.stats.add_alpha(totals[b], d)
