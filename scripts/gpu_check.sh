@@ -36,7 +36,7 @@ START=$(date +%s)
 cap() { local left=$(( BUDGET - ($(date +%s) - START) )); (( left < $1 )) && echo $(( left > 5 ? left : 5 )) || echo "$1"; }
 summary() { grep -Eo "[0-9]+ (passed|failed|skipped|error)[^=]*" "$1" 2>/dev/null | tail -n 1; }
 WORKERS=()
-$PY -c "import xdist" 2>/dev/null && WORKERS=(-n "${GPU_CHECK_WORKERS:-8}")
+$PY -c "import xdist" 2>/dev/null && WORKERS=(-n "${GPU_CHECK_WORKERS:-12}")
 PER_TEST=()
 $PY -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 150)
 # test workers share the cores: two threads each
@@ -60,7 +60,7 @@ echo "build: $(( $(date +%s) - t0 )) s"
 $PY -c "from osd_kernels import _C; assert _C.WITH_CUDA, 'extension built without CUDA'; print('osd_kernels._C WITH_CUDA =', _C.WITH_CUDA)" || build_rc=1
 
 echo "== GPU tests"
-timeout -s INT "$(cap 210)" "${PYTEST[@]}" -k "$GPU_TESTS" tests 2>&1 | tee "$OUTDIR/gpu_tests_first.log" \
+timeout -s INT "$(cap 180)" "${PYTEST[@]}" -k "$GPU_TESTS" tests 2>&1 | tee "$OUTDIR/gpu_tests_first.log" \
     | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 40
 first_rc=${PIPESTATUS[0]}
 
@@ -69,18 +69,18 @@ timeout "$(cap 60)" $PY scripts/triton_check.py 2>&1 | tee "$OUTDIR/triton_check
 triton_rc=${PIPESTATUS[0]}
 
 echo "== speed goals (samplers, attention, decode roofline, speculation at batch)"
-timeout "$(cap 150)" $PY scripts/gpu_goals.py --json "$JSON/gpu_goals.json" 2>&1 | tee "$OUTDIR/gpu_goals.md" | tail -n 45
+timeout "$(cap 110)" $PY scripts/gpu_goals.py --json "$JSON/gpu_goals.json" 2>&1 | tee "$OUTDIR/gpu_goals.md" | tail -n 45
 goals_rc=${PIPESTATUS[0]}
 
 echo "== probe: graphed top-k / top-p steps, launches blocking"
-OSD_GRAPH_TRUNCATED=1 CUDA_LAUNCH_BLOCKING=1 timeout -s INT "$(cap 90)" "${PYTEST[@]}" \
+OSD_GRAPH_TRUNCATED=1 CUDA_LAUNCH_BLOCKING=1 timeout -s INT "$(cap 60)" "${PYTEST[@]}" \
     -k "(truncated and cuda) or (sampled_joint and graphs1) or cuda_graph_of_a_draft_draw" \
     tests/test_graphs.py tests/test_speculative.py 2>&1 | tee "$OUTDIR/gpu_probe.log" \
     | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 30
 probe_rc=${PIPESTATUS[0]}
 
 echo "== GPU benchmarks"
-timeout "$(cap 100)" $PY -m pytest -q -p no:cacheprovider bench -k "cuda or triton" \
+timeout "$(cap 75)" $PY -m pytest -q -p no:cacheprovider bench -k "cuda or triton" \
     --benchmark-json="$JSON/gpu_bench.json" 2>&1 | tail -n 30
 bench_rc=${PIPESTATUS[0]}
 $PY scripts/bench_table.py "$JSON/gpu_bench.json" > "$OUTDIR/gpu_bench.md" 2>&1 || true
