@@ -10,7 +10,7 @@
 #      vs plain at batch 1, 8, 64);
 #   5. a probe of graphed top-k / top-p steps (OSD_GRAPH_TRUNCATED=1, which the engine does
 #      not do by default) with CUDA_LAUNCH_BLOCKING=1, so a failure names its op;
-#   6. the GPU microbenchmarks (triton and cuda providers);
+#   6. the GPU microbenchmarks (triton and cuda providers, auto_k with a useless draft);
 #   7. the rest of the suite with the GPU present, in whatever time is left;
 #   8. a summary table of the stages.
 # Each stage gets at most its own cap and never more than the time left, so the whole call
@@ -80,7 +80,7 @@ OSD_GRAPH_TRUNCATED=1 CUDA_LAUNCH_BLOCKING=1 timeout -s INT "$(cap 60)" "${PYTES
 probe_rc=${PIPESTATUS[0]}
 
 echo "== GPU benchmarks"
-timeout "$(cap 75)" $PY -m pytest -q -p no:cacheprovider bench -k "cuda or triton" \
+timeout "$(cap 75)" $PY -m pytest -q -p no:cacheprovider bench -k "cuda or triton or auto_k" \
     --benchmark-json="$JSON/gpu_bench.json" 2>&1 | tail -n 30
 bench_rc=${PIPESTATUS[0]}
 $PY scripts/bench_table.py "$JSON/gpu_bench.json" > "$OUTDIR/gpu_bench.md" 2>&1 || true
