@@ -105,7 +105,9 @@ class ModelDrafter:
 
     has_model = True
     needs_hidden = False
-    # Most pending tokens (steps drafted by prompt lookup) before they are fed (<= 72).
+    # Most pending tokens (steps drafted by prompt lookup) before they are fed. The pending
+    # buffer's 72 columns hold them or one step's tokens (at most MAX_TREE_NODES = 64); its
+    # last column is the queue's scratch column.
     PENDING_LIMIT = 24
 
     def __init__(self, model: DecoderLM, max_batch_size: int, capacity: int,
