@@ -208,3 +208,20 @@ def test_cuda_graph_of_a_draft_draw_equals_eager(V, warp, B):
         q_e, x_e = body()
         torch.testing.assert_close(q_g, q_e, rtol=1e-5, atol=1e-7)
         assert torch.equal(x_g, x_e)
+
+
+def test_a_truncating_row_keeps_its_batch_eager(pair):
+    """One row sampling with top-p among greedy rows, and outliving them: every step it is
+    in runs eagerly (no replay), every row emits what the eager engine emits; greedy
+    batches replay."""
+    spec, _ = CASES["greedy-chain"]
+    prompts = prompts_of([7, 3, 11, 5], seed=40)
+    mixed = [osd.SamplingParams(12)] * 3 + [osd.SamplingParams(
+        24, seed=41, temperature=0.9, top_p=0.8, ignore_eos=True)]
+    eager = _engine(pair, spec).generate(prompts, mixed)
+    eng = _engine(pair, spec)
+    eng.use_graphs(StepGraphs(eng.device, emulate=True))
+    assert [o.token_ids for o in eng.generate(prompts, mixed)] == [o.token_ids for o in eager]
+    assert (eng.stats["cuda_graphs"]["replays"] == 0) == (not graphable(mixed[3]))
+    eng.generate(prompts, osd.SamplingParams(12))
+    assert eng.stats["cuda_graphs"]["replays"] > 0
