@@ -59,8 +59,8 @@ from osd.online.serving import OnlineManager
 from osd.penalties import Penalties, wants_penalties
 from osd.prefix_cache import PrefixCache
 from osd.request import RequestError, RequestState, encode_prompts, stop_prefix_length
-from osd.sampling import (BatchParams, Output, SamplingParams, TokenLogprobs, fail_nonfinite,
-                          record_logprobs, request_seed, sample_tokens)
+from osd.sampling import (BatchParams, Output, SamplingParams, TokenLogprobs, fail_rows,
+                          nonfinite_rows, record_logprobs, request_seed, sample_tokens)
 from osd.scoring import score_tokens
 from osd.spec import SpecConfig
 from osd.speculative import Speculator
@@ -588,14 +588,14 @@ class Engine:
                     hidden[b, :d] = early_hidden[b]
                 hidden[b, d:len(r.prompt)] = rest_hidden[b, :len(r.prompt) - d]
         lane.cache.set_bound(max(lane.cache.bound, max(len(r.prompt) for r in new)))
-        fail_nonfinite(new, logits)
+        bad = nonfinite_rows(logits)
         last = logits[:, -1]
         if wants_penalties(new):
             last = Penalties(new, last.shape[-1], self.device).apply(last[:, None])[:, 0]
         tokens = sample_tokens(last, BatchParams([r.params for r in new], self.device),
                                *self._sampling_keys(new))
         lane.next_tokens[start_row:start_row + n] = tokens
-        self._record(new, tokens, logits[:, -1])
+        self._record(new, tokens, bad, logits[:, -1])
         stats = self.plain_stats if lane.speculator is None else lane.speculator.stats
         stats.add_time("prefill", time.perf_counter() - t0)
         if early_hidden is not None:
@@ -613,12 +613,12 @@ class Engine:
                   else graphed_forward(self.graphs, self.model, lane.cache, ids))
         lane.cache.commit(self._ones[:B], 1)
         t1 = time.perf_counter()
-        fail_nonfinite(active, logits)
+        bad = nonfinite_rows(logits)
         step = Penalties(active, logits.shape[-1], self.device).apply(logits) \
             if wants_penalties(active) else logits
         tokens = sample_tokens(step[:, 0], params, *self._sampling_keys(active))
         lane.next_tokens[:B] = tokens
-        self._record(active, tokens, logits[:, 0])
+        self._record(active, tokens, bad, logits[:, 0])
         # The forward counts as "verify" (a one-token verify): the target's forward time.
         st = self.plain_stats
         st.target_forwards += 1
@@ -634,13 +634,18 @@ class Engine:
                             dtype=torch.int64).to(self.device, non_blocking=True)
         return keys[0], keys[1]
 
-    def _record(self, requests: list[RequestState], tokens: torch.Tensor,
+    def _record(self, requests: list[RequestState], tokens: torch.Tensor, bad: torch.Tensor,
                 logits: torch.Tensor) -> None:
-        """Append each row's sampled token (``tokens [B]``, drawn from ``logits [B, V]``)."""
-        # The one host sync per step: the stop check (EOS, stop ids, lengths) needs the
-        # sampled ids on the host, and Output.token_ids collects them there anyway.
+        """Fail the rows whose logits were not finite (``bad [B]``, :func:`nonfinite_rows`)
+        and append every other row's sampled token (``tokens [B]``, drawn from ``logits
+        [B, V]``)."""
+        # The one host sync per step, after every kernel of the step is queued: the stop
+        # check (EOS, stop ids, lengths) needs the sampled ids on the host, and
+        # Output.token_ids collects them there anyway.
+        ids, flags = torch.stack([tokens, bad.to(tokens.dtype)]).tolist()
+        fail_rows(requests, flags)
         rows = []
-        for b, (r, t) in enumerate(zip(requests, tokens.tolist())):
+        for b, (r, t) in enumerate(zip(requests, ids)):
             if r.finish_reason is None:
                 r.append(t, self.max_seq_len)
                 if r.logprobs is not None:

@@ -315,11 +315,16 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams | BatchParams, se
     return out[:, 0]
 
 
-def fail_nonfinite(requests, logits: torch.Tensor) -> None:
-    """Fail each request (``request.fail``) whose row of ``logits [B, ...]`` holds NaN or
-    inf: its tokens would be arbitrary, and its distributions must not teach a draft. The
-    other rows are independent of it and go on. One host sync."""
-    bad = (~torch.isfinite(logits)).flatten(1).any(1).tolist()
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool, on the device: the rows of ``logits [B, ...]`` holding NaN or inf."""
+    return (~torch.isfinite(logits)).flatten(1).any(1)
+
+
+def fail_rows(requests, bad: list) -> None:
+    """Fail each request whose flag in ``bad`` (host values, from :func:`nonfinite_rows`)
+    is set: its tokens would be arbitrary, and its distributions must not teach a draft.
+    The other rows are independent of it and go on."""
     for r, b in zip(requests, bad):
         if b and r.finish_reason is None:
             r.fail("the target model produced non-finite logits (NaN or inf) for this request")
+

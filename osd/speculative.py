@@ -27,7 +27,7 @@ import osd_kernels
 from osd.drafters import ChainProposal, TreeProposal
 from osd.graphs import StepGraphs, graphable, graphed_forward
 from osd.penalties import Penalties, tree_ancestors, wants_penalties
-from osd.sampling import BatchParams, fail_nonfinite, record_logprobs
+from osd.sampling import BatchParams, fail_rows, nonfinite_rows, record_logprobs
 from osd.spec import SpecConfig
 from osd.stats import SpecStats
 from osd_kernels.warp import warp_probs
@@ -297,10 +297,12 @@ class Speculator:
             cache.commit(keep, logits.shape[1])
         clock.append(time.perf_counter())
         # The one deliberate host sync of the step: the accepted counts and tokens decide
-        # the stop checks and fill the outputs.
-        n_host = n.tolist()
-        out_host = out.tolist()
-        fail_nonfinite(active, logits)
+        # the stop checks and fill the outputs; rows with non-finite logits fail.
+        host = torch.cat([n[:, None].to(out.dtype), nonfinite_rows(logits)[:, None].to(out.dtype),
+                          out], 1).tolist()
+        n_host = [h[0] for h in host]
+        fail_rows(active, [h[1] for h in host])
+        out_host = [h[2:] for h in host]
         self.next_tokens[:B] = out.gather(1, n[:, None].long())[:, 0]
         if plain:
             self.drafter.catch_up(B, out, keep.long(), max(n_host) + 1, hidden)
@@ -342,9 +344,9 @@ class Speculator:
     def _verify(self, prop: ChainProposal | TreeProposal, graphed: bool = True):
         """The target's forward over the roots and the drafts (a tree: its ancestor mask
         and depths) -> ``([B, T, V] logits, [B, T, H] features or None)``, from a CUDA
-        graph of the batch bucket when enabled and ``graphed``. The features (the last layer's output
-        before the final norm) are kept only for a drafter that ``needs_hidden``; that
-        forward runs eagerly."""
+        graph of the batch bucket when enabled and ``graphed``. The features (the last
+        layer's output before the final norm) are kept only for a drafter that
+        ``needs_hidden``; that forward runs eagerly."""
         if isinstance(prop, TreeProposal):
             inputs, mask, depths = prop.tokens, prop.mask, prop.depths
         else:
