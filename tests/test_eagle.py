@@ -15,7 +15,7 @@ from osd.models.eagle import (EagleLM, eagle_loss, head_probs, is_eagle_checkpoi
 from osd.models.loading import load_model
 from tests.test_models import VOCAB, tiny_hf_model
 from tests.test_speculative import (V_SMALL, _small_pair, assert_joint_follows_target,
-                                    prompts_of)
+                                    prompts_of, serve_in_batches)
 
 
 # Draft trees: a chain of three with siblings at the first two depths; a dynamic one.
@@ -169,11 +169,17 @@ def test_root_distribution_equals_a_teacher_forced_forward(target, trained, case
                          ids=["chain", "lookup", "adaptive", "tree", "dynamic-tree",
                               "lookup-tree"])
 def test_greedy_equals_plain(target, trained, spec):
+    _assert_greedy_equals_plain(target, trained, spec)
+
+
+def _assert_greedy_equals_plain(target, draft, spec: dict) -> None:
+    """Five ragged prompts (one repeating itself, for lookup) on 3 rows with chunked
+    prefill: the speculative engine's greedy output is the target's alone."""
     prompts = prompts_of([5, 12, 1, 8, 30], seed=6)
     prompts[0] = prompts[0] * 3
     ref = osd.Engine(target, max_batch_size=3, max_seq_len=128).generate(
         prompts, osd.SamplingParams(24))
-    eng = osd.Engine(target, draft=[trained], spec=osd.SpecConfig(**spec), max_batch_size=3,
+    eng = osd.Engine(target, draft=[draft], spec=osd.SpecConfig(**spec), max_batch_size=3,
                      max_seq_len=128, prefill_chunk=16)
     outs = eng.generate(prompts, osd.SamplingParams(24))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
@@ -250,9 +256,7 @@ def test_learns_online_from_the_targets_features(target, lookup):
     seen = []
     observe = learner.observe
     learner.observe = lambda ex: (seen.append(ex), observe(ex))[-1]
-    outs = []
-    for i in range(0, len(prompts), 4):
-        outs += eng.generate(prompts[i:i + 4], osd.SamplingParams(20))
+    outs = serve_in_batches(eng, prompts, osd.SamplingParams(20))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert eng.stats["online"]["updates_applied"] >= 2
     assert torch.equal(target.embed_tokens.weight, embed)
@@ -345,16 +349,8 @@ def _on_cuda(tmp_path, hf_target, draft):
                                   dict(num_draft_tokens=3, prompt_lookup=True)],
                          ids=["chain", "dynamic-tree", "lookup"])
 def test_greedy_equals_plain_on_cuda(tmp_path, trained, spec):
-    target, draft = _on_cuda(tmp_path, tiny_hf_model("llama", seed=31), trained)
-    prompts = prompts_of([5, 12, 1, 8, 30], seed=6)
-    prompts[0] = prompts[0] * 3
-    ref = osd.Engine(target, max_batch_size=3, max_seq_len=128).generate(
-        prompts, osd.SamplingParams(24))
-    eng = osd.Engine(target, draft=[draft], spec=osd.SpecConfig(**spec), max_batch_size=3,
-                     max_seq_len=128, prefill_chunk=16)
-    outs = eng.generate(prompts, osd.SamplingParams(24))
-    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
-    assert 0 < eng.stats["accepted"] <= eng.stats["drafted"]
+    _assert_greedy_equals_plain(*_on_cuda(tmp_path, tiny_hf_model("llama", seed=31), trained),
+                                spec)
 
 
 @cuda_only
@@ -386,9 +382,7 @@ def test_learns_online_on_cuda(tmp_path, background):
     prompts = prompts_of([6, 9, 4, 7] * 3, seed=14)
     ref = osd.Engine(target, max_batch_size=4, max_seq_len=128).generate(
         prompts, osd.SamplingParams(20))
-    outs = []
-    for i in range(0, len(prompts), 4):
-        outs += eng.generate(prompts[i:i + 4], osd.SamplingParams(20))
+    outs = serve_in_batches(eng, prompts, osd.SamplingParams(20))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert eng.stats["online"]["updates_applied"] >= 1
     serving = eng.speculators[0].drafter.model

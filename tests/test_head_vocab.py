@@ -13,7 +13,7 @@ from osd.online.distill import to_head_vocab
 from osd.spec import DynamicTree
 from tests.test_models import VOCAB, tiny_hf_model
 from tests.test_speculative import (V_SMALL, _small_pair, assert_joint_follows_target,
-                                    perturbed, prompts_of)
+                                    perturbed, prompts_of, serve_in_batches)
 
 
 def _kept(vocab: int, n: int, seed: int) -> torch.Tensor:
@@ -139,9 +139,7 @@ def test_learns_online_on_its_columns(pair, topk):
     prompts = prompts_of([6, 9, 4, 7] * 3, seed=7)
     ref = _engine(pair[0], None).generate(prompts, osd.SamplingParams(20))
     before = draft.lm_head.weight.detach().clone()
-    outs = []
-    for i in range(0, len(prompts), 4):
-        outs += eng.generate(prompts[i:i + 4], osd.SamplingParams(20))
+    outs = serve_in_batches(eng, prompts, osd.SamplingParams(20))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert eng.stats["online"]["updates_applied"] >= 2
     serving = eng.speculators[0].drafter.model

@@ -9,7 +9,7 @@ import osd
 from osd.online.distill import heldout_alpha
 from osd.online.router import Router, RouterConfig
 from tests.test_models import tiny_hf_model
-from tests.test_speculative import perturbed, prompts_of
+from tests.test_speculative import perturbed, prompts_of, serve_in_batches
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +38,7 @@ def test_outputs_unchanged_and_alpha_rises(pair):
     ref = plain.generate(prompts, osd.SamplingParams(24))
     eng = _engine(pair)
     before = _draft_state(eng)
-    outs = []
-    for i in range(0, len(prompts), 4):             # a stream of small batches
-        outs += eng.generate(prompts[i:i + 4], osd.SamplingParams(24))
+    outs = serve_in_batches(eng, prompts, osd.SamplingParams(24))   # a stream of small batches
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]   # learning never changes output
     hist = eng.stats["online"]
     assert hist["updates_applied"] >= 3
@@ -274,9 +272,7 @@ def test_self_speculation_learns_a_copy_never_the_target():
     draft = eng.speculators[0].drafter.model
     assert draft is not eng.model and draft.config.num_layers == 1
     draft_before = {k: v.clone() for k, v in draft.state_dict().items()}
-    outs = []
-    for i in range(0, len(prompts), 4):
-        outs += eng.generate(prompts[i:i + 4], sp)
+    outs = serve_in_batches(eng, prompts, sp)
     assert eng.stats["online"]["updates_applied"] >= 2
     assert any(not torch.equal(draft_before[k], v) for k, v in draft.state_dict().items())
     assert all(torch.equal(before[k], v) for k, v in eng.model.state_dict().items())
@@ -337,9 +333,7 @@ def test_autocast_steps_learn_with_fp32_weights(pair):
             seen.append(torch.is_autocast_enabled("cpu"))
         return forward(*args, **kw)
     learner.model.forward_train = spy
-    outs = []
-    for i in range(0, len(prompts), 4):
-        outs += eng.generate(prompts[i:i + 4], osd.SamplingParams(24))
+    outs = serve_in_batches(eng, prompts, osd.SamplingParams(24))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert seen and all(seen)
     assert eng.stats["online"]["updates_applied"] >= 3

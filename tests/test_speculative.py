@@ -31,6 +31,13 @@ def prompts_of(lengths, vocab=VOCAB, seed=0):
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
+def serve_in_batches(eng, prompts, params, size: int = 4) -> list:
+    """``eng.generate`` over ``prompts`` as a stream of batches of ``size`` (so that online
+    learners see requests finish between calls); the outputs in prompt order."""
+    return [o for i in range(0, len(prompts), size)
+            for o in eng.generate(prompts[i:i + size], params)]
+
+
 @pytest.fixture(scope="module")
 def llama_pair():
     target = tiny_hf_model("llama", seed=11)
