@@ -110,11 +110,10 @@ class DraftLengthController:
     or longer chain) measured longest ago, so that a change in acceptance or in cost is
     noticed; goodput is unimodal in the chain length, so the best arm moves one neighbour
     at a time, and a neighbour costs less to try than the longest chain. Exploring steps
-    come ``explore_every``
-    steps apart; each one that leaves the best arm as it was doubles the spacing, up to
-    ``explore_max`` (default ``8 * explore_every``), and one that changes it resets the
-    spacing: where one arm clearly wins (plain decoding against a useless draft) the
-    slower arms cost little. The first measurement of an arm in a bucket is dropped: it
+    come ``explore_every`` steps apart; each one that leaves the best arm as it was doubles
+    the spacing, up to ``explore_max`` (default ``8 * explore_every``), and one that
+    changes it resets the spacing: where one arm clearly wins (plain decoding against a
+    useless draft) the slower arms cost little. The first measurement of an arm in a bucket is dropped: it
     pays one-time costs (CUDA graph capture, allocator growth).
     """
 
