@@ -41,7 +41,7 @@ def _generate(args) -> int:
     spec = None
     if args.draft or args.drafter != "model":
         spec = osd.SpecConfig(num_draft_tokens=args.k, drafter=args.drafter,
-                              prompt_lookup=args.prompt_lookup)
+                              prompt_lookup=args.prompt_lookup, lookup_tokens=args.lookup_tokens)
     online = osd.OnlineConfig(background=False) if args.online else None
     engine = osd.Engine.from_pretrained(args.target, draft=args.draft, device=args.device,
                                         dtype=dtype, spec=spec, online=online,
@@ -176,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-lookup", action="store_true",
                    help="with a draft model: draft by prompt lookup when the context repeats, "
                    "and run the draft model only when it does not")
+    g.add_argument("--lookup-tokens", type=int, default=0, metavar="N",
+                   help="with --prompt-lookup: most drafts of a step drafted by lookup (0: k)")
     g.add_argument("--online", action="store_true", help="let the draft learn while serving")
     g.add_argument("-k", type=int, default=4, help="draft tokens per step")
     g.add_argument("--max-new-tokens", type=int, default=64)
@@ -220,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lookup-history", type=int, default=0, metavar="TOKENS",
                    help="with --prompt-lookup: also look up in this many tokens of earlier "
                    "answers (0: each request's own text only)")
+    s.add_argument("--lookup-tokens", type=int, default=0, metavar="N",
+                   help="with --prompt-lookup: most drafts of a step drafted by lookup (0: k)")
     s.add_argument("--online", action="store_true", help="let the draft learn while serving")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)

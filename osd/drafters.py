@@ -639,7 +639,8 @@ class NGramDrafter:
 
 class LookupDrafter:
     """Prompt lookup in front of a :class:`ModelDrafter`: when every row's context has a
-    match, its continuation is the chain (no draft forward); otherwise the model drafts,
+    match, its continuation (up to ``max(k, lookup_tokens)`` tokens) is the chain (no draft
+    forward); otherwise the model drafts,
     and in a chain step the rows that have a match still verify their lookup
     continuation in place of the model's drafts (a one-hot q when sampling). The model's
     cache catches up on the tokens accepted meanwhile (:meth:`ModelDrafter.queue`); after
@@ -649,9 +650,10 @@ class LookupDrafter:
 
     has_model = True
 
-    def __init__(self, inner: ModelDrafter, lookup: NGramDrafter):
+    def __init__(self, inner: ModelDrafter, lookup: NGramDrafter, lookup_tokens: int = 0):
         self.inner = inner
         self.lookup = lookup
+        self.lookup_tokens = lookup_tokens  # most drafts of an all-lookup step (0: k)
         self._looked_up = False         # the last proposal came from lookup
 
     @property
@@ -676,10 +678,11 @@ class LookupDrafter:
 
     def propose(self, active, roots, params, seed, offset, *, k: int = 0, tree=None,
                 stopper=None):
-        conts = self.lookup.continuations([r.prompt + r.generated for r in active], k)
+        width = max(k, self.lookup_tokens)
+        conts = self.lookup.continuations([r.prompt + r.generated for r in active], width)
         self._looked_up = all(conts)
         if self._looked_up:
-            return self.lookup.chain(conts, k, roots.device)
+            return self.lookup.chain(conts, width, roots.device)
         prop = self.inner.propose(active, roots, params, seed, offset, k=k, tree=tree,
                                   stopper=stopper)
         # A stopper calibrates on the model's own drafts: its steps stay the model's.
@@ -758,6 +761,7 @@ def make_drafters(spec, target: DecoderLM, drafts: list[DecoderLM], max_batch_si
                     ModelDrafter(d, max_batch_size, capacity, context=context)
                     for d in drafts]
     if spec.prompt_lookup:
-        drafters = [LookupDrafter(d, NGramDrafter(spec.ngram_min, spec.ngram_max, history))
+        drafters = [LookupDrafter(d, NGramDrafter(spec.ngram_min, spec.ngram_max, history),
+                                  spec.lookup_tokens)
                     for d in drafters]
     return drafters

@@ -784,7 +784,7 @@ class Engine:
 
 def _spec_width(spec: SpecConfig) -> int:
     """Most tokens one verify forward feeds per row (root included)."""
-    chain = spec.num_draft_tokens + 1
+    chain = max(spec.num_draft_tokens, spec.lookup_tokens) + 1
     if spec.tree is None:
         return chain
     tree = spec.tree.num_nodes if isinstance(spec.tree, StaticTree) else spec.tree.max_nodes + 1

@@ -481,9 +481,13 @@ def serve(args) -> int:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     spec = None
     if draft is not None or args.prompt_lookup:
-        spec = osd.SpecConfig(num_draft_tokens=args.k,
+        lookup_tokens = getattr(args, "lookup_tokens", 0)
+        # Without a draft model the n-gram drafter is the lookup: its chains are lookup's.
+        spec = osd.SpecConfig(num_draft_tokens=args.k if draft is not None else
+                              lookup_tokens or args.k,
                               drafter="model" if draft is not None else "ngram",
                               prompt_lookup=args.prompt_lookup and draft is not None,
+                              lookup_tokens=lookup_tokens if draft is not None else 0,
                               lookup_history=getattr(args, "lookup_history", 0)
                               if args.prompt_lookup else 0,
                               auto_k=getattr(args, "auto_k", False))

@@ -45,7 +45,8 @@ class SpecConfig:
     drafts: a chain, in which the rows that do have a match verify their continuation
     instead (unless ``adaptive``), or the ``tree`` when one is set. Lookup is nearly free
     and, where text repeats (code, edits, retrieval), long and accurate; the draft model
-    covers the rest.
+    covers the rest. ``lookup_tokens`` lets those lookup steps verify longer continuations
+    than the draft model's chains: their drafts cost no draft forward, only verify rows.
 
     ``lookup_history=n`` (with ``prompt_lookup`` or the ``"ngram"`` drafter) also looks the
     suffix up in the newest ``n`` tokens of the engine's finished requests (their outputs,
@@ -72,6 +73,8 @@ class SpecConfig:
     #                                      model (chain or tree) where some row has no match
     lookup_history: int = 0              # lookup also in this many tokens of finished
     #                                      requests (0: only the request's own text)
+    lookup_tokens: int = 0               # prompt lookup: most drafts of a step whose rows all
+    #                                      match (0: num_draft_tokens)
     adaptive: bool = False               # stop drafting a row when the draft is unsure
     adaptive_floor: float = 0.35         # adaptive: stop when P(reach and accept) < floor
     adaptive_init_threshold: float = 0.3  # adaptive: confidence threshold before calibration
@@ -99,6 +102,12 @@ class SpecConfig:
         if self.prompt_lookup and self.drafter == "ngram":
             raise ValueError("SpecConfig(prompt_lookup=True) adds prompt lookup to a model "
                              "drafter; drafter='ngram' already is prompt lookup")
+        if not 0 <= self.lookup_tokens < MAX_TREE_NODES:
+            raise ValueError(f"SpecConfig.lookup_tokens must be in 0..{MAX_TREE_NODES - 1}, "
+                             f"got {self.lookup_tokens}")
+        if self.lookup_tokens and not self.prompt_lookup:
+            raise ValueError("SpecConfig.lookup_tokens sets prompt lookup's chain length: set "
+                             "prompt_lookup=True (the ngram drafter's is num_draft_tokens)")
         if self.lookup_history < 0:
             raise ValueError(f"SpecConfig.lookup_history must be >= 0, got {self.lookup_history}")
         if self.lookup_history and not (self.prompt_lookup or self.drafter == "ngram"):

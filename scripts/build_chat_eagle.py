@@ -79,6 +79,11 @@ RECIPE = EagleRecipe()
 # for a function's body from its signature and docstring.
 EXTRA_DATA = dataclasses.replace(DATA, seed=1, kinds=("complete", "write", "complete",
                                                       "explain", "complete", "test"))
+# The third teacher set: other stdlib functions again (seed 2), two thirds of the code
+# requests asking for a function's body from its signature and docstring.
+MORE_DATA = dataclasses.replace(DATA, seed=2, kinds=("complete", "write", "complete",
+                                                     "test", "complete", "explain"))
+TEACHER_SETS = (DATA, EXTRA_DATA, MORE_DATA)
 
 
 def _load_examples(args, recipes: tuple[DataRecipe, ...]) -> tuple[list[Example], list[dict]]:
@@ -244,7 +249,7 @@ def train(model: EagleLM, examples: list[Example], recipe: EagleRecipe,
 def build(args) -> int:
     wall0 = time.monotonic()
     torch.manual_seed(RECIPE.seed)
-    examples, data = _load_examples(args, (DATA,) if args.one_data_set else (DATA, EXTRA_DATA))
+    examples, data = _load_examples(args, TEACHER_SETS[:args.data_sets])
     target_path = zoo_chat.fetch_target()
     train_set, heldout = split_heldout(examples, RECIPE.heldout_fraction, RECIPE.seed)
     positions = sum(e.tokens.numel() - e.start for e in train_set)
@@ -281,8 +286,9 @@ def main(argv=None) -> int:
                         "training and saving (default 50)")
     parser.add_argument("--data-minutes", type=float, default=13.0,
                         help="generation budget of each teacher set not cached (13)")
-    parser.add_argument("--one-data-set", action="store_true",
-                        help="train on the first teacher set only (build_chat_draft.py's)")
+    parser.add_argument("--data-sets", type=int, choices=(1, 2, 3), default=3,
+                        help="teacher sets trained on: the first (build_chat_draft.py's), "
+                             "the first two, or all three (default)")
     parser.add_argument("--head-from", default=HEAD_FROM,
                         help="checkpoint whose head_vocab.json the draft keeps "
                              "(default the chat draft's)")

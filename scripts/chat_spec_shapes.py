@@ -14,7 +14,8 @@ is asserted equal to plain greedy decoding.
 of ``--eagle DIR ...`` side by side) in chains of each K, without prompt lookup and with
 lookup in front for each shortest match of ``--eagle-ngram-mins`` (default 1, as
 ``SpecConfig``); ``--eagle-trees NAME ...`` adds those rows with the draft model's chain
-replaced by one of ``EAGLE_TREES`` (lookup chains stay of length K). ``--seed`` picks
+replaced by one of ``EAGLE_TREES`` (lookup chains stay of length K); ``--lookup-tokens N
+...`` runs the rows with lookup at each ``SpecConfig.lookup_tokens``. ``--seed`` picks
 other prompts.
 """
 from __future__ import annotations
@@ -70,6 +71,9 @@ def main() -> None:
                         help="chain lengths to run the EAGLE draft with (none by default)")
     parser.add_argument("--eagle-ngram-mins", type=int, nargs="*", default=[1],
                         help="shortest prompt-lookup matches to run the EAGLE chains with")
+    parser.add_argument("--lookup-tokens", type=int, nargs="*", default=[0],
+                        help="SpecConfig.lookup_tokens of the EAGLE rows with lookup, each "
+                        "side by side (0: k)")
     parser.add_argument("--eagle-trees", nargs="*", default=[], choices=list(EAGLE_TREES),
                         help="also run the EAGLE rows with these trees in place of the chain")
     parser.add_argument("--seed", type=int, default=11, help="which HumanEval prompts")
@@ -116,10 +120,13 @@ def main() -> None:
             for n in [0] + args.eagle_ngram_mins:
                 name = f"{label} chain k={k}" + ("" if n == 0 else ", lookup" if n == 1
                                                  else f", lookup n>={n}")
-                for tree in [None, *args.eagle_trees]:
-                    row = name if tree is None else f"{name}, {tree}"
+                for tree, lt in [(t, lt) for t in [None, *args.eagle_trees]
+                                 for lt in (args.lookup_tokens if n else [0])]:
+                    row = (name if tree is None else f"{name}, {tree}") + \
+                        (f", lookup_tokens {lt}" if lt else "")
                     spec = osd.SpecConfig(num_draft_tokens=k, prompt_lookup=n > 0,
                                           ngram_min=max(n, 1), ngram_max=max(n, 3),
+                                          lookup_tokens=lt,
                                           tree=None if tree is None else EAGLE_TREES[tree])
                     engines[row] = osd.Engine(plain.model, draft=[eagle], max_batch_size=1,
                                               max_seq_len=1024, spec=spec)

@@ -19,7 +19,7 @@ def test_help(argv, capsys):
         assert "--prompt-lookup" in out and "--online" in out
 
 
-@pytest.mark.parametrize("extra", [[], ["--prompt-lookup"], ["--online"],
+@pytest.mark.parametrize("extra", [[], ["--prompt-lookup", "--lookup-tokens", "8"], ["--online"],
                                    ["--repetition-penalty", "1.3", "--presence-penalty", "0.5"]],
                          ids=["spec", "lookup", "online", "penalties"])
 def test_generate_on_the_zoo_pair(extra, capsys):
@@ -38,6 +38,8 @@ def test_generate_on_the_zoo_pair(extra, capsys):
      "already is prompt lookup"),
     (["generate", "--target", "TARGET", "--draft", "DRAFT", "-k", "0", "hi"],
      "num_draft_tokens must be in"),
+    (["generate", "--target", "TARGET", "--draft", "DRAFT", "--lookup-tokens", "8", "hi"],
+     "lookup_tokens sets prompt lookup's chain length"),
     (["generate", "--target", "TARGET", "--temperature", "-1", "hi"], "temperature"),
     (["generate", "--target", "TARGET", "--repetition-penalty", "0", "hi"], "repetition_penalty"),
     (["generate", "--target", "TARGET", "--stop", "", "hi"], "stop strings must not be empty"),

@@ -165,9 +165,11 @@ def test_root_distribution_equals_a_teacher_forced_forward(target, trained, case
                                   dict(num_draft_tokens=4, adaptive=True),
                                   dict(tree=TREES["tree"]), dict(tree=TREES["dynamic-tree"]),
                                   dict(num_draft_tokens=4, prompt_lookup=True,
-                                       tree=TREES["tree"])],
+                                       tree=TREES["tree"]),
+                                  dict(num_draft_tokens=3, prompt_lookup=True, lookup_tokens=10,
+                                       lookup_history=512)],
                          ids=["chain", "lookup", "adaptive", "tree", "dynamic-tree",
-                              "lookup-tree"])
+                              "lookup-tree", "lookup-long"])
 def test_greedy_equals_plain(target, trained, spec):
     _assert_greedy_equals_plain(target, trained, spec)
 

@@ -198,6 +198,9 @@ def test_unknown_device(engine, expected, hf):
     (dict(ngram_min=3, ngram_max=2), "1 <= ngram_min <= ngram_max"),
     (dict(lookup_history=-5, prompt_lookup=True), "lookup_history must be >= 0"),
     (dict(lookup_history=1000), "lookup_history extends prompt lookup"),
+    (dict(lookup_tokens=-1, prompt_lookup=True), "lookup_tokens must be in 0..63"),
+    (dict(lookup_tokens=64, prompt_lookup=True), "lookup_tokens must be in 0..63"),
+    (dict(lookup_tokens=8), "lookup_tokens sets prompt lookup's chain length"),
 ])
 def test_bad_spec_config(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -220,7 +220,9 @@ def _engine_modes():
     (dict(tree=DynamicTree(topk=3, depth=2, max_nodes=5)), dict(temperature=0.9, top_k=5)),
     (dict(num_draft_tokens=2, prompt_lookup=True), dict(temperature=0.9, top_k=0, top_p=1.0)),
     (dict(num_draft_tokens=3, auto_k=True), dict(temperature=0.8, top_k=6, top_p=1.0)),
-], ids=["chain", "chain-t", "tree", "dyntree", "lookup", "auto-k"])
+    (dict(num_draft_tokens=1, prompt_lookup=True, lookup_tokens=3),
+     dict(temperature=0.8, top_k=6, top_p=0.9)),
+], ids=["chain", "chain-t", "tree", "dyntree", "lookup", "auto-k", "lookup-long"])
 def test_sampled_joint_follows_target(spec, params, mode):
     """The joint of the first three tokens over 50,000 requests in batches of 4096 (the
     first drawn by the plain sampler at prefill, the others by speculative steps);
@@ -328,6 +330,39 @@ def test_prompt_lookup_in_front_of_a_tree(llama_pair, plain, tree):
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref] * 2
     st = eng.stats
     assert 0 < st["lookup_steps"] < st["target_forwards"]
+
+
+@pytest.mark.parametrize("tree", [None, osd.DynamicTree(topk=2, depth=2, max_nodes=4)])
+def test_lookup_steps_verify_longer_chains(llama_pair, plain, tree):
+    """lookup_tokens: a step whose rows all match verifies up to lookup_tokens drafts (12,
+    past k = 3 and past the tree). Asked again, the requests are looked up in the history
+    of their first answers, so steps accept up to 13 tokens at once; every output equals
+    the target's, alone and in a batch."""
+    target, draft = llama_pair
+    prompts = [prompts_of([7], seed=86)[0] * 3, prompts_of([9], seed=87)[0] * 2]
+    ref = plain.generate(prompts, osd.SamplingParams(40))
+    eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(
+        num_draft_tokens=3, prompt_lookup=True, lookup_tokens=12, lookup_history=1024,
+        tree=tree), max_batch_size=2, max_seq_len=96)
+    steps = []
+
+    class Spy:
+        def before_step(self):
+            pass
+
+        def on_prefill(self, *args):
+            pass
+
+        def on_verdict(self, v):
+            if getattr(v.proposal, "source", None) == "lookup":
+                steps.append((v.proposal.max_drafted, max(v.emitted)))
+
+    eng.speculators[0].listeners.append(Spy())
+    outs = [eng.generate([p], osd.SamplingParams(40))[0] for p in prompts]
+    outs += eng.generate(prompts, osd.SamplingParams(40))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref] * 2
+    assert max(width for width, _ in steps) == 12
+    assert max(emitted for _, emitted in steps) == 13
 
 
 @pytest.mark.parametrize("limit", [6, ModelDrafter.PENDING_LIMIT])
