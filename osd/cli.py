@@ -18,7 +18,8 @@ def _demo(args) -> int:
                      static_requests=args.static, max_new_tokens=args.max_new_tokens,
                      num_draft_tokens=args.k, out_dir=args.out, seed=args.seed,
                      threads=args.threads, draft=args.draft,
-                     lookup_history=args.lookup_history, quantized=args.quantized,
+                     lookup_history=args.lookup_history, lookup_tokens=args.lookup_tokens,
+                     quantized=args.quantized,
                      quantize_draft=args.quantize_draft, prefix_cache=args.prefix_cache,
                      plain_every=args.plain_every)
     run_demo(cfg)
@@ -138,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--lookup-history", type=int, default=None, metavar="TOKENS",
                    help="prompt lookup also over this many tokens of earlier answers "
                    "(default 0: each request's own text)")
+    d.add_argument("--lookup-tokens", type=int, default=None, metavar="N",
+                   help="most drafts of a step drafted by prompt lookup alone "
+                   "(SpecConfig.lookup_tokens; chat default 0: k)")
     d.add_argument("--quantized", action="store_true",
                    help="the chat target keeps its GGUF weights quantized")
     d.add_argument("--quantize-draft", default=None, choices=["Q8_0", "Q4_1", "Q4_0", "none"],

@@ -63,6 +63,8 @@ class DemoConfig:
     prompt_lookup: bool | None = None      # prompt lookup in front of the draft model
     lookup_history: int | None = None      # prompt lookup also over this many tokens of
     #                                        earlier answers (SpecConfig.lookup_history)
+    lookup_tokens: int | None = None       # most drafts of a lookup step
+    #                                        (SpecConfig.lookup_tokens; 0: k)
     draft: str | None = None               # chat pair: "model" (the standalone draft) or
     #                                        "eagle" (the EAGLE draft on the target's features)
     quantized: bool = False                # chat pair: the target keeps its GGUF weights
@@ -136,11 +138,11 @@ def online_recipe(pair: str) -> osd.OnlineConfig:
 DEFAULTS = {
     "chat": dict(baseline_requests=8, static_requests=50, max_new_tokens=48,
                  num_draft_tokens=4, threads=1, prompt_lookup=True, lookup_history=0,
-                 draft="model", quantize_draft="Q8_0",
+                 lookup_tokens=0, draft="model", quantize_draft="Q8_0",
                  online=lambda: online_recipe("chat")),
     "builtin": dict(baseline_requests=40, static_requests=200, max_new_tokens=32,
                     num_draft_tokens=4, threads=1, prompt_lookup=False, lookup_history=0,
-                    draft="model", quantize_draft="none",
+                    lookup_tokens=0, draft="model", quantize_draft="none",
                     online=lambda: online_recipe("builtin")),
 }
 
@@ -326,7 +328,7 @@ def run_demo(cfg: DemoConfig | None = None) -> dict:
                   outputs=base_out)
     plain_tps = _tps(base)
     spec = osd.SpecConfig(num_draft_tokens=k, prompt_lookup=cfg.prompt_lookup,
-                          lookup_history=cfg.lookup_history)
+                          lookup_history=cfg.lookup_history, lookup_tokens=cfg.lookup_tokens)
     online = osd.Engine.from_pretrained(target_dir, draft=draft_dir, spec=spec,
                                         online=cfg.online, max_batch_size=1,
                                         max_seq_len=max_len, quantized=cfg.quantized,
@@ -450,6 +452,7 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
         f"{label}: {n} requests, greedy, batch size 1, k = {k}"
         f"{', prompt lookup in front of the draft' if cfg.prompt_lookup else ''}"
         f"{f' (also over {cfg.lookup_history} tokens of earlier answers)' if cfg.lookup_history else ''}"
+        f"{f', lookup steps verifying up to {cfg.lookup_tokens} drafts' if cfg.lookup_tokens else ''}"
         f", up to "
         f"{cfg.max_new_tokens} "
         f"new tokens per request, CPU fp32"
@@ -461,6 +464,7 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
         f"{' --quantized' if cfg.quantized else ''}"
         f"{f' --quantize-draft {cfg.quantize_draft}' if cfg.quantize_draft else ''}"
         f"{f' --lookup-history {cfg.lookup_history}' if cfg.lookup_history else ''}"
+        f"{f' --lookup-tokens {cfg.lookup_tokens}' if cfg.lookup_tokens else ''}"
         f"{f' --prefix-cache {cfg.prefix_cache}' if cfg.prefix_cache else ''}` in "
         f"{seconds:.0f} s.", "",
         f"The last {tail} requests were served side by side: each by the online engine, "

@@ -100,15 +100,16 @@ def test_demo_builtin_writes_the_report(tmp_path):
 
 def test_demo_with_a_lookup_history(tmp_path):
     """The static pass's lookup history starts with the answers served before its
-    requests, as the online pass had them; the report says so."""
+    requests, as the online pass had them; the report says so, and names lookup_tokens."""
     from osd.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(pair="builtin", requests=6, baseline_requests=2, static_requests=3,
                      max_new_tokens=8, prompt_lookup=True, lookup_history=4096,
-                     out_dir=str(tmp_path / "demo"))
+                     lookup_tokens=6, out_dir=str(tmp_path / "demo"))
     run_demo(cfg)
     report = (tmp_path / "demo" / "report.md").read_text()
     assert "4096 tokens of earlier answers" in report and "--lookup-history 4096" in report
+    assert "up to 6 drafts" in report and "--lookup-tokens 6" in report
 
 
 def test_demo_serves_a_quantized_draft_that_learns(tmp_path):
