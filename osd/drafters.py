@@ -640,12 +640,12 @@ class NGramDrafter:
 class LookupDrafter:
     """Prompt lookup in front of a :class:`ModelDrafter`: when every row's context has a
     match, its continuation (up to ``max(k, lookup_tokens)`` tokens) is the chain (no draft
-    forward); otherwise the model drafts,
-    and in a chain step the rows that have a match still verify their lookup
-    continuation in place of the model's drafts (a one-hot q when sampling). The model's
-    cache catches up on the tokens accepted meanwhile (:meth:`ModelDrafter.queue`); after
-    a model step every row's cache keeps its pre-step tokens and queues what was
-    accepted (:meth:`ModelDrafter.set_pending`), whichever drafts a row verified.
+    forward); otherwise the model drafts, and in a chain step the rows that have a match
+    still verify their lookup continuation in place of the model's drafts (a one-hot q
+    when sampling). The model's cache catches up on the tokens accepted meanwhile
+    (:meth:`ModelDrafter.queue`); after a model step every row's cache keeps its pre-step
+    tokens and queues what was accepted (:meth:`ModelDrafter.set_pending`), whichever
+    drafts a row verified.
     """
 
     has_model = True
