@@ -96,6 +96,11 @@ def test_demo_builtin_writes_the_report(tmp_path):
     assert summary["summary"]["shared_requests"] == 2
     assert [r["request"] for r in summary["plain_window"]] == [3, 5]
     assert [r["request"] for r in summary["static"]] == [3, 4, 5]
+    # every request's prefill timed apart: the speedup after the first token
+    assert all(0 < r["prefill_seconds"] < r["seconds"] for r in summary["plain_window"])
+    assert 0 < summary["summary"]["plain_prefill_share"] < 1
+    assert summary["summary"]["online"]["decode_speedup_last"] > 0
+    assert "speedup after the first token" in report
 
 
 def test_demo_with_a_lookup_history(tmp_path):
