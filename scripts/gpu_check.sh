@@ -74,7 +74,7 @@ goals_rc=${PIPESTATUS[0]}
 
 echo "== probe: graphed top-k / top-p steps, launches blocking"
 OSD_GRAPH_TRUNCATED=1 CUDA_LAUNCH_BLOCKING=1 timeout -s INT "$(cap 60)" "${PYTEST[@]}" \
-    -k "(truncated and cuda) or (sampled_joint and graphs1) or cuda_graph_of_a_draft_draw" \
+    -k "(truncated and cuda) or (sampled_joint and graphs1) or cuda_graph_of_a" \
     tests/test_graphs.py tests/test_speculative.py 2>&1 | tee "$OUTDIR/gpu_probe.log" \
     | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 30
 probe_rc=${PIPESTATUS[0]}

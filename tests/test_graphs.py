@@ -217,6 +217,43 @@ def test_cuda_graph_of_a_draft_draw_equals_eager(V, warp, B):
         assert torch.equal(x_g, x_e)
 
 
+# The torch ops warp_probs runs on CUDA for top-k and top-p, one at a time.
+TORCH_OPS = {
+    "topk-6": lambda x: torch.topk(x, 6, dim=-1).values,
+    "topk-20": lambda x: torch.topk(x, 20, dim=-1).values,
+    "sort": lambda x: torch.sort(x, dim=-1, descending=True)[0],
+    "cumsum": lambda x: torch.cumsum(torch.softmax(x, -1), dim=-1),
+    "searchsorted": lambda x: torch.searchsorted(
+        -torch.sort(x, dim=-1, descending=True)[0].contiguous(), -x.contiguous()),
+}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@pytest.mark.parametrize("V", [131, 49_152])
+@pytest.mark.parametrize("op", list(TORCH_OPS))
+@pytest.mark.parametrize("B", [4, 4096])
+def test_cuda_graph_of_a_torch_op_equals_eager(V, op, B):
+    """Each torch op of the top-k / top-p warps, captured alone and replayed on fresh
+    inputs, returns what it returns eagerly: which op, if any, is unsafe in a graph."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device="cpu").manual_seed(B + V)
+    x = torch.randn(B, V, generator=gen).to(dev)
+    fn = TORCH_OPS[op]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_g = fn(x)
+    for step in range(3):
+        x.copy_(torch.randn(B, V, generator=gen).to(dev) * (1 + step))
+        graph.replay()
+        assert torch.equal(y_g, fn(x)), op
+
+
 def test_a_truncating_row_keeps_its_batch_eager(pair):
     """One row sampling with top-p among greedy rows, and outliving them: every step it is
     in runs eagerly (no replay), every row emits what the eager engine emits; greedy
