@@ -1,17 +1,18 @@
 """Build the chat pair's EAGLE draft: one decoder layer that drafts from the target's
 features (``osd.models.eagle``), trained on the target's own answers.
 
-    python scripts/build_chat_eagle.py                 # ~50 min on the 2-core machine
-    python scripts/build_chat_eagle.py --minutes 70    # a longer training budget
+    python scripts/build_chat_eagle.py                          # ~75 min, data not cached
+    python scripts/build_chat_eagle.py --data-sets 2 --minutes 50   # a shorter build
 
 Stages (a progress bar each):
 
 1. Teacher data: ``scripts/build_chat_draft.py``'s (chat requests made from the standard
    library's text, answered by the target through osd), which keeps the target's features
    (last layer before the final norm) at every position with its top-32 distributions,
-   plus a second set (:data:`EXTRA_DATA`: other functions, and half of the code requests
-   ask to implement a function from its signature and docstring). Each is cached in
-   ``~/.cache/osd/chat_draft``; when absent it is generated here (about 10 minutes each).
+   plus a second and a third set (:data:`EXTRA_DATA`, :data:`MORE_DATA`: other functions,
+   and half or two thirds of the code requests ask to implement a function from its
+   signature and docstring). Each is cached in ``~/.cache/osd/chat_draft``; when absent it
+   is generated here (7 to 10 minutes each on the 2-core machine).
 2. Training: the draft's own tensors (feature norm, ``fc``, one Llama layer as wide as the
    target) learn ``osd.models.eagle.eagle_loss``: cross-entropy from the target's
    distribution over the draft head's 8,192 columns plus smooth-L1 regression onto the
@@ -281,11 +282,12 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=DEFAULT_OUT,
                         help="checkpoint directory (default osd/zoo/weights/chat_eagle)")
-    parser.add_argument("--minutes", type=float, default=50.0,
+    parser.add_argument("--minutes", type=float, default=100.0,
                         help="wall-time budget of the whole build: teacher data not cached, "
-                        "training and saving (default 50)")
-    parser.add_argument("--data-minutes", type=float, default=13.0,
-                        help="generation budget of each teacher set not cached (13)")
+                        "training and saving (default 100; training stops at the recipe's "
+                        "16 epochs)")
+    parser.add_argument("--data-minutes", type=float, default=15.0,
+                        help="generation budget of each teacher set not cached (15)")
     parser.add_argument("--data-sets", type=int, choices=(1, 2, 3), default=3,
                         help="teacher sets trained on: the first (build_chat_draft.py's), "
                              "the first two, or all three (default)")
