@@ -7,7 +7,8 @@ the draft never trained on), up to ``NEW_TOKENS`` new tokens each. Providers:
 - ``transformers-assisted``: ``generate(assistant_model=draft)`` with ``K`` draft tokens,
   the constant schedule (the same drafts and verdicts as ``osd-spec``);
 - ``osd-plain``; ``osd-spec`` (static draft, chain of ``K``); ``osd-spec-lookup`` (prompt
-  lookup first, the draft model otherwise; the EAGLE rows below look up 2+-token matches);
+  lookup first, the draft model otherwise; the EAGLE rows below look up 2+-token matches,
+  and their steps drafted by lookup alone verify up to ``LOOKUP_TOKENS`` drafts);
 - ``osd-online``: ``osd-spec`` with the draft after online distillation on ``WARMUP``
   other HumanEval requests (background learner), frozen for the timed rounds;
 - ``osd-eagle``, ``osd-eagle-lookup``, ``osd-eagle-online``: the same three with the EAGLE
@@ -48,6 +49,7 @@ NEW_TOKENS = int(os.environ.get("OSD_BENCH_CHAT_TOKENS", "128"))
 NUM_PROMPTS = int(os.environ.get("OSD_BENCH_CHAT_PROMPTS", "4"))
 WARMUP = int(os.environ.get("OSD_BENCH_CHAT_WARMUP", "48"))
 K = 4
+LOOKUP_TOKENS = 8       # SpecConfig.lookup_tokens of the EAGLE rows with prompt lookup
 ROUNDS = 2
 PROVIDERS = ["transformers", "transformers-assisted", "osd-plain", "osd-spec",
              "osd-spec-lookup", "osd-online", "osd-eagle", "osd-eagle-lookup",
@@ -147,8 +149,9 @@ def _engine(setup, provider):
             quantize_draft=_draft_format(provider))
     lookup = provider.endswith(("-lookup", "-lookup-q8"))
     # The EAGLE draft drafts better than a 1-token match predicts: lookup on 2+-token matches.
-    spec = osd.SpecConfig(num_draft_tokens=K, prompt_lookup=lookup,
-                          ngram_min=2 if lookup and provider.startswith("osd-eagle") else 1)
+    eagle_lookup = lookup and provider.startswith("osd-eagle")
+    spec = osd.SpecConfig(num_draft_tokens=K, prompt_lookup=lookup, ngram_min=2 if eagle_lookup
+                          else 1, lookup_tokens=LOOKUP_TOKENS if eagle_lookup else 0)
     draft = _draft_of(setup, provider)
     if not provider.endswith("-online"):
         return osd.Engine.from_pretrained(setup["target"], draft=draft, spec=spec,
