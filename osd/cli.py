@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 0: each request's own text)")
     d.add_argument("--lookup-tokens", type=int, default=None, metavar="N",
                    help="most drafts of a step drafted by prompt lookup alone "
-                   "(SpecConfig.lookup_tokens; chat default 0: k)")
+                   "(SpecConfig.lookup_tokens; chat default 8, builtin 0: k)")
     d.add_argument("--quantized", action="store_true",
                    help="the chat target keeps its GGUF weights quantized")
     d.add_argument("--quantize-draft", default=None, choices=["Q8_0", "Q4_1", "Q4_0", "none"],
