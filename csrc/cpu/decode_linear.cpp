@@ -55,9 +55,10 @@ at::Tensor decode_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   const bool avx2 = use_avx2_fma();
   if (packed) {
     const linear_panels::Args pa{a.x, a.w, a.bias, a.y, a.M, a.N, a.K, a.ldx, a.ldy};
-    // Up to 6 rows (a decode step, a short chain's verify) the AVX2 kernel streams the
-    // weights from memory in one pass; AVX-512 takes over where AVX2 would need several.
-    const int level = use_avx512() && a.M > linear_panels::kMaxPass
+    // One row (a decode step) is bound by memory either way and keeps the AVX2 kernel;
+    // from two rows on (verify forwards, small batches) AVX-512's 32 registers hold more
+    // panels per micro-kernel, measured 3-10% faster at 2-6 rows (docs/benchmarks.md).
+    const int level = use_avx512() && a.M > 1
                           ? linear_panels::kAvx512
                           : (avx2 ? linear_panels::kAvx2 : linear_panels::kPortable);
     // Threads split the panels (16 at least per thread: each streams its share once).
