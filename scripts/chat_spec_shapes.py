@@ -44,8 +44,8 @@ SHAPES = {
     "static tree, 8 nodes, lookup": dict(num_draft_tokens=4, prompt_lookup=True, tree=STATIC),
     "dynamic tree, lookup": dict(num_draft_tokens=4, prompt_lookup=True, tree=DYNAMIC),
 }
-# Trees for the EAGLE draft: ones that fit the verify forward's six-row AVX2 pass of the
-# packed decode kernel (at most five drafts), and larger ones for its 12-row AVX-512 pass.
+# Trees for the EAGLE draft: ones that fit the packed decode kernel's six-row AVX2 pass (at
+# most five drafts), and larger ones for its 12-row AVX-512 pass.
 EAGLE_TREES = {
     "tree 3+2": [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)],
     "tree 4+1": [(0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],
