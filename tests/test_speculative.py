@@ -285,16 +285,9 @@ def test_prompt_lookup_with_a_model_draft(llama_pair, plain):
     assert st["alpha"] == pytest.approx(1.0, abs=1e-4)
 
 
-def test_prompt_lookup_rows_beside_model_rows(llama_pair, plain):
-    """In a batch where some rows have a lookup match and others do not, the matched rows
-    verify their lookup continuation while the draft model drafts the rest; the output
-    equals the target's, and the draft's cache stays in step for both kinds of row."""
-    target, draft = llama_pair
-    prompts = [prompts_of([7], seed=81)[0] * 5, list(range(40, 60)), prompts_of([5], seed=85)[0] * 4]
-    ref = plain.generate(prompts, osd.SamplingParams(40))
-    eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(
-        num_draft_tokens=4, prompt_lookup=True, ngram_min=2), max_batch_size=3, max_seq_len=96)
-    sources = []
+def record_verdicts(eng) -> list:
+    """The verdicts of ``eng``'s speculative steps from now on, appended as they come."""
+    verdicts = []
 
     class Spy:
         def before_step(self):
@@ -304,12 +297,25 @@ def test_prompt_lookup_rows_beside_model_rows(llama_pair, plain):
             pass
 
         def on_verdict(self, v):
-            sources.append((v.proposal.source, v.proposal.lookup_rows))
+            verdicts.append(v)
 
     eng.speculators[0].listeners.append(Spy())
+    return verdicts
+
+
+def test_prompt_lookup_rows_beside_model_rows(llama_pair, plain):
+    """In a batch where some rows have a lookup match and others do not, the matched rows
+    verify their lookup continuation while the draft model drafts the rest; the output
+    equals the target's, and the draft's cache stays in step for both kinds of row."""
+    target, draft = llama_pair
+    prompts = [prompts_of([7], seed=81)[0] * 5, list(range(40, 60)), prompts_of([5], seed=85)[0] * 4]
+    ref = plain.generate(prompts, osd.SamplingParams(40))
+    eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(
+        num_draft_tokens=4, prompt_lookup=True, ngram_min=2), max_batch_size=3, max_seq_len=96)
+    verdicts = record_verdicts(eng)
     outs = eng.generate(prompts, osd.SamplingParams(40))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
-    mixed = [rows for source, rows in sources if source == "mixed"]
+    mixed = [v.proposal.lookup_rows for v in verdicts if v.proposal.source == "mixed"]
     assert mixed and all(any(rows) and not all(rows) for rows in mixed)
     assert outs[0].stats["lookup_steps"] > 0
 
@@ -344,23 +350,12 @@ def test_lookup_steps_verify_longer_chains(llama_pair, plain, tree):
     eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(
         num_draft_tokens=3, prompt_lookup=True, lookup_tokens=12, lookup_history=1024,
         tree=tree), max_batch_size=2, max_seq_len=96)
-    steps = []
-
-    class Spy:
-        def before_step(self):
-            pass
-
-        def on_prefill(self, *args):
-            pass
-
-        def on_verdict(self, v):
-            if getattr(v.proposal, "source", None) == "lookup":
-                steps.append((v.proposal.max_drafted, max(v.emitted)))
-
-    eng.speculators[0].listeners.append(Spy())
+    verdicts = record_verdicts(eng)
     outs = [eng.generate([p], osd.SamplingParams(40))[0] for p in prompts]
     outs += eng.generate(prompts, osd.SamplingParams(40))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref] * 2
+    steps = [(v.proposal.max_drafted, max(v.emitted)) for v in verdicts
+             if getattr(v.proposal, "source", None) == "lookup"]
     assert max(width for width, _ in steps) == 12
     assert max(emitted for _, emitted in steps) == 13
 
