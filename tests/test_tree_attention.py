@@ -126,31 +126,70 @@ def test_matches_reference(device, dtype, shape):
             _check_close(out, q, k, v, lens, mask, dtype, f"{backend} mask={mask is not None}")
 
 
-def test_portable_cpu_path(monkeypatch):
-    """The C++ kernel's non-AVX2 path (used on other CPUs) against the reference."""
-    monkeypatch.setenv("OSD_NO_AVX2", "1")
+# The C++ kernel's instruction-set paths, chosen at run time: AVX-512 (head dims that are a
+# multiple of 16) where the CPU has it, AVX2 + FMA, portable loops.
+CPU_PATHS = {"default": {}, "avx2": {"OSD_NO_AVX512": "1"}, "portable": {"OSD_NO_AVX2": "1"}}
+
+
+def _use_path(monkeypatch, path):
+    for name, value in CPU_PATHS[path].items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("path", CPU_PATHS)
+def test_cpu_paths(monkeypatch, path):
+    """Each instruction-set path of the C++ kernel against the reference, with head dims
+    that do (64) and do not (40) suit the AVX-512 path."""
+    _use_path(monkeypatch, path)
     gen = torch.Generator().manual_seed(7)
     for dtype in DTYPES:
-        q, kv, lens = _case(gen, 3, 7, 8, 2, 40, dtype, "cpu")
-        mask = random_tree_mask(gen, 3, 7)
-        out = tree_attention(q, kv[1, 0], kv[1, 1], lens, mask, backend="native")
-        _check_close(out, q, kv[1, 0], kv[1, 1], lens, mask, dtype, "native portable")
+        for D in (40, 64):
+            q, kv, lens = _case(gen, 3, 7, 9, 3, D, dtype, "cpu")
+            mask = random_tree_mask(gen, 3, 7)
+            for m in (mask, None):
+                out = tree_attention(q, kv[1, 0], kv[1, 1], lens, m, backend="native")
+                _check_close(out, q, kv[1, 0], kv[1, 1], lens, m, dtype, f"native {path} D={D}")
 
 
-@pytest.mark.parametrize("portable", [False, True])
-def test_sharp_softmax_matches_reference(monkeypatch, portable):
+@pytest.mark.parametrize("path", CPU_PATHS)
+def test_sharp_softmax_matches_reference(monkeypatch, path):
     """Scores far apart (a large scale): exponents below -87 underflow to 0 in the vector
     and portable softmax alike, beside masked (-inf) keys."""
-    if portable:
-        monkeypatch.setenv("OSD_NO_AVX2", "1")
+    _use_path(monkeypatch, path)
     gen = torch.Generator().manual_seed(8)
-    q, kv, lens = _case(gen, 2, 9, 6, 2, 24, torch.float32, "cpu", max_prefix=150)
-    mask = random_tree_mask(gen, 2, 9)
-    for scale in (12.0, 60.0):
-        for m in (mask, None):
-            out = tree_attention(q, kv[0, 0], kv[0, 1], lens, m, scale=scale, backend="native")
-            want = tree_attention_reference(q, kv[0, 0], kv[0, 1], lens, m, scale=scale)
-            torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    for D in (24, 32):
+        q, kv, lens = _case(gen, 2, 9, 6, 2, D, torch.float32, "cpu", max_prefix=150)
+        mask = random_tree_mask(gen, 2, 9)
+        for scale in (12.0, 60.0):
+            for m in (mask, None):
+                out = tree_attention(q, kv[0, 0], kv[0, 1], lens, m, scale=scale,
+                                     backend="native")
+                want = tree_attention_reference(q, kv[0, 0], kv[0, 1], lens, m, scale=scale)
+                torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+
+def test_rows_do_not_depend_on_their_task():
+    """On the AVX-512 path a query row's output is the same bits whatever shares its task:
+    causal query t of a T-row call equals the last query of the (t + 1)-row call, at one
+    and two threads (the kernel sizes its tasks by T and the thread count)."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("the CPU has no AVX-512")
+    gen = torch.Generator().manual_seed(10)
+    q, kv, lens = _case(gen, 1, 9, 9, 3, 64, torch.float32, "cpu", max_prefix=200)
+    lens[0] = 150            # a prefix of two key blocks and a part
+    k, v = kv[0, 0], kv[0, 1]
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(tree_attention(q, k, v, lens, None, backend="native"))
+            for t in range(9):
+                last = tree_attention(q[:, :t + 1], k, v, lens, None, backend="native")[:, t]
+                assert torch.equal(last, outs[-1][:, t]), (n, t)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
 
 
 LONG_SHAPES = [  # B, T, Hq, Hkv, D: causal blocks past the 64-bit tree mask
@@ -182,13 +221,15 @@ def test_long_causal_matches_reference(device, dtype, shape):
         _check_close(out, q, k, v, lens, None, dtype, f"{backend} T={T}")
 
 
-def test_long_causal_portable_cpu_path(monkeypatch):
-    """The C++ kernel's non-AVX2 causal key tiles (T > 64) against the reference."""
-    monkeypatch.setenv("OSD_NO_AVX2", "1")
+@pytest.mark.parametrize("path", CPU_PATHS)
+def test_long_causal_cpu_paths(monkeypatch, path):
+    """Each instruction-set path's causal key tiles (T > 64) against the reference."""
+    _use_path(monkeypatch, path)
     gen = torch.Generator().manual_seed(9)
-    q, kv, lens = _case(gen, 2, 70, 3, 1, 24, torch.float32, "cpu", max_prefix=30)
-    out = tree_attention(q, kv[0, 0], kv[0, 1], lens, None, backend="native")
-    _check_close(out, q, kv[0, 0], kv[0, 1], lens, None, torch.float32, "native portable")
+    for D in (24, 32):
+        q, kv, lens = _case(gen, 2, 70, 3, 1, D, torch.float32, "cpu", max_prefix=30)
+        out = tree_attention(q, kv[0, 0], kv[0, 1], lens, None, backend="native")
+        _check_close(out, q, kv[0, 0], kv[0, 1], lens, None, torch.float32, f"native {path}")
 
 
 def test_chain_mask_equals_causal(device):

@@ -15,8 +15,10 @@
 // tests the bitmask; causal, the new keys lens[b] + [0, t_last] (t_last: the task's last
 // query) follow in blocks of kKeyBlock that test t' <= t, so a task reads no key past its
 // own diagonal.
-// Scores, the softmax (max, exp, sum) and P.V use AVX2/FMA intrinsics when the CPU has
-// them (chosen at run time), else portable loops.
+// Scores, the softmax (max, exp, sum) and P.V use AVX-512 intrinsics (head dims that are a
+// multiple of 16) or AVX2/FMA ones when the CPU has them (chosen at run time), else
+// portable loops; each block's keys are prefetched while the block before is scored.
+// Tasks are sized so that the threads get even shares of query rows (pick_row_block).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -197,6 +199,131 @@ OSD_AVX2 inline void accumulate_pv_avx2(const float* p, const float* const* v, i
     acc[d] = x;
   }
 }
+
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_* values, which its
+// (maybe-)uninitialized warnings report (up to the AVX-512 task loop below).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+// AVX-512 versions, for head dims that are a multiple of 16 (one zmm per 16 dims). Each
+// result is computed by the same instructions whatever the block's key count n, so a
+// row's output does not depend on which other rows share its task: a key's score is
+// always one of eight lanes of a group (a short group repeats its last key), and the
+// tails of exp_sum and P.V run masked, the invisible keys adding exact zeros.
+
+// s[i] = the sum of a[i]'s 16 lanes, for i < 8: fold to 8 lanes, then the hadd tree.
+OSD_AVX512 inline void sums8_avx512(const __m512* a, float* s) {
+  __m256 h[8];
+  for (int i = 0; i < 8; ++i) {
+    h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]), _mm512_extractf32x8_ps(a[i], 1));
+  }
+  for (int g = 0; g < 8; g += 4) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(h[g], h[g + 1]),
+                                    _mm256_hadd_ps(h[g + 2], h[g + 3]));
+    _mm_storeu_ps(s + g, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+  }
+}
+
+// s[j] = q . k[j] for j < n (dim % 16 == 0): eight keys at a time, eight FMA chains.
+OSD_AVX512 inline void scores_avx512(const float* q, const float* const* k, int64_t n,
+                                     int64_t dim, float* s) {
+  for (int64_t j = 0; j < n; j += 8) {
+    const float* kj[8];
+    for (int i = 0; i < 8; ++i) kj[i] = k[std::min<int64_t>(j + i, n - 1)];
+    __m512 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m512 x = _mm512_loadu_ps(q + d);
+      for (int i = 0; i < 8; ++i) a[i] = _mm512_fmadd_ps(x, _mm512_loadu_ps(kj[i] + d), a[i]);
+    }
+    float out[8];
+    sums8_avx512(a, out);
+    for (int64_t i = 0; i < std::min<int64_t>(8, n - j); ++i) s[j + i] = out[i];
+  }
+}
+
+// exp_nonpos_avx2 in 16 lanes.
+OSD_AVX512 inline __m512 exp_nonpos_avx512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.f);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  const __m512 xc = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(bits));
+}
+
+// Lanes j < n of a 16-key group starting at 0.
+OSD_AVX512 inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// max(mx, s[0, n)).
+OSD_AVX512 inline float max_avx512(const float* s, int64_t n, float mx) {
+  __m512 m = _mm512_set1_ps(mx);
+  for (int64_t j = 0; j < n; j += 16) {
+    m = _mm512_mask_max_ps(m, first_lanes(n - j), m, _mm512_maskz_loadu_ps(first_lanes(n - j),
+                                                                           s + j));
+  }
+  return _mm512_reduce_max_ps(m);
+}
+
+// s[j] = e^(s[j] - mx) for j < n (every s[j] <= mx); returns their sum.
+OSD_AVX512 inline float exp_sum_avx512(float* s, int64_t n, float mx) {
+  const __m512 m = _mm512_set1_ps(mx);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 live = first_lanes(n - j);
+    const __m512 e = _mm512_maskz_mov_ps(
+        live, exp_nonpos_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), m)));
+    _mm512_mask_storeu_ps(s + j, live, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// acc[0, dim) += sum_j p[j] * v[j][0, dim) (dim % 16 == 0, at most 128): even and odd keys
+// in two sets of accumulators (twice the FMA chains), added at the end.
+OSD_AVX512 inline void accumulate_pv_avx512(const float* p, const float* const* v, int64_t n,
+                                            int64_t dim, float* acc) {
+  for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+    const int vecs = static_cast<int>(std::min<int64_t>(64, dim - d0) / 16);
+    __m512 a[4], b[4];
+    for (int i = 0; i < 4; ++i) a[i] = b[i] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
+      const float* v0 = v[j] + d0;
+      const float* v1 = v[j + 1] + d0;
+      for (int i = 0; i < vecs; ++i) {
+        a[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * i), a[i]);
+        b[i] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * i), b[i]);
+      }
+    }
+    if (j < n) {
+      const __m512 p0 = _mm512_set1_ps(p[j]);
+      for (int i = 0; i < vecs; ++i) {
+        a[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v[j] + d0 + 16 * i), a[i]);
+      }
+    }
+    for (int i = 0; i < vecs; ++i) {
+      float* out = acc + d0 + 16 * i;
+      _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), _mm512_add_ps(a[i], b[i])));
+    }
+  }
+}
 #endif
 
 // Points rows[j] at key/value row start + j as fp32: in place when the cache is fp32 with a
@@ -235,21 +362,45 @@ struct Scratch {
 // causal (new key first + j is seen by query t iff first + j <= t).
 enum class KeyMask { kNone, kBits, kCausal };
 
+// Instruction sets of the task loops: AVX-512 needs a head dim that is a multiple of 16.
+enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// Prefetches rows [start, start + n) of one KV head's keys or values into the caches (the
+// first dim elements from each row's start: all of a row with a contiguous head dim).
+template <typename scalar_t>
+OSD_INLINE void prefetch_rows(const scalar_t* base, int64_t stride_s, int64_t start, int64_t n,
+                              int64_t dim) {
+#if defined(__x86_64__)
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t j = start; j < start + n; ++j) {
+    const char* row = reinterpret_cast<const char*>(base + j * stride_s);
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+  }
+#else
+  (void)base, (void)stride_s, (void)start, (void)n, (void)dim;
+#endif
+}
+
 // Online-softmax update of R rows with keys [start, start + n) of one KV head; a block of
-// new keys (start = L + first) is masked by `mask`.
-template <typename scalar_t, bool kAvx2>
+// new keys (start = L + first) is masked by `mask`. The next `ahead` keys (the task's next
+// block) are prefetched while this one is scored.
+template <typename scalar_t, int kIsa>
 OSD_INLINE void process_keys(const TreeAttentionArgs& a, const scalar_t* kb, const scalar_t* vb,
-                             int64_t start, int64_t n, int64_t R, KeyMask mask, int64_t first,
-                             Scratch& w) {
+                             int64_t start, int64_t n, int64_t ahead, int64_t R, KeyMask mask,
+                             int64_t first, Scratch& w) {
   const int64_t D = a.head_dim;
   fp32_rows(kb, a.k_stride[2], a.k_stride[3], start, n, D, w.kbuf.data(), w.krow.data());
   fp32_rows(vb, a.v_stride[2], a.v_stride[3], start, n, D, w.vbuf.data(), w.vrow.data());
+  prefetch_rows(kb, a.k_stride[2], start + n, ahead, D);
+  prefetch_rows(vb, a.v_stride[2], start + n, ahead, D);
   for (int64_t r = 0; r < R; ++r) {
     float* s = &w.s[r * kKeyBlock];
     const float* qr = &w.q[r * D];
     float mx = w.m[r];
 #if defined(__x86_64__)
-    if constexpr (kAvx2) {
+    if constexpr (kIsa == kAvx512) {
+      scores_avx512(qr, w.krow.data(), n, D, s);
+    } else if constexpr (kIsa == kAvx2) {
       scores_avx2(qr, w.krow.data(), n, D, s);
     } else {
       for (int64_t j = 0; j < n; ++j) s[j] = dot(qr, w.krow[j], D);
@@ -266,7 +417,9 @@ OSD_INLINE void process_keys(const TreeAttentionArgs& a, const scalar_t* kb, con
     }
     float sum = 0.f;
 #if defined(__x86_64__)
-    if constexpr (kAvx2) {
+    if constexpr (kIsa == kAvx512) {
+      mx = max_avx512(s, n, mx);
+    } else if constexpr (kIsa == kAvx2) {
       mx = max_avx2(s, n, mx);
     } else {
       for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
@@ -277,7 +430,9 @@ OSD_INLINE void process_keys(const TreeAttentionArgs& a, const scalar_t* kb, con
     if (mx == kNegInf) continue;  // nothing visible to this row yet
     const float corr = exp_nonpos(w.m[r] - mx);
 #if defined(__x86_64__)
-    if constexpr (kAvx2) {
+    if constexpr (kIsa == kAvx512) {
+      sum = exp_sum_avx512(s, n, mx);
+    } else if constexpr (kIsa == kAvx2) {
       sum = exp_sum_avx2(s, n, mx);
     } else {
       for (int64_t j = 0; j < n; ++j) {
@@ -296,7 +451,9 @@ OSD_INLINE void process_keys(const TreeAttentionArgs& a, const scalar_t* kb, con
     float* acc = &w.acc[r * D];
     for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
 #if defined(__x86_64__)
-    if constexpr (kAvx2) {
+    if constexpr (kIsa == kAvx512) {
+      accumulate_pv_avx512(s, w.vrow.data(), n, D, acc);
+    } else if constexpr (kIsa == kAvx2) {
       accumulate_pv_avx2(s, w.vrow.data(), n, D, acc);
     } else {
       accumulate_pv(s, w.vrow.data(), n, D, acc);
@@ -308,7 +465,7 @@ OSD_INLINE void process_keys(const TreeAttentionArgs& a, const scalar_t* kb, con
 }
 
 // Task = (row b, KV head hk, block of query rows r0 .. r0 + R of the G * T that share hk).
-template <typename scalar_t, bool kAvx2>
+template <typename scalar_t, int kIsa>
 OSD_INLINE void run_task(const TreeAttentionArgs& a, int64_t task, Scratch& w) {
   const int64_t T = a.num_q, D = a.head_dim, group = a.hq / a.hkv;
   const int64_t blocks = (group * T + a.row_block - 1) / a.row_block;
@@ -335,17 +492,24 @@ OSD_INLINE void run_task(const TreeAttentionArgs& a, int64_t task, Scratch& w) {
     w.l[r] = 0.f;
   }
   std::fill(w.acc.begin(), w.acc.begin() + R * D, 0.f);
+  // Keys [0, end) in blocks: the prefix, then the tree's T keys or the causal new keys up to
+  // the task's last query (rows are in query order: the last sees the most).
+  const int64_t end = L + (a.tree_mask != nullptr ? T : w.t[R - 1] + 1);
+  prefetch_rows(kb, a.k_stride[2], 0, std::min(kKeyBlock, end), D);
+  prefetch_rows(vb, a.v_stride[2], 0, std::min(kKeyBlock, end), D);
   for (int64_t start = 0; start < L; start += kKeyBlock) {
-    process_keys<scalar_t, kAvx2>(a, kb, vb, start, std::min(kKeyBlock, L - start), R,
-                                  KeyMask::kNone, 0, w);
+    const int64_t n = std::min(kKeyBlock, L - start);
+    process_keys<scalar_t, kIsa>(a, kb, vb, start, n, std::min(kKeyBlock, end - start - n), R,
+                                 KeyMask::kNone, 0, w);
   }
   if (a.tree_mask != nullptr) {
-    process_keys<scalar_t, kAvx2>(a, kb, vb, L, T, R, KeyMask::kBits, 0, w);
+    process_keys<scalar_t, kIsa>(a, kb, vb, L, T, 0, R, KeyMask::kBits, 0, w);
   } else {
-    const int64_t seen = w.t[R - 1] + 1;  // rows are in query order: the last sees the most
-    for (int64_t first = 0; first < seen; first += kKeyBlock) {
-      process_keys<scalar_t, kAvx2>(a, kb, vb, L + first, std::min(kKeyBlock, seen - first), R,
-                                    KeyMask::kCausal, first, w);
+    for (int64_t first = 0; L + first < end; first += kKeyBlock) {
+      const int64_t n = std::min(kKeyBlock, end - L - first);
+      process_keys<scalar_t, kIsa>(a, kb, vb, L + first, n,
+                                   std::min(kKeyBlock, end - L - first - n), R,
+                                   KeyMask::kCausal, first, w);
     }
   }
   auto* out = static_cast<scalar_t*>(a.out);
@@ -358,30 +522,78 @@ OSD_INLINE void run_task(const TreeAttentionArgs& a, int64_t task, Scratch& w) {
 
 template <typename scalar_t>
 void run_tasks_base(const TreeAttentionArgs& a, int64_t begin, int64_t end, Scratch& w) {
-  for (int64_t task = begin; task < end; ++task) run_task<scalar_t, false>(a, task, w);
+  for (int64_t task = begin; task < end; ++task) run_task<scalar_t, kPortable>(a, task, w);
 }
 
 #if defined(__x86_64__)
 template <typename scalar_t>
 OSD_AVX2 void run_tasks_avx2(const TreeAttentionArgs& a, int64_t begin, int64_t end,
                              Scratch& w) {
-  for (int64_t task = begin; task < end; ++task) run_task<scalar_t, true>(a, task, w);
+  for (int64_t task = begin; task < end; ++task) run_task<scalar_t, kAvx2>(a, task, w);
 }
+
+template <typename scalar_t>
+OSD_AVX512 void run_tasks_avx512(const TreeAttentionArgs& a, int64_t begin, int64_t end,
+                                 Scratch& w) {
+  for (int64_t task = begin; task < end; ++task) run_task<scalar_t, kAvx512>(a, task, w);
+}
+#endif
+#if defined(__x86_64__)
+#pragma GCC diagnostic pop
 #endif
 
 template <typename scalar_t>
 void tree_attention_cpu_kernel(const TreeAttentionArgs& a, int64_t num_tasks) {
-  const bool avx2 = use_avx2_fma();
+  const int isa = use_avx512() && a.head_dim % 16 == 0 ? kAvx512
+                  : use_avx2_fma()                     ? kAvx2
+                                                       : kPortable;
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
     Scratch w(a.row_block, a.head_dim);
 #if defined(__x86_64__)
-    if (avx2) {
+    if (isa == kAvx512) {
+      run_tasks_avx512<scalar_t>(a, begin, end, w);
+      return;
+    }
+    if (isa == kAvx2) {
       run_tasks_avx2<scalar_t>(a, begin, end, w);
       return;
     }
 #endif
+    (void)isa;
     run_tasks_base<scalar_t>(a, begin, end, w);
   });
+}
+
+// Query rows per task for `heads` (row, KV head) pairs of `rows` query rows each, on
+// `threads` threads. at::parallel_for hands each thread ceil(tasks / threads) consecutive
+// tasks; a task costs its rows plus kTaskCost for reading its keys and values. Few heads
+// (batch 1: the KV heads alone) would leave threads idle or uneven with whole heads per
+// task, so the block that minimises the busiest thread's cost is chosen (the largest on
+// ties); with many heads every split is even enough and whole heads (up to kRowBlock rows)
+// read each key once.
+int64_t pick_row_block(int64_t heads, int64_t rows, int64_t threads) {
+  constexpr int64_t kTaskCost = 2;
+  const int64_t largest = std::min(kRowBlock, rows);
+  if (heads >= 4 * threads || largest <= 1) return std::max<int64_t>(largest, 1);
+  int64_t best = largest, best_cost = std::numeric_limits<int64_t>::max();
+  for (int64_t block = largest; block >= 1; --block) {
+    const int64_t blocks = (rows + block - 1) / block;
+    const int64_t tasks = heads * blocks;
+    const int64_t chunk = (tasks + std::min(threads, tasks) - 1) / std::min(threads, tasks);
+    int64_t busiest = 0;
+    for (int64_t t0 = 0; t0 < tasks; t0 += chunk) {
+      int64_t cost = 0;
+      for (int64_t t = t0; t < std::min(t0 + chunk, tasks); ++t) {
+        cost += std::min(block, rows - (t % blocks) * block) + kTaskCost;
+      }
+      busiest = std::max(busiest, cost);
+    }
+    if (busiest < best_cost) {
+      best = block;
+      best_cost = busiest;
+    }
+  }
+  return best;
 }
 
 at::Tensor tree_attention_cpu_op(const at::Tensor& q, const at::Tensor& k_cache,
@@ -445,12 +657,8 @@ at::Tensor tree_attention_cpu_op(const at::Tensor& q, const at::Tensor& k_cache,
     a.v_stride[i] = v_cache.stride(i);
   }
   a.scale = static_cast<float>(scale);
-  // Largest row block (<= kRowBlock) that still gives every thread a task.
-  const int64_t rows = (Hq / Hkv) * T, threads = at::get_num_threads();
-  a.row_block = std::min(kRowBlock, rows);
-  while (a.row_block > 1 && B * Hkv * ((rows + a.row_block - 1) / a.row_block) < threads) {
-    a.row_block = (a.row_block + 1) / 2;
-  }
+  const int64_t rows = (Hq / Hkv) * T;
+  a.row_block = pick_row_block(B * Hkv, rows, at::get_num_threads());
   const int64_t num_tasks = B * Hkv * ((rows + a.row_block - 1) / a.row_block);
   switch (q.scalar_type()) {
     case at::kFloat: tree_attention_cpu_kernel<float>(a, num_tasks); break;
