@@ -1,7 +1,10 @@
 // Python module entry for osd_kernels._C. The ops register with the torch dispatcher
 // (schemas: TORCH_LIBRARY in ops.cpp; kernels: TORCH_LIBRARY_IMPL in cpu/ and cuda/) when
-// the shared library is loaded; this file only gives Python something to import.
+// the shared library is loaded; this file gives Python something to import and a few
+// constants about the build and the CPU.
 #include <Python.h>
+
+#include "cpu/fast_math.h"
 
 static struct PyModuleDef osd_module = {PyModuleDef_HEAD_INIT, "_C",
                                         "osd native kernels (torch.ops.osd.*)", -1, nullptr};
@@ -14,5 +17,8 @@ PyMODINIT_FUNC PyInit__C(void) {
 #else
   PyModule_AddIntConstant(m, "WITH_CUDA", 0);
 #endif
+  // Whether the CPU kernels' AVX-512 paths can run here (osd_kernels.use_avx512 adds the
+  // OSD_NO_AVX512 / OSD_NO_AVX2 switches, read per call as the kernels read them).
+  PyModule_AddIntConstant(m, "CPU_AVX512", osd::cpu_has_avx512() ? 1 : 0);
   return m;
 }

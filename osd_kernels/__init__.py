@@ -4,7 +4,7 @@ Each op has a pure-PyTorch reference (``<op>_reference``), a C++ CPU kernel and 
 kernel behind ``torch.ops.osd.<op>``, and (where useful) a Triton kernel. The public
 function of the same name checks its inputs and dispatches (``backend="auto"``).
 """
-from osd_kernels._ops import native_available
+from osd_kernels._ops import native_available, use_avx512
 from osd_kernels.decode_linear import decode_linear, decode_linear_reference, pack_weight
 from osd_kernels.quant_linear import dequantize_weight, quant_linear, quant_linear_reference
 from osd_kernels.kv_rollback import chain_rollback, kv_rollback, kv_rollback_reference
@@ -17,6 +17,7 @@ from osd_kernels.tree_rejection_sample import (tree_rejection_sample,
 
 __all__ = [
     "native_available",
+    "use_avx512",
     "decode_linear",
     "decode_linear_reference",
     "pack_weight",

@@ -40,6 +40,18 @@ def native_available() -> bool:
     return True
 
 
+
+def use_avx512() -> bool:
+    """True when the C++ CPU kernels run their AVX-512 paths: the native build is loaded,
+    the CPU has AVX-512 (F, DQ, VL, BW), and neither ``OSD_NO_AVX512`` nor ``OSD_NO_AVX2``
+    is set (read per call, as the kernels read them)."""
+    if not native_available():
+        return False
+    from osd_kernels import _C
+
+    return bool(getattr(_C, "CPU_AVX512", 0)) and "OSD_NO_AVX512" not in os.environ \
+        and "OSD_NO_AVX2" not in os.environ
+
 def native_has_device(device: torch.device) -> bool:
     """True when the native extension has kernels for ``device`` (CPU always, CUDA if built)."""
     if not native_available():

@@ -22,12 +22,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from osd_kernels._ops import native_available, resolve_backend
+from osd_kernels._ops import native_available, resolve_backend, use_avx512
 
 MAX_TREE = 64
-# ``auto`` on CPU: the C++ kernel for at most this many query rows per KV head (T * Hq / Hkv),
-# above it the reference, whose SDPA runs blocked GEMMs: with 9 / 3 heads over 300 to 2,000
-# cached keys the kernel was faster up to 51 rows and slower from 66 (docs/benchmarks.md).
+# ``auto`` on CPU without the kernel's AVX-512 path: the C++ kernel for at most this many
+# query rows per KV head (T * Hq / Hkv), above it the reference, whose SDPA runs blocked
+# GEMMs: with 9 / 3 heads over 300 to 2,000 cached keys the AVX2 kernel was faster up to
+# 51 rows and slower from 66 on an AVX2 machine. The AVX-512 path (head dims that are a
+# multiple of 16) was faster than SDPA for every block measured, prefills of 1,000 tokens
+# included, so it takes any T (docs/benchmarks.md).
 CPU_NATIVE_MAX_ROWS = 48
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -177,8 +180,10 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         backend: ``auto`` | ``reference`` | ``native`` | ``triton``. ``auto`` is Triton on
             CUDA (its causal path streams key tiles up to each query's diagonal, so a long
             causal prefill needs no ``[T, S]`` mask); on CPU the C++ kernel when
-            ``T * Hq / Hkv <= CPU_NATIVE_MAX_ROWS`` (decode, chain and small-tree verify),
-            else the reference (SDPA's blocked GEMMs win for large blocks such as prefill).
+            ``T * Hq / Hkv <= CPU_NATIVE_MAX_ROWS`` (decode, chain and small-tree verify)
+            or when its AVX-512 path serves the call (:func:`osd_kernels.use_avx512` and
+            ``D % 16 == 0``: any ``T``, prefill included), else the reference (SDPA's
+            blocked GEMMs win for large blocks against the AVX2 path).
             ``native`` on a CUDA tensor runs the reference (the C++ kernel is CPU-only).
             Triton splits long prefixes over several programs per (row, KV head) for
             ``T <= 64`` (split KV, ``osd_kernels.triton.tree_attention``).
@@ -197,8 +202,9 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     impl = resolve_backend(backend, q.device)
     rows_per_kv_head = q.shape[1] * (q.shape[2] // k_cache.shape[1])
-    if impl == "native" and (q.device.type != "cpu"
-                             or (backend == "auto" and rows_per_kv_head > CPU_NATIVE_MAX_ROWS)):
+    if impl == "native" and (q.device.type != "cpu" or (
+            backend == "auto" and rows_per_kv_head > CPU_NATIVE_MAX_ROWS
+            and not (q.shape[3] % 16 == 0 and use_avx512()))):
         impl = "reference"  # the native kernel is CPU-only (Triton serves CUDA)
     if impl == "reference":
         return tree_attention_reference(q, k_cache, v_cache, cache_lens, tree_mask,

@@ -7,6 +7,7 @@ Low-precision tolerance (flash-attention's rule): a backend's error against the 
 reference must be within twice the error of the reference itself run in that precision,
 plus a small floor.
 """
+import importlib
 import math
 import zlib
 
@@ -435,3 +436,29 @@ def test_split_kv_auto_dispatch():
         triton_ta._split_kv = real
     assert calls == [4]
     _check_close(out, q, k, v, lens, None, torch.float32, "auto split")
+
+
+@pytest.mark.parametrize("path", ["default", "avx2"])
+def test_cpu_auto_dispatch(monkeypatch, path):
+    """``auto`` on CPU: the C++ kernel for few query rows per KV head; for large blocks
+    (prefill) only where its AVX-512 path runs (head dims that are a multiple of 16), else
+    the SDPA reference."""
+    ta = importlib.import_module("osd_kernels.tree_attention")  # the module, not the function
+    _use_path(monkeypatch, path)
+    calls = []
+    monkeypatch.setattr(ta, "tree_attention_reference",
+                        lambda *a, **kw: _reference_spy(calls, *a, **kw))
+    gen = torch.Generator().manual_seed(14)
+    avx512 = ta.use_avx512()
+    for T, D in ((5, 64), (200, 64), (200, 40)):
+        q, kv, lens = _case(gen, 1, T, 9, 3, D, torch.float32, "cpu", max_prefix=40)
+        calls.clear()
+        out = tree_attention(q, kv[0, 0], kv[0, 1], lens, None)
+        _check_close(out, q, kv[0, 0], kv[0, 1], lens, None, torch.float32, f"auto T={T}")
+        large = T * 3 > ta.CPU_NATIVE_MAX_ROWS
+        assert bool(calls) == (large and not (avx512 and D % 16 == 0)), (T, D, path, calls)
+
+
+def _reference_spy(calls, *args, **kwargs):
+    calls.append(args[0].shape)
+    return tree_attention_reference(*args, **kwargs)

@@ -28,17 +28,22 @@ inline bool use_avx2_fma() {
 #endif
 }
 
-// True when AVX-512 (F, DQ, VL, BW) clones may run as well: use_avx2_fma() holds, the CPU
-// has them and OSD_NO_AVX512 is unset (tests set it to cover the AVX2 paths).
-inline bool use_avx512() {
+// True when the CPU has the AVX-512 subsets the kernels use (F, DQ, VL, BW).
+inline bool cpu_has_avx512() {
 #if defined(__x86_64__)
   static const bool has = __builtin_cpu_supports("avx512f") &&
                           __builtin_cpu_supports("avx512dq") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
-  return has && use_avx2_fma() && std::getenv("OSD_NO_AVX512") == nullptr;
+  return has;
 #else
   return false;
 #endif
+}
+
+// True when AVX-512 clones may run as well: use_avx2_fma() holds, the CPU has AVX-512 and
+// OSD_NO_AVX512 is unset (tests set it to cover the AVX2 paths).
+inline bool use_avx512() {
+  return cpu_has_avx512() && use_avx2_fma() && std::getenv("OSD_NO_AVX512") == nullptr;
 }
 
 // bfloat16 <-> float by bit manipulation (round to nearest even; NaN stays NaN), inlined

@@ -5,8 +5,9 @@ Every cached forward (a prefill piece, decode, chain or tree verify) calls
 ``osd_kernels.tree_attention``. Causal calls (``tree_mask=None``) take any number of
 queries; a tree mask covers at most 64. Backends (``ModelConfig.attention_backend``):
 
-- ``auto``: on CPU, per call, the C++ kernel for few query rows (decode, verify) and the
-  SDPA reference for large blocks (prefill pieces); Triton on CUDA;
+- ``auto``: on CPU, per call, the C++ kernel for few query rows (decode, verify), and for
+  large blocks (prefill pieces) too where its AVX-512 path runs, else the SDPA reference
+  for those; Triton on CUDA;
 - ``reference``: ``osd_kernels``' SDPA reference with a boolean ``[B, T, S]`` mask;
 - ``native``: the C++ kernel behind ``torch.ops.osd.tree_attention`` (CPU; on CUDA the
   reference runs instead);
@@ -53,8 +54,9 @@ def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.d
 
     ``auto`` is ``triton`` on CUDA; on CPU it stays ``auto``, so ``tree_attention`` picks
     per call: the C++ kernel for few query rows (decode, chain and small-tree verify; it
-    measured several times faster than the SDPA reference there) and the SDPA reference
-    for large blocks such as prefill pieces. ``flash`` needs CUDA, fp16 or bf16 and an
+    measured several times faster than the SDPA reference there) and for large blocks
+    such as prefill pieces where its AVX-512 path runs (else the SDPA reference takes
+    those; ``osd_kernels.tree_attention``). ``flash`` needs CUDA, fp16 or bf16 and an
     importable flash-attn (ValueError otherwise).
     """
     if backend == "auto":
