@@ -15,6 +15,11 @@ Default sweep: B in {1, 8}, T in {1, 8, 64}, L = 1024, Hq/Hkv = 8/2, D = 64.
 ``test_windowed_attention``: the sliding-window / soft-capped path beside the C++ kernel.
 ``OSD_BENCH_FULL=1``: L in {1024, 4096}, B in {1, 8, 32}.
 
+``test_chat_shapes`` (CPU): the chat target's heads (9 / 3, D = 64), causal, batch 1: decode
+and verify blocks (T = 1, 5, 9 over L = 300 and 1,000 cached keys) and prefills (T = 300,
+1,000 over none), for the C++ kernel's AVX-512 path (``cpp``, where the CPU has it), its
+AVX2 path (``cpp-avx2``: ``OSD_NO_AVX512``) and the SDPA reference, side by side.
+
 Split KV (``test_split_kv_triton``, GPU only): the Triton path as dispatched (split KV when
 ``split_kv_num_splits`` asks for it) at B in {1, 8}, L in {4096, 16384, 32768}, T = 1
 (causal decode) and T = 8 (tree verify), Llama-8B heads (32 / 8, D = 128), bf16. Reports
@@ -195,6 +200,34 @@ def test_split_kv_triton(benchmark, B, L, T):
 
 
 WINDOW_CASES = [(B, T, cap) for B in (1, 8) for T in (1, 8) for cap in (None, 50.0)]
+
+
+CHAT_CASES = [(T, L, p) for T, L in ((1, 300), (5, 300), (9, 300), (1, 1000), (5, 1000),
+                                     (9, 1000), (300, 0), (1000, 0))
+              for p in ("cpp", "cpp-avx2", "reference")]
+
+
+@pytest.mark.parametrize("T,L,provider", CHAT_CASES)
+def test_chat_shapes(benchmark, monkeypatch, T, L, provider):
+    from osd_kernels import use_avx512
+
+    if provider == "cpp" and not use_avx512():
+        pytest.skip("the CPU has no AVX-512 (the cpp-avx2 rows are the kernel here)")
+    if provider == "cpp-avx2":
+        monkeypatch.setenv("OSD_NO_AVX512", "1")
+    gen = torch.Generator().manual_seed(T * 7 + L)
+    q = torch.randn(1, T, 9, 64, generator=gen)
+    k, v = torch.randn(2, 1, 3, L + T, 64, generator=gen)
+    lens = torch.tensor([L], dtype=torch.int32)
+    backend = "reference" if provider == "reference" else "native"
+
+    def run():
+        return tree_attention(q, k, v, lens, None, max_kv_len=L + T, backend=backend)
+
+    torch.testing.assert_close(run(), tree_attention_reference(q, k, v, lens, None),
+                               rtol=1e-4, atol=1e-4)
+    benchmark.pedantic(run, rounds=20, warmup_rounds=3, iterations=5 if T < 300 else 1)
+    benchmark.extra_info.update(provider=provider, T=T, L=L, Hq=9, Hkv=3, D=64)
 
 
 @pytest.mark.parametrize("B,T,softcap", WINDOW_CASES)

@@ -6,6 +6,8 @@ the shapes interleaved. The weights are packed as an engine packs them
 (``DecoderLM.pack_weights``); ``--compare-pack`` times every shape from the packed and
 the unpacked weights in turn within each round; ``--compare-isa`` times them with the
 packed kernel's AVX-512 passes and with its AVX2 passes only (``OSD_NO_AVX512``) in turn.
+``--attention`` also reports, per shape, the attention kernel's time per layer (the mean
+self time of ``osd::tree_attention`` under the torch profiler, 10 forwards).
 
     .venv/bin/python scripts/verify_cost.py --threads 2
 """
@@ -34,6 +36,8 @@ def main() -> None:
                         help="time each shape packed and unpacked, side by side")
     parser.add_argument("--compare-isa", action="store_true",
                         help="time each shape with and without the AVX-512 passes, side by side")
+    parser.add_argument("--attention", action="store_true",
+                        help="also time the attention kernel per layer in each shape")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = osd.load_model(zoo.chat_pair()[0])
@@ -95,6 +99,8 @@ def main() -> None:
                     for _ in range(10):
                         forward(*s)
                     best[mode, s] = min(best[mode, s], (time.perf_counter() - t0) / 10)
+        if args.attention:
+            print(attention_table(shapes, forward, prefill, args.context))
     for mode in modes:
         one = best[mode, (1, False)] if (1, False) in shapes else min(
             t for (m, _), t in best.items() if m == mode)
@@ -107,6 +113,23 @@ def main() -> None:
             name = f"prefill of {args.context} | causal" if s == "prefill" else \
                 f"{s[0]} | {'tree' if s[1] else 'causal'}"
             print(f"| {name} | {1e3 * t:.1f} | {t / one:.2f} |")
+
+
+def attention_table(shapes, forward, prefill, context: int) -> str:
+    """The attention kernel's mean time per call (one per layer) in each shape, in µs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lines = ["| rows | mask | attention per layer (µs) |", "|---|---|---|"]
+    for s in shapes + ["prefill"]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(1 if s == "prefill" else 10):
+                prefill() if s == "prefill" else forward(*s)
+        calls = [e for e in prof.key_averages() if e.key == "osd::tree_attention"]
+        us = calls[0].self_cpu_time_total / calls[0].count if calls else float("nan")
+        name = f"prefill of {context} | causal" if s == "prefill" else \
+            f"{s[0]} | {'tree' if s[1] else 'causal'}"
+        lines.append(f"| {name} | {us:.1f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

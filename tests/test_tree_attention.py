@@ -170,27 +170,34 @@ def test_sharp_softmax_matches_reference(monkeypatch, path):
 
 
 def test_rows_do_not_depend_on_their_task():
-    """On the AVX-512 path a query row's output is the same bits whatever shares its task:
-    causal query t of a T-row call equals the last query of the (t + 1)-row call, at one
-    and two threads (the kernel sizes its tasks by T and the thread count)."""
+    """On the AVX-512 path a query row's output is the same bits whatever shares its task.
+    The kernel has two task layouts: up to 16 query rows per KV head (decode, short
+    verify: the prefix split into key ranges) and more (the rows split into blocks).
+    Within each, causal query t of a T-row call equals the last query of the (t + 1)-row
+    call, at one and two threads (tasks are sized by T and the thread count)."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip("the CPU has no AVX-512")
     gen = torch.Generator().manual_seed(10)
     q, kv, lens = _case(gen, 1, 9, 9, 3, 64, torch.float32, "cpu", max_prefix=200)
     lens[0] = 150            # a prefix of two key blocks and a part
     k, v = kv[0, 0], kv[0, 1]
+    split_rows = 16 // 3     # the longest call (T) of the split layout with 3 rows per T
     threads = torch.get_num_threads()
     try:
         outs = []
         for n in (1, 2):
             torch.set_num_threads(n)
-            outs.append(tree_attention(q, k, v, lens, None, backend="native"))
+            full = {T: tree_attention(q[:, :T], k, v, lens, None, backend="native")
+                    for T in (split_rows, 9)}
+            outs.append(full)
             for t in range(9):
                 last = tree_attention(q[:, :t + 1], k, v, lens, None, backend="native")[:, t]
-                assert torch.equal(last, outs[-1][:, t]), (n, t)
+                same_layout = full[split_rows if t < split_rows else 9]
+                assert torch.equal(last, same_layout[:, t]), (n, t)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(outs[0], outs[1])
+    for T in (split_rows, 9):
+        assert torch.equal(outs[0][T], outs[1][T])
 
 
 LONG_SHAPES = [  # B, T, Hq, Hkv, D: causal blocks past the 64-bit tree mask
@@ -220,6 +227,26 @@ def test_long_causal_matches_reference(device, dtype, shape):
     for backend in ["reference"] + backends_for(device):
         out = tree_attention(q, k, v, lens, None, backend=backend)
         _check_close(out, q, k, v, lens, None, dtype, f"{backend} T={T}")
+
+
+@pytest.mark.parametrize("path", CPU_PATHS)
+def test_split_keys_cpu(monkeypatch, path):
+    """Decode and short verify calls split each row's prefix into key ranges and merge
+    them: rows of one batch with no prefix, one block, a prefix that ends on a split
+    boundary (128) and long prefixes (ranges of several blocks), every dtype, tree masks
+    and causal, against the reference."""
+    _use_path(monkeypatch, path)
+    gen = torch.Generator().manual_seed(15)
+    for dtype in DTYPES:
+        for T in (1, 4):
+            q, kv, lens = _case(gen, 5, T, 6, 2, 32, dtype, "cpu", B_max=5, L=1,
+                                max_prefix=1500)
+            lens.copy_(torch.tensor([0, 70, 128, 1100, 1500], dtype=torch.int32))
+            mask = random_tree_mask(gen, 5, T)
+            for m in (mask, None):
+                out = tree_attention(q, kv[0, 0], kv[0, 1], lens, m, backend="native")
+                _check_close(out, q, kv[0, 0], kv[0, 1], lens, m, dtype,
+                             f"split {path} T={T} {dtype}")
 
 
 @pytest.mark.parametrize("path", CPU_PATHS)

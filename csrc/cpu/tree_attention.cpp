@@ -6,9 +6,11 @@
 // GQA: query head h reads KV head h / (Hq / Hkv).
 //
 // One task per (row b, KV head, block of the G * T query rows that share that KV head;
-// G = Hq / Hkv). The task streams the row's keys in blocks of kKeyBlock: each block is
-// converted to fp32 once (read in place for fp32 caches) and scored against all rows of the
-// task, and every row keeps an online softmax (running max m, sum l, fp32 accumulator):
+// G = Hq / Hkv), or, for calls of at most kSplitRows such rows (decode, verify), per (row b,
+// KV head, range of the row's keys). The task streams its keys in blocks of kKeyBlock:
+// each block is converted to fp32 once (read in place for fp32 caches) and scored against
+// all rows of the task, and every row keeps an online softmax (running max m, sum l, fp32
+// accumulator):
 //   m' = max(m, max_j s_j);  l' = l * e^(m - m') + sum_j e^(s_j - m');
 //   acc' = acc * e^(m - m') + sum_j e^(s_j - m') v_j;  out = acc / l.
 // Prefix blocks need no mask. With a tree mask, one last block (the T <= 64 tree keys)
@@ -18,7 +20,10 @@
 // Scores, the softmax (max, exp, sum) and P.V use AVX-512 intrinsics (head dims that are a
 // multiple of 16) or AVX2/FMA ones when the CPU has them (chosen at run time), else
 // portable loops; each block's keys are prefetched while the block before is scored.
-// Tasks are sized so that the threads get even shares of query rows (pick_row_block).
+// Decode and short verify calls split each row's prefix into ranges of key blocks
+// (split_keys), one task per (row, KV head, split), and merge the splits' softmax states
+// afterwards; larger calls split the query rows into tasks (pick_row_block). Either way
+// batch 1 with few KV heads keeps every thread busy.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -47,7 +52,14 @@ namespace osd {
 namespace {
 
 constexpr int64_t kKeyBlock = 64;  // also the largest masked tree (T <= 64 bits)
-constexpr int64_t kRowBlock = 32;  // query rows per task (at most)
+constexpr int64_t kRowBlock = 32;  // query rows per task of larger calls (at most)
+// Decode and short verify calls (at most kSplitRows query rows per KV head) split each
+// row's prefix into up to kMaxSplits ranges of whole key blocks, one task each, so that a
+// batch of one row with few KV heads still spreads evenly over the threads. Calls with
+// more rows per KV head split the rows instead (pick_row_block), which measured faster
+// from 27 rows on.
+constexpr int64_t kSplitRows = 16;
+constexpr int64_t kMaxSplits = 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 
@@ -63,6 +75,12 @@ struct TreeAttentionArgs {
   int64_t row_block;          // query rows (of one KV head's G * T) per task
   int64_t q_stride[4], k_stride[4], v_stride[4];
   float scale;
+  // Split keys (decode and verify calls): row b's tasks are task_start[b] .. task_start[b +
+  // 1), one per (KV head, key split); a row with more than one split writes each task's
+  // running max, sum and accumulator to part (kPartStride floats per query row), merged
+  // after all tasks ran. nullptr: one task per (row, KV head, row block), no split.
+  const int64_t* task_start;  // [B + 1] or nullptr
+  float* part;                // [tasks, row_block, D + 2] or nullptr
 };
 
 // Dot product with sixteen independent partial sums, so it vectorises without reassociation.
@@ -464,14 +482,35 @@ OSD_INLINE void process_keys(const TreeAttentionArgs& a, const scalar_t* kb, con
   }
 }
 
-// Task = (row b, KV head hk, block of query rows r0 .. r0 + R of the G * T that share hk).
+// Keys per split of a row with L cached keys: whole key blocks, at most kMaxSplits
+// splits; the row has L / split + 1 splits, the last holding the rest of the prefix and the
+// new keys. A function of L alone, so a row's result depends neither on the other rows of
+// the batch, nor on T, nor on the thread count.
+OSD_INLINE int64_t split_keys(int64_t L) {
+  const int64_t per = (L + kMaxSplits - 1) / kMaxSplits;
+  return std::max(kKeyBlock, (per + kKeyBlock - 1) / kKeyBlock * kKeyBlock);
+}
+
+// The rows' running max, sum and accumulator of one task, kept for the merge.
+constexpr int64_t kPartExtra = 2;
+
+// Task = (row b, KV head hk, block of query rows r0 .. r0 + R of the G * T that share hk)
+// without split keys; (row b, KV head hk, key split s) with them (all G * T rows).
 template <typename scalar_t, int kIsa>
 OSD_INLINE void run_task(const TreeAttentionArgs& a, int64_t task, Scratch& w) {
   const int64_t T = a.num_q, D = a.head_dim, group = a.hq / a.hkv;
-  const int64_t blocks = (group * T + a.row_block - 1) / a.row_block;
-  const int64_t b = task / (a.hkv * blocks);
-  const int64_t hk = (task / blocks) % a.hkv;
-  const int64_t r0 = (task % blocks) * a.row_block;
+  int64_t b, hk, r0 = 0, split = 0, splits = 1;
+  if (a.task_start != nullptr) {
+    b = std::upper_bound(a.task_start, a.task_start + a.batch + 1, task) - a.task_start - 1;
+    splits = (a.task_start[b + 1] - a.task_start[b]) / a.hkv;
+    hk = (task - a.task_start[b]) / splits;
+    split = (task - a.task_start[b]) % splits;
+  } else {
+    const int64_t blocks = (group * T + a.row_block - 1) / a.row_block;
+    b = task / (a.hkv * blocks);
+    hk = (task / blocks) % a.hkv;
+    r0 = (task % blocks) * a.row_block;
+  }
   const int64_t R = std::min(a.row_block, group * T - r0);
   const int64_t L = a.lens[b];
   const auto* q = static_cast<const scalar_t*>(a.q);
@@ -492,19 +531,28 @@ OSD_INLINE void run_task(const TreeAttentionArgs& a, int64_t task, Scratch& w) {
     w.l[r] = 0.f;
   }
   std::fill(w.acc.begin(), w.acc.begin() + R * D, 0.f);
-  // Keys [0, end) in blocks: the prefix, then the tree's T keys or the causal new keys up to
-  // the task's last query (rows are in query order: the last sees the most).
-  const int64_t end = L + (a.tree_mask != nullptr ? T : w.t[R - 1] + 1);
-  prefetch_rows(kb, a.k_stride[2], 0, std::min(kKeyBlock, end), D);
-  prefetch_rows(vb, a.v_stride[2], 0, std::min(kKeyBlock, end), D);
-  for (int64_t start = 0; start < L; start += kKeyBlock) {
-    const int64_t n = std::min(kKeyBlock, L - start);
-    process_keys<scalar_t, kIsa>(a, kb, vb, start, n, std::min(kKeyBlock, end - start - n), R,
+  // This task's prefix keys [begin, stop); the last split also takes the tree's T keys or
+  // the causal new keys up to the task's last query (rows are in query order: the last
+  // sees the most), which end the keys at `end`.
+  const int64_t per_split = splits > 1 ? split_keys(L) : L;
+  const int64_t begin = split * per_split;
+  const bool last = split == splits - 1;
+  const int64_t stop = last ? L : begin + per_split;
+  const int64_t end = !last ? stop : L + (a.tree_mask != nullptr ? T : w.t[R - 1] + 1);
+  // Prefetching runs one block ahead, past a split's end into the next split's first block
+  // (most often the next task of the same thread).
+  const int64_t ahead_end = last ? end : std::min(stop + kKeyBlock, L);
+  prefetch_rows(kb, a.k_stride[2], begin, std::min(kKeyBlock, end - begin), D);
+  prefetch_rows(vb, a.v_stride[2], begin, std::min(kKeyBlock, end - begin), D);
+  for (int64_t start = begin; start < stop; start += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, stop - start);
+    process_keys<scalar_t, kIsa>(a, kb, vb, start, n,
+                                 std::min(kKeyBlock, ahead_end - start - n), R,
                                  KeyMask::kNone, 0, w);
   }
-  if (a.tree_mask != nullptr) {
+  if (last && a.tree_mask != nullptr) {
     process_keys<scalar_t, kIsa>(a, kb, vb, L, T, 0, R, KeyMask::kBits, 0, w);
-  } else {
+  } else if (last) {
     for (int64_t first = 0; L + first < end; first += kKeyBlock) {
       const int64_t n = std::min(kKeyBlock, end - L - first);
       process_keys<scalar_t, kIsa>(a, kb, vb, L + first, n,
@@ -512,11 +560,51 @@ OSD_INLINE void run_task(const TreeAttentionArgs& a, int64_t task, Scratch& w) {
                                    KeyMask::kCausal, first, w);
     }
   }
+  if (splits > 1) {  // the merge finishes these rows
+    float* part = a.part + task * a.row_block * (D + kPartExtra);
+    for (int64_t r = 0; r < R; ++r) {
+      float* p = part + r * (D + kPartExtra);
+      p[0] = w.m[r];
+      p[1] = w.l[r];
+      std::copy(&w.acc[r * D], &w.acc[r * D] + D, p + kPartExtra);
+    }
+    return;
+  }
   auto* out = static_cast<scalar_t*>(a.out);
   for (int64_t r = 0; r < R; ++r) {
     const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;
     scalar_t* row = out + ((b * T + w.t[r]) * a.hq + w.head[r]) * D;
     for (int64_t d = 0; d < D; ++d) row[d] = static_cast<scalar_t>(w.acc[r * D + d] * inv);
+  }
+}
+
+// Merges the key splits of (row b, KV head hk) into its output rows, split by split in
+// order: m = max_s m_s, l = sum_s l_s e^(m_s - m), acc = sum_s acc_s e^(m_s - m).
+template <typename scalar_t>
+void merge_splits(const TreeAttentionArgs& a, int64_t b, int64_t hk, std::vector<float>& acc) {
+  const int64_t T = a.num_q, D = a.head_dim, group = a.hq / a.hkv;
+  const int64_t splits = (a.task_start[b + 1] - a.task_start[b]) / a.hkv;
+  const int64_t first = a.task_start[b] + hk * splits;
+  const int64_t stride = a.row_block * (D + kPartExtra);
+  auto* out = static_cast<scalar_t*>(a.out);
+  for (int64_t r = 0; r < group * T; ++r) {
+    const float* p0 = a.part + first * stride + r * (D + kPartExtra);
+    float m = kNegInf;
+    for (int64_t s = 0; s < splits; ++s) m = std::max(m, p0[s * stride]);
+    float l = 0.f;
+    std::fill(acc.begin(), acc.begin() + D, 0.f);
+    if (m != kNegInf) {
+      for (int64_t s = 0; s < splits; ++s) {
+        const float* p = p0 + s * stride;
+        const float c = exp_nonpos(p[0] - m);
+        l += p[1] * c;
+        for (int64_t d = 0; d < D; ++d) acc[d] += p[kPartExtra + d] * c;
+      }
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int64_t t = r / group, h = hk * group + r % group;
+    scalar_t* row = out + ((b * T + t) * a.hq + h) * D;
+    for (int64_t d = 0; d < D; ++d) row[d] = static_cast<scalar_t>(acc[d] * inv);
   }
 }
 
@@ -561,6 +649,15 @@ void tree_attention_cpu_kernel(const TreeAttentionArgs& a, int64_t num_tasks) {
 #endif
     (void)isa;
     run_tasks_base<scalar_t>(a, begin, end, w);
+  });
+  if (a.task_start == nullptr) return;
+  // The rows with split keys: one merge per (row, KV head) that has more than one split.
+  at::parallel_for(0, a.batch * a.hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(a.head_dim);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / a.hkv;
+      if (a.task_start[b + 1] - a.task_start[b] > a.hkv) merge_splits<scalar_t>(a, b, i % a.hkv, acc);
+    }
   });
 }
 
@@ -658,8 +755,27 @@ at::Tensor tree_attention_cpu_op(const at::Tensor& q, const at::Tensor& k_cache,
   }
   a.scale = static_cast<float>(scale);
   const int64_t rows = (Hq / Hkv) * T;
-  a.row_block = pick_row_block(B * Hkv, rows, at::get_num_threads());
-  const int64_t num_tasks = B * Hkv * ((rows + a.row_block - 1) / a.row_block);
+  std::vector<int64_t> task_start;
+  at::Tensor part;
+  int64_t num_tasks;
+  if (rows <= kSplitRows) {
+    // Decode and short verify: every query row of a KV head in one task per key split.
+    a.row_block = rows;
+    task_start.assign(B + 1, 0);
+    for (int64_t b = 0; b < B; ++b) {
+      task_start[b + 1] = task_start[b] + Hkv * (lens[b] / split_keys(lens[b]) + 1);
+    }
+    num_tasks = task_start[B];
+    a.task_start = task_start.data();
+    if (num_tasks > B * Hkv) {
+      part = at::empty({num_tasks * rows * (D + kPartExtra)}, q.options().dtype(at::kFloat));
+      a.part = part.data_ptr<float>();
+    }
+  } else {
+    // Longer verify blocks and prefill: blocks of rows, the whole prefix in each.
+    a.row_block = pick_row_block(B * Hkv, rows, at::get_num_threads());
+    num_tasks = B * Hkv * ((rows + a.row_block - 1) / a.row_block);
+  }
   switch (q.scalar_type()) {
     case at::kFloat: tree_attention_cpu_kernel<float>(a, num_tasks); break;
     case at::kHalf: tree_attention_cpu_kernel<c10::Half>(a, num_tasks); break;
