@@ -650,9 +650,13 @@ void tree_attention_cpu_kernel(const TreeAttentionArgs& a, int64_t num_tasks) {
     (void)isa;
     run_tasks_base<scalar_t>(a, begin, end, w);
   });
-  if (a.task_start == nullptr) return;
-  // The rows with split keys: one merge per (row, KV head) that has more than one split.
-  at::parallel_for(0, a.batch * a.hkv, 1, [&](int64_t begin, int64_t end) {
+  if (a.task_start == nullptr || a.part == nullptr) return;
+  // The rows with split keys: one merge per (row, KV head) that has more than one split;
+  // a few thousand multiply-adds (a batch of one) cost less than waking the threads.
+  const int64_t grain = std::max<int64_t>(
+      1, (int64_t{1} << 16) / ((a.task_start[a.batch] / a.hkv / a.batch + 1) * a.row_block *
+                               a.head_dim));
+  at::parallel_for(0, a.batch * a.hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(a.head_dim);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / a.hkv;
