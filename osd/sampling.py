@@ -316,8 +316,12 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams | BatchParams, se
 
 
 def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``[B]`` bool, on the device: the rows of ``logits [B, ...]`` holding NaN or inf."""
-    return (~torch.isfinite(logits)).flatten(1).any(1)
+    """``[B]`` bool, on the device: the rows of ``logits [B, ...]`` holding NaN or inf.
+
+    ``0 * x`` is 0 for finite ``x`` and NaN for inf or NaN, so a row's sum of them is NaN
+    exactly when the row holds one (no overflow is possible): one fused pass, several
+    times cheaper on CPU than ``isfinite`` and ``any`` over the whole ``[B, T, V]``."""
+    return (logits * 0).flatten(1).sum(1).isnan()
 
 
 def fail_rows(requests, bad: list) -> None:

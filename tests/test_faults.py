@@ -308,3 +308,16 @@ def test_unreadable_newest_checkpoint_falls_back_to_an_older_one(tmp_path, pair)
     assert resumed.history.faults["resume_error"] == 1
     assert resumed.history.updates_applied == 1
     assert _same(older, _state(resumed.model))
+
+
+def test_nonfinite_rows_flags_exactly_the_rows_with_nan_or_inf():
+    """The per-row check the engine runs on every step's logits: NaN, +inf and -inf are
+    each flagged, huge finite values (whose sum would overflow) are not."""
+    from osd.sampling import nonfinite_rows
+
+    logits = torch.randn(6, 3, 50)
+    logits[1, 2, 7] = float("nan")
+    logits[2, 0, 0] = float("inf")
+    logits[3, 1, 49] = -float("inf")
+    logits[4] = 3e38                       # finite, but a sum of them overflows
+    assert nonfinite_rows(logits).tolist() == [False, True, True, True, False, False]
