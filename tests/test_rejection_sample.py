@@ -203,6 +203,28 @@ def test_greedy_walk(device, backend):
     assert out.tolist() == [[2, 2, 2, 2], [2, 0, -1, -1], [2, 2, -1, -1]]
 
 
+@pytest.mark.parametrize("layout", ["strided", "bfloat16"])
+def test_greedy_reads_rows_in_place_or_copied(device, layout):
+    """Greedy rows read float32 logits with a contiguous vocab in place and copy the others
+    (a strided vocab, half precision) first: the same verdicts either way."""
+    gen = torch.Generator().manual_seed(21)
+    B, K, V = 4, 5, 1000
+    logits = torch.randn(B, K + 1, V, generator=gen).to(torch.bfloat16).float().to(device)
+    drafts = logits[:, :K].argmax(-1)
+    drafts[1, 2] = (drafts[1, 2] + 1) % V        # a rejection mid-chain
+    drafts[3, 0] = (drafts[3, 0] + 1) % V        # and at the first draft
+    want = rejection_sample(logits, drafts, None, backend="native")
+    if layout == "strided":
+        wide = torch.zeros(B, K + 1, 2 * V, device=device)
+        wide[..., ::2] = logits
+        other = wide[..., ::2]
+    else:
+        other = logits.to(torch.bfloat16)        # exact: the values came from bfloat16
+    got = rejection_sample(other, drafts, None, backend="native")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert want[1].tolist() == [K, 2, K, 0]
+
+
 @pytest.mark.parametrize("backend", ["native", "triton"])
 @pytest.mark.parametrize("temperature", [1e-3, 1e3])
 def test_extreme_temperatures(device, backend, temperature):

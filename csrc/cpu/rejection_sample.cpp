@@ -93,9 +93,19 @@ OSD_VECTOR_CLONES void race_keys(const float* r, float* u, int64_t n) {
   for (int64_t v = 0; v < n; ++v) u[v] = r[v] / -log_pos(u[v]);
 }
 
+// Per-thread rows of V floats, allocated on first use: greedy rows over float32 logits
+// with a contiguous vocab read the logits in place and need none.
 struct Scratch {
+  int64_t v;
   std::vector<float> s, e, t;
-  explicit Scratch(int64_t v) : s(v), e(v), t(4 * ((v + 3) / 4)) {}
+  explicit Scratch(int64_t vocab) : v(vocab) {}
+  void ensure() {
+    if (s.empty()) {
+      s.resize(v);
+      e.resize(v);
+      t.resize(4 * ((v + 3) / 4));
+    }
+  }
 };
 
 // Warped target row i of sequence b: s (scaled logits), e = masked exp(s - max) and its
@@ -165,11 +175,17 @@ void sample_sequence(const RejectionSampleArgs& a, int64_t b, Scratch& w) {
   const int64_t* drafts = a.draft_ids + b * a.draft_ids_stride_b;
   int64_t j = 0;
   if (rs.greedy) {
+    const bool in_place = a.logits_dtype == DType::kFloat32 && a.logits_stride_v == 1;
+    if (!in_place) w.ensure();
     int64_t token = 0;
     for (;; ++j) {
-      load_row_any(a.logits, a.logits_dtype, b * a.logits_stride_b + j * a.logits_stride_k,
-                   a.logits_stride_v, V, 1.0f, w.s.data());
-      token = row_argmax(w.s.data(), V);
+      const int64_t offset = b * a.logits_stride_b + j * a.logits_stride_k;
+      const float* row = static_cast<const float*>(a.logits) + offset;
+      if (!in_place) {
+        load_row_any(a.logits, a.logits_dtype, offset, a.logits_stride_v, V, 1.0f, w.s.data());
+        row = w.s.data();
+      }
+      token = row_argmax(row, V);
       if (j == rs.num_draft || drafts[j * a.draft_ids_stride_k] != token) break;
       out[j] = token;
     }
@@ -177,6 +193,7 @@ void sample_sequence(const RejectionSampleArgs& a, int64_t b, Scratch& w) {
     a.num_accepted[b] = static_cast<int32_t>(j);
     return;
   }
+  w.ensure();
   WarpedRow row{};
   int64_t x = -1;
   bool rejected = false;

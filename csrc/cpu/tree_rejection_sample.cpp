@@ -24,10 +24,21 @@
 namespace osd {
 namespace {
 
+// Per-thread rows of V floats, allocated on first use: greedy rows over float32 logits
+// with a contiguous vocab read the logits in place and need none.
 struct Scratch {
+  int64_t v;
   std::vector<float> p, r, q, t;
   std::vector<int64_t> rejected;  // tokens of the rejected siblings (without replacement)
-  explicit Scratch(int64_t v) : p(v), r(v), q(v), t(4 * ((v + 3) / 4)) {}
+  explicit Scratch(int64_t vocab) : v(vocab) {}
+  void ensure() {
+    if (p.empty()) {
+      p.resize(v);
+      r.resize(v);
+      q.resize(v);
+      t.resize(4 * ((v + 3) / 4));
+    }
+  }
 };
 
 // p = the warped target row (node `node` of sequence b), as osd_kernels.warp.warp_probs.
@@ -68,9 +79,12 @@ int64_t race(const RowSampling& rs, int64_t node, const float* w, int64_t V, flo
 void greedy_walk(const TreeRejectionSampleArgs& a, int64_t b, Scratch& w) {
   const int64_t V = a.vocab;
   int64_t cur = 0, depth = 0;
+  const bool in_place = a.logits_dtype == DType::kFloat32 && a.logits_stride_v == 1;
+  if (!in_place) w.ensure();
   auto argmax_of = [&](int64_t node) {
-    load_row_any(a.logits, a.logits_dtype, b * a.logits_stride_b + node * a.logits_stride_t,
-                 a.logits_stride_v, V, 1.0f, w.p.data());
+    const int64_t offset = b * a.logits_stride_b + node * a.logits_stride_t;
+    if (in_place) return row_argmax(static_cast<const float*>(a.logits) + offset, V);
+    load_row_any(a.logits, a.logits_dtype, offset, a.logits_stride_v, V, 1.0f, w.p.data());
     return row_argmax(w.p.data(), V);
   };
   int64_t best = argmax_of(cur);
@@ -89,6 +103,7 @@ void stochastic_walk(const TreeRejectionSampleArgs& a, const RowSampling& rs, in
                      Scratch& w) {
   const int64_t V = a.vocab;
   const bool has_q = a.draft_probs != nullptr;
+  w.ensure();
   float* p = w.p.data();
   float* r = w.r.data();
   float* q = w.q.data();
