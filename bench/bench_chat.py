@@ -46,7 +46,7 @@ import osd
 from osd.demo import draft_cost_ratio, online_recipe
 
 NEW_TOKENS = int(os.environ.get("OSD_BENCH_CHAT_TOKENS", "128"))
-NUM_PROMPTS = int(os.environ.get("OSD_BENCH_CHAT_PROMPTS", "4"))
+NUM_PROMPTS = int(os.environ.get("OSD_BENCH_CHAT_PROMPTS", "16"))
 WARMUP = int(os.environ.get("OSD_BENCH_CHAT_WARMUP", "48"))
 K = 4
 LOOKUP_TOKENS = 8       # SpecConfig.lookup_tokens of the EAGLE rows with prompt lookup
