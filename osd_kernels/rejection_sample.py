@@ -30,6 +30,7 @@ between the accept ratio and ``u``, or between the two best race keys, can diffe
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -68,13 +69,14 @@ def check_on_device(name: str, tensor: torch.Tensor, device: torch.device) -> No
 def check_sampling_values(params: SamplingParams) -> None:
     """Range checks of temperature (finite, >= 0), top_k (>= 0) and top_p (in (0, 1]).
     They read the values on the host: call them on CPU tensors only."""
-    t, tk, tp = params.temperature, params.top_k, params.top_p
-    if not bool((torch.isfinite(t) & (t >= 0)).all()):
-        raise ValueError(f"temperature must be finite and >= 0, got {t.tolist()}")
-    if bool((tk < 0).any()):
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {tk.tolist()}")
-    if not bool(((tp > 0) & (tp <= 1)).all()):
-        raise ValueError(f"top_p must lie in (0, 1] (1 = off), got {tp.tolist()}")
+    # [B] values, checked in Python: cheaper than a few torch ops per call at these sizes
+    t, tk, tp = params.temperature.tolist(), params.top_k.tolist(), params.top_p.tolist()
+    if not all(math.isfinite(x) and x >= 0 for x in t):
+        raise ValueError(f"temperature must be finite and >= 0, got {t}")
+    if any(x < 0 for x in tk):
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {tk}")
+    if not all(0 < x <= 1 for x in tp):
+        raise ValueError(f"top_p must lie in (0, 1] (1 = off), got {tp}")
 
 
 def _per_row(name: str, value, batch: int, default, dtype: torch.dtype, device,
@@ -162,11 +164,13 @@ def _check_values(target_logits, draft_token_ids, params: SamplingParams) -> Non
     if target_logits.device.type != "cpu":
         return
     _, k1, vocab = target_logits.shape
-    if bool(((draft_token_ids < 0) | (draft_token_ids >= vocab)).any()):
-        raise ValueError(f"draft_token_ids must lie in [0, V={vocab})")
-    n = params.num_draft_tokens
-    if bool(((n < 0) | (n > k1 - 1)).any()):
-        raise ValueError(f"num_draft_tokens must lie in [0, K={k1 - 1}], got {n.tolist()}")
+    if draft_token_ids.numel():
+        low, high = (int(v) for v in torch.aminmax(draft_token_ids))
+        if low < 0 or high >= vocab:
+            raise ValueError(f"draft_token_ids must lie in [0, V={vocab})")
+    n = params.num_draft_tokens.tolist()
+    if any(x < 0 or x > k1 - 1 for x in n):
+        raise ValueError(f"num_draft_tokens must lie in [0, K={k1 - 1}], got {n}")
     check_sampling_values(params)
 
 
