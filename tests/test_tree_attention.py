@@ -171,33 +171,54 @@ def test_sharp_softmax_matches_reference(monkeypatch, path):
 
 def test_rows_do_not_depend_on_their_task():
     """On the AVX-512 path a query row's output is the same bits whatever shares its task.
-    The kernel has two task layouts: up to 16 query rows per KV head (decode, short
-    verify: the prefix split into key ranges) and more (the rows split into blocks).
-    Within each, causal query t of a T-row call equals the last query of the (t + 1)-row
-    call, at one and two threads (tasks are sized by T and the thread count)."""
+    The kernel has three task layouts: fewer than 8 query rows per KV head (decode: one row
+    at a time, the prefix split into key ranges), 8 to 16 (short verify: rows in vector
+    lanes, the prefix split into longer ranges) and more (rows in lanes, split into
+    blocks). Within each, causal query t of a T-row call equals the last query of the
+    (t + 1)-row call, at one and two threads (tasks are sized by T and the thread count)."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip("the CPU has no AVX-512")
     gen = torch.Generator().manual_seed(10)
-    q, kv, lens = _case(gen, 1, 9, 9, 3, 64, torch.float32, "cpu", max_prefix=200)
-    lens[0] = 150            # a prefix of two key blocks and a part
+    q, kv, lens = _case(gen, 1, 9, 9, 3, 64, torch.float32, "cpu", max_prefix=500)
+    lens[0] = 450            # split into ranges in both split layouts, ending in a part block
     k, v = kv[0, 0], kv[0, 1]
-    split_rows = 16 // 3     # the longest call (T) of the split layout with 3 rows per T
+    longest = (2, 5, 9)      # the longest call (T) of each layout with 3 rows per T
     threads = torch.get_num_threads()
     try:
         outs = []
         for n in (1, 2):
             torch.set_num_threads(n)
             full = {T: tree_attention(q[:, :T], k, v, lens, None, backend="native")
-                    for T in (split_rows, 9)}
+                    for T in longest}
             outs.append(full)
             for t in range(9):
                 last = tree_attention(q[:, :t + 1], k, v, lens, None, backend="native")[:, t]
-                same_layout = full[split_rows if t < split_rows else 9]
+                same_layout = full[next(T for T in longest if t < T)]
                 assert torch.equal(last, same_layout[:, t]), (n, t)
     finally:
         torch.set_num_threads(threads)
-    for T in (split_rows, 9):
+    for T in longest:
         assert torch.equal(outs[0][T], outs[1][T])
+
+
+@pytest.mark.parametrize("D", (16, 48, 80, 128))
+def test_lane_layout_matches_reference(D):
+    """Verify blocks and prefills (8 or more query rows per KV head) keep a task's rows in
+    vector lanes on the AVX-512 path: head dims whose values split into chunks of 1 to 4
+    vectors, 8 to 40 rows per KV head (one or two lane vectors, every remainder of the
+    four-row groups of P.V), prefixes that split or not, tree masks and causal, every
+    dtype, against the reference."""
+    gen = torch.Generator().manual_seed(16 + D)
+    for dtype in DTYPES:
+        for T, Hq, Hkv in ((2, 4, 1), (3, 9, 3), (5, 2, 1), (5, 6, 2), (10, 4, 1)):
+            q, kv, lens = _case(gen, 3, T, Hq, Hkv, D, dtype, "cpu", max_prefix=500)
+            lens[0] = 0
+            lens[1] = 384    # ends on a split boundary
+            mask = random_tree_mask(gen, 3, T)
+            for m in (mask, None):
+                out = tree_attention(q, kv[0, 0], kv[0, 1], lens, m, backend="native")
+                _check_close(out, q, kv[0, 0], kv[0, 1], lens, m, dtype,
+                             f"lanes D={D} T={T} Hq={Hq} Hkv={Hkv} {dtype}")
 
 
 LONG_SHAPES = [  # B, T, Hq, Hkv, D: causal blocks past the 64-bit tree mask
@@ -232,16 +253,16 @@ def test_long_causal_matches_reference(device, dtype, shape):
 @pytest.mark.parametrize("path", CPU_PATHS)
 def test_split_keys_cpu(monkeypatch, path):
     """Decode and short verify calls split each row's prefix into key ranges and merge
-    them: rows of one batch with no prefix, one block, a prefix that ends on a split
-    boundary (128) and long prefixes (ranges of several blocks), every dtype, tree masks
-    and causal, against the reference."""
+    them: rows of one batch with no prefix, one block, prefixes that end on a split
+    boundary (128 one row at a time, T = 1; 384 in lanes, T = 4) and a long prefix (ranges
+    of several blocks), every dtype, tree masks and causal, against the reference."""
     _use_path(monkeypatch, path)
     gen = torch.Generator().manual_seed(15)
     for dtype in DTYPES:
         for T in (1, 4):
             q, kv, lens = _case(gen, 5, T, 6, 2, 32, dtype, "cpu", B_max=5, L=1,
                                 max_prefix=1500)
-            lens.copy_(torch.tensor([0, 70, 128, 1100, 1500], dtype=torch.int32))
+            lens.copy_(torch.tensor([0, 70, 128, 384, 1500], dtype=torch.int32))
             mask = random_tree_mask(gen, 5, T)
             for m in (mask, None):
                 out = tree_attention(q, kv[0, 0], kv[0, 1], lens, m, backend="native")

@@ -31,8 +31,10 @@ constexpr int kMaxPass512 = 12;  // AVX-512: 12 x 2 accumulators of 32 registers
 // Panels per tile when the rows take several passes: a tile read from memory by the first
 // pass is still in the core's L2 for the others.
 constexpr int64_t kTileBytes = 256 * 1024;
-// How far ahead (in k steps of one line) each panel stream is prefetched.
-constexpr int kPrefetchSteps = 16;
+// How far ahead (in k steps of one line) each panel stream is prefetched: 4 KB, so that a
+// pass of 7 to 12 rows, whose FMAs take several cycles per line, still has the next lines
+// in flight while it computes (docs/benchmarks.md).
+constexpr int kPrefetchSteps = 64;
 
 struct Args {
   const float* x;      // [M, K], rows ldx apart

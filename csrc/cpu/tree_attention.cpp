@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/attention_avx512.h"
 #include "cpu/fast_math.h"
 
 #if defined(__x86_64__)
@@ -60,6 +61,13 @@ constexpr int64_t kRowBlock = 32;  // query rows per task of larger calls (at mo
 // from 27 rows on.
 constexpr int64_t kSplitRows = 16;
 constexpr int64_t kMaxSplits = 16;
+// Calls with at least kLaneRows query rows per KV head (verify blocks, prefill) keep a
+// task's rows in vector lanes on the AVX-512 path (attention_avx512.h); decode's few rows
+// per KV head would leave most lanes empty and go one row at a time.
+constexpr int64_t kLaneRows = 8;
+// Fewest keys per split of a lanes call: each task transposes its queries and its split is
+// merged afterwards, which a single key block does not pay for.
+constexpr int64_t kLaneSplitKeys = 192;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 
@@ -81,6 +89,8 @@ struct TreeAttentionArgs {
   // after all tasks ran. nullptr: one task per (row, KV head, row block), no split.
   const int64_t* task_start;  // [B + 1] or nullptr
   float* part;                // [tasks, row_block, D + 2] or nullptr
+  int64_t split_min;          // fewest keys per split (split_keys)
+  bool lanes;                 // rows in lanes where the AVX-512 path runs (kLaneRows)
 };
 
 // Dot product with sixteen independent partial sums, so it vectorises without reassociation.
@@ -107,6 +117,7 @@ OSD_INLINE void accumulate_pv(const float* p, const float* const* v, int64_t n, 
 }
 
 #if defined(__x86_64__)
+using namespace attention_avx512;
 
 // AVX2 versions of scores / accumulate_pv; accumulators stay in registers.
 // scores_avx2: four keys at a time, so each load of q feeds four independent FMA chains;
@@ -223,125 +234,6 @@ OSD_AVX2 inline void accumulate_pv_avx2(const float* p, const float* const* v, i
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-
-// AVX-512 versions, for head dims that are a multiple of 16 (one zmm per 16 dims). Each
-// result is computed by the same instructions whatever the block's key count n, so a
-// row's output does not depend on which other rows share its task: a key's score is
-// always one of eight lanes of a group (a short group repeats its last key), and the
-// tails of exp_sum and P.V run masked, the invisible keys adding exact zeros.
-
-// s[i] = the sum of a[i]'s 16 lanes, for i < 8: fold to 8 lanes, then the hadd tree.
-OSD_AVX512 inline void sums8_avx512(const __m512* a, float* s) {
-  __m256 h[8];
-  for (int i = 0; i < 8; ++i) {
-    h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]), _mm512_extractf32x8_ps(a[i], 1));
-  }
-  for (int g = 0; g < 8; g += 4) {
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(h[g], h[g + 1]),
-                                    _mm256_hadd_ps(h[g + 2], h[g + 3]));
-    _mm_storeu_ps(s + g, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-  }
-}
-
-// s[j] = q . k[j] for j < n (dim % 16 == 0): eight keys at a time, eight FMA chains.
-OSD_AVX512 inline void scores_avx512(const float* q, const float* const* k, int64_t n,
-                                     int64_t dim, float* s) {
-  for (int64_t j = 0; j < n; j += 8) {
-    const float* kj[8];
-    for (int i = 0; i < 8; ++i) kj[i] = k[std::min<int64_t>(j + i, n - 1)];
-    __m512 a[8];
-    for (int i = 0; i < 8; ++i) a[i] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 16) {
-      const __m512 x = _mm512_loadu_ps(q + d);
-      for (int i = 0; i < 8; ++i) a[i] = _mm512_fmadd_ps(x, _mm512_loadu_ps(kj[i] + d), a[i]);
-    }
-    float out[8];
-    sums8_avx512(a, out);
-    for (int64_t i = 0; i < std::min<int64_t>(8, n - j); ++i) s[j + i] = out[i];
-  }
-}
-
-// exp_nonpos_avx2 in 16 lanes.
-OSD_AVX512 inline __m512 exp_nonpos_avx512(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.f);
-  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  const __m512 xc = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(bits));
-}
-
-// Lanes j < n of a 16-key group starting at 0.
-OSD_AVX512 inline __mmask16 first_lanes(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
-}
-
-// max(mx, s[0, n)).
-OSD_AVX512 inline float max_avx512(const float* s, int64_t n, float mx) {
-  __m512 m = _mm512_set1_ps(mx);
-  for (int64_t j = 0; j < n; j += 16) {
-    m = _mm512_mask_max_ps(m, first_lanes(n - j), m, _mm512_maskz_loadu_ps(first_lanes(n - j),
-                                                                           s + j));
-  }
-  return _mm512_reduce_max_ps(m);
-}
-
-// s[j] = e^(s[j] - mx) for j < n (every s[j] <= mx); returns their sum.
-OSD_AVX512 inline float exp_sum_avx512(float* s, int64_t n, float mx) {
-  const __m512 m = _mm512_set1_ps(mx);
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 live = first_lanes(n - j);
-    const __m512 e = _mm512_maskz_mov_ps(
-        live, exp_nonpos_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), m)));
-    _mm512_mask_storeu_ps(s + j, live, e);
-    acc = _mm512_add_ps(acc, e);
-  }
-  return _mm512_reduce_add_ps(acc);
-}
-
-// acc[0, dim) += sum_j p[j] * v[j][0, dim) (dim % 16 == 0, at most 128): even and odd keys
-// in two sets of accumulators (twice the FMA chains), added at the end.
-OSD_AVX512 inline void accumulate_pv_avx512(const float* p, const float* const* v, int64_t n,
-                                            int64_t dim, float* acc) {
-  for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-    const int vecs = static_cast<int>(std::min<int64_t>(64, dim - d0) / 16);
-    __m512 a[4], b[4];
-    for (int i = 0; i < 4; ++i) a[i] = b[i] = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {
-      const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
-      const float* v0 = v[j] + d0;
-      const float* v1 = v[j + 1] + d0;
-      for (int i = 0; i < vecs; ++i) {
-        a[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * i), a[i]);
-        b[i] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * i), b[i]);
-      }
-    }
-    if (j < n) {
-      const __m512 p0 = _mm512_set1_ps(p[j]);
-      for (int i = 0; i < vecs; ++i) {
-        a[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v[j] + d0 + 16 * i), a[i]);
-      }
-    }
-    for (int i = 0; i < vecs; ++i) {
-      float* out = acc + d0 + 16 * i;
-      _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), _mm512_add_ps(a[i], b[i])));
-    }
-  }
-}
 #endif
 
 // Points rows[j] at key/value row start + j as fp32: in place when the cache is fp32 with a
@@ -364,24 +256,28 @@ OSD_INLINE void fp32_rows(const scalar_t* base, int64_t stride_s, int64_t stride
   }
 }
 
-// Per-thread scratch of one task.
+// Per-thread scratch of one task of up to `rows` query rows; the running max m, sum l and
+// rescale corr have a slot per vector lane (rows rounded up to 16) for the lanes layout,
+// whose transposed queries qt are [dim][16 or 32] and scores s [kKeyBlock][16 or 32].
 struct Scratch {
-  std::vector<float> q, acc, kbuf, vbuf, s, m, l;
+  std::vector<float> q, qt, acc, kbuf, vbuf, s, m, l, corr;
   std::vector<const float*> krow, vrow;
   std::vector<uint64_t> bits;
   std::vector<int64_t> head, t;
   Scratch(int64_t rows, int64_t dim)
-      : q(rows * dim), acc(rows * dim), kbuf(kKeyBlock * dim), vbuf(kKeyBlock * dim),
-        s(rows * kKeyBlock), m(rows), l(rows), krow(kKeyBlock), vrow(kKeyBlock), bits(rows),
-        head(rows), t(rows) {}
+      : q(rows * dim), qt(lanes(rows) * dim), acc(rows * dim), kbuf(kKeyBlock * dim),
+        vbuf(kKeyBlock * dim), s(lanes(rows) * kKeyBlock), m(lanes(rows)), l(lanes(rows)),
+        corr(lanes(rows)), krow(kKeyBlock), vrow(kKeyBlock), bits(rows), head(rows), t(rows) {}
+  static int64_t lanes(int64_t rows) { return (rows + 15) / 16 * 16; }
 };
 
 // Which of a block's keys each row sees: all (prefix), bit j of the row's tree mask, or
 // causal (new key first + j is seen by query t iff first + j <= t).
 enum class KeyMask { kNone, kBits, kCausal };
 
-// Instruction sets of the task loops: AVX-512 needs a head dim that is a multiple of 16.
-enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+// Instruction sets of the task loops: AVX-512 needs a head dim that is a multiple of 16;
+// kAvx512Lanes is AVX-512 with the task's rows in vector lanes.
+enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Lanes = 3 };
 
 // Prefetches rows [start, start + n) of one KV head's keys or values into the caches (the
 // first dim elements from each row's start: all of a row with a contiguous head dim).
@@ -411,6 +307,37 @@ OSD_INLINE void process_keys(const TreeAttentionArgs& a, const scalar_t* kb, con
   fp32_rows(vb, a.v_stride[2], a.v_stride[3], start, n, D, w.vbuf.data(), w.vrow.data());
   prefetch_rows(kb, a.k_stride[2], start + n, ahead, D);
   prefetch_rows(vb, a.v_stride[2], start + n, ahead, D);
+#if defined(__x86_64__)
+  if constexpr (kIsa == kAvx512Lanes) {
+    const int64_t W = Scratch::lanes(R);
+    float* st = w.s.data();
+    if (W == 16) {
+      scores_lanes<1>(w.qt.data(), w.krow.data(), n, D, st);
+    } else {
+      scores_lanes<2>(w.qt.data(), w.krow.data(), n, D, st);
+    }
+    if (mask == KeyMask::kBits) {
+      for (int64_t r = 0; r < R; ++r) {
+        for (int64_t j = 0; j < n; ++j) {
+          if (!((w.bits[r] >> j) & 1)) st[j * W + r] = kNegInf;
+        }
+      }
+    } else if (mask == KeyMask::kCausal) {
+      for (int64_t r = 0; r < R; ++r) {
+        for (int64_t j = std::max<int64_t>(w.t[r] - first + 1, 0); j < n; ++j) {
+          st[j * W + r] = kNegInf;
+        }
+      }
+    }
+    if (W == 16) {
+      softmax_lanes<1>(st, n, w.m.data(), w.l.data(), w.corr.data());
+    } else {
+      softmax_lanes<2>(st, n, w.m.data(), w.l.data(), w.corr.data());
+    }
+    pv_lanes(st, W, w.vrow.data(), n, R, D, w.corr.data(), w.acc.data());
+    return;
+  }
+#endif
   for (int64_t r = 0; r < R; ++r) {
     float* s = &w.s[r * kKeyBlock];
     const float* qr = &w.q[r * D];
@@ -482,13 +409,14 @@ OSD_INLINE void process_keys(const TreeAttentionArgs& a, const scalar_t* kb, con
   }
 }
 
-// Keys per split of a row with L cached keys: whole key blocks, at most kMaxSplits
+// Keys per split of a row with L cached keys: whole key blocks, at least min_keys (the
+// call's layout: kKeyBlock one row at a time, kLaneSplitKeys in lanes), at most kMaxSplits
 // splits; the row has L / split + 1 splits, the last holding the rest of the prefix and the
-// new keys. A function of L alone, so a row's result depends neither on the other rows of
-// the batch, nor on T, nor on the thread count.
-OSD_INLINE int64_t split_keys(int64_t L) {
+// new keys. A function of L and the layout alone, so a row's result depends neither on the
+// other rows of the batch nor on the thread count.
+OSD_INLINE int64_t split_keys(int64_t L, int64_t min_keys) {
   const int64_t per = (L + kMaxSplits - 1) / kMaxSplits;
-  return std::max(kKeyBlock, (per + kKeyBlock - 1) / kKeyBlock * kKeyBlock);
+  return std::max(min_keys, (per + kKeyBlock - 1) / kKeyBlock * kKeyBlock);
 }
 
 // The rows' running max, sum and accumulator of one task, kept for the merge.
@@ -531,10 +459,19 @@ OSD_INLINE void run_task(const TreeAttentionArgs& a, int64_t task, Scratch& w) {
     w.l[r] = 0.f;
   }
   std::fill(w.acc.begin(), w.acc.begin() + R * D, 0.f);
+  if constexpr (kIsa == kAvx512Lanes) {  // qt[d][r] = q[r][d]; empty lanes score zeros
+    const int64_t W = Scratch::lanes(R);
+    std::fill(w.qt.begin(), w.qt.begin() + W * D, 0.f);
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t d = 0; d < D; ++d) w.qt[d * W + r] = w.q[r * D + d];
+    }
+    std::fill(w.m.begin() + R, w.m.begin() + W, kNegInf);
+    std::fill(w.l.begin() + R, w.l.begin() + W, 0.f);
+  }
   // This task's prefix keys [begin, stop); the last split also takes the tree's T keys or
   // the causal new keys up to the task's last query (rows are in query order: the last
   // sees the most), which end the keys at `end`.
-  const int64_t per_split = splits > 1 ? split_keys(L) : L;
+  const int64_t per_split = splits > 1 ? split_keys(L, a.split_min) : L;
   const int64_t begin = split * per_split;
   const bool last = split == splits - 1;
   const int64_t stop = last ? L : begin + per_split;
@@ -623,7 +560,11 @@ OSD_AVX2 void run_tasks_avx2(const TreeAttentionArgs& a, int64_t begin, int64_t 
 template <typename scalar_t>
 OSD_AVX512 void run_tasks_avx512(const TreeAttentionArgs& a, int64_t begin, int64_t end,
                                  Scratch& w) {
-  for (int64_t task = begin; task < end; ++task) run_task<scalar_t, kAvx512>(a, task, w);
+  if (a.lanes) {
+    for (int64_t task = begin; task < end; ++task) run_task<scalar_t, kAvx512Lanes>(a, task, w);
+  } else {
+    for (int64_t task = begin; task < end; ++task) run_task<scalar_t, kAvx512>(a, task, w);
+  }
 }
 #endif
 #if defined(__x86_64__)
@@ -759,6 +700,8 @@ at::Tensor tree_attention_cpu_op(const at::Tensor& q, const at::Tensor& k_cache,
   }
   a.scale = static_cast<float>(scale);
   const int64_t rows = (Hq / Hkv) * T;
+  a.lanes = rows >= kLaneRows;
+  a.split_min = a.lanes ? kLaneSplitKeys : kKeyBlock;
   std::vector<int64_t> task_start;
   at::Tensor part;
   int64_t num_tasks;
@@ -767,7 +710,7 @@ at::Tensor tree_attention_cpu_op(const at::Tensor& q, const at::Tensor& k_cache,
     a.row_block = rows;
     task_start.assign(B + 1, 0);
     for (int64_t b = 0; b < B; ++b) {
-      task_start[b + 1] = task_start[b] + Hkv * (lens[b] / split_keys(lens[b]) + 1);
+      task_start[b + 1] = task_start[b] + Hkv * (lens[b] / split_keys(lens[b], a.split_min) + 1);
     }
     num_tasks = task_start[B];
     a.task_start = task_start.data();
