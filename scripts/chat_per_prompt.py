@@ -2,7 +2,7 @@
 (prompt lookup on 2+-token matches with lookup steps of up to 8 drafts, then the EAGLE
 draft in Q8_0) alternating prompt by prompt over the first ``--prompts`` HumanEval chat
 requests, greedy fp32, 128 new tokens, one pass. Prints each prompt's ratio (plain time
-over speculative time) and the running ratio of the sums, and asserts equal outputs.
+over speculative time) and the running ratio of the sums, then both engines' tokens/s; asserts equal outputs.
 
     .venv/bin/python scripts/chat_per_prompt.py --prompts 40
 """
@@ -39,6 +39,7 @@ def main() -> None:
     for engine in (plain, spec_engine):
         engine.generate([prompts[-1]], params)
     total_plain = total_spec = 0.0
+    tokens = 0
     print("| prompt | prompt tokens | new tokens | ratio | running ratio |")
     print("|---|---|---|---|---|")
     for i, prompt in enumerate(prompts[:args.prompts]):
@@ -50,8 +51,11 @@ def main() -> None:
         assert got == want, f"prompt {i}: speculative output differs from plain"
         total_plain += t1 - t0
         total_spec += t2 - t1
+        tokens += len(want)
         print(f"| {i} | {len(prompt)} | {len(want)} | {(t1 - t0) / (t2 - t1):.2f} | "
               f"{total_plain / total_spec:.2f} |", flush=True)
+    print(f"\n{tokens} tokens: plain {tokens / total_plain:.1f} tokens/s, speculative "
+          f"{tokens / total_spec:.1f} tokens/s, {total_plain / total_spec:.2f}x")
 
 
 if __name__ == "__main__":

@@ -153,13 +153,18 @@ OSD_AVX512 void micro_avx512(const Args& a, const float* x, float* y, int64_t p0
 }
 #endif
 
-// Panels per AVX-512 micro-kernel for MR rows: 8 to 24 accumulators of the 32 registers,
-// enough to cover the FMA latency; 4 or 2, so that tiles of a multiple of 4 panels split
-// evenly.
+// Panels per AVX-512 micro-kernel for MR rows of a call that takes one pass (decode,
+// verify): the weights come from memory, and on the 2-core AVX-512 machine more
+// concurrent panel streams read them slower (4 streams took 13-20% longer than one at 5
+// to 9 rows, docs/benchmarks.md), so one stream, or two for one or two rows, whose few
+// FMA chains would not cover the FMA latency alone. Calls of several passes (prefill
+// pieces) read each tile from L2 after the first pass and are bound by the FMAs: two
+// panels, so that each broadcast input feeds two FMAs.
 template <int MR>
 constexpr int panels_per_step_512() {
-  return MR <= 6 ? 4 : 2;
+  return MR <= 2 ? 2 : 1;
 }
+constexpr int kPanelsPerStepPasses = 2;
 
 // Vector level of a call: 0 portable, 1 AVX2 + FMA, 2 AVX-512.
 enum Level : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
@@ -171,9 +176,11 @@ void pass(const Args& a, const float* x, float* y, int64_t p_begin, int64_t p_en
 #if defined(__x86_64__)
   if (level == kAvx512) {
     constexpr int NP = panels_per_step_512<MR>();
-    for (; p + NP <= p_end; p += NP) micro_avx512<MR, NP>(a, x, y, p);
-    if constexpr (NP > 2) {
-      for (; p + 2 <= p_end; p += 2) micro_avx512<MR, 2>(a, x, y, p);
+    if (a.M > kMaxPass512) {
+      constexpr int NW = kPanelsPerStepPasses;
+      for (; p + NW <= p_end; p += NW) micro_avx512<MR, NW>(a, x, y, p);
+    } else {
+      for (; p + NP <= p_end; p += NP) micro_avx512<MR, NP>(a, x, y, p);
     }
     for (; p < p_end; ++p) micro_avx512<MR, 1>(a, x, y, p);
     return;
