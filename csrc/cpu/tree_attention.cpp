@@ -19,7 +19,9 @@
 // own diagonal.
 // Scores, the softmax (max, exp, sum) and P.V use AVX-512 intrinsics (head dims that are a
 // multiple of 16) or AVX2/FMA ones when the CPU has them (chosen at run time), else
-// portable loops; each block's keys are prefetched while the block before is scored.
+// portable loops; each block's keys are prefetched while the block before is scored. On
+// the AVX-512 path, calls of at least kLaneRows rows per KV head keep a task's rows in
+// vector lanes (attention_avx512.h), decode goes one row at a time.
 // Decode and short verify calls split each row's prefix into ranges of key blocks
 // (split_keys), one task per (row, KV head, split), and merge the splits' softmax states
 // afterwards; larger calls split the query rows into tasks (pick_row_block). Either way
