@@ -19,7 +19,7 @@ def _demo(args) -> int:
                      num_draft_tokens=args.k, out_dir=args.out, seed=args.seed,
                      threads=args.threads, draft=args.draft,
                      lookup_history=args.lookup_history, lookup_tokens=args.lookup_tokens,
-                     quantized=args.quantized,
+                     lookup_min_match=args.lookup_min_match, quantized=args.quantized,
                      quantize_draft=args.quantize_draft, prefix_cache=args.prefix_cache,
                      plain_every=args.plain_every)
     run_demo(cfg)
@@ -142,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--lookup-tokens", type=int, default=None, metavar="N",
                    help="most drafts of a step drafted by prompt lookup alone "
                    "(SpecConfig.lookup_tokens; chat default 8, builtin 0: k)")
+    d.add_argument("--lookup-min-match", type=int, default=1, metavar="N",
+                   help="shortest suffix prompt lookup matches (SpecConfig.ngram_min, 1-3; "
+                   "with --lookup-history, 2 leaves the draft model the positions a single "
+                   "token's match would guess)")
     d.add_argument("--quantized", action="store_true",
                    help="the chat target keeps its GGUF weights quantized")
     d.add_argument("--quantize-draft", default=None, choices=["Q8_0", "Q4_1", "Q4_0", "none"],

@@ -65,6 +65,8 @@ class DemoConfig:
     #                                        earlier answers (SpecConfig.lookup_history)
     lookup_tokens: int | None = None       # most drafts of a lookup step
     #                                        (SpecConfig.lookup_tokens; 0: k)
+    lookup_min_match: int = 1              # shortest suffix prompt lookup matches
+    #                                        (SpecConfig.ngram_min; at most ngram_max, 3)
     draft: str | None = None               # chat pair: "model" (the standalone draft) or
     #                                        "eagle" (the EAGLE draft on the target's features)
     quantized: bool = False                # chat pair: the target keeps its GGUF weights
@@ -89,6 +91,9 @@ class DemoConfig:
         if self.draft not in DRAFTS or (self.draft == "eagle" and self.pair != "chat"):
             raise ValueError(f"draft must be one of {DRAFTS} (eagle: the chat pair only), "
                              f"got {self.draft!r}")
+        if not 1 <= self.lookup_min_match <= osd.SpecConfig.ngram_max:
+            raise ValueError(f"lookup_min_match must be in 1..{osd.SpecConfig.ngram_max}, got "
+                             f"{self.lookup_min_match}")
         if self.lookup_history and not self.prompt_lookup:
             raise ValueError("lookup_history needs prompt_lookup")
         if self.quantized and self.pair != "chat":
@@ -337,7 +342,8 @@ def run_demo(cfg: DemoConfig | None = None) -> dict:
                   outputs=base_out)
     plain_tps = _tps(base)
     spec = osd.SpecConfig(num_draft_tokens=k, prompt_lookup=cfg.prompt_lookup,
-                          lookup_history=cfg.lookup_history, lookup_tokens=cfg.lookup_tokens)
+                          lookup_history=cfg.lookup_history, lookup_tokens=cfg.lookup_tokens,
+                          ngram_min=cfg.lookup_min_match)
     online = osd.Engine.from_pretrained(target_dir, draft=draft_dir, spec=spec,
                                         online=cfg.online, max_batch_size=1,
                                         max_seq_len=max_len, quantized=cfg.quantized,
@@ -466,6 +472,7 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
         f"{', prompt lookup in front of the draft' if cfg.prompt_lookup else ''}"
         f"{f' (also over {cfg.lookup_history} tokens of earlier answers)' if cfg.lookup_history else ''}"
         f"{f', lookup steps verifying up to {cfg.lookup_tokens} drafts' if cfg.lookup_tokens else ''}"
+        f"{f', lookup on matches of {cfg.lookup_min_match}+ tokens' if cfg.lookup_min_match > 1 else ''}"
         f", up to "
         f"{cfg.max_new_tokens} "
         f"new tokens per request, CPU fp32"
@@ -478,6 +485,8 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
         f"{f' --quantize-draft {cfg.quantize_draft}' if cfg.quantize_draft else ''}"
         f"{f' --lookup-history {cfg.lookup_history}' if cfg.lookup_history else ''}"
         f"{f' --lookup-tokens {cfg.lookup_tokens}' if cfg.lookup_tokens else ''}"
+        f"{f' --lookup-min-match {cfg.lookup_min_match}' if cfg.lookup_min_match > 1 else ''}"
+        f"{f' --max-new-tokens {cfg.max_new_tokens}' if cfg.max_new_tokens != DEFAULTS[cfg.pair]['max_new_tokens'] else ''}"
         f"{f' --prefix-cache {cfg.prefix_cache}' if cfg.prefix_cache else ''}` in "
         f"{seconds:.0f} s.", "",
         f"The last {tail} requests were served side by side: each by the online engine, "

@@ -45,6 +45,7 @@ def test_generate_on_the_zoo_pair(extra, capsys):
     (["generate", "--target", "TARGET", "--stop", "", "hi"], "stop strings must not be empty"),
     (["bench", "--only", "nothing_like_this"], "no benchmark"),
     (["demo", "--pair", "builtin", "--lookup-history", "1000"], "lookup_history needs prompt_lookup"),
+    (["demo", "--lookup-min-match", "4"], "lookup_min_match must be in 1..3"),
     (["demo", "--pair", "builtin", "--quantized"], "quantized needs the chat pair"),
     (["demo", "--pair", "builtin", "--plain-every", "0"], "plain_every must be >= 1"),
     (["generate", "--target", "TARGET", "--quantized", "hi"], "is not a GGUF file"),
@@ -110,11 +111,13 @@ def test_demo_with_a_lookup_history(tmp_path):
 
     cfg = DemoConfig(pair="builtin", requests=6, baseline_requests=2, static_requests=3,
                      max_new_tokens=8, prompt_lookup=True, lookup_history=4096,
-                     lookup_tokens=6, out_dir=str(tmp_path / "demo"))
+                     lookup_tokens=6, lookup_min_match=2, out_dir=str(tmp_path / "demo"))
     run_demo(cfg)
     report = (tmp_path / "demo" / "report.md").read_text()
     assert "4096 tokens of earlier answers" in report and "--lookup-history 4096" in report
     assert "up to 6 drafts" in report and "--lookup-tokens 6" in report
+    assert "matches of 2+ tokens" in report and "--lookup-min-match 2" in report
+    assert "--max-new-tokens 8" in report
 
 
 def test_demo_serves_a_quantized_draft_that_learns(tmp_path):
