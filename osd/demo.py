@@ -96,6 +96,8 @@ class DemoConfig:
                              f"{self.lookup_min_match}")
         if self.lookup_history and not self.prompt_lookup:
             raise ValueError("lookup_history needs prompt_lookup")
+        if self.lookup_min_match > 1 and not self.prompt_lookup:
+            raise ValueError("lookup_min_match needs prompt_lookup")
         if self.quantized and self.pair != "chat":
             raise ValueError("quantized needs the chat pair (a GGUF target)")
         if self.quantize_draft == "none":
@@ -423,6 +425,33 @@ def _plots(cfg, c, st_rec, on_rec, plain_tps, n_base, window_speedup, xs_window)
            f"analytic bound, measured α, c={c:.2f}, k={k}")], (1.0, "target alone"))
 
 
+# DemoConfig fields and the `osd demo` options that set them (the report's command)
+_OPTIONS = (("draft", "--draft"), ("quantized", "--quantized"),
+            ("quantize_draft", "--quantize-draft"), ("lookup_history", "--lookup-history"),
+            ("lookup_tokens", "--lookup-tokens"), ("lookup_min_match", "--lookup-min-match"),
+            ("max_new_tokens", "--max-new-tokens"), ("num_draft_tokens", "-k"),
+            ("requests", "--requests"), ("baseline_requests", "--baseline"),
+            ("static_requests", "--static"), ("plain_every", "--plain-every"),
+            ("prefix_cache", "--prefix-cache"), ("seed", "--seed"), ("threads", "--threads"))
+
+
+def _command(cfg: DemoConfig) -> str:
+    """The ``osd demo`` command line of ``cfg``: its pair and every option whose value is
+    not the pair's default."""
+    fields = {f.name: f.default for f in dataclasses.fields(DemoConfig)}
+    parts = ["osd demo", f"--pair {cfg.pair}"]
+    for name, flag in _OPTIONS:
+        default = DEFAULTS[cfg.pair].get(name, fields[name])
+        value = getattr(cfg, name)
+        if value == (None if default == "none" else default):
+            continue
+        if isinstance(value, bool):
+            parts.append(flag)
+        else:
+            parts.append(f"{flag} {'none' if value is None else value}")
+    return " ".join(parts)
+
+
 def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps,
             seconds) -> dict:
     """Plots, ``summary.json`` and ``report.md``. ``base``: the target alone on the first
@@ -479,15 +508,7 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
         f"{' (the target computing on its quantized GGUF weights)' if cfg.quantized else ''}"
         f"{f', the draft served in {cfg.quantize_draft}' if cfg.quantize_draft else ''}"
         f"{f', every engine keeping up to {cfg.prefix_cache} prompt tokens of K/V across requests' if cfg.prefix_cache else ''}"
-        f". Produced by `osd demo --pair {cfg.pair}"
-        f"{' --draft eagle' if cfg.draft == 'eagle' else ''}"
-        f"{' --quantized' if cfg.quantized else ''}"
-        f"{f' --quantize-draft {cfg.quantize_draft}' if cfg.quantize_draft else ''}"
-        f"{f' --lookup-history {cfg.lookup_history}' if cfg.lookup_history else ''}"
-        f"{f' --lookup-tokens {cfg.lookup_tokens}' if cfg.lookup_tokens else ''}"
-        f"{f' --lookup-min-match {cfg.lookup_min_match}' if cfg.lookup_min_match > 1 else ''}"
-        f"{f' --max-new-tokens {cfg.max_new_tokens}' if cfg.max_new_tokens != DEFAULTS[cfg.pair]['max_new_tokens'] else ''}"
-        f"{f' --prefix-cache {cfg.prefix_cache}' if cfg.prefix_cache else ''}` in "
+        f". Produced by `{_command(cfg)}` in "
         f"{seconds:.0f} s.", "",
         f"The last {tail} requests were served side by side: each by the online engine, "
         f"then, with its learner held, by the static draft and"

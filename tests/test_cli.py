@@ -46,6 +46,7 @@ def test_generate_on_the_zoo_pair(extra, capsys):
     (["bench", "--only", "nothing_like_this"], "no benchmark"),
     (["demo", "--pair", "builtin", "--lookup-history", "1000"], "lookup_history needs prompt_lookup"),
     (["demo", "--lookup-min-match", "4"], "lookup_min_match must be in 1..3"),
+    (["demo", "--pair", "builtin", "--lookup-min-match", "2"], "lookup_min_match needs prompt_lookup"),
     (["demo", "--pair", "builtin", "--quantized"], "quantized needs the chat pair"),
     (["demo", "--pair", "builtin", "--plain-every", "0"], "plain_every must be >= 1"),
     (["generate", "--target", "TARGET", "--quantized", "hi"], "is not a GGUF file"),
@@ -118,6 +119,25 @@ def test_demo_with_a_lookup_history(tmp_path):
     assert "up to 6 drafts" in report and "--lookup-tokens 6" in report
     assert "matches of 2+ tokens" in report and "--lookup-min-match 2" in report
     assert "--max-new-tokens 8" in report
+
+
+def test_demo_command_names_the_options_that_differ():
+    """The report's command reproduces the run: the pair's defaults are left out, every
+    other option is named (the CLI parses it back to the same DemoConfig)."""
+    from osd.demo import DemoConfig, _command
+
+    assert _command(DemoConfig()) == "osd demo --pair chat"
+    cfg = DemoConfig(max_new_tokens=128, lookup_history=65536, lookup_min_match=2,
+                     quantize_draft="none", seed=3)
+    cmd = _command(cfg)
+    assert cmd == ("osd demo --pair chat --quantize-draft none --lookup-history 65536 "
+                   "--lookup-min-match 2 --max-new-tokens 128 --seed 3")
+    args = cli.build_parser().parse_args(cmd.split()[1:])
+    assert (args.max_new_tokens, args.lookup_history, args.lookup_min_match,
+            args.quantize_draft, args.seed) == (128, 65536, 2, "none", 3)
+    assert _command(DemoConfig(pair="builtin", quantize_draft="Q8_0", quantized=False,
+                               plain_every=1)) == \
+        "osd demo --pair builtin --quantize-draft Q8_0 --plain-every 1"
 
 
 def test_demo_serves_a_quantized_draft_that_learns(tmp_path):
