@@ -67,6 +67,8 @@ class DemoConfig:
     #                                        (SpecConfig.lookup_tokens; 0: k)
     lookup_min_match: int = 1              # shortest suffix prompt lookup matches
     #                                        (SpecConfig.ngram_min; at most ngram_max, 3)
+    adaptive: bool = False                 # the draft model's chains stop where it is
+    #                                        unsure (SpecConfig.adaptive; k is the longest)
     draft: str | None = None               # chat pair: "model" (the standalone draft) or
     #                                        "eagle" (the EAGLE draft on the target's features)
     quantized: bool = False                # chat pair: the target keeps its GGUF weights
@@ -345,7 +347,7 @@ def run_demo(cfg: DemoConfig | None = None) -> dict:
     plain_tps = _tps(base)
     spec = osd.SpecConfig(num_draft_tokens=k, prompt_lookup=cfg.prompt_lookup,
                           lookup_history=cfg.lookup_history, lookup_tokens=cfg.lookup_tokens,
-                          ngram_min=cfg.lookup_min_match)
+                          ngram_min=cfg.lookup_min_match, adaptive=cfg.adaptive)
     online = osd.Engine.from_pretrained(target_dir, draft=draft_dir, spec=spec,
                                         online=cfg.online, max_batch_size=1,
                                         max_seq_len=max_len, quantized=cfg.quantized,
@@ -429,6 +431,7 @@ def _plots(cfg, c, st_rec, on_rec, plain_tps, n_base, window_speedup, xs_window)
 _OPTIONS = (("draft", "--draft"), ("quantized", "--quantized"),
             ("quantize_draft", "--quantize-draft"), ("lookup_history", "--lookup-history"),
             ("lookup_tokens", "--lookup-tokens"), ("lookup_min_match", "--lookup-min-match"),
+            ("adaptive", "--adaptive"),
             ("max_new_tokens", "--max-new-tokens"), ("num_draft_tokens", "-k"),
             ("requests", "--requests"), ("baseline_requests", "--baseline"),
             ("static_requests", "--static"), ("plain_every", "--plain-every"),
@@ -502,6 +505,7 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
         f"{f' (also over {cfg.lookup_history} tokens of earlier answers)' if cfg.lookup_history else ''}"
         f"{f', lookup steps verifying up to {cfg.lookup_tokens} drafts' if cfg.lookup_tokens else ''}"
         f"{f', lookup on matches of {cfg.lookup_min_match}+ tokens' if cfg.lookup_min_match > 1 else ''}"
+        f"{', draft chains stopping where the draft is unsure (adaptive)' if cfg.adaptive else ''}"
         f", up to "
         f"{cfg.max_new_tokens} "
         f"new tokens per request, CPU fp32"

@@ -112,13 +112,15 @@ def test_demo_with_a_lookup_history(tmp_path):
 
     cfg = DemoConfig(pair="builtin", requests=6, baseline_requests=2, static_requests=3,
                      max_new_tokens=8, prompt_lookup=True, lookup_history=4096,
-                     lookup_tokens=6, lookup_min_match=2, out_dir=str(tmp_path / "demo"))
+                     lookup_tokens=6, lookup_min_match=2, adaptive=True,
+                     out_dir=str(tmp_path / "demo"))
     run_demo(cfg)
     report = (tmp_path / "demo" / "report.md").read_text()
     assert "4096 tokens of earlier answers" in report and "--lookup-history 4096" in report
     assert "up to 6 drafts" in report and "--lookup-tokens 6" in report
     assert "matches of 2+ tokens" in report and "--lookup-min-match 2" in report
     assert "--max-new-tokens 8" in report
+    assert "stopping where the draft is unsure" in report and "--adaptive" in report
 
 
 def test_demo_command_names_the_options_that_differ():
@@ -128,13 +130,13 @@ def test_demo_command_names_the_options_that_differ():
 
     assert _command(DemoConfig()) == "osd demo --pair chat"
     cfg = DemoConfig(max_new_tokens=128, lookup_history=65536, lookup_min_match=2,
-                     quantize_draft="none", seed=3)
+                     adaptive=True, quantize_draft="none", seed=3)
     cmd = _command(cfg)
     assert cmd == ("osd demo --pair chat --quantize-draft none --lookup-history 65536 "
-                   "--lookup-min-match 2 --max-new-tokens 128 --seed 3")
+                   "--lookup-min-match 2 --adaptive --max-new-tokens 128 --seed 3")
     args = cli.build_parser().parse_args(cmd.split()[1:])
-    assert (args.max_new_tokens, args.lookup_history, args.lookup_min_match,
-            args.quantize_draft, args.seed) == (128, 65536, 2, "none", 3)
+    assert (args.max_new_tokens, args.lookup_history, args.lookup_min_match, args.adaptive,
+            args.quantize_draft, args.seed) == (128, 65536, 2, True, "none", 3)
     assert _command(DemoConfig(pair="builtin", quantize_draft="Q8_0", quantized=False,
                                plain_every=1)) == \
         "osd demo --pair builtin --quantize-draft Q8_0 --plain-every 1"
