@@ -18,7 +18,10 @@ The build has four stages, each with a progress bar:
    rest). Its top-k distribution is kept at every response position and, from the
    prefill, at every prompt position after the chat template's fixed system prefix.
    Saved in the cache directory (``$OSD_CACHE/chat_draft``, default
-   ``~/.cache/osd/chat_draft``) so that ``--reuse-data`` skips this stage.
+   ``~/.cache/osd/chat_draft``) so that ``--reuse-data`` skips this stage. With
+   ``--data-sets 2`` or ``3`` the draft also trains on the second and third sets
+   (``chat_draft_data.TEACHER_SETS``: other functions, and more requests to implement a
+   function from its signature and docstring), each generated first when not cached.
 3. Training. A fresh Llama draft (:data:`DRAFT`) whose tied embedding starts as the
    target's embedding projected onto its top principal directions learns forward
    KL(p || q) on the stored top-k distributions (``osd_kernels.distill_loss``, the
@@ -43,14 +46,14 @@ here (stdlib functions of held-out files, and HumanEval-style tasks written for 
 script), reports the draft cost c, greedy acceptance and tokens per step, and tokens/s of
 plain vs speculative decoding, timed side by side with the order rotated per prompt.
 
-The prompts are in ``scripts/chat_draft_prompts.py``, ``--measure`` and ``--shapes`` in
+The prompts are in ``scripts/chat_draft_prompts.py``, the teacher data in
+``scripts/chat_draft_data.py``, ``--measure`` and ``--shapes`` in
 ``scripts/chat_draft_measure.py``.
 """
 from __future__ import annotations
 
 import argparse
 import collections
-import hashlib
 import json
 import math
 import os
@@ -69,17 +72,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import osd  # noqa: E402
 from osd.online.config import cpu_has_fast_bf16  # noqa: E402
-from osd.chat import apply_chat_template  # noqa: E402
 from osd.models.loading import load_tokenizer  # noqa: E402
 from osd.zoo import chat as zoo_chat  # noqa: E402
 from osd_kernels import distill_loss  # noqa: E402
 
-from chat_draft_prompts import Prompt, training_prompts  # noqa: E402
-
-try:
-    from tqdm.auto import tqdm
-except ImportError:  # pragma: no cover - tqdm comes with transformers
-    tqdm = None
+from chat_draft_data import (DATA, TEACHER_SETS, DataRecipe, Example,  # noqa: E402
+                             ThreadTuner, _bar, _data_file, _log, cache_dir, load_teacher_set,
+                             make_data)
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "osd", "zoo", "weights", "chat_draft")
@@ -96,26 +95,6 @@ class DraftShape:
     intermediate_size: int = 704    # SwiGLU width
     rope_theta: float = 100000.0    # the target's
     max_position_embeddings: int = 8192
-
-
-@dataclass(frozen=True)
-class DataRecipe:
-    """How the teacher data is made."""
-
-    prompts: int = 1100             # chat requests (the generation stage may stop earlier)
-    max_new_tokens: int = 128       # response length cap
-    max_prompt_tokens: int = 320    # longer prompts are skipped
-    batch_size: int = 32            # target rows decoded together (> 16: GEMM, not decode_linear)
-    prefill_group: int = 8          # most prompts prefilled at once (their logits: 8 x T x V)
-    teacher_dtype: str = "bfloat16" # the target's dtype while answering (1.6-1.8x faster here)
-    topk: int = 32                  # target probabilities kept per position
-    sampled_fraction: float = 0.25  # share of prompts answered at temperature 0.7
-    temperature: float = 0.7
-    seed: int = 0
-    features: bool = True           # keep the target's features too (the EAGLE draft's data)
-    kinds: tuple[str, ...] = ("explain", "write", "summarize", "test", "improve", "comment")
-    #                                 requests about stdlib functions, in turn (the keys of
-    #                                 chat_draft_prompts.CODE_TEMPLATES)
 
 
 @dataclass(frozen=True)
@@ -139,249 +118,7 @@ class TrainRecipe:
 HEAD_VOCAB = 8192
 
 DRAFT = DraftShape()
-DATA = DataRecipe()
 TRAIN = TrainRecipe()
-
-
-def _log(msg: str) -> None:
-    print(f"[build_chat_draft] {msg}", file=sys.stderr, flush=True)
-
-
-def _bar(total, desc, unit):
-    if tqdm is None:
-        return None
-    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, mininterval=2.0)
-
-
-class ThreadTuner:
-    """Keeps torch's CPU thread count at whichever of 1 and ``max_threads`` runs the work
-    faster now.
-
-    On a shared machine, an OpenMP team larger than the free cores can run many times
-    slower than one thread (measured here: a batch-1 target decode step took 36 ms with
-    one thread and 730 ms with two while another process held a core), and the load
-    changes during a build. After every ``every`` seconds the other setting runs one
-    trial step and is kept if its pace (seconds per unit of work) beats the median pace
-    of the current setting's recent steps.
-    """
-
-    def __init__(self, max_threads: int, every: float = 90.0) -> None:
-        self.options = sorted({1, max(1, max_threads)})
-        self.current = self.options[-1]
-        self.every = every
-        self.paces: list[float] = []
-        self.trial_of: int | None = None      # the setting a trial step would replace
-        self.last_trial = time.monotonic() - every + 5.0   # first trial after 5 s
-        self.switches = 0
-        torch.set_num_threads(self.current)
-
-    def record(self, seconds: float, work: float) -> None:
-        """Report one step of ``work`` units (rows, positions) that took ``seconds``."""
-        pace = seconds / max(work, 1e-9)
-        if self.trial_of is not None:
-            if pace < statistics.median(self.paces):
-                self.paces, self.switches = [pace], self.switches + 1
-            else:
-                self.current = self.trial_of
-                torch.set_num_threads(self.current)
-            self.trial_of = None
-            self.last_trial = time.monotonic()
-            return
-        self.paces = (self.paces + [pace])[-5:]
-        if len(self.options) > 1 and time.monotonic() - self.last_trial > self.every:
-            self.trial_of = self.current
-            self.current = self.options[0] if self.current == self.options[-1] else \
-                self.options[-1]
-            torch.set_num_threads(self.current)
-
-
-def cache_dir() -> str:
-    """``$OSD_CACHE/chat_draft`` (default ``~/.cache/osd/chat_draft``): the teacher data."""
-    return os.path.join(os.path.dirname(zoo_chat.cache_dir()), "chat_draft")
-
-
-# ------------------------------------------------------------------------ teacher data
-
-
-@dataclass
-class Example:
-    """One prompt and the target's answer, with its top-k distributions.
-
-    ``topk_ids`` / ``topk_probs`` row ``i`` is the target's distribution of token
-    ``tokens[start + i]`` given ``tokens[:start + i]``.
-    """
-
-    tokens: torch.Tensor       # [L] int32: prompt then response
-    prompt_len: int
-    start: int                 # first position with a target (after the system prefix)
-    topk_ids: torch.Tensor     # [L - start, k] int32
-    topk_probs: torch.Tensor   # [L - start, k] float16
-    kind: str
-    temperature: float
-    # [L - 1, H] float16: the target's last-layer output before the final norm at
-    # positions 0 .. L - 2 (the last token is never fed), or None.
-    features: torch.Tensor | None = None
-
-
-def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    probs, ids = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
-    return ids.to(torch.int32), probs.to(torch.float16)
-
-
-@torch.inference_mode()
-def teacher_data(model, prompts: list[list[int]], meta: list[Prompt], start: int,
-                 recipe: DataRecipe, deadline: float,
-                 tuner: ThreadTuner) -> tuple[list[Example], bool]:
-    """Answer ``prompts`` with the target ``model`` (osd ``DecoderLM``), continuous batching.
-
-    Rows that finish (EOS or ``max_new_tokens``) leave the batch and waiting prompts are
-    prefilled into the free rows. Past ``deadline`` (``time.monotonic()``) no new prompt
-    starts; rows in flight finish. Returns ``(examples in prompt order, stopped early)``.
-    """
-    B, k = recipe.batch_size, recipe.topk
-    eos = set(model.config.eos_token_ids)
-    cap = max(len(p) for p in prompts) + recipe.max_new_tokens + 2
-    cache = model.new_cache(B, cap)
-    gen = torch.Generator().manual_seed(recipe.seed)
-    waiting = collections.deque(range(len(prompts)))
-    active: list[dict] = []                       # active[b] occupies cache row b
-    next_tok = torch.zeros(B, dtype=torch.int64)
-    ones = torch.ones(B, dtype=torch.int32)
-    done: dict[int, Example] = {}
-    stopped = False
-    bar = _bar(len(prompts), "teacher answers", "prompt")
-    new_tokens = 0
-    t0 = time.monotonic()
-
-    def sample(logits: torch.Tensor, rows: list[dict]) -> torch.Tensor:
-        temps = torch.tensor([r["temp"] for r in rows])
-        greedy = logits.argmax(-1)
-        if not (temps > 0).any():
-            return greedy
-        probs = torch.softmax(logits / temps.clamp(min=1e-3)[:, None], dim=-1)
-        drawn = torch.multinomial(probs, 1, generator=gen)[:, 0]
-        return torch.where(temps > 0, drawn, greedy)
-
-    while waiting or active:
-        # At least one batch is answered, however late it starts.
-        if waiting and time.monotonic() > deadline and len(waiting) < len(prompts) - B:
-            stopped = True
-            waiting.clear()
-            if not active:
-                break
-        free = B - len(active)
-        if waiting and (free >= min(4, len(waiting)) or not active):
-            new = [waiting.popleft()
-                   for _ in range(min(free, len(waiting), recipe.prefill_group))]
-            first = len(active)
-            longest = max(len(prompts[i]) for i in new)
-            ids = torch.zeros(len(new), longest, dtype=torch.int64)
-            for b, i in enumerate(new):
-                ids[b, :len(prompts[i])] = torch.tensor(prompts[i])
-            lengths = torch.tensor([len(prompts[i]) for i in new], dtype=torch.int32)
-            rows = cache.rows(first, len(new))
-            rows.reset()
-            logits, hidden = model.prefill(ids, rows, lengths, return_hidden=True)  # [n, T, V]
-            cache.set_bound(max(cache.bound, longest))
-            fresh = []
-            for b, i in enumerate(new):
-                L = len(prompts[i])
-                tk_ids, tk_p = _topk(logits[b, start - 1:L], k)   # prompt targets + response 0
-                fresh.append({"index": i, "temp": meta[i].temperature, "response": [],
-                              "ids": [tk_ids], "probs": [tk_p], "cached": L,
-                              "feats": [hidden[b, :L].to(torch.float16)]})
-            last = logits[torch.arange(len(new)), lengths.long() - 1]
-            del logits
-            tokens = sample(last, fresh)
-            active += fresh
-            next_tok[first:first + len(new)] = tokens
-        else:
-            n = len(active)
-            t_step = time.perf_counter()
-            logits, hidden = model(next_tok[:n, None], cache, return_hidden=True)
-            logits = logits[:, 0]                                # [n, V]
-            cache.commit(ones[:n], 1)
-            tuner.record(time.perf_counter() - t_step, n)
-            tk_ids, tk_p = _topk(logits, k)
-            for b, r in enumerate(active):
-                r["cached"] += 1
-                r["ids"].append(tk_ids[b:b + 1])
-                r["probs"].append(tk_p[b:b + 1])
-                r["feats"].append(hidden[b, :1].to(torch.float16))
-            tokens = sample(logits, active)
-            next_tok[:n] = tokens
-            first = 0
-        # Record the sampled tokens; retire finished rows (the last row fills each hole).
-        for r, t in zip(active[first:], tokens.tolist()):
-            r["response"].append(t)
-            new_tokens += 1
-        for b in reversed(range(len(active))):
-            r = active[b]
-            if r["response"][-1] in eos or len(r["response"]) >= recipe.max_new_tokens:
-                i = r["index"]
-                toks = torch.tensor(prompts[i] + r["response"], dtype=torch.int32)
-                done[i] = Example(tokens=toks, prompt_len=len(prompts[i]), start=start,
-                                  topk_ids=torch.cat(r["ids"]), topk_probs=torch.cat(r["probs"]),
-                                  kind=meta[i].kind, temperature=meta[i].temperature,
-                                  features=torch.cat(r["feats"]) if recipe.features else None)
-                assert done[i].topk_ids.shape[0] == toks.numel() - start
-                assert not recipe.features or done[i].features.shape[0] == toks.numel() - 1
-                last = len(active) - 1
-                if b != last:
-                    cache.move_row(last, b)
-                    next_tok[b] = next_tok[last]
-                    active[b] = active[last]
-                active.pop()
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(tok_s=f"{new_tokens / (time.monotonic() - t0):.0f}",
-                                    threads=tuner.current)
-        cache.set_bound(max((r["cached"] for r in active), default=0))
-    if bar is not None:
-        bar.close()
-    return [done[i] for i in sorted(done)], stopped
-
-
-def _system_prefix(tokenizer) -> int:
-    """Tokens shared by every chat prompt (the template's system turn and the user header)."""
-    a, b = apply_chat_template(tokenizer, [[{"role": "user", "content": "Hi"}],
-                                           [{"role": "user", "content": "What?"}]])
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def make_data(target_path: str, recipe: DataRecipe, deadline: float, threads: int) -> dict:
-    """Prompts, teacher answers and top-k targets (see :func:`teacher_data`)."""
-    model = osd.load_model(target_path, dtype=getattr(torch, recipe.teacher_dtype))
-    tokenizer = load_tokenizer(target_path)
-    start = _system_prefix(tokenizer)
-    meta = training_prompts(recipe.prompts, recipe)
-    ids = apply_chat_template(tokenizer, [[{"role": "user", "content": p.text}] for p in meta])
-    keep = [i for i, x in enumerate(ids) if len(x) <= recipe.max_prompt_tokens]
-    meta, ids = [meta[i] for i in keep], [ids[i] for i in keep]
-    _log(f"{len(ids)} prompts ({sum(map(len, ids))} tokens; {recipe.prompts - len(keep)} "
-         f"longer than {recipe.max_prompt_tokens} tokens skipped), system prefix {start} tokens")
-    t0 = time.perf_counter()
-    tuner = ThreadTuner(threads)
-    examples, stopped = teacher_data(model, ids, meta, start, recipe, deadline, tuner)
-    seconds = time.perf_counter() - t0
-    response = sum(e.tokens.numel() - e.prompt_len for e in examples)
-    _log(f"teacher answered {len(examples)} prompts in {seconds:.0f} s ({response} response "
-         f"tokens, {response / seconds:.1f} tokens/s)" + (" -- stopped at the time budget"
-                                                         if stopped else ""))
-    # Plain dicts of tensors, so the cache loads without this script's classes.
-    return {"examples": [dict(vars(e)) for e in examples], "recipe": asdict(recipe),
-            "seconds": round(seconds, 1),
-            "stopped_early": stopped, "prompts_offered": len(ids),
-            "threads_final": tuner.current, "thread_switches": tuner.switches,
-            "target_sha256": zoo_chat.SHA256}
-
-
-def _data_file(recipe: DataRecipe) -> str:
-    key = hashlib.sha1(json.dumps([asdict(recipe), zoo_chat.SHA256]).encode()).hexdigest()[:12]
-    return os.path.join(cache_dir(), f"teacher-{key}.pt")
 
 
 # ---------------------------------------------------------------------------- training
@@ -700,6 +437,13 @@ def build(args) -> int:
     if args.data_only:
         return 0
     examples = [Example(**e) for e in data["examples"]]
+    sets = [{"examples": len(examples), "recipe": data["recipe"]}]
+    for recipe in TEACHER_SETS[1:args.data_sets]:
+        extra = load_teacher_set(recipe, 60.0 * args.minutes * args.data_share, args.threads)
+        examples += [Example(**e) for e in extra["examples"]]
+        sets.append({"examples": len(extra["examples"]), "recipe": extra["recipe"]})
+    for e in examples:
+        e.features = None                    # the EAGLE draft's inputs: not used here
     if len(examples) < 2:
         raise SystemExit(f"error: only {len(examples)} teacher examples; give more --minutes")
     train, heldout = split_heldout(examples, TRAIN.heldout_fraction, TRAIN.seed)
@@ -724,7 +468,8 @@ def build(args) -> int:
                  "train_prompt_positions": n_prompt, "prompts_offered": data["prompts_offered"],
                  "generation_seconds": data["seconds"],
                  "generation_stopped_early": data["stopped_early"],
-                 "kinds": dict(collections.Counter(e.kind for e in examples))},
+                 "kinds": dict(collections.Counter(e.kind for e in examples)),
+                 "sets": sets},
         "training": info, "heldout_initial": before, "heldout_final": final,
         "build_seconds": round(wall, 1), "reused_data": bool(args.reuse_data),
         "minutes_budget": args.minutes, "data_share": args.data_share,
@@ -755,6 +500,9 @@ def main(argv=None) -> int:
                         help=f"chat requests to answer (default {DATA.prompts})")
     parser.add_argument("--reuse-data", action="store_true",
                         help="train on the cached teacher data of the same recipe if present")
+    parser.add_argument("--data-sets", type=int, choices=(1, 2, 3), default=1,
+                        help="teacher sets to train on: the first, or also the second and "
+                             "third (TEACHER_SETS, each generated when not cached; default 1)")
     parser.add_argument("--data-only", action="store_true",
                         help="stop after the teacher data is cached (for the EAGLE head's build)")
     parser.add_argument("--threads", type=int, default=2,

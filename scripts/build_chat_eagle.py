@@ -9,7 +9,7 @@ Stages (a progress bar each):
 1. Teacher data: ``scripts/build_chat_draft.py``'s (chat requests made from the standard
    library's text, answered by the target through osd), which keeps the target's features
    (last layer before the final norm) at every position with its top-32 distributions,
-   plus a second and a third set (:data:`EXTRA_DATA`, :data:`MORE_DATA`: other functions,
+   plus a second and a third set (``chat_draft_data.TEACHER_SETS``: other functions,
    and half or two thirds of the code requests ask to implement a function from its
    signature and docstring). Each is cached in ``~/.cache/osd/chat_draft``; when absent it
    is generated here (7 to 10 minutes each on the 2-core machine).
@@ -43,8 +43,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import osd  # noqa: E402
 from osd.online.config import cpu_has_fast_bf16  # noqa: E402
-from build_chat_draft import (DATA, DataRecipe, Example, _bar, _data_file, _log,  # noqa: E402
-                              cache_dir, make_data, split_heldout, write_checkpoint_dir)
+from build_chat_draft import split_heldout, write_checkpoint_dir  # noqa: E402
+from chat_draft_data import (TEACHER_SETS, DataRecipe, Example, _bar, _log,  # noqa: E402
+                             load_teacher_set)
 from osd.models.eagle import EagleLM, eagle_loss, save_eagle  # noqa: E402
 from osd.models.loading import read_head_vocab  # noqa: E402
 from osd.online.distill import to_head_vocab  # noqa: E402
@@ -76,15 +77,6 @@ class EagleRecipe:
 
 
 RECIPE = EagleRecipe()
-# The second teacher set: other stdlib functions (seed 1), half of the code requests asking
-# for a function's body from its signature and docstring.
-EXTRA_DATA = dataclasses.replace(DATA, seed=1, kinds=("complete", "write", "complete",
-                                                      "explain", "complete", "test"))
-# The third teacher set: other stdlib functions again (seed 2), two thirds of the code
-# requests asking for a function's body from its signature and docstring.
-MORE_DATA = dataclasses.replace(DATA, seed=2, kinds=("complete", "write", "complete",
-                                                     "test", "complete", "explain"))
-TEACHER_SETS = (DATA, EXTRA_DATA, MORE_DATA)
 
 
 def _load_examples(args, recipes: tuple[DataRecipe, ...]) -> tuple[list[Example], list[dict]]:
@@ -92,20 +84,10 @@ def _load_examples(args, recipes: tuple[DataRecipe, ...]) -> tuple[list[Example]
     and each set's record without its examples."""
     examples, records = [], []
     for recipe in recipes:
-        data_file = _data_file(recipe)
-        if os.path.isfile(data_file):
-            _log(f"teacher data {data_file}")
-            data = torch.load(data_file, weights_only=True)
-        else:
-            _log(f"no cached teacher data at {data_file}: generating it")
-            data = make_data(zoo_chat.fetch_target(), recipe,
-                             time.monotonic() + 60.0 * args.data_minutes, args.threads)
-            os.makedirs(cache_dir(), exist_ok=True)
-            torch.save(data, data_file + ".part")
-            os.replace(data_file + ".part", data_file)
+        data = load_teacher_set(recipe, 60.0 * args.data_minutes, args.threads)
         part = [Example(**e) for e in data.pop("examples")]
         if not part or part[0].features is None:
-            raise SystemExit(f"error: the teacher data at {data_file} has no features")
+            raise SystemExit(f"error: the teacher data of {recipe} has no features")
         examples += part
         records.append({**data, "recipe": asdict(recipe), "examples": len(part)})
     return examples, records
