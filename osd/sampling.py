@@ -40,7 +40,9 @@ class SamplingParams:
         seed: base seed; request ``i`` of a ``generate`` call samples with its own Philox
             key derived from ``seed + i`` (``request_seed``), so its output does not depend
             on batching, on the device or on CUDA graphs. None draws the base seed from
-            torch's global generator.
+            torch's global generator. Under speculation the tokens also depend on what
+            the draft proposed (their distribution does not), so after an online update
+            the same seed can give other tokens.
         stop_token_ids: ids that end a sequence (the stop token is part of the output),
             in addition to the checkpoint's EOS ids.
         stop: strings that end a sequence once its decoded text holds one (a str or a
