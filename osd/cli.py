@@ -19,7 +19,8 @@ def _demo(args) -> int:
                      num_draft_tokens=args.k, out_dir=args.out, seed=args.seed,
                      threads=args.threads, draft=args.draft,
                      lookup_history=args.lookup_history, lookup_tokens=args.lookup_tokens,
-                     lookup_min_match=args.lookup_min_match, adaptive=args.adaptive,
+                     lookup_min_match=args.lookup_min_match,
+                     lookup_tree_below=args.lookup_tree_below, adaptive=args.adaptive,
                      quantized=args.quantized,
                      quantize_draft=args.quantize_draft, prefix_cache=args.prefix_cache,
                      plain_every=args.plain_every)
@@ -147,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shortest suffix prompt lookup matches (SpecConfig.ngram_min, 1-3; "
                    "with --lookup-history, 2 leaves the draft model the positions a single "
                    "token's match would guess)")
+    d.add_argument("--lookup-tree-below", type=int, default=None, metavar="N",
+                   help="steps whose lookup match is shorter than N tokens verify it beside "
+                   "the draft model's chain in one tree (SpecConfig.lookup_tree_below; "
+                   "0: off)")
     d.add_argument("--adaptive", action="store_true",
                    help="the draft model's chains stop where it is unsure (SpecConfig."
                    "adaptive); -k is then the longest chain")

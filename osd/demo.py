@@ -67,6 +67,9 @@ class DemoConfig:
     #                                        (SpecConfig.lookup_tokens; 0: k)
     lookup_min_match: int = 1              # shortest suffix prompt lookup matches
     #                                        (SpecConfig.ngram_min; at most ngram_max, 3)
+    lookup_tree_below: int | None = None   # shorter matches verify beside the draft
+    #                                        model's chain, in one tree
+    #                                        (SpecConfig.lookup_tree_below; 0: off)
     adaptive: bool = False                 # the draft model's chains stop where it is
     #                                        unsure (SpecConfig.adaptive; k is the longest)
     draft: str | None = None               # chat pair: "model" (the standalone draft) or
@@ -100,6 +103,11 @@ class DemoConfig:
             raise ValueError("lookup_history needs prompt_lookup")
         if self.lookup_min_match > 1 and not self.prompt_lookup:
             raise ValueError("lookup_min_match needs prompt_lookup")
+        if self.lookup_tree_below and not self.prompt_lookup:
+            raise ValueError("lookup_tree_below needs prompt_lookup")
+        if self.lookup_tree_below and self.adaptive:
+            raise ValueError("lookup_tree_below and adaptive do not combine (pass "
+                             "--lookup-tree-below 0 with --adaptive)")
         if self.quantized and self.pair != "chat":
             raise ValueError("quantized needs the chat pair (a GGUF target)")
         if self.quantize_draft == "none":
@@ -149,11 +157,12 @@ def online_recipe(pair: str) -> osd.OnlineConfig:
 DEFAULTS = {
     "chat": dict(baseline_requests=8, static_requests=50, max_new_tokens=48,
                  num_draft_tokens=4, threads=1, prompt_lookup=True, lookup_history=0,
-                 lookup_tokens=8, draft="model", quantize_draft="Q8_0",
+                 lookup_tokens=8, lookup_tree_below=0, draft="model", quantize_draft="Q8_0",
                  online=lambda: online_recipe("chat")),
     "builtin": dict(baseline_requests=40, static_requests=200, max_new_tokens=32,
                     num_draft_tokens=4, threads=1, prompt_lookup=False, lookup_history=0,
-                    lookup_tokens=0, draft="model", quantize_draft="none",
+                    lookup_tokens=0, lookup_tree_below=0, draft="model",
+                    quantize_draft="none",
                     online=lambda: online_recipe("builtin")),
 }
 
@@ -349,7 +358,8 @@ def run_demo(cfg: DemoConfig | None = None) -> dict:
     plain_tps = _tps(base)
     spec = osd.SpecConfig(num_draft_tokens=k, prompt_lookup=cfg.prompt_lookup,
                           lookup_history=cfg.lookup_history, lookup_tokens=cfg.lookup_tokens,
-                          ngram_min=cfg.lookup_min_match, adaptive=cfg.adaptive)
+                          ngram_min=cfg.lookup_min_match, adaptive=cfg.adaptive,
+                          lookup_tree_below=cfg.lookup_tree_below)
     online = osd.Engine.from_pretrained(target_dir, draft=draft_dir, spec=spec,
                                         online=cfg.online, max_batch_size=1,
                                         max_seq_len=max_len, quantized=cfg.quantized,
@@ -433,7 +443,7 @@ def _plots(cfg, c, st_rec, on_rec, plain_tps, n_base, window_speedup, xs_window)
 _OPTIONS = (("draft", "--draft"), ("quantized", "--quantized"),
             ("quantize_draft", "--quantize-draft"), ("lookup_history", "--lookup-history"),
             ("lookup_tokens", "--lookup-tokens"), ("lookup_min_match", "--lookup-min-match"),
-            ("adaptive", "--adaptive"),
+            ("lookup_tree_below", "--lookup-tree-below"), ("adaptive", "--adaptive"),
             ("max_new_tokens", "--max-new-tokens"), ("num_draft_tokens", "-k"),
             ("requests", "--requests"), ("baseline_requests", "--baseline"),
             ("static_requests", "--static"), ("plain_every", "--plain-every"),
@@ -507,6 +517,7 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
         f"{f' (also over {cfg.lookup_history} tokens of earlier answers)' if cfg.lookup_history else ''}"
         f"{f', lookup steps verifying up to {cfg.lookup_tokens} drafts' if cfg.lookup_tokens else ''}"
         f"{f', lookup on matches of {cfg.lookup_min_match}+ tokens' if cfg.lookup_min_match > 1 else ''}"
+        f"{f', shorter matches than {cfg.lookup_tree_below} tokens verified beside the draft model in one tree' if cfg.lookup_tree_below else ''}"
         f"{', draft chains stopping where the draft is unsure (adaptive)' if cfg.adaptive else ''}"
         f", up to "
         f"{cfg.max_new_tokens} "

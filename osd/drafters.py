@@ -51,6 +51,9 @@ from osd_kernels._ops import native_available
 from osd_kernels.philox import philox_uniform_rows
 from osd_kernels.warp import warp_probs
 
+# A lookup tree's model branch is drafted greedily (point masses) whatever the sampling.
+GREEDY = SamplingParams(1)
+
 # The draft's sampling noise uses its own Philox key (seed ^ DRAFT_KEY), so it is
 # independent of the verifier's accept/resample noise drawn with the same seed and offset.
 DRAFT_KEY = 0x5DEECE66D
@@ -92,6 +95,11 @@ class TreeProposal:
     depths: torch.Tensor    # [B, T] int64
     mask: torch.Tensor      # [B, T] int64 ancestor bitmask
     max_depth: int
+    # A lookup tree (:func:`lookup_tree`): the draft model's chain inside it, for α.
+    draft_nodes: torch.Tensor | None = None   # [B, k] int64: the node of each drafted token
+    draft_logits: torch.Tensor | None = None  # [B, k, V] the draft's raw logits there
+    lookup_rows: list[bool] | None = None     # the rows with a lookup branch
+    source: str = "model"                     # "model" (the draft's tree) or "mixed" (lookup)
 
 
 class ModelDrafter:
@@ -603,6 +611,10 @@ class NGramDrafter:
         """Each row's lookup continuation (up to ``k`` tokens; [] without a match)."""
         return [self.lookup(hist, k) for hist in histories]
 
+    def matches(self, histories: list[list[int]], k: int) -> list[tuple[int, list[int]]]:
+        """Each row's ``(suffix length matched, continuation)``; ``(0, [])`` without one."""
+        return [self.lookup_match(hist, k) for hist in histories]
+
     @staticmethod
     def chain(conts: list[list[int]], k: int, device) -> ChainProposal:
         """The lookup chain of continuations ``conts`` (one list per row)."""
@@ -619,6 +631,11 @@ class NGramDrafter:
     def lookup(self, hist: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of a suffix: the
         longest suffix with a match, in ``hist`` itself before the history."""
+        return self.lookup_match(hist, k)[1]
+
+    def lookup_match(self, hist: list[int], k: int) -> tuple[int, list[int]]:
+        """:meth:`lookup` with the length of the suffix it matched: ``(n, continuation)``,
+        ``(0, [])`` when no suffix of ``ngram_min`` or more tokens has a continuation."""
         seq = torch.tensor(hist, dtype=torch.int64)
         L = seq.numel()
         for n in range(self.ngram_max, self.ngram_min - 1, -1):
@@ -629,12 +646,12 @@ class NGramDrafter:
                 hits = (windows == seq[L - n:]).all(1).nonzero()
                 if hits.numel():
                     start = int(hits[-1]) + n
-                    return seq[start:start + k].tolist()
+                    return n, seq[start:start + k].tolist()
             if self.history is not None:
                 cont = self.history.lookup(hist[L - n:], k)
                 if cont:
-                    return cont
-        return []
+                    return n, cont
+        return 0, []
 
 
 class LookupDrafter:
@@ -646,14 +663,23 @@ class LookupDrafter:
     (:meth:`ModelDrafter.queue`); after a model step every row's cache keeps its pre-step
     tokens and queues what was accepted (:meth:`ModelDrafter.set_pending`), whichever
     drafts a row verified.
+
+    With ``tree_below = m`` (``SpecConfig.lookup_tree_below``) lookup drafts alone only
+    when every row's match is at least ``m`` tokens long. A step with a shorter match
+    verifies, per row, the lookup continuation (up to ``k`` tokens) and the draft model's
+    greedy chain of ``k`` as two branches of one tree (:func:`lookup_tree`): a short match
+    is often wrong where the model is right, and the other way round, and one verify
+    forward tries both.
     """
 
     has_model = True
 
-    def __init__(self, inner: ModelDrafter, lookup: NGramDrafter, lookup_tokens: int = 0):
+    def __init__(self, inner: ModelDrafter, lookup: NGramDrafter, lookup_tokens: int = 0,
+                 tree_below: int = 0):
         self.inner = inner
         self.lookup = lookup
         self.lookup_tokens = lookup_tokens  # most drafts of an all-lookup step (0: k)
+        self.tree_below = tree_below        # shorter matches verify beside the model's chain
         self._looked_up = False         # the last proposal came from lookup
 
     @property
@@ -679,10 +705,14 @@ class LookupDrafter:
     def propose(self, active, roots, params, seed, offset, *, k: int = 0, tree=None,
                 stopper=None):
         width = max(k, self.lookup_tokens)
-        conts = self.lookup.continuations([r.prompt + r.generated for r in active], width)
-        self._looked_up = all(conts)
+        found = self.lookup.matches([r.prompt + r.generated for r in active], width)
+        conts = [cont for _, cont in found]
+        self._looked_up = all(n >= max(self.tree_below, 1) for n, _ in found)
         if self._looked_up:
             return self.lookup.chain(conts, width, roots.device)
+        if self.tree_below and tree is None and stopper is None and any(conts):
+            chain = self.inner.propose(active, roots, GREEDY, seed, offset, k=k)
+            return lookup_tree(roots, chain, [cont[:k] for cont in conts])
         prop = self.inner.propose(active, roots, params, seed, offset, k=k, tree=tree,
                                   stopper=stopper)
         # A stopper calibrates on the model's own drafts: its steps stay the model's.
@@ -700,6 +730,53 @@ class LookupDrafter:
     def catch_up(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
                  hidden=None) -> None:
         self.inner.catch_up(B, tokens, lengths, max_len, hidden)
+
+
+def lookup_tree(roots: torch.Tensor, chain: ChainProposal,
+                conts: list[list[int]]) -> TreeProposal:
+    """One tree per row below its root ``roots[b]``: the lookup continuation ``conts[b]``
+    (a chain, possibly empty) and the draft model's greedy ``chain`` (``tokens [B, k]``),
+    sharing their common prefix. Every draft is a point mass, so the tree verifier's
+    deterministic-children rule keeps sampling lossless.
+
+    Rows with fewer nodes than the widest are padded with children of the root that
+    repeat node 1's token: the verifier never follows them (an earlier sibling carries
+    the same token, tried first, and a repeated token counts once)."""
+    B, k = chain.tokens.shape
+    drafted = chain.tokens.tolist()
+    all_tokens, all_parents, all_nodes = [], [], []
+    for b in range(B):
+        cont = conts[b]
+        tokens = [0] + list(cont)                      # node 0: the root
+        parents = list(range(-1, len(cont)))           # the lookup branch is a chain
+        nodes, prev, shared = [], 0, True
+        for j, t in enumerate(drafted[b]):
+            shared = shared and j < len(cont) and cont[j] == t
+            if shared:
+                node = j + 1
+            else:
+                tokens.append(t)
+                parents.append(prev)
+                node = len(tokens) - 1
+            nodes.append(node)
+            prev = node
+        all_tokens.append(tokens)
+        all_parents.append(parents)
+        all_nodes.append(nodes)
+    T = max(len(t) for t in all_tokens)
+    for tokens, parents in zip(all_tokens, all_parents):
+        pad = T - len(tokens)
+        tokens += [tokens[1]] * pad
+        parents += [0] * pad
+    dev = roots.device
+    tokens = torch.tensor(all_tokens, dtype=torch.int64).to(dev)
+    tokens[:, 0] = roots
+    parents = torch.tensor(all_parents, dtype=torch.int32).to(dev)
+    return TreeProposal(tokens, parents, depths_from_parents(parents),
+                        mask_from_parents(parents), max(k, max(len(c) for c in conts)),
+                        draft_nodes=torch.tensor(all_nodes, dtype=torch.int64).to(dev),
+                        draft_logits=chain.logits, lookup_rows=[bool(c) for c in conts],
+                        source="mixed")
 
 
 def overlay_lookup(prop: ChainProposal, conts: list[list[int]]) -> ChainProposal:
@@ -762,6 +839,6 @@ def make_drafters(spec, target: DecoderLM, drafts: list[DecoderLM], max_batch_si
                     for d in drafts]
     if spec.prompt_lookup:
         drafters = [LookupDrafter(d, NGramDrafter(spec.ngram_min, spec.ngram_max, history),
-                                  spec.lookup_tokens)
+                                  spec.lookup_tokens, spec.lookup_tree_below)
                     for d in drafters]
     return drafters

@@ -48,6 +48,13 @@ class SpecConfig:
     covers the rest. ``lookup_tokens`` lets those lookup steps verify longer continuations
     than the draft model's chains: their drafts cost no draft forward, only verify rows.
 
+    ``lookup_tree_below=m`` (with ``prompt_lookup``) lets lookup draft alone only where
+    every row's match is at least ``m`` tokens long; a step with a shorter match (or none)
+    verifies the draft model's greedy chain of ``num_draft_tokens`` and, on the rows that
+    have one, the lookup continuation (cut to ``num_draft_tokens``) as two branches of
+    one tree: a one-token match is often wrong where the model is right, and one verify
+    forward tries both. ``m = ngram_max + 1`` puts every match beside the model.
+
     ``lookup_history=n`` (with ``prompt_lookup`` or the ``"ngram"`` drafter) also looks the
     suffix up in the newest ``n`` tokens of the engine's finished requests (their outputs,
     :class:`osd.lookup_history.LookupHistory`), at each suffix length after the request's
@@ -75,6 +82,8 @@ class SpecConfig:
     #                                      requests (0: only the request's own text)
     lookup_tokens: int = 0               # prompt lookup: most drafts of a step whose rows all
     #                                      match (0: num_draft_tokens)
+    lookup_tree_below: int = 0           # prompt lookup: matches shorter than this verify
+    #                                      beside the model's chain, in one tree (0: off)
     adaptive: bool = False               # stop drafting a row when the draft is unsure
     adaptive_floor: float = 0.35         # adaptive: stop when P(reach and accept) < floor
     adaptive_init_threshold: float = 0.3  # adaptive: confidence threshold before calibration
@@ -108,6 +117,19 @@ class SpecConfig:
         if self.lookup_tokens and not self.prompt_lookup:
             raise ValueError("SpecConfig.lookup_tokens sets prompt lookup's chain length: set "
                              "prompt_lookup=True (the ngram drafter's is num_draft_tokens)")
+        if not 0 <= self.lookup_tree_below <= self.ngram_max + 1:
+            raise ValueError(f"SpecConfig.lookup_tree_below must be in 0..ngram_max + 1 = "
+                             f"{self.ngram_max + 1}, got {self.lookup_tree_below}")
+        if self.lookup_tree_below and not self.prompt_lookup:
+            raise ValueError("SpecConfig.lookup_tree_below puts prompt lookup beside the draft "
+                             "model: set prompt_lookup=True")
+        if self.lookup_tree_below and (self.tree is not None or self.adaptive):
+            raise ValueError("SpecConfig.lookup_tree_below builds its own tree from the model's "
+                             "chain: it does not combine with tree= or adaptive=True")
+        if self.lookup_tree_below and 1 + 2 * self.num_draft_tokens > MAX_TREE_NODES:
+            raise ValueError(f"SpecConfig.lookup_tree_below verifies up to 1 + 2 * "
+                             f"num_draft_tokens nodes, at most {MAX_TREE_NODES}: got "
+                             f"num_draft_tokens={self.num_draft_tokens}")
         if self.lookup_history < 0:
             raise ValueError(f"SpecConfig.lookup_history must be >= 0, got {self.lookup_history}")
         if self.lookup_history and not (self.prompt_lookup or self.drafter == "ngram"):

@@ -412,6 +412,8 @@ class Speculator:
         if (self.spec.exact_alpha and isinstance(v.proposal, ChainProposal)
                 and not lookup and v.proposal.logits is not None):
             self._alpha(v)
+        elif self.spec.exact_alpha and getattr(v.proposal, "draft_logits", None) is not None:
+            self._tree_alpha(v)
         for b, r in enumerate(v.active):
             r.spec_steps += 1
             r.spec_stats.add_step([v.drafted[b]], [min(v.accepted[b], v.emitted[b])],
@@ -426,20 +428,41 @@ class Speculator:
         prop, params = v.proposal, v.params
         K = prop.tokens.shape[1]
         p_logits = v.logits[:, :K].reshape(-1, v.logits.shape[-1])
+        q = None if params.greedy else prop.probs.reshape(p_logits.shape).float()
+        lookup_rows = prop.lookup_rows or [False] * len(v.active)
+        self._add_alpha(v, p_logits, prop.logits, q, K,
+                        [0 if skip else d for d, skip in zip(v.drafted, lookup_rows)])
+
+    def _tree_alpha(self, v: Verdict) -> None:
+        """Exact 1 - TV(p, q) along the draft model's chain inside a lookup tree: the
+        target's distribution at each drafted token's parent node against the draft's."""
+        prop, params = v.proposal, v.params
+        B, K = prop.draft_nodes.shape
+        V = v.logits.shape[-1]
+        parents = torch.cat([prop.draft_nodes.new_zeros(B, 1), prop.draft_nodes[:, :-1]], 1)
+        p_logits = v.logits.gather(1, parents[..., None].expand(B, K, V)).reshape(B * K, V)
+        q = None if params.greedy else warp_probs(prop.draft_logits.reshape(B * K, V),
+                                                  *params.repeat(K))
+        self._add_alpha(v, p_logits, prop.draft_logits, q, K, [K] * B)
+
+    def _add_alpha(self, v: Verdict, p_logits: torch.Tensor, q_logits: torch.Tensor,
+                   q: torch.Tensor | None, K: int, drafted: list[int]) -> None:
+        """Record each row's summed 1 - TV(p, q) over its first ``drafted[b]`` of ``K``
+        positions. ``p_logits [B * K, V]`` (raw target), ``q_logits [B, K, V]`` (raw
+        draft); ``q [B * K, V]`` the warped draft distribution (None: greedy, where both
+        sides are the plain softmax)."""
+        params = v.params
         if params.greedy:
             p = torch.softmax(p_logits.float(), -1)
-            q = torch.softmax(prop.logits.reshape(-1, p.shape[-1]).float(), -1)
+            q = torch.softmax(q_logits.reshape(p.shape).float(), -1)
         else:
             p = warp_probs(p_logits, *params.repeat(K))
-            q = prop.probs.reshape(-1, p.shape[-1]).float()
         a = torch.minimum(p, q).sum(-1).view(len(v.active), K)
-        drafted = torch.tensor(v.drafted, device=a.device)
+        counts = torch.tensor(drafted, device=a.device)
         # per row: the sum over its drafted positions, in one reduction and one transfer
-        totals = torch.where(torch.arange(K, device=a.device) < drafted[:, None], a, 0.0) \
+        totals = torch.where(torch.arange(K, device=a.device) < counts[:, None], a, 0.0) \
             .sum(1).tolist()
-        lookup_rows = prop.lookup_rows or [False] * len(v.active)
         for b, r in enumerate(v.active):
-            d = v.drafted[b]
-            if d and r.finish_reason != "error" and not lookup_rows[b]:
-                r.spec_stats.add_alpha(totals[b], d)
-                self.stats.add_alpha(totals[b], d)
+            if drafted[b] and r.finish_reason != "error":
+                r.spec_stats.add_alpha(totals[b], drafted[b])
+                self.stats.add_alpha(totals[b], drafted[b])

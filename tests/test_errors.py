@@ -201,6 +201,13 @@ def test_unknown_device(engine, expected, hf):
     (dict(lookup_tokens=-1, prompt_lookup=True), "lookup_tokens must be in 0..63"),
     (dict(lookup_tokens=64, prompt_lookup=True), "lookup_tokens must be in 0..63"),
     (dict(lookup_tokens=8), "lookup_tokens sets prompt lookup's chain length"),
+    (dict(lookup_tree_below=5, prompt_lookup=True), "lookup_tree_below must be in 0..ngram_max"),
+    (dict(lookup_tree_below=-1, prompt_lookup=True), "lookup_tree_below must be in"),
+    (dict(lookup_tree_below=3), "lookup_tree_below puts prompt lookup beside the draft"),
+    (dict(lookup_tree_below=3, prompt_lookup=True, adaptive=True), "does not combine"),
+    (dict(lookup_tree_below=3, prompt_lookup=True, tree=[(0,), (1,)]), "does not combine"),
+    (dict(lookup_tree_below=3, prompt_lookup=True, num_draft_tokens=40),
+     "up to 1 \\+ 2 \\* num_draft_tokens"),
 ])
 def test_bad_spec_config(kwargs, match):
     with pytest.raises(ValueError, match=match):

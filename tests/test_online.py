@@ -170,6 +170,29 @@ def test_prompt_positions_are_kept(pair, m):
         torch.testing.assert_close(ex.logits, want, atol=1e-4, rtol=1e-4)
 
 
+def test_lookup_tree_steps_teach_the_accepted_path(pair):
+    """With lookup trees (``SpecConfig.lookup_tree_below``) the teacher is read along each
+    step's accepted path: every generated position's stored logits equal a cacheless
+    target forward, and the outputs equal the target alone's."""
+    online = osd.OnlineConfig(update_every_requests=100, background=False, holdout_every=0,
+                              topk=None, prompt_positions=0)
+    eng = osd.Engine.from_pretrained(pair[0], draft=pair[1], spec=osd.SpecConfig(
+        num_draft_tokens=3, prompt_lookup=True, lookup_tree_below=4), online=online,
+        max_batch_size=4, max_seq_len=96)
+    prompts = [prompts_of([5], seed=90)[0] * 4, prompts_of([9], seed=91)[0] * 2]
+    ref = osd.Engine.from_pretrained(pair[0], max_batch_size=4, max_seq_len=96).generate(
+        prompts, osd.SamplingParams(16))
+    outs = eng.generate(prompts, osd.SamplingParams(16))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert sum(o.stats["lookup_steps"] for o in outs) > 0       # trees with a lookup branch
+    for ex in eng.online.learners[0].buffer.recent(10**6):
+        L = next(len(p) for p in prompts if ex.tokens[:len(p)].tolist() == p)
+        assert sorted(ex.positions.tolist()) == list(range(L + 1, ex.tokens.numel()))
+        with torch.no_grad():
+            want = eng.model.forward_train(ex.tokens[None])[0, ex.positions - 1]
+        torch.testing.assert_close(ex.logits, want, atol=1e-4, rtol=1e-4)
+
+
 def test_learner_rejects_bad_configs():
     with pytest.raises(ValueError, match="loss"):
         osd.OnlineConfig(loss="kl")

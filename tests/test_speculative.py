@@ -7,7 +7,7 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import osd
-from osd.drafters import ModelDrafter
+from osd.drafters import ChainProposal, ModelDrafter, TreeProposal, lookup_tree
 from osd.spec import DynamicTree
 from osd.speculative import AdaptiveStopper
 from osd_kernels.warp import warp_probs
@@ -222,7 +222,10 @@ def _engine_modes():
     (dict(num_draft_tokens=3, auto_k=True), dict(temperature=0.8, top_k=6, top_p=1.0)),
     (dict(num_draft_tokens=1, prompt_lookup=True, lookup_tokens=3),
      dict(temperature=0.8, top_k=6, top_p=0.9)),
-], ids=["chain", "chain-t", "tree", "dyntree", "lookup", "auto-k", "lookup-long"])
+    (dict(num_draft_tokens=2, prompt_lookup=True, lookup_tree_below=4),
+     dict(temperature=0.8, top_k=6, top_p=0.9)),
+], ids=["chain", "chain-t", "tree", "dyntree", "lookup", "auto-k", "lookup-long",
+        "lookup-tree"])
 def test_sampled_joint_follows_target(spec, params, mode):
     """The joint of the first three tokens over 50,000 requests in batches of 4096 (the
     first drawn by the plain sampler at prefill, the others by speculative steps);
@@ -336,6 +339,51 @@ def test_prompt_lookup_in_front_of_a_tree(llama_pair, plain, tree):
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref] * 2
     st = eng.stats
     assert 0 < st["lookup_steps"] < st["target_forwards"]
+
+
+@pytest.mark.parametrize("k,below", [(3, 2), (4, 4), (1, 2)])
+def test_lookup_tree_beside_the_model(llama_pair, plain, k, below):
+    """lookup_tree_below: steps with a short match (or a row without one) verify lookup's
+    continuation and the draft model's chain as two branches of one tree, rows of a batch
+    padded to one width; matches of ``below`` or more tokens in every row still draft
+    alone (none are when ``below`` passes ``ngram_max``). Greedy output equals the target's, alone and in a ragged batch; α is measured
+    along the model's branch (1 for a perfect draft, whose branch is then always taken)."""
+    target, draft = llama_pair
+    prompts = [prompts_of([7], seed=81)[0] * 5, list(range(40, 60)),
+               prompts_of([5], seed=85)[0] * 4]
+    ref = plain.generate(prompts, osd.SamplingParams(40))
+    sources = set()
+    for d in (draft, target):
+        eng = osd.Engine.from_pretrained(target, draft=d, spec=osd.SpecConfig(
+            num_draft_tokens=k, prompt_lookup=True, lookup_tokens=6, lookup_tree_below=below),
+            max_batch_size=3, max_seq_len=112)
+        verdicts = record_verdicts(eng)
+        outs = [eng.generate([p], osd.SamplingParams(40))[0] for p in prompts]
+        outs += eng.generate(prompts, osd.SamplingParams(40))
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref] * 2
+        trees = [v for v in verdicts if isinstance(v.proposal, TreeProposal)]
+        assert trees and all(v.proposal.source == "mixed" for v in trees)
+        assert any(any(v.proposal.lookup_rows) for v in trees)
+        # a batched tree step whose rows hold a lookup branch beside rows without one
+        assert any(any(v.proposal.lookup_rows) and not all(v.proposal.lookup_rows)
+                   for v in trees)
+        assert eng.stats["alpha"] is not None
+        sources |= {getattr(v.proposal, "source", None) for v in verdicts}
+    assert eng.stats["alpha"] == pytest.approx(1.0, abs=1e-4)
+    assert ("lookup" in sources) == (below == 2)     # 2-token matches draft alone
+
+
+def test_lookup_tree_layout():
+    """lookup_tree: the lookup branch first, the model's chain sharing its common prefix,
+    narrower rows padded with children of the root repeating node 1's token."""
+    chain = ChainProposal(torch.tensor([[5, 6, 9], [7, 8, 9]]), None,
+                          torch.zeros(2, 3, 11), None, 3)
+    prop = lookup_tree(torch.tensor([1, 2]), chain, [[5, 6, 7], []])
+    assert prop.tokens.tolist() == [[1, 5, 6, 7, 9], [2, 7, 8, 9, 7]]
+    assert prop.parents.tolist() == [[-1, 0, 1, 2, 2], [-1, 0, 1, 2, 0]]
+    assert prop.depths.tolist() == [[0, 1, 2, 3, 3], [0, 1, 2, 3, 1]]
+    assert prop.draft_nodes.tolist() == [[1, 2, 4], [1, 2, 3]]
+    assert prop.max_depth == 3 and prop.lookup_rows == [True, False]
 
 
 @pytest.mark.parametrize("tree", [None, osd.DynamicTree(topk=2, depth=2, max_nodes=4)])
