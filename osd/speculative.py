@@ -452,11 +452,23 @@ class Speculator:
         draft); ``q [B * K, V]`` the warped draft distribution (None: greedy, where both
         sides are the plain softmax)."""
         params = v.params
+        # A draft with a reduced head puts no mass outside its columns, so min(p, q) is 0
+        # there: the sum runs over those columns alone (a sixth of the chat draft's vocab).
+        head = self.drafter.model.head_ids
         if params.greedy:
-            p = torch.softmax(p_logits.float(), -1)
-            q = torch.softmax(q_logits.reshape(p.shape).float(), -1)
+            p_logits = p_logits.float()
+            q_logits = q_logits.reshape(p_logits.shape).float()
+            if head is None:
+                p = torch.softmax(p_logits, -1)
+                q = torch.softmax(q_logits, -1)
+            else:
+                p = (p_logits.index_select(1, head)
+                     - torch.logsumexp(p_logits, 1, keepdim=True)).exp()
+                q = torch.softmax(q_logits.index_select(1, head), -1)
         else:
             p = warp_probs(p_logits, *params.repeat(K))
+            if head is not None:
+                p, q = p.index_select(1, head), q.index_select(1, head)
         a = torch.minimum(p, q).sum(-1).view(len(v.active), K)
         counts = torch.tensor(drafted, device=a.device)
         # per row: the sum over its drafted positions, in one reduction and one transfer
