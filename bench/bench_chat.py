@@ -11,6 +11,9 @@ the draft never trained on), up to ``NEW_TOKENS`` new tokens each. Providers:
   and their steps drafted by lookup alone verify up to ``LOOKUP_TOKENS`` drafts);
 - ``osd-online``: ``osd-spec`` with the draft after online distillation on ``WARMUP``
   other HumanEval requests (background learner), frozen for the timed rounds;
+- ``osd-spec-lookup-tree-q8``, ``osd-online-lookup-tree-q8``: the static and the online
+  draft served in Q8_0 as ``osd demo`` serves them (``TREE_SPEC``: prompt lookup alone
+  on 3-token matches, shorter ones verified beside the draft's chain of 3 in one tree);
 - ``osd-eagle``, ``osd-eagle-lookup``, ``osd-eagle-online``: the same three with the EAGLE
   draft (``osd.zoo.chat_eagle``, drafting from the target's features) in place of the
   standalone one;
@@ -52,7 +55,8 @@ K = 4
 LOOKUP_TOKENS = 8       # SpecConfig.lookup_tokens of the EAGLE rows with prompt lookup
 ROUNDS = 2
 PROVIDERS = ["transformers", "transformers-assisted", "osd-plain", "osd-spec",
-             "osd-spec-lookup", "osd-online", "osd-eagle", "osd-eagle-lookup",
+             "osd-spec-lookup", "osd-online", "osd-spec-lookup-tree-q8",
+             "osd-online-lookup-tree-q8", "osd-eagle", "osd-eagle-lookup",
              "osd-eagle-lookup-q8", "osd-eagle-online", "osd-quant-plain", "osd-quant-spec-lookup",
              "osd-quant-eagle-lookup", "osd-quant-eagle-lookup-q8", "llama.cpp"]
 # The speculative shapes of the quantized-target rows (scripts/chat_spec_shapes.py
@@ -61,6 +65,9 @@ QUANT_SPECS = {"osd-quant-spec-lookup": dict(num_draft_tokens=K, prompt_lookup=T
                "osd-quant-eagle-lookup": dict(num_draft_tokens=3, prompt_lookup=True,
                                               ngram_min=2)}
 QUANT_SPECS["osd-quant-eagle-lookup-q8"] = QUANT_SPECS["osd-quant-eagle-lookup"]
+# The standalone draft's shape in ``osd demo`` (docs/chat_draft.md, "Lookup trees").
+TREE_SPEC = dict(num_draft_tokens=3, prompt_lookup=True, lookup_tokens=LOOKUP_TOKENS,
+                 lookup_tree_below=3)
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +159,10 @@ def _engine(setup, provider):
     eagle_lookup = lookup and provider.startswith("osd-eagle")
     spec = osd.SpecConfig(num_draft_tokens=K, prompt_lookup=lookup, ngram_min=2 if eagle_lookup
                           else 1, lookup_tokens=LOOKUP_TOKENS if eagle_lookup else 0)
+    if "-lookup-tree" in provider:
+        spec = osd.SpecConfig(**TREE_SPEC)
     draft = _draft_of(setup, provider)
-    if not provider.endswith("-online"):
+    if "-online" not in provider:
         return osd.Engine.from_pretrained(setup["target"], draft=draft, spec=spec,
                                           max_batch_size=1, max_seq_len=1024,
                                           quantize_draft=_draft_format(provider))
@@ -165,7 +174,8 @@ def _engine(setup, provider):
     eng.close()
     learned = eng.speculators[0].drafter.model
     frozen = osd.Engine(eng.model, draft=learned, spec=spec, tokenizer=eng.tokenizer,
-                        max_batch_size=1, max_seq_len=1024)
+                        max_batch_size=1, max_seq_len=1024,
+                        quantize_draft=_draft_format(provider))
     frozen.online_updates = eng.stats["online"]["updates_applied"]
     return frozen
 

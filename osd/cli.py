@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="in that window the target alone serves one query in N: the "
                    "speedups' queries (default 2)")
     d.add_argument("--max-new-tokens", type=int, default=None, help="chat 48, builtin 32")
-    d.add_argument("-k", type=int, default=None, help="draft tokens per step (default 4)")
+    d.add_argument("-k", type=int, default=None,
+                   help="draft tokens per step (chat default 3, builtin 4)")
     d.add_argument("--draft", default=None, choices=["model", "eagle"],
                    help="chat pair: the standalone draft (model) or the EAGLE draft on the "
                    "target's features (eagle)")
@@ -151,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--lookup-tree-below", type=int, default=None, metavar="N",
                    help="steps whose lookup match is shorter than N tokens verify it beside "
                    "the draft model's chain in one tree (SpecConfig.lookup_tree_below; "
-                   "0: off)")
+                   "chat default 3, builtin 0: off)")
     d.add_argument("--adaptive", action="store_true",
                    help="the draft model's chains stop where it is unsure (SpecConfig."
                    "adaptive); -k is then the longest chain")

@@ -90,6 +90,8 @@ class DemoConfig:
     def __post_init__(self):
         if self.pair not in PAIRS:
             raise ValueError(f"pair must be one of {PAIRS}, got {self.pair!r}")
+        if self.adaptive and self.lookup_tree_below is None:
+            self.lookup_tree_below = 0          # adaptive chains replace the lookup trees
         for name, value in DEFAULTS[self.pair].items():
             if getattr(self, name) is None:
                 setattr(self, name, value() if callable(value) else value)
@@ -156,8 +158,8 @@ def online_recipe(pair: str) -> osd.OnlineConfig:
 
 DEFAULTS = {
     "chat": dict(baseline_requests=8, static_requests=50, max_new_tokens=48,
-                 num_draft_tokens=4, threads=1, prompt_lookup=True, lookup_history=0,
-                 lookup_tokens=8, lookup_tree_below=0, draft="model", quantize_draft="Q8_0",
+                 num_draft_tokens=3, threads=1, prompt_lookup=True, lookup_history=0,
+                 lookup_tokens=8, lookup_tree_below=3, draft="model", quantize_draft="Q8_0",
                  online=lambda: online_recipe("chat")),
     "builtin": dict(baseline_requests=40, static_requests=200, max_new_tokens=32,
                     num_draft_tokens=4, threads=1, prompt_lookup=False, lookup_history=0,

@@ -16,7 +16,13 @@ lookup in front for each shortest match of ``--eagle-ngram-mins`` (default 1, as
 ``SpecConfig``); ``--eagle-trees NAME ...`` adds those rows with the draft model's chain
 replaced by one of ``EAGLE_TREES`` (lookup chains stay of length K); ``--lookup-tokens N
 ...`` runs the rows with lookup at each ``SpecConfig.lookup_tokens``. ``--seed`` picks
-other prompts.
+other prompts. ``--quantize-draft Q8_0`` serves the standalone draft's shapes in Q8_0, as
+``osd demo`` does; the lookup-tree shapes are ``SpecConfig.lookup_tree_below``'s:
+
+    .venv/bin/python scripts/chat_spec_shapes.py --prompts 16 --new-tokens 48 --threads 1 \
+        --quantize-draft Q8_0 --seed 0 --shapes "chain k=4, lookup 8" "chain k=3, lookup 8" \
+        "lookup tree k=3, below 3" "lookup tree k=4, below 3" "lookup tree k=3, below 2" \
+        "lookup tree k=3, below 4"
 """
 from __future__ import annotations
 
@@ -43,6 +49,17 @@ SHAPES = {
     "static tree, 8 nodes": dict(tree=STATIC),
     "static tree, 8 nodes, lookup": dict(num_draft_tokens=4, prompt_lookup=True, tree=STATIC),
     "dynamic tree, lookup": dict(num_draft_tokens=4, prompt_lookup=True, tree=DYNAMIC),
+    # lookup steps of up to 8 drafts; lookup trees (SpecConfig.lookup_tree_below)
+    "chain k=4, lookup 8": dict(num_draft_tokens=4, prompt_lookup=True, lookup_tokens=8),
+    "chain k=3, lookup 8": dict(num_draft_tokens=3, prompt_lookup=True, lookup_tokens=8),
+    "lookup tree k=3, below 3": dict(num_draft_tokens=3, prompt_lookup=True, lookup_tokens=8,
+                                     lookup_tree_below=3),
+    "lookup tree k=4, below 3": dict(num_draft_tokens=4, prompt_lookup=True, lookup_tokens=8,
+                                     lookup_tree_below=3),
+    "lookup tree k=3, below 2": dict(num_draft_tokens=3, prompt_lookup=True, lookup_tokens=8,
+                                     lookup_tree_below=2),
+    "lookup tree k=3, below 4": dict(num_draft_tokens=3, prompt_lookup=True, lookup_tokens=8,
+                                     lookup_tree_below=4),
 }
 # Trees for the EAGLE draft: ones that fit the packed decode kernel's six-row AVX2 pass (at
 # most five drafts), and larger ones for its 12-row AVX-512 pass.
@@ -82,6 +99,8 @@ def main() -> None:
     parser.add_argument("--quantized", action="store_true",
                         help="the target keeps its GGUF weights quantized (osd.models.quant) "
                              "in every mode; a plain row with float32 weights is added")
+    parser.add_argument("--quantize-draft", default=None, choices=["Q8_0", "Q4_1"],
+                        help="serve the standalone draft's shapes in this block format")
     parser.add_argument("--quantize-eagle", default=None, choices=["Q8_0", "Q4_1"],
                         help="also run each EAGLE shape with the draft's own layers quantized")
     args = parser.parse_args()
@@ -98,7 +117,7 @@ def main() -> None:
     for name in args.shapes:
         engines[name] = osd.Engine(plain.model, draft=[osd.load_model(draft)],
                                    spec=osd.SpecConfig(**SHAPES[name]), max_batch_size=1,
-                                   max_seq_len=1024)
+                                   max_seq_len=1024, quantize_draft=args.quantize_draft)
         if name in FULL_HEAD:
             full = osd.load_model(draft, head_vocab=False)
             engines[name + ", full head"] = osd.Engine(

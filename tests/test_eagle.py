@@ -167,9 +167,11 @@ def test_root_distribution_equals_a_teacher_forced_forward(target, trained, case
                                   dict(num_draft_tokens=4, prompt_lookup=True,
                                        tree=TREES["tree"]),
                                   dict(num_draft_tokens=3, prompt_lookup=True, lookup_tokens=10,
-                                       lookup_history=512)],
+                                       lookup_history=512),
+                                  dict(num_draft_tokens=3, prompt_lookup=True,
+                                       lookup_tree_below=4)],
                          ids=["chain", "lookup", "adaptive", "tree", "dynamic-tree",
-                              "lookup-tree", "lookup-long"])
+                              "lookup-tree", "lookup-long", "lookup-beside"])
 def test_greedy_equals_plain(target, trained, spec):
     _assert_greedy_equals_plain(target, trained, spec)
 
@@ -238,7 +240,7 @@ def test_checkpoint_round_trip_and_from_pretrained(tmp_path, trained):
     assert 0 < draft_cost_ratio(str(tmp_path / "target"), str(tmp_path / "eagle"), steps=3)
 
 
-@pytest.mark.parametrize("lookup", [False, True], ids=["chain", "lookup"])
+@pytest.mark.parametrize("lookup", [False, True, 4], ids=["chain", "lookup", "lookup-beside"])
 def test_learns_online_from_the_targets_features(target, lookup):
     """Online distillation of an EAGLE draft: outputs stay plain greedy's, updates are
     applied, the draft's own tensors change and the target's never do; the collected
@@ -249,7 +251,8 @@ def test_learns_online_from_the_targets_features(target, lookup):
     online = osd.OnlineConfig(update_every_requests=2, steps_per_update=3, lr=3e-3,
                               background=False, holdout_every=4, guard_tolerance=1.0)
     eng = osd.Engine(target, draft=[draft], online=online, max_batch_size=4, max_seq_len=128,
-                     spec=osd.SpecConfig(num_draft_tokens=3, prompt_lookup=lookup))
+                     spec=osd.SpecConfig(num_draft_tokens=3, prompt_lookup=bool(lookup),
+                                         lookup_tree_below=4 if lookup == 4 else 0))
     prompts = prompts_of([6, 9, 4, 7] * 3, seed=14)
     prompts[1] = prompts[1] * 3
     ref = osd.Engine(target, max_batch_size=4, max_seq_len=128).generate(
