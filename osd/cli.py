@@ -44,7 +44,8 @@ def _generate(args) -> int:
     spec = None
     if args.draft or args.drafter != "model":
         spec = osd.SpecConfig(num_draft_tokens=args.k, drafter=args.drafter,
-                              prompt_lookup=args.prompt_lookup, lookup_tokens=args.lookup_tokens)
+                              prompt_lookup=args.prompt_lookup, lookup_tokens=args.lookup_tokens,
+                              lookup_tree_below=args.lookup_tree_below)
     online = osd.OnlineConfig(background=False) if args.online else None
     engine = osd.Engine.from_pretrained(args.target, draft=args.draft, device=args.device,
                                         dtype=dtype, spec=spec, online=online,
@@ -196,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "and run the draft model only when it does not")
     g.add_argument("--lookup-tokens", type=int, default=0, metavar="N",
                    help="with --prompt-lookup: most drafts of a step drafted by lookup (0: k)")
+    g.add_argument("--lookup-tree-below", type=int, default=0, metavar="N",
+                   help="with --prompt-lookup: matches shorter than N tokens are verified "
+                   "beside the draft model's chain in one tree (0: off; the chat demo uses 3)")
     g.add_argument("--online", action="store_true", help="let the draft learn while serving")
     g.add_argument("-k", type=int, default=4, help="draft tokens per step")
     g.add_argument("--max-new-tokens", type=int, default=64)
@@ -242,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "answers (0: each request's own text only)")
     s.add_argument("--lookup-tokens", type=int, default=0, metavar="N",
                    help="with --prompt-lookup: most drafts of a step drafted by lookup (0: k)")
+    s.add_argument("--lookup-tree-below", type=int, default=0, metavar="N",
+                   help="with --prompt-lookup and a draft: matches shorter than N tokens are "
+                   "verified beside the draft model's chain in one tree (0: off)")
     s.add_argument("--online", action="store_true", help="let the draft learn while serving")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)

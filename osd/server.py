@@ -490,6 +490,8 @@ def serve(args) -> int:
                               lookup_tokens=lookup_tokens if draft is not None else 0,
                               lookup_history=getattr(args, "lookup_history", 0)
                               if args.prompt_lookup else 0,
+                              lookup_tree_below=getattr(args, "lookup_tree_below", 0)
+                              if args.prompt_lookup and draft is not None else 0,
                               auto_k=getattr(args, "auto_k", False))
     if args.online and draft is None:
         raise ValueError("--online needs a draft model to learn (--draft)")
