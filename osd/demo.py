@@ -459,6 +459,8 @@ def _command(cfg: DemoConfig) -> str:
     parts = ["osd demo", f"--pair {cfg.pair}"]
     for name, flag in _OPTIONS:
         default = DEFAULTS[cfg.pair].get(name, fields[name])
+        if name == "lookup_tree_below" and cfg.adaptive:
+            default = 0                         # --adaptive turns lookup trees off
         value = getattr(cfg, name)
         if value == (None if default == "none" else default):
             continue

@@ -99,6 +99,7 @@ class TreeProposal:
     draft_nodes: torch.Tensor | None = None   # [B, k] int64: the node of each drafted token
     draft_logits: torch.Tensor | None = None  # [B, k, V] the draft's raw logits there
     lookup_rows: list[bool] | None = None     # the rows with a lookup branch
+    model_rows: list[bool] | None = None      # the rows with the model's branch
     source: str = "model"                     # "model" (the draft's tree) or "mixed" (lookup)
 
 
@@ -664,12 +665,13 @@ class LookupDrafter:
     tokens and queues what was accepted (:meth:`ModelDrafter.set_pending`), whichever
     drafts a row verified.
 
-    With ``tree_below = m`` (``SpecConfig.lookup_tree_below``) lookup drafts alone only
-    when every row's match is at least ``m`` tokens long. A step with a shorter match
-    verifies, per row, the lookup continuation (up to ``k`` tokens) and the draft model's
-    greedy chain of ``k`` as two branches of one tree (:func:`lookup_tree`): a short match
-    is often wrong where the model is right, and the other way round, and one verify
-    forward tries both.
+    With ``tree_below = m`` (``SpecConfig.lookup_tree_below``) a match of at least ``m``
+    tokens drafts alone; when every row has one the step is lookup's, as above.
+    Otherwise the draft model drafts a greedy chain of ``k`` and every step is a tree
+    (:func:`lookup_tree`): a row with a long match verifies its lookup chain, any other
+    row its lookup continuation (up to ``k`` tokens, or none) and the model's chain as two
+    branches. A short match is often wrong where the model is right, and the other way
+    round, and one verify forward tries both.
     """
 
     has_model = True
@@ -710,9 +712,14 @@ class LookupDrafter:
         self._looked_up = all(n >= max(self.tree_below, 1) for n, _ in found)
         if self._looked_up:
             return self.lookup.chain(conts, width, roots.device)
-        if self.tree_below and tree is None and stopper is None and any(conts):
+        if self.tree_below and tree is None and stopper is None:
+            # Per row, whatever its neighbours: a long match drafts alone (the lookup
+            # chain), any other row gets both branches, so a request's drafts (and its
+            # seeded samples) do not depend on the batch it runs in.
+            alone = [n >= self.tree_below for n, _ in found]
             chain = self.inner.propose(active, roots, GREEDY, seed, offset, k=k)
-            return lookup_tree(roots, chain, [cont[:k] for cont in conts])
+            return lookup_tree(roots, chain, [c if a else c[:k] for (_, c), a in
+                                              zip(found, alone)], [not a for a in alone])
         prop = self.inner.propose(active, roots, params, seed, offset, k=k, tree=tree,
                                   stopper=stopper)
         # A stopper calibrates on the model's own drafts: its steps stay the model's.
@@ -732,12 +739,12 @@ class LookupDrafter:
         self.inner.catch_up(B, tokens, lengths, max_len, hidden)
 
 
-def lookup_tree(roots: torch.Tensor, chain: ChainProposal,
-                conts: list[list[int]]) -> TreeProposal:
+def lookup_tree(roots: torch.Tensor, chain: ChainProposal, conts: list[list[int]],
+                model_rows: list[bool]) -> TreeProposal:
     """One tree per row below its root ``roots[b]``: the lookup continuation ``conts[b]``
-    (a chain, possibly empty) and the draft model's greedy ``chain`` (``tokens [B, k]``),
-    sharing their common prefix. Every draft is a point mass, so the tree verifier's
-    deterministic-children rule keeps sampling lossless.
+    (a chain, possibly empty) and, on the rows of ``model_rows``, the draft model's greedy
+    ``chain`` (``tokens [B, k]``), sharing their common prefix. Every draft is a point
+    mass, so the tree verifier's deterministic-children rule keeps sampling lossless.
 
     Rows with fewer nodes than the widest are padded with children of the root that
     repeat node 1's token: the verifier never follows them (an earlier sibling carries
@@ -750,7 +757,10 @@ def lookup_tree(roots: torch.Tensor, chain: ChainProposal,
         tokens = [0] + list(cont)                      # node 0: the root
         parents = list(range(-1, len(cont)))           # the lookup branch is a chain
         nodes, prev, shared = [], 0, True
-        for j, t in enumerate(drafted[b]):
+        for j, t in enumerate(drafted[b] if model_rows[b] else [0] * k):
+            if not model_rows[b]:                      # no model branch: α skips the row
+                nodes.append(0)
+                continue
             shared = shared and j < len(cont) and cont[j] == t
             if shared:
                 node = j + 1
@@ -776,7 +786,7 @@ def lookup_tree(roots: torch.Tensor, chain: ChainProposal,
                         mask_from_parents(parents), max(k, max(len(c) for c in conts)),
                         draft_nodes=torch.tensor(all_nodes, dtype=torch.int64).to(dev),
                         draft_logits=chain.logits, lookup_rows=[bool(c) for c in conts],
-                        source="mixed")
+                        model_rows=list(model_rows), source="mixed")
 
 
 def overlay_lookup(prop: ChainProposal, conts: list[list[int]]) -> ChainProposal:

@@ -48,12 +48,14 @@ class SpecConfig:
     covers the rest. ``lookup_tokens`` lets those lookup steps verify longer continuations
     than the draft model's chains: their drafts cost no draft forward, only verify rows.
 
-    ``lookup_tree_below=m`` (with ``prompt_lookup``) lets lookup draft alone only where
-    every row's match is at least ``m`` tokens long; a step with a shorter match (or none)
-    verifies the draft model's greedy chain of ``num_draft_tokens`` and, on the rows that
-    have one, the lookup continuation (cut to ``num_draft_tokens``) as two branches of
-    one tree: a one-token match is often wrong where the model is right, and one verify
-    forward tries both. ``m = ngram_max + 1`` puts every match beside the model.
+    ``lookup_tree_below=m`` (with ``prompt_lookup``) lets a match draft alone only when it
+    is at least ``m`` tokens long. Unless every row has such a match, the draft model
+    drafts a greedy chain of ``num_draft_tokens`` and the step verifies a tree per row:
+    a row with a long match its lookup chain, any other row the model's chain beside its
+    lookup continuation (cut to ``num_draft_tokens``; none without a match), two
+    branches of one tree. A one-token match is often wrong where the model is right, and
+    one verify forward tries both. ``m = ngram_max + 1`` puts every match beside the
+    model. A row's drafts depend on its own context only, as without trees.
 
     ``lookup_history=n`` (with ``prompt_lookup`` or the ``"ngram"`` drafter) also looks the
     suffix up in the newest ``n`` tokens of the engine's finished requests (their outputs,

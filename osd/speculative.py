@@ -443,7 +443,8 @@ class Speculator:
         p_logits = v.logits.gather(1, parents[..., None].expand(B, K, V)).reshape(B * K, V)
         q = None if params.greedy else warp_probs(prop.draft_logits.reshape(B * K, V),
                                                   *params.repeat(K))
-        self._add_alpha(v, p_logits, prop.draft_logits, q, K, [K] * B)
+        self._add_alpha(v, p_logits, prop.draft_logits, q, K,
+                        [K if model else 0 for model in prop.model_rows])
 
     def _add_alpha(self, v: Verdict, p_logits: torch.Tensor, q_logits: torch.Tensor,
                    q: torch.Tensor | None, K: int, drafted: list[int]) -> None:

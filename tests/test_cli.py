@@ -137,6 +137,9 @@ def test_demo_command_names_the_options_that_differ():
     args = cli.build_parser().parse_args(cmd.split()[1:])
     assert (args.max_new_tokens, args.lookup_history, args.lookup_min_match, args.adaptive,
             args.quantize_draft, args.seed) == (128, 65536, 2, True, "none", 3)
+    assert DemoConfig(adaptive=True).lookup_tree_below == 0
+    assert _command(DemoConfig(num_draft_tokens=4, lookup_tree_below=0)) == \
+        "osd demo --pair chat --lookup-tree-below 0 -k 4"
     assert _command(DemoConfig(pair="builtin", quantize_draft="Q8_0", quantized=False,
                                plain_every=1)) == \
         "osd demo --pair builtin --quantize-draft Q8_0 --plain-every 1"

@@ -374,16 +374,20 @@ def test_lookup_tree_beside_the_model(llama_pair, plain, k, below):
 
 
 def test_lookup_tree_layout():
-    """lookup_tree: the lookup branch first, the model's chain sharing its common prefix,
-    narrower rows padded with children of the root repeating node 1's token."""
-    chain = ChainProposal(torch.tensor([[5, 6, 9], [7, 8, 9]]), None,
-                          torch.zeros(2, 3, 11), None, 3)
-    prop = lookup_tree(torch.tensor([1, 2]), chain, [[5, 6, 7], []])
-    assert prop.tokens.tolist() == [[1, 5, 6, 7, 9], [2, 7, 8, 9, 7]]
-    assert prop.parents.tolist() == [[-1, 0, 1, 2, 2], [-1, 0, 1, 2, 0]]
-    assert prop.depths.tolist() == [[0, 1, 2, 3, 3], [0, 1, 2, 3, 1]]
-    assert prop.draft_nodes.tolist() == [[1, 2, 4], [1, 2, 3]]
-    assert prop.max_depth == 3 and prop.lookup_rows == [True, False]
+    """lookup_tree: the lookup branch first, the model's chain sharing its common prefix
+    (rows without the model's branch verify the lookup chain alone), narrower rows padded
+    with children of the root repeating node 1's token."""
+    chain = ChainProposal(torch.tensor([[5, 6, 9], [7, 8, 9], [1, 1, 1]]), None,
+                          torch.zeros(3, 3, 11), None, 3)
+    prop = lookup_tree(torch.tensor([1, 2, 3]), chain, [[5, 6, 7], [], [4, 4, 4, 4, 4]],
+                       [True, True, False])
+    assert prop.tokens.tolist() == [[1, 5, 6, 7, 9, 5], [2, 7, 8, 9, 7, 7], [3, 4, 4, 4, 4, 4]]
+    assert prop.parents.tolist() == [[-1, 0, 1, 2, 2, 0], [-1, 0, 1, 2, 0, 0],
+                                     [-1, 0, 1, 2, 3, 4]]
+    assert prop.depths.tolist() == [[0, 1, 2, 3, 3, 1], [0, 1, 2, 3, 1, 1], [0, 1, 2, 3, 4, 5]]
+    assert prop.draft_nodes.tolist() == [[1, 2, 4], [1, 2, 3], [0, 0, 0]]
+    assert prop.max_depth == 5 and prop.lookup_rows == [True, False, True]
+    assert prop.model_rows == [True, True, False]
 
 
 @pytest.mark.parametrize("tree", [None, osd.DynamicTree(topk=2, depth=2, max_nodes=4)])
