@@ -19,6 +19,7 @@ the draft never trained on), up to ``NEW_TOKENS`` new tokens each. Providers:
   standalone one;
 - ``osd-eagle-lookup-q8``: ``osd-eagle-lookup`` with the EAGLE draft's layer and head kept
   Q8_0 (``quantize_draft="Q8_0"``: a draft step reads about a quarter of the bytes);
+  ``osd-eagle-lookup-tree-q8``: the same draft with lookup trees (``EAGLE_TREE_SPEC``);
 - ``osd-quant-plain``, ``osd-quant-spec-lookup``, ``osd-quant-eagle-lookup``: the target
   with its GGUF weights kept quantized (``quantized=True``: the same tokens, computed by
   the quant_linear kernels) plain, with prompt lookup then the static draft (k = ``K``),
@@ -57,7 +58,8 @@ ROUNDS = 2
 PROVIDERS = ["transformers", "transformers-assisted", "osd-plain", "osd-spec",
              "osd-spec-lookup", "osd-online", "osd-spec-lookup-tree-q8",
              "osd-online-lookup-tree-q8", "osd-eagle", "osd-eagle-lookup",
-             "osd-eagle-lookup-q8", "osd-eagle-online", "osd-quant-plain", "osd-quant-spec-lookup",
+             "osd-eagle-lookup-q8", "osd-eagle-lookup-tree-q8", "osd-eagle-online",
+             "osd-quant-plain", "osd-quant-spec-lookup",
              "osd-quant-eagle-lookup", "osd-quant-eagle-lookup-q8", "llama.cpp"]
 # The speculative shapes of the quantized-target rows (scripts/chat_spec_shapes.py
 # --quantized measured these as the fastest of their drafts, docs/benchmarks_chat.md).
@@ -68,6 +70,7 @@ QUANT_SPECS["osd-quant-eagle-lookup-q8"] = QUANT_SPECS["osd-quant-eagle-lookup"]
 # The standalone draft's shape in ``osd demo`` (docs/chat_draft.md, "Lookup trees").
 TREE_SPEC = dict(num_draft_tokens=3, prompt_lookup=True, lookup_tokens=LOOKUP_TOKENS,
                  lookup_tree_below=3)
+EAGLE_TREE_SPEC = dict(TREE_SPEC, num_draft_tokens=4)   # the EAGLE draft's longer branch
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +163,8 @@ def _engine(setup, provider):
     spec = osd.SpecConfig(num_draft_tokens=K, prompt_lookup=lookup, ngram_min=2 if eagle_lookup
                           else 1, lookup_tokens=LOOKUP_TOKENS if eagle_lookup else 0)
     if "-lookup-tree" in provider:
-        spec = osd.SpecConfig(**TREE_SPEC)
+        spec = osd.SpecConfig(**(EAGLE_TREE_SPEC if provider.startswith("osd-eagle")
+                                 else TREE_SPEC))
     draft = _draft_of(setup, provider)
     if "-online" not in provider:
         return osd.Engine.from_pretrained(setup["target"], draft=draft, spec=spec,
