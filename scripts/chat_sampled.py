@@ -7,7 +7,9 @@ timed. Sampled outputs differ between modes (the same distribution, other draws)
 tokens/s is each mode's own tokens over its own time.
 
 Modes: plain sampling; the EAGLE draft in Q8_0 behind prompt lookup on 2+-token matches
-(``bench_chat.py``'s fastest greedy row); the standalone draft behind prompt lookup.
+(``bench_chat.py``'s fastest greedy row); the standalone draft behind prompt lookup; both
+with lookup trees (``SpecConfig.lookup_tree_below``), whose model branch is the draft's
+greedy chain whatever the sampling.
 ``--sort-paths`` also runs each speculative mode with the top-p set taken from a sort of
 the whole row and the draft's noise from the PyTorch Philox (the paths a CUDA tensor
 takes; on the CPU the engine decides top-p from the largest probabilities and draws the
@@ -63,6 +65,11 @@ def main() -> None:
             num_draft_tokens=4, prompt_lookup=True, ngram_min=2)),
         "standalone draft, lookup, k=4": (osd.load_model(draft), osd.SpecConfig(
             num_draft_tokens=4, prompt_lookup=True)),
+        # lookup trees: the model's branch is its greedy chain (point masses) when sampling
+        "EAGLE Q8_0, lookup trees, k=4": (eagle, osd.SpecConfig(
+            num_draft_tokens=4, prompt_lookup=True, lookup_tokens=8, lookup_tree_below=3)),
+        "standalone draft, lookup trees, k=3": (osd.load_model(draft), osd.SpecConfig(
+            num_draft_tokens=3, prompt_lookup=True, lookup_tokens=8, lookup_tree_below=3)),
     }
     modes = {"plain": (plain, False)}
     for name, (model, spec) in specs.items():
