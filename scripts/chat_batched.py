@@ -6,7 +6,7 @@ rounds is timed; every output is asserted equal to plain greedy decoding.
 
 Modes: plain; the EAGLE draft in Q8_0 with prompt lookup on 2+-token matches in front,
 k = 4. In a batch, the rows whose context has a lookup match verify their lookup
-continuation while the draft model drafts the others (``osd.drafters.LookupDrafter``);
+continuation while the draft model drafts the others (``osd.prompt_lookup.LookupDrafter``);
 ``--whole-batch`` also runs the same engine with lookup used only in steps where every
 row has a match (the draft model drafts every row otherwise).
 
@@ -21,7 +21,7 @@ import time
 import torch
 
 import osd
-from osd import drafters, zoo
+from osd import prompt_lookup, zoo
 from osd.chat import apply_chat_template
 from osd.zoo import humaneval
 
@@ -29,12 +29,12 @@ from osd.zoo import humaneval
 @contextlib.contextmanager
 def whole_batch_lookup():
     """Lookup drafts only when every row of the step has a match."""
-    overlay = drafters.overlay_lookup
-    drafters.overlay_lookup = lambda prop, conts: prop
+    overlay = prompt_lookup.overlay_lookup
+    prompt_lookup.overlay_lookup = lambda prop, conts: prop
     try:
         yield
     finally:
-        drafters.overlay_lookup = overlay
+        prompt_lookup.overlay_lookup = overlay
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ output stays the target's while a repeated request is drafted from the earlier a
 import pytest
 
 import osd
-from osd.drafters import NGramDrafter
+from osd.prompt_lookup import NGramDrafter
 from osd.lookup_history import LookupHistory
 from tests.test_models import tiny_hf_model
 from tests.test_speculative import perturbed, prompts_of

@@ -7,7 +7,8 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import osd
-from osd.drafters import ChainProposal, ModelDrafter, TreeProposal, lookup_tree
+from osd.drafters import ChainProposal, ModelDrafter, TreeProposal
+from osd.prompt_lookup import lookup_tree
 from osd.spec import DynamicTree
 from osd.speculative import AdaptiveStopper
 from osd_kernels.warp import warp_probs

@@ -1,0 +1,269 @@
+"""Prompt lookup as a drafter (``osd.drafters`` has the protocol): :class:`NGramDrafter`
+alone, :class:`LookupDrafter` in front of a model drafter, and the proposals they build
+from a row's matches (:func:`lookup_tree`, :func:`overlay_lookup`)."""
+from __future__ import annotations
+
+import torch
+
+from osd.drafters import ChainProposal, ModelDrafter, TreeProposal
+from osd.graphs import StepGraphs
+from osd.lookup_history import LookupHistory
+from osd.models.llama import DecoderLM
+from osd.sampling import SamplingParams
+from osd.tree import depths_from_parents, mask_from_parents
+
+# A lookup tree's model branch is drafted greedily (point masses) whatever the sampling.
+GREEDY = SamplingParams(1)
+
+
+class NGramDrafter:
+    """Prompt lookup: propose what followed the latest earlier match of the context's
+    suffix (longest suffix first, ``ngram_max`` down to ``ngram_min`` tokens), in the
+    row's own text and then, at each length, in the engine's ``history`` of finished
+    requests (:class:`~osd.lookup_history.LookupHistory`) when it has one. It keeps no
+    per-row state: the row bookkeeping of the protocol does nothing."""
+
+    has_model = False
+    needs_hidden = False
+    model = None
+
+    def __init__(self, ngram_min: int, ngram_max: int, history: LookupHistory | None = None):
+        self.ngram_min = ngram_min
+        self.ngram_max = ngram_max
+        self.history = history
+
+    def prefill(self, prompts, start_row: int, first_tokens: torch.Tensor, hidden=None) -> None:
+        pass
+
+    def move_row(self, src: int, dst: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def use_graphs(self, graphs) -> None:
+        pass
+
+    def after_verify(self, *verdict, hidden=None) -> None:
+        pass
+
+    def catch_up(self, *verdict, hidden=None) -> None:
+        pass
+
+    def propose(self, active, roots, params, seed, offset, *, k: int = 0, tree=None,
+                stopper=None) -> ChainProposal:
+        """Up to ``k`` drafts per row from each request's prompt and output."""
+        if tree is not None:
+            raise ValueError("prompt lookup drafts chains, not trees")
+        return self.propose_chain([r.prompt + r.generated for r in active], k, roots.device)
+
+    def propose_chain(self, histories: list[list[int]], k: int, device) -> ChainProposal:
+        """Up to ``k`` drafts per row from ``histories`` (each row's prompt + output)."""
+        return self.chain(self.continuations(histories, k), k, device)
+
+    def continuations(self, histories: list[list[int]], k: int) -> list[list[int]]:
+        """Each row's lookup continuation (up to ``k`` tokens; [] without a match)."""
+        return [self.lookup(hist, k) for hist in histories]
+
+    def matches(self, histories: list[list[int]], k: int) -> list[tuple[int, list[int]]]:
+        """Each row's ``(suffix length matched, continuation)``; ``(0, [])`` without one."""
+        return [self.lookup_match(hist, k) for hist in histories]
+
+    @staticmethod
+    def chain(conts: list[list[int]], k: int, device) -> ChainProposal:
+        """The lookup chain of continuations ``conts`` (one list per row)."""
+        B = len(conts)
+        tokens = torch.zeros(B, k, dtype=torch.int64)
+        num = torch.zeros(B, dtype=torch.int32)
+        for b, cont in enumerate(conts):
+            tokens[b, :len(cont)] = torch.tensor(cont, dtype=torch.int64)
+            num[b] = len(cont)
+        max_drafted = int(num.max()) if B else 0
+        return ChainProposal(tokens[:, :max_drafted].to(device), None, None, num.to(device),
+                             max_drafted, source="lookup")
+
+    def lookup(self, hist: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of a suffix: the
+        longest suffix with a match, in ``hist`` itself before the history."""
+        return self.lookup_match(hist, k)[1]
+
+    def lookup_match(self, hist: list[int], k: int) -> tuple[int, list[int]]:
+        """:meth:`lookup` with the length of the suffix it matched: ``(n, continuation)``,
+        ``(0, [])`` when no suffix of ``ngram_min`` or more tokens has a continuation."""
+        seq = torch.tensor(hist, dtype=torch.int64)
+        L = seq.numel()
+        for n in range(self.ngram_max, self.ngram_min - 1, -1):
+            if L < n:
+                continue
+            if L > n:
+                windows = seq[:L - 1].unfold(0, n, 1)             # starts 0 .. L-1-n
+                hits = (windows == seq[L - n:]).all(1).nonzero()
+                if hits.numel():
+                    start = int(hits[-1]) + n
+                    return n, seq[start:start + k].tolist()
+            if self.history is not None:
+                cont = self.history.lookup(hist[L - n:], k)
+                if cont:
+                    return n, cont
+        return 0, []
+
+
+class LookupDrafter:
+    """Prompt lookup in front of a :class:`ModelDrafter`: when every row's context has a
+    match, its continuation (up to ``max(k, lookup_tokens)`` tokens) is the chain (no draft
+    forward); otherwise the model drafts, and in a chain step the rows that have a match
+    still verify their lookup continuation in place of the model's drafts (a one-hot q
+    when sampling). The model's cache catches up on the tokens accepted meanwhile
+    (:meth:`ModelDrafter.queue`); after a model step every row's cache keeps its pre-step
+    tokens and queues what was accepted (:meth:`ModelDrafter.set_pending`), whichever
+    drafts a row verified.
+
+    With ``tree_below = m`` (``SpecConfig.lookup_tree_below``) a match of at least ``m``
+    tokens drafts alone; when every row has one the step is lookup's, as above.
+    Otherwise the draft model drafts a greedy chain of ``k`` and every step is a tree
+    (:func:`lookup_tree`): a row with a long match verifies its lookup chain, any other
+    row its lookup continuation (up to ``k`` tokens, or none) and the model's chain as two
+    branches. A short match is often wrong where the model is right, and the other way
+    round, and one verify forward tries both.
+    """
+
+    has_model = True
+
+    def __init__(self, inner: ModelDrafter, lookup: NGramDrafter, lookup_tokens: int = 0,
+                 tree_below: int = 0):
+        self.inner = inner
+        self.lookup = lookup
+        self.lookup_tokens = lookup_tokens  # most drafts of an all-lookup step (0: k)
+        self.tree_below = tree_below        # shorter matches verify beside the model's chain
+        self._looked_up = False         # the last proposal came from lookup
+
+    @property
+    def model(self) -> DecoderLM:
+        return self.inner.model
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.inner.needs_hidden
+
+    def prefill(self, prompts, start_row: int, first_tokens: torch.Tensor, hidden=None) -> None:
+        self.inner.prefill(prompts, start_row, first_tokens, hidden)
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.inner.move_row(src, dst)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def use_graphs(self, graphs: StepGraphs | None) -> None:
+        self.inner.use_graphs(graphs)
+
+    def propose(self, active, roots, params, seed, offset, *, k: int = 0, tree=None,
+                stopper=None):
+        width = max(k, self.lookup_tokens)
+        found = self.lookup.matches([r.prompt + r.generated for r in active], width)
+        conts = [cont for _, cont in found]
+        self._looked_up = all(n >= max(self.tree_below, 1) for n, _ in found)
+        if self._looked_up:
+            return self.lookup.chain(conts, width, roots.device)
+        if self.tree_below and tree is None and stopper is None:
+            # Per row, whatever its neighbours: a long match drafts alone (the lookup
+            # chain), any other row gets both branches, so a request's drafts (and its
+            # seeded samples) do not depend on the batch it runs in.
+            alone = [n >= self.tree_below for n, _ in found]
+            chain = self.inner.propose(active, roots, GREEDY, seed, offset, k=k)
+            return lookup_tree(roots, chain, [c if a else c[:k] for (_, c), a in
+                                              zip(found, alone)], [not a for a in alone])
+        prop = self.inner.propose(active, roots, params, seed, offset, k=k, tree=tree,
+                                  stopper=stopper)
+        # A stopper calibrates on the model's own drafts: its steps stay the model's.
+        if tree is None and stopper is None and any(conts):
+            prop = overlay_lookup(prop, conts)
+        return prop
+
+    def after_verify(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
+                     committed_lens: torch.Tensor, bound: int, hidden=None) -> None:
+        if self._looked_up:
+            self.inner.catch_up(B, tokens, lengths, max_len, hidden)
+        else:
+            self.inner.after_verify(B, tokens, lengths, max_len, committed_lens, bound, hidden)
+
+    def catch_up(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
+                 hidden=None) -> None:
+        self.inner.catch_up(B, tokens, lengths, max_len, hidden)
+
+
+def lookup_tree(roots: torch.Tensor, chain: ChainProposal, conts: list[list[int]],
+                model_rows: list[bool]) -> TreeProposal:
+    """One tree per row below its root ``roots[b]``: the lookup continuation ``conts[b]``
+    (a chain, possibly empty) and, on the rows of ``model_rows``, the draft model's greedy
+    ``chain`` (``tokens [B, k]``), sharing their common prefix. Every draft is a point
+    mass, so the tree verifier's deterministic-children rule keeps sampling lossless.
+
+    Rows with fewer nodes than the widest are padded with children of the root that
+    repeat node 1's token: the verifier never follows them (an earlier sibling carries
+    the same token, tried first, and a repeated token counts once)."""
+    B, k = chain.tokens.shape
+    drafted = chain.tokens.tolist()
+    all_tokens, all_parents, all_nodes = [], [], []
+    for b in range(B):
+        cont = conts[b]
+        tokens = [0] + list(cont)                      # node 0: the root
+        parents = list(range(-1, len(cont)))           # the lookup branch is a chain
+        nodes, prev, shared = [], 0, True
+        for j, t in enumerate(drafted[b] if model_rows[b] else [0] * k):
+            if not model_rows[b]:                      # no model branch: α skips the row
+                nodes.append(0)
+                continue
+            shared = shared and j < len(cont) and cont[j] == t
+            if shared:
+                node = j + 1
+            else:
+                tokens.append(t)
+                parents.append(prev)
+                node = len(tokens) - 1
+            nodes.append(node)
+            prev = node
+        all_tokens.append(tokens)
+        all_parents.append(parents)
+        all_nodes.append(nodes)
+    T = max(len(t) for t in all_tokens)
+    for tokens, parents in zip(all_tokens, all_parents):
+        pad = T - len(tokens)
+        tokens += [tokens[1]] * pad
+        parents += [0] * pad
+    dev = roots.device
+    tokens = torch.tensor(all_tokens, dtype=torch.int64).to(dev)
+    tokens[:, 0] = roots
+    parents = torch.tensor(all_parents, dtype=torch.int32).to(dev)
+    return TreeProposal(tokens, parents, depths_from_parents(parents),
+                        mask_from_parents(parents), max(k, max(len(c) for c in conts)),
+                        draft_nodes=torch.tensor(all_nodes, dtype=torch.int64).to(dev),
+                        draft_logits=chain.logits, lookup_rows=[bool(c) for c in conts],
+                        model_rows=list(model_rows), source="mixed")
+
+
+def overlay_lookup(prop: ChainProposal, conts: list[list[int]]) -> ChainProposal:
+    """The model's chain ``prop`` with each row that has a lookup continuation in
+    ``conts`` drafting that instead (cut to the chain's width). Sampling proposals get a
+    one-hot q on those rows, which the verifier treats as it treats lookup drafts."""
+    B, width = prop.tokens.shape
+    if width == 0:
+        return prop
+    device = prop.tokens.device
+    tokens = prop.tokens.clone()
+    num = (torch.full((B,), width, dtype=torch.int32, device=device)
+           if prop.num_drafted is None else prop.num_drafted.clone())
+    probs = None if prop.probs is None else prop.probs.clone()
+    rows = [bool(c) for c in conts]
+    for b, cont in enumerate(conts):
+        if not cont:
+            continue
+        cont = torch.tensor(cont[:width], dtype=torch.int64, device=device)
+        n = cont.numel()
+        tokens[b, :n] = cont
+        num[b] = n
+        if probs is not None:
+            probs[b, :n] = 0
+            probs[b, torch.arange(n, device=device), cont] = 1
+    return ChainProposal(tokens, probs, prop.logits, num, width, source="mixed",
+                         lookup_rows=rows)
