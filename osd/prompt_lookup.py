@@ -10,7 +10,6 @@ from osd.graphs import StepGraphs
 from osd.lookup_history import LookupHistory
 from osd.models.llama import DecoderLM
 from osd.sampling import SamplingParams
-from osd.tree import depths_from_parents, mask_from_parents
 
 # A lookup tree's model branch is drafted greedily (point masses) whatever the sampling.
 GREEDY = SamplingParams(1)
@@ -209,34 +208,38 @@ def lookup_tree(roots: torch.Tensor, chain: ChainProposal, conts: list[list[int]
         cont = conts[b]
         tokens = [0] + list(cont)                      # node 0: the root
         parents = list(range(-1, len(cont)))           # the lookup branch is a chain
-        nodes, prev, shared = [], 0, True
-        for j, t in enumerate(drafted[b] if model_rows[b] else [0] * k):
-            if not model_rows[b]:                      # no model branch: α skips the row
-                nodes.append(0)
-                continue
-            shared = shared and j < len(cont) and cont[j] == t
-            if shared:
-                node = j + 1
-            else:
-                tokens.append(t)
-                parents.append(prev)
-                node = len(tokens) - 1
-            nodes.append(node)
-            prev = node
+        nodes = [0] * k                                # no model branch: α skips the row
+        if model_rows[b]:
+            prev, shared = 0, True
+            for j, t in enumerate(drafted[b]):
+                shared = shared and j < len(cont) and cont[j] == t
+                if not shared:
+                    tokens.append(t)
+                    parents.append(prev)
+                prev = nodes[j] = j + 1 if shared else len(tokens) - 1
         all_tokens.append(tokens)
         all_parents.append(parents)
         all_nodes.append(nodes)
     T = max(len(t) for t in all_tokens)
+    depths, masks = [], []
     for tokens, parents in zip(all_tokens, all_parents):
         pad = T - len(tokens)
         tokens += [tokens[1]] * pad
         parents += [0] * pad
+        # depths and ancestor bitmasks from the host lists (parents precede children)
+        depth, mask = [0], [1]
+        for i in range(1, T):
+            depth.append(depth[parents[i]] + 1)
+            mask.append(mask[parents[i]] | 1 << i)
+        depths.append(depth)
+        masks.append([m - (1 << 64) if m >> 63 else m for m in mask])   # as int64
     dev = roots.device
     tokens = torch.tensor(all_tokens, dtype=torch.int64).to(dev)
     tokens[:, 0] = roots
-    parents = torch.tensor(all_parents, dtype=torch.int32).to(dev)
-    return TreeProposal(tokens, parents, depths_from_parents(parents),
-                        mask_from_parents(parents), max(k, max(len(c) for c in conts)),
+    return TreeProposal(tokens, torch.tensor(all_parents, dtype=torch.int32).to(dev),
+                        torch.tensor(depths, dtype=torch.int64).to(dev),
+                        torch.tensor(masks, dtype=torch.int64).to(dev),
+                        max(k, max(len(c) for c in conts)),
                         draft_nodes=torch.tensor(all_nodes, dtype=torch.int64).to(dev),
                         draft_logits=chain.logits, lookup_rows=[bool(c) for c in conts],
                         model_rows=list(model_rows), source="mixed")

@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import osd
 from osd.drafters import ChainProposal, ModelDrafter, TreeProposal
 from osd.prompt_lookup import lookup_tree
+from osd.tree import depths_from_parents, mask_from_parents
 from osd.spec import DynamicTree
 from osd.speculative import AdaptiveStopper
 from osd_kernels.warp import warp_probs
@@ -389,6 +390,14 @@ def test_lookup_tree_layout():
     assert prop.draft_nodes.tolist() == [[1, 2, 4], [1, 2, 3], [0, 0, 0]]
     assert prop.max_depth == 5 and prop.lookup_rows == [True, False, True]
     assert prop.model_rows == [True, True, False]
+    assert torch.equal(prop.mask, mask_from_parents(prop.parents))
+    assert torch.equal(prop.depths, depths_from_parents(prop.parents))
+    # a 63-draft lookup chain: the last node's ancestor bit is bit 63 (int64's sign bit)
+    wide = lookup_tree(torch.tensor([1, 2]), ChainProposal(
+        chain.tokens[:2], None, chain.logits[:2], None, 3), [list(range(63)), [5]],
+        [False, True])
+    assert wide.tokens.shape == (2, 64)
+    assert torch.equal(wide.mask, mask_from_parents(wide.parents))
 
 
 @pytest.mark.parametrize("tree", [None, osd.DynamicTree(topk=2, depth=2, max_nodes=4)])
