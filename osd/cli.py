@@ -142,14 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "target's features (eagle)")
     d.add_argument("--lookup-history", type=int, default=None, metavar="TOKENS",
                    help="prompt lookup also over this many tokens of earlier answers "
-                   "(default 0: each request's own text)")
+                   "(chat default 65536; 0, the builtin default: each request's own text)")
     d.add_argument("--lookup-tokens", type=int, default=None, metavar="N",
                    help="most drafts of a step drafted by prompt lookup alone "
                    "(SpecConfig.lookup_tokens; chat default 8, builtin 0: k)")
-    d.add_argument("--lookup-min-match", type=int, default=1, metavar="N",
+    d.add_argument("--lookup-min-match", type=int, default=None, metavar="N",
                    help="shortest suffix prompt lookup matches (SpecConfig.ngram_min, 1-3; "
-                   "with --lookup-history, 2 leaves the draft model the positions a single "
-                   "token's match would guess)")
+                   "chat default 2: with a lookup history, the draft model drafts the "
+                   "positions a single token's match would guess; builtin 1)")
     d.add_argument("--lookup-tree-below", type=int, default=None, metavar="N",
                    help="steps whose lookup match is shorter than N tokens verify it beside "
                    "the draft model's chain in one tree (SpecConfig.lookup_tree_below; "

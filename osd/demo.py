@@ -42,6 +42,7 @@ from tqdm import tqdm
 import osd
 from osd import zoo
 from osd.models.quant import FORMATS as QUANT_FORMATS
+from osd.scoring import draft_alphas
 
 PAIRS = ("chat", "builtin")
 DRAFTS = ("model", "eagle")
@@ -65,7 +66,7 @@ class DemoConfig:
     #                                        earlier answers (SpecConfig.lookup_history)
     lookup_tokens: int | None = None       # most drafts of a lookup step
     #                                        (SpecConfig.lookup_tokens; 0: k)
-    lookup_min_match: int = 1              # shortest suffix prompt lookup matches
+    lookup_min_match: int | None = None    # shortest suffix prompt lookup matches
     #                                        (SpecConfig.ngram_min; at most ngram_max, 3)
     lookup_tree_below: int | None = None   # shorter matches verify beside the draft
     #                                        model's chain, in one tree
@@ -92,6 +93,8 @@ class DemoConfig:
             raise ValueError(f"pair must be one of {PAIRS}, got {self.pair!r}")
         if self.adaptive and self.lookup_tree_below is None:
             self.lookup_tree_below = 0          # adaptive chains replace the lookup trees
+        if self.prompt_lookup is False and self.lookup_min_match is None:
+            self.lookup_min_match = 1           # the pair's default needs prompt lookup
         for name, value in DEFAULTS[self.pair].items():
             if getattr(self, name) is None:
                 setattr(self, name, value() if callable(value) else value)
@@ -144,10 +147,14 @@ def online_recipe(pair: str) -> osd.OnlineConfig:
     makes a step about 4x dearer, and the learner then falls behind the stream.
     A learning rate of 3e-4 rather than 5e-4 or more leaves the draft accepting more of
     what it drafts on the stream's last requests (2e-4 learned as much).
+    Four steps per update rather than eight: the learner's work on the other core slows
+    serving on this one (they share the memory bus), and with lookup over earlier answers
+    in front of the draft (the demo's default) half the steps still raise the draft's
+    α on the answers by over 0.2 while serving keeps pace with the static draft.
     ``docs/chat_draft.md`` has the measurements behind it.
     """
     if pair == "chat":
-        return osd.OnlineConfig(update_every_requests=8, steps_per_update=8, lr=3e-4,
+        return osd.OnlineConfig(update_every_requests=8, steps_per_update=4, lr=3e-4,
                                 batch_positions=1536, replay_fraction=0.75,
                                 prompt_positions=0, holdout_requests=8, guard_tolerance=0.02,
                                 max_train_len=128, autocast="auto",
@@ -158,12 +165,12 @@ def online_recipe(pair: str) -> osd.OnlineConfig:
 
 DEFAULTS = {
     "chat": dict(baseline_requests=8, static_requests=50, max_new_tokens=48,
-                 num_draft_tokens=3, threads=1, prompt_lookup=True, lookup_history=0,
-                 lookup_tokens=8, lookup_tree_below=3, draft="model", quantize_draft="Q8_0",
+                 num_draft_tokens=3, threads=1, prompt_lookup=True, lookup_history=65536,
+                 lookup_min_match=2, lookup_tokens=8, lookup_tree_below=3, draft="model", quantize_draft="Q8_0",
                  online=lambda: online_recipe("chat")),
     "builtin": dict(baseline_requests=40, static_requests=200, max_new_tokens=32,
                     num_draft_tokens=4, threads=1, prompt_lookup=False, lookup_history=0,
-                    lookup_tokens=0, lookup_tree_below=0, draft="model",
+                    lookup_min_match=1, lookup_tokens=0, lookup_tree_below=0, draft="model",
                     quantize_draft="none",
                     online=lambda: online_recipe("builtin")),
 }
@@ -252,7 +259,9 @@ def _side_by_side(online, static, plain, prompts, params, first_index: int,
     (``Engine.learning_paused``), by the static draft and, every ``plain_every``-th
     request, by the target alone, so that the speedups compare the same requests at the
     same time on this shared machine. Every output must equal the online engine's (the
-    target's). Records per engine name."""
+    target's). The online and static records also carry ``alpha_text``, each draft's
+    teacher-forced α over the whole answer (``osd.scoring.draft_alphas``). Records per
+    engine name."""
     recs = {"online": [], "static": [], "plain": []}
     bar = tqdm(prompts, desc="side by side", unit="req", dynamic_ncols=True)
     for n, prompt in enumerate(bar):
@@ -268,6 +277,12 @@ def _side_by_side(online, static, plain, prompts, params, first_index: int,
                 if other.token_ids != out.token_ids:
                     raise AssertionError(f"request {i}: the {name} engine's output differs "
                                          f"from the online engine's")
+            # Each draft's α on the answer itself (teacher-forced, every position),
+            # untimed: the online draft as it served this request.
+            a_on, a_st = draft_alphas(online.model, [online.draft, static.draft],
+                                      list(prompt) + out.token_ids, len(prompt))
+            recs["online"][-1]["alpha_text"] = a_on
+            recs["static"][-1]["alpha_text"] = a_st
         post = {"alpha": f"{_mean([r['alpha'] for r in recs['online'][-20:]]):.3f}"}
         for name in ("online", "static"):
             post[name] = f"{_shared_speedup(recs[name], recs['plain']):.2f}x"
@@ -303,6 +318,12 @@ def _decode_tps(records):
     """tokens/s after each request's first token: what speculation speeds up."""
     return (sum(r["tokens"] - 1 for r in records)
             / sum(r["seconds"] - r["prefill_seconds"] for r in records))
+
+
+def _fmt(x, sign: bool = False) -> str:
+    """An α (or, with ``sign``, a difference of two) that may be missing: an EAGLE
+    draft's teacher-forced α."""
+    return "-" if x is None or x != x else f"{x:+.3f}" if sign else f"{x:.3f}"
 
 
 def _mean(xs):
@@ -492,9 +513,11 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
         "plain_tokens_per_s_shared": plain_window, "shared_requests": len(shared),
         "max_new_tokens": cfg.max_new_tokens, "window": tail,
         "static": {"alpha_last": _mean([r["alpha"] for r in st_last]),
+                   "alpha_text_last": _mean([r.get("alpha_text") for r in st_last]),
                    "tokens_per_s_last": _tps(st_last), "requests": len(st_rec)},
         "online": {"alpha_first20": _mean(a_online[:20]),
                    "alpha_last": _mean([r["alpha"] for r in on_last]),
+                   "alpha_text_last": _mean([r.get("alpha_text") for r in on_last]),
                    "tokens_per_s_last": _tps(on_last),
                    "updates_applied": online_stats["online"]["updates_applied"],
                    "updates_rejected": online_stats["online"]["updates_rejected"]},
@@ -514,6 +537,7 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
         json.dump({"summary": s, "static": st_rec, "online": on_rec, "plain": base,
                    "plain_window": pl_rec}, f, indent=1)
     gain = s["online"]["alpha_last"] - s["static"]["alpha_last"]
+    gain_text = s["online"]["alpha_text_last"] - s["static"]["alpha_text_last"]
     lines = [
         "# osd demo report", "",
         f"{label}: {n} requests, greedy, batch size 1, k = {k}"
@@ -537,19 +561,24 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
         f"target alone, so the speedups compare the same {len(shared)} requests at the same "
         f"time; every output equalled the target's. Draft cost ratio c = {c:.3f} (draft "
         f"decode step / target decode step, measured).", "",
-        f"| decoding | α, last {tail} requests | tokens/s, last {tail} | tokens/s, the "
+        f"| decoding | α on the answers, last {tail} | α where the draft model drafted "
+        f"| tokens/s, last {tail} | tokens/s, the "
         f"{len(shared)} served by all three | speedup | speedup after the first token "
         f"| analytic bound |",
-        "|---|---|---|---|---|---|---|",
-        f"| target alone | | | {plain_window:.1f} | 1.00x | 1.00x | |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| target alone | | | | {plain_window:.1f} | 1.00x | 1.00x | |",
     ]
     for key in ("static", "online"):
         d = s[key]
-        lines.append(f"| {key} | {d['alpha_last']:.3f} | {d['tokens_per_s_last']:.1f} | "
+        lines.append(f"| {key} | {_fmt(d['alpha_text_last'])} | {d['alpha_last']:.3f} | "
+                     f"{d['tokens_per_s_last']:.1f} | "
                      f"{d['tokens_per_s_shared']:.1f} | {d['speedup_last']:.2f}x | "
                      f"{d['decode_speedup_last']:.2f}x | {d['analytic_bound_last']:.2f}x |")
     lines += [
-        "", f"Online α over the first 20 requests: {s['online']['alpha_first20']:.3f}; over the "
+        "", f"Over the last {tail} requests the online draft's α on the answers is "
+        f"{_fmt(s['online']['alpha_text_last'])}, {_fmt(gain_text, True)} against the static "
+        f"draft's on the same answers. Where the draft model drafted, online α over the "
+        f"first 20 requests: {s['online']['alpha_first20']:.3f}; over the "
         f"last {tail}: {s['online']['alpha_last']:.3f} ({gain:+.3f} against the static draft "
         f"on the same requests). Online updates applied: {s['online']['updates_applied']}, "
         f"rejected by the guard: {s['online']['updates_rejected']}. The target alone "
@@ -559,8 +588,12 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
         f"and first token, which speculation does not shorten; the column after the "
         f"speedup compares the time after each request's first token.", "",
         "α is the exact 1 − TV(p, q) between the target's and the draft's next-token "
-        "distributions, averaged over the positions the draft model drafted"
-        f"{' (steps drafted by prompt lookup are not in α, but are in tokens/s)' if cfg.prompt_lookup else ''}"
+        "distributions (greedy: their plain softmax). α on the answers averages it over "
+        "every answer position, the draft reading the answer itself (teacher-forced, "
+        "measured after each request, untimed, with the online draft as it served it): the "
+        "draft's acceptance on the text, whichever drafter served each step. α where the "
+        "draft model drafted averages it over the positions it drafted while serving"
+        f"{' (steps drafted by prompt lookup alone are in neither that α nor its count, but are in tokens/s; lookup covers the positions that are easiest to guess, so this α depends on what lookup left)' if cfg.prompt_lookup else ''}"
         f". The static draft served the last {len(st_rec)} requests"
         f"{', its lookup history holding the answers before them' if cfg.lookup_history else ''}.", "",
         "![alpha](alpha.png)", "", "![tokens/s](tokens_per_s.png)", "", "![speedup](speedup.png)",

@@ -24,3 +24,34 @@ def score_tokens(model, ids: list[int], n: int, context: int) -> list[TokenLogpr
         nxt = torch.tensor(ids[start + 1:start + 1 + len(piece)], device=device)
         entries += token_logprobs(logits[0], nxt, n)
     return entries
+
+
+@torch.no_grad()
+def draft_alphas(target, drafts: list, ids: list[int], start: int) -> list[float | None]:
+    """Teacher-forced acceptance of each draft on a served sequence: the mean over the
+    positions ``start .. len(ids) - 1`` (an answer after its prompt ``ids[:start]``) of
+    ``1 - TV(p, q) = sum_x min(p(x), q(x))``, p and q the plain softmax of the target's
+    and the draft's next-token logits given ``ids`` before the position.
+
+    This is the draft's α on the text itself, whichever drafter (the draft model, prompt
+    lookup) served each step. The target runs once for every draft; an EAGLE draft
+    (which drafts from the target's features) gets None.
+    """
+    from osd.models.eagle import EagleLM
+
+    n = len(ids) - start
+    if start < 1 or n < 1:
+        raise ValueError(f"draft_alphas needs 1 <= start < len(ids), got start={start}, "
+                         f"len(ids)={len(ids)}")
+    x = torch.tensor([ids], device=target.device)
+    rows = torch.arange(start - 1, len(ids) - 1, device=target.device)
+    p = torch.softmax(target.forward_train(x, rows=rows).float(), -1)      # [n, V]
+    out = []
+    for draft in drafts:
+        if isinstance(draft, EagleLM):
+            out.append(None)
+            continue
+        q = torch.softmax(draft.forward_train(x.to(draft.device), rows=rows.to(draft.device))
+                          .float(), -1).to(p.device)
+        out.append(float(torch.minimum(p, q).sum(-1).mean()))
+    return out

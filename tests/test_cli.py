@@ -129,14 +129,18 @@ def test_demo_command_names_the_options_that_differ():
     from osd.demo import DemoConfig, _command
 
     assert _command(DemoConfig()) == "osd demo --pair chat"
-    cfg = DemoConfig(max_new_tokens=128, lookup_history=65536, lookup_min_match=2,
+    cfg = DemoConfig(max_new_tokens=128, lookup_history=0, lookup_min_match=1,
                      adaptive=True, quantize_draft="none", seed=3)
     cmd = _command(cfg)
-    assert cmd == ("osd demo --pair chat --quantize-draft none --lookup-history 65536 "
-                   "--lookup-min-match 2 --adaptive --max-new-tokens 128 --seed 3")
+    assert cmd == ("osd demo --pair chat --quantize-draft none --lookup-history 0 "
+                   "--lookup-min-match 1 --adaptive --max-new-tokens 128 --seed 3")
     args = cli.build_parser().parse_args(cmd.split()[1:])
     assert (args.max_new_tokens, args.lookup_history, args.lookup_min_match, args.adaptive,
-            args.quantize_draft, args.seed) == (128, 65536, 2, True, "none", 3)
+            args.quantize_draft, args.seed) == (128, 0, 1, True, "none", 3)
+    defaults = DemoConfig()
+    assert (defaults.lookup_history, defaults.lookup_min_match) == (65536, 2)
+    assert DemoConfig(prompt_lookup=False, lookup_history=0,
+                      lookup_tree_below=0).lookup_min_match == 1
     assert DemoConfig(adaptive=True).lookup_tree_below == 0
     assert _command(DemoConfig(num_draft_tokens=4, lookup_tree_below=0)) == \
         "osd demo --pair chat --lookup-tree-below 0 -k 4"

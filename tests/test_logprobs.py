@@ -93,3 +93,34 @@ def test_score_equals_transformers(target):
     assert eng.generate(prompts[:1], osd.SamplingParams(10))[0].token_ids == before
     with pytest.raises(ValueError, match="logprobs must be in"):
         eng.score(prompts, logprobs=50)
+
+
+def test_draft_alphas_equal_transformers_teacher_forced(target):
+    """``draft_alphas``: each draft's mean ``sum_x min(p, q)`` over the answer positions,
+    p and q transformers' softmax on the whole sequence; a reduced head puts no mass
+    outside its rows; the target as its own draft scores 1; an EAGLE draft gets None."""
+    from osd.models.eagle import EagleLM
+    from osd.scoring import draft_alphas
+
+    hf_draft = perturbed(target, 0.4, seed=36)
+    eng = osd.Engine.from_pretrained(target, draft=hf_draft, max_batch_size=1,
+                                     max_seq_len=96, spec=osd.SpecConfig(num_draft_tokens=3))
+    prompt = prompts_of([13], seed=37)[0]
+    ids = prompt + eng.generate([prompt], osd.SamplingParams(17))[0].token_ids
+    reduced = osd.Engine.from_pretrained(hf_draft, max_batch_size=1, max_seq_len=96).model
+    head = torch.randperm(reduced.vocab_size, generator=torch.Generator().manual_seed(38))[:50]
+    reduced.restrict_head(head)
+    eagle = EagleLM.from_target(eng.model)
+    got = draft_alphas(eng.model, [eng.draft, reduced, eng.model, eagle], ids, len(prompt))
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        p = torch.softmax(target(x).logits[0, len(prompt) - 1:-1].float(), -1)
+        q = torch.softmax(hf_draft(x).logits[0, len(prompt) - 1:-1].float(), -1)
+    assert got[0] == pytest.approx(torch.minimum(p, q).sum(-1).mean().item(), abs=1e-5)
+    q_head = torch.zeros_like(q)
+    q_head[:, head] = torch.softmax(torch.log(q[:, head]), -1)
+    assert got[1] == pytest.approx(torch.minimum(p, q_head).sum(-1).mean().item(), abs=1e-5)
+    assert got[2] == pytest.approx(1.0, abs=1e-5)
+    assert got[3] is None
+    with pytest.raises(ValueError, match="1 <= start < len"):
+        draft_alphas(eng.model, [eng.draft], ids, len(ids))
