@@ -418,7 +418,8 @@ def run_demo(cfg: DemoConfig | None = None) -> dict:
 
 
 def _plots(cfg, c, st_rec, on_rec, plain_tps, n_base, window_speedup, xs_window) -> None:
-    """alpha.png, tokens_per_s.png, speedup.png: rolling over 20 requests (α: mean;
+    """alpha.png, tokens_per_s.png, speedup.png: rolling over 20 requests (α: mean, where
+    the draft model drafted, and on the answers over the window ``xs_window``;
     tokens/s: tokens over seconds), against the target alone's rate on the first
     ``n_base`` requests, with the side-by-side window's measured speedup beside it."""
     import matplotlib
@@ -445,9 +446,14 @@ def _plots(cfg, c, st_rec, on_rec, plain_tps, n_base, window_speedup, xs_window)
         plt.close(fig)
 
     a_online = _rolling([r["alpha"] for r in on_rec])
+    window = on_rec[-len(xs_window):]
+    text = [(xs_window, _rolling([r.get("alpha_text") for r in recs]), f"{name}, on the answers")
+            for name, recs in (("static draft", st_rec[-len(xs_window):]),
+                               ("online draft", window))
+            if any(r.get("alpha_text") is not None for r in recs)]
     plot("alpha.png", "Acceptance on the shifted stream", "α = 1 − TV(p, q) (rolling mean of 20)",
-         [(xs_st, _rolling([r["alpha"] for r in st_rec]), "static draft"),
-          (xs_on, a_online, "online draft")])
+         [(xs_st, _rolling([r["alpha"] for r in st_rec]), "static draft, where it drafted"),
+          (xs_on, a_online, "online draft, where it drafted")] + text)
     rate_online = _rolling_rate(on_rec)
     plot("tokens_per_s.png", "Throughput at batch size 1", "tokens/s (rolling, 20 requests)",
          [(xs_st, _rolling_rate(st_rec), "osd, static draft"),
