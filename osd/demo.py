@@ -166,8 +166,8 @@ def online_recipe(pair: str) -> osd.OnlineConfig:
 DEFAULTS = {
     "chat": dict(baseline_requests=8, static_requests=50, max_new_tokens=48,
                  num_draft_tokens=3, threads=1, prompt_lookup=True, lookup_history=65536,
-                 lookup_min_match=2, lookup_tokens=8, lookup_tree_below=3, draft="model", quantize_draft="Q8_0",
-                 online=lambda: online_recipe("chat")),
+                 lookup_min_match=2, lookup_tokens=8, lookup_tree_below=3, draft="model",
+                 quantize_draft="Q8_0", online=lambda: online_recipe("chat")),
     "builtin": dict(baseline_requests=40, static_requests=200, max_new_tokens=32,
                     num_draft_tokens=4, threads=1, prompt_lookup=False, lookup_history=0,
                     lookup_min_match=1, lookup_tokens=0, lookup_tree_below=0, draft="model",
@@ -447,7 +447,8 @@ def _plots(cfg, c, st_rec, on_rec, plain_tps, n_base, window_speedup, xs_window)
 
     a_online = _rolling([r["alpha"] for r in on_rec])
     window = on_rec[-len(xs_window):]
-    text = [(xs_window, _rolling([r.get("alpha_text") for r in recs]), f"{name}, on the answers")
+    text = [(xs_window, _rolling([r.get("alpha_text") for r in recs]),
+             f"{name}, on the answers")
             for name, recs in (("static draft", st_rec[-len(xs_window):]),
                                ("online draft", window))
             if any(r.get("alpha_text") is not None for r in recs)]
