@@ -151,7 +151,8 @@ def online_recipe(pair: str) -> osd.OnlineConfig:
     serving on this one (they share the memory bus), and with lookup over earlier answers
     in front of the draft (the demo's default) half the steps still raise the draft's
     α on the answers by over 0.2 while serving keeps pace with the static draft.
-    ``docs/chat_draft.md`` has the measurements behind it.
+    ``docs/chat_draft.md`` (the recipe) and ``docs/chat_demo.md`` have the measurements
+    behind it.
     """
     if pair == "chat":
         return osd.OnlineConfig(update_every_requests=8, steps_per_update=4, lr=3e-4,
