@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--lookup-tree-below", type=int, default=None, metavar="N",
                    help="steps whose lookup match is shorter than N tokens verify it beside "
                    "the draft model's chain in one tree (SpecConfig.lookup_tree_below; "
-                   "chat default 3, builtin 0: off)")
+                   "chat default 4: every match, builtin 0: off)")
     d.add_argument("--adaptive", action="store_true",
                    help="the draft model's chains stop where it is unsure (SpecConfig."
                    "adaptive); -k is then the longest chain")

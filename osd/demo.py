@@ -167,7 +167,7 @@ def online_recipe(pair: str) -> osd.OnlineConfig:
 DEFAULTS = {
     "chat": dict(baseline_requests=8, static_requests=50, max_new_tokens=48,
                  num_draft_tokens=3, threads=1, prompt_lookup=True, lookup_history=65536,
-                 lookup_min_match=2, lookup_tokens=8, lookup_tree_below=3, draft="model",
+                 lookup_min_match=2, lookup_tokens=8, lookup_tree_below=4, draft="model",
                  quantize_draft="Q8_0", online=lambda: online_recipe("chat")),
     "builtin": dict(baseline_requests=40, static_requests=200, max_new_tokens=32,
                     num_draft_tokens=4, threads=1, prompt_lookup=False, lookup_history=0,

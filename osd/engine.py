@@ -786,7 +786,7 @@ def _spec_width(spec: SpecConfig) -> int:
     """Most tokens one verify forward feeds per row (root included)."""
     chain = max(spec.num_draft_tokens, spec.lookup_tokens) + 1
     if spec.lookup_tree_below:          # lookup's branch and the model's, below one root
-        return max(chain, 2 * spec.num_draft_tokens + 1)
+        return chain + spec.num_draft_tokens
     if spec.tree is None:
         return chain
     tree = spec.tree.num_nodes if isinstance(spec.tree, StaticTree) else spec.tree.max_nodes + 1

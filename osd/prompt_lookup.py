@@ -121,9 +121,10 @@ class LookupDrafter:
     tokens drafts alone; when every row has one the step is lookup's, as above.
     Otherwise the draft model drafts a greedy chain of ``k`` and every step is a tree
     (:func:`lookup_tree`): a row with a long match verifies its lookup chain, any other
-    row its lookup continuation (up to ``k`` tokens, or none) and the model's chain as two
-    branches. A short match is often wrong where the model is right, and the other way
-    round, and one verify forward tries both.
+    row its lookup continuation (as long as it would draft alone, or none) and the
+    model's chain as two branches. A short match is often wrong where the model is right,
+    and the other way round, and one verify forward tries both; where the match is right,
+    its branch runs as far as a lookup step's would.
     """
 
     has_model = True
@@ -170,8 +171,7 @@ class LookupDrafter:
             # seeded samples) do not depend on the batch it runs in.
             alone = [n >= self.tree_below for n, _ in found]
             chain = self.inner.propose(active, roots, GREEDY, seed, offset, k=k)
-            return lookup_tree(roots, chain, [c if a else c[:k] for (_, c), a in
-                                              zip(found, alone)], [not a for a in alone])
+            return lookup_tree(roots, chain, conts, [not a for a in alone])
         prop = self.inner.propose(active, roots, params, seed, offset, k=k, tree=tree,
                                   stopper=stopper)
         # A stopper calibrates on the model's own drafts: its steps stay the model's.

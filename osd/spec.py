@@ -52,8 +52,8 @@ class SpecConfig:
     is at least ``m`` tokens long. Unless every row has such a match, the draft model
     drafts a greedy chain of ``num_draft_tokens`` and the step verifies a tree per row:
     a row with a long match its lookup chain, any other row the model's chain beside its
-    lookup continuation (cut to ``num_draft_tokens``; none without a match), two
-    branches of one tree. A one-token match is often wrong where the model is right, and
+    lookup continuation (up to ``max(num_draft_tokens, lookup_tokens)`` drafts, as a
+    lookup step's; none without a match), two branches of one tree. A one-token match is often wrong where the model is right, and
     one verify forward tries both. ``m = ngram_max + 1`` puts every match beside the
     model. A row's drafts depend on its own context only, as without trees.
 
@@ -128,10 +128,12 @@ class SpecConfig:
         if self.lookup_tree_below and (self.tree is not None or self.adaptive):
             raise ValueError("SpecConfig.lookup_tree_below builds its own tree from the model's "
                              "chain: it does not combine with tree= or adaptive=True")
-        if self.lookup_tree_below and 1 + 2 * self.num_draft_tokens > MAX_TREE_NODES:
-            raise ValueError(f"SpecConfig.lookup_tree_below verifies up to 1 + 2 * "
-                             f"num_draft_tokens nodes, at most {MAX_TREE_NODES}: got "
-                             f"num_draft_tokens={self.num_draft_tokens}")
+        if self.lookup_tree_below and (1 + max(self.num_draft_tokens, self.lookup_tokens)
+                                       + self.num_draft_tokens > MAX_TREE_NODES):
+            raise ValueError(f"SpecConfig.lookup_tree_below verifies up to 1 + "
+                             f"max(num_draft_tokens, lookup_tokens) + num_draft_tokens nodes, "
+                             f"at most {MAX_TREE_NODES}: got num_draft_tokens="
+                             f"{self.num_draft_tokens}, lookup_tokens={self.lookup_tokens}")
         if self.lookup_history < 0:
             raise ValueError(f"SpecConfig.lookup_history must be >= 0, got {self.lookup_history}")
         if self.lookup_history and not (self.prompt_lookup or self.drafter == "ngram"):

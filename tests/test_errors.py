@@ -207,7 +207,9 @@ def test_unknown_device(engine, expected, hf):
     (dict(lookup_tree_below=3, prompt_lookup=True, adaptive=True), "does not combine"),
     (dict(lookup_tree_below=3, prompt_lookup=True, tree=[(0,), (1,)]), "does not combine"),
     (dict(lookup_tree_below=3, prompt_lookup=True, num_draft_tokens=40),
-     "up to 1 \\+ 2 \\* num_draft_tokens"),
+     "up to 1 \\+ max\\(num_draft_tokens, lookup_tokens\\) \\+ num_draft_tokens"),
+    (dict(lookup_tree_below=3, prompt_lookup=True, num_draft_tokens=3, lookup_tokens=61),
+     "lookup_tokens=61"),
 ])
 def test_bad_spec_config(kwargs, match):
     with pytest.raises(ValueError, match=match):

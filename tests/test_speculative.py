@@ -348,7 +348,9 @@ def test_lookup_tree_beside_the_model(llama_pair, plain, k, below):
     """lookup_tree_below: steps with a short match (or a row without one) verify lookup's
     continuation and the draft model's chain as two branches of one tree, rows of a batch
     padded to one width; matches of ``below`` or more tokens in every row still draft
-    alone (none are when ``below`` passes ``ngram_max``). Greedy output equals the target's, alone and in a ragged batch; α is measured
+    alone (none are when ``below`` passes ``ngram_max``); a branch of lookup runs up to
+    ``lookup_tokens``, past k. Greedy output equals the target's, alone and in a ragged
+    batch; α is measured
     along the model's branch (1 for a perfect draft, whose branch is then always taken)."""
     target, draft = llama_pair
     prompts = [prompts_of([7], seed=81)[0] * 5, list(range(40, 60)),
@@ -373,6 +375,8 @@ def test_lookup_tree_beside_the_model(llama_pair, plain, k, below):
         sources |= {getattr(v.proposal, "source", None) for v in verdicts}
     assert eng.stats["alpha"] == pytest.approx(1.0, abs=1e-4)
     assert ("lookup" in sources) == (below == 2)     # 2-token matches draft alone
+    # beside the model, a match's branch runs as far as a lookup step's (lookup_tokens)
+    assert any(v.proposal.max_depth > k for v in trees)
 
 
 def test_lookup_tree_layout():
