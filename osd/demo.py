@@ -321,6 +321,16 @@ def _decode_tps(records):
             / sum(r["seconds"] - r["prefill_seconds"] for r in records))
 
 
+def _tree_phrase(below: int) -> str:
+    """How the report names ``SpecConfig.lookup_tree_below``."""
+    if not below:
+        return ""
+    if below > osd.SpecConfig.ngram_max:
+        return (", every match verified beside the draft model's chain in one tree (its "
+                "whole continuation)")
+    return f", shorter matches than {below} tokens verified beside the draft model in one tree"
+
+
 def _fmt(x, sign: bool = False) -> str:
     """An α (or, with ``sign``, a difference of two) that may be missing: an EAGLE
     draft's teacher-forced α."""
@@ -553,7 +563,7 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
         f"{f' (also over {cfg.lookup_history} tokens of earlier answers)' if cfg.lookup_history else ''}"
         f"{f', lookup steps verifying up to {cfg.lookup_tokens} drafts' if cfg.lookup_tokens else ''}"
         f"{f', lookup on matches of {cfg.lookup_min_match}+ tokens' if cfg.lookup_min_match > 1 else ''}"
-        f"{f', shorter matches than {cfg.lookup_tree_below} tokens verified beside the draft model in one tree' if cfg.lookup_tree_below else ''}"
+        f"{_tree_phrase(cfg.lookup_tree_below)}"
         f"{', draft chains stopping where the draft is unsure (adaptive)' if cfg.adaptive else ''}"
         f", up to "
         f"{cfg.max_new_tokens} "
