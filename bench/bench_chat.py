@@ -67,7 +67,9 @@ QUANT_SPECS = {"osd-quant-spec-lookup": dict(num_draft_tokens=K, prompt_lookup=T
                "osd-quant-eagle-lookup": dict(num_draft_tokens=3, prompt_lookup=True,
                                               ngram_min=2)}
 QUANT_SPECS["osd-quant-eagle-lookup-q8"] = QUANT_SPECS["osd-quant-eagle-lookup"]
-# The standalone draft's shape in ``osd demo`` (docs/chat_demo.md, "Lookup trees").
+# Lookup trees with 3-token matches drafting alone, the standalone draft's shape measured
+# on independent prompts (docs/chat_demo.md, "Lookup trees"; the demo also looks up
+# earlier answers, so it puts every match beside the draft's chain).
 TREE_SPEC = dict(num_draft_tokens=3, prompt_lookup=True, lookup_tokens=LOOKUP_TOKENS,
                  lookup_tree_below=3)
 EAGLE_TREE_SPEC = dict(TREE_SPEC, num_draft_tokens=4)   # the EAGLE draft's longer branch
