@@ -284,7 +284,9 @@ def _side_by_side(online, static, plain, prompts, params, first_index: int,
                                       list(prompt) + out.token_ids, len(prompt))
             recs["online"][-1]["alpha_text"] = a_on
             recs["static"][-1]["alpha_text"] = a_st
-        post = {"alpha": f"{_mean([r['alpha'] for r in recs['online'][-20:]]):.3f}"}
+        post = {"alpha": f"{_mean([r['alpha'] for r in recs['online'][-20:]]):.3f}",
+                "alpha on answers": _fmt(_mean([r.get("alpha_text")
+                                               for r in recs["online"][-20:]]))}
         for name in ("online", "static"):
             post[name] = f"{_shared_speedup(recs[name], recs['plain']):.2f}x"
         bar.set_postfix(post)
