@@ -334,8 +334,8 @@ def _tree_phrase(below: int) -> str:
 
 
 def _fmt(x, sign: bool = False) -> str:
-    """An α (or, with ``sign``, a difference of two) that may be missing: an EAGLE
-    draft's teacher-forced α."""
+    """An α (or, with ``sign``, a difference of two) that may be missing (None or NaN:
+    nothing scored)."""
     return "-" if x is None or x != x else f"{x:+.3f}" if sign else f"{x:.3f}"
 
 

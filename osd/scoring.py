@@ -34,8 +34,10 @@ def draft_alphas(target, drafts: list, ids: list[int], start: int) -> list[float
     and the draft's next-token logits given ``ids`` before the position.
 
     This is the draft's α on the text itself, whichever drafter (the draft model, prompt
-    lookup) served each step. The target runs once for every draft; an EAGLE draft
-    (which drafts from the target's features) gets None.
+    lookup) served each step. The target runs once for every draft. An EAGLE draft reads
+    token ``t + 1`` beside the target's feature at ``t`` and scores token ``t + 2`` there
+    (``osd.online.distill``), so it is fed ``ids[1:]`` with the target's features at
+    positions ``0 .. len(ids) - 2``; positions before 2 are not scored for it.
     """
     from osd.models.eagle import EagleLM
 
@@ -44,14 +46,19 @@ def draft_alphas(target, drafts: list, ids: list[int], start: int) -> list[float
         raise ValueError(f"draft_alphas needs 1 <= start < len(ids), got start={start}, "
                          f"len(ids)={len(ids)}")
     x = torch.tensor([ids], device=target.device)
-    rows = torch.arange(start - 1, len(ids) - 1, device=target.device)
-    p = torch.softmax(target.forward_train(x, rows=rows).float(), -1)      # [n, V]
+    rows = torch.arange(start - 1, len(ids) - 1, device=target.device)    # logits of t: t - 1
+    logits, feats = target.forward_train(x, rows=rows, return_hidden=True)
+    p = torch.softmax(logits.float(), -1)                                  # [n, V]
     out = []
     for draft in drafts:
+        dev = draft.device
         if isinstance(draft, EagleLM):
-            out.append(None)
-            continue
-        q = torch.softmax(draft.forward_train(x.to(draft.device), rows=rows.to(draft.device))
-                          .float(), -1).to(p.device)
-        out.append(float(torch.minimum(p, q).sum(-1).mean()))
+            keep = rows >= 1                                   # positions t >= 2
+            q = draft.forward_train(x[:, 1:].to(dev), rows=(rows[keep] - 1).to(dev),
+                                    features=feats[:, :-1].to(dev))
+            pk = p[keep]
+        else:
+            q, pk = draft.forward_train(x.to(dev), rows=rows.to(dev)), p
+        q = torch.softmax(q.float(), -1).to(p.device)
+        out.append(float(torch.minimum(pk, q).sum(-1).mean()) if len(pk) else None)
     return out

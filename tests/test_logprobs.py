@@ -98,9 +98,12 @@ def test_score_equals_transformers(target):
 def test_draft_alphas_equal_transformers_teacher_forced(target):
     """``draft_alphas``: each draft's mean ``sum_x min(p, q)`` over the answer positions,
     p and q transformers' softmax on the whole sequence; a reduced head puts no mass
-    outside its rows; the target as its own draft scores 1; an EAGLE draft gets None."""
-    from osd.models.eagle import EagleLM
+    outside its rows; the target as its own draft scores 1; an EAGLE draft scores what the
+    online learner's held-out scoring gives the same answer."""
+    from osd.online.buffer import Example
+    from osd.online.distill import heldout_alpha
     from osd.scoring import draft_alphas
+    from tests.test_eagle import _eagle
 
     hf_draft = perturbed(target, 0.4, seed=36)
     eng = osd.Engine.from_pretrained(target, draft=hf_draft, max_batch_size=1,
@@ -110,7 +113,7 @@ def test_draft_alphas_equal_transformers_teacher_forced(target):
     reduced = osd.Engine.from_pretrained(hf_draft, max_batch_size=1, max_seq_len=96).model
     head = torch.randperm(reduced.vocab_size, generator=torch.Generator().manual_seed(38))[:50]
     reduced.restrict_head(head)
-    eagle = EagleLM.from_target(eng.model)
+    eagle = _eagle(eng.model, seed=39)
     got = draft_alphas(eng.model, [eng.draft, reduced, eng.model, eagle], ids, len(prompt))
     with torch.no_grad():
         x = torch.tensor([ids])
@@ -121,6 +124,14 @@ def test_draft_alphas_equal_transformers_teacher_forced(target):
     q_head[:, head] = torch.softmax(torch.log(q[:, head]), -1)
     assert got[1] == pytest.approx(torch.minimum(p, q_head).sum(-1).mean().item(), abs=1e-5)
     assert got[2] == pytest.approx(1.0, abs=1e-5)
-    assert got[3] is None
+    # the EAGLE draft against the learner's held-out scoring of the same answer (its own
+    # alignment of tokens, features and targets), with the target's full logits
+    with torch.no_grad():
+        full, feats = eng.model.forward_train(torch.tensor([ids]), return_hidden=True)
+    tokens = torch.tensor(ids)
+    positions = torch.arange(len(prompt), len(ids))
+    ex = Example(tokens, positions, None, None, full[0, positions - 1],
+                 features=feats[0, :-1].to(torch.float16))
+    assert got[3] == pytest.approx(heldout_alpha(eagle, [ex], 512, "cpu"), abs=2e-3)
     with pytest.raises(ValueError, match="1 <= start < len"):
         draft_alphas(eng.model, [eng.draft], ids, len(ids))
