@@ -226,8 +226,11 @@ def _engine_modes():
      dict(temperature=0.8, top_k=6, top_p=0.9)),
     (dict(num_draft_tokens=2, prompt_lookup=True, lookup_tree_below=4),
      dict(temperature=0.8, top_k=6, top_p=0.9)),
+    # a lookup branch (3 drafts) deeper than the model's (1) in the same tree
+    (dict(num_draft_tokens=1, prompt_lookup=True, lookup_tokens=3, lookup_tree_below=4),
+     dict(temperature=0.9, top_k=0, top_p=0.95)),
 ], ids=["chain", "chain-t", "tree", "dyntree", "lookup", "auto-k", "lookup-long",
-        "lookup-tree"])
+        "lookup-tree", "lookup-tree-long"])
 def test_sampled_joint_follows_target(spec, params, mode):
     """The joint of the first three tokens over 50,000 requests in batches of 4096 (the
     first drawn by the plain sampler at prefill, the others by speculative steps);
