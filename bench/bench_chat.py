@@ -174,7 +174,7 @@ def _engine(setup, provider):
                                           quantize_draft=_draft_format(provider))
     eng = osd.Engine.from_pretrained(
         setup["target"], draft=draft, spec=spec, max_batch_size=1, max_seq_len=1024,
-        online=online_recipe("chat"))
+        online=online_recipe("chat"), quantize_draft=None)   # warm-up with the float draft
     for p in setup["warmup"]:
         eng.generate([p], osd.SamplingParams(NEW_TOKENS))
     eng.close()

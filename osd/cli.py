@@ -41,17 +41,21 @@ def _generate(args) -> int:
         args.target, chat_draft = zoo.chat_pair()
         if args.draft is None and args.drafter == "model":
             args.draft = chat_draft
+    # No speculation flag: spec=None lets from_pretrained take the draft's recommended
+    # settings (its serving.json; the chat drafts carry one) or a chain of 4.
     spec = None
-    if args.draft or args.drafter != "model":
-        spec = osd.SpecConfig(num_draft_tokens=args.k, drafter=args.drafter,
-                              prompt_lookup=args.prompt_lookup, lookup_tokens=args.lookup_tokens,
-                              lookup_tree_below=args.lookup_tree_below)
+    flags = (args.k, args.lookup_tokens, args.lookup_tree_below)
+    if (args.draft and (args.prompt_lookup or flags != (None,) * 3)) or args.drafter != "model":
+        spec = osd.SpecConfig(num_draft_tokens=4 if args.k is None else args.k,
+                              drafter=args.drafter, prompt_lookup=args.prompt_lookup,
+                              lookup_tokens=args.lookup_tokens or 0,
+                              lookup_tree_below=args.lookup_tree_below or 0)
     online = osd.OnlineConfig(background=False) if args.online else None
     engine = osd.Engine.from_pretrained(args.target, draft=args.draft, device=args.device,
                                         dtype=dtype, spec=spec, online=online,
                                         max_batch_size=1, max_seq_len=args.max_seq_len,
                                         quantized=args.quantized,
-                                        quantize_draft=args.quantize_draft)
+                                        quantize_draft=_draft_format(args.quantize_draft))
     params = osd.SamplingParams(args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                 stop=args.stop or None,
@@ -75,13 +79,18 @@ def _generate(args) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     st = engine.stats
-    if spec is not None:
+    if engine.spec is not None:
         alpha = st["alpha"]
         print(f"[{len(tokens)} tokens, {st['tokens_per_s'] or 0:.1f} tok/s, "
               f"acceptance {st['acceptance_rate'] or 0:.2f}"
               + (f", alpha {alpha:.3f}" if alpha is not None else "") + "]", file=sys.stderr)
     engine.close()
     return 0
+
+
+def _draft_format(value: str | None) -> str | None:
+    """``--quantize-draft``'s value for ``from_pretrained``: "none" is None (float)."""
+    return None if value == "none" else value
 
 
 def _serve(args) -> int:
@@ -195,13 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-lookup", action="store_true",
                    help="with a draft model: draft by prompt lookup when the context repeats, "
                    "and run the draft model only when it does not")
-    g.add_argument("--lookup-tokens", type=int, default=0, metavar="N",
+    g.add_argument("--lookup-tokens", type=int, default=None, metavar="N",
                    help="with --prompt-lookup: most drafts of a step drafted by lookup (0: k)")
-    g.add_argument("--lookup-tree-below", type=int, default=0, metavar="N",
+    g.add_argument("--lookup-tree-below", type=int, default=None, metavar="N",
                    help="with --prompt-lookup: matches shorter than N tokens are verified "
                    "beside the draft model's chain in one tree (0: off; the chat demo uses 3)")
     g.add_argument("--online", action="store_true", help="let the draft learn while serving")
-    g.add_argument("-k", type=int, default=4, help="draft tokens per step")
+    g.add_argument("-k", type=int, default=None,
+                   help="draft tokens per step (default 4; without -k, --prompt-lookup or "
+                   "--lookup-*, the draft's recommended settings when it has them)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--max-seq-len", type=int, default=2048)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -218,10 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quantized", action="store_true",
                    help="keep a GGUF target's block-quantized weights (Q4_0 to Q6_K) "
                         "quantized (CPU, float32): the same model, fewer bytes read per token")
-    g.add_argument("--quantize-draft", default=None, choices=["Q8_0", "Q4_1", "Q4_0"],
+    g.add_argument("--quantize-draft", default="auto",
+                   choices=["auto", "Q8_0", "Q4_1", "Q4_0", "none"],
                    help="keep the draft's layers and head in this block format (CPU, "
                    "float32; with --online it learns in float32 and each update is "
-                   "quantized): cheaper drafting, the same output")
+                   "quantized): cheaper drafting, the same output. auto: the draft's "
+                   "recommended format (the chat drafts: Q8_0), none: float")
     g.set_defaults(func=_generate)
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
@@ -244,9 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lookup-history", type=int, default=0, metavar="TOKENS",
                    help="with --prompt-lookup: also look up in this many tokens of earlier "
                    "answers (0: each request's own text only)")
-    s.add_argument("--lookup-tokens", type=int, default=0, metavar="N",
+    s.add_argument("--lookup-tokens", type=int, default=None, metavar="N",
                    help="with --prompt-lookup: most drafts of a step drafted by lookup (0: k)")
-    s.add_argument("--lookup-tree-below", type=int, default=0, metavar="N",
+    s.add_argument("--lookup-tree-below", type=int, default=None, metavar="N",
                    help="with --prompt-lookup and a draft: matches shorter than N tokens are "
                    "verified beside the draft model's chain in one tree (0: off)")
     s.add_argument("--online", action="store_true", help="let the draft learn while serving")
@@ -254,7 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--model-name", default=None,
                    help="the model id clients send (default: the target's file name)")
-    s.add_argument("-k", "--k", type=int, default=4, dest="k", help="draft tokens per step")
+    s.add_argument("-k", "--k", type=int, default=None, dest="k",
+                   help="draft tokens per step (default 4; without -k, --prompt-lookup, "
+                   "--lookup-* or --auto-k, the draft's recommended settings when it has them)")
     s.add_argument("--auto-k", action="store_true",
                    help="choose the draft tokens per step (0 to k) from measured goodput")
     s.add_argument("--max-batch-size", type=int, default=8,
@@ -266,10 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quantized", action="store_true",
                    help="keep a GGUF target's block-quantized weights (Q4_0 to Q6_K) "
                         "quantized (CPU, float32)")
-    s.add_argument("--quantize-draft", default=None, choices=["Q8_0", "Q4_1", "Q4_0"],
+    s.add_argument("--quantize-draft", default="auto",
+                   choices=["auto", "Q8_0", "Q4_1", "Q4_0", "none"],
                    help="keep the draft's layers and head in this block format (CPU, "
                    "float32; with --online it learns in float32 and each update is "
-                   "quantized): cheaper drafting, the same output")
+                   "quantized): cheaper drafting, the same output. auto: the draft's "
+                   "recommended format (the chat drafts: Q8_0), none: float")
     s.add_argument("--prefix-cache", type=int, default=0, metavar="TOKENS",
                    help="keep the target's K/V of up to this many prompt tokens across "
                    "requests: a shared system prompt or a chat's earlier turns are not "

@@ -62,7 +62,7 @@ from osd.request import RequestError, RequestState, encode_prompts, stop_prefix_
 from osd.sampling import (BatchParams, Output, SamplingParams, TokenLogprobs, fail_rows,
                           nonfinite_rows, record_logprobs, request_seed, sample_tokens)
 from osd.scoring import score_tokens
-from osd.spec import SpecConfig
+from osd.spec import SpecConfig, serving_settings
 from osd.speculative import Speculator
 from osd.stats import SpecStats
 from osd.tree import StaticTree
@@ -224,7 +224,7 @@ class Engine:
                         online: OnlineConfig | None = None, attention_backend: str = "auto",
                         tokenizer=None, cuda_graphs: bool = True,
                         prefill_chunk: int | None = None, quantized: bool = False,
-                        quantize_draft: str | None = None,
+                        quantize_draft: str | None = "auto",
                         prefix_cache: int = 0, pack_weights: bool = True) -> "Engine":
         """Load ``target`` (and drafts): each a checkpoint directory, a GGUF file or a
         transformers model.
@@ -237,7 +237,10 @@ class Engine:
                 None (plain decoding, or a draft-free ``spec``: self-speculation, n-gram).
                 An EAGLE draft's directory (``osd.models.eagle``) loads on top of the
                 target.
-            spec: :class:`~osd.SpecConfig`; defaults to a chain of 4 when a draft is given.
+            spec: :class:`~osd.SpecConfig`; None: the draft's recommended settings when a
+                single draft directory carries them (``serving.json``,
+                :func:`osd.spec.draft_serving_defaults`; the shipped chat drafts do), else
+                a chain of 4 when a draft is given.
             online: :class:`~osd.OnlineConfig` to let the draft(s) learn while serving.
 
         The tokenizer is loaded from the target directory when it has one (local files
@@ -251,7 +254,9 @@ class Engine:
         rounding, with fewer bytes read per token (drafts load as usual). CPU, float32
         and a GGUF target only (ValueError otherwise).
 
-        ``quantize_draft``, ``pack_weights``: see :class:`Engine`.
+        ``quantize_draft``, ``pack_weights``: see :class:`Engine`. The default ``"auto"``
+        takes the block format a single draft's ``serving.json`` recommends when the drafts
+        run in float32 on the CPU (where quantized drafts run), else None (float drafts).
         """
         drafts = [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) \
             else [draft]
@@ -267,6 +272,7 @@ class Engine:
                                    attention_backend=attention_backend) for d in drafts]
         if tokenizer is None:
             tokenizer = load_tokenizer(target)
+        spec, quantize_draft = serving_settings(drafts, draft_models, spec, quantize_draft)
         return cls(model, draft=draft_models or None, tokenizer=tokenizer,
                    max_batch_size=max_batch_size, max_seq_len=max_seq_len, spec=spec,
                    online=online, cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk,

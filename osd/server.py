@@ -479,18 +479,23 @@ def serve(args) -> int:
     name = name or os.path.basename(os.path.normpath(str(target))).removesuffix(".gguf")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    # No speculation flag with a draft: spec=None lets from_pretrained take the draft's
+    # recommended settings (its serving.json; the chat drafts carry one) or a chain of 4.
+    flags = [getattr(args, f, None) for f in ("k", "lookup_tokens", "lookup_tree_below")]
     spec = None
-    if draft is not None or args.prompt_lookup:
-        lookup_tokens = getattr(args, "lookup_tokens", 0)
+    if args.prompt_lookup or (draft is not None and (any(f is not None for f in flags)
+                                                    or getattr(args, "auto_k", False)
+                                                    or getattr(args, "lookup_history", 0))):
+        k = 4 if args.k is None else args.k
+        lookup_tokens = getattr(args, "lookup_tokens", None) or 0
         # Without a draft model the n-gram drafter is the lookup: its chains are lookup's.
-        spec = osd.SpecConfig(num_draft_tokens=args.k if draft is not None else
-                              lookup_tokens or args.k,
+        spec = osd.SpecConfig(num_draft_tokens=k if draft is not None else lookup_tokens or k,
                               drafter="model" if draft is not None else "ngram",
                               prompt_lookup=args.prompt_lookup and draft is not None,
                               lookup_tokens=lookup_tokens if draft is not None else 0,
                               lookup_history=getattr(args, "lookup_history", 0)
                               if args.prompt_lookup else 0,
-                              lookup_tree_below=getattr(args, "lookup_tree_below", 0)
+                              lookup_tree_below=getattr(args, "lookup_tree_below", None) or 0
                               if args.prompt_lookup and draft is not None else 0,
                               auto_k=getattr(args, "auto_k", False))
     if args.online and draft is None:
@@ -515,7 +520,8 @@ def serve(args) -> int:
             target, draft=draft, device=args.device, dtype=dtype, spec=spec, online=online,
             max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
             quantized=args.quantized, prefix_cache=getattr(args, "prefix_cache", 0),
-            quantize_draft=getattr(args, "quantize_draft", None))
+            quantize_draft=None if getattr(args, "quantize_draft", None) in (None, "none")
+            else args.quantize_draft)
     except BaseException:
         sock.close()
         raise

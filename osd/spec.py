@@ -1,7 +1,11 @@
 """Configuration of speculative decoding (``osd.SpecConfig``)."""
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+
+import torch
 
 from osd.tree import MAX_TREE_NODES, StaticTree
 
@@ -146,3 +150,59 @@ class SpecConfig:
     @property
     def is_tree(self) -> bool:
         return self.tree is not None
+
+
+SERVING_FILE = "serving.json"
+SERVING_KEYS = ("spec", "quantize_draft")
+
+
+def draft_serving_defaults(path) -> tuple[SpecConfig | None, str | None]:
+    """A draft checkpoint's recommended serving settings, from ``serving.json`` in its
+    directory: ``{"spec": {SpecConfig fields}, "quantize_draft": "Q8_0" or null}``, both
+    keys optional. ``Engine.from_pretrained`` uses them for a draft it is given alone
+    when the caller passes no ``spec`` (and leaves ``quantize_draft="auto"``); they are
+    the shape measured fastest for that draft, and change speed only, never the output.
+
+    Returns ``(spec or None, quantize_draft or None)``; ``(None, None)`` for a path
+    without the file (or one that is not a directory). A malformed file raises
+    ValueError naming it.
+    """
+    file = os.path.join(os.fspath(path), SERVING_FILE)
+    if not os.path.isfile(file):
+        return None, None
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+        if not isinstance(data, dict):
+            raise ValueError("expected a JSON object")
+        unknown = sorted(set(data) - set(SERVING_KEYS))
+        if unknown:
+            raise ValueError(f"unknown keys {unknown} (known: {list(SERVING_KEYS)})")
+        fields = data.get("spec")
+        if fields is not None and not isinstance(fields, dict):
+            raise ValueError("'spec' must be an object of SpecConfig fields")
+        spec = None if fields is None else SpecConfig(**fields)
+        fmt = data.get("quantize_draft")
+        if fmt is not None and not isinstance(fmt, str):
+            raise ValueError("'quantize_draft' must be a block format name or null")
+    except (ValueError, TypeError) as exc:    # json.JSONDecodeError is a ValueError
+        raise ValueError(f"bad draft serving settings in {file}: {exc}") from None
+    return spec, fmt
+
+
+def serving_settings(sources: list, drafts: list, spec: SpecConfig | None,
+                     quantize_draft: str | None) -> tuple[SpecConfig | None, str | None]:
+    """``Engine.from_pretrained``'s ``spec`` and ``quantize_draft``: the caller's, except
+    that ``spec=None`` and ``quantize_draft="auto"`` take what a single draft directory
+    recommends (:func:`draft_serving_defaults`). ``sources``: the drafts as given (paths
+    or models); ``drafts``: the loaded models. A recommended block format applies only
+    to float32 drafts on the CPU (where quantized drafts run); "auto" is None otherwise."""
+    rec_spec, rec_fmt = None, None
+    if len(sources) == 1 and isinstance(sources[0], (str, os.PathLike)):
+        rec_spec, rec_fmt = draft_serving_defaults(sources[0])
+    if spec is None:
+        spec = rec_spec
+    if quantize_draft == "auto":
+        runs_quantized = all(d.device.type == "cpu" and d.dtype == torch.float32 for d in drafts)
+        quantize_draft = rec_fmt if drafts and runs_quantized else None
+    return spec, quantize_draft

@@ -57,7 +57,8 @@ def main(argv=None) -> dict:
                                      **json.loads(args.set))
     eng = osd.Engine.from_pretrained(
         target, draft=draft, spec=osd.SpecConfig(num_draft_tokens=4, prompt_lookup=True),
-        online=online, max_batch_size=1, max_seq_len=max(map(len, prompts)) + 56)
+        online=online, max_batch_size=1, max_seq_len=max(map(len, prompts)) + 56,
+        quantize_draft=None)
     params = osd.SamplingParams(48)
     records, t0 = [], time.perf_counter()
     bar = tqdm(range(args.first, args.n), desc="static" if args.static else "online")

@@ -124,3 +124,30 @@ def test_eagle_speculative_equals_plain_greedy():
                             spec=osd.SpecConfig(num_draft_tokens=4, prompt_lookup=lookup))
         assert [o.token_ids for o in engine.chat(convs, params)] == want
         assert engine.stats["accepted"] > 0
+
+
+@needs_target
+def test_shipped_drafts_serve_with_their_recommended_settings():
+    """Both shipped drafts carry ``serving.json`` (prompt lookup in front, the draft in
+    Q8_0): ``from_pretrained(target, draft=...)`` alone serves them that way, and greedy
+    chat answers still equal plain greedy decoding."""
+    from osd.models.quant import QuantLinear
+    from osd.spec import draft_serving_defaults
+
+    target = zoo_chat.cached_target()
+    plain = osd.Engine.from_pretrained(target, max_batch_size=2, max_seq_len=256)
+    convs = [[{"role": "user", "content": "Write a Python function that returns the "
+                                          "largest of three numbers."}],
+             [{"role": "system", "content": "Answer briefly."},
+              {"role": "user", "content": "What does a hash map do?"}]]
+    params = osd.SamplingParams(max_new_tokens=32)
+    want = [o.token_ids for o in plain.chat(convs, params)]
+    for path in (DRAFT_DIR, zoo_chat.chat_eagle()):
+        spec, fmt = draft_serving_defaults(path)
+        assert spec.prompt_lookup and fmt == "Q8_0"
+        engine = osd.Engine.from_pretrained(target, draft=path, max_batch_size=2,
+                                            max_seq_len=256)
+        assert engine.spec == spec
+        assert any(isinstance(m, QuantLinear) for m in engine.draft.modules())
+        assert [o.token_ids for o in engine.chat(convs, params)] == want
+        assert engine.stats["accepted"] > 0

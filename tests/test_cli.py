@@ -1,6 +1,7 @@
 """The ``osd`` console script: help texts, generation on the built-in pair, and errors
 reported as one ``error:`` line with exit status 2 (no traceback)."""
 import json
+import shutil
 
 import pytest
 
@@ -30,6 +31,35 @@ def test_generate_on_the_zoo_pair(extra, capsys):
     captured = capsys.readouterr()
     assert captured.out.strip()                       # the decoded continuation
     assert "12 tokens" in captured.err and "acceptance" in captured.err
+
+
+@pytest.mark.parametrize("extra,k,fmt", [([], 2, "Q8_0"), (["-k", "3"], 3, "Q8_0"),
+                                          (["--quantize-draft", "none"], 2, None)])
+def test_generate_takes_the_drafts_recommended_settings(tmp_path, monkeypatch, capsys, extra,
+                                                        k, fmt):
+    """Without speculation flags ``osd generate`` serves a draft with the settings its
+    ``serving.json`` recommends; a flag builds the spec from the flags instead, and
+    ``--quantize-draft none`` keeps the draft in float32."""
+    import osd
+    from osd.models.quant import QuantLinear
+
+    target, draft = zoo.default_pair()
+    mine = tmp_path / "draft"
+    shutil.copytree(draft, mine)
+    (mine / "serving.json").write_text(json.dumps(
+        {"spec": {"num_draft_tokens": 2, "prompt_lookup": True}, "quantize_draft": "Q8_0"}))
+    engines = []
+    load = osd.Engine.from_pretrained
+    monkeypatch.setattr(osd.Engine, "from_pretrained",
+                        lambda *a, **kw: engines.append(load(*a, **kw)) or engines[-1])
+    assert cli.main(["generate", "--target", target, "--draft", str(mine),
+                     "--max-new-tokens", "8", *extra, "def add(a, b):"]) == 0
+    (engine,) = engines
+    assert engine.spec.num_draft_tokens == k
+    assert engine.spec.prompt_lookup == (extra != ["-k", "3"])
+    quantized = [m.fmt for m in engine.draft.modules() if isinstance(m, QuantLinear)]
+    assert set(quantized) == ({fmt} if fmt else set())
+    assert "8 tokens" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -5,6 +5,8 @@ float rounding in longer ones; plain, speculative (standalone, EAGLE, self) and 
 decoding emit the dequantized model's tokens; float models quantize in place; drafts quantize
 at load (``quantize_draft``); online EAGLE learning shares the quantized head; bad uses fail
 clearly."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -249,6 +251,46 @@ def test_quantize_draft_keeps_the_targets_tokens(tmp_path, fmt):
     quant_draft = quantize_linears(load_model(draft), fmt)
     with pytest.raises(ValueError, match="cannot learn"):
         osd.Engine(load_model(target), draft=quant_draft, online=osd.OnlineConfig())
+
+
+def test_draft_directory_recommends_its_serving_settings(tmp_path):
+    """A draft directory's ``serving.json`` gives ``from_pretrained`` its spec and block
+    format when the caller passes no spec and leaves ``quantize_draft="auto"``; the
+    caller's own settings win, the format applies to float32 CPU drafts only, outputs stay
+    plain decoding's, and a malformed file raises ValueError naming it."""
+    target = str(to_gguf(tiny_hf_model("llama", seed=70), tmp_path / "t.gguf"))
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    to_gguf(tiny_hf_model("llama", seed=71), draft / "d.gguf")
+    settings = draft / "serving.json"
+    settings.write_text(json.dumps({"spec": {"num_draft_tokens": 2, "prompt_lookup": True,
+                                             "lookup_tree_below": 3},
+                                    "quantize_draft": "Q8_0"}))
+    prompts = prompts_of([7, 5], vocab=VOCAB, seed=72)
+    want = [o.token_ids for o in osd.Engine.from_pretrained(target, max_seq_len=64).generate(
+        prompts, osd.SamplingParams(12))]
+    eng = osd.Engine.from_pretrained(target, draft=str(draft), max_batch_size=2, max_seq_len=64)
+    assert eng.spec == osd.SpecConfig(num_draft_tokens=2, prompt_lookup=True,
+                                      lookup_tree_below=3)
+    assert all(isinstance(layer, QuantLinear) and layer.fmt == "Q8_0"
+               for layer in _linears(eng.draft))
+    assert [o.token_ids for o in eng.generate(prompts, osd.SamplingParams(12))] == want
+    mine = osd.Engine.from_pretrained(target, draft=str(draft), max_seq_len=64,
+                                      spec=osd.SpecConfig(num_draft_tokens=3),
+                                      quantize_draft=None)
+    assert mine.spec.num_draft_tokens == 3 and not mine.spec.prompt_lookup
+    assert not any(isinstance(m, QuantLinear) for m in mine.draft.modules())
+    bf16 = osd.Engine.from_pretrained(target, draft=str(draft), max_seq_len=64,
+                                      dtype=torch.bfloat16)
+    assert bf16.spec.lookup_tree_below == 3
+    assert not any(isinstance(m, QuantLinear) for m in bf16.draft.modules())
+    plain_file = osd.Engine.from_pretrained(target, draft=str(draft / "d.gguf"), max_seq_len=64)
+    assert plain_file.spec == osd.SpecConfig()
+    for bad in ["{not json", '["spec"]', '{"sepc": {}}', '{"spec": {"num_draft_tokens": 0}}',
+                '{"spec": {"k": 4}}', '{"spec": 4}', '{"quantize_draft": 8}']:
+        settings.write_text(bad)
+        with pytest.raises(ValueError, match="bad draft serving settings in .*serving.json"):
+            osd.Engine.from_pretrained(target, draft=str(draft), max_seq_len=64)
 
 
 @pytest.mark.parametrize("kind", ["standalone", "eagle"])
