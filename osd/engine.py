@@ -238,7 +238,7 @@ class Engine:
                 An EAGLE draft's directory (``osd.models.eagle``) loads on top of the
                 target.
             spec: :class:`~osd.SpecConfig`; None: the draft's recommended settings when a
-                single draft directory carries them (``serving.json``,
+                single draft directory on the CPU carries them (``serving.json``,
                 :func:`osd.spec.draft_serving_defaults`; the shipped chat drafts do), else
                 a chain of 4 when a draft is given.
             online: :class:`~osd.OnlineConfig` to let the draft(s) learn while serving.
@@ -255,8 +255,8 @@ class Engine:
         and a GGUF target only (ValueError otherwise).
 
         ``quantize_draft``, ``pack_weights``: see :class:`Engine`. The default ``"auto"``
-        takes the block format a single draft's ``serving.json`` recommends when the drafts
-        run in float32 on the CPU (where quantized drafts run), else None (float drafts).
+        takes the block format a single draft's ``serving.json`` recommends when it runs
+        in float32 on the CPU (where quantized drafts run), else None (float drafts).
         """
         drafts = [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) \
             else [draft]

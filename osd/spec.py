@@ -195,14 +195,15 @@ def serving_settings(sources: list, drafts: list, spec: SpecConfig | None,
     """``Engine.from_pretrained``'s ``spec`` and ``quantize_draft``: the caller's, except
     that ``spec=None`` and ``quantize_draft="auto"`` take what a single draft directory
     recommends (:func:`draft_serving_defaults`). ``sources``: the drafts as given (paths
-    or models); ``drafts``: the loaded models. A recommended block format applies only
-    to float32 drafts on the CPU (where quantized drafts run); "auto" is None otherwise."""
+    or models); ``drafts``: the loaded models. The settings were measured on the CPU and
+    apply to a draft there only (on a GPU: a chain of 4, float); the block format only
+    to a float32 draft (where quantized drafts run); "auto" is None otherwise."""
     rec_spec, rec_fmt = None, None
-    if len(sources) == 1 and isinstance(sources[0], (str, os.PathLike)):
+    if (len(sources) == 1 and isinstance(sources[0], (str, os.PathLike))
+            and drafts[0].device.type == "cpu"):
         rec_spec, rec_fmt = draft_serving_defaults(sources[0])
     if spec is None:
         spec = rec_spec
     if quantize_draft == "auto":
-        runs_quantized = all(d.device.type == "cpu" and d.dtype == torch.float32 for d in drafts)
-        quantize_draft = rec_fmt if drafts and runs_quantized else None
+        quantize_draft = rec_fmt if drafts and drafts[0].dtype == torch.float32 else None
     return spec, quantize_draft
