@@ -23,9 +23,11 @@ import uuid
 from dataclasses import dataclass
 
 import osd
+from osd.models.quant import own_quant_layers
 from osd.request import stop_prefix_length
 from osd.server_metrics import Counters, engine_snapshot, metrics_text
 from osd.server_requests import APIError, GenRequest, _bad, parse_chat, parse_completion
+from osd.spec import describe
 
 # ---- Driving one request: text deltas, stop strings, abort ----
 
@@ -529,6 +531,11 @@ def serve(args) -> int:
         app = build_app(ae, name)
         print(f"osd serve: {name} (target {target}, draft {draft or 'none'}) on "
               f"http://{args.host}:{args.port}/v1", flush=True)
+        if ae.engine.spec is not None:
+            drafts = ae.engine.drafts
+            formats = {m.fmt for d in drafts for m in own_quant_layers(d).values()}
+            kept = f"; draft in {', '.join(sorted(formats)) or 'float'}" if drafts else ""
+            print(f"osd serve: speculation {describe(ae.engine.spec)}{kept}", flush=True)
         config = uvicorn.Config(app, log_level=args.log_level)
         try:
             uvicorn.Server(config).run(sockets=[sock])

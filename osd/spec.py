@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -151,6 +151,14 @@ class SpecConfig:
     def is_tree(self) -> bool:
         return self.tree is not None
 
+
+def describe(spec: SpecConfig) -> str:
+    """``spec``'s fields that differ from the defaults, ``"name=value, ..."`` (the chain of
+    4 of a plain ``SpecConfig()`` reads ``num_draft_tokens=4``)."""
+    default = SpecConfig()
+    changed = [f"{f.name}={getattr(spec, f.name)!r}" for f in fields(SpecConfig)
+               if getattr(spec, f.name) != getattr(default, f.name)]
+    return ", ".join(changed or [f"num_draft_tokens={spec.num_draft_tokens}"])
 
 SERVING_FILE = "serving.json"
 SERVING_KEYS = ("spec", "quantize_draft")

@@ -527,7 +527,8 @@ def test_cli_serve_help_and_errors(capsys, monkeypatch):
 
 
 def test_cli_serve_end_to_end():
-    """``osd serve`` as a process: up, one completion, then a clean Ctrl-C."""
+    """``osd serve`` as a process: up (its speculation settings printed), one completion,
+    then a clean Ctrl-C."""
     target, draft = zoo.default_pair()
     with _free_socket() as s:
         port = s.getsockname()[1]
@@ -559,4 +560,6 @@ def test_cli_serve_end_to_end():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0, proc.stdout.read()
+    out = proc.stdout.read()
+    assert proc.returncode == 0, out
+    assert "osd serve: speculation num_draft_tokens=4; draft in float" in out   # its settings
