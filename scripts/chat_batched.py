@@ -8,7 +8,9 @@ Modes: plain; the EAGLE draft in Q8_0 with prompt lookup on 2+-token matches in 
 k = 4. In a batch, the rows whose context has a lookup match verify their lookup
 continuation while the draft model drafts the others (``osd.prompt_lookup.LookupDrafter``);
 ``--whole-batch`` also runs the same engine with lookup used only in steps where every
-row has a match (the draft model drafts every row otherwise).
+row has a match (the draft model drafts every row otherwise). ``--defaults`` also serves
+each shipped draft with the settings its ``serving.json`` recommends (what
+``Engine.from_pretrained(target, draft=...)`` and ``osd serve`` use without spec flags).
 
     .venv/bin/python scripts/chat_batched.py --batch 4 8 --prompts 16 --whole-batch
 """
@@ -46,6 +48,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=11, help="which HumanEval prompts")
     parser.add_argument("--whole-batch", action="store_true",
                         help="also run lookup only in steps where every row matches")
+    parser.add_argument("--defaults", action="store_true",
+                        help="also serve each shipped draft as Engine.from_pretrained(target, "
+                        "draft=...) does without spec= (its serving.json settings)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, _ = zoo.chat_pair()
@@ -57,6 +62,11 @@ def main() -> None:
     modes = {"plain": (plain, False), "EAGLE Q8_0, lookup n>=2 per row": (spec, False)}
     if args.whole_batch:
         modes["EAGLE Q8_0, lookup n>=2 when every row matches"] = (spec, True)
+    if args.defaults:
+        for name, path in (("standalone", zoo.chat_pair()[1]), ("EAGLE", zoo.chat_eagle())):
+            engine = osd.Engine.from_pretrained(target, draft=path, max_batch_size=top,
+                                                max_seq_len=1024)
+            modes[f"{name} draft, serving.json defaults"] = (engine, False)
     prompts = apply_chat_template(plain.tokenizer,
                                   humaneval.conversations(args.prompts, seed=args.seed))
     params = osd.SamplingParams(max_new_tokens=args.new_tokens)
