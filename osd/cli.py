@@ -103,6 +103,7 @@ def _serve(args) -> int:
         return 2
     from osd.server import serve
 
+    args.quantize_draft = _draft_format(args.quantize_draft)
     return serve(args)
 
 

@@ -522,8 +522,7 @@ def serve(args) -> int:
             target, draft=draft, device=args.device, dtype=dtype, spec=spec, online=online,
             max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
             quantized=args.quantized, prefix_cache=getattr(args, "prefix_cache", 0),
-            quantize_draft=None if getattr(args, "quantize_draft", None) in (None, "none")
-            else args.quantize_draft)
+            quantize_draft=getattr(args, "quantize_draft", None))
     except BaseException:
         sock.close()
         raise
