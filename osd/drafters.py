@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from osd.graphs import StepGraphs, batch_bucket, graphable
+from osd.graphs import StepGraphs, batch_bucket
 from osd.lookup_history import LookupHistory
 from osd.models.llama import DecoderLM
 from osd.sampling import BatchParams, SamplingParams
@@ -242,10 +242,8 @@ class ModelDrafter:
         length) may end rows early; without one, the loop replays a CUDA graph when
         :attr:`graphs` is set.
         """
-        # Graphs are keyed on the warp scalars: rows with mixed parameters run eagerly, and
-        # so do top-k / top-p draws (osd.graphs.graphable).
-        if self.graphs is not None and stopper is None and getattr(params, "uniform", params) \
-                and graphable(params):
+        # Graphs are keyed on the warp scalars: rows with mixed parameters run eagerly.
+        if self.graphs is not None and stopper is None and getattr(params, "uniform", params):
             tokens, probs, raw = self._chain_graphed(B, k, params, seed, offset)
             return ChainProposal(tokens=tokens, probs=probs, logits=raw, num_drafted=None,
                                  max_drafted=k)
@@ -348,8 +346,10 @@ class ModelDrafter:
             cache.bound = cache.capacity - width   # capture with the widest key range
             return lambda: setattr(cache, "bound", saved)
 
+        # The step reads these after the verify graph replays: they live outside the pool.
         tokens, probs, raw = self.graphs.run(("chain", id(self), Bb, P, k, warp), build, fill,
-                                             state=(cache.lens,), host_state=host_state)
+                                             state=(cache.lens,), host_state=host_state,
+                                             own_outputs=True)
         cache.bound = min(bound + width, cache.capacity)   # what the eager commits add
         return tokens[:B], None if probs is None else probs[:B], raw[:B]
 
@@ -368,11 +368,26 @@ class ModelDrafter:
                                logits_index=at - 1)
         return logits
 
+    def _tree_consts(self, tree: StaticTree):
+        """The tree's parents, depths and, per level, the nodes whose children follow, as
+        device tensors made once (no host-to-device copy per step)."""
+        consts = self.__dict__.setdefault("_static_tree_consts", {})
+        if id(tree) not in consts:
+            dev, levels = self.device, tree.levels()
+            at = {}
+            for d in range(1, len(levels) - 1):
+                parents_next = {tree.parents[n] for n in levels[d + 1]}
+                need = sorted(n for n in levels[d] if n in parents_next)
+                at[d] = (need, torch.tensor(need, dtype=torch.int64, device=dev))
+            consts[id(tree)] = (tree, torch.tensor(tree.parents, dtype=torch.int32, device=dev),
+                                torch.tensor(tree.depths, dtype=torch.int64, device=dev), at)
+        return consts[id(tree)][1:]
+
     def _static_tree(self, B, tree: StaticTree, root_tokens, root_logits) -> TreeProposal:
         T = tree.num_nodes
         dev = self.device
-        parents = torch.tensor(tree.parents, dtype=torch.int32, device=dev).expand(B, T)
-        depths = torch.tensor(tree.depths, dtype=torch.int64, device=dev).expand(B, T)
+        parents, depths, level_at = self._tree_consts(tree)
+        parents, depths = parents.expand(B, T), depths.expand(B, T)
         tokens = torch.zeros(B, T, dtype=torch.int64, device=dev)
         tokens[:, 0] = root_tokens
         dist = {0: root_logits}                          # node -> logits over its children
@@ -384,10 +399,9 @@ class ModelDrafter:
                 top = torch.topk(dist[par], rank + 1, dim=-1).indices
                 tokens[:, node] = top[:, rank]
             if d + 1 < len(levels):
-                parents_next = {tree.parents[n] for n in levels[d + 1]}
-                need = sorted(n for n in levels[d] if n in parents_next)
+                need, at = level_at[d]
                 upto = max(levels[d]) + 1
-                at = torch.tensor(need, dtype=torch.int64, device=dev).expand(B, len(need))
+                at = at.expand(B, len(need))
                 logits = self._forward_nodes(tokens, parents, depths, upto, at)
                 for j, n in enumerate(need):
                     dist[n] = logits[:, j]

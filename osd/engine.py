@@ -30,8 +30,9 @@ while requests come and go.
 The context limit is ``max_seq_len`` tokens per sequence, prompt included: a prompt must
 leave room for one generated token, and generation stops with ``finish_reason="length"``
 when the sequence reaches ``max_seq_len``. A row whose target logits turn non-finite
-fails alone (``finish_reason="error"``); a step that raises fails its lane's running
-requests, and the engine serves on.
+fails alone (``finish_reason="error"``); a step that raises fails only the request that
+makes it raise, found by running each of the lane's requests alone, and the others resume
+where they were (``osd.isolation``).
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ import time
 import torch
 
 from osd.drafters import make_drafters
-from osd.graphs import StepGraphs, graphable, graphed_forward
+from osd.isolation import mark_lane, recover, resumed_prompts
+from osd.graphs import StepGraphs, graphed_forward
 from osd.lanes import Lane
 from osd.lookup_history import LookupHistory
 from osd.models.eagle import EagleLM, is_eagle_checkpoint, load_eagle
@@ -476,18 +478,20 @@ class Engine:
         speculative step, and finished rows leave. Each row samples with its own
         parameters, seed and offset, so its tokens do not depend on what shares the batch.
 
-        A lane whose step raises fails its running requests (``finish_reason="error"``),
-        starts empty, and the exception propagates; the other lanes keep their state.
+        A lane whose step raises does not fail as a whole: the requests that make it
+        raise fail (``finish_reason="error"``, error kind ``step_error``) and the others
+        resume from where they stood before the step (``osd.isolation.recover``); the
+        other lanes keep their state. The exception is logged, not raised.
         """
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
                 for lane in self.lanes:
+                    marks = mark_lane(lane)
                     try:
                         self._step_lane(lane)
                     except Exception as e:
-                        self._reset_lane(lane, e)
-                        raise
+                        recover(self, lane, e, marks)
         finally:
             self._wall += time.perf_counter() - t0
 
@@ -520,8 +524,11 @@ class Engine:
                 prompt_logits, prompt_hidden = prompt_logits
             lane.store_prefix(ready, start, prompt_hidden)
             if spec is not None:
-                spec.prefill(ready, start, lane.next_tokens[start:start + len(ready)],
-                             prompt_logits, prompt_hidden)
+                with resumed_prompts(ready, spec):
+                    spec.prefill(ready, start, lane.next_tokens[start:start + len(ready)],
+                                 prompt_logits, prompt_hidden)
+            for r in ready:
+                r.context = None              # a resumed request's row holds its tokens
             self.retire(lane.active, lane=lane)
         if not lane.active:
             return
@@ -532,20 +539,6 @@ class Engine:
             self.decode_step(lane.active, params, lane=lane)
         self.retire(lane.active, lane=lane)
 
-    def _reset_lane(self, lane: Lane, error: Exception) -> None:
-        """After a failed step: fail the lane's running (and staged) requests and empty
-        its rows."""
-        message = f"the engine step failed: {type(error).__name__}: {error}"
-        if lane.staging is not None:
-            lane.active.append(lane.staging)      # retired below with the others
-            lane.unstage()
-        for r in lane.active:
-            if r.finish_reason is None:
-                r.fail(message, "step_error")
-        self.last_error = message
-        self.retire(lane.active, lane=lane)
-        self._empty_lane(lane)
-
     def _count_error(self, kind: str, error) -> None:
         self.errors[kind] += 1
         self.last_error = f"{kind}: {error}"
@@ -554,7 +547,9 @@ class Engine:
                 lane: Lane | None = None, done: list[int] | None = None,
                 early_hidden: list | None = None):
         """Run the prompts of ``new`` into cache rows ``start_row ..`` of ``lane`` (default
-        the first) and sample each one's first token with its own parameters. ``done[b]``
+        the first) and sample each one's first token with its own parameters (a request
+        that resumes, ``RequestState.context``, has its context fed instead and samples
+        nothing: its last generated token is its next input). ``done[b]``
         tokens of prompt ``b`` are already in its row (a staged prompt); the rest are fed.
         ``prompt_positions = m > 0``: return the logits at each prompt's last ``m``
         positions ``[n, m, V]`` (oldest first; a shorter prompt's row starts with copies of
@@ -566,7 +561,7 @@ class Engine:
         lane = lane or self.lanes[0]
         t0 = time.perf_counter()
         done = done or [0] * len(new)
-        rest = [r.prompt[d:] for r, d in zip(new, done)]
+        rest = [r.prefill_ids[d:] for r, d in zip(new, done)]
         n, longest = len(new), max(len(x) for x in rest)
         ids = torch.zeros(n, longest, dtype=torch.int64)
         for b, x in enumerate(rest):
@@ -587,21 +582,25 @@ class Engine:
                                     return_hidden=early_hidden is not None)
         if early_hidden is not None:
             logits, rest_hidden = logits
-            hidden = rest_hidden.new_zeros(n, max(len(r.prompt) for r in new),
+            hidden = rest_hidden.new_zeros(n, max(len(r.prefill_ids) for r in new),
                                            rest_hidden.shape[-1])
             for b, (r, d) in enumerate(zip(new, done)):
                 if d:
                     hidden[b, :d] = early_hidden[b]
-                hidden[b, d:len(r.prompt)] = rest_hidden[b, :len(r.prompt) - d]
-        lane.cache.set_bound(max(lane.cache.bound, max(len(r.prompt) for r in new)))
+                hidden[b, d:len(r.prefill_ids)] = rest_hidden[b, :len(r.prefill_ids) - d]
+        lane.cache.set_bound(max(lane.cache.bound, max(len(r.prefill_ids) for r in new)))
         bad = nonfinite_rows(logits)
         last = logits[:, -1]
         if wants_penalties(new):
             last = Penalties(new, last.shape[-1], self.device).apply(last[:, None])[:, 0]
         tokens = sample_tokens(last, BatchParams([r.params for r in new], self.device),
                                *self._sampling_keys(new))
+        resumed = [b for b, r in enumerate(new) if r.context is not None]
+        if resumed:
+            tokens[resumed] = torch.tensor([new[b].generated[-1] for b in resumed],
+                                           dtype=tokens.dtype, device=tokens.device)
         lane.next_tokens[start_row:start_row + n] = tokens
-        self._record(new, tokens, bad, logits[:, -1])
+        self._record(new, tokens, bad, logits[:, -1], skip=frozenset(resumed))
         stats = self.plain_stats if lane.speculator is None else lane.speculator.stats
         stats.add_time("prefill", time.perf_counter() - t0)
         if early_hidden is not None:
@@ -615,7 +614,7 @@ class Engine:
         B = len(active)
         t0 = time.perf_counter()
         ids = lane.next_tokens[:B, None]
-        logits = (self.model(ids, lane.cache) if self.graphs is None or not graphable(params)
+        logits = (self.model(ids, lane.cache) if self.graphs is None
                   else graphed_forward(self.graphs, self.model, lane.cache, ids))
         lane.cache.commit(self._ones[:B], 1)
         t1 = time.perf_counter()
@@ -641,10 +640,10 @@ class Engine:
         return keys[0], keys[1]
 
     def _record(self, requests: list[RequestState], tokens: torch.Tensor, bad: torch.Tensor,
-                logits: torch.Tensor) -> None:
+                logits: torch.Tensor, skip: frozenset = frozenset()) -> None:
         """Fail the rows whose logits were not finite (``bad [B]``, :func:`nonfinite_rows`)
         and append every other row's sampled token (``tokens [B]``, drawn from ``logits
-        [B, V]``)."""
+        [B, V]``), except the rows in ``skip`` (resumed: nothing was drawn for them)."""
         # The one host sync per step, after every kernel of the step is queued: the stop
         # check (EOS, stop ids, lengths) needs the sampled ids on the host, and
         # Output.token_ids collects them there anyway.
@@ -652,7 +651,7 @@ class Engine:
         fail_rows(requests, flags)
         rows = []
         for b, (r, t) in enumerate(zip(requests, ids)):
-            if r.finish_reason is None:
+            if r.finish_reason is None and b not in skip:
                 r.append(t, self.max_seq_len)
                 if r.logprobs is not None:
                     rows.append((b, b, t))
@@ -672,21 +671,7 @@ class Engine:
             r = active[b]
             if r.finish_reason is None:
                 continue
-            if self.online is not None and r.finish_reason != "error":
-                st = r.spec_stats
-                alpha = None if st is None else \
-                    st.alpha if st.alpha is not None else st.acceptance_rate
-                self.online.finish(r, r.draft_index, alpha)
-            if r.finish_reason == "error":
-                self.errors[r.error_kind] += 1
-                self.last_error = f"{r.error_kind}: {r.error}"
-            elif r.finish_reason == "abort":
-                self._aborted += 1
-            if self.lookup_history is not None and r.finish_reason != "error":
-                self.lookup_history.add(r.prompt, r.generated)
-            r.teacher = []                # the learner has its copy; free it now
-            self._generated += len(r.generated)
-            self._requests_served += 1
+            self._finished(r)
             last = len(active) - 1
             if b != last:
                 lane.cache.move_row(last, b)
@@ -696,6 +681,25 @@ class Engine:
                 active[b] = active[last]
             active.pop()
         lane.cache.set_bound(max((r.cached_length for r in active), default=0))
+
+    def _finished(self, r: RequestState) -> None:
+        """Account for a request that just finished (out of its row, or never in one):
+        online learning, error and abort counts, the lookup history."""
+        if self.online is not None and r.finish_reason != "error":
+            st = r.spec_stats
+            alpha = None if st is None else \
+                st.alpha if st.alpha is not None else st.acceptance_rate
+            self.online.finish(r, r.draft_index, alpha)
+        if r.finish_reason == "error":
+            self.errors[r.error_kind] += 1
+            self.last_error = f"{r.error_kind}: {r.error}"
+        elif r.finish_reason == "abort":
+            self._aborted += 1
+        if self.lookup_history is not None and r.finish_reason != "error":
+            self.lookup_history.add(r.prompt, r.generated)
+        r.teacher = []                # the learner has its copy; free it now
+        self._generated += len(r.generated)
+        self._requests_served += 1
 
     @property
     def stats(self) -> dict:
@@ -741,6 +745,13 @@ class Engine:
         ``StepGraphs(device, emulate=True)`` runs the same static-buffer path eagerly.
         """
         self.graphs = graphs
+        if graphs is not None:
+            # Captures read the models' constant buffers (sized by new_cache for every cache
+            # the engine made): pinned, they are never replaced under a graph.
+            for m in [self.model] + [getattr(sp.drafter, "model", None)
+                                     for sp in self.speculators]:
+                if m is not None:
+                    m.pin_buffers()
         for sp in self.speculators:
             sp.use_graphs(graphs)
 

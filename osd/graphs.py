@@ -12,8 +12,8 @@ rivals its work. :class:`StepGraphs` captures, per batch-size bucket,
 and replays them. Everything that varies per step is a tensor read by the graph: the
 tokens, tree masks and depths, the caches' device-side lengths, and the randomness
 (per-row Philox ``seed`` and ``offset``), so no capture bakes in a step's values. Sampling
-parameters (temperature, top-k, top-p) are part of the key. Steps that sample with top-k or
-top-p run eagerly (:func:`graphable`).
+parameters (temperature, top-k, top-p) are part of the draft loop's key; the forwards do
+not depend on them.
 
 Batches are padded up to the bucket (1, 2, 4, 8, ... and the engine's largest batch).
 Rows past the active batch are free rows of the caches, so padding them is harmless: their
@@ -27,6 +27,25 @@ made with the key range of the attention at its largest (``bound = capacity - wi
 so they stay valid for every later length; the Triton and flash-attn kernels read the
 lengths on the device anyway.
 
+**Memory invariant.** Every graph of a :class:`StepGraphs` shares one memory pool, so a
+graph's replay may write over memory that another graph's outputs occupy (the pool hands
+one graph's freed intermediates to a later capture). Hence:
+
+- outputs of a graph are valid until the next replay of *any* graph of the same
+  :class:`StepGraphs`, and are consumed before it; except
+- outputs of a graph run with ``own_outputs=True``, which are copied (inside the graph)
+  into tensors allocated outside the pool before capture: they are valid until the same
+  graph replays. The draft loop's outputs are read after the verify graph replays, so the
+  draft loop owns its outputs;
+- static inputs are allocated outside capture, and the constant buffers the models read
+  (``DecoderLM._arange``, the RoPE tables) are sized before any capture and pinned
+  (``DecoderLM.pin_buffers``): nothing a graph reads is ever freed.
+
+``StepGraphs(emulate=True, poison=True)`` checks the invariant on the CPU: after every
+replay it overwrites the outputs of every other graph that does not own them with garbage
+(NaN, or the integer type's extreme), as the shared pool may, so a step that reads them late
+emits garbage and fails its tests.
+
 Warm-up runs before a capture execute the body for real; the device state it changes (the
 draft cache's lengths) is saved and restored, and K/V written past a row's length is
 scratch by the cache's contract.
@@ -37,7 +56,6 @@ on a GPU by ``make gpu-check`` (``docs/gpu.md`` has the results).
 """
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -49,19 +67,6 @@ WARMUP_RUNS = 2
 # PyTorch supports one CUDA graph capture per process at a time: every capture in osd
 # (serving steps here, the learner's training step in ``osd.online.graphs``) holds this.
 capture_lock = threading.Lock()
-
-
-# Diagnostics only: OSD_GRAPH_TRUNCATED=1 graphs top-k / top-p steps too (see graphable).
-GRAPH_TRUNCATED = os.environ.get("OSD_GRAPH_TRUNCATED") == "1"
-
-
-def graphable(params) -> bool:
-    """Whether a step sampled with ``params`` (``SamplingParams`` or ``BatchParams``) may
-    replay graphs: greedy and temperature-only sampling do. Steps with top-k or top-p run
-    eagerly, since graphed steps with those cuts did not reproduce the eager steps on a GPU
-    (``docs/gpu.md``); the eager CUDA path passes the engine's chi-square tests with them.
-    :data:`GRAPH_TRUNCATED` lifts the restriction, to study it on a GPU."""
-    return GRAPH_TRUNCATED or not params.truncates
 
 
 def batch_bucket(batch: int, max_batch_size: int) -> int:
@@ -77,26 +82,61 @@ class _Entry:
     outputs: object = None            # the captured outputs (static tensors)
 
 
+def _map(fn, outputs):
+    """``fn`` over a body's outputs: a tensor, or a tuple of tensors / None."""
+    if isinstance(outputs, tuple):
+        return tuple(None if t is None else fn(t) for t in outputs)
+    return None if outputs is None else fn(outputs)
+
+
+def _copy_into(owned, outputs):
+    if isinstance(outputs, tuple):
+        for o, t in zip(owned, outputs):
+            if t is not None:
+                o.copy_(t)
+    elif outputs is not None:
+        owned.copy_(outputs)
+    return owned
+
+
+def _garbage(t: torch.Tensor) -> None:
+    """Fill ``t`` with values no correct step reads: NaN, or the integer extreme."""
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.fill_(torch.iinfo(t.dtype).min)
+
+
 class StepGraphs:
     """Captures and replays bodies over static inputs, one graph per key.
 
     Args:
         device: the models' device (CUDA, or anything with ``emulate=True``).
         emulate: call the body instead of capturing it (CPU tests of the bookkeeping).
+        poison: with ``emulate``, overwrite every other graph's outputs that it does not
+            own after each replay (the memory invariant above).
     """
 
-    def __init__(self, device: torch.device, emulate: bool = False):
+    def __init__(self, device: torch.device, emulate: bool = False, poison: bool = False):
+        if poison and not emulate:
+            raise ValueError("poison=True checks emulated graphs: pass emulate=True too")
         if not emulate and torch.device(device).type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.emulate = emulate
+        self.poison = poison
         self.pool = None if emulate else torch.cuda.graph_pool_handle()
         self.entries: dict[tuple, _Entry] = {}
         self.replays = 0
 
     def run(self, key: tuple, build: Callable[[], tuple[dict, Callable]],
             fill: Callable[[dict], None], state: tuple = (),
-            host_state: Callable[[], Callable[[], None]] | None = None):
-        """Replay the graph of ``key`` (capturing it first if new) and return its outputs.
+            host_state: Callable[[], Callable[[], None]] | None = None,
+            own_outputs: bool = False):
+        """Replay the graph of ``key`` (capturing it first if new) and return its outputs:
+        valid until the next replay of any graph here, or with ``own_outputs`` until the
+        next replay of this one (the memory invariant above).
 
         Args:
             key: the graph's identity (shapes and baked-in constants).
@@ -110,6 +150,8 @@ class StepGraphs:
         entry = self.entries.get(key)
         if entry is None:
             static, body = build()
+            if own_outputs:
+                body = self._owning(body)
             entry = _Entry(static, body)
             fill(static)
             self._capture(entry, state, host_state)
@@ -118,9 +160,32 @@ class StepGraphs:
             fill(entry.static)
         self.replays += 1
         if self.emulate:
-            return entry.body(entry.static)
+            entry.outputs = entry.body(entry.static)
+            if self.poison:
+                self._poison_others(entry)
+            return entry.outputs
         entry.graph.replay()
         return entry.outputs
+
+    @staticmethod
+    def _owning(body: Callable[[dict], object]) -> Callable[[dict], object]:
+        """``body`` writing its outputs into tensors allocated outside the pool: on its
+        first (warm-up, eager) run, which precedes any capture of it."""
+        owned = []
+
+        def run(static):
+            out = body(static)
+            if not owned:
+                owned.append(_map(torch.empty_like, out))
+            return _copy_into(owned[0], out)
+        run.owns_outputs = True
+        return run
+
+    def _poison_others(self, replayed: _Entry) -> None:
+        for entry in self.entries.values():
+            if entry is not replayed and entry.outputs is not None \
+                    and not getattr(entry.body, "owns_outputs", False):
+                _map(_garbage, entry.outputs)
 
     def _capture(self, entry: _Entry, state: tuple, host_state) -> None:
         """Warm up and capture ``entry.body`` with the host state ``host_state()`` sets

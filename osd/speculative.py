@@ -13,8 +13,10 @@ One step over the active rows ``0 .. B-1`` (all state on the device):
    accepted path in place. The draft cache drops its drafts and queues the accepted
    tokens plus the emitted one as the next step's first draft input.
 
-The one deliberate host sync per step is reading the accepted counts and tokens back,
-which the stop check and the output lists need.
+The one deliberate host sync per step is reading one small tensor back (the accepted
+counts, the non-finite flags, the drafted counts of an adaptive chain, the rows' exact α
+and the tokens), which the stop check, the output lists and the statistics need. Host values
+go to the device with non-blocking copies from pinned memory.
 """
 from __future__ import annotations
 
@@ -25,12 +27,21 @@ import torch
 
 import osd_kernels
 from osd.drafters import ChainProposal, TreeProposal
-from osd.graphs import StepGraphs, graphable, graphed_forward
+from osd.graphs import StepGraphs, graphed_forward
 from osd.penalties import Penalties, tree_ancestors, wants_penalties
 from osd.sampling import BatchParams, fail_rows, nonfinite_rows, record_logprobs
 from osd.spec import SpecConfig
 from osd.stats import SpecStats
 from osd_kernels.warp import warp_probs
+
+
+def to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``device`` without blocking the host: on CUDA through
+    pinned memory and a non-blocking copy (ordered on the current stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class AdaptiveStopper:
@@ -282,7 +293,7 @@ class Speculator:
         clock.append(time.perf_counter())
         plain = isinstance(prop, ChainProposal) and prop.source == "none"
         lens_before = None if plain else cache.lens[:B].clone()
-        logits, hidden = self._verify(prop, graphable(params))  # [B, T, V], [B, T, H] / None
+        logits, hidden = self._verify(prop)               # [B, T, V], [B, T, H] / None
         clock.append(time.perf_counter())
         scored = self._penalized(active, logits, prop) if wants_penalties(active) else logits
         out, n, path = self._sample(scored, prop, sampling)
@@ -296,12 +307,20 @@ class Speculator:
             cache.commit(keep, logits.shape[1])
         clock.append(time.perf_counter())
         # The one deliberate host sync of the step: the accepted counts and tokens decide
-        # the stop checks and fill the outputs; rows with non-finite logits fail.
-        host = torch.cat([n[:, None].to(out.dtype), nonfinite_rows(logits)[:, None].to(out.dtype),
-                          out], 1).tolist()
-        n_host = [h[0] for h in host]
+        # the stop checks and fill the outputs; rows with non-finite logits fail; the
+        # statistics' per-row values ride along. float64 holds every token id exactly.
+        alpha = self._alpha_rows(prop, logits, params)     # [B] or None
+        cols = [n[:, None], nonfinite_rows(logits)[:, None]]
+        num_drafted = getattr(prop, "num_drafted", None)
+        if num_drafted is not None:
+            cols.append(num_drafted[:, None])
+        if alpha is not None:
+            cols.append(alpha[:, None])
+        extra = len(cols)
+        host = torch.cat([c.double() for c in cols] + [out.double()], 1).tolist()
+        n_host = [int(h[0]) for h in host]
         fail_rows(active, [h[1] for h in host])
-        out_host = [h[2:] for h in host]
+        out_host = [[int(t) for t in h[extra:]] for h in host]
         self.next_tokens[:B] = out.gather(1, n[:, None].long())[:, 0]
         if plain:
             self.drafter.catch_up(B, out, keep.long(), max(n_host) + 1, hidden)
@@ -310,10 +329,10 @@ class Speculator:
                                       cache.bound + 1, hidden)
         if isinstance(prop, TreeProposal):
             drafted = [prop.max_depth] * B      # a tree offers up to max_depth per row
-        elif prop.num_drafted is None:
+        elif num_drafted is None:
             drafted = [prop.tokens.shape[1]] * B
         else:
-            drafted = prop.num_drafted.tolist()
+            drafted = [int(h[2]) for h in host]
         emitted = []
         for b, r in enumerate(active):
             before = len(r.generated)
@@ -325,7 +344,7 @@ class Speculator:
         if any(r.logprobs is not None for r in active):
             self._logprobs(active, logits, out_host, emitted, path)
         verdict = Verdict(active, logits, prop, n_host, drafted, emitted, path, params, hidden)
-        self._observe(verdict)
+        self._observe(verdict, None if alpha is None else [h[extra - 1] for h in host])
         for listener in self.listeners:
             listener.on_verdict(verdict)
         clock.append(time.perf_counter())
@@ -340,10 +359,10 @@ class Speculator:
         self.graphs = graphs
         self.drafter.use_graphs(graphs)
 
-    def _verify(self, prop: ChainProposal | TreeProposal, graphed: bool = True):
+    def _verify(self, prop: ChainProposal | TreeProposal):
         """The target's forward over the roots and the drafts (a tree: its ancestor mask
         and depths) -> ``([B, T, V] logits, [B, T, H] features or None)``, from a CUDA
-        graph of the batch bucket when enabled and ``graphed``. The features (the last
+        graph of the batch bucket when enabled. The features (the last
         layer's output before the final norm) are kept only for a drafter that
         ``needs_hidden``; that forward runs eagerly."""
         if isinstance(prop, TreeProposal):
@@ -355,7 +374,7 @@ class Speculator:
         model = self.engine.model
         if self.drafter.needs_hidden:
             return model(inputs, self.cache, tree_mask=mask, depths=depths, return_hidden=True)
-        if self.graphs is None or not graphed:
+        if self.graphs is None:
             return model(inputs, self.cache, tree_mask=mask, depths=depths), None
         return graphed_forward(self.graphs, model, self.cache, inputs, mask, depths), None
 
@@ -395,25 +414,23 @@ class Speculator:
 
     def _sampling_tensors(self, active, params: BatchParams) -> dict:
         dev = self.engine.device
-        seed = torch.tensor([r.seed for r in active], dtype=torch.int64, device=dev)
-        offset = torch.tensor([r.spec_steps for r in active], dtype=torch.int64, device=dev)
+        seed, offset = to_device([[r.seed for r in active], [r.spec_steps for r in active]],
+                                 torch.int64, dev)
         if params.greedy:
             return {"seed": seed, "offset": offset}
         return {**params.per_row(len(active), dev), "seed": seed, "offset": offset}
 
-    def _observe(self, v: Verdict) -> None:
+    def _observe(self, v: Verdict, alpha: list[float] | None = None) -> None:
         """Statistics of a verdict: per request and per speculator, the adaptive
-        stopper's calibration, and exact α where the draft model drafted a chain."""
+        stopper's calibration, and the rows' exact α (``alpha``, from
+        :meth:`_alpha_rows`) where the draft model drafted."""
         source = getattr(v.proposal, "source", "model")
         lookup = source == "lookup"
         rows = v.proposal.lookup_rows if source == "mixed" else None
         if self.stopper is not None:
             self.stopper.observe(v.drafted, v.accepted)
-        if (self.spec.exact_alpha and isinstance(v.proposal, ChainProposal)
-                and not lookup and v.proposal.logits is not None):
-            self._alpha(v)
-        elif self.spec.exact_alpha and getattr(v.proposal, "draft_logits", None) is not None:
-            self._tree_alpha(v)
+        if alpha is not None:
+            self._add_alpha(v, alpha, self._alpha_counts(v))
         for b, r in enumerate(v.active):
             r.spec_steps += 1
             r.spec_stats.add_step([v.drafted[b]], [min(v.accepted[b], v.emitted[b])],
@@ -422,37 +439,56 @@ class Speculator:
         self.stats.add_step(v.drafted, v.accepted, sum(v.emitted))
         self.stats.lookup_steps += lookup
 
-    def _alpha(self, v: Verdict) -> None:
-        """Exact 1 - TV(p, q) at every position the draft model drafted (statistics only;
-        the rows of a mixed step that verified lookup drafts are left out)."""
-        prop, params = v.proposal, v.params
-        K = prop.tokens.shape[1]
-        p_logits = v.logits[:, :K].reshape(-1, v.logits.shape[-1])
-        q = None if params.greedy else prop.probs.reshape(p_logits.shape).float()
-        lookup_rows = prop.lookup_rows or [False] * len(v.active)
-        self._add_alpha(v, p_logits, prop.logits, q, K,
-                        [0 if skip else d for d, skip in zip(v.drafted, lookup_rows)])
-
-    def _tree_alpha(self, v: Verdict) -> None:
-        """Exact 1 - TV(p, q) along the draft model's chain inside a lookup tree: the
-        target's distribution at each drafted token's parent node against the draft's."""
-        prop, params = v.proposal, v.params
+    def _alpha_rows(self, prop, logits: torch.Tensor, params: BatchParams):
+        """Exact 1 - TV(p, q) summed per row over the positions the draft model drafted
+        (statistics only), as a ``[B]`` device tensor, or None where nothing is measured:
+        a chain of the draft model (rows of a mixed step that verified lookup drafts count
+        0 positions), or the draft model's chain inside a lookup tree (the target's
+        distribution at each drafted token's parent node against the draft's)."""
+        if not self.spec.exact_alpha:
+            return None
+        source = getattr(prop, "source", "model")
+        V = logits.shape[-1]
+        if isinstance(prop, ChainProposal):
+            if source in ("lookup", "none") or prop.logits is None:
+                return None
+            B, K = prop.tokens.shape
+            p_logits = logits[:, :K].reshape(-1, V)
+            q = None if params.greedy else prop.probs.reshape(p_logits.shape).float()
+            counts = prop.num_drafted if prop.num_drafted is not None else \
+                torch.full((B,), K, device=logits.device)
+            if prop.lookup_rows is not None:
+                counts = counts * to_device([not x for x in prop.lookup_rows], counts.dtype,
+                                            logits.device)
+            return self._alpha_sums(p_logits, prop.logits, q, K, counts, params)
+        if getattr(prop, "draft_logits", None) is None:
+            return None
         B, K = prop.draft_nodes.shape
-        V = v.logits.shape[-1]
         parents = torch.cat([prop.draft_nodes.new_zeros(B, 1), prop.draft_nodes[:, :-1]], 1)
-        p_logits = v.logits.gather(1, parents[..., None].expand(B, K, V)).reshape(B * K, V)
+        p_logits = logits.gather(1, parents[..., None].expand(B, K, V)).reshape(B * K, V)
         q = None if params.greedy else warp_probs(prop.draft_logits.reshape(B * K, V),
                                                   *params.repeat(K))
-        self._add_alpha(v, p_logits, prop.draft_logits, q, K,
-                        [K if model else 0 for model in prop.model_rows])
+        counts = to_device([K if m else 0 for m in prop.model_rows], torch.int64,
+                           logits.device)
+        return self._alpha_sums(p_logits, prop.draft_logits, q, K, counts, params)
 
-    def _add_alpha(self, v: Verdict, p_logits: torch.Tensor, q_logits: torch.Tensor,
-                   q: torch.Tensor | None, K: int, drafted: list[int]) -> None:
-        """Record each row's summed 1 - TV(p, q) over its first ``drafted[b]`` of ``K``
-        positions. ``p_logits [B * K, V]`` (raw target), ``q_logits [B, K, V]`` (raw
+    @staticmethod
+    def _alpha_counts(v: Verdict) -> list[int]:
+        """Host-side twin of the counts :meth:`_alpha_rows` sums over."""
+        prop = v.proposal
+        if isinstance(prop, ChainProposal):
+            skip = prop.lookup_rows or [False] * len(v.active)
+            return [0 if s else d for d, s in zip(v.drafted, skip)]
+        K = prop.draft_nodes.shape[1]
+        return [K if m else 0 for m in prop.model_rows]
+
+    def _alpha_sums(self, p_logits: torch.Tensor, q_logits: torch.Tensor,
+                    q: torch.Tensor | None, K: int, counts: torch.Tensor,
+                    params: BatchParams) -> torch.Tensor:
+        """Each row's summed 1 - TV(p, q) over its first ``counts[b]`` of ``K`` positions
+        -> ``[B]``. ``p_logits [B * K, V]`` (raw target), ``q_logits [B, K, V]`` (raw
         draft); ``q [B * K, V]`` the warped draft distribution (None: greedy, where both
         sides are the plain softmax)."""
-        params = v.params
         # A draft with a reduced head puts no mass outside its columns, so min(p, q) is 0
         # there: the sum runs over those columns alone (a sixth of the chat draft's vocab).
         head = self.drafter.model.head_ids
@@ -470,11 +506,10 @@ class Speculator:
             p = warp_probs(p_logits, *params.repeat(K))
             if head is not None:
                 p, q = p.index_select(1, head), q.index_select(1, head)
-        a = torch.minimum(p, q).sum(-1).view(len(v.active), K)
-        counts = torch.tensor(drafted, device=a.device)
-        # per row: the sum over its drafted positions, in one reduction and one transfer
-        totals = torch.where(torch.arange(K, device=a.device) < counts[:, None], a, 0.0) \
-            .sum(1).tolist()
+        a = torch.minimum(p, q).sum(-1).view(counts.shape[0], K)
+        return torch.where(torch.arange(K, device=a.device) < counts[:, None], a, 0.0).sum(1)
+
+    def _add_alpha(self, v: Verdict, totals: list[float], drafted: list[int]) -> None:
         for b, r in enumerate(v.active):
             if drafted[b] and r.finish_reason != "error":
                 r.spec_stats.add_alpha(totals[b], drafted[b])

@@ -2,16 +2,16 @@
 
 On CPU the static-buffer path runs emulated (``StepGraphs(emulate=True)``: the same
 bucketing, padding, static inputs, warm-up with state restore and cache-bound bookkeeping,
-with plain calls in place of capture and replay); it must emit exactly what the eager
-engine emits. The real capture runs only where CUDA is present. Steps that sample with
-top-k or top-p run eagerly (``osd.graphs.graphable``): they emit what the eager engine
-emits and replay nothing."""
+with plain calls in place of capture and replay), with ``poison=True``: after every replay
+the outputs of the other graphs that do not own them are overwritten with garbage, as the
+shared pool of real graphs may. It must emit exactly what the eager engine emits. The real
+capture runs only where CUDA is present."""
 import pytest
 import torch
 
 import osd
 from osd.drafters import sample_draft
-from osd.graphs import StepGraphs, batch_bucket, graphable
+from osd.graphs import StepGraphs, batch_bucket
 from osd_kernels.warp import warp_probs
 from tests.test_models import tiny_hf_model
 from tests.test_speculative import perturbed, prompts_of
@@ -70,18 +70,20 @@ def test_graphs_in_plain_decoding(pair, sampling, device):
 
     eager = engine().generate(prompts, params)
     eng = engine()
-    eng.use_graphs(StepGraphs(eng.device, emulate=device == "cpu"))
+    eng.use_graphs(_graphs(eng, device))
     assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in eager]
-    _assert_replayed(eng, params)
+    _assert_replayed(eng)
 
 
-def _assert_replayed(eng, params):
-    """Graphs replayed, unless the sampling truncates (top-k / top-p: eager steps)."""
+def _graphs(eng, device="cpu"):
+    """Real graphs on CUDA; emulated ones with the pool poisoned elsewhere."""
+    emulate = device != "cuda"
+    return StepGraphs(eng.device, emulate=emulate, poison=emulate)
+
+
+def _assert_replayed(eng, params=None):
     info = eng.stats["cuda_graphs"]
-    if not graphable(params):
-        assert info["replays"] == 0
-    else:
-        assert info["replays"] > info["graphs"] > 0
+    assert info["replays"] > info["graphs"] > 0
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -92,10 +94,10 @@ def test_emulated_graphs_emit_what_eager_emits(pair, case):
     params = osd.SamplingParams(20, seed=34, **sampling)
     eager = _engine(pair, spec).generate(prompts, params)
     eng = _engine(pair, spec)
-    eng.use_graphs(StepGraphs(eng.device, emulate=True))
+    eng.use_graphs(_graphs(eng))
     graphed = eng.generate(prompts, params)
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
-    _assert_replayed(eng, params)
+    _assert_replayed(eng)
     info = eng.stats["cuda_graphs"]
     # A second call reuses the captured graphs (same buckets, same sampling params).
     again = eng.generate(prompts, params)
@@ -107,7 +109,7 @@ def test_emulated_graphs_leave_the_draft_cache_as_eager_does(pair):
     spec, _ = CASES["greedy-chain"]
     prompts = prompts_of([6, 10], seed=35)
     engines = [_engine(pair, spec), _engine(pair, spec)]
-    engines[1].use_graphs(StepGraphs(engines[1].device, emulate=True))
+    engines[1].use_graphs(_graphs(engines[1]))
     for eng in engines:
         eng.generate(prompts, osd.SamplingParams(12))
     a, b = (e.speculators[0].drafter for e in engines)
@@ -128,7 +130,7 @@ def test_cuda_graphs_emit_what_eager_emits(pair, case):
     assert eng.graphs is not None and not eng.graphs.emulate
     graphed = eng.generate(prompts, params)
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
-    _assert_replayed(eng, params)
+    _assert_replayed(eng)
     if sampling["temperature"] == 0.0:
         plain = osd.Engine.from_pretrained(pair[0], device="cuda", max_batch_size=4,
                                            max_seq_len=80)
@@ -154,7 +156,7 @@ def test_graphed_drafting_proposes_what_eager_drafting_proposes(pair, case, devi
                                          device=device, max_batch_size=4, max_seq_len=80,
                                          cuda_graphs=False)
         if graphed:
-            eng.use_graphs(StepGraphs(eng.device, emulate=device == "cpu"))
+            eng.use_graphs(_graphs(eng, device))
         drafter = eng.speculators[0].drafter
         log = []
         propose = drafter.propose_chain
@@ -168,7 +170,7 @@ def test_graphed_drafting_proposes_what_eager_drafting_proposes(pair, case, devi
         drafter.propose_chain = recorded
         eng.generate(prompts, osd.SamplingParams(16, seed=5, **params))
         if graphed:
-            assert (eng.graphs.replays > 0) == graphable(osd.SamplingParams(16, **params))
+            assert eng.graphs.replays > 0
         logs[graphed] = log
     assert len(logs[False]) == len(logs[True]) > 3
     for (tok_e, q_e), (tok_g, q_g) in zip(logs[False], logs[True]):
@@ -254,18 +256,97 @@ def test_cuda_graph_of_a_torch_op_equals_eager(V, op, B):
         assert torch.equal(y_g, fn(x)), op
 
 
-def test_a_truncating_row_keeps_its_batch_eager(pair):
-    """One row sampling with top-p among greedy rows, and outliving them: every step it is
-    in runs eagerly (no replay), every row emits what the eager engine emits; greedy
-    batches replay."""
+def test_mixed_sampling_rows_replay_and_emit_what_eager_emits(pair):
+    """One row sampling with top-p among greedy rows, and outliving them: the forwards
+    replay (the draft loop of mixed parameters runs eagerly), every row emits what the
+    eager engine emits."""
     spec, _ = CASES["greedy-chain"]
     prompts = prompts_of([7, 3, 11, 5], seed=40)
     mixed = [osd.SamplingParams(12)] * 3 + [osd.SamplingParams(
         24, seed=41, temperature=0.9, top_p=0.8, ignore_eos=True)]
     eager = _engine(pair, spec).generate(prompts, mixed)
     eng = _engine(pair, spec)
-    eng.use_graphs(StepGraphs(eng.device, emulate=True))
+    eng.use_graphs(_graphs(eng))
     assert [o.token_ids for o in eng.generate(prompts, mixed)] == [o.token_ids for o in eager]
-    assert (eng.stats["cuda_graphs"]["replays"] == 0) == (not graphable(mixed[3]))
-    eng.generate(prompts, osd.SamplingParams(12))
-    assert eng.stats["cuda_graphs"]["replays"] > 0
+    _assert_replayed(eng)
+
+
+def test_poison_overwrites_outputs_a_graph_does_not_own():
+    """The memory invariant of ``osd.graphs``, checked by the poisoned emulation: after
+    another graph replays, outputs read late are garbage unless their graph owns them."""
+    graphs = StepGraphs(torch.device("cpu"), emulate=True, poison=True)
+
+    def run(key, value, own):
+        def build():
+            return {"x": torch.zeros(3)}, lambda s: (s["x"] * 2, s["x"].long())
+        return graphs.run(key, build, lambda s: s["x"].fill_(value), own_outputs=own)
+
+    shared, _ = run("a", 1.0, own=False)
+    owned, owned_ids = run("b", 2.0, own=True)
+    assert shared.isnan().all()                      # "b" replayed after "a"
+    run("c", 3.0, own=False)
+    assert torch.equal(owned, torch.full((3,), 4.0)) and torch.equal(owned_ids, torch.full(
+        (3,), 2))                                    # owned outputs survive other replays
+    fresh, _ = run("a", 5.0, own=False)
+    assert torch.equal(fresh, torch.full((3,), 10.0))
+    with pytest.raises(ValueError, match="emulate=True"):
+        StepGraphs(torch.device("cpu"), poison=True)
+
+
+def _buffers(model):
+    return [model._arange.data_ptr()] + [t.data_ptr() for tables in model._tables.values()
+                                         for t in tables]
+
+
+@pytest.mark.parametrize("spec", [None, CASES["sampled-chain"][0]], ids=["plain", "chain"])
+def test_captured_buffers_never_move_when_a_longer_prompt_arrives(pair, spec):
+    """The constant buffers a graph reads (``_arange``, the RoPE tables) are sized for the
+    engine before any capture: short prompts, then a prompt longer than any before, leave
+    every one where it was."""
+    target, draft = pair
+    eng = osd.Engine.from_pretrained(
+        tiny_hf_model("llama", seed=31),
+        draft=None if spec is None else perturbed(tiny_hf_model("llama", seed=31), 0.3, seed=32),
+        spec=None if spec is None else osd.SpecConfig(**spec), max_batch_size=4,
+        max_seq_len=400, cuda_graphs=False)
+    eng.use_graphs(_graphs(eng))
+    models = [eng.model] + [sp.drafter.model for sp in eng.speculators]
+    params = osd.SamplingParams(6, temperature=0.8, seed=3)
+    eng.generate(prompts_of([3, 4, 5], seed=50), params)
+    before = [_buffers(m) for m in models]
+    eng.generate(prompts_of([300, 4], seed=51), params)
+    assert [_buffers(m) for m in models] == before
+    _assert_replayed(eng)
+
+
+def test_a_pinned_model_refuses_to_grow_its_buffers(pair):
+    model = osd.Engine.from_pretrained(tiny_hf_model("llama", seed=31), max_batch_size=2,
+                                       max_seq_len=32).model
+    model.pin_buffers()
+    cache = model.new_cache(1, 4096)           # reserving keeps the old buffers alive
+    assert model._arange.shape[0] >= 4096
+    model._arange = model._arange[:8]          # as if sized for a small engine
+    with pytest.raises(RuntimeError, match=r"_arange holds 8 entries but a forward needs"):
+        model(torch.zeros(1, 9, dtype=torch.int64), cache)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("batch", [1, 4, 64, 4096])
+def test_graphed_truncated_sampling_equals_eager_at_every_batch(pair, batch, device):
+    """Speculative chains sampled with top-k and top-p, replayed from graphs (poisoned and
+    emulated on CPU, captured on CUDA): token for token what the eager engine emits, from
+    1 row to 4,096."""
+    target, draft = pair
+    spec = osd.SpecConfig(num_draft_tokens=3)
+    prompts = prompts_of([3 + i % 5 for i in range(batch)], seed=60)
+    params = osd.SamplingParams(5 if batch > 64 else 10, seed=61, temperature=0.8, top_k=20,
+                                top_p=0.9, ignore_eos=True)
+    outs = []
+    for graphed in (False, True):
+        eng = osd.Engine.from_pretrained(target, draft=draft, spec=spec, max_batch_size=batch,
+                                         max_seq_len=24, cuda_graphs=False, device=device)
+        if graphed:
+            eng.use_graphs(_graphs(eng, device))
+        outs.append([o.token_ids for o in eng.generate(prompts, params)])
+    assert outs[0] == outs[1]
+    _assert_replayed(eng)

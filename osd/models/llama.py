@@ -327,6 +327,12 @@ class DecoderLM(nn.Module):
         # (local, long) -> cos, sin; long: LongRoPE's long factors
         self._tables: dict[tuple[bool, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         self._arange = torch.empty(0)
+        # Set once CUDA graphs may have captured forwards that read ``_arange`` and
+        # ``_tables`` (:meth:`pin_buffers`); from then on a forward never replaces them.
+        self._pinned = False
+        # Buffers replaced by :meth:`reserve` after pinning: graphs captured earlier still
+        # read them, so they are kept alive for the model's lifetime.
+        self._retired: list[torch.Tensor] = []
         # [V_head] int64 vocabulary ids of the head's rows; None: the head covers every id.
         self.register_buffer("head_ids", None)
 
@@ -413,39 +419,99 @@ class DecoderLM(nn.Module):
                   context: int | None = None) -> KVCache:
         """A :class:`~osd.cache.KVCache` for this model on its device and dtype (``context``:
         the longest sequence it will serve, default ``max_seq_len``)."""
-        return KVCache.for_model(self.config, max_batch_size, max_seq_len, dtype=self.dtype,
-                                 device=self.device, context=context)
+        cache = KVCache.for_model(self.config, max_batch_size, max_seq_len, dtype=self.dtype,
+                                  device=self.device, context=context)
+        self.reserve(cache.capacity, max_batch_size, cache.context)
+        return cache
+
+    # -- constant buffers read by cached forwards ----------------------------------
+    # Invariant: a CUDA graph reads ``_arange`` and the RoPE tables at every replay, so no
+    # buffer it captured may be freed. Every cache made by :meth:`new_cache` sizes them for
+    # its capacity and batch before any capture (each forward's ``T`` fits the capacity
+    # and its ``B`` the batch); after :meth:`pin_buffers` a forward that would need a
+    # larger one raises instead of replacing it, and :meth:`reserve` keeps the buffers it
+    # replaces alive.
+
+    def reserve(self, positions: int, rows: int = 1, context: int | None = None) -> None:
+        """Size ``_arange`` for ``max(positions, rows)`` and the RoPE tables (the variant
+        ``context`` selects) for ``positions``. Called by :meth:`new_cache`."""
+        # Growth at least doubles, so a pinned model retires few buffers.
+        n = max(int(positions), int(rows))
+        if self._arange.shape[0] < n or self._arange.device != self.device:
+            self._retire(self._arange)
+            self._arange = torch.arange(max(n, 2 * self._arange.shape[0], 64),
+                                        device=self.device)
+        for local in (False, True) if self._inv_freq_local is not None else (False,):
+            key = self._rope_key(local, positions if context is None else context)
+            cos, sin = self._tables.get(key, (torch.empty(0), None))
+            if cos.shape[0] < positions or cos.device != self.device or cos.dtype != self.dtype:
+                self._retire(cos, sin)
+                self._tables[key] = self._new_tables(
+                    key, max(int(positions), 2 * cos.shape[0], 256))
+
+    def pin_buffers(self) -> None:
+        """From now on forwards read the reserved buffers only (CUDA graphs capture them):
+        a forward that would grow one raises a ``RuntimeError`` naming it."""
+        self._pinned = True
+
+    def _retire(self, *tensors) -> None:
+        if self._pinned:
+            self._retired.extend(t for t in tensors if t is not None and t.numel())
+
+    def _grow_error(self, name: str, have: int, need: int) -> RuntimeError:
+        return RuntimeError(
+            f"{type(self).__name__}.{name} holds {have} entries but a forward needs {need}, "
+            f"and CUDA graphs may have captured it (the buffer cannot be replaced): make the "
+            f"model's caches with new_cache() before capturing graphs, sized for the longest "
+            f"sequence and the largest batch")
 
     def _iota(self, n: int) -> torch.Tensor:
-        """``arange(n)`` int64 on the model's device, sliced from a cached buffer."""
+        """``arange(n)`` int64 on the model's device, a slice of the reserved buffer."""
         if self._arange.shape[0] < n or self._arange.device != self.device:
-            self._arange = torch.arange(max(n, 64), device=self.device)
+            if self._pinned:
+                raise self._grow_error("_arange", self._arange.shape[0], n)
+            self.reserve(n)
         return self._arange[:n]
 
-    def _rope_tables(self, positions: torch.Tensor, needed: int, local: bool = False,
-                     context: int | None = None):
-        """``cos, sin [B, T, 1, D]`` at ``positions [B, T]`` (``local``: the sliding layers'
-        RoPE); grows the tables (host-side size check only) so that they cover ``needed``
-        positions (rebuilt when the model moved or changed dtype). A LongRoPE model uses its
-        long factors when ``context`` (a cache's, default ``needed``) exceeds the original
-        context, as llama.cpp chooses by its context size."""
+    def _rope_key(self, local: bool, context: int) -> tuple[bool, bool]:
+        """The table variant: ``(local, long)``, long for LongRoPE past its original context."""
         c = self.config
-        long = c.rope_type == "longrope" and not local and \
-            (needed if context is None else context) > c.rope_original_max_positions
-        cos, sin = self._tables.get((local, long), (torch.empty(0), None))
+        return local, (c.rope_type == "longrope" and not local
+                       and context > c.rope_original_max_positions)
+
+    def _new_tables(self, key: tuple[bool, bool], n: int):
+        local, long = key
+        inv_freq = self._inv_freq_local if local else \
+            rope_inv_freq(self.config, long=True) if long else self._inv_freq
+        return rope_tables(inv_freq, n, self.dtype, self.device,
+                           self.config.rope_attention_factor)
+
+    def _rope_tables(self, positions: torch.Tensor, needed: int, local: bool = False,
+                     context: int | None = None, cached: bool = True):
+        """``cos, sin [B, T, 1, D]`` at ``positions [B, T]`` (``local``: the sliding layers'
+        RoPE) from tables covering ``needed`` positions. A LongRoPE model uses its long
+        factors when ``context`` (a cache's, default ``needed``) exceeds the original
+        context, as llama.cpp chooses by its context size. Tables too small (or on another
+        device or dtype) grow, unless pinned: then a cached forward raises, and an uncached
+        one (``cached=False``, training) builds a table of its own."""
+        key = self._rope_key(local, needed if context is None else context)
+        cos, sin = self._tables.get(key, (torch.empty(0), None))
         if cos.shape[0] < needed or cos.device != self.device or cos.dtype != self.dtype:
             n = max(needed, 2 * cos.shape[0], 256)
-            inv_freq = self._inv_freq_local if local else \
-                rope_inv_freq(c, long=True) if long else self._inv_freq
-            cos, sin = self._tables[(local, long)] = rope_tables(
-                inv_freq, n, self.dtype, self.device, c.rope_attention_factor)
+            if not self._pinned:
+                cos, sin = self._tables[key] = self._new_tables(key, n)
+            elif cached:
+                raise self._grow_error(f"RoPE table {key}", cos.shape[0], needed)
+            else:
+                cos, sin = self._new_tables(key, needed)
         return cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)
 
-    def _layer_ropes(self, positions: torch.Tensor, needed: int, context: int | None = None):
+    def _layer_ropes(self, positions: torch.Tensor, needed: int, context: int | None = None,
+                     cached: bool = True):
         """``(global, local)`` RoPE tables at ``positions`` (local None without one)."""
         local = None if self._inv_freq_local is None else \
-            self._rope_tables(positions, needed, local=True)
-        return self._rope_tables(positions, needed, context=context), local
+            self._rope_tables(positions, needed, local=True, cached=cached)
+        return self._rope_tables(positions, needed, context=context, cached=cached), local
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, *,
                 tree_mask: torch.Tensor | None = None, depths: torch.Tensor | None = None,
@@ -610,7 +676,7 @@ class DecoderLM(nn.Module):
         else:
             key_mask = attention_mask.to(device=input_ids.device).bool()
             positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)
-        ropes = self._layer_ropes(positions, T)
+        ropes = self._layer_ropes(positions, T, cached=False)
         x = self._embed(input_ids, features)
         for index, layer in enumerate(self.layers):
             if index in skip_layers:
