@@ -56,7 +56,7 @@ class Lane:
         kept = collections.deque()
         while self.waiting and len(new) < free:
             r = self.waiting.popleft()
-            if pieces_left(len(r.prompt), prompt_positions, chunk):
+            if pieces_left(len(r.prefill_ids), prompt_positions, chunk):
                 if self.staging is None and len(new) < free:
                     self.stage_cache.reset()
                     self.staging = r
@@ -70,10 +70,10 @@ class Lane:
                 else:
                     kept.append(r)
                 continue
-            if new and len(r.prompt) > budget:
+            if new and len(r.prefill_ids) > budget:
                 kept.append(r)
                 break
-            budget -= len(r.prompt)
+            budget -= len(r.prefill_ids)
             new.append(r)
         kept.extend(self.waiting)
         self.waiting = kept
@@ -89,9 +89,10 @@ class Lane:
         if r is None:
             return None
         chunk = model.config.prefill_chunk
-        if pieces_left(len(r.prompt) - self.staged, prompt_positions, chunk):
+        ids = r.prefill_ids
+        if pieces_left(len(ids) - self.staged, prompt_positions, chunk):
             dev = model.device
-            piece = torch.tensor([r.prompt[self.staged:self.staged + chunk]],
+            piece = torch.tensor([ids[self.staged:self.staged + chunk]],
                                  dtype=torch.int64, device=dev)
             first = torch.zeros(1, 1, dtype=torch.int64, device=dev)
             out = model.prefill(piece, self.stage_cache, torch.tensor([chunk], device=dev),
@@ -113,14 +114,16 @@ class Lane:
 
     def load_prefix(self, r: RequestState, prompt_positions: int, cache: KVCache,
                     row: int) -> tuple[int, torch.Tensor | None]:
-        """Copy the K/V of the longest kept prefix of ``r``'s prompt into ``row`` of
-        ``cache``; return its length (0 without a prefix cache) and, for an EAGLE drafter,
-        the target's features there ``[n, H]`` (else None). The last
-        ``max(prompt_positions, 1)`` prompt tokens are always fed: their logits are used."""
+        """Copy the K/V of the longest kept prefix of ``r``'s prompt (its
+        ``prefill_ids``) into ``row`` of ``cache``; return its length (0 without a prefix
+        cache) and, for an EAGLE drafter, the target's features there ``[n, H]`` (else
+        None). The last ``max(prompt_positions, 1)`` prompt tokens are always fed: their
+        logits are used."""
         if self.prefix_cache is None:
             return 0, None
-        limit = len(r.prompt) - max(prompt_positions, 1)
-        return self.prefix_cache.load(r.prompt, limit, cache.kv[:, :, row], self.needs_hidden)
+        ids = r.prefill_ids
+        limit = len(ids) - max(prompt_positions, 1)
+        return self.prefix_cache.load(ids, limit, cache.kv[:, :, row], self.needs_hidden)
 
     def store_prefix(self, requests: list[RequestState], start_row: int,
                      hidden: torch.Tensor | None = None) -> None:

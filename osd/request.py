@@ -4,6 +4,7 @@ they become requests (:func:`encode_prompts`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 
 import torch
@@ -39,6 +40,17 @@ class RequestState:
     stop_checked: int = 0             # generated tokens already searched for stop strings
     stop_text: str | None = None      # the text cut before the stop string that ended it
     logprobs: list | None = None      # TokenLogprobs per generated token (params.logprobs)
+    # Set while the request waits to resume after a failed step (``osd.isolation``): the
+    # tokens whose K/V its row must hold again (the prompt and all generated tokens but
+    # the last, which is its next input). Prefilled instead of the prompt, sampling
+    # nothing; cleared once its row holds them.
+    context: list[int] | None = None
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """The tokens a prefill of this request feeds: its prompt, or its ``context``
+        when it resumes."""
+        return self.prompt if self.context is None else self.context
 
     @property
     def length(self) -> int:
@@ -104,14 +116,41 @@ def find_stop_string(tokenizer, ids: list[int], start: int, stops) -> tuple[int,
 
 def stop_prefix_length(text: str, stops) -> int:
     """The longest tail of ``text`` that is the start of one of ``stops`` (what a stream
-    holds back: it may still become a stop string, whose text is cut)."""
+    holds back: it may still become a stop string, whose text is cut), shorter than the
+    string itself. Linear: ``O(len(s))`` per stop string ``s``, whatever ``len(text)``
+    (a Knuth-Morris-Pratt scan of the last ``len(s) - 1`` characters)."""
     n = 0
     for s in stops or ():
-        for k in range(min(len(s) - 1, len(text)), n, -1):
-            if text.endswith(s[:k]):
-                n = k
-                break
+        if len(s) > 1:
+            n = max(n, _border(s, text[-(len(s) - 1):]))
     return n
+
+
+@functools.lru_cache(maxsize=256)
+def _failure(s: str) -> tuple[int, ...]:
+    """KMP failure function of ``s``: ``f[i]``, the longest proper border of ``s[:i + 1]``."""
+    f = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = f[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        f[i] = k
+    return tuple(f)
+
+
+def _border(s: str, tail: str) -> int:
+    """The longest suffix of ``tail`` that is a proper prefix of ``s`` (``len(tail) <
+    len(s)``, so ``s`` itself never fits)."""
+    f = _failure(s)
+    k = 0
+    for c in tail:
+        while k and c != s[k]:
+            k = f[k - 1]
+        if c == s[k]:
+            k += 1
+    return k
 
 
 def encode_prompts(prompts, tokenizer, vocab_size: int, max_seq_len: int,

@@ -17,26 +17,62 @@ import osd_kernels
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_LOGPROBS = 20
+# What the kernels can represent. Temperature, top-p and the repetition penalty become
+# float32 per-row tensors: a positive temperature below MIN_TEMPERATURE (or a repetition
+# penalty below MIN_PENALTY) turns logits of ordinary size into float32 overflow, a
+# top_p below float32's smallest normal number rounds to 0 (or is flushed to it on GPUs).
+# top_k is an int32 tensor; seeds and token counts are int64.
+MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 1e4
+MIN_TOP_P = 2.0 ** -126
+MIN_PENALTY = 1e-6
+MAX_PENALTY = 1e4
+INT32_MAX = 2 ** 31 - 1
+INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
+# Stop strings are searched after every step: their number and length bound that work.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
-def _as_int(name: str, value) -> int:
+def _as_int(name: str, value, low: int = INT64_MIN, high: int = INT64_MAX) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got bool")
     try:
-        return operator.index(value)
+        value = operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if not low <= value <= high:
+        got = value if abs(value) < 10 ** 30 else f"an integer of {value.bit_length()} bits"
+        raise ValueError(f"{name} must be in [{low}, {high}], got {got}")
+    return value
+
+
+def _as_float(name: str, value) -> float:
+    """``value`` as a finite float (an int too large for a float is refused too)."""
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number, got an integer of "
+                         f"{value.bit_length()} bits") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to generate. Invalid values raise ValueError (TypeError for wrong types).
+    """How to generate. Invalid values raise ValueError (TypeError for wrong types),
+    including values the kernels cannot represent (the bounds below), so a request that
+    gets this far cannot make a batch's step fail.
 
     Attributes:
-        max_new_tokens: tokens to generate at most (>= 1).
-        temperature: >= 0; 0 is greedy decoding.
-        top_k: keep the k most likely tokens (0 = off).
-        top_p: nucleus mass in (0, 1] (1 = off).
+        max_new_tokens: tokens to generate at most (>= 1; integers are int64).
+        temperature: 0 (greedy decoding) or in [``MIN_TEMPERATURE``, ``MAX_TEMPERATURE``]
+            (1e-6 to 1e4).
+        top_k: keep the k most likely tokens (0 = off; at most 2**31 - 1, and a k past
+            the vocabulary keeps every token).
+        top_p: nucleus mass in (0, 1] (1 = off), at least float32's smallest normal
+            number (``MIN_TOP_P``).
         seed: base seed; request ``i`` of a ``generate`` call samples with its own Philox
             key derived from ``seed + i`` (``request_seed``), so its output does not depend
             on batching, on the device or on CUDA graphs. None draws the base seed from
@@ -46,7 +82,8 @@ class SamplingParams:
         stop_token_ids: ids that end a sequence (the stop token is part of the output),
             in addition to the checkpoint's EOS ids.
         stop: strings that end a sequence once its decoded text holds one (a str or a
-            sequence of them; needs the engine's tokenizer). The output's text is cut
+            sequence of at most ``MAX_STOP_STRINGS`` (16), each at most ``MAX_STOP_CHARS``
+            (256) characters; needs the engine's tokenizer). The output's text is cut
             before the earliest stop string and its ids end at the token that completed
             it; ``finish_reason`` is ``"stop"``.
         logprobs: None, or return each generated token's log-probability and the
@@ -54,8 +91,9 @@ class SamplingParams:
             distribution before temperature, top-k and top-p, at the position the token
             was generated for (with speculation: the verify forward's, whose prefix is the
             accepted one).
-        repetition_penalty: > 0 (1 = off): a token already in the prompt or the output has
-            a positive logit divided by it and a negative one multiplied by it.
+        repetition_penalty: in [1e-6, 1e4] (1 = off): a token already in the prompt or
+            the output has a positive logit divided by it and a negative one multiplied
+            by it.
         presence_penalty: in [-2, 2] (0 = off), subtracted from the logit of every token
             already in the output.
         frequency_penalty: in [-2, 2] (0 = off), times a token's count in the output,
@@ -95,14 +133,18 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-            set_(self, name, float(value))
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            set_(self, name, _as_float(name, value))
+        t = self.temperature
+        if not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
+                             f"{MAX_TEMPERATURE:g}], got {t}")
+        if not (0 < self.top_p <= 1 and self.top_p >= MIN_TOP_P):
+            raise ValueError(f"top_p must be in (0, 1] and at least {MIN_TOP_P:.3g} (float32's "
+                             f"smallest normal number), got {self.top_p}")
         set_(self, "top_k", _as_int("top_k", self.top_k))
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k <= INT32_MAX:
+            raise ValueError(f"top_k must be >= 0 and at most {INT32_MAX} (int32), got "
+                             f"{self.top_k}")
         if self.seed is not None:
             set_(self, "seed", _as_int("seed", self.seed))
         if self.stop_token_ids is not None:
@@ -114,9 +156,15 @@ class SamplingParams:
             stop = (self.stop,) if isinstance(self.stop, str) else self.stop
             if isinstance(stop, bytes) or not all(isinstance(s, str) for s in stop):
                 raise TypeError("stop must be a string or a sequence of strings")
+            stop = tuple(stop)
             if any(s == "" for s in stop):
                 raise ValueError("stop strings must not be empty")
-            set_(self, "stop", tuple(stop) or None)
+            if len(stop) > MAX_STOP_STRINGS:
+                raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+            if any(len(s) > MAX_STOP_CHARS for s in stop):
+                raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got "
+                                 f"one of {max(map(len, stop))}")
+            set_(self, "stop", stop or None)
         if self.logprobs is not None:
             set_(self, "logprobs", _as_int("logprobs", self.logprobs))
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -125,10 +173,10 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-            set_(self, name, float(value))
-        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got "
-                             f"{self.repetition_penalty}")
+            set_(self, name, _as_float(name, value))
+        if not MIN_PENALTY <= self.repetition_penalty <= MAX_PENALTY:
+            raise ValueError(f"repetition_penalty must be > 0, in [{MIN_PENALTY:g}, "
+                             f"{MAX_PENALTY:g}], got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -139,6 +187,7 @@ class SamplingParams:
             for t, b in self.logit_bias.items():
                 if isinstance(b, bool) or not isinstance(b, (int, float)):
                     raise TypeError(f"logit_bias[{t!r}] must be a number, got {type(b).__name__}")
+                b = _as_float(f"logit_bias[{t!r}]", b)
                 if not -100 <= b <= 100:
                     raise ValueError(f"logit_bias[{t!r}] must be in [-100, 100], got {b}")
                 bias[_as_int("logit_bias token id", t)] = float(b)

@@ -86,8 +86,10 @@ def test_engine_serves_correctly_after_errors(pair, monkeypatch):
         return real_step(active, params)
 
     monkeypatch.setattr(spec, "step", failing_step)
-    with pytest.raises(RuntimeError, match="injected"):
-        eng.generate(prompts, sp)
+    # No request makes the step fail again when run alone: all of them resume.
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == ref
+    assert eng.stats["errors"]["failed_steps"] == 1
+    assert "step_error" not in eng.stats["errors"]
     monkeypatch.setattr(spec, "step", real_step)
     assert [o.token_ids for o in eng.generate(prompts, sp)] == ref
     # and a stream abandoned mid-way
