@@ -45,4 +45,5 @@ def _extension():
     )
 
 
-setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})
+setup(ext_modules=[_extension()],
+      cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})

@@ -31,11 +31,11 @@ the draft never trained on), up to ``NEW_TOKENS`` new tokens each. Providers:
 Every osd and transformers provider's output is asserted equal to osd plain greedy. Timing
 is interleaved prompt by prompt with ``osd-plain`` as the anchor, best of ``ROUNDS``; the
 ratios ``vs_plain`` come from those side-by-side sums. ``c`` is the draft's one-token
-forward over the target's (interleaved, median; ``osd.demo.draft_cost_ratio``). The chat model is fetched on first use;
-the module is skipped when it cannot be (no network, no cache). ``OSD_BENCH_CHAT_TARGET``
-benchmarks another GGUF file of the same model (another quantization, such as a Q4_K_M
-file), ``OSD_BENCH_CHAT_DRAFT`` another draft directory; ``OSD_BENCH_CHAT_TOKENS``, ``_PROMPTS``, ``_WARMUP``
-change the workload.
+forward over the target's (interleaved, median; ``osd.demo.draft_cost_ratio``). The chat
+model is fetched on first use; the module is skipped when it cannot be (no network, no
+cache). ``OSD_BENCH_CHAT_TARGET`` benchmarks another GGUF file of the same model (another
+quantization, such as a Q4_K_M file), ``OSD_BENCH_CHAT_DRAFT`` another draft directory;
+``OSD_BENCH_CHAT_TOKENS``, ``_PROMPTS``, ``_WARMUP`` change the workload.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_chat.py \\
         --benchmark-json=docs/bench_chat.json

@@ -32,7 +32,6 @@ CPU fp32, k = 4.
 import os
 import time
 
-import pytest
 import torch
 
 import osd
@@ -202,8 +201,8 @@ def test_alpha_over_requests(benchmark):
                           for k in ("static", "online"))))
     fig, ax = plt.subplots(figsize=(7, 4))
     for k in ("static", "online"):
-        ax.plot(range(N), [sum(alphas[k][max(0, i - w + 1):i + 1]) / len(alphas[k][max(0, i - w + 1):i + 1])
-                           for i in range(N)], label=f"{k} draft")
+        rolling = [alphas[k][max(0, i - w + 1):i + 1] for i in range(N)]
+        ax.plot(range(N), [sum(r) / len(r) for r in rolling], label=f"{k} draft")
     ax.set_xlabel("request")
     ax.set_ylabel(f"α = 1 − TV (rolling mean of {w})")
     ax.set_title("Built-in pair, code stream: static vs online draft")

@@ -4,6 +4,7 @@ provider's device and dtype, moving cases between devices, and the GB/s rate.
 ``OSD_BENCH_FULL=1`` selects the full sweeps. ``OSD_BENCH_THREADS`` sets torch's CPU thread
 count in the files that pin it (the ``torch_threads`` fixture of ``bench/conftest.py``).
 """
+
 import os
 
 import pytest

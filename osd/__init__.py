@@ -4,6 +4,7 @@
 transformers model; ``Engine.generate(prompts, SamplingParams(...))`` returns one
 ``Output`` per prompt.
 """
+
 from osd import zoo
 from osd.cache import KVCache
 from osd.async_engine import AsyncEngine

@@ -558,13 +558,22 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
                    "plain_window": pl_rec}, f, indent=1)
     gain = s["online"]["alpha_last"] - s["static"]["alpha_last"]
     gain_text = s["online"]["alpha_text_last"] - s["static"]["alpha_text_last"]
+    history = (f" (also over {cfg.lookup_history} tokens of earlier answers)"
+               if cfg.lookup_history else "")
+    lookup_tokens = (f", lookup steps verifying up to {cfg.lookup_tokens} drafts"
+                     if cfg.lookup_tokens else "")
+    min_match = (f", lookup on matches of {cfg.lookup_min_match}+ tokens"
+                 if cfg.lookup_min_match > 1 else "")
+    prefix = (f", every engine keeping up to {cfg.prefix_cache} prompt tokens of K/V across "
+              "requests" if cfg.prefix_cache else "")
+    lookup_alpha = (" (steps drafted by prompt lookup alone are in neither that α nor its count, "
+                    "but are in tokens/s; lookup covers the positions that are easiest to guess, "
+                    "so this α depends on what lookup left)" if cfg.prompt_lookup else "")
     lines = [
         "# osd demo report", "",
         f"{label}: {n} requests, greedy, batch size 1, k = {k}"
         f"{', prompt lookup in front of the draft' if cfg.prompt_lookup else ''}"
-        f"{f' (also over {cfg.lookup_history} tokens of earlier answers)' if cfg.lookup_history else ''}"
-        f"{f', lookup steps verifying up to {cfg.lookup_tokens} drafts' if cfg.lookup_tokens else ''}"
-        f"{f', lookup on matches of {cfg.lookup_min_match}+ tokens' if cfg.lookup_min_match > 1 else ''}"
+        f"{history}{lookup_tokens}{min_match}"
         f"{_tree_phrase(cfg.lookup_tree_below)}"
         f"{', draft chains stopping where the draft is unsure (adaptive)' if cfg.adaptive else ''}"
         f", up to "
@@ -572,7 +581,7 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
         f"new tokens per request, CPU fp32"
         f"{' (the target computing on its quantized GGUF weights)' if cfg.quantized else ''}"
         f"{f', the draft served in {cfg.quantize_draft}' if cfg.quantize_draft else ''}"
-        f"{f', every engine keeping up to {cfg.prefix_cache} prompt tokens of K/V across requests' if cfg.prefix_cache else ''}"
+        f"{prefix}"
         f". Produced by `{_command(cfg)}` in "
         f"{seconds:.0f} s.", "",
         f"The last {tail} requests were served side by side: each by the online engine, "
@@ -613,9 +622,10 @@ def _report(cfg, label, c, base, st_rec, on_rec, pl_rec, online_stats, plain_tps
         "measured after each request, untimed, with the online draft as it served it): the "
         "draft's acceptance on the text, whichever drafter served each step. α where the "
         "draft model drafted averages it over the positions it drafted while serving"
-        f"{' (steps drafted by prompt lookup alone are in neither that α nor its count, but are in tokens/s; lookup covers the positions that are easiest to guess, so this α depends on what lookup left)' if cfg.prompt_lookup else ''}"
+        f"{lookup_alpha}"
         f". The static draft served the last {len(st_rec)} requests"
-        f"{', its lookup history holding the answers before them' if cfg.lookup_history else ''}.", "",
+        f"{', its lookup history holding the answers before them' if cfg.lookup_history else ''}.",
+        "",
         "![alpha](alpha.png)", "", "![tokens/s](tokens_per_s.png)", "", "![speedup](speedup.png)",
         "",
     ]

@@ -4,8 +4,9 @@ target's logits, as OpenAI and vLLM define them, for every position a step sampl
 ``frequency_penalty``, ``min_tokens``: the stop ids get ``-inf`` at positions that would
 sample one of the first ``min_tokens`` tokens).
 
-The bias is added first, as if the model had produced it. For a token seen in the prompt or the output so far, the repetition penalty ``r`` divides
-a positive logit by ``r`` and multiplies a negative one by ``r``; then every token loses
+The bias is added first, as if the model had produced it. For a token seen in the prompt
+or the output so far, the repetition penalty ``r`` divides a positive logit by ``r`` and
+multiplies a negative one by ``r``; then every token loses
 ``frequency_penalty * count + presence_penalty * (count > 0)``, ``count`` its occurrences
 in the output so far. A verify forward scores several positions at once: each position's
 "so far" is the request's output plus the drafted tokens on its own path (a chain's

@@ -58,8 +58,9 @@ class SpecConfig:
     a row with a long match its lookup chain, any other row the model's chain beside its
     lookup continuation (up to ``max(num_draft_tokens, lookup_tokens)`` drafts, as a
     lookup step's; none without a match), two branches of one tree. A one-token match is
-    often wrong where the model is right, and one verify forward tries both. ``m = ngram_max + 1`` puts every match beside the
-    model. A row's drafts depend on its own context only, as without trees.
+    often wrong where the model is right, and one verify forward tries both.
+    ``m = ngram_max + 1`` puts every match beside the model. A row's drafts depend on its
+    own context only, as without trees.
 
     ``lookup_history=n`` (with ``prompt_lookup`` or the ``"ngram"`` drafter) also looks the
     suffix up in the newest ``n`` tokens of the engine's finished requests (their outputs,

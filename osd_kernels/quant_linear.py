@@ -18,8 +18,9 @@ are bound by reading weights from memory: 4-bit codes with float32 factors are 0
 weight against float32's 4. The C++ kernel (``csrc/cpu/quant_linear.cpp``; AVX-512, AVX2
 and portable paths) dequantizes each block in registers and multiplies it into every
 row's running sums in decode_linear's order; a code times a scale that came from float16
-(times a small integer, for the K-quants) is exact in float32, so its result equals ``decode_linear`` on :func:`dequantize_weight`'s
-matrix bit for bit, and a row's result never depends on the other rows.
+(times a small integer, for the K-quants) is exact in float32, so its result equals
+``decode_linear`` on :func:`dequantize_weight`'s matrix bit for bit, and a row's result
+never depends on the other rows.
 
 Past 64 rows (prefill pieces, large batches) the kernel dequantizes 256 weight rows at a
 time into a float32 tile and multiplies by it with a GEMM (``at::mm``), never holding the

@@ -1,10 +1,10 @@
 """Build the draft of the chat pair (SmolLM2-135M-Instruct) by distillation, or measure it.
 
-    python scripts/build_chat_draft.py                    # data + training, into osd/zoo/weights/chat_draft
-    python scripts/build_chat_draft.py --reuse-data       # train again on the cached data
+    python scripts/build_chat_draft.py               # data + training (osd/zoo/weights/chat_draft)
+    python scripts/build_chat_draft.py --reuse-data  # train again on the cached data
     python scripts/build_chat_draft.py --minutes 4 --prompts 48 --out /tmp/d   # smoke build
-    python scripts/build_chat_draft.py --measure          # c, alpha, tau, tokens/s (docs/chat_draft.md)
-    python scripts/build_chat_draft.py --shapes           # decode latency of candidate shapes
+    python scripts/build_chat_draft.py --measure     # c, alpha, tau, tokens/s (docs/chat_draft.md)
+    python scripts/build_chat_draft.py --shapes      # decode latency of candidate shapes
 
 The build has four stages, each with a progress bar:
 

@@ -90,8 +90,9 @@ def main() -> None:
                     if rnd == 1:
                         seconds[name] += dt
                         tokens[name] += sum(map(len, ids))
-                        seq_steps[name] += sum((o.stats or {}).get("sequence_steps") or len(o.token_ids)
-                                               for o in outs)
+                        seq_steps[name] += sum(
+                            (o.stats or {}).get("sequence_steps") or len(o.token_ids)
+                            for o in outs)
             print(f"batch {B}: round {rnd + 1} done", flush=True)
         for name in modes:
             rows.append((B, name, tokens[name] / seconds[name],

@@ -45,7 +45,8 @@ def _forward_costs(target, draft, prompt: list[int], reps: int) -> dict:
         out[n] = {"best_ms": round(min(ts) * 1e3, 3),
                   "median_ms": round(statistics.median(ts) * 1e3, 3)}
     out["c_best"] = round(min(times["draft"]) / min(times["target"]), 4)
-    out["c_median"] = round(statistics.median(times["draft"]) / statistics.median(times["target"]), 4)
+    out["c_median"] = round(statistics.median(times["draft"])
+                            / statistics.median(times["target"]), 4)
     return out
 
 
@@ -71,7 +72,8 @@ def time_shapes(args) -> int:
         model = DecoderLM(cfg)
         model.init_weights(generator=torch.Generator().manual_seed(0))
         models[f"{layers} x {hidden}, {heads}/{kv} heads, MLP {mlp}"] = model
-    prompt = torch.randint(0, target.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(0, target.vocab_size, (1, 64),
+                           generator=torch.Generator().manual_seed(0))
     caches, times = {}, {n: [] for n in models}
     with torch.inference_mode():
         for n, m in models.items():

@@ -2,7 +2,8 @@
 (prompt lookup on 2+-token matches with lookup steps of up to 8 drafts, then the EAGLE
 draft in Q8_0) alternating prompt by prompt over the first ``--prompts`` HumanEval chat
 requests, greedy fp32, 128 new tokens, one pass. Prints each prompt's ratio (plain time
-over speculative time) and the running ratio of the sums, then both engines' tokens/s; asserts equal outputs.
+over speculative time) and the running ratio of the sums, then both engines' tokens/s;
+asserts equal outputs.
 
     .venv/bin/python scripts/chat_per_prompt.py --prompts 40
 """

@@ -8,7 +8,8 @@ family: the largest logit difference between osd (on the GGUF file) and transfor
 the checkpoint) over a 37-token sequence, and whether 24 greedy tokens after a 12-token
 prompt equal transformers' and llama.cpp's (llama-cpp-python, float32 KV cache).
 
-    .venv/bin/python scripts/check_converted_family.py --llama-cpp /tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp
+    .venv/bin/python scripts/check_converted_family.py \\
+        --llama-cpp /tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp
 
 Needs llama-cpp-python and sentencepiece (the optional ``bench`` extra; llama.cpp's
 Llama-family converter imports sentencepiece, then takes the BPE vocabulary when there is

@@ -16,7 +16,8 @@ One more row comes from a vocabulary rewritten here: ``llama-spm`` with
 ``tokenizer.ggml.add_space_prefix`` false (how llama.cpp writes Gemma's SentencePiece
 vocabularies), through :func:`osd.models.gguf.write_gguf`.
 
-    .venv/bin/python scripts/check_gguf_vocabs.py --llama-cpp /tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp
+    .venv/bin/python scripts/check_gguf_vocabs.py \\
+        --llama-cpp /tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp
 """
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 Usage: python scripts/cuda_check.py --nvcc nvcc csrc/kernels/*.cu
 """
+
 import argparse
 import concurrent.futures as cf
 import os

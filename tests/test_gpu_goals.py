@@ -1,5 +1,6 @@
 """``scripts/gpu_goals.py`` (the GPU speed-goals table of ``make gpu-check``) keeps working:
 its smoke mode runs every measurement at tiny shapes on whatever device is here."""
+
 import importlib.util
 import os
 

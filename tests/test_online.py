@@ -39,7 +39,8 @@ def test_outputs_unchanged_and_alpha_rises(pair):
     eng = _engine(pair)
     before = _draft_state(eng)
     outs = serve_in_batches(eng, prompts, osd.SamplingParams(24))   # a stream of small batches
-    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]   # learning never changes output
+    # learning never changes the output
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     hist = eng.stats["online"]
     assert hist["updates_applied"] >= 3
     after = _draft_state(eng)

@@ -62,7 +62,8 @@ def test_draft_sampler_noise_is_the_same_on_every_path(monkeypatch):
     PyTorch generator's."""
     from osd import drafters
 
-    q = torch.softmax(torch.randn(SEEDS.shape[0], 1001, generator=torch.Generator().manual_seed(3)), -1)
+    g = torch.Generator().manual_seed(3)
+    q = torch.softmax(torch.randn(SEEDS.shape[0], 1001, generator=g), -1)
     fast = drafters.sample_draft(q, SEEDS, OFFSETS, 2)
     monkeypatch.setattr(drafters, "native_available", lambda: False)
     assert torch.equal(fast, drafters.sample_draft(q, SEEDS, OFFSETS, 2))

@@ -1,6 +1,7 @@
 """quant_linear: the C++ kernel against decode_linear on the dequantized weights (bit for
 bit, on each ISA path: AVX-512, AVX2, portable; scales per 32 and per 16 weights) and
-against the reference on odd shapes; the GGUF block formats; the auto dispatch rules; bad input; opcheck."""
+against the reference on odd shapes; the GGUF block formats; the auto dispatch rules; bad
+input; opcheck."""
 import numpy as np
 import pytest
 import torch

@@ -3,7 +3,6 @@ engine serving the next call exactly as before."""
 import threading
 
 import pytest
-import torch
 
 import osd
 from tests.test_models import tiny_hf_model

@@ -1,4 +1,5 @@
 """Model runtime: our Llama-family decoder, its config, attention dispatch and loading."""
+
 from osd.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from osd.models.eagle import EagleLM, load_eagle, save_eagle
 from osd.models.llama import DecoderLM

@@ -36,10 +36,10 @@ ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 QK_NORMS = ("none", "head", "full")
 
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")   # the gate's activation: SwiGLU, GeGLU (Gemma)
 
 # Multimodal checkpoints whose language model we load on its own: wrapper -> text model.
-TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}   # the gate's activation: SwiGLU, GeGLU (Gemma)
+TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
 ATTENTION_BACKENDS = ("auto", "reference", "native", "triton", "flash")
 

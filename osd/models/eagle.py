@@ -157,7 +157,8 @@ def save_eagle(model: EagleLM, path: str | os.PathLike, meta: dict | None = None
     if meta:
         config["build"] = meta
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.own_state_dict().items()}
+    state = {k: v.detach().to(torch.float16).contiguous()
+             for k, v in model.own_state_dict().items()}
     save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
     from osd.models.loading import HEAD_VOCAB_FILE
     head = path / HEAD_VOCAB_FILE

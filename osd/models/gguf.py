@@ -451,7 +451,8 @@ def config_from_gguf(g: GGUFFile, *, attention_backend: str = "auto") -> ModelCo
     if arch in ("granite", "granitemoe"):
         hf.update({name: float(key(k)) for k, name in _GRANITE_SCALARS.items()
                    if key(k) is not None})
-    if experts:     # llama.cpp's routing: Qwen2-MoE's top-k weights as they are, others' summing to 1
+    # llama.cpp's routing: Qwen2-MoE's top-k weights as they are, others' summing to 1
+    if experts:
         hf.update({"num_experts": experts,
                    "num_experts_per_tok": int(key("expert_used_count", required=True)),
                    "moe_intermediate_size": int(key("expert_feed_forward_length",

@@ -75,7 +75,9 @@ class QuantLinear(nn.Module):
 
     def select_rows(self, ids: torch.Tensor) -> "QuantLinear":
         """A layer of the output rows ``ids`` only (a restricted output head)."""
-        pick = (lambda t: None if t is None else t.index_select(0, ids.to(t.device)))
+        def pick(t):
+            return None if t is None else t.index_select(0, ids.to(t.device))
+
         return QuantLinear(pick(self.qweight), pick(self.scales), pick(self.mins),
                            pick(self.bias), self.fmt)
 

@@ -21,7 +21,8 @@ import random
 from dataclasses import dataclass
 
 from osd.zoo import corpus
-from osd.zoo.chat import chat_eagle, chat_pair  # the real chat model (SmolLM2 GGUF); see osd/zoo/chat.py
+# the real chat model (SmolLM2 GGUF); see osd/zoo/chat.py
+from osd.zoo.chat import chat_eagle, chat_pair
 
 WEIGHTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
 # Files that make a zoo checkpoint directory complete.
@@ -162,5 +163,5 @@ def query_stream(domain: str = "code", n: int = 200, prompt_tokens: int = 48,
     return [q.ids for q in query_records(domain, n, prompt_tokens, seed)]
 
 
-__all__ = ["default_pair", "chat_pair", "chat_eagle", "code_draft", "tokenizer", "query_stream", "query_records", "Query", "cache_dir",
-           "corpus", "WEIGHTS_DIR"]
+__all__ = ["default_pair", "chat_pair", "chat_eagle", "code_draft", "tokenizer", "query_stream",
+           "query_records", "Query", "cache_dir", "corpus", "WEIGHTS_DIR"]

@@ -120,4 +120,5 @@ def chat_eagle() -> str | None:
     return EAGLE_DIR if os.path.isfile(os.path.join(EAGLE_DIR, "model.safetensors")) else None
 
 
-__all__ = ["chat_pair", "chat_eagle", "fetch_target", "fetch_wheel_member", "cached_target", "cache_dir"]
+__all__ = ["chat_pair", "chat_eagle", "fetch_target", "fetch_wheel_member", "cached_target",
+           "cache_dir"]

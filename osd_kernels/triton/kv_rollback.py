@@ -22,7 +22,8 @@ def _kv_rollback_kernel(kv_ptr, lens_ptr, slots_ptr, keep_ptr, num_heads, head_d
     h = lkh % num_heads
     n = tl.load(keep_ptr + b)
     base = tl.load(lens_ptr + b).to(tl.int64)
-    row = kv_ptr + lk.to(tl.int64) * stride_lk + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+    row = (kv_ptr + lk.to(tl.int64) * stride_lk + b.to(tl.int64) * stride_b
+           + h.to(tl.int64) * stride_h)
     for d0 in range(0, head_dim, BLOCK_D):
         offs = d0 + tl.arange(0, BLOCK_D)
         mask = offs < head_dim

@@ -5,6 +5,7 @@
 (or blocks) and ``stream``/``index`` as int32/int64 scalars or blocks (Python ints too);
 it returns float32 uniforms in (0, 1). ``philox4x32_10`` is the raw generator on uint32 blocks.
 """
+
 import triton
 import triton.language as tl
 

@@ -10,8 +10,9 @@ bisection on the float's ordered bit pattern, no sort).
 Floating point: divisions (``p = e / Z``, the draft scale ``s / z``, the race keys) are
 IEEE round-to-nearest and exp/log are CUDA's ``expf``/``logf``
 (``osd_kernels.triton.fpmath``; on a GPU Triton's ``/`` and ``tl.exp`` are approximate
-and ``tl.log`` flushes subnormals). On a GPU the kernel is compiled without FMA contraction, so the residual update
-``max(r - scale * q, 0)`` rounds as in the other backends.
+and ``tl.log`` flushes subnormals). On a GPU the kernel is compiled without FMA
+contraction, so the residual update ``max(r - scale * q, 0)`` rounds as in the other
+backends.
 
 Memory: the workspace rows are written and read back by different threads of the
 program (a tile store, then a scalar load of ``r[x]``; the scalar store of ``r[x] = 0``
