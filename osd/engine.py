@@ -141,6 +141,8 @@ class Engine:
             raise TypeError(f"online must be an osd.OnlineConfig, got {type(online).__name__}")
         if spec is None and drafts:
             spec = SpecConfig()
+        if spec is not None and spec.prompt_lookup and spec.drafter == "model" and not drafts:
+            spec = spec.lookup_alone()      # prompt lookup without a draft model: "ngram"
         if spec is not None and spec.drafter == "model" and not drafts:
             raise ValueError("SpecConfig(drafter='model') needs a draft model: pass draft=...")
         if spec is not None and spec.drafter != "model" and drafts:

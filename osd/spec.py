@@ -1,6 +1,7 @@
 """Configuration of speculative decoding (``osd.SpecConfig``)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, fields
@@ -98,6 +99,15 @@ class SpecConfig:
     #                                      batch size, 0 (plain decoding) when drafts do not pay
     exact_alpha: bool = True             # report 1 - TV(p, q) (one softmax per drafted row)
     cuda_graphs: bool = True             # capture draft and verify forwards on CUDA
+
+    def lookup_alone(self) -> "SpecConfig":
+        """This config's prompt lookup without a draft model: the ``"ngram"`` drafter with
+        the same n-gram sizes and history, drafting up to ``max(num_draft_tokens,
+        lookup_tokens)`` tokens. What ``prompt_lookup=True`` means when no draft is given."""
+        return dataclasses.replace(
+            self, drafter="ngram", prompt_lookup=False, tree=None, lookup_tokens=0,
+            lookup_tree_below=0, adaptive=False,
+            num_draft_tokens=max(self.num_draft_tokens, self.lookup_tokens))
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:

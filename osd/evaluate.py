@@ -1,0 +1,130 @@
+"""Speedup per workload: plain against speculative decoding, prompt by prompt.
+
+    >>> rows = evaluate(target, draft, workloads=evaluation_set(n=6))   # doctest: +SKIP
+
+For each workload of :func:`osd.zoo.workloads.evaluation_set` (or the caller's), every
+prompt runs through a plain engine and a speculative engine built as a user builds them
+(``Engine.from_pretrained(target)`` and ``Engine.from_pretrained(target, draft=draft)``,
+the draft's own ``serving.json`` settings), interleaved prompt by prompt so that a noisy
+machine hits both alike; a warm-up round precedes the timed one. Each row reports:
+
+- ``speedup``: the median over prompts of plain time / speculative time (end to end,
+  prefill included), and the tokens/s of both;
+- ``alpha``: the draft model's mean 1 - TV(p, q) where it drafted; ``accept``: the share of
+  drafted tokens accepted (prompt lookup's included); ``tokens_per_forward``: tokens
+  emitted per target forward;
+- ``c``: the cost of one draft-model token against one plain decode step (time per
+  drafted token over plain time per token), and ``bound``: the analytic speedup
+  ``(1 - α^(k+1)) / ((1 - α)(c k + 1))`` of a chain of ``k`` drafts of the draft model
+  alone (prompt lookup can beat it: its drafts cost almost nothing);
+- ``equal``: greedy only, whether every speculative output equals the plain one.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import osd
+from osd.chat import apply_chat_template
+
+
+def analytic_speedup(alpha: float, c: float, k: int) -> float:
+    """Expected speedup of a chain of ``k`` drafts accepted i.i.d. with probability
+    ``alpha``, each costing ``c`` target forwards (Leviathan et al.)."""
+    if k <= 0:
+        return 1.0
+    tokens = (k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (c * k + 1)
+
+
+def _timed(engine, ids, params):
+    engine.reset_stats()
+    t = time.perf_counter()
+    out = engine.generate([ids], params)[0]
+    return time.perf_counter() - t, out, engine.stats
+
+
+def evaluate(target, draft=None, *, workloads=None, max_new_tokens: int = 128,
+             sampling: dict | None = None, spec=None, engine_kwargs: dict | None = None,
+             encode=None, progress: bool = True) -> list[dict]:
+    """One row per workload (see the module docstring). ``sampling``: extra
+    :class:`~osd.SamplingParams` fields (default greedy); ``spec``: a
+    :class:`~osd.SpecConfig` instead of the draft's recommendations (None); a draft-free
+    ``spec`` (``drafter="ngram"`` or ``"self"``) needs ``draft=None``. ``encode``:
+    conversations -> token ids (default: the target tokenizer's chat template)."""
+    from osd.zoo.workloads import evaluation_set
+    workloads = evaluation_set() if workloads is None else workloads
+    kw = dict(max_batch_size=1, **(engine_kwargs or {}))
+    plain = osd.Engine.from_pretrained(target, **kw)
+    fast = osd.Engine.from_pretrained(target, draft=draft, spec=spec, **kw)
+    sampling = dict(sampling or {})
+    greedy = float(sampling.get("temperature", 0.0)) == 0.0
+    k = fast.spec.num_draft_tokens if fast.spec is not None else 0
+    rows = []
+    for w in workloads:
+        convs = [list(p) for p in w.prompts]
+        ids = encode(convs) if encode is not None else apply_chat_template(plain.tokenizer,
+                                                                          convs)
+        ratios, t_plain, t_fast, n_plain, n_fast = [], 0.0, 0.0, 0, 0
+        equal, forwards, drafted, accepted = True, 0, 0, 0
+        alpha_sum = alpha_n = draft_s = plain_decode_s = 0.0
+        started = time.perf_counter()
+        for i, prompt in enumerate(ids):
+            params = osd.SamplingParams(max_new_tokens, seed=i, **sampling)
+            for _ in range(2):                    # a warm-up round, then the timed one
+                tp, op, sp = _timed(plain, prompt, params)
+                tf, of, sf = _timed(fast, prompt, params)
+            ratios.append(tp / tf)
+            t_plain, t_fast = t_plain + tp, t_fast + tf
+            n_plain, n_fast = n_plain + len(op.token_ids), n_fast + len(of.token_ids)
+            equal = equal and op.token_ids == of.token_ids
+            forwards += sf["target_forwards"]
+            drafted, accepted = drafted + sf["drafted"], accepted + sf["accepted"]
+            if sf["alpha"] is not None:
+                alpha_sum += sf["alpha"] * sf["drafted"]
+                alpha_n += sf["drafted"]
+            draft_s += sf["time_s"]["draft"]
+            plain_decode_s += sp["time_s"]["verify"] + sp["time_s"]["sample"]
+            if progress:
+                done = i + 1
+                eta = (time.perf_counter() - started) / done * (len(ids) - done)
+                print(f"\r[osd.evaluate] {w.name}: {done}/{len(ids)} prompts, "
+                      f"speedup so far {statistics.median(ratios):.2f}x, ETA {eta:.0f} s",
+                      end="", file=sys.stderr, flush=True)
+        if progress:
+            print(file=sys.stderr)
+        alpha = alpha_sum / alpha_n if alpha_n else None
+        c = (draft_s / drafted) / (plain_decode_s / max(1, n_plain)) if drafted else None
+        rows.append({
+            "workload": w.name, "prompts": len(ids), "speedup": statistics.median(ratios),
+            "plain_tokens_per_s": n_plain / t_plain, "spec_tokens_per_s": n_fast / t_fast,
+            "alpha": alpha, "accept": accepted / drafted if drafted else None,
+            "tokens_per_forward": n_fast / forwards if forwards else None,
+            "c": c, "k": k,
+            "bound": analytic_speedup(alpha, c, k) if alpha is not None and c else None,
+            "equal": equal if greedy else None,
+        })
+    plain.close()
+    fast.close()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as a markdown table."""
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+    lines = ["| workload | prompts | plain tok/s | spec tok/s | speedup (median) | α | "
+             "accepted | tokens / forward | c | bound (model chain) | greedy equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['workload']} | {r['prompts']} | {r['plain_tokens_per_s']:.1f} | "
+            f"{r['spec_tokens_per_s']:.1f} | **{r['speedup']:.2f}x** | {f(r['alpha'], '.3f')} | "
+            f"{f(r['accept'], '.2f')} | {f(r['tokens_per_forward'], '.2f')} | "
+            f"{f(r['c'], '.3f')} | {f(r['bound'], '.2f')} | "
+            f"{'-' if r['equal'] is None else ('yes' if r['equal'] else 'NO')} |")
+    return "\n".join(lines)
+
+
+__all__ = ["evaluate", "table", "analytic_speedup"]

@@ -1,0 +1,60 @@
+"""The evaluation set (``osd.zoo.workloads``), the per-workload evaluator (``osd.evaluate``)
+and prompt lookup asked for without a draft model."""
+import pytest
+
+import osd
+from osd.evaluate import analytic_speedup, evaluate, table
+from osd.zoo.workloads import evaluation_set
+from tests.test_models import VOCAB, tiny_hf_model
+from tests.test_speculative import perturbed
+
+
+def test_evaluation_set_has_four_different_workloads():
+    ws = evaluation_set(n=5, seed=3)
+    assert [w.name for w in ws] == ["explain", "summarise", "multiturn", "code"]
+    for w in ws:
+        assert len(w.prompts) == 5
+        for conv in w.prompts:
+            assert conv[-1]["role"] == "user" and conv[-1]["content"]
+    summarise = ws[1].prompts
+    assert min(len(c[-1]["content"]) for c in summarise) > 500      # a passage to copy from
+    assert all(len(c) == 5 for c in ws[2].prompts)                   # earlier turns
+    assert evaluation_set(n=5, seed=3) == ws and evaluation_set(n=5, seed=4) != ws
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        evaluation_set(n=0)
+
+
+def _encode(convs):
+    return [[(ord(ch) % (VOCAB - 1)) + 1 for m in c for ch in m["content"][:40]] for c in convs]
+
+
+def test_evaluate_reports_every_workload_and_greedy_parity():
+    target = tiny_hf_model("llama", seed=31)
+    draft = perturbed(target, 0.3, seed=32)
+    rows = evaluate(target, draft, workloads=evaluation_set(n=2), max_new_tokens=8,
+                    encode=_encode, spec=osd.SpecConfig(num_draft_tokens=3),
+                    engine_kwargs=dict(max_seq_len=512), progress=False)
+    assert [r["workload"] for r in rows] == ["explain", "summarise", "multiturn", "code"]
+    for r in rows:
+        assert r["equal"] is True and r["speedup"] > 0 and r["k"] == 3
+        assert 0 <= r["alpha"] <= 1 and r["tokens_per_forward"] >= 1
+    assert "| explain | 2 |" in table(rows)
+
+
+def test_analytic_speedup():
+    assert analytic_speedup(0.0, 0.0, 4) == pytest.approx(1.0)
+    assert analytic_speedup(1.0, 0.0, 4) == pytest.approx(5.0)
+    assert analytic_speedup(0.5, 0.1, 2) == pytest.approx(1.75 / 1.2)
+
+
+def test_prompt_lookup_without_a_draft_is_lookup_alone():
+    target = tiny_hf_model("llama", seed=31)
+    spec = osd.SpecConfig(prompt_lookup=True, lookup_tokens=6, lookup_history=64)
+    eng = osd.Engine.from_pretrained(target, spec=spec, max_batch_size=2, max_seq_len=64)
+    assert eng.spec.drafter == "ngram" and eng.spec.num_draft_tokens == 6
+    assert eng.spec.lookup_history == 64
+    prompt = [[5, 6, 7, 5, 6, 7, 5, 6]]
+    plain = osd.Engine.from_pretrained(target, max_batch_size=2, max_seq_len=64)
+    params = osd.SamplingParams(12)
+    assert eng.generate(prompt, params)[0].token_ids == plain.generate(prompt, params)[0].token_ids
+    assert eng.stats["drafted"] > 0
