@@ -1,4 +1,5 @@
 """Shared test setup. No device query at import time beyond torch.cuda.is_available()."""
+
 import os
 
 import torch
@@ -12,8 +13,24 @@ import pytest  # noqa: E402
 
 
 def devices():
-    """Devices every op test runs on: cpu, plus cuda when present."""
-    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    """Devices every op test runs on: cpu, plus cuda (marked ``gpu``) when present."""
+    cuda = pytest.param("cuda", marks=pytest.mark.gpu)
+    return ["cpu", cuda] if torch.cuda.is_available() else ["cpu"]
+
+
+def slow_case(*values, **kwargs):
+    """A ``parametrize`` case marked ``slow`` (left out of ``make test-fast``)."""
+    return pytest.param(*values, marks=pytest.mark.slow, **kwargs)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped where there is no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(params=devices())

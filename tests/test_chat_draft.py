@@ -64,6 +64,7 @@ def test_osd_matches_transformers():
 
 
 @needs_target
+@pytest.mark.slow
 def test_speculative_equals_plain_greedy():
     """``Engine.from_pretrained(gguf, draft=DRAFT_DIR)`` works unchanged, and its greedy
     answer to a chat prompt equals plain greedy decoding token for token; the draft gets
@@ -108,6 +109,7 @@ def test_eagle_checkpoint_files():
 
 
 @needs_target
+@pytest.mark.slow
 def test_eagle_speculative_equals_plain_greedy():
     """``Engine.from_pretrained(gguf, draft=chat_eagle())``: greedy chat answers equal plain
     greedy decoding, with and without prompt lookup, and the EAGLE draft is accepted."""
@@ -127,6 +129,7 @@ def test_eagle_speculative_equals_plain_greedy():
 
 
 @needs_target
+@pytest.mark.slow
 def test_shipped_drafts_serve_with_their_recommended_settings():
     """Both shipped drafts carry ``serving.json`` (prompt lookup in front, the draft in
     Q8_0): ``from_pretrained(target, draft=...)`` alone serves them that way, and greedy

@@ -203,6 +203,7 @@ def test_trained_draft_is_accepted_more_than_an_untrained_one(target, trained):
     assert rates[1] > rates[0] + 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", [None, [(0,), (1,), (0, 0)]], ids=["chain", "tree"])
 def test_sampled_joint_follows_target(tree):
     """First three tokens of 50,000 requests with a restricted-head EAGLE draft, drafting a
@@ -338,7 +339,7 @@ def test_family_target_eagle_draft_round_trips_and_stays_lossless(tmp_path, fami
     assert eng.stats["drafted"] > 0
 
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda_only = pytest.mark.gpu
 
 
 def _on_cuda(tmp_path, hf_target, draft):

@@ -265,6 +265,7 @@ def _resume(ckpt_dir):
     return step, learner.history.faults
 
 
+@pytest.mark.slow
 def test_killed_at_random_moments_of_checkpoint_writes_resumes_whole(tmp_path):
     ckpt = str(tmp_path / "ck")
     env = dict(os.environ, PYTHONPATH=os.getcwd())

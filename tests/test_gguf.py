@@ -697,6 +697,7 @@ def test_missing_metadata_tensor_and_ambiguous_directory(tmp_path):
 # -- the real model -----------------------------------------------------------------------
 @pytest.mark.skipif(zoo_chat.cached_target() is None,
                     reason="SmolLM2 GGUF not cached; run osd.zoo.chat_pair() once")
+@pytest.mark.slow
 def test_smollm2_real_greedy_matches_transformers():
     """osd's greedy answer on a chat prompt equals transformers' LlamaForCausalLM holding
     the same dequantized weights, and is the right answer."""

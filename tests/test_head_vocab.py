@@ -140,6 +140,7 @@ def test_alpha_is_exact_over_the_kept_columns(pair, spec, params):
     assert eng.stats["alpha"] == pytest.approx(total / count, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_sampled_joint_follows_target():
     """First three tokens of 50,000 requests, the draft proposing from 9 of 16 tokens:
     chi-square p > 1e-3 against the warped target's exact joint."""

@@ -50,6 +50,7 @@ def test_missing_checkpoint_dir_is_a_clear_error(tmp_path):
         load_checkpoint(str(tmp_path / "nope"))
 
 
+@pytest.mark.slow
 def test_killed_writer_leaves_last_good_checkpoint(tmp_path):
     d = str(tmp_path / "ck")
     save_checkpoint(d, 0, {"w": torch.full((2_000_000,), 0.0)},

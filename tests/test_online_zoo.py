@@ -18,6 +18,9 @@ import torch
 
 import osd
 from osd import zoo
+from tests.conftest import devices
+
+pytestmark = pytest.mark.slow
 
 CODE_DRAFT = os.path.join(zoo.WEIGHTS_DIR, "draft_code")
 PARAMS = osd.SamplingParams(24)
@@ -36,7 +39,7 @@ def _mean(xs):
     return sum(xs) / len(xs)
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("device", devices())
 def test_online_alpha_rises_over_static_draft(device):
     """On CUDA the learner runs as it serves by default: a background thread on its own
     stream with the graph-captured training step, next to the serving step's graphs
@@ -62,7 +65,7 @@ def test_online_alpha_rises_over_static_draft(device):
     online.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.skipif(not os.path.isdir(CODE_DRAFT), reason="the code draft is not shipped")
 def test_background_learners_two_drafts_and_graphs_serve_on_cuda():
     """The default online mode on a GPU: two routed drafts, background learners capturing

@@ -70,6 +70,7 @@ def _exact_joint(target, prompt, params, n=3):
     return joint
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [dict(num_draft_tokens=2), dict(tree=[(0,), (1,), (0, 0)])],
                          ids=["chain", "tree"])
 def test_sampled_with_penalties_follows_the_penalized_target(spec):
@@ -90,7 +91,7 @@ def test_bad_penalties_raise(field, value, err):
         osd.SamplingParams(4, **{field: value})
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_moe_target_with_penalties_and_logprobs_equals_cpu():
     """On CUDA (eager: a mixture of experts runs without graphs): a Qwen3-MoE target with a
     dense draft, penalties and logprobs gives the CPU engine's greedy tokens."""

@@ -10,6 +10,7 @@ from scipy.stats import chisquare
 from osd_kernels import rejection_sample, rejection_sample_reference
 from osd_kernels.triton import fpmath
 from osd_kernels.warp import warp_probs
+from tests.conftest import slow_case
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (temperature, top_k, top_p) presets; per-row mixes are built from them
@@ -402,13 +403,15 @@ def _dist_cases():
     top-p bisections make 30 passes over V per row). On CUDA every backend takes both."""
     warped = dict(temperature=0.8, top_k=50, top_p=0.9)
     plain = dict(temperature=1.0)
-    cases = [("cpu", "native", 1000, 40_000, warped), ("cpu", "native", 128_256, 20_000, plain),
-             ("cpu", "reference", 1000, 20_000, warped), ("cpu", "triton", 16, 400, plain)]
+    cases = [("cpu", "native", 1000, 40_000, warped),
+             slow_case("cpu", "native", 128_256, 20_000, plain),
+             slow_case("cpu", "reference", 1000, 20_000, warped),
+             slow_case("cpu", "triton", 16, 400, plain)]
     if torch.cuda.is_available():
         for backend in ("native", "triton", "reference"):
-            cases += [("cuda", backend, 1000, 100_000, warped),
-                      ("cuda", backend, 128_256, 100_000, warped),
-                      ("cuda", backend, 128_256, 100_000, plain)]
+            cases += [pytest.param("cuda", backend, *rest, marks=pytest.mark.gpu)
+                      for rest in ((1000, 100_000, warped), (128_256, 100_000, warped),
+                                   (128_256, 100_000, plain))]
     return cases
 
 

@@ -13,6 +13,7 @@ from osd.tree import depths_from_parents, mask_from_parents
 from osd.spec import DynamicTree
 from osd.speculative import AdaptiveStopper
 from osd_kernels.warp import warp_probs
+from tests.conftest import slow_case
 from tests.test_models import VOCAB, tiny_hf_model
 
 TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]
@@ -210,25 +211,27 @@ def _engine_modes():
     """(device, cuda_graphs): CPU eager, and on CUDA both eager and graphed."""
     modes = [("cpu", False)]
     if torch.cuda.is_available():
-        modes += [("cuda", False), ("cuda", True)]
+        modes += [pytest.param(("cuda", graphs), marks=pytest.mark.gpu) for graphs in (False, True)]
     return modes
 
 
 @pytest.mark.parametrize("mode", _engine_modes(), ids=lambda m: f"{m[0]}-graphs{int(m[1])}")
 @pytest.mark.parametrize("spec,params", [
     (dict(num_draft_tokens=2), dict(temperature=0.7, top_k=6, top_p=0.9)),
-    (dict(num_draft_tokens=3), dict(temperature=0.9, top_k=0, top_p=1.0)),
-    (dict(tree=[(0,), (1,), (2,), (0, 0)]), dict(temperature=0.8, top_k=8, top_p=0.85)),
-    (dict(tree=DynamicTree(topk=3, depth=2, max_nodes=5)), dict(temperature=0.9, top_k=5)),
-    (dict(num_draft_tokens=2, prompt_lookup=True), dict(temperature=0.9, top_k=0, top_p=1.0)),
-    (dict(num_draft_tokens=3, auto_k=True), dict(temperature=0.8, top_k=6, top_p=1.0)),
-    (dict(num_draft_tokens=1, prompt_lookup=True, lookup_tokens=3),
-     dict(temperature=0.8, top_k=6, top_p=0.9)),
-    (dict(num_draft_tokens=2, prompt_lookup=True, lookup_tree_below=4),
-     dict(temperature=0.8, top_k=6, top_p=0.9)),
+    slow_case(dict(num_draft_tokens=3), dict(temperature=0.9, top_k=0, top_p=1.0)),
+    slow_case(dict(tree=[(0,), (1,), (2,), (0, 0)]), dict(temperature=0.8, top_k=8, top_p=0.85)),
+    slow_case(dict(tree=DynamicTree(topk=3, depth=2, max_nodes=5)),
+              dict(temperature=0.9, top_k=5)),
+    slow_case(dict(num_draft_tokens=2, prompt_lookup=True),
+              dict(temperature=0.9, top_k=0, top_p=1.0)),
+    slow_case(dict(num_draft_tokens=3, auto_k=True), dict(temperature=0.8, top_k=6, top_p=1.0)),
+    slow_case(dict(num_draft_tokens=1, prompt_lookup=True, lookup_tokens=3),
+              dict(temperature=0.8, top_k=6, top_p=0.9)),
+    slow_case(dict(num_draft_tokens=2, prompt_lookup=True, lookup_tree_below=4),
+              dict(temperature=0.8, top_k=6, top_p=0.9)),
     # a lookup branch (3 drafts) deeper than the model's (1) in the same tree
-    (dict(num_draft_tokens=1, prompt_lookup=True, lookup_tokens=3, lookup_tree_below=4),
-     dict(temperature=0.9, top_k=0, top_p=0.95)),
+    slow_case(dict(num_draft_tokens=1, prompt_lookup=True, lookup_tokens=3, lookup_tree_below=4),
+              dict(temperature=0.9, top_k=0, top_p=0.95)),
 ], ids=["chain", "chain-t", "tree", "dyntree", "lookup", "auto-k", "lookup-long",
         "lookup-tree", "lookup-tree-long"])
 def test_sampled_joint_follows_target(spec, params, mode):
@@ -316,7 +319,8 @@ def test_prompt_lookup_rows_beside_model_rows(llama_pair, plain):
     verify their lookup continuation while the draft model drafts the rest; the output
     equals the target's, and the draft's cache stays in step for both kinds of row."""
     target, draft = llama_pair
-    prompts = [prompts_of([7], seed=81)[0] * 5, list(range(40, 60)), prompts_of([5], seed=85)[0] * 4]
+    prompts = [prompts_of([7], seed=81)[0] * 5, list(range(40, 60)),
+               prompts_of([5], seed=85)[0] * 4]
     ref = plain.generate(prompts, osd.SamplingParams(40))
     eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(
         num_draft_tokens=4, prompt_lookup=True, ngram_min=2), max_batch_size=3, max_seq_len=96)

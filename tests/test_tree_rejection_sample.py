@@ -8,7 +8,7 @@ from osd_kernels import rejection_sample, tree_rejection_sample, tree_rejection_
 from osd_kernels._ops import native_available
 from osd_kernels.tree_rejection_sample import tree_depths
 from osd_kernels.warp import warp_probs
-from tests.conftest import backends_for
+from tests.conftest import backends_for, slow_case
 from tests.test_rejection_sample import in_row_chunks
 
 MODES = ["greedy", "point_mass", "with_replacement", "without_replacement"]
@@ -385,6 +385,7 @@ def test_residual_without_mass_falls_back_to_the_target(device):
             assert pval > ALPHA, (backend, counts)
 
 
+@pytest.mark.slow
 def test_large_temperature_and_v2(device):
     gen = torch.Generator().manual_seed(8)
     for V, temperature in ((2, 3.0), (50, 100.0)):
@@ -548,13 +549,15 @@ def _dist_cases():
     V = 128,256 with a plain warp; on CUDA every backend takes both."""
     warped = dict(temperature=0.8, top_k=50, top_p=0.9)
     plain = dict(temperature=1.0)
-    cases = [("cpu", "native", 1000, 40_000, warped), ("cpu", "native", 128_256, 6_000, plain),
-             ("cpu", "reference", 1000, 20_000, warped), ("cpu", "triton", 16, 300, plain)]
+    cases = [("cpu", "native", 1000, 40_000, warped),
+             slow_case("cpu", "native", 128_256, 6_000, plain),
+             slow_case("cpu", "reference", 1000, 20_000, warped),
+             slow_case("cpu", "triton", 16, 300, plain)]
     if torch.cuda.is_available():
         for backend in ("native", "triton", "reference"):
-            cases += [("cuda", backend, 1000, 100_000, warped),
-                      ("cuda", backend, 128_256, 100_000, warped),
-                      ("cuda", backend, 128_256, 50_000, plain)]
+            cases += [pytest.param("cuda", backend, *rest, marks=pytest.mark.gpu)
+                      for rest in ((1000, 100_000, warped), (128_256, 100_000, warped),
+                                   (128_256, 50_000, plain))]
     return cases
 
 
