@@ -209,7 +209,7 @@ class AsyncEngine:
                 if engine.has_work():
                     try:
                         engine.step()
-                    except Exception:          # the lane's requests failed; serve on
+                    except Exception:    # not a row's (osd.isolation handles those): serve on
                         log.exception("osd: engine step failed")
                 self._publish()
 

@@ -101,7 +101,7 @@ def _serve(args) -> int:
         print(f"error: osd serve needs fastapi and uvicorn ({exc.name} is missing): "
               "pip install osd[serve]", file=sys.stderr)
         return 2
-    from osd.server import serve
+    from osd.server_run import serve
 
     args.quantize_draft = _draft_format(args.quantize_draft)
     return serve(args)
@@ -295,6 +295,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    lim = s.add_argument_group("limits", "what one client may take (docs/serving.md, "
+                               "\"Limits\")")
+    lim.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1 (default: the "
+                     "OSD_API_KEY environment variable; unset: no key)")
+    lim.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                     help="comma-separated origins browsers may call the API from (CORS; "
+                     "default: none, no CORS headers)")
+    lim.add_argument("--max-body-bytes", type=int, default=None, metavar="BYTES",
+                     help="largest request body (default 8388608: 8 MiB; larger: 413)")
+    lim.add_argument("--max-prompt-chars", type=int, default=None, metavar="CHARS",
+                     help="longest prompt (all messages for chat), refused before "
+                     "tokenizing (default 32 x --max-seq-len)")
+    lim.add_argument("--max-waiting", type=int, default=None, metavar="N",
+                     help="generations queued beyond the batch rows; more get 429 with "
+                     "Retry-After (default 1024)")
+    lim.add_argument("--max-connections", type=int, default=None, metavar="N",
+                     help="open connections; further ones are closed at once (default 1024)")
+    lim.add_argument("--keep-alive-timeout", type=float, default=None, metavar="SECONDS",
+                     help="close a kept-alive connection idle this long (default 5)")
+    lim.add_argument("--header-timeout", type=float, default=None, metavar="SECONDS",
+                     help="close a connection whose request headers are not complete this "
+                     "long after it opened or after the previous response (default 10)")
+    lim.add_argument("--body-timeout", type=float, default=None, metavar="SECONDS",
+                     help="answer 408 and close when a request body takes longer (default 30)")
     s.set_defaults(func=_serve)
 
     b = sub.add_parser("bench", help="run the benchmarks (pytest-benchmark)",

@@ -3,6 +3,8 @@
     >>> app = build_app(osd.AsyncEngine.from_pretrained(target, draft), "my-model")
     >>> uvicorn.run(app, host="127.0.0.1", port=8000)      # or: osd serve --target ...
 
+(``osd serve`` itself is :mod:`osd.server_run`.)
+
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
 (``stream: true`` sends server-sent events ending with ``data: [DONE]``), ``GET /health``
 and ``GET /metrics`` (Prometheus text, vLLM's spec-decode metric names under ``osd:``).
@@ -10,10 +12,12 @@ and ``GET /metrics`` (Prometheus text, vLLM's spec-decode metric names under ``o
 
 Every request is validated before it reaches the engine (:mod:`osd.server_requests`), so
 a bad one gets a 4xx with an OpenAI-style error body naming the field, and the engine
-never sees it. Stop strings go to the engine (``SamplingParams.stop``), which ends the
-request at the token that completes one, so its row frees at once; the text is cut
-before it. fastapi is imported lazily (only :func:`build_app` and :func:`serve` need it),
-so ``import osd`` works without it.
+never sees it; bodies are parsed and prompts tokenized in a worker thread, so the event
+loop never waits on one. What a client may take (API key, body size, queue, timeouts,
+connections) is :class:`osd.server_limits.Limits`. Stop strings go to the engine
+(``SamplingParams.stop``), which ends the request at the token that completes one, so
+its row frees at once; the text is cut before it. fastapi is imported lazily (only
+:func:`build_app` and ``osd serve`` need it), so ``import osd`` works without it.
 """
 # No ``from __future__ import annotations``: FastAPI reads the endpoints' annotations
 # (``request: Request``, imported lazily inside build_app) as objects, not strings.
@@ -22,12 +26,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import osd
-from osd.models.quant import own_quant_layers
 from osd.request import stop_prefix_length
+from osd.server_limits import Guard, Limits, error_response, parse_json, read_body
 from osd.server_metrics import Counters, engine_snapshot, metrics_text
 from osd.server_requests import APIError, GenRequest, _bad, parse_chat, parse_completion
-from osd.spec import describe
 
 # ---- Driving one request: text deltas, stop strings, abort ----
 
@@ -45,14 +47,17 @@ class Generation:
     """One request running on the AsyncEngine, as a stream of :class:`Step`s.
 
     Text is decoded from the generated ids; in a stream the tail that could still become a
-    stop string, and an unfinished UTF-8 character (decoded as U+FFFD), are held back. The
-    engine ends a request at a stop string (ids up to the token that completed it); the
-    text is cut before the string.
+    stop string, and an unfinished UTF-8 character (decoded as U+FFFD), are held back, and
+    a request cut by its length ends without one. The engine ends a request at a stop
+    string (ids up to the token that completed it); the text is cut before the string.
+    A Generation counts as running (``counters.running``, what admission compares with the
+    queue limit) from its creation until it ends.
     """
 
     def __init__(self, async_engine, req: GenRequest, request_id: str,
                  counters: Counters, params=None) -> None:
         self.ae, self.req, self.id, self.counters = async_engine, req, request_id, counters
+        counters.running += 1
         self.params = params or req.params          # this choice's (its own seed)
         self.tok = async_engine.engine.tokenizer
         self.stop_ids = frozenset(req.params.stop_token_ids or ())
@@ -80,7 +85,6 @@ class Generation:
     async def start(self) -> Step:
         """Submit the request and wait for its first step. Bad input the engine refuses
         becomes a 400 here, before any response has started."""
-        self.counters.running += 1
         self.counters.prompt_tokens += len(self.req.prompt_ids)
         self._iter = self.ae.generate(self.req.prompt_ids, self.params,
                                       request_id=self.id, draft=self.req.draft).__aiter__()
@@ -105,6 +109,8 @@ class Generation:
             raise APIError(503, "the request was aborted by the engine (shutting down?)",
                            type="server_error")
         text = self._decode(ids, finish)
+        if finish == "length":      # bytes of a character the length cut off: not text
+            text = text.rstrip("\ufffd")
         hits = [i for i in (text.find(s) for s in self.req.stop) if i >= 0] \
             if finish == "stop" else []
         if hits:
@@ -151,6 +157,9 @@ class Generation:
         import anyio
 
         if self.done:
+            return
+        if self._iter is None:        # never submitted (an earlier choice was refused)
+            self._end()
             return
         self.counters.aborted["client_disconnect"] += 1
         with anyio.CancelScope(shield=True):
@@ -247,8 +256,24 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _admit(async_engine, counters: Counters, limits: Limits, wanted: int) -> None:
+    """Refuse (429, ``Retry-After``) generations that would queue more than
+    ``limits.max_waiting`` beyond the engine's rows."""
+    engine = async_engine.engine
+    rows = engine.max_batch_size * len(engine.lanes)
+    if counters.running + wanted <= rows + limits.max_waiting:
+        return
+    if wanted > rows + limits.max_waiting:
+        raise _bad(f"this request asks for {wanted} generations (prompts x n); this server "
+                   f"runs or queues at most {rows + limits.max_waiting} at a time", "n")
+    raise APIError(429, f"the server is at capacity: {counters.running} generations running "
+                   f"or queued ({rows} rows, at most {limits.max_waiting} waiting, "
+                   f"--max-waiting); retry shortly", code="queue_full",
+                   type="rate_limit_error", headers={"Retry-After": "1"})
+
+
 async def _respond(request, async_engine, model_name: str, counters: Counters,
-                   reqs: list[GenRequest]):
+                   reqs: list[GenRequest], limits: Limits):
     """Serve ``reqs`` (one per prompt; they share every option): ``n`` choices of each,
     choice ``k`` being prompt ``k // n``'s choice ``k % n``, each its own engine request."""
     import asyncio
@@ -261,16 +286,13 @@ async def _respond(request, async_engine, model_name: str, counters: Counters,
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     created = int(time.time())
     tok = async_engine.engine.tokenizer
-    echoes = [await _echo(async_engine, r) if r.echo else ("", []) for r in reqs]
-    slots = [(r, echo, i) for r, echo in zip(reqs, echoes) for i in range(r.n)]
-    prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
-    if not req.generate:
-        return _echo_only(slots, _envelope(req.kind, request_id, model_name, created,
-                                           req.stream), tok,
-                          {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
-                           "total_tokens": prompt_tokens})
-    gens = [Generation(async_engine, r, request_id if len(slots) == 1 else f"{request_id}-{k}",
-                       counters, r.choice_params(i)) for k, (r, _, i) in enumerate(slots)]
+    choices = [(r, i) for r in reqs for i in range(r.n)]
+    gens = []
+    if req.generate:        # checked and counted (by the Generations) with no await between
+        _admit(async_engine, counters, limits, len(choices))
+        gens = [Generation(async_engine, r, request_id if len(choices) == 1
+                           else f"{request_id}-{k}", counters, r.choice_params(i))
+                for k, (r, i) in enumerate(choices)]
 
     async def cancel_all() -> None:
         for g in gens:
@@ -278,11 +300,19 @@ async def _respond(request, async_engine, model_name: str, counters: Counters,
 
     firsts = []
     try:
+        echoes = [await _echo(async_engine, r) if r.echo else ("", []) for r in reqs]
         for g in gens:
             firsts.append(await g.start())
     except BaseException:
         await cancel_all()
         raise
+    slots = [(r, echo, i) for r, echo in zip(reqs, echoes) for i in range(r.n)]
+    prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
+    if not req.generate:
+        return _echo_only(slots, _envelope(req.kind, request_id, model_name, created,
+                                           req.stream), tok,
+                          {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                           "total_tokens": prompt_tokens})
 
     def usage() -> dict:
         c = sum(len(g.ids) for g in gens)
@@ -369,25 +399,36 @@ async def _respond(request, async_engine, model_name: str, counters: Counters,
 
 # ---- The app ----
 
-def build_app(async_engine, model_name: str):
+def build_app(async_engine, model_name: str, limits: Limits | None = None):
     """The FastAPI app serving ``async_engine`` (an :class:`osd.AsyncEngine`) under the
-    model id ``model_name``."""
+    model id ``model_name``, within ``limits`` (:class:`osd.server_limits.Limits`; the
+    connection-level ones need :func:`osd.server_limits.uvicorn_config` too)."""
     import anyio
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse
+    from fastapi.responses import PlainTextResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
+    limits = limits or Limits()
     engine = async_engine.engine
     counters = Counters()
     created = int(time.time())
+    max_chars = limits.prompt_chars(engine.max_seq_len)
+    # Parsing (JSON, tokenizing, chat templates) runs off the event loop, one request at
+    # a time: a long prompt costs its own request time, never the loop's or the engine's
+    # CPU beyond one thread.
+    parsing = anyio.CapacityLimiter(1)
     app = FastAPI(title="osd", description="OpenAI-compatible speculative decoding server")
     app.state.async_engine = async_engine
     app.state.counters = counters
+    app.state.limits = limits
 
-    def error(exc: APIError) -> JSONResponse:
+    def count(exc: APIError) -> None:
         counters.api_errors[(exc.status, exc.type)] = \
             counters.api_errors.get((exc.status, exc.type), 0) + 1
-        return JSONResponse(exc.body(), status_code=exc.status)
+
+    def error(exc: APIError):
+        count(exc)
+        return error_response(exc)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -396,7 +437,7 @@ def build_app(async_engine, model_name: str):
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error(APIError(exc.status_code, f"{request.method} {request.url.path}: "
+        return error(APIError(exc.status_code, f"{request.method} {request.url.path[:200]}: "
                               f"{exc.detail}", type=kind))
 
     @app.exception_handler(Exception)
@@ -404,18 +445,18 @@ def build_app(async_engine, model_name: str):
         return error(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
                               type="server_error"))
 
-    async def body_of(request: Request):
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise _bad(f"the request body is not valid JSON: {exc}") from None
+    async def parsed(request: Request, parse):
+        raw = await read_body(request, limits)
+
+        def work():
+            return parse(parse_json(raw), engine, model_name, max_chars)
+        return await anyio.to_thread.run_sync(work, limiter=parsing)
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "osd",
                 "max_model_len": engine.max_seq_len}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok"}
 
@@ -426,19 +467,19 @@ def build_app(async_engine, model_name: str):
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
         if model != model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{model_name!r}", "model", "model_not_found")
+            raise APIError(404, f"the model {model[:200]!r} does not exist; this server "
+                           f"serves {model_name!r}", "model", "model_not_found")
         return model_card()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        reqs = parse_completion(await body_of(request), engine, model_name)
-        return await _respond(request, async_engine, model_name, counters, reqs)
+        reqs = await parsed(request, parse_completion)
+        return await _respond(request, async_engine, model_name, counters, reqs, limits)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse_chat(await body_of(request), engine, model_name)
-        return await _respond(request, async_engine, model_name, counters, [req])
+        req = await parsed(request, parse_chat)
+        return await _respond(request, async_engine, model_name, counters, [req], limits)
 
     @app.get("/metrics")
     async def metrics():
@@ -448,99 +489,12 @@ def build_app(async_engine, model_name: str):
         return PlainTextResponse(metrics_text(snapshot, counters),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    # Outermost last: CORS answers preflights before the key is asked for.
+    app.add_middleware(Guard, limits=limits, on_error=count)
+    if limits.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins),
+                           allow_methods=["GET", "POST", "HEAD", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type"])
     return app
-
-
-def serve(args) -> int:
-    """``osd serve``: load the pair, then run uvicorn until interrupted.
-
-    The port is bound before the (slow) model load, so a busy port fails at once with one
-    error line."""
-    import os
-    import socket
-
-    import torch
-    import uvicorn
-
-    from osd import zoo
-
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16}[args.dtype]
-    target, draft, name = args.target, args.draft, args.model_name
-    if target is None:
-        # The chat pair when its target is already cached (never download at start-up),
-        # else the built-in pair shipped with the package.
-        if zoo.chat.cached_target() is not None:
-            target, chat_draft = zoo.chat_pair()
-            name = name or "SmolLM2-135M-Instruct"
-        else:
-            target, chat_draft = zoo.default_pair()
-            name = name or "osd-zoo"
-        draft = None if args.no_draft else (draft or chat_draft)
-    # Otherwise the target's file or directory name, without ".gguf".
-    name = name or os.path.basename(os.path.normpath(str(target))).removesuffix(".gguf")
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    # No speculation flag with a draft: spec=None lets from_pretrained take the draft's
-    # recommended settings (its serving.json; the chat drafts carry one) or a chain of 4.
-    flags = [getattr(args, f, None) for f in ("k", "lookup_tokens", "lookup_tree_below")]
-    spec = None
-    if args.prompt_lookup or (draft is not None and (any(f is not None for f in flags)
-                                                    or getattr(args, "auto_k", False)
-                                                    or getattr(args, "lookup_history", 0))):
-        k = 4 if args.k is None else args.k
-        lookup_tokens = getattr(args, "lookup_tokens", None) or 0
-        # Without a draft model the n-gram drafter is the lookup: its chains are lookup's.
-        spec = osd.SpecConfig(num_draft_tokens=k if draft is not None else lookup_tokens or k,
-                              drafter="model" if draft is not None else "ngram",
-                              prompt_lookup=args.prompt_lookup and draft is not None,
-                              lookup_tokens=lookup_tokens if draft is not None else 0,
-                              lookup_history=getattr(args, "lookup_history", 0)
-                              if args.prompt_lookup else 0,
-                              lookup_tree_below=getattr(args, "lookup_tree_below", None) or 0
-                              if args.prompt_lookup and draft is not None else 0,
-                              auto_k=getattr(args, "auto_k", False))
-    if args.online and draft is None:
-        raise ValueError("--online needs a draft model to learn (--draft)")
-    online = osd.OnlineConfig() if args.online else None
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted connections only when
-    # the listening socket's protocol is TCP; without it a stream's first event waits for
-    # the client's delayed ACK on a kept-alive connection.
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET,
-                         socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
-    try:
-        ae = osd.AsyncEngine.from_pretrained(
-            target, draft=draft, device=args.device, dtype=dtype, spec=spec, online=online,
-            max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-            quantized=args.quantized, prefix_cache=getattr(args, "prefix_cache", 0),
-            quantize_draft=getattr(args, "quantize_draft", None))
-    except BaseException:
-        sock.close()
-        raise
-    try:
-        app = build_app(ae, name)
-        print(f"osd serve: {name} (target {target}, draft {draft or 'none'}) on "
-              f"http://{args.host}:{args.port}/v1", flush=True)
-        if ae.engine.spec is not None:
-            drafts = ae.engine.drafts
-            formats = {m.fmt for d in drafts for m in own_quant_layers(d).values()}
-            kept = f"; draft in {', '.join(sorted(formats)) or 'float'}" if drafts else ""
-            print(f"osd serve: speculation {describe(ae.engine.spec)}{kept}", flush=True)
-        config = uvicorn.Config(app, log_level=args.log_level)
-        try:
-            uvicorn.Server(config).run(sockets=[sock])
-        except KeyboardInterrupt:      # uvicorn re-raises Ctrl-C after its clean shutdown
-            pass
-    finally:
-        ae.close()
-        sock.close()
-    return 0
