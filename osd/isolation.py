@@ -30,46 +30,37 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 
 from osd.request import RequestState
 
 log = logging.getLogger("osd.engine")
 
-@dataclasses.dataclass
-class _Mark:
-    """Where a request stood before a step: what the step may change."""
 
-    generated: int
-    logprobs: int | None
-    spec_steps: int
-    spec_stats: object
-    stop_checked: int
-    teacher: int
+def _mark(r: RequestState) -> tuple:
+    """Where a request stands: what a step may change (a plain tuple, made every step for
+    every row: generated, logprobs, Philox offset, statistics, stop-string and teacher
+    positions)."""
+    return (len(r.generated), None if r.logprobs is None else len(r.logprobs), r.spec_steps,
+            r.spec_stats, r.stop_checked, len(r.teacher))
 
 
-def _mark(r: RequestState) -> _Mark:
-    return _Mark(len(r.generated), None if r.logprobs is None else len(r.logprobs),
-                 r.spec_steps, r.spec_stats, r.stop_checked, len(r.teacher))
+def mark_lane(lane) -> dict[int, tuple]:
+    """Marks of the lane's running and staged requests, before a step."""
+    marks = {id(r): _mark(r) for r in lane.active}
+    if lane.staging is not None:
+        marks[id(lane.staging)] = _mark(lane.staging)
+    return marks
 
 
-def mark_lane(lane) -> dict[int, _Mark]:
-    """Marks of the lane's running and staged requests (cheap: a few integers each)."""
-    rows = lane.active if lane.staging is None else lane.active + [lane.staging]
-    return {id(r): _mark(r) for r in rows}
-
-
-def _rewind(r: RequestState, mark: _Mark | None) -> None:
+def _rewind(r: RequestState, mark: tuple | None) -> None:
     """Undo what a failed step did to ``r`` (``mark`` None: it joined in that step)."""
-    if mark is None:
-        mark = _Mark(0, None if r.logprobs is None else 0, 0, None, 0, 0)
-    del r.generated[mark.generated:]
+    generated, logprobs, steps, stats, checked, teacher = mark or (0, 0, 0, None, 0, 0)
+    del r.generated[generated:]
     if r.logprobs is not None:
-        del r.logprobs[mark.logprobs or 0:]
-    del r.teacher[mark.teacher:]
-    r.spec_steps, r.spec_stats, r.stop_checked = mark.spec_steps, mark.spec_stats, \
-        mark.stop_checked
+        del r.logprobs[logprobs or 0:]
+    del r.teacher[teacher:]
+    r.spec_steps, r.spec_stats, r.stop_checked = steps, stats, checked
     r.finish_reason = r.error = r.error_kind = r.stop_text = None
     r.context = None
 
@@ -172,7 +163,7 @@ def _grow(engine, lane, survivors: list[RequestState], error: Exception) -> None
         lane.waiting.extend(saved)
 
 
-def recover(engine, lane, error: Exception, marks: dict[int, _Mark]) -> None:
+def recover(engine, lane, error: Exception, marks: dict[int, tuple]) -> None:
     """After ``lane``'s step raised ``error``: fail the requests that cause it, resume
     the others (module docstring). ``marks``: :func:`mark_lane` before the step."""
     suspects = list(lane.active)

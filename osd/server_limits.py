@@ -190,6 +190,8 @@ def http_protocol(limits: Limits):
         clients alike), and refuses connections past ``max_connections``."""
 
         _header_timer: asyncio.TimerHandle | None = None
+        _served = False          # a response was sent on this connection
+        _started = False         # bytes of the next request arrived
 
         def connection_made(self, transport) -> None:
             if len(self.server_state.connections) >= limits.max_connections:
@@ -217,12 +219,19 @@ def http_protocol(limits: Limits):
                 self._header_timer = None
 
         def _expired(self) -> None:
+            """No complete request headers in time. A 408 tells a client that started
+            one (or never sent any) why; a kept-alive connection that stayed idle just
+            closes, as the keep-alive timeout would."""
             self._header_timer = None
-            if not self.transport.is_closing() and self.conn.their_state in (h11.IDLE,
-                                                                              h11.DONE):
-                if self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:
-                    self.transport.write(timeout_response)
-                self.transport.close()
+            if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+                return
+            if self.conn.our_state is h11.IDLE and (self._started or not self._served):
+                self.transport.write(timeout_response)
+            self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            self._started = True
+            super().data_received(data)
 
         def handle_events(self) -> None:
             cycle = self.cycle
@@ -231,6 +240,7 @@ def http_protocol(limits: Limits):
                 self._disarm()
 
         def on_response_complete(self) -> None:
+            self._served, self._started = True, False
             super().on_response_complete()
             if not self.transport.is_closing():
                 self._arm()

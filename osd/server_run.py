@@ -113,12 +113,9 @@ def limits_from_args(args) -> Limits:
 
     origins = tuple(o.strip() for o in (getattr(args, "allowed_origins", None) or "").split(",")
                     if o.strip())
-    defaults = Limits()
-    return Limits(api_key=getattr(args, "api_key", None) or os.environ.get("OSD_API_KEY") or None,
-                  allowed_origins=origins,
-                  **{f: getattr(args, f) for f in ("max_body_bytes", "max_prompt_chars",
-                                                    "max_waiting", "keep_alive_timeout",
-                                                    "header_timeout", "body_timeout",
-                                                    "max_connections")
-                     if getattr(args, f, None) is not None},
-                  max_header_bytes=defaults.max_header_bytes)
+    given = {f: getattr(args, f) for f in ("max_body_bytes", "max_prompt_chars", "max_waiting",
+                                           "keep_alive_timeout", "header_timeout",
+                                           "body_timeout", "max_connections")
+             if getattr(args, f, None) is not None}
+    key = getattr(args, "api_key", None) or os.environ.get("OSD_API_KEY") or None
+    return Limits(api_key=key, allowed_origins=origins, **given)

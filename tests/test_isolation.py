@@ -9,6 +9,7 @@ greedy and sampled, with long contexts resumed piece by piece.
 import asyncio
 
 import pytest
+import torch
 
 import osd
 from tests.test_models import tiny_hf_model
@@ -98,6 +99,27 @@ def test_a_poisoned_request_fails_alone_in_engine_generate(pair, spec, after):
     assert eng.generate([prompts[0]], PARAMS[0])[0].token_ids == alone[0].token_ids
 
 
+def test_an_eagle_lane_resumes_from_the_targets_features(pair):
+    """An EAGLE draft drafts from the target's features: a resumed row's come from the
+    prefill of its context (staged when long). Greedy output stays the target's alone."""
+    from osd.models.eagle import EagleLM
+    from osd.models.loading import load_model
+
+    target = load_model(pair[0])
+    draft = EagleLM.from_target(target, num_layers=1)
+    draft.init_draft(std=0.3, generator=torch.Generator().manual_seed(5))
+    prompts = prompts_of([5, 30, 3, 12], seed=95)
+    params = osd.SamplingParams(24)
+    alone = osd.Engine(target, max_batch_size=4, max_seq_len=MAX_SEQ).generate(prompts, params)
+    eng = osd.Engine(target, draft=[draft], spec=osd.SpecConfig(num_draft_tokens=3),
+                     max_batch_size=4, max_seq_len=MAX_SEQ, prefill_chunk=8)
+    _poison(eng, prompts[2], 7)
+    out = eng.generate(prompts, params)
+    assert out[2].finish_reason == "error" and eng.stats["errors"]["failed_steps"] == 1
+    assert [o.token_ids for i, o in enumerate(out) if i != 2] == \
+        [a.token_ids for i, a in enumerate(alone) if i != 2]
+
+
 def test_long_contexts_resume_piece_by_piece(pair):
     """Contexts longer than a prefill piece are staged again when they resume, with the
     prefix cache on; the survivors' greedy output is unchanged."""
@@ -180,3 +202,14 @@ def test_a_failure_that_needs_two_rows_fails_the_one_that_joins(pair, monkeypatc
     out = eng.generate(prompts, sp)
     assert [o.finish_reason for o in out] == ["length", "error", "length"]
     assert [out[0].token_ids, out[2].token_ids] == [alone[0].token_ids, alone[2].token_ids]
+
+
+def test_values_the_kernels_cannot_represent_never_reach_a_batch():
+    """``SamplingParams`` refuses them (the server refuses them with a 400 naming the
+    field, ``tests/test_server_hostile.py``)."""
+    for kw in [dict(temperature=1e39), dict(temperature=1e-39), dict(top_p=1e-46),
+               dict(top_k=2 ** 63 - 1), dict(seed=2 ** 64), dict(stop=["a"] * 17),
+               dict(stop=["a" * 257]), dict(repetition_penalty=1e-300),
+               dict(logit_bias={3: float("inf")}), dict(max_new_tokens=2 ** 64)]:
+        with pytest.raises(ValueError):
+            osd.SamplingParams(**{"max_new_tokens": 4, **kw})

@@ -232,13 +232,6 @@ def test_values_the_kernels_cannot_represent_are_400s_naming_the_field(setup, fi
     _error(r, 400, "temperature")
 
 
-def test_samplingparams_refuses_the_same_values():
-    for kw in [dict(temperature=1e39), dict(top_p=1e-46), dict(top_k=2 ** 63 - 1),
-               dict(seed=2 ** 64), dict(stop=["a"] * 17), dict(repetition_penalty=1e-300)]:
-        with pytest.raises(ValueError):
-            osd.SamplingParams(4, **kw)
-
-
 # ---- Bounded work per request ----
 
 def _rss_mb() -> float:
@@ -337,6 +330,8 @@ def test_api_key_is_required_on_v1_in_openai_shape(setup):
         bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert httpx.get(url + "/v1/models", headers=AUTH, timeout=10).status_code == 200
     assert httpx.get(url + "/health", timeout=10).status_code == 200      # open to probes
+    head = httpx.head(url + "/health", timeout=10)
+    assert head.status_code == 200 and head.content == b""
     assert httpx.get(url + "/metrics", timeout=10).status_code == 200
 
 
@@ -462,6 +457,7 @@ def test_a_slow_body_gets_408_and_the_connection_closes(setup):
 
 def test_connections_past_the_limit_are_closed_at_once(setup):
     socks = []
+    open_before = len(setup["server"].server.server_state.connections)
     try:
         for _ in range(LIMITS.max_connections + 8):
             socks.append(_raw(setup))
@@ -476,7 +472,8 @@ def test_connections_past_the_limit_are_closed_at_once(setup):
                 pass
             except ConnectionResetError:
                 refused += 1
-        assert 8 <= refused <= 8 + 4, refused   # a few kept-alive ones may count too
+        # Connections still open from earlier checks count too (until they close).
+        assert 8 <= refused <= 8 + open_before, (refused, open_before)
     finally:
         for s in socks:
             s.close()
@@ -515,20 +512,14 @@ def test_accept_errors_are_logged_at_a_bounded_rate():
         loop.call_exception_handler({"message": "socket.accept() out of system resource",
                                      "exception": OSError(24, "Too many open files")})
         assert len(records) == 4 and "1997 more like this" in records[-1]
+        other = RateLimitFilter(burst=1, window=10.0, clock=lambda: 0.0)   # kinds apart
+        rec = [logging.LogRecord("x", logging.WARNING, "f", 1, m, None, None) for m in "abab"]
+        assert [other.filter(r) for r in rec] == [True, True, False, False]
     finally:
         loop.close()
         logger.removeHandler(handler)
         for name in ("asyncio", "uvicorn.error", "osd.server", "osd.engine"):
             logging.getLogger(name).removeFilter(installed)
-
-
-def test_rate_limit_filter_keeps_kinds_apart():
-    f = RateLimitFilter(burst=1, window=10.0, clock=lambda: 0.0)
-
-    def rec(msg):
-        return logging.LogRecord("x", logging.WARNING, "f", 1, msg, None, None)
-    assert f.filter(rec("a")) and f.filter(rec("b"))
-    assert not f.filter(rec("a")) and not f.filter(rec("b"))
 
 
 # ---- Errors ----
@@ -582,11 +573,6 @@ def test_text_cut_by_max_tokens_never_ends_in_a_broken_character(setup):
     r = _post(setup, {**body, "stream": True})
     chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     assert "".join(ch["choices"][0]["text"] for ch in chunks) == ""
-
-
-def test_head_health(setup):
-    r = httpx.head(setup["url"] + "/health", timeout=10)
-    assert r.status_code == 200 and r.content == b""
 
 
 # ---- Flags ----
