@@ -496,5 +496,5 @@ def build_app(async_engine, model_name: str, limits: Limits | None = None):
 
         app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins),
                            allow_methods=["GET", "POST", "HEAD", "OPTIONS"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["*"])     # OpenAI's SDKs send their own headers
     return app
