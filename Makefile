@@ -80,7 +80,13 @@ test: build cuda-check triton-check
 test-fast: build
 	$(PYTEST) -m "not slow and not gpu" tests
 
-bench: build
+# llama.cpp's llama-server, llama-bench and llama-quantize, built once from the sources in
+# the llama-cpp-python sdist and cached (scripts/build_llamacpp.sh; bench/bench_llamacpp.py).
+.PHONY: llamacpp
+llamacpp:
+	bash scripts/build_llamacpp.sh
+
+bench: build llamacpp
 	$(PY) -m pytest -q -p no:cacheprovider bench --benchmark-json=docs/bench_results.json
 
 gpu-check:

@@ -1,0 +1,294 @@
+"""osd against llama.cpp on the same GGUF file, per workload of the evaluation set.
+
+The chat target (SmolLM2-135M-Instruct Q4_1, ``osd.zoo.chat.fetch_target()``), CPU,
+``THREADS`` threads on both sides, batch 1, greedy, ``NEW_TOKENS`` new tokens per prompt
+(EOS ignored on both sides, so every provider generates the same count), end to end
+(prefill included), the same token ids (each conversation through the target's chat
+template). Providers:
+
+- ``osd-plain``: ``osd.Engine.from_pretrained(target)`` (weights dequantized to fp32);
+- ``osd-quant``: the same with ``quantized=True`` (the GGUF blocks kept, quant_linear);
+- ``osd-spec``: speculation as a user gets it by default,
+  ``osd.Engine.from_pretrained(target, draft=osd.zoo.chat.chat_pair()[1])`` (the shipped
+  draft with its ``serving.json`` settings);
+- ``llama.cpp-<mode>``: ``llama-server`` (``bench/llamacpp.py``: ``--poll 0``, ``-np 1``,
+  ``/completion`` with token ids, ``cache_prompt: false``) in each mode of
+  ``LLAMACPP_MODES``: ``plain`` and its n-gram modes; ``llama.cpp-draft`` too when
+  ``OSD_BENCH_LLAMACPP_DRAFT`` names a draft GGUF (the draft-model mode, ``-md``).
+
+Timing is interleaved prompt by prompt (every provider runs prompt i before any runs
+prompt i+1), best of ``ROUNDS`` rounds per prompt. llama.cpp's time is the client's wall
+time of the HTTP request (the server's own ``prompt_ms + predicted_ms`` is reported
+beside it as ``server_tokens_per_s``). Before each round every ``llama-server`` is
+restarted (untimed) and warmed up on a prompt outside the set: ``ngram-mod`` keeps n-grams
+of earlier requests, and would otherwise draft a prompt's answer from its previous round.
+Each workload prints a table: tokens/s per provider, its ratio to ``llama.cpp-plain`` and
+to llama.cpp's best mode on that workload, and how many prompts gave the same tokens as
+``osd-plain``. ``test_llama_bench`` runs ``llama-bench`` (decode and 128-token prefill) and
+times osd's prefill of the same length.
+
+The llama.cpp binaries come from ``scripts/build_llamacpp.sh`` (``make llamacpp``, which
+``make bench`` runs first); without them the module is skipped, saying how to build them,
+unless ``OSD_BUILD_LLAMACPP=1`` builds them here. ``OSD_BENCH_LLAMACPP_PROMPTS`` (prompts
+per workload, default 4), ``_TOKENS`` (128), ``_THREADS`` (2), ``_ROUNDS`` (2),
+``_MODES`` (comma-separated keys of ``bench.llamacpp.MODES``), ``_WORKLOADS``
+(comma-separated names) and ``OSD_BENCH_CHAT_TARGET`` (another GGUF of the same model)
+change the run.
+
+    .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_llamacpp.py \\
+        --benchmark-json=docs/bench_llamacpp.json
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import osd
+from bench import llamacpp
+
+NEW_TOKENS = int(os.environ.get("OSD_BENCH_LLAMACPP_TOKENS", "128"))
+NUM_PROMPTS = int(os.environ.get("OSD_BENCH_LLAMACPP_PROMPTS", "4"))
+THREADS = int(os.environ.get("OSD_BENCH_LLAMACPP_THREADS", "2"))
+ROUNDS = int(os.environ.get("OSD_BENCH_LLAMACPP_ROUNDS", "2"))
+LLAMACPP_MODES = [
+    m
+    for m in os.environ.get(
+        "OSD_BENCH_LLAMACPP_MODES", "plain,ngram-simple,ngram-simple-short,ngram-map-k,ngram-mod"
+    ).split(",")
+    if m
+]
+LLAMACPP_DRAFT = os.environ.get("OSD_BENCH_LLAMACPP_DRAFT") or None
+WORKLOADS = os.environ.get("OSD_BENCH_LLAMACPP_WORKLOADS", "explain,summarise,multiturn,code")
+OSD_PROVIDERS = ["osd-plain", "osd-quant", "osd-spec"]
+MAX_SEQ_LEN = 2048
+
+
+def _llama_providers() -> list[str]:
+    return [f"llama.cpp-{m}" for m in LLAMACPP_MODES] + (
+        ["llama.cpp-draft"] if LLAMACPP_DRAFT else []
+    )
+
+
+@pytest.fixture(scope="module")
+def setup():
+    bins = llamacpp.find_binaries()
+    if bins is None:
+        pytest.skip(llamacpp.missing_reason())
+    for m in LLAMACPP_MODES:
+        if m not in llamacpp.MODES:
+            pytest.fail(
+                f"OSD_BENCH_LLAMACPP_MODES: unknown mode {m!r}; one of {sorted(llamacpp.MODES)}"
+            )
+    try:
+        from osd.zoo.workloads import evaluation_set
+    except ImportError as exc:  # pragma: no cover - the module is new
+        pytest.skip(f"osd.zoo.workloads.evaluation_set is not available: {exc}")
+    from osd import zoo
+    from osd.chat import apply_chat_template
+
+    try:
+        target, draft = zoo.chat_pair()
+    except Exception as exc:  # pragma: no cover - offline machines
+        pytest.skip(f"the chat target is not available: {exc}")
+    target = os.environ.get("OSD_BENCH_CHAT_TARGET", target)
+    if draft is None:
+        pytest.skip("the chat pair has no draft (osd/zoo/weights/chat_draft is missing)")
+    before = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    kw = dict(max_batch_size=1, max_seq_len=MAX_SEQ_LEN)
+    engines = {
+        "osd-plain": osd.Engine.from_pretrained(target, **kw),
+        "osd-quant": osd.Engine.from_pretrained(target, quantized=True, **kw),
+        "osd-spec": osd.Engine.from_pretrained(target, draft=draft, **kw),
+    }
+    tok = engines["osd-plain"].tokenizer
+    wanted = [w for w in WORKLOADS.split(",") if w]
+    workloads = {
+        w.name: apply_chat_template(tok, list(w.prompts))
+        for w in evaluation_set(n=NUM_PROMPTS)
+        if w.name in wanted
+    }
+    # A warm-up prompt outside the timed set (another seed), one per restart of the servers.
+    warm = apply_chat_template(tok, [evaluation_set(n=1, seed=12345)[0].prompts[0]])[0]
+    longest = max(len(p) for ps in workloads.values() for p in ps)
+    ctx = max(MAX_SEQ_LEN, longest + NEW_TOKENS + 64)
+    state = {
+        "bins": bins,
+        "target": target,
+        "draft": draft,
+        "engines": engines,
+        "workloads": workloads,
+        "warm": warm,
+        "ctx": ctx,
+        "servers": {},
+    }
+    yield state
+    _stop_servers(state)
+    for eng in engines.values():
+        eng.close()
+    torch.set_num_threads(before)
+
+
+def _stop_servers(state) -> None:
+    for srv in state["servers"].values():
+        srv.close()
+    state["servers"] = {}
+
+
+def _restart_servers(state) -> None:
+    """Fresh llama-servers, one per provider, each warmed up on the warm-up prompt."""
+    _stop_servers(state)
+    for prov in _llama_providers():
+        mode = prov[len("llama.cpp-") :]
+        srv = llamacpp.Server(
+            state["bins"],
+            state["target"],
+            threads=THREADS,
+            ctx=state["ctx"],
+            mode=mode,
+            draft=LLAMACPP_DRAFT if mode == "draft" else None,
+        )
+        state["servers"][prov] = srv
+        srv.complete(state["warm"], 16)
+
+
+def _run(state, prov: str, prompt: list[int]) -> tuple[list[int], float, dict]:
+    """``(tokens, wall seconds, extra)`` of one request."""
+    if prov.startswith("osd"):
+        params = osd.SamplingParams(NEW_TOKENS, ignore_eos=True)
+        t0 = time.perf_counter()
+        out = state["engines"][prov].generate([prompt], params)[0]
+        return list(out.token_ids), time.perf_counter() - t0, {}
+    c = state["servers"][prov].complete(prompt, NEW_TOKENS)
+    return c.tokens, c.wall_s, c.timings
+
+
+def _table(name: str, n: int, rows: dict) -> str:
+    base = rows.get("llama.cpp-plain", {}).get("tokens_per_s")
+    best = max(
+        (r["tokens_per_s"] for p, r in rows.items() if p.startswith("llama.cpp")), default=None
+    )
+    lines = [
+        f"workload {name}: {n} prompts, {NEW_TOKENS} new tokens, {THREADS} threads, "
+        f"batch 1, greedy, end to end (best of {ROUNDS})",
+        f"{'provider':<28}{'tok/s':>8}{'vs llama.cpp plain':>20}{'vs llama.cpp best':>19}"
+        f"{'same as osd-plain':>19}  notes",
+    ]
+    for prov, r in rows.items():
+        tps = r["tokens_per_s"]
+        notes = []
+        if "server_tokens_per_s" in r:
+            notes.append(f"server-side {r['server_tokens_per_s']:.1f} tok/s")
+        if r.get("accepted_per_draft") is not None:
+            notes.append(f"drafts accepted {r['accepted_per_draft']:.2f}")
+        if r.get("mean_accepted_length") is not None:
+            notes.append(f"tokens per verify {r['mean_accepted_length']:.2f}")
+        lines.append(
+            f"{prov:<28}{tps:>8.1f}"
+            f"{(f'{tps / base:.2f}x' if base else '-'):>20}"
+            f"{(f'{tps / best:.2f}x' if best else '-'):>19}"
+            f"{r['same_as_plain']:>19}  {'; '.join(notes)}"
+        )
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("workload", WORKLOADS.split(","))
+def test_llamacpp(benchmark, setup, workload, capsys):
+    if workload not in setup["workloads"]:
+        pytest.skip(f"no workload {workload!r} in the evaluation set")
+    prompts = setup["workloads"][workload]
+    providers = OSD_PROVIDERS + _llama_providers()
+    n = len(prompts)
+    best = {p: [float("inf")] * n for p in providers}
+    outs: dict[str, list] = {p: [None] * n for p in providers}
+    timings: dict[str, list] = {p: [{}] * n for p in providers}
+    for prov in ("osd-spec",):
+        setup["engines"][prov].reset_stats()
+
+    def one_round():
+        for i, prompt in enumerate(prompts):
+            for prov in providers:
+                toks, wall, extra = _run(setup, prov, prompt)
+                if wall < best[prov][i]:
+                    best[prov][i], timings[prov][i] = wall, extra
+                outs[prov][i] = toks
+
+    benchmark.pedantic(
+        one_round, setup=lambda: _restart_servers(setup), rounds=ROUNDS, iterations=1
+    )
+    rows = {}
+    for prov in providers:
+        tokens = sum(len(o) for o in outs[prov])
+        row = {
+            "tokens_per_s": tokens / sum(best[prov]),
+            "tokens": tokens,
+            "same_as_plain": f"{sum(o == r for o, r in zip(outs[prov], outs['osd-plain']))}/{n}",
+        }
+        if prov.startswith("llama.cpp"):
+            t = timings[prov]
+            ms = sum(x.get("prompt_ms", 0.0) + x.get("predicted_ms", 0.0) for x in t)
+            row["server_tokens_per_s"] = (
+                sum(x.get("predicted_n", 0) for x in t) / ms * 1e3 if ms else None
+            )
+            drafted = sum(x.get("draft_n", 0) for x in t)
+            if drafted:
+                row["accepted_per_draft"] = sum(x.get("draft_n_accepted", 0) for x in t) / drafted
+        elif prov == "osd-spec":
+            st = setup["engines"][prov].stats
+            row["mean_accepted_length"] = st.get("mean_accepted_length")
+        rows[prov] = row
+    table = _table(workload, n, rows)
+    benchmark.extra_info.update(
+        {
+            "workload": workload,
+            "prompts": n,
+            "new_tokens": NEW_TOKENS,
+            "threads": THREADS,
+            "rows": rows,
+        }
+    )
+    with capsys.disabled():
+        print("\n" + table)
+
+
+def test_llama_bench(benchmark, setup, capsys):
+    """llama-bench's decode and prefill rates on the target beside osd's prefill of a
+    prompt of the same length (one new token, best of 3)."""
+    _stop_servers(setup)
+    n_prompt = 128
+    lb = llamacpp.llama_bench(
+        setup["bins"], setup["target"], threads=THREADS, n_prompt=n_prompt, n_gen=NEW_TOKENS
+    )
+    prompt = (setup["warm"] * (n_prompt // len(setup["warm"]) + 1))[:n_prompt]
+    prefill = {}
+
+    def measure():
+        for prov in ("osd-plain", "osd-quant"):
+            eng = setup["engines"][prov]
+            ts = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                eng.generate([prompt], osd.SamplingParams(1))
+                ts.append(time.perf_counter() - t0)
+            prefill[prov] = n_prompt / min(ts)
+
+    benchmark.pedantic(measure, rounds=1, iterations=1)
+    info = {
+        "llama_bench_tg": lb.get("tg"),
+        "llama_bench_pp": lb.get("pp"),
+        **{f"{p}_prefill": v for p, v in prefill.items()},
+    }
+    benchmark.extra_info.update(info)
+    lines = [
+        f"llama-bench ({THREADS} threads): decode {lb.get('tg', 0):.1f} tok/s "
+        f"(tg{NEW_TOKENS}), prefill {lb.get('pp', 0):.1f} tok/s (pp{n_prompt})"
+    ]
+    for p, v in prefill.items():
+        ratio = f" ({v / lb['pp']:.2f}x llama-bench pp{n_prompt})" if lb.get("pp") else ""
+        lines.append(f"{p} prefill of {n_prompt} tokens, end to end: {v:.1f} tok/s{ratio}")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
