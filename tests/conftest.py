@@ -46,8 +46,19 @@ def backends_for(device: torch.device, has_triton: bool = True):
     return out
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_thread_session():
+    """One intra-op thread for the module- and session-scoped fixtures too (built before
+    ``one_thread`` runs): under load the trained EAGLE draft of ``tests/test_eagle.py``
+    took 9 to 40 s to build with two threads."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
-def one_thread():
+def one_thread(one_thread_session):
     """Run every test with one intra-op thread: the tests use tiny shapes that gain nothing
     from threads, and on a shared 2-core machine OpenMP contention made small ops tens of
     times slower (measured: rms_norm 1 ms with 1 thread, 62 ms with 2 under load). Tests of
