@@ -41,7 +41,9 @@ from tqdm import tqdm
 
 import osd
 from osd import zoo
+from osd.evaluate import analytic_speedup
 from osd.models.quant import FORMATS as QUANT_FORMATS
+from osd.online.config import draft_online_recipe, with_recipe
 from osd.scoring import draft_alphas
 
 PAIRS = ("chat", "builtin")
@@ -129,39 +131,14 @@ class DemoConfig:
 
 
 def online_recipe(pair: str) -> osd.OnlineConfig:
-    """The online-learning settings the demo (and ``bench/bench_chat.py``) use per pair.
-
-    For the chat pair the learner's CPU time is the limit (it has one core beside
-    serving), so it spends it where drafting happens: on the responses only
-    (``prompt_positions=0``; prompt lookup covers text copied from the prompt), on batches
-    of 1,536 positions of which three quarters rehearse older requests drawn at random
-    (``replay_fraction``) beside the newest 8 requests, so that a task asked again much
-    later is drafted from what was learned the first time (half that batch, half of it
-    replayed, learned clearly less: more steps on the same batch did not help, more
-    rehearsal did); the guard's held-out slice keeps only the newest 8 held-out requests
-    (older ones join the training set, so those tasks are learned too, and the guard
-    costs less) and, that slice being small, tolerates a drop of 0.02 in its α before it
-    rejects an update.
-    Each request trains on its newest 128 tokens (the answer and the end of its prompt):
-    a chat prompt is several times longer than the 48-token answer, feeding all of it
-    makes a step about 4x dearer, and the learner then falls behind the stream.
-    A learning rate of 3e-4 rather than 5e-4 or more leaves the draft accepting more of
-    what it drafts on the stream's last requests (2e-4 learned as much).
-    Four steps per update rather than eight: the learner's work on the other core slows
-    serving on this one (they share the memory bus), and with lookup over earlier answers
-    in front of the draft (the demo's default) half the steps still raise the draft's
-    α on the answers by over 0.2 while serving keeps pace with the static draft.
-    ``docs/chat_draft.md`` (the recipe) and ``docs/chat_demo.md`` have the measurements
-    behind it.
-    """
-    if pair == "chat":
-        return osd.OnlineConfig(update_every_requests=8, steps_per_update=4, lr=3e-4,
-                                batch_positions=1536, replay_fraction=0.75,
-                                prompt_positions=0, holdout_requests=8, guard_tolerance=0.02,
-                                max_train_len=128, autocast="auto",
-                                background=True)
-    return osd.OnlineConfig(update_every_requests=8, steps_per_update=8, lr=5e-4,
-                            batch_positions=1024, background=True)
+    """The online-learning recipe the pair's draft carries in its ``serving.json``
+    (``osd.online.config.draft_online_recipe``), as ``Engine.from_pretrained`` applies it
+    to ``OnlineConfig()``: ``"chat"`` (the chat draft) or ``"builtin"``. The chat recipe
+    is the measured one behind ``OnlineConfig``'s defaults, with each request's newest 128
+    tokens (the demo's answers are 48 tokens long); ``docs/online.md`` has the
+    measurements."""
+    draft = zoo.chat.DRAFT_DIR if pair == "chat" else zoo.default_pair()[1]
+    return with_recipe(osd.OnlineConfig(), draft_online_recipe(draft))
 
 
 DEFAULTS = {
@@ -175,13 +152,6 @@ DEFAULTS = {
                     quantize_draft="none",
                     online=lambda: online_recipe("builtin")),
 }
-
-
-def analytic_speedup(alpha: float, k: int, c: float) -> float:
-    """Expected speedup ``(1 - α^(k+1)) / ((1 - α)(c k + 1))`` (REFERENCE.md §1)."""
-    if alpha >= 1.0:
-        return (k + 1) / (c * k + 1)
-    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (c * k + 1))
 
 
 def draft_cost_ratio(target_dir: str, draft_dir: str, steps: int = 30,

@@ -7,14 +7,15 @@ uses:
   ``reset()``: mirror the engine's cache rows;
 - ``propose(active, roots, params, seed, offset, k=..., tree=..., stopper=...)``: a
   :class:`ChainProposal` (``k`` tokens per row) or a :class:`TreeProposal` (``tree``);
-- ``after_verify(B, tokens, lengths, max_len, committed_lens, bound, hidden=None)``: the
-  verdict (``tokens[:, :lengths]`` emitted per row) so the drafter can catch up;
-  ``catch_up(B, tokens, lengths, max_len, hidden=None)`` after a step it did not draft
-  for (a chain length of 0);
+- ``after_verify(emitted, committed_lens, bound)``: the verdict (an :class:`Emitted`:
+  ``tokens[:, :lengths]`` emitted per row) so the drafter can catch up;
+  ``catch_up(emitted)`` after a step it did not draft for (a chain length of 0);
 - ``model`` (the draft model, or None), ``use_graphs(graphs)`` and ``needs_hidden``:
   when True, the target's features (last layer before the final norm) are passed as
   ``hidden``: ``[n, T, H]`` of the prompts to ``prefill``, ``[B, T, H]`` of the verify
-  forward to ``after_verify`` and ``catch_up``.
+  forward in ``Emitted.hidden``.
+
+:class:`Drafter` states the protocol as a ``typing.Protocol``.
 
 The drafters:
 
@@ -40,11 +41,11 @@ cache needs no compaction.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from osd.graphs import StepGraphs, batch_bucket
-from osd.lookup_history import LookupHistory
 from osd.models.llama import DecoderLM
 from osd.sampling import BatchParams, SamplingParams
 from osd.spec import DynamicTree
@@ -102,6 +103,49 @@ class TreeProposal:
     source: str = "model"                     # "model" (the draft's tree) or "mixed" (lookup)
 
 
+# Columns of a model drafter's pending-token buffer: one step's tokens (a tree of up to
+# MAX_TREE_NODES = 64) or PENDING_LIMIT queued ones, plus slack and a scratch column. A
+# drafter's cache holds this many positions past the target's, since pending tokens are
+# fed before drafting.
+PENDING_WIDTH = 72
+
+
+@dataclass
+class Emitted:
+    """What one verify step emitted, for a drafter to catch up on."""
+
+    B: int                          # the step's rows, 0 .. B-1
+    tokens: torch.Tensor            # [B, W] int64: row b emitted tokens[b, :lengths[b]]
+    lengths: torch.Tensor           # [B] int64
+    max_len: int                    # host-side max of lengths
+    hidden: torch.Tensor | None = None   # [B, W, H] the target's features (needs_hidden)
+
+
+class Drafter(Protocol):
+    """What the speculative step (``osd.speculative``) asks of a drafter."""
+
+    model: object                   # the draft DecoderLM, or None (prompt lookup)
+    needs_hidden: bool              # wants the target's features in prefill / Emitted
+
+    def prefill(self, prompts: list[list[int]], start_row: int, first_tokens: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> None: ...
+
+    def move_row(self, src: int, dst: int) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def use_graphs(self, graphs: StepGraphs | None) -> None: ...
+
+    def propose(self, active: list, roots: torch.Tensor, params: BatchParams,
+                seed: torch.Tensor, offset: torch.Tensor, *, k: int = 0, tree=None,
+                stopper=None) -> ChainProposal | TreeProposal: ...
+
+    def after_verify(self, emitted: Emitted, committed_lens: torch.Tensor,
+                     bound: int) -> None: ...
+
+    def catch_up(self, emitted: Emitted) -> None: ...
+
+
 class ModelDrafter:
     """A draft model (or the target with skipped layers) and its own KV cache.
 
@@ -114,8 +158,8 @@ class ModelDrafter:
     has_model = True
     needs_hidden = False
     # Most pending tokens (steps drafted by prompt lookup) before they are fed. The pending
-    # buffer's 72 columns hold them or one step's tokens (at most MAX_TREE_NODES = 64); its
-    # last column is the queue's scratch column.
+    # buffer's PENDING_WIDTH columns hold them or one step's tokens (at most
+    # MAX_TREE_NODES = 64); its last column is the queue's scratch column.
     PENDING_LIMIT = 24
 
     def __init__(self, model: DecoderLM, max_batch_size: int, capacity: int,
@@ -126,7 +170,8 @@ class ModelDrafter:
         self.cache = model.new_cache(max_batch_size, capacity, context=context)
         self.device = model.device
         dev = self.device
-        self._pending = torch.zeros(max_batch_size, 72, dtype=torch.int64, device=dev)
+        self._pending = torch.zeros(max_batch_size, PENDING_WIDTH, dtype=torch.int64,
+                                    device=dev)
         self._pending_len = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
         self._pending_max = 0
         self._one = torch.ones(max_batch_size, dtype=torch.int32, device=dev)
@@ -147,15 +192,15 @@ class ModelDrafter:
             return self.propose_tree(B, tree, roots)
         return self.propose_chain(B, k, params, seed, offset, stopper)
 
-    def after_verify(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
-                     committed_lens: torch.Tensor, bound: int, hidden=None) -> None:
+    def after_verify(self, emitted: Emitted, committed_lens: torch.Tensor, bound: int) -> None:
         """The step's verdict: :meth:`set_pending`."""
-        self.set_pending(B, tokens, lengths, max_len, committed_lens, bound)
+        e = emitted
+        self.set_pending(e.B, e.tokens, e.lengths, e.max_len, committed_lens, bound)
 
-    def catch_up(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
-                 hidden=None) -> None:
+    def catch_up(self, emitted: Emitted) -> None:
         """The verdict of a step this drafter did not draft for: :meth:`queue`."""
-        self.queue(B, tokens, lengths, max_len)
+        e = emitted
+        self.queue(e.B, e.tokens, e.lengths, e.max_len)
 
     # -- bookkeeping ---------------------------------------------------------------
     def reset(self) -> None:
@@ -534,16 +579,16 @@ class EagleDrafter(ModelDrafter):
         super().move_row(src, dst)
         self._pending_feat[dst] = self._pending_feat[src]
 
-    def after_verify(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
-                     committed_lens: torch.Tensor, bound: int, hidden=None) -> None:
+    def after_verify(self, emitted: Emitted, committed_lens: torch.Tensor, bound: int) -> None:
         """Token ``j`` emitted by the step pairs with the verify forward's feature ``j``
         (the target's state just before it); the draft keeps the pairs up to the old root."""
-        self.set_pending(B, tokens, lengths, max_len, committed_lens - 1, bound,
-                         self._need(hidden))
+        e = emitted
+        self.set_pending(e.B, e.tokens, e.lengths, e.max_len, committed_lens - 1, bound,
+                         self._need(e.hidden))
 
-    def catch_up(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
-                 hidden=None) -> None:
-        self.queue(B, tokens, lengths, max_len, self._need(hidden))
+    def catch_up(self, emitted: Emitted) -> None:
+        e = emitted
+        self.queue(e.B, e.tokens, e.lengths, e.max_len, self._need(e.hidden))
 
     def _root(self, B: int) -> torch.Tensor:
         P = self._pending_max
@@ -574,42 +619,3 @@ def _mask_with_roots(parents: torch.Tensor) -> torch.Tensor:
         up = mask.gather(-1, par[..., i:i + 1].clamp(min=0))[..., 0]
         mask[..., i] = torch.where(par[..., i] >= 0, up | own, own)
     return mask
-
-
-def make_drafters(spec, target: DecoderLM, drafts: list[DecoderLM], max_batch_size: int,
-                  capacity: int, context: int, history: LookupHistory | None,
-                  learning: bool = False) -> list:
-    """The drafters of ``spec`` (``osd.SpecConfig``) for ``target``: one per draft model
-    (an EAGLE draft gets an :class:`EagleDrafter`), or the n-gram drafter, or the target's
-    own layers (self-speculation), each behind prompt lookup when ``spec.prompt_lookup``;
-    caches of ``capacity`` slots for sequences of up to ``context`` tokens. Self-speculation
-    drafts with the target's own layers, except when the draft learns online
-    (``learning``): then with a copy of the layers it uses, so training never writes the
-    target's weights."""
-    from osd.models.eagle import EagleLM
-    from osd.models.llama import without_layers
-    from osd.prompt_lookup import LookupDrafter, NGramDrafter
-
-    if spec.drafter == "ngram":
-        return [NGramDrafter(spec.ngram_min, spec.ngram_max, history)]
-    if spec.drafter == "self":
-        n = target.config.num_layers
-        skip = frozenset(spec.skip_layers) if spec.skip_layers is not None else \
-            frozenset(range(1, n, 2))
-        bad = [i for i in skip if not 0 <= i < n]
-        if bad or len(skip) >= n:
-            raise ValueError(f"skip_layers must name some (not all) of the target's "
-                             f"{n} layers, got {sorted(skip)}")
-        drafters = [ModelDrafter(without_layers(target, skip), max_batch_size, capacity,
-                                 context=context) if learning else
-                    ModelDrafter(target, max_batch_size, capacity, skip, context=context)]
-    else:
-        drafters = [EagleDrafter(d, max_batch_size, capacity, context=context)
-                    if isinstance(d, EagleLM) else
-                    ModelDrafter(d, max_batch_size, capacity, context=context)
-                    for d in drafts]
-    if spec.prompt_lookup:
-        drafters = [LookupDrafter(d, NGramDrafter(spec.ngram_min, spec.ngram_max, history),
-                                  spec.lookup_tokens, spec.lookup_tree_below)
-                    for d in drafters]
-    return drafters

@@ -46,7 +46,8 @@ import time
 
 import torch
 
-from osd.drafters import make_drafters
+from osd.drafter_factory import make_drafters
+from osd.drafters import PENDING_WIDTH
 from osd.isolation import mark_lane, recover, resumed_prompts
 from osd.graphs import StepGraphs, graphed_forward
 from osd.lanes import Lane
@@ -56,7 +57,7 @@ from osd.models.llama import DecoderLM
 from osd.models.loading import is_transformers_model, load_model, load_tokenizer
 from osd.models.quant import serving_drafts
 from osd.online.collect import TeacherCollector
-from osd.online.config import OnlineConfig
+from osd.online.config import OnlineConfig, draft_online_recipe, with_recipe
 from osd.online.serving import OnlineManager
 from osd.penalties import Penalties, wants_penalties
 from osd.prefix_cache import PrefixCache
@@ -179,7 +180,8 @@ class Engine:
         # One lane (target cache rows) per drafter, so requests of every draft are served
         # in the same steps; plain decoding has one lane without a speculator.
         drafters = [None] if spec is None else make_drafters(
-            spec, model, drafts, max_batch_size, max_seq_len + self._headroom + 72, max_seq_len,
+            spec, model, drafts, max_batch_size, max_seq_len + self._headroom + PENDING_WIDTH,
+            max_seq_len,
             self.lookup_history, learning=online is not None)
         self.online = None if online is None else \
             OnlineManager([d.model for d in drafters], online, masters)
@@ -277,6 +279,8 @@ class Engine:
         if tokenizer is None:
             tokenizer = load_tokenizer(target)
         spec, quantize_draft = serving_settings(drafts, draft_models, spec, quantize_draft)
+        if online is not None and len(drafts) == 1:
+            online = with_recipe(online, draft_online_recipe(drafts[0]))
         return cls(model, draft=draft_models or None, tokenizer=tokenizer,
                    max_batch_size=max_batch_size, max_seq_len=max_seq_len, spec=spec,
                    online=online, cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk,

@@ -29,9 +29,10 @@ import osd
 from osd.chat import apply_chat_template
 
 
-def analytic_speedup(alpha: float, c: float, k: int) -> float:
-    """Expected speedup of a chain of ``k`` drafts accepted i.i.d. with probability
-    ``alpha``, each costing ``c`` target forwards (Leviathan et al.)."""
+def analytic_speedup(alpha: float, k: int, c: float) -> float:
+    """Expected speedup ``(1 - α^(k+1)) / ((1 - α)(c k + 1))`` of a chain of ``k`` drafts
+    accepted i.i.d. with probability ``alpha``, each costing ``c`` target forwards
+    (Leviathan et al.; ``REFERENCE.md`` §1)."""
     if k <= 0:
         return 1.0
     tokens = (k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
@@ -102,7 +103,7 @@ def evaluate(target, draft=None, *, workloads=None, max_new_tokens: int = 128,
             "alpha": alpha, "accept": accepted / drafted if drafted else None,
             "tokens_per_forward": n_fast / forwards if forwards else None,
             "c": c, "k": k,
-            "bound": analytic_speedup(alpha, c, k) if alpha is not None and c else None,
+            "bound": analytic_speedup(alpha, k, c) if alpha is not None and c else None,
             "equal": equal if greedy else None,
         })
     plain.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from osd.drafters import ChainProposal, ModelDrafter, TreeProposal
+from osd.drafters import ChainProposal, Emitted, ModelDrafter, TreeProposal
 from osd.graphs import StepGraphs
 from osd.lookup_history import LookupHistory
 from osd.models.llama import DecoderLM
@@ -43,10 +43,10 @@ class NGramDrafter:
     def use_graphs(self, graphs) -> None:
         pass
 
-    def after_verify(self, *verdict, hidden=None) -> None:
+    def after_verify(self, emitted: Emitted, committed_lens: torch.Tensor, bound: int) -> None:
         pass
 
-    def catch_up(self, *verdict, hidden=None) -> None:
+    def catch_up(self, emitted: Emitted) -> None:
         pass
 
     def propose(self, active, roots, params, seed, offset, *, k: int = 0, tree=None,
@@ -179,16 +179,14 @@ class LookupDrafter:
             prop = overlay_lookup(prop, conts)
         return prop
 
-    def after_verify(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
-                     committed_lens: torch.Tensor, bound: int, hidden=None) -> None:
+    def after_verify(self, emitted: Emitted, committed_lens: torch.Tensor, bound: int) -> None:
         if self._looked_up:
-            self.inner.catch_up(B, tokens, lengths, max_len, hidden)
+            self.inner.catch_up(emitted)
         else:
-            self.inner.after_verify(B, tokens, lengths, max_len, committed_lens, bound, hidden)
+            self.inner.after_verify(emitted, committed_lens, bound)
 
-    def catch_up(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
-                 hidden=None) -> None:
-        self.inner.catch_up(B, tokens, lengths, max_len, hidden)
+    def catch_up(self, emitted: Emitted) -> None:
+        self.inner.catch_up(emitted)
 
 
 def lookup_tree(roots: torch.Tensor, chain: ChainProposal, conts: list[list[int]],

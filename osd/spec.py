@@ -172,7 +172,7 @@ def describe(spec: SpecConfig) -> str:
     return ", ".join(changed or [f"num_draft_tokens={spec.num_draft_tokens}"])
 
 SERVING_FILE = "serving.json"
-SERVING_KEYS = ("spec", "quantize_draft")
+SERVING_KEYS = ("spec", "quantize_draft", "online")   # "online": osd.online.config
 
 
 def draft_serving_defaults(path) -> tuple[SpecConfig | None, str | None]:

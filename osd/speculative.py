@@ -26,7 +26,8 @@ import time
 import torch
 
 import osd_kernels
-from osd.drafters import ChainProposal, TreeProposal
+from osd.drafters import ChainProposal, Emitted, TreeProposal
+from osd.fused_step import fused_chain_step, fusable
 from osd.graphs import StepGraphs, graphed_forward
 from osd.penalties import Penalties, tree_ancestors, wants_penalties
 from osd.sampling import BatchParams, fail_rows, nonfinite_rows, record_logprobs
@@ -279,10 +280,61 @@ class Speculator:
         for listener in self.listeners:
             listener.before_step()                   # between steps, never within one
         B = len(active)
-        cache = self.cache
         clock = [time.perf_counter()]
         sampling = self._sampling_tensors(active, params)
         k = self.spec.num_draft_tokens if self.k_control is None else self.k_control.choose(B)
+        fused = fused_chain_step(self, B, params, sampling, k) \
+            if fusable(self, active, params, k) else None
+        if fused is not None:                 # draft, verify, sample, commit: one replay
+            prop, logits, packed = fused
+            path = hidden = None
+            t1 = time.perf_counter()
+            clock += [clock[0], t1, t1]       # the replay counts as "verify"
+            host = packed.tolist()            # the step's one read-back
+            self.drafter._pending_max = int(max(h[0] for h in host)) + 1
+            alpha_col = 2 if self.spec.exact_alpha else None
+            extra = 3 if self.spec.exact_alpha else 2
+        else:
+            prop, logits, hidden, path, host, extra, alpha_col = self._step_parts(
+                active, params, sampling, k, clock)
+        clock.append(time.perf_counter())
+        n_host = [int(h[0]) for h in host]
+        fail_rows(active, [h[1] for h in host])
+        out_host = [[int(t) for t in h[extra:]] for h in host]
+        if isinstance(prop, TreeProposal):
+            drafted = [prop.max_depth] * B      # a tree offers up to max_depth per row
+        elif prop.num_drafted is None:
+            drafted = [prop.tokens.shape[1]] * B
+        else:
+            drafted = [int(h[2]) for h in host]
+        emitted = []
+        for b, r in enumerate(active):
+            before = len(r.generated)
+            for t in out_host[b][:n_host[b] + 1] if r.finish_reason is None else ():
+                if r.finish_reason is not None:
+                    break
+                r.append(t, self.engine.max_seq_len)
+            emitted.append(len(r.generated) - before)
+        if any(r.logprobs is not None for r in active):
+            self._logprobs(active, logits, out_host, emitted, path)
+        verdict = Verdict(active, logits, prop, n_host, drafted, emitted, path, params, hidden)
+        self._observe(verdict, None if alpha_col is None else [h[alpha_col] for h in host])
+        for listener in self.listeners:
+            listener.on_verdict(verdict)
+        clock.append(time.perf_counter())
+        if self.k_control is not None:
+            self.k_control.observe(B, k, sum(emitted), clock[-1] - clock[0])
+        for phase, t0, t1 in zip(("draft", "verify", "sample", "rollback", "other"),
+                                 clock, clock[1:]):
+            self.stats.add_time(phase, t1 - t0)
+
+    def _step_parts(self, active, params: BatchParams, sampling: dict, k: int, clock: list):
+        """The step as separate parts (each forward replayed from its own graph when
+        graphs are on): propose, verify, sample, commit, read back, and the drafter's
+        catch-up. Returns ``(proposal, logits, hidden, path, host rows, index of the
+        first token column, index of the α column or None)``."""
+        B = len(active)
+        cache = self.cache
         if k == 0:            # plain decoding through the verify path; the drafter catches up
             prop = ChainProposal(torch.empty(B, 0, dtype=torch.int64, device=cache.lens.device),
                                  None, None, None, 0, source="none")
@@ -305,7 +357,6 @@ class Speculator:
             cache.commit_tree(path, keep, prop.max_depth + 1)
         else:
             cache.commit(keep, logits.shape[1])
-        clock.append(time.perf_counter())
         # The one deliberate host sync of the step: the accepted counts and tokens decide
         # the stop checks and fill the outputs; rows with non-finite logits fail; the
         # statistics' per-row values ride along. float64 holds every token id exactly.
@@ -314,45 +365,21 @@ class Speculator:
         num_drafted = getattr(prop, "num_drafted", None)
         if num_drafted is not None:
             cols.append(num_drafted[:, None])
+        alpha_col = None
         if alpha is not None:
+            alpha_col = len(cols)
             cols.append(alpha[:, None])
-        extra = len(cols)
         host = torch.cat([c.double() for c in cols] + [out.double()], 1).tolist()
-        n_host = [int(h[0]) for h in host]
-        fail_rows(active, [h[1] for h in host])
-        out_host = [[int(t) for t in h[extra:]] for h in host]
         self.next_tokens[:B] = out.gather(1, n[:, None].long())[:, 0]
+        emitted = Emitted(B, out, keep.long(), int(max(h[0] for h in host)) + 1, hidden)
         if plain:
-            self.drafter.catch_up(B, out, keep.long(), max(n_host) + 1, hidden)
+            self.drafter.catch_up(emitted)
         else:
-            self.drafter.after_verify(B, out, keep.long(), max(n_host) + 1, lens_before + 1,
-                                      cache.bound + 1, hidden)
-        if isinstance(prop, TreeProposal):
-            drafted = [prop.max_depth] * B      # a tree offers up to max_depth per row
-        elif num_drafted is None:
-            drafted = [prop.tokens.shape[1]] * B
-        else:
-            drafted = [int(h[2]) for h in host]
-        emitted = []
-        for b, r in enumerate(active):
-            before = len(r.generated)
-            for t in out_host[b][:n_host[b] + 1] if r.finish_reason is None else ():
-                if r.finish_reason is not None:
-                    break
-                r.append(t, self.engine.max_seq_len)
-            emitted.append(len(r.generated) - before)
-        if any(r.logprobs is not None for r in active):
-            self._logprobs(active, logits, out_host, emitted, path)
-        verdict = Verdict(active, logits, prop, n_host, drafted, emitted, path, params, hidden)
-        self._observe(verdict, None if alpha is None else [h[extra - 1] for h in host])
-        for listener in self.listeners:
-            listener.on_verdict(verdict)
-        clock.append(time.perf_counter())
-        if self.k_control is not None:
-            self.k_control.observe(B, k, sum(emitted), clock[-1] - clock[0])
-        for phase, t0, t1 in zip(("draft", "verify", "sample", "rollback", "other"),
-                                 clock, clock[1:]):
-            self.stats.add_time(phase, t1 - t0)
+            # the draft keeps everything up to the old root; its cache may reach one past
+            # the target's (the root it has not fed yet)
+            self.drafter.after_verify(emitted, committed_lens=lens_before + 1,
+                                      bound=cache.bound + 1)
+        return prop, logits, hidden, path, host, len(cols), alpha_col
 
     def use_graphs(self, graphs: StepGraphs | None) -> None:
         """Replay the verify forward (and a model drafter's chain loop) from ``graphs``."""

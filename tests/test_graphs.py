@@ -145,8 +145,8 @@ def test_cuda_graphs_emit_what_eager_emits(pair, case):
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("case", ["greedy-chain", "sampled-chain", "truncated-chain"])
 def test_graphed_drafting_proposes_what_eager_drafting_proposes(pair, case, device):
-    """Step by step, the draft loop replayed from graphs (emulated on CPU, captured on
-    CUDA) proposes the same tokens with the same q as the eager draft loop."""
+    """Step by step, the steps replayed from graphs (the fused chain step; emulated on CPU,
+    captured on CUDA) propose the same tokens with the same q as the eager draft loop."""
     spec, params = CASES[case]
     prompts = prompts_of([5, 9, 3, 12, 7, 4], seed=37)
     logs = {}
@@ -157,20 +157,27 @@ def test_graphed_drafting_proposes_what_eager_drafting_proposes(pair, case, devi
                                          cuda_graphs=False)
         if graphed:
             eng.use_graphs(_graphs(eng, device))
-        drafter = eng.speculators[0].drafter
         log = []
-        propose = drafter.propose_chain
 
-        def recorded(*args, _propose=propose, _log=log, **kwargs):
-            prop = _propose(*args, **kwargs)
-            _log.append((prop.tokens.cpu().clone(),
-                         None if prop.probs is None else prop.probs.float().cpu().clone()))
-            return prop
+        class Recorder:
+            prompt_positions = 0
 
-        drafter.propose_chain = recorded
+            def before_step(self):
+                pass
+
+            def on_prefill(self, *args):
+                pass
+
+            def on_verdict(self, v, _log=log):
+                prop = v.proposal
+                _log.append((prop.tokens.cpu().clone(),
+                             None if prop.probs is None else prop.probs.float().cpu().clone()))
+
+        eng.speculators[0].listeners.append(Recorder())
         eng.generate(prompts, osd.SamplingParams(16, seed=5, **params))
         if graphed:
             assert eng.graphs.replays > 0
+            assert any(k[0] == "fused-chain" for k in eng.graphs.entries)
         logs[graphed] = log
     assert len(logs[False]) == len(logs[True]) > 3
     for (tok_e, q_e), (tok_g, q_g) in zip(logs[False], logs[True]):

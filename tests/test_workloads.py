@@ -42,9 +42,9 @@ def test_evaluate_reports_every_workload_and_greedy_parity():
 
 
 def test_analytic_speedup():
-    assert analytic_speedup(0.0, 0.0, 4) == pytest.approx(1.0)
-    assert analytic_speedup(1.0, 0.0, 4) == pytest.approx(5.0)
-    assert analytic_speedup(0.5, 0.1, 2) == pytest.approx(1.75 / 1.2)
+    assert analytic_speedup(0.0, 4, 0.0) == pytest.approx(1.0)
+    assert analytic_speedup(1.0, 4, 0.0) == pytest.approx(5.0)
+    assert analytic_speedup(0.5, 2, 0.1) == pytest.approx(1.75 / 1.2)
 
 
 def test_prompt_lookup_without_a_draft_is_lookup_alone():

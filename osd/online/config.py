@@ -1,6 +1,9 @@
 """Configuration of online distillation (``osd.OnlineConfig``)."""
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from dataclasses import dataclass, field
 
 from osd.online.router import RouterConfig
@@ -14,29 +17,34 @@ AUTOCAST_DTYPES = (None, "bfloat16", "float16", "auto")
 class OnlineConfig:
     """How the draft learns from the target's verdicts while serving.
 
-    Defaults follow OSD (update every 8 requests, AdamW at lr 1e-4, no weight decay) with
-    forward KL against the target's stored top-k distribution. One addition:
-    ``prompt_positions`` keeps the target's distributions at the last n positions of each
-    prompt too (the last one decides the first generated token), which the prefill forward
-    computes anyway: only the lm_head over those positions is extra. The queries' own text
-    is then distilled as well as the continuations. 0 turns it off.
+    The defaults are the recipe measured on the chat pair on a 2-core CPU, where the
+    learner has one core beside serving (``docs/online.md``): forward KL against the
+    target's stored top-k distribution (as OSD), an update every 8 finished requests of 4
+    AdamW steps at lr 3e-4 on batches of 1,536 positions, three quarters of them rehearsed
+    from older requests (``replay_fraction``), each request's newest 256 tokens, the
+    responses only (``prompt_positions=0``: prompt lookup covers text copied from the
+    prompt), and a held-out guard over the newest 8 held-out requests that tolerates a
+    drop of 0.02 in their α. A draft directory may carry its own recipe in its
+    ``serving.json`` (:func:`draft_online_recipe`); ``Engine.from_pretrained`` applies it
+    under the fields a caller sets. ``prompt_positions=n`` also distils the target's
+    distributions at each prompt's last n positions, which the prefill computes anyway.
     """
 
     loss: str = "fkl"                  # fkl | rkl | jsd | tvd (osd_kernels.distill_loss)
     beta: float = 0.5                  # JSD mixing weight beta (jsd only)
     positions: str = "all"             # "all" verified positions, or "corrected" (OSD's choice)
-    prompt_positions: int = 256        # ... and the target's at a prompt's last n positions
+    prompt_positions: int = 0          # ... and the target's at a prompt's last n positions
     topk: int | None = 32              # target top-k stored per position; None = full logits
     update_every_requests: int = 8     # an update after this many finished requests ...
     update_every_tokens: int | None = None  # ... or after this many collected positions
-    steps_per_update: int = 2          # optimizer steps per update
+    steps_per_update: int = 4          # optimizer steps per update
     eagle_passes: int = 2              # EAGLE drafts: forward passes per step, each after the
     #                                    first reading the draft's own predicted features
-    batch_positions: int = 4096        # buffered positions used per update ...
-    replay_fraction: float = 0.0       # ... this share drawn at random from older requests
+    batch_positions: int = 1536        # buffered positions used per update ...
+    replay_fraction: float = 0.75      # ... this share drawn at random from older requests
                                        # (rehearsal), the rest the newest
-    lr: float = 1e-4                   # AdamW learning rate
-    autocast: str | None = None        # "bfloat16" | "float16": the draft's forward in this
+    lr: float = 3e-4                   # AdamW learning rate
+    autocast: str | None = "auto"      # "bfloat16" | "float16": the draft's forward in this
                                        # dtype under torch.autocast, its weights and AdamW
                                        # state fp32 (eager steps: no CUDA graph capture);
                                        # "auto": bf16 on a CPU with native bf16 matmuls,
@@ -45,14 +53,14 @@ class OnlineConfig:
     max_grad_norm: float = 1.0         # gradient clipping (<= 0 disables)
     buffer_positions: int = 65536      # replay buffer capacity, in stored positions
     holdout_every: int = 5             # every n-th request goes to the held-out slice ...
-    holdout_requests: int = 64         # ... of the newest n such; older ones retire into
+    holdout_requests: int = 8          # ... of the newest n such; older ones retire into
                                        # the training set
-    guard_tolerance: float = 0.005     # keep an update unless held-out alpha drops by more
+    guard_tolerance: float = 0.02      # keep an update unless held-out alpha drops by more
     background: bool = True            # train in a thread (CPU) / side stream (GPU)
     wait_for_update: bool = False      # serving waits for each update to finish
     checkpoint_dir: str | None = None  # where learned weights are checkpointed (and resumed)
     checkpoint_every: int = 10         # applied updates between checkpoints
-    max_train_len: int = 512           # newest tokens of a request fed to the draft
+    max_train_len: int = 256           # newest tokens of a request fed to the draft
     cuda_graphs: bool = True           # capture the training step on CUDA (bucketed shapes)
     max_train_graphs: int = 8          # captured training steps kept (least recently used go)
     trim_after_update: bool = True     # hand the heap's free pages back to the system after
@@ -94,6 +102,42 @@ class OnlineConfig:
         if self.autocast not in AUTOCAST_DTYPES:
             raise ValueError(f"OnlineConfig.autocast must be one of {AUTOCAST_DTYPES}, got "
                              f"{self.autocast!r}")
+
+
+ONLINE_KEY = "online"        # the recipe's key in a draft directory's serving.json
+
+
+def draft_online_recipe(path) -> dict | None:
+    """The online-learning recipe a draft directory recommends: the ``"online"`` object of
+    its ``serving.json`` (:class:`OnlineConfig` fields), or None (no file, no key, not a
+    directory). ValueError naming the file when it is malformed."""
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    file = os.path.join(os.fspath(path), "serving.json")
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            recipe = json.load(f).get(ONLINE_KEY)
+        if recipe is None:
+            return None
+        if not isinstance(recipe, dict):
+            raise ValueError(f"{ONLINE_KEY!r} must be an object of OnlineConfig fields")
+        OnlineConfig(**recipe)                 # every field known and valid
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(f"bad online recipe in {file}: {exc}") from None
+    return recipe
+
+
+def with_recipe(config: OnlineConfig, recipe: dict | None) -> OnlineConfig:
+    """``recipe`` (OnlineConfig fields) under ``config``: a field the caller changed from
+    its default keeps the caller's value, every other field takes the recipe's."""
+    if not recipe:
+        return config
+    default = OnlineConfig()
+    mine = {f.name: getattr(config, f.name) for f in dataclasses.fields(OnlineConfig)
+            if getattr(config, f.name) != getattr(default, f.name)}
+    return dataclasses.replace(OnlineConfig(**recipe), **mine)
 
 
 def cpu_has_fast_bf16() -> bool:
