@@ -24,6 +24,19 @@ def test_evaluation_set_has_four_different_workloads():
         evaluation_set(n=0)
 
 
+def test_workloads_use_held_out_modules_only():
+    """No shipped draft trained on the evaluation set's text: every module it reads lies
+    in the corpus's held-out split."""
+    import importlib
+    import os
+
+    from osd.zoo import corpus, workloads
+    root = corpus.stdlib_root()
+    for m in set(workloads.PASSAGE_MODULES) | set(workloads.FUNCTION_MODULES):
+        path = os.path.relpath(importlib.import_module(m).__file__, root).replace(os.sep, "/")
+        assert corpus.split_of(path) == "heldout", m
+
+
 def _encode(convs):
     return [[(ord(ch) % (VOCAB - 1)) + 1 for m in c for ch in m["content"][:40]] for c in convs]
 

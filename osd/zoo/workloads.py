@@ -12,8 +12,10 @@ says little about another. These workloads differ in what the answer copies:
 
 The text comes from Python's own standard library (module and function docstrings,
 read with :mod:`inspect`), so the set is on every machine, needs no download and is the
-same wherever the same Python runs. Independent checks should use text of their own:
-:func:`evaluation_set` only fixes the shapes.
+same wherever the same Python runs. Only modules whose files are in the corpus's
+held-out split (``osd.zoo.corpus``) are used: no shipped draft trained on them.
+Independent checks should use text of their own: :func:`evaluation_set` only fixes the
+shapes.
 
     >>> from osd.zoo.workloads import evaluation_set
     >>> [w.name for w in evaluation_set(n=2)]
@@ -26,16 +28,14 @@ import inspect
 import random
 from dataclasses import dataclass
 
-# Modules whose docstrings are long enough to summarise (a few hundred words).
-PASSAGE_MODULES = ("argparse", "json", "statistics", "re", "csv", "configparser", "hashlib",
-                   "uuid", "copy", "struct", "urllib.parse", "subprocess", "itertools",
-                   "heapq", "unittest", "http.server", "random", "typing", "tempfile",
-                   "difflib")
-# Modules whose public functions are asked about and written.
-FUNCTION_MODULES = ("os.path", "shutil", "textwrap", "itertools", "functools", "statistics",
-                    "string", "heapq", "bisect", "json", "re", "glob", "fnmatch", "random",
-                    "math", "operator", "copy", "difflib", "calendar", "base64", "html",
-                    "urllib.parse", "zlib", "secrets", "tempfile", "collections")
+# Held-out modules whose docstrings are long enough to summarise (a few hundred words).
+PASSAGE_MODULES = ("json", "heapq", "random", "subprocess", "urllib.parse",
+                   "urllib.request", "socket", "inspect", "xmlrpc.client", "http.server")
+# Held-out modules whose public functions are asked about and written.
+FUNCTION_MODULES = ("inspect", "urllib.parse", "urllib.request", "socket", "pickletools",
+                    "random", "heapq", "subprocess", "sysconfig", "linecache", "functools",
+                    "getpass", "json", "glob", "pstats", "email.iterators")
+MAX_PER_MODULE = 6
 PASSAGE_CHARS = 1800          # about 400-500 tokens of the chat models' vocabulary
 
 
@@ -54,10 +54,13 @@ def _functions(rng: random.Random) -> list[tuple[str, str, str]]:
     functions with a docstring, in a seeded order."""
     out = []
     for m in FUNCTION_MODULES:
-        mod = importlib.import_module(m)
+        mod, found = importlib.import_module(m), []
         for name in sorted(dir(mod)):
             f = getattr(mod, name)
             if name.startswith("_") or not callable(f) or inspect.isclass(f):
+                continue
+            # defined here (or in the module's C accelerator), not imported from elsewhere
+            if getattr(f, "__module__", None) not in (m, "_" + m.rsplit(".", 1)[-1]):
                 continue
             doc = inspect.getdoc(f) or ""
             first = doc.split("\n\n")[0].replace("\n", " ").strip()
@@ -67,7 +70,9 @@ def _functions(rng: random.Random) -> list[tuple[str, str, str]]:
                 sig = str(inspect.signature(f))
             except (TypeError, ValueError):
                 sig = "(...)"
-            out.append((f"{m}.{name}", sig, first))
+            found.append((f"{m}.{name}", sig, first))
+        rng.shuffle(found)
+        out += found[:MAX_PER_MODULE]          # no module dominates
     rng.shuffle(out)
     return out
 
