@@ -86,8 +86,10 @@ test-fast: build
 llamacpp:
 	bash scripts/build_llamacpp.sh
 
+# Results (JSON, plots) go to results/, which git ignores.
 bench: build llamacpp
-	$(PY) -m pytest -q -p no:cacheprovider bench --benchmark-json=docs/bench_results.json
+	mkdir -p results
+	$(PY) -m pytest -q -p no:cacheprovider bench --benchmark-json=results/bench_results.json
 
 gpu-check:
 	bash scripts/gpu_check.sh

@@ -38,7 +38,7 @@ quantization, such as a Q4_K_M file), ``OSD_BENCH_CHAT_DRAFT`` another draft dir
 ``OSD_BENCH_CHAT_TOKENS``, ``_PROMPTS``, ``_WARMUP`` change the workload.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_chat.py \\
-        --benchmark-json=docs/bench_chat.json
+        --benchmark-json=results/bench_chat.json
 """
 import os
 import time

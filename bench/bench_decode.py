@@ -16,7 +16,7 @@ Providers: ``osd`` (default attention backend: the SDPA reference on CPU) and
 tokens and takes more rounds; ``OSD_BENCH_THREADS`` sets torch's thread count (default 1).
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_decode.py \\
-        --benchmark-json=docs/bench_decode.json
+        --benchmark-json=results/bench_decode.json
 """
 import time
 

@@ -63,8 +63,8 @@ greedy decoding a draft is accepted when the argmax agrees, which can be much ra
 ``OSD_BENCH_THREADS`` sets torch's thread count (default 1); ``OSD_BENCH_E2E_OUT=DIR``
 writes a markdown table (``bench_e2e.md``) and a plot (``bench_e2e.png``) there:
 
-    OSD_BENCH_E2E_OUT=docs .venv/bin/python -m pytest -q -p no:cacheprovider \\
-        bench/bench_e2e.py --benchmark-json=docs/bench_e2e.json
+    OSD_BENCH_E2E_OUT=results .venv/bin/python -m pytest -q -p no:cacheprovider \\
+        bench/bench_e2e.py --benchmark-json=results/bench_e2e.json
 """
 import os
 import time

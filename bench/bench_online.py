@@ -24,10 +24,10 @@ CPU fp32, k = 4.
   512 against 128, taking turns, one thread, fused AdamW as the learner uses on CPU.
 - ``test_alpha_over_requests``: α per request for a static and an online draft (the α
   test's schedule: 8 AdamW steps at lr 5e-4 every 4 requests, inline), written as
-  ``docs/online_alpha.png`` and printed as a table (``pytest -s``).
+  ``results/online_alpha.png`` and printed as a table (``pytest -s``).
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_online.py \\
-        --benchmark-json=docs/bench_online.json
+        --benchmark-json=results/bench_online.json
 """
 import os
 import time
@@ -41,7 +41,8 @@ FULL = os.environ.get("OSD_BENCH_FULL", "0") == "1"
 N = 160 if FULL else 64
 PARAMS = osd.SamplingParams(32)
 SPEC = osd.SpecConfig(num_draft_tokens=4)
-DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+# Plots go to the results folder (ignored by git), as `make bench` writes its JSON there.
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
 
 
 def _engine(online=None):
@@ -208,7 +209,8 @@ def test_alpha_over_requests(benchmark):
     ax.set_title("Built-in pair, code stream: static vs online draft")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(DOCS, "online_alpha.png"), dpi=120)
+    os.makedirs(RESULTS, exist_ok=True)
+    fig.savefig(os.path.join(RESULTS, "online_alpha.png"), dpi=120)
     plt.close(fig)
     lines = ["| requests | static α | online α |", "|---|---|---|"]
     lines += [f"| {i}–{min(i + w, N) - 1} | {a:.3f} | {b:.3f} |" for i, a, b in rows]

@@ -52,11 +52,13 @@ Run as a script (prints a line per configuration and a markdown table, writes JS
 ``--plot``, a PNG of tokens/s and p50 ITL against N):
 
     nice -n 5 .venv/bin/python bench/bench_serve.py [--clients 1 4 16] [--requests 48] \\
-        [--max-tokens 32] [--rounds 3] [--json docs/bench_serve.json] [--plot docs/bench_serve.png]
+        [--max-tokens 32] [--rounds 3] [--json results/bench_serve.json] \\
+        [--plot results/bench_serve.png]
 
-``--tcp-nodelay`` starts both servers with TCP_NODELAY on their listening socket (see
-``NODELAY_WRAPPER``: ``osd serve`` as it stands leaves it off, which delays the first event
-of a stream on a reused connection by the client's delayed ACK).
+``--tcp-nodelay`` starts both servers through ``NODELAY_WRAPPER``, which sets TCP_NODELAY on
+their listening socket. ``osd serve`` sets it itself (``osd/server_run.py``), so for it the
+flag changes nothing; without TCP_NODELAY the first event of a stream on a reused
+connection waits for the client's delayed ACK.
 
 Under pytest (``make bench``, ``pytest bench/bench_serve.py``): a short load (4 clients,
 8 requests of 16 tokens) on each server, one timed round each; skipped when fastapi,
@@ -132,11 +134,10 @@ def _cpu_seconds(pid: int) -> float | None:
 
 
 # ``--tcp-nodelay``: run ``osd serve`` with TCP_NODELAY set on its listening socket (the
-# accepted connections inherit it). ``osd serve`` binds a socket made with
-# ``socket.socket(AF_INET)``, whose ``proto`` is 0, so asyncio does not set TCP_NODELAY on
-# the connections; on a reused keep-alive connection Nagle's algorithm then holds the first
-# event of a stream until the client's delayed ACK (about 40 ms), and the events queued
-# behind it arrive in one burst. With this wrapper the two measurements can be compared.
+# accepted connections inherit it). Without it, on a reused keep-alive connection Nagle's
+# algorithm holds the first event of a stream until the client's delayed ACK (about 40 ms),
+# and the events queued behind it arrive in one burst. ``osd serve`` sets TCP_NODELAY
+# itself, so the wrapper only matters for a server that does not.
 NODELAY_WRAPPER = (
     "import socket, sys\n"
     "_bind = socket.socket.bind\n"
@@ -561,6 +562,9 @@ def main(argv=None) -> int:
     print(f"\nload average at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}, at end "
           + " ".join(f"{x:.2f}" for x in out["machine"]["loadavg_end"])
           + f"; {out['duration_s']:.0f} s; greedy mismatches: {sum(out['mismatches'].values())}")
+    for path in (args.json, args.plot):
+        if path and os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -378,8 +378,8 @@ def main(argv=None) -> int:
                     "live CPU tensors at each progress line")
     ap.add_argument("--server", help="URL of an OpenAI-compatible osd server to soak instead")
     ap.add_argument("--server-pid", type=int, help="the server's pid, to read its RSS")
-    ap.add_argument("--json", default="docs/soak.json")
-    ap.add_argument("--md", default="docs/soak.md")
+    ap.add_argument("--json", default="results/soak.json")
+    ap.add_argument("--md", default="results/soak.md")
     args = ap.parse_args(argv)
     if args.requests < 1 or args.batch < 1 or args.every < 1:
         ap.error("--requests, --batch and --every must be >= 1")
