@@ -271,7 +271,8 @@ class ModelDrafter:
         """Feed the pending tokens; return the logits at the root ``[B, V]``. The pending
         state itself is left as it is (a CUDA graph of the draft loop replays this)."""
         P = self._pending_max
-        logits = self._forward(self._pending[:B, :P], logits_index=(self._pending_len[:B] - 1)[:, None])
+        last = (self._pending_len[:B] - 1)[:, None]
+        logits = self._forward(self._pending[:B, :P], logits_index=last)
         self.cache.commit(self._pending_len[:B].to(torch.int32), P)
         return logits[:, 0]
 

@@ -125,8 +125,8 @@ class DraftLengthController:
     come ``explore_every`` steps apart; each one that leaves the best arm as it was doubles
     the spacing, up to ``explore_max`` (default ``8 * explore_every``), and one that
     changes it resets the spacing: where one arm clearly wins (plain decoding against a
-    useless draft) the slower arms cost little. The first measurement of an arm in a bucket is dropped: it
-    pays one-time costs (CUDA graph capture, allocator growth).
+    useless draft) the slower arms cost little. The first measurement of an arm in a bucket
+    is dropped: it pays one-time costs (CUDA graph capture, allocator growth).
     """
 
     def __init__(self, k_max: int, explore_every: int = 16, decay: float = 0.7,

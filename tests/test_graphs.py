@@ -14,7 +14,10 @@ from osd.drafters import sample_draft
 from osd.graphs import StepGraphs, batch_bucket
 from osd_kernels.warp import warp_probs
 from tests.test_models import tiny_hf_model
+from tests.conftest import devices
 from tests.test_speculative import perturbed, prompts_of
+
+DEVICES = devices()
 
 TREE = [(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (2,)]
 CASES = {
@@ -56,7 +59,7 @@ PLAIN_SAMPLING = {"greedy": dict(temperature=0.0), "temperature": dict(temperatu
                   "truncated": dict(temperature=0.9, top_k=20, top_p=0.8)}
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sampling", list(PLAIN_SAMPLING))
 def test_graphs_in_plain_decoding(pair, sampling, device):
     """Plain decoding replayed from graphs (emulated on CPU, captured on CUDA) emits what
@@ -118,7 +121,7 @@ def test_emulated_graphs_leave_the_draft_cache_as_eager_does(pair):
     assert torch.equal(a._pending_len[:2], b._pending_len[:2])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", list(CASES))
 def test_cuda_graphs_emit_what_eager_emits(pair, case):
     spec, sampling = CASES[case]
@@ -142,7 +145,7 @@ def test_cuda_graphs_emit_what_eager_emits(pair, case):
         assert [o.token_ids for o in graphed] == want
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["greedy-chain", "sampled-chain", "truncated-chain"])
 def test_graphed_drafting_proposes_what_eager_drafting_proposes(pair, case, device):
     """Step by step, the steps replayed from graphs (the fused chain step; emulated on CPU,
@@ -186,7 +189,7 @@ def test_graphed_drafting_proposes_what_eager_drafting_proposes(pair, case, devi
             torch.testing.assert_close(q_g, q_e, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("V", [131, 49_152])
 @pytest.mark.parametrize("warp", [dict(temperature=0.8), dict(temperature=0.8, top_k=6),
                                   dict(temperature=0.8, top_p=0.9),
@@ -237,7 +240,7 @@ TORCH_OPS = {
 }
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("V", [131, 49_152])
 @pytest.mark.parametrize("op", list(TORCH_OPS))
 @pytest.mark.parametrize("B", [4, 4096])
@@ -337,8 +340,8 @@ def test_a_pinned_model_refuses_to_grow_its_buffers(pair):
         model(torch.zeros(1, 9, dtype=torch.int64), cache)
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-@pytest.mark.parametrize("batch", [1, 4, 64, 4096])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", [1, 4, 64, pytest.param(4096, marks=pytest.mark.slow)])
 def test_graphed_truncated_sampling_equals_eager_at_every_batch(pair, batch, device):
     """Speculative chains sampled with top-k and top-p, replayed from graphs (poisoned and
     emulated on CPU, captured on CUDA): token for token what the eager engine emits, from
