@@ -25,6 +25,14 @@ def _demo(args) -> int:
                      quantize_draft=args.quantize_draft, prefix_cache=args.prefix_cache,
                      plain_every=args.plain_every)
     run_demo(cfg)
+    if args.pair == "chat" and args.workload_prompts:
+        # imported here, as every command's own modules are: `osd --help` stays fast
+        from osd.demo_workloads import workloads_report
+        from osd.zoo import chat
+
+        target, draft = chat.chat_pair()
+        workloads_report(target, chat.chat_eagle() if args.draft == "eagle" else draft,
+                         args.out, prompts=args.workload_prompts)
     return 0
 
 
@@ -181,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch intra-op threads (default 1: serving and the learner thread "
                    "each use one core)")
     d.add_argument("--out", default="reports/demo", help="report directory")
+    d.add_argument("--workload-prompts", type=int, default=3,
+                   help="chat pair: after the stream, the speedup on each workload of the "
+                   "evaluation set with this many prompts each (0: skip)")
     d.set_defaults(func=_demo)
 
     g = sub.add_parser("generate", help="generate a continuation of one prompt",
