@@ -91,7 +91,8 @@ def setup():
     if draft is None:
         pytest.skip("the chat pair has no draft")
     convs = humaneval.conversations(NUM_PROMPTS + WARMUP, seed=11)
-    plain = osd.Engine.from_pretrained(target, max_batch_size=1, max_seq_len=1024)
+    plain = osd.Engine.from_pretrained(target, max_batch_size=1, max_seq_len=1024,
+                                       quantized=False)
     prompts = apply_chat_template(plain.tokenizer, convs)
     return {"target": target, "draft": draft, "eagle": zoo.chat_eagle(), "plain": plain,
             "prompts": prompts[:NUM_PROMPTS], "warmup": prompts[NUM_PROMPTS:], "rows": {}}
@@ -170,11 +171,11 @@ def _engine(setup, provider):
     draft = _draft_of(setup, provider)
     if "-online" not in provider:
         return osd.Engine.from_pretrained(setup["target"], draft=draft, spec=spec,
-                                          max_batch_size=1, max_seq_len=1024,
+                                          max_batch_size=1, max_seq_len=1024, quantized=False,
                                           quantize_draft=_draft_format(provider))
-    eng = osd.Engine.from_pretrained(
+    eng = osd.Engine.from_pretrained(     # warm-up with the float draft
         setup["target"], draft=draft, spec=spec, max_batch_size=1, max_seq_len=1024,
-        online=online_recipe("chat"), quantize_draft=None)   # warm-up with the float draft
+        quantized=False, online=online_recipe("chat"), quantize_draft=None)
     for p in setup["warmup"]:
         eng.generate([p], osd.SamplingParams(NEW_TOKENS))
     eng.close()

@@ -130,6 +130,30 @@ def _bench(args) -> int:
     return subprocess.call(cmd, cwd=root)
 
 
+def _draft_eval(args) -> int:
+    # imported here, as every command's own modules are: `osd --help` stays fast
+    import json
+
+    import torch
+
+    from osd.evaluate import evaluate, table
+    from osd.zoo.workloads import evaluation_set
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sampling = {} if args.temperature == 0 else dict(temperature=args.temperature,
+                                                     top_p=args.top_p)
+    kw = {} if args.quantized is None else {"quantized": args.quantized}
+    rows = evaluate(args.target, args.draft, workloads=evaluation_set(n=args.prompts),
+                    max_new_tokens=args.max_new_tokens, sampling=sampling,
+                    engine_kwargs=dict(kw, max_seq_len=args.max_seq_len))
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="osd", description="Online speculative decoding.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -238,9 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="0 = off")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--quantized", action="store_true",
+    g.add_argument("--quantized", action=argparse.BooleanOptionalAction, default=None,
                    help="keep a GGUF target's block-quantized weights (Q4_0 to Q6_K) "
-                        "quantized (CPU, float32): the same model, fewer bytes read per token")
+                        "quantized: the same model, fewer bytes read per token (default: "
+                        "on the CPU in float32; --no-quantized dequantizes to --dtype)")
     g.add_argument("--quantize-draft", default="auto",
                    choices=["auto", "Q8_0", "Q4_1", "Q4_0", "none"],
                    help="keep the draft's layers and head in this block format (CPU, "
@@ -290,9 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context per request, prompt included")
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    s.add_argument("--quantized", action="store_true",
+    s.add_argument("--quantized", action=argparse.BooleanOptionalAction, default=None,
                    help="keep a GGUF target's block-quantized weights (Q4_0 to Q6_K) "
-                        "quantized (CPU, float32)")
+                        "quantized (default: on the CPU in float32; --no-quantized "
+                        "dequantizes to --dtype)")
     s.add_argument("--quantize-draft", default="auto",
                    choices=["auto", "Q8_0", "Q4_1", "Q4_0", "none"],
                    help="keep the draft's layers and head in this block format (CPU, "
@@ -332,6 +358,25 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--body-timeout", type=float, default=None, metavar="SECONDS",
                      help="answer 408 and close when a request body takes longer (default 30)")
     s.set_defaults(func=_serve)
+
+    dr = sub.add_parser("draft", help="work with draft models").add_subparsers(
+        dest="draft_command", required=True)
+    e = dr.add_parser("eval", help="speedup, α, c and tokens per forward of a draft per "
+                      "workload", description="Plain against speculative decoding (the "
+                      "draft's own serving.json settings) on each workload of the evaluation "
+                      "set (osd.zoo.workloads), interleaved prompt by prompt, batch 1.")
+    e.add_argument("--target", required=True, help="target checkpoint directory or .gguf file")
+    e.add_argument("--draft", required=True, help="draft checkpoint directory")
+    e.add_argument("--prompts", type=int, default=6, help="prompts per workload")
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--max-seq-len", type=int, default=2048)
+    e.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    e.add_argument("--top-p", type=float, default=0.9, help="with --temperature")
+    e.add_argument("--quantized", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep a GGUF target quantized (default: on the CPU in float32)")
+    e.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    e.add_argument("--json", default=None, help="also write the rows here")
+    e.set_defaults(func=_draft_eval)
 
     b = sub.add_parser("bench", help="run the benchmarks (pytest-benchmark)",
                        description="Run bench/ from a source checkout and write JSON results.")

@@ -54,7 +54,8 @@ from osd.lanes import Lane
 from osd.lookup_history import LookupHistory
 from osd.models.eagle import EagleLM, is_eagle_checkpoint, load_eagle
 from osd.models.llama import DecoderLM
-from osd.models.loading import is_transformers_model, load_model, load_tokenizer
+from osd.models.loading import (is_gguf_source, is_transformers_model, load_model,
+                                 load_tokenizer, resolve_device)
 from osd.models.quant import serving_drafts
 from osd.online.collect import TeacherCollector
 from osd.online.config import OnlineConfig, draft_online_recipe, with_recipe
@@ -229,7 +230,7 @@ class Engine:
                         max_seq_len: int = 2048, spec: SpecConfig | None = None,
                         online: OnlineConfig | None = None, attention_backend: str = "auto",
                         tokenizer=None, cuda_graphs: bool = True,
-                        prefill_chunk: int | None = None, quantized: bool = False,
+                        prefill_chunk: int | None = None, quantized: bool | None = None,
                         quantize_draft: str | None = "auto",
                         prefix_cache: int = 0, pack_weights: bool = True) -> "Engine":
         """Load ``target`` (and drafts): each a checkpoint directory, a GGUF file or a
@@ -258,7 +259,9 @@ class Engine:
         memory and the CPU kernels compute with them (``osd.models.quant``): decode and
         verify logits equal the dequantized target's bit for bit, prefill to float
         rounding, with fewer bytes read per token (drafts load as usual). CPU, float32
-        and a GGUF target only (ValueError otherwise).
+        and a GGUF target only (ValueError otherwise). None (the default) keeps a GGUF
+        target quantized on the CPU in float32 and dequantizes it elsewhere; False
+        dequantizes it to ``dtype`` everywhere.
 
         ``quantize_draft``, ``pack_weights``: see :class:`Engine`. The default ``"auto"``
         takes the block format a single draft's ``serving.json`` recommends when it runs
@@ -271,6 +274,9 @@ class Engine:
                                            or is_transformers_model(source)):
                 raise TypeError(f"{name} must be a checkpoint directory path or a transformers "
                                 f"model, got {type(source).__name__}")
+        if quantized is None:
+            quantized = (is_gguf_source(target) and resolve_device(device).type == "cpu"
+                         and dtype == torch.float32)
         model = load_model(target, device=device, dtype=dtype, attention_backend=attention_backend,
                            quantized=quantized)
         draft_models = [load_eagle(d, model) if is_eagle_checkpoint(d) else

@@ -146,6 +146,25 @@ def q41(tmp_path_factory):
     return str(to_gguf(tiny_hf_model("llama", seed=44), path, T.Q4_1))
 
 
+def test_a_gguf_target_stays_quantized_by_default_on_the_cpu(q41):
+    """``Engine.from_pretrained(gguf)`` keeps the file's blocks quantized on the CPU in
+    float32 (``quantized=None``), dequantizes them with ``quantized=False`` or another
+    dtype, and both emit the same greedy tokens."""
+    def quantized(model):
+        return any(isinstance(m, QuantLinear) for m in model.modules())
+
+    default = osd.Engine.from_pretrained(q41, max_batch_size=2, max_seq_len=48)
+    fp32 = osd.Engine.from_pretrained(q41, max_batch_size=2, max_seq_len=48, quantized=False)
+    assert quantized(default.model) and not quantized(fp32.model)
+    bf16 = osd.Engine.from_pretrained(q41, max_batch_size=2, max_seq_len=48,
+                                      dtype=torch.bfloat16)
+    assert not quantized(bf16.model)
+    prompts = prompts_of([9, 4], vocab=VOCAB, seed=48)
+    params = osd.SamplingParams(12)
+    assert [o.token_ids for o in default.generate(prompts, params)] == \
+        [o.token_ids for o in fp32.generate(prompts, params)]
+
+
 @pytest.mark.parametrize("params", [osd.SamplingParams(12),
                                     osd.SamplingParams(12, temperature=0.9, top_p=0.9, seed=3)],
                          ids=["greedy", "sampled"])

@@ -137,6 +137,11 @@ def read_head_vocab(path: Path) -> list[int] | None:
     return ids
 
 
+def is_gguf_source(source) -> bool:
+    """Whether ``source`` is (or is a directory holding) a GGUF file."""
+    return _gguf_source(source) is not None
+
+
 def _gguf_source(source) -> Path | None:
     """The GGUF file behind ``source``: a ``.gguf`` path, or the one ``.gguf`` in a
     directory without ``config.json``; None for anything else."""
