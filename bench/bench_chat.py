@@ -61,15 +61,15 @@ PROVIDERS = ["transformers", "transformers-assisted", "osd-plain", "osd-spec",
              "osd-eagle-lookup-q8", "osd-eagle-lookup-tree-q8", "osd-eagle-online",
              "osd-quant-plain", "osd-quant-spec-lookup",
              "osd-quant-eagle-lookup", "osd-quant-eagle-lookup-q8", "llama.cpp"]
-# The speculative shapes of the quantized-target rows (scripts/chat_spec_shapes.py
-# --quantized measured these as the fastest of their drafts, docs/benchmarks_chat.md).
+# The speculative shapes of the quantized-target rows (measured side by side as the
+# fastest of their drafts on the quantized target, docs/benchmarks.md).
 QUANT_SPECS = {"osd-quant-spec-lookup": dict(num_draft_tokens=K, prompt_lookup=True),
                "osd-quant-eagle-lookup": dict(num_draft_tokens=3, prompt_lookup=True,
                                               ngram_min=2)}
 QUANT_SPECS["osd-quant-eagle-lookup-q8"] = QUANT_SPECS["osd-quant-eagle-lookup"]
 # Lookup trees with 3-token matches drafting alone, the standalone draft's shape measured
-# on independent prompts (docs/chat_demo.md, "Lookup trees"; the demo also looks up
-# earlier answers, so it puts every match beside the draft's chain).
+# on independent prompts (its serving.json; the demo also looks up earlier answers, so it
+# puts every match beside the draft's chain, docs/online.md).
 TREE_SPEC = dict(num_draft_tokens=3, prompt_lookup=True, lookup_tokens=LOOKUP_TOKENS,
                  lookup_tree_below=3)
 EAGLE_TREE_SPEC = dict(TREE_SPEC, num_draft_tokens=4)   # the EAGLE draft's longer branch

@@ -14,7 +14,7 @@ earlier drafts, a tree node's ancestors and itself), so the penalized target at 
 position is exactly the distribution plain decoding would sample from there, and the
 rejection sampler stays lossless. Drafts are not penalized: any draft distribution is
 lossless, and penalizing the chat pair's EAGLE draft the same way did not raise its
-acceptance (docs/benchmarks_chat.md).
+acceptance (docs/benchmarks.md).
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from osd_kernels._ops import native_available, resolve_backend
 # auto picks the C++ kernel up to MAX_ROWS rows, and up to WIDE_MAX_ROWS rows when
 # K <= WIDE_MAX_K (kMaxPass = 12 rows per pass, several passes tile by tile over the
 # weights in csrc/cpu/linear_rows.h). With weights that come from memory, as in a model's
-# forward (the chat target's verify over 2 threads: scripts/verify_cost.py) the kernel was
+# forward (the chat target's verify over 2 threads) the kernel was
 # faster than torch's GEMM at these sizes; with K = 864 or 1536 past 16 rows it was not
 # (bench/bench_decode_linear.py, cold rows; docs/benchmarks.md).
 MAX_ROWS = 16
