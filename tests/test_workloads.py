@@ -71,3 +71,31 @@ def test_prompt_lookup_without_a_draft_is_lookup_alone():
     params = osd.SamplingParams(12)
     assert eng.generate(prompt, params)[0].token_ids == plain.generate(prompt, params)[0].token_ids
     assert eng.stats["drafted"] > 0
+
+
+def test_online_stream_compares_the_online_and_the_static_draft():
+    from osd.evaluate_online import online_stream
+    from osd.zoo.workloads import stream
+
+    target = tiny_hf_model("llama", seed=31)
+    draft = perturbed(target, 0.3, seed=32)
+    convs = stream("explain", 8)
+    res = online_stream(target, draft, convs, max_new_tokens=8, encode=_encode,
+                        online=osd.OnlineConfig(update_every_requests=2, background=False),
+                        engine_kwargs=dict(max_seq_len=512), progress=False)
+    s = res["summary"]
+    assert len(res["online"]) == len(res["static"]) == 8 and s["requests"] == 8
+    assert s["updates_applied"] >= 1
+    for part in ("first_quarter", "last_quarter"):
+        assert s[part]["online"]["tokens_per_forward"] >= 1
+        assert s[part]["speed_ratio"] > 0
+
+
+def test_streams_have_distinct_prompts():
+    from osd.zoo.workloads import stream
+
+    for name in ("explain", "code"):
+        prompts = stream(name, 120)
+        assert len({p[0]["content"] for p in prompts}) == 120
+    with pytest.raises(ValueError, match="distinct prompts"):
+        stream("code", 10 ** 6)

@@ -96,6 +96,33 @@ def _pick(items: list, n: int) -> list:
     return [items[i % len(items)] for i in range(n)]
 
 
+EXPLAIN = ("What does the Python function `{name}` do? Explain it in a short paragraph "
+           "and give one example of its use.",
+           "I found `{name}` in some code I maintain. What is it for, and what does it "
+           "return?",
+           "Explain the arguments of `{name}{sig}` and what happens when they are left at "
+           "their defaults.")
+CODE = ("Write a Python function `{short}{sig}` from scratch, without importing `{module}`. "
+        "It should do this: {doc}",
+        "Write a few pytest unit tests for `{name}{sig}`, whose documentation says: {doc}")
+
+
+def stream(name: str, n: int, seed: int = 0) -> tuple[tuple[dict, ...], ...]:
+    """``n`` distinct prompts of the workload ``name`` (``"explain"`` or ``"code"``) for
+    a long stream: each function asked in several phrasings, in a seeded order."""
+    rng = random.Random(seed)
+    funcs = _functions(rng)
+    templates = {"explain": EXPLAIN, "code": CODE}[name]
+    prompts = [(t.format(name=f, sig=sig, doc=doc, short=f.rsplit(".", 1)[1],
+                         module=f.rsplit(".", 1)[0]),)
+               for t in templates for f, sig, doc in funcs]
+    if n > len(prompts):
+        raise ValueError(f"the {name} workload has {len(prompts)} distinct prompts, asked "
+                         f"for {n}")
+    rng.shuffle(prompts)
+    return tuple(({"role": "user", "content": c},) for (c,) in prompts[:n])
+
+
 def evaluation_set(n: int = 8, seed: int = 0) -> list[Workload]:
     """The four workloads, ``n`` prompts each, chosen with ``seed``."""
     if n < 1:
@@ -142,4 +169,4 @@ def evaluation_set(n: int = 8, seed: int = 0) -> list[Workload]:
     ]
 
 
-__all__ = ["Workload", "evaluation_set"]
+__all__ = ["Workload", "evaluation_set", "stream"]
