@@ -40,39 +40,35 @@ import collections
 import contextlib
 import dataclasses
 import operator
-import os
 import threading
-import time
 
 import torch
 
 from osd.drafter_factory import make_drafters
 from osd.drafters import PENDING_WIDTH
-from osd.isolation import mark_lane, recover, resumed_prompts
-from osd.graphs import StepGraphs, graphed_forward
+from osd.graphs import StepGraphs
 from osd.lanes import Lane
+from osd.loader import load_for_engine
 from osd.lookup_history import LookupHistory
-from osd.models.eagle import EagleLM, is_eagle_checkpoint, load_eagle
+from osd.models.eagle import EagleLM
 from osd.models.llama import DecoderLM
-from osd.models.loading import (is_gguf_source, is_transformers_model, load_model,
-                                 load_tokenizer, resolve_device)
 from osd.models.quant import serving_drafts
 from osd.online.collect import TeacherCollector
-from osd.online.config import OnlineConfig, draft_online_recipe, with_recipe
+from osd.online.config import OnlineConfig
 from osd.online.serving import OnlineManager
-from osd.penalties import Penalties, wants_penalties
 from osd.prefix_cache import PrefixCache
+from osd.runner import ModelRunner
+from osd.scheduler import Scheduler
 from osd.request import RequestError, RequestState, encode_prompts, stop_prefix_length
-from osd.sampling import (BatchParams, Output, SamplingParams, TokenLogprobs, fail_rows,
-                          nonfinite_rows, record_logprobs, request_seed, sample_tokens)
+from osd.sampling import (Output, SamplingParams, TokenLogprobs, request_seed)
 from osd.scoring import score_tokens
-from osd.spec import SpecConfig, serving_settings
+from osd.spec import SpecConfig
 from osd.speculative import Speculator
 from osd.stats import SpecStats
 from osd.tree import StaticTree
 
 
-class Engine:
+class Engine(Scheduler, ModelRunner):
     """Batched generation with a target model, and speculative decoding with drafts.
 
     Args:
@@ -267,26 +263,10 @@ class Engine:
         takes the block format a single draft's ``serving.json`` recommends when it runs
         in float32 on the CPU (where quantized drafts run), else None (float drafts).
         """
-        drafts = [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) \
-            else [draft]
-        for name, source in [("target", target)] + [("draft", d) for d in drafts]:
-            if source is not None and not (isinstance(source, (str, os.PathLike))
-                                           or is_transformers_model(source)):
-                raise TypeError(f"{name} must be a checkpoint directory path or a transformers "
-                                f"model, got {type(source).__name__}")
-        if quantized is None:
-            quantized = (is_gguf_source(target) and resolve_device(device).type == "cpu"
-                         and dtype == torch.float32)
-        model = load_model(target, device=device, dtype=dtype, attention_backend=attention_backend,
-                           quantized=quantized)
-        draft_models = [load_eagle(d, model) if is_eagle_checkpoint(d) else
-                        load_model(d, device=device, dtype=dtype,
-                                   attention_backend=attention_backend) for d in drafts]
-        if tokenizer is None:
-            tokenizer = load_tokenizer(target)
-        spec, quantize_draft = serving_settings(drafts, draft_models, spec, quantize_draft)
-        if online is not None and len(drafts) == 1:
-            online = with_recipe(online, draft_online_recipe(drafts[0]))
+        model, draft_models, tokenizer, spec, quantize_draft, online = load_for_engine(
+            target, draft, device=device, dtype=dtype, attention_backend=attention_backend,
+            quantized=quantized, tokenizer=tokenizer, spec=spec, quantize_draft=quantize_draft,
+            online=online)
         return cls(model, draft=draft_models or None, tokenizer=tokenizer,
                    max_batch_size=max_batch_size, max_seq_len=max_seq_len, spec=spec,
                    online=online, cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk,
@@ -456,262 +436,6 @@ class Engine:
                 yield
         finally:
             self.abort([r for r in requests if r.finish_reason is None])
-
-    def submit(self, requests: list[RequestState]) -> None:
-        """Queue ``requests``; each joins its draft's lane at the next :meth:`step`."""
-        for r in requests:
-            if r.pinned_draft is not None:
-                r.draft_index = r.pinned_draft
-            else:
-                r.draft_index = self.online.choose(r.prompt) if self.online is not None else 0
-            self.lanes[r.draft_index].waiting.append(r)
-
-    def abort(self, requests: list[RequestState]) -> None:
-        """End ``requests`` with ``finish_reason="abort"`` now: waiting ones are dropped,
-        running ones leave their rows (cache rows freed at once)."""
-        doomed = {id(r) for r in requests}
-        for r in requests:
-            if r.finish_reason is None:
-                r.finish_reason = "abort"
-        for lane in self.lanes:
-            lane.waiting = collections.deque(r for r in lane.waiting if id(r) not in doomed)
-            if lane.staging is not None and id(lane.staging) in doomed:
-                lane.unstage()
-            if any(id(r) in doomed for r in lane.active):
-                self.retire(lane.active, lane=lane)
-
-    def has_work(self) -> bool:
-        """Whether any request is waiting or running."""
-        return any(lane.active or lane.waiting or lane.staging for lane in self.lanes)
-
-    def step(self) -> None:
-        """One scheduling step over every lane: waiting requests fill the free rows
-        (prefill, first token sampled), then every running row advances by one decode or
-        speculative step, and finished rows leave. Each row samples with its own
-        parameters, seed and offset, so its tokens do not depend on what shares the batch.
-
-        A lane whose step raises does not fail as a whole: the requests that make it
-        raise fail (``finish_reason="error"``, error kind ``step_error``) and the others
-        resume from where they stood before the step (``osd.isolation.recover``); the
-        other lanes keep their state. The exception is logged, not raised.
-        """
-        t0 = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                for lane in self.lanes:
-                    marks = mark_lane(lane)
-                    try:
-                        self._step_lane(lane)
-                    except Exception as e:
-                        recover(self, lane, e, marks)
-        finally:
-            self._wall += time.perf_counter() - t0
-
-    def _empty_lane(self, lane: Lane) -> None:
-        lane.cache.reset()
-        if lane.speculator is not None:
-            lane.speculator.reset()
-
-    def _step_lane(self, lane: Lane) -> None:
-        spec = lane.speculator
-        m = spec.prompt_positions if spec is not None else 0
-        staged = lane.advance_staging(self.model, m, self._empty_lane)
-        new = lane.admit(self.max_batch_size, self.model.config.prefill_chunk, m,
-                         reserved=int(staged is not None))
-        if staged is not None or new:
-            if not lane.active and staged is None:
-                self._empty_lane(lane)
-            start = len(lane.active)
-            reused = [lane.load_prefix(r, m, lane.cache, start + b + (staged is not None))
-                      for b, r in enumerate(new)]
-            ready, done, early = new, [n for n, _ in reused], [h for _, h in reused]
-            if staged is not None:
-                ready, done, early = [staged[0]] + new, [staged[1]] + done, [staged[2]] + early
-            lane.active += ready
-            prompt_logits = self.prefill(ready, start_row=start, lane=lane,
-                                         prompt_positions=m, done=done,
-                                         early_hidden=early if lane.needs_hidden else None)
-            prompt_hidden = None
-            if lane.needs_hidden:
-                prompt_logits, prompt_hidden = prompt_logits
-            lane.store_prefix(ready, start, prompt_hidden)
-            if spec is not None:
-                with resumed_prompts(ready, spec):
-                    spec.prefill(ready, start, lane.next_tokens[start:start + len(ready)],
-                                 prompt_logits, prompt_hidden)
-            for r in ready:
-                r.context = None              # a resumed request's row holds its tokens
-            self.retire(lane.active, lane=lane)
-        if not lane.active:
-            return
-        params = BatchParams([r.params for r in lane.active], self.device)
-        if spec is not None:
-            spec.step(lane.active, params)
-        else:
-            self.decode_step(lane.active, params, lane=lane)
-        self.retire(lane.active, lane=lane)
-
-    def _count_error(self, kind: str, error) -> None:
-        self.errors[kind] += 1
-        self.last_error = f"{kind}: {error}"
-
-    def prefill(self, new: list[RequestState], start_row: int, prompt_positions: int = 0,
-                lane: Lane | None = None, done: list[int] | None = None,
-                early_hidden: list | None = None):
-        """Run the prompts of ``new`` into cache rows ``start_row ..`` of ``lane`` (default
-        the first) and sample each one's first token with its own parameters (a request
-        that resumes, ``RequestState.context``, has its context fed instead and samples
-        nothing: its last generated token is its next input). ``done[b]``
-        tokens of prompt ``b`` are already in its row (a staged prompt); the rest are fed.
-        ``prompt_positions = m > 0``: return the logits at each prompt's last ``m``
-        positions ``[n, m, V]`` (oldest first; a shorter prompt's row starts with copies of
-        its position 0), which online learning keeps; otherwise None.
-
-        ``early_hidden`` (one entry per request: the ``[done[b], H]`` features of its staged
-        pieces, or None) asks for the target's features at every prompt position too: the
-        return value is then ``(logits or None, features [n, longest prompt, H])``."""
-        lane = lane or self.lanes[0]
-        t0 = time.perf_counter()
-        done = done or [0] * len(new)
-        rest = [r.prefill_ids[d:] for r, d in zip(new, done)]
-        n, longest = len(new), max(len(x) for x in rest)
-        ids = torch.zeros(n, longest, dtype=torch.int64)
-        for b, x in enumerate(rest):
-            ids[b, :len(x)] = torch.tensor(x)
-        prompt_lens = torch.tensor([len(x) for x in rest], device=self.device)
-        rows = lane.cache.rows(start_row, n)
-        rows.reset()                     # the view's bound: its own rows' longest
-        if any(done):
-            rows.lens.copy_(torch.tensor(done, dtype=torch.int32))
-            rows.set_bound(max(done))
-        m = min(prompt_positions, longest)
-        width = max(m, 1)
-        index = (prompt_lens[:, None] - width
-                 + torch.arange(width, device=self.device)).clamp(min=0)
-        # In pieces of model.config.prefill_chunk tokens; commits rows.lens += prompt_lens.
-        logits = self.model.prefill(ids.to(self.device), rows, prompt_lens,
-                                    logits_index=index,                   # [n, m or 1, V]
-                                    return_hidden=early_hidden is not None)
-        if early_hidden is not None:
-            logits, rest_hidden = logits
-            hidden = rest_hidden.new_zeros(n, max(len(r.prefill_ids) for r in new),
-                                           rest_hidden.shape[-1])
-            for b, (r, d) in enumerate(zip(new, done)):
-                if d:
-                    hidden[b, :d] = early_hidden[b]
-                hidden[b, d:len(r.prefill_ids)] = rest_hidden[b, :len(r.prefill_ids) - d]
-        lane.cache.set_bound(max(lane.cache.bound, max(len(r.prefill_ids) for r in new)))
-        bad = nonfinite_rows(logits)
-        last = logits[:, -1]
-        if wants_penalties(new):
-            last = Penalties(new, last.shape[-1], self.device).apply(last[:, None])[:, 0]
-        tokens = sample_tokens(last, BatchParams([r.params for r in new], self.device),
-                               *self._sampling_keys(new))
-        resumed = [b for b, r in enumerate(new) if r.context is not None]
-        if resumed:
-            tokens[resumed] = torch.tensor([new[b].generated[-1] for b in resumed],
-                                           dtype=tokens.dtype, device=tokens.device)
-        lane.next_tokens[start_row:start_row + n] = tokens
-        self._record(new, tokens, bad, logits[:, -1], skip=frozenset(resumed))
-        stats = self.plain_stats if lane.speculator is None else lane.speculator.stats
-        stats.add_time("prefill", time.perf_counter() - t0)
-        if early_hidden is not None:
-            return (logits if m > 0 else None), hidden
-        return logits if m > 0 else None
-
-    def decode_step(self, active: list[RequestState], params: BatchParams,
-                    lane: Lane | None = None) -> None:
-        """One token for every active row of ``lane`` (default the first)."""
-        lane = lane or self.lanes[0]
-        B = len(active)
-        t0 = time.perf_counter()
-        ids = lane.next_tokens[:B, None]
-        logits = (self.model(ids, lane.cache) if self.graphs is None
-                  else graphed_forward(self.graphs, self.model, lane.cache, ids))
-        lane.cache.commit(self._ones[:B], 1)
-        t1 = time.perf_counter()
-        bad = nonfinite_rows(logits)
-        step = Penalties(active, logits.shape[-1], self.device).apply(logits) \
-            if wants_penalties(active) else logits
-        tokens = sample_tokens(step[:, 0], params, *self._sampling_keys(active))
-        lane.next_tokens[:B] = tokens
-        self._record(active, tokens, bad, logits[:, 0])
-        # The forward counts as "verify" (a one-token verify): the target's forward time.
-        st = self.plain_stats
-        st.target_forwards += 1
-        st.sequence_steps += B
-        st.generated_tokens += B
-        st.add_time("verify", t1 - t0)
-        st.add_time("sample", time.perf_counter() - t1)
-
-    def _sampling_keys(self, requests: list[RequestState]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Philox ``(seeds, offsets)`` ``[B]`` of the plain sampler for ``requests``: the
-        offset of a draw is the number of tokens the request generated before it."""
-        keys = torch.tensor([[r.seed for r in requests], [len(r.generated) for r in requests]],
-                            dtype=torch.int64).to(self.device, non_blocking=True)
-        return keys[0], keys[1]
-
-    def _record(self, requests: list[RequestState], tokens: torch.Tensor, bad: torch.Tensor,
-                logits: torch.Tensor, skip: frozenset = frozenset()) -> None:
-        """Fail the rows whose logits were not finite (``bad [B]``, :func:`nonfinite_rows`)
-        and append every other row's sampled token (``tokens [B]``, drawn from ``logits
-        [B, V]``), except the rows in ``skip`` (resumed: nothing was drawn for them)."""
-        # The one host sync per step, after every kernel of the step is queued: the stop
-        # check (EOS, stop ids, lengths) needs the sampled ids on the host, and
-        # Output.token_ids collects them there anyway.
-        ids, flags = torch.stack([tokens, bad.to(tokens.dtype)]).tolist()
-        fail_rows(requests, flags)
-        rows = []
-        for b, (r, t) in enumerate(zip(requests, ids)):
-            if r.finish_reason is None and b not in skip:
-                r.append(t, self.max_seq_len)
-                if r.logprobs is not None:
-                    rows.append((b, b, t))
-        record_logprobs(requests, logits, rows)
-
-    def retire(self, active: list[RequestState], speculator: Speculator | None = None,
-               lane: Lane | None = None) -> None:
-        """Drop finished sequences from ``lane`` (default the first; ``active`` is its
-        list), moving the last active row into each hole (in the draft's cache too), hand
-        requests that finished normally to online learning, and tighten the cache's
-        host-side length bound to the exact longest cached sequence."""
-        lane = lane or self.lanes[0]
-        speculator = speculator or lane.speculator
-        for r in active:
-            r.check_stop_strings(self.tokenizer)
-        for b in reversed(range(len(active))):
-            r = active[b]
-            if r.finish_reason is None:
-                continue
-            self._finished(r)
-            last = len(active) - 1
-            if b != last:
-                lane.cache.move_row(last, b)
-                if speculator is not None:
-                    speculator.move_row(last, b)
-                lane.next_tokens[b] = lane.next_tokens[last]
-                active[b] = active[last]
-            active.pop()
-        lane.cache.set_bound(max((r.cached_length for r in active), default=0))
-
-    def _finished(self, r: RequestState) -> None:
-        """Account for a request that just finished (out of its row, or never in one):
-        online learning, error and abort counts, the lookup history."""
-        if self.online is not None and r.finish_reason != "error":
-            st = r.spec_stats
-            alpha = None if st is None else \
-                st.alpha if st.alpha is not None else st.acceptance_rate
-            self.online.finish(r, r.draft_index, alpha)
-        if r.finish_reason == "error":
-            self.errors[r.error_kind] += 1
-            self.last_error = f"{r.error_kind}: {r.error}"
-        elif r.finish_reason == "abort":
-            self._aborted += 1
-        if self.lookup_history is not None and r.finish_reason != "error":
-            self.lookup_history.add(r.prompt, r.generated)
-        r.teacher = []                # the learner has its copy; free it now
-        self._generated += len(r.generated)
-        self._requests_served += 1
 
     @property
     def stats(self) -> dict:
