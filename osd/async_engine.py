@@ -25,6 +25,7 @@ import logging
 import threading
 import uuid
 
+from osd.chat import apply_chat_template
 from osd.engine import Engine
 from osd.request import RequestError, RequestState
 from osd.sampling import Output, SamplingParams
@@ -131,8 +132,6 @@ class AsyncEngine:
                    request_id: str | None = None, draft: int | None = None):
         """:meth:`generate` on one conversation formatted with the tokenizer's chat
         template (generation prompt added)."""
-        from osd.chat import apply_chat_template
-
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this engine has none")
         prompt = apply_chat_template(self.tokenizer, [messages])[0]

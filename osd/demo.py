@@ -41,7 +41,11 @@ from tqdm import tqdm
 
 import osd
 from osd import zoo
+from osd.zoo import humaneval
+from osd.chat import apply_chat_template
 from osd.evaluate import analytic_speedup
+from osd.models.eagle import is_eagle_checkpoint
+from osd.models.loading import load_tokenizer
 from osd.models.quant import FORMATS as QUANT_FORMATS
 from osd.online.config import draft_online_recipe, with_recipe
 from osd.scoring import draft_alphas
@@ -160,8 +164,6 @@ def draft_cost_ratio(target_dir: str, draft_dir: str, steps: int = 30,
     side (interleaved, median of ``steps``). An EAGLE draft's step reads a feature.
     ``quantized``: the target (a GGUF file) keeps its quantized weights;
     ``quantize_draft``: the draft's layers and head are kept in that block format."""
-    from osd.models.eagle import is_eagle_checkpoint
-
     target = osd.load_model(target_dir, quantized=quantized)
     draft = osd.load_eagle(draft_dir, target) if is_eagle_checkpoint(draft_dir) else \
         osd.load_model(draft_dir)
@@ -320,10 +322,6 @@ def _stream(cfg: DemoConfig):
         target, draft = zoo.default_pair()
         prompts = zoo.query_stream("code", n=cfg.requests, prompt_tokens=48, seed=cfg.seed)
         return target, draft, prompts, "built-in pair (`osd.zoo`), code queries"
-    from osd.chat import apply_chat_template
-    from osd.models.loading import load_tokenizer
-    from osd.zoo import humaneval
-
     target, draft = zoo.chat_pair()
     if cfg.draft == "eagle":
         draft = zoo.chat_eagle()

@@ -44,6 +44,7 @@ import threading
 
 import torch
 
+from osd.chat import apply_chat_template
 from osd.drafter_factory import make_drafters
 from osd.drafters import PENDING_WIDTH
 from osd.graphs import StepGraphs
@@ -386,8 +387,6 @@ class Engine(Scheduler, ModelRunner):
         Returns:
             One :class:`~osd.Output` per conversation (the assistant's reply).
         """
-        from osd.chat import apply_chat_template
-
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this engine has "
                              "none (load a checkpoint that ships one, or pass tokenizer=...)")

@@ -27,6 +27,7 @@ import time
 
 import osd
 from osd.chat import apply_chat_template
+from osd.zoo.workloads import evaluation_set
 
 
 def analytic_speedup(alpha: float, k: int, c: float) -> float:
@@ -54,7 +55,6 @@ def evaluate(target, draft=None, *, workloads=None, max_new_tokens: int = 128,
     :class:`~osd.SpecConfig` instead of the draft's recommendations (None); a draft-free
     ``spec`` (``drafter="ngram"`` or ``"self"``) needs ``draft=None``. ``encode``:
     conversations -> token ids (default: the target tokenizer's chat template)."""
-    from osd.zoo.workloads import evaluation_set
     workloads = evaluation_set() if workloads is None else workloads
     kw = dict(max_batch_size=1, **(engine_kwargs or {}))
     plain = osd.Engine.from_pretrained(target, **kw)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from osd.models.eagle import EagleLM
 from osd.sampling import TokenLogprobs, token_logprobs
 
 
@@ -39,8 +40,6 @@ def draft_alphas(target, drafts: list, ids: list[int], start: int) -> list[float
     (``osd.online.distill``), so it is fed ``ids[1:]`` with the target's features at
     positions ``0 .. len(ids) - 2``; positions before 2 are not scored for it.
     """
-    from osd.models.eagle import EagleLM
-
     n = len(ids) - start
     if start < 1 or n < 1:
         raise ValueError(f"draft_alphas needs 1 <= start < len(ids), got start={start}, "

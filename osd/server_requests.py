@@ -6,6 +6,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 
+from osd.chat import apply_chat_template
 from osd.sampling import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_PENALTY,
                           MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE, MIN_PENALTY,
                           MIN_TEMPERATURE, MIN_TOP_P, SamplingParams)
@@ -329,8 +330,6 @@ def parse_chat(body, engine, model_name: str, max_chars: int | None = None) -> G
     """Validate a ``/v1/chat/completions`` body and format its messages with the
     tokenizer's chat template. Messages longer than ``max_chars`` characters in all are
     refused before formatting."""
-    from osd.chat import apply_chat_template
-
     _common(body, model_name)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:

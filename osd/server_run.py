@@ -12,6 +12,8 @@ def serve(args) -> int:
 
     The port is bound before the (slow) model load, so a busy port fails at once with one
     error line."""
+    # imported when serving starts: `osd --help` and the CLI's other commands do not pay
+    # for uvicorn and torch
     import os
     import socket
 

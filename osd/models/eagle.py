@@ -30,7 +30,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from safetensors.torch import load_file, save_file
+
 from osd.models.llama import DecoderLM, RMSNorm
+from osd.models.loading import HEAD_VOCAB_FILE, read_head_vocab
 from osd.models.quant import QuantLinear
 
 ARCHITECTURE = "OsdEagleDraft"
@@ -145,7 +148,6 @@ def is_eagle_checkpoint(source) -> bool:
 
 def save_eagle(model: EagleLM, path: str | os.PathLike, meta: dict | None = None) -> None:
     """Write ``model``'s own weights (fp16), its config and head vocabulary to ``path``."""
-    from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -160,7 +162,6 @@ def save_eagle(model: EagleLM, path: str | os.PathLike, meta: dict | None = None
     state = {k: v.detach().to(torch.float16).contiguous()
              for k, v in model.own_state_dict().items()}
     save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
-    from osd.models.loading import HEAD_VOCAB_FILE
     head = path / HEAD_VOCAB_FILE
     if model.head_ids is not None:
         head.write_text(json.dumps(model.head_ids.tolist(), separators=(",", ":")))
@@ -172,10 +173,6 @@ def load_eagle(source: str | os.PathLike, target: DecoderLM, *,
                head_vocab: bool = True) -> EagleLM:
     """The EAGLE draft at ``source`` for ``target`` (on its device and dtype). ValueError
     when the checkpoint was built for another hidden size, vocabulary or head shape."""
-    from safetensors.torch import load_file
-
-    from osd.models.loading import read_head_vocab
-
     path = Path(source)
     if not (path / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"no EAGLE draft at {str(path)!r}: {CONFIG_FILE} is missing")

@@ -579,38 +579,16 @@ def find_gguf(source: str | os.PathLike) -> Path | None:
     return found[0] if found else None
 
 
-def load_gguf_model(path: str | os.PathLike, *, device: torch.device | str = "cpu",
-                    dtype: torch.dtype = torch.float32, attention_backend: str = "auto",
-                    quantized: bool = False):
-    """A :class:`~osd.models.llama.DecoderLM` with the weights of GGUF file ``path``,
-    dequantized to ``dtype`` on ``device``.
-
-    ``quantized``: keep the file's Q4_0 / Q4_1 / Q8_0 linear weights (and output head) as
-    they are stored and compute with them (:mod:`osd.models.quant`; CPU and float32 only):
-    the same outputs as the dequantized model, with 4-bit weights read at 0.75 bytes each
-    instead of 4. The embedding stays float for lookups; other types stay float."""
-    from osd.models.llama import DecoderLM
-    from osd.models.loading import load_hf_state_dict
-    from osd.models.quant import quantize_gguf_linears
-
-    if quantized and (torch.device(device).type != "cpu" or dtype != torch.float32):
-        raise ValueError(f"quantized=True computes with the CPU float32 kernels; got device "
-                         f"{str(device)!r}, dtype {dtype} (load dequantized weights there: "
-                         f"quantized=False)")
-    g = GGUFFile(path)
-    config = config_from_gguf(g, attention_backend=attention_backend)
-    keys, get = open_gguf_weights(g, config, device=device, dtype=dtype)
-    model = DecoderLM(config, device=device, dtype=dtype)
-    try:
-        load_hf_state_dict(model, keys, get)
-    except ValueError as exc:
-        raise ValueError(f"GGUF file {str(path)!r}: {exc}") from None
-    if quantized:
-        quantize_gguf_linears(model, g)
-    return model.eval()
+def __getattr__(name: str):
+    # ``load_gguf_model`` builds a DecoderLM, so it lives in ``osd.models.loading`` (the
+    # format module imports nothing else of osd); the old name stays importable from here.
+    if name == "load_gguf_model":
+        from osd.models.loading import load_gguf_model
+        return load_gguf_model
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["GGUFFile", "GGUFTensorInfo", "GGMLType", "SUPPORTED_TYPES", "ARCHITECTURES",
            "dequantize", "quantize", "write_gguf", "unpermute_rope_rows", "hf_name",
            "config_from_gguf", "open_gguf_weights", "find_gguf", "tokenizer_from_gguf",
-           "load_gguf_model", "llama3_rope_factors"]
+           "llama3_rope_factors"]

@@ -62,12 +62,12 @@ def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+def nibbles(qs: torch.Tensor) -> torch.Tensor:
     """[n, 16] packed bytes -> [n, 32]: low nibbles are elements 0..15, high 16..31."""
     return torch.cat([qs & 0xF, qs >> 4], dim=1)
 
 
-def _high_bits(qh: torch.Tensor) -> torch.Tensor:
+def high_bits(qh: torch.Tensor) -> torch.Tensor:
     """[n, 4] bytes of a little-endian u32 -> [n, 32] bits (bit j belongs to element j)."""
     shifts = torch.arange(8, device=qh.device, dtype=torch.uint8)
     return ((qh.unsqueeze(-1) >> shifts) & 1).reshape(qh.shape[0], 32)
@@ -160,10 +160,10 @@ def iq4_parts(b: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.Tens
     n = b.shape[0]
     levels = torch.tensor(IQ4_VALUES, dtype=torch.int16, device=b.device)
     if ggml_type == GGMLType.IQ4_NL:
-        return levels[_nibbles(b[:, 2:]).long()], _f16(b, 0)
+        return levels[nibbles(b[:, 2:]).long()], _f16(b, 0)
     if ggml_type != GGMLType.IQ4_XS:
         raise ValueError(f"{type_name(ggml_type)} is not an IQ4 type")
-    q = levels[_nibbles(b[:, 8:].reshape(n * 8, 16)).long()].reshape(n, 256)
+    q = levels[nibbles(b[:, 8:].reshape(n * 8, 16)).long()].reshape(n, 256)
     low = torch.stack([b[:, 4:8] & 0xF, b[:, 4:8] >> 4], dim=2).reshape(n, 8).to(torch.int32)
     high = b[:, 2:4].to(torch.int32)
     high = high[:, 0] | (high[:, 1] << 8)                          # u16 scales_h
@@ -178,14 +178,14 @@ def _dequant_blocks(b: torch.Tensor, ggml_type: int) -> torch.Tensor:
     if ggml_type == GGMLType.Q8_0:
         return _f16(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()
     if ggml_type == GGMLType.Q4_0:
-        return (_nibbles(b[:, 2:]).float() - 8) * _f16(b, 0)
+        return (nibbles(b[:, 2:]).float() - 8) * _f16(b, 0)
     if ggml_type == GGMLType.Q4_1:
-        return _nibbles(b[:, 4:]).float() * _f16(b, 0) + _f16(b, 2)
+        return nibbles(b[:, 4:]).float() * _f16(b, 0) + _f16(b, 2)
     if ggml_type == GGMLType.Q5_0:
-        q = _nibbles(b[:, 6:]) | (_high_bits(b[:, 2:6]) << 4)
+        q = nibbles(b[:, 6:]) | (high_bits(b[:, 2:6]) << 4)
         return (q.float() - 16) * _f16(b, 0)
     if ggml_type == GGMLType.Q5_1:
-        q = _nibbles(b[:, 8:]) | (_high_bits(b[:, 4:8]) << 4)
+        q = nibbles(b[:, 8:]) | (high_bits(b[:, 4:8]) << 4)
         return q.float() * _f16(b, 0) + _f16(b, 2)
     if ggml_type in K_QUANTS:
         q, scales, mins = k_quant_parts(b, ggml_type)

@@ -24,7 +24,10 @@ import torch
 from torch import nn
 
 from osd.models.config import TEXT_MODELS, ModelConfig
+from osd.models.gguf import (GGUFFile, config_from_gguf, find_gguf, open_gguf_weights,
+                             tokenizer_from_gguf)
 from osd.models.llama import DecoderLM
+from osd.models.quant import quantize_gguf_linears
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -77,13 +80,11 @@ def load_model(source, *, device: torch.device | str = "cpu", dtype: torch.dtype
     as transformers, ignore the file and see the full head.
 
     ``quantized``: a GGUF file's block-quantized weights stay quantized (see
-    :func:`osd.models.gguf.load_gguf_model`); other sources raise ValueError."""
+    :func:`load_gguf_model`); other sources raise ValueError."""
     device = resolve_device(device)
     check_dtype(dtype)
     gguf_file = _gguf_source(source)
     if gguf_file is not None:
-        from osd.models.gguf import load_gguf_model
-
         return load_gguf_model(gguf_file, device=device, dtype=dtype,
                                attention_backend=attention_backend, quantized=quantized)
     if quantized:
@@ -150,8 +151,6 @@ def _gguf_source(source) -> Path | None:
     path = Path(source)
     if path.suffix.lower() != ".gguf" and (not path.is_dir() or (path / "config.json").exists()):
         return None
-    from osd.models.gguf import find_gguf
-
     return find_gguf(path)
 
 
@@ -377,7 +376,6 @@ def load_tokenizer(source):
         return None
     gguf_file = _gguf_source(source)
     if gguf_file is not None:
-        from osd.models.gguf import GGUFFile, tokenizer_from_gguf
 
         return tokenizer_from_gguf(GGUFFile(gguf_file))
     path = Path(source)
@@ -401,3 +399,30 @@ def _tokenizer_class(path: Path) -> str | None:
         return json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, json.JSONDecodeError, AttributeError):
         return None
+
+
+def load_gguf_model(path: str | os.PathLike, *, device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float32, attention_backend: str = "auto",
+                    quantized: bool = False):
+    """A :class:`~osd.models.llama.DecoderLM` with the weights of GGUF file ``path``,
+    dequantized to ``dtype`` on ``device``.
+
+    ``quantized``: keep the file's Q4_0 / Q4_1 / Q8_0 linear weights (and output head) as
+    they are stored and compute with them (:mod:`osd.models.quant`; CPU and float32 only):
+    the same outputs as the dequantized model, with 4-bit weights read at 0.75 bytes each
+    instead of 4. The embedding stays float for lookups; other types stay float."""
+    if quantized and (torch.device(device).type != "cpu" or dtype != torch.float32):
+        raise ValueError(f"quantized=True computes with the CPU float32 kernels; got device "
+                         f"{str(device)!r}, dtype {dtype} (load dequantized weights there: "
+                         f"quantized=False)")
+    g = GGUFFile(path)
+    config = config_from_gguf(g, attention_backend=attention_backend)
+    keys, get = open_gguf_weights(g, config, device=device, dtype=dtype)
+    model = DecoderLM(config, device=device, dtype=dtype)
+    try:
+        load_hf_state_dict(model, keys, get)
+    except ValueError as exc:
+        raise ValueError(f"GGUF file {str(path)!r}: {exc}") from None
+    if quantized:
+        quantize_gguf_linears(model, g)
+    return model.eval()

@@ -26,6 +26,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from osd.models.gguf import ARCHITECTURES, unpermute_rope_rows
+from osd.models.gguf_blocks import (BLOCK_LAYOUT, GGMLType, high_bits, iq4_parts,
+                                    k_quant_parts, nibbles, quantize, type_name)
 from osd_kernels.quant_linear import BLOCK, dequantize_weight, quant_linear
 
 # Block types a float layer can be quantized to (ggml's reference rounding), by name.
@@ -98,10 +101,9 @@ class QuantLinear(nn.Module):
         if fmt in ("Q5_0", "Q5_1"):
             # 5-bit codes as 8-bit ones: (q - 16) d = q d + (-16 d) for Q5_0, q d + m for
             # Q5_1; a 5-bit code times a float16 scale is exact in float32.
-            from osd.models.gguf_blocks import _high_bits, _nibbles
             lo = 2 if fmt == "Q5_0" else 4
             flat = blocks.reshape(N * (K // BLOCK), -1)
-            q = _nibbles(flat[:, lo + 4:]) | (_high_bits(flat[:, lo:lo + 4]) << 4)
+            q = nibbles(flat[:, lo + 4:]) | (high_bits(flat[:, lo:lo + 4]) << 4)
             m = -16.0 * d if fmt == "Q5_0" else \
                 blocks[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
             return cls(q.to(torch.int8).reshape(N, K).contiguous(), d.contiguous(),
@@ -157,7 +159,6 @@ def _k_quant_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
     plus 4 with a min of ``-4 * scale`` (exact: every term is a multiple of the scale well
     inside float32's precision), Q5_K's and Q6_K's as 8-bit codes. Q4_K and Q5_K have a
     scale per 32 weights, the others per 16."""
-    from osd.models.gguf_blocks import BLOCK_LAYOUT, GGMLType, k_quant_parts
 
     t = GGMLType[fmt]
     if K % 256:
@@ -177,7 +178,6 @@ def _k_quant_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
 def _iq4_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
     """IQ4_NL / IQ4_XS blocks -> ``(qweight, scales)``: each weight's level (-127..113) as
     an 8-bit code and a scale per 32 weights, from :func:`osd.models.gguf_blocks.iq4_parts`."""
-    from osd.models.gguf_blocks import BLOCK_LAYOUT, GGMLType, iq4_parts
 
     t = GGMLType[fmt]
     per_block, size = BLOCK_LAYOUT[t]
@@ -205,7 +205,6 @@ def quantize_weight(w: torch.Tensor, fmt: str,
                     bias: torch.Tensor | None = None) -> QuantLinear:
     """A :class:`QuantLinear` of float weight ``w [N, K]`` (``K`` a multiple of 32) in
     ``fmt``, rounded as ggml's reference quantizer does."""
-    from osd.models.gguf_blocks import GGMLType, quantize
 
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
@@ -286,7 +285,6 @@ def quantize_gguf_linears(model, g) -> int:
     from). A fused projection is quantized when all its parts are in
     :data:`GGUF_FORMATS` (parts of different types are widened to one form, see
     :func:`_fused`); other layers stay float. Returns the number of layers swapped."""
-    from osd.models.gguf import ARCHITECTURES, type_name, unpermute_rope_rows
 
     permuted = ARCHITECTURES[g.architecture][1]
     config = model.config

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from osd.models.eagle import EagleLM
 from osd.online.buffer import Example
 
 
@@ -138,8 +139,6 @@ def eagle_pass_logits(model, batch: TrainBatch, passes: int) -> list[torch.Tenso
 def batch_for(model, examples: list[Example], max_len: int, device) -> TrainBatch:
     """:func:`build_batch` for ``model`` (its head columns; EAGLE inputs for an EAGLE
     draft)."""
-    from osd.models.eagle import EagleLM
-
     return build_batch(examples, max_len, device, model.head_ids,
                        eagle=isinstance(model, EagleLM), dtype=model.dtype)
 

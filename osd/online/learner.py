@@ -260,6 +260,7 @@ class OnlineLearner:
         self._graph_step = None
         # EAGLE batches and autocast steps run eagerly.
         if use_cuda and config.cuda_graphs and not shared and self.autocast is None:
+            # imported on CUDA only: the captured step is GPU code
             from osd.online.graphs import GraphedTrainStep
 
             self._graph_step = GraphedTrainStep(self.model, self.optim, config)
