@@ -2,7 +2,8 @@
 model drafter is a :class:`~osd.prompt_lookup.LookupDrafter` around it."""
 from __future__ import annotations
 
-from osd.drafters import EagleDrafter, ModelDrafter
+from osd.drafters import ModelDrafter
+from osd.eagle_drafter import EagleDrafter
 from osd.lookup_history import LookupHistory
 from osd.models.eagle import EagleLM
 from osd.models.llama import DecoderLM, without_layers

@@ -9,7 +9,7 @@ import torch
 
 import osd
 from osd.demo import DemoConfig, draft_cost_ratio
-from osd.drafters import EagleDrafter
+from osd.eagle_drafter import EagleDrafter
 from osd.models.eagle import (EagleLM, eagle_loss, head_probs, is_eagle_checkpoint,
                               load_eagle, save_eagle)
 from osd.models.loading import load_model
