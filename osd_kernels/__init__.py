@@ -2,7 +2,9 @@
 
 Each op has a pure-PyTorch reference (``<op>_reference``), a C++ CPU kernel and CUDA
 kernel behind ``torch.ops.osd.<op>``, and (where useful) a Triton kernel. The public
-function of the same name checks its inputs and dispatches (``backend="auto"``).
+function of the same name checks its inputs and dispatches (``backend="auto"``). The
+fused decode-layer ops (``add_rms_norm``, ``silu_mul``, ``rope_kv_write``) have a reference
+and a Triton kernel only: ``auto`` is Triton on CUDA and the reference elsewhere.
 """
 from osd_kernels._ops import native_available, use_avx512
 from osd_kernels.decode_linear import decode_linear, decode_linear_reference, pack_weight
@@ -14,6 +16,9 @@ from osd_kernels.tree_attention import (causal_tree_mask, tree_attention, tree_a
                                         tree_mask_from_parents)
 from osd_kernels.tree_rejection_sample import (tree_rejection_sample,
                                                tree_rejection_sample_reference)
+from osd_kernels.add_rms_norm import add_rms_norm, add_rms_norm_reference
+from osd_kernels.silu_mul import silu_mul, silu_mul_reference
+from osd_kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
 
 __all__ = [
     "native_available",
@@ -37,4 +42,10 @@ __all__ = [
     "distill_loss_reference",
     "tree_rejection_sample",
     "tree_rejection_sample_reference",
+    "add_rms_norm",
+    "add_rms_norm_reference",
+    "silu_mul",
+    "silu_mul_reference",
+    "rope_kv_write",
+    "rope_kv_write_reference",
 ]

@@ -260,9 +260,16 @@ class DecoderLayer(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Queries ``[B, T, Hq, D]`` and keys, values ``[B, T, Hkv, D]``, RoPE applied (in
         layers that have it)."""
-        B, T, _ = x.shape
         hq, hkv = self.num_heads, self.num_kv_heads
-        qkv = project(x, self.wqkv, self.input_norm)
+        qk, v = self.heads(project(x, self.wqkv, self.input_norm))
+        q, k = (apply_rope(qk, cos, sin) if self.rope else qk).split((hq, hkv), dim=2)
+        return q, k, v
+
+    def heads(self, qkv: torch.Tensor):
+        """The qkv projection ``[B, T, (Hq + 2 Hkv) D]`` -> queries and keys
+        ``[B, T, Hq + Hkv, D]`` (q/k norms applied, no RoPE) and values ``[B, T, Hkv, D]``."""
+        B, T, _ = qkv.shape
+        hq, hkv = self.num_heads, self.num_kv_heads
         if self.qk_norm == "full":
             q, k, v = qkv.split((hq * self.head_dim, hkv * self.head_dim, hkv * self.head_dim), -1)
             qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
@@ -270,8 +277,7 @@ class DecoderLayer(nn.Module):
         qk = qkv[:, :, :hq + hkv]
         if self.qk_norm == "head":
             qk = torch.cat((self.q_norm(qk[:, :, :hq]), self.k_norm(qk[:, :, hq:])), dim=2)
-        q, k = (apply_rope(qk, cos, sin) if self.rope else qk).split((hq, hkv), dim=2)
-        return q, k, qkv[:, :, hq + hkv:]
+        return qk, qkv[:, :, hq + hkv:]
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual after attention output ``attn [B, T, Hq, D]``, then the gated MLP block
@@ -630,6 +636,11 @@ class DecoderLM(nn.Module):
         rows = self._iota(B)[:, None]                                      # [B, 1]
         max_kv_len = cache.bound + T
         x = self._embed(input_ids, features)
+        from osd.models import fused_layers   # it imports this module
+
+        if fused_layers.use_fused(self, x):   # fused kernels on CUDA (osd/models/fused_layers.py)
+            return fused_layers.fused_hidden(self, x, cache, ropes, slots, tree_mask, depths,
+                                             skip_layers, max_kv_len)
         for index, layer in enumerate(self.layers):
             if index in skip_layers:
                 continue

@@ -1,0 +1,99 @@
+"""The cached forward's decoder layers through the fused decode-layer kernels.
+
+Per layer, the unfused cached forward launches an RMSNorm, the qkv projection, RoPE as
+several elementwise kernels, a stack and an ``index_put`` for the KV write, attention, the
+output projection, a residual add, a second RMSNorm, the gate-up projection, SiLU, a
+multiply, the down projection and a second add. Here three ops replace the glue between
+the projections and attention (``osd_kernels``: Triton on CUDA):
+
+- ``rope_kv_write``: RoPE on q and k and the K/V write at ``[row, slot]`` in one kernel;
+- ``add_rms_norm``: each residual add and the RMSNorm after it (the post-attention norm,
+  and the next layer's input norm, which fuses with this layer's last add);
+- ``silu_mul``: ``silu(gate) * up`` over the gate-up projection.
+
+The residual stream therefore runs one block behind: after layer ``i`` the MLP output is
+still pending, added by layer ``i + 1``'s ``add_rms_norm`` (or by a plain add after the
+last layer, since the caller wants the hidden state before the final norm).
+
+:data:`FUSED_LAYERS` is the switch: ``"auto"`` (default) fuses on CUDA only, ``"off"``
+never, ``"on"`` on any device with the ops' Triton backend (CPU tensors need
+``TRITON_INTERPRET=1``: that is how the tests run this path, kernels included, without a
+GPU). The environment variable ``OSD_FUSED_LAYERS`` sets its
+initial value. Models outside the fused layer's shape keep the unfused forward: a layer
+must be pre-norm only (no post-norms: OLMo-2, Gemma), dense (no mixture of experts) and
+SiLU-gated (no GeGLU); the forward must run outside autograd (the kernels have no
+backward) in the model's own dtype. Results equal the unfused forward's within rounding
+(the kernels round where the unfused ops do; ``osd_kernels.add_rms_norm`` and friends).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from osd.models.attention import attention
+from osd.models.llama import project
+from osd_kernels._ops import triton_available
+from osd_kernels.add_rms_norm import add_rms_norm
+from osd_kernels.rope_kv_write import rope_kv_write
+from osd_kernels.silu_mul import silu_mul
+
+MODES = ("auto", "on", "off")
+FUSED_LAYERS = os.environ.get("OSD_FUSED_LAYERS", "auto")
+
+
+def _layer_fusable(layer) -> bool:
+    return (layer.input_norm is not None and not layer.post_norm and layer.moe is None
+            and layer.act is F.silu)
+
+
+def use_fused(model, x: torch.Tensor) -> bool:
+    """Whether ``model``'s cached forward on ``x`` (the embedded input) takes this path."""
+    mode = FUSED_LAYERS
+    if mode not in MODES:
+        raise ValueError(f"osd.models.fused_layers.FUSED_LAYERS must be one of {MODES}, got "
+                         f"{mode!r}")
+    if mode == "off" or (mode == "auto" and (x.device.type != "cuda" or not triton_available())):
+        return False
+    if torch.is_grad_enabled() or x.dtype != model.dtype:
+        return False
+    return all(_layer_fusable(layer) for layer in model.layers)
+
+
+def fused_hidden(model, x: torch.Tensor, cache, ropes, slots: torch.Tensor,
+                 tree_mask: torch.Tensor | None, depths: torch.Tensor | None,
+                 skip_layers: frozenset[int], max_kv_len: int) -> torch.Tensor:
+    """The layers of ``DecoderLM._hidden`` (same arguments: ``x [B, T, hidden]`` embedded,
+    ``ropes`` the (global, local) ``cos, sin [B, T, 1, R]`` at each token's position,
+    ``slots [B, T]`` the K/V slots); returns the last layer's output ``[B, T, hidden]``."""
+    backend = "triton" if FUSED_LAYERS == "on" else "auto"   # auto: Triton on CUDA
+    residual, pending, scale = x, None, 1.0   # pending: the last MLP output, not yet added
+    for index, layer in enumerate(model.layers):
+        if index in skip_layers:
+            continue
+        norm = layer.input_norm
+        if pending is None:
+            normed = norm(residual)
+        else:
+            residual, normed = add_rms_norm(pending, residual, norm.weight, norm.eps, scale=scale,
+                                            backend=backend)
+        qk, v = layer.heads(project(normed, layer.wqkv))
+        hq = layer.num_heads
+        cos, sin = ropes[layer.local_rope] if layer.rope else (None, None)
+        kv = cache.kv[index]                                          # [2, B_max, H, S, D]
+        q = rope_kv_write(qk[:, :, :hq], qk[:, :, hq:], v,
+                          None if cos is None else cos.squeeze(2),
+                          None if sin is None else sin.squeeze(2), kv, slots, backend=backend)
+        out = attention(q, kv[0], kv[1], cache.lens, tree_mask, scale=model.scale,
+                        max_kv_len=max_kv_len, backend=model.attention_backend,
+                        window=layer.window, depths=depths, softcap=layer.softcap)
+        scale = layer.residual_multiplier
+        norm = layer.post_attention_norm
+        residual, normed = add_rms_norm(project(out.flatten(2), layer.wo), residual,
+                                        norm.weight, norm.eps, scale=scale, backend=backend)
+        pending = project(silu_mul(project(normed, layer.w_gate_up), backend=backend),
+                          layer.w_down)
+    if pending is None:
+        return residual
+    return residual + (pending if scale == 1.0 else pending * scale)

@@ -1,0 +1,120 @@
+"""The cached forward through the fused decode-layer kernels (osd/models/fused_layers.py),
+forced on CPU tensors with the Triton kernels under the interpreter, against the unfused
+forward of the same model: prefill, decode steps and a tree verify (tree mask, positions
+from depths), logits and the whole KV cache.
+
+float32: logits and cache within 1e-4 (the models' test tolerance; the fused path rounds
+where the unfused one does, sums run in other orders). bfloat16: both forwards are
+compared with the float32 model's; the fused one's error, mean and max, stays within 2x
+and 3x the unfused one's (measured on the test model: mean 0.03-0.07 against 0.03-0.07,
+max up to 2.3x, on logits of spread 2.4). The interpreter rounds float32 to bfloat16
+toward zero where a GPU rounds to nearest, which biases its errors.
+"""
+import pytest
+import torch
+
+from osd.models import fused_layers, load_model
+from tests.test_models import VOCAB, _tree, tiny_hf_model
+
+# Llama (tied head), biases on every projection, Qwen3's per-head q/k norms and head width
+# 24, Granite's residual multiplier, Phi-4-mini's partial rotary with LongRoPE, SmolLM3's
+# layer without RoPE, Gemma 3's sliding layer with a RoPE base of its own
+FUSABLE = ("llama", "llama_bias", "qwen3", "granite", "phi3_longrope", "smollm3")
+UNFUSABLE = ("gemma3", "olmo2", "mixtral")   # GeGLU and post-norms, post-norms, experts
+
+
+def _run(model, mode, monkeypatch):
+    """Prefill (3 ragged rows), 3 decode steps and a tree verify; the logits of each
+    forward and the final cache."""
+    monkeypatch.setattr(fused_layers, "FUSED_LAYERS", mode)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (3, 9), generator=gen)
+    lengths = torch.tensor([9, 4, 6], dtype=torch.int32)
+    parents = [-1, 0, 0, 1, 1, 2]
+    masks, depths = _tree(parents)
+    nodes = torch.randint(0, VOCAB, (3, len(parents)), generator=gen)
+    cache = model.new_cache(4, 32)
+    out = []
+    with torch.no_grad():
+        out.append(model.prefill(ids, cache, lengths, chunk=5))
+        for _ in range(3):
+            step = torch.randint(0, VOCAB, (3, 1), generator=gen)
+            out.append(model(step, cache))
+            cache.commit(torch.ones(3, dtype=torch.int32), 1)
+        out.append(model(nodes, cache, tree_mask=torch.tensor([masks] * 3),
+                         depths=torch.tensor([depths] * 3)))
+    return out, cache.kv
+
+
+def _spy_on_kernels(monkeypatch) -> dict:
+    """Count the calls of the three Triton kernels' entry points (imported by the ops at
+    each call, so patched here)."""
+    import importlib
+
+    calls = {}
+    for op in ("add_rms_norm", "silu_mul", "rope_kv_write"):
+        module = importlib.import_module(f"osd_kernels.triton.{op}")
+        real = getattr(module, f"{op}_triton")
+
+        def spy(*args, op=op, real=real, **kwargs):
+            calls[op] = calls.get(op, 0) + 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, f"{op}_triton", spy)
+    return calls
+
+
+@pytest.mark.parametrize("family", FUSABLE)
+def test_fused_forward_matches_unfused(family, monkeypatch):
+    model = load_model(tiny_hf_model(family))
+    calls = _spy_on_kernels(monkeypatch)
+    ref, ref_kv = _run(model, "off", monkeypatch)
+    assert not calls
+    got, got_kv = _run(model, "on", monkeypatch)
+    # per layer in each of 6 forwards (2 prefill pieces, 3 decode steps, the tree verify):
+    # one rope_kv_write, one silu_mul, two add_rms_norm but for the first layer's input norm
+    forwards, layers = 6, model.config.num_layers
+    assert calls == {"rope_kv_write": forwards * layers, "silu_mul": forwards * layers,
+                     "add_rms_norm": forwards * (2 * layers - 1)}
+    for a, b in zip(got, ref):
+        assert a.shape == b.shape and (a - b).abs().max() <= 1e-4
+    assert (got_kv - ref_kv).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("family", UNFUSABLE)
+def test_other_layers_keep_the_unfused_forward(family, monkeypatch):
+    model = load_model(tiny_hf_model(family))
+    monkeypatch.setattr(fused_layers, "FUSED_LAYERS", "on")
+    x = torch.zeros(1, 1, model.config.hidden_size)
+    with torch.no_grad():
+        assert not fused_layers.use_fused(model, x)
+
+
+def test_switch(monkeypatch):
+    """auto: CUDA only; off and on as named; grad mode and a foreign dtype keep the unfused
+    path; an unknown mode raises."""
+    model = load_model(tiny_hf_model("llama"))
+    x = torch.zeros(1, 1, model.config.hidden_size)
+    with torch.no_grad():
+        for mode, expected in (("auto", False), ("off", False), ("on", True)):
+            monkeypatch.setattr(fused_layers, "FUSED_LAYERS", mode)
+            assert fused_layers.use_fused(model, x) is expected
+        assert not fused_layers.use_fused(model, x.bfloat16())
+    assert not fused_layers.use_fused(model, x)          # grad enabled
+    monkeypatch.setattr(fused_layers, "FUSED_LAYERS", "yes")
+    with torch.no_grad(), pytest.raises(ValueError, match="FUSED_LAYERS"):
+        fused_layers.use_fused(model, x)
+
+
+def test_fused_forward_bf16(monkeypatch):
+    """Against the float32 model, the fused bfloat16 forward errs like the unfused one."""
+    hf = tiny_hf_model("llama")
+    exact, _ = _run(load_model(hf), "off", monkeypatch)
+    model = load_model(hf, dtype=torch.bfloat16)
+    calls = _spy_on_kernels(monkeypatch)
+    ref, _ = _run(model, "off", monkeypatch)
+    got, _ = _run(model, "on", monkeypatch)
+    assert calls["rope_kv_write"] == 6 * model.config.num_layers
+    for a, b, e in zip(got, ref, exact):
+        fused, unfused = (a - e).abs(), (b - e).abs()
+        assert fused.mean() <= 2 * unfused.mean() and fused.max() <= 3 * unfused.max()
