@@ -3,8 +3,9 @@
 Each op has a pure-PyTorch reference (``<op>_reference``), a C++ CPU kernel and CUDA
 kernel behind ``torch.ops.osd.<op>``, and (where useful) a Triton kernel. The public
 function of the same name checks its inputs and dispatches (``backend="auto"``). The
-fused decode-layer ops (``add_rms_norm``, ``silu_mul``, ``rope_kv_write``) have a reference
-and a Triton kernel only: ``auto`` is Triton on CUDA and the reference elsewhere.
+fused decode-layer ops (``add_rms_norm``, ``silu_mul``, ``rope_kv_write``, ``decode_gemv``)
+have a reference and a Triton kernel only: ``auto`` is Triton on CUDA and the reference
+elsewhere.
 """
 from osd_kernels._ops import native_available, use_avx512
 from osd_kernels.decode_linear import decode_linear, decode_linear_reference, pack_weight
@@ -19,6 +20,7 @@ from osd_kernels.tree_rejection_sample import (tree_rejection_sample,
 from osd_kernels.add_rms_norm import add_rms_norm, add_rms_norm_reference
 from osd_kernels.silu_mul import silu_mul, silu_mul_reference
 from osd_kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
+from osd_kernels.decode_gemv import decode_gemv, decode_gemv_reference
 
 __all__ = [
     "native_available",
@@ -48,4 +50,6 @@ __all__ = [
     "silu_mul_reference",
     "rope_kv_write",
     "rope_kv_write_reference",
+    "decode_gemv",
+    "decode_gemv_reference",
 ]

@@ -275,10 +275,12 @@ def _tree_attention_specs():
 
 
 def _fused_layer_specs():
-    """add_rms_norm, silu_mul and rope_kv_write with the sizes and launch options their
-    wrappers pick (osd_kernels/triton/{add_rms_norm,silu_mul,rope_kv_write}.py)."""
+    """add_rms_norm, silu_mul, rope_kv_write and decode_gemv with the sizes and launch
+    options their wrappers pick (osd_kernels/triton/{add_rms_norm,silu_mul,rope_kv_write,
+    decode_gemv}.py)."""
     from osd_kernels.triton.add_rms_norm import MAX_HIDDEN
     from osd_kernels.triton.add_rms_norm import num_warps_for as norm_warps
+    from osd_kernels.triton.decode_gemv import blocks_for as gemv_blocks
     from osd_kernels.triton.rope_kv_write import num_warps_for as rope_warps
     from osd_kernels.triton.silu_mul import block_for
 
@@ -313,7 +315,33 @@ def _fused_layer_specs():
                     args, dict(ROPE=R > 0, BLOCK_D=triton.next_power_of_2(D)),
                     {"num_warps": rope_warps(D)})
 
+    def gemv(dtype, M, K, N, bias=False, norm=False, gated=False, res=False, scale=1.0):
+        block_m, block_n, block_k = gemv_blocks(M, K, gated)
+        out_n = N // 2 if gated else N
+        args = dict(x_ptr=Ptr(dtype), w_ptr=Ptr(dtype), b_ptr=Ptr(dtype), nw_ptr=Ptr(dtype),
+                    res_ptr=Ptr(dtype), out_ptr=Ptr(dtype), M=M, N=out_n, K=K, eps=1e-5,
+                    scale=scale, sx_m=K, sw_n=K, sr_m=out_n if res else 0)
+        flags = [f for f, on in (("bias", bias), ("norm", norm), ("gated", gated),
+                                 ("residual", res), ("scale", scale != 1.0)) if on]
+        return Spec("decode_gemv._decode_gemv_kernel",
+                    f"{dtype}, M={M}, K={K}, N={N}{', ' if flags else ''}{', '.join(flags)}",
+                    args, dict(HAS_BIAS=bias, HAS_NORM=norm, GATED=gated, HAS_RES=res,
+                               HAS_SCALE=res and scale != 1.0, BLOCK_M=block_m,
+                               BLOCK_N=block_n, BLOCK_K=block_k), {"num_warps": 4})
+
     out = []
+    for dtype in FLOATS:   # a 1.1B Llama's layer at batch 1: qkv, wo, gate-up, down
+        out += [gemv(dtype, 1, 2048, 2560, norm=True), gemv(dtype, 1, 2048, 2048, res=True),
+                gemv(dtype, 1, 2048, 11264, norm=True, gated=True),
+                gemv(dtype, 1, 5632, 2048, res=True)]
+    for M in (2, 4, 5, 8):
+        out += [gemv("bf16", M, 2048, 2560, norm=True),
+                gemv("bf16", M, 2048, 11264, norm=True, gated=True),
+                gemv("bf16", M, 5632, 2048, res=True)]
+    out += [gemv("bf16", 1, 896, 1152, bias=True, norm=True),            # Qwen2 qkv
+            gemv("bf16", 3, 2048, 2048, res=True, scale=0.22),           # Granite
+            gemv("bf16", 1, 2048, 32000, norm=True),                     # output head
+            gemv("fp32", 7, 999, 77), gemv("bf16", 1, 999, 78, bias=True, gated=True)]
     for dtype in FLOATS:
         out += [norm(dtype, 2048, 1.0), norm(dtype, 4096, 0.22), silu(dtype, 5632),
                 rope(dtype, 1, 32, 4, 64, 64), rope(dtype, 8, 32, 8, 128, 128),
