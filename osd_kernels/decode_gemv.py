@@ -19,7 +19,12 @@ Backends: ``reference`` (PyTorch: ``F.rms_norm``, ``F.linear``, then the epilogu
 code), ``triton`` (any number of rows, in blocks of 8; on CPU tensors under
 ``TRITON_INTERPRET=1``); ``auto`` is Triton on CUDA for at most :data:`MAX_ROWS` rows and
 the reference otherwise. This op has no native kernel (``decode_linear`` is the CPU one).
-Not yet used by the models.
+The models' fused layers (``osd/models/fused_layers.py``) use it for forwards of few rows.
+
+Loads in flight: a program's weight tile is ``8 x BLOCK_K``; with 4 warps each thread
+loads ``BLOCK_K / 16`` of its elements per step, so at 1 or 2 rows (``BLOCK_K`` 1,024 or
+512) a bfloat16 tile is 8 or 4 16-byte loads a thread, at 8 rows (``BLOCK_K`` 128) one,
+plus what Triton's software pipelining keeps ahead. None of this has been measured.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The cached forward through the fused decode-layer kernels (osd/models/fused_layers.py),
 forced on CPU tensors with the Triton kernels under the interpreter, against the unfused
 forward of the same model: prefill, decode steps and a tree verify (tree mask, positions
-from depths), logits and the whole KV cache.
+from depths), logits and the whole KV cache. The decode steps (3 rows) take the
+``decode_gemv`` layers, the other forwards the ``add_rms_norm`` / ``silu_mul`` layers.
 
 float32: logits and cache within 1e-4 (the models' test tolerance; the fused path rounds
 where the unfused one does, sums run in other orders). bfloat16: both forwards are
@@ -47,12 +48,12 @@ def _run(model, mode, monkeypatch):
 
 
 def _spy_on_kernels(monkeypatch) -> dict:
-    """Count the calls of the three Triton kernels' entry points (imported by the ops at
+    """Count the calls of the Triton kernels' entry points (imported by the ops at
     each call, so patched here)."""
     import importlib
 
     calls = {}
-    for op in ("add_rms_norm", "silu_mul", "rope_kv_write"):
+    for op in ("add_rms_norm", "silu_mul", "rope_kv_write", "decode_gemv"):
         module = importlib.import_module(f"osd_kernels.triton.{op}")
         real = getattr(module, f"{op}_triton")
 
@@ -71,14 +72,37 @@ def test_fused_forward_matches_unfused(family, monkeypatch):
     ref, ref_kv = _run(model, "off", monkeypatch)
     assert not calls
     got, got_kv = _run(model, "on", monkeypatch)
-    # per layer in each of 6 forwards (2 prefill pieces, 3 decode steps, the tree verify):
-    # one rope_kv_write, one silu_mul, two add_rms_norm but for the first layer's input norm
-    forwards, layers = 6, model.config.num_layers
-    assert calls == {"rope_kv_write": forwards * layers, "silu_mul": forwards * layers,
-                     "add_rms_norm": forwards * (2 * layers - 1)}
+    # per layer: one rope_kv_write in each of the 6 forwards; in the 3 of more than 8 rows
+    # (2 prefill pieces of 15 and 12 rows, the tree verify of 18) one silu_mul and two
+    # add_rms_norm but for the first layer's input norm, in the 3 decode steps of 3 rows
+    # four decode_gemv
+    layers = model.config.num_layers
+    assert calls == {"rope_kv_write": 6 * layers, "silu_mul": 3 * layers,
+                     "add_rms_norm": 3 * (2 * layers - 1), "decode_gemv": 3 * 4 * layers}
     for a, b in zip(got, ref):
         assert a.shape == b.shape and (a - b).abs().max() <= 1e-4
     assert (got_kv - ref_kv).abs().max() <= 1e-4
+
+
+def test_skip_layers(monkeypatch):
+    """Self-speculation's skipped layers: a prefill and a decode step with layer 0 bypassed,
+    each through both fused layer kinds (15 rows, then 3)."""
+    model = load_model(tiny_hf_model("llama"))
+    skip = frozenset({0})
+    gen = torch.Generator().manual_seed(8)
+    ids, step = torch.randint(0, VOCAB, (3, 5), generator=gen), torch.randint(0, VOCAB, (3, 1),
+                                                                              generator=gen)
+    results = []
+    for mode in ("off", "on"):
+        monkeypatch.setattr(fused_layers, "FUSED_LAYERS", mode)
+        cache = model.new_cache(3, 16)
+        with torch.no_grad():
+            first = model(ids, cache, skip_layers=skip)
+            cache.commit(torch.full((3,), 5, dtype=torch.int32), 5)
+            results.append((first, model(step, cache, skip_layers=skip), cache.kv.clone()))
+    for a, b in zip(*results):
+        assert (a - b).abs().max() <= 1e-4
+    assert results[1][2][0].abs().max() == 0    # layer 0's cache never written
 
 
 @pytest.mark.parametrize("family", UNFUSABLE)

@@ -15,6 +15,13 @@ The residual stream therefore runs one block behind: after layer ``i`` the MLP o
 still pending, added by layer ``i + 1``'s ``add_rms_norm`` (or by a plain add after the
 last layer, since the caller wants the hidden state before the final norm).
 
+A forward of at most ``decode_gemv.MAX_ROWS`` (8) rows in all (decode, a short verify)
+whose projections are plain ``nn.Linear`` runs its projections through ``decode_gemv``
+instead, which takes the norms and adds into the projections: the qkv projection with the
+input norm in front, ``wo`` adding into the residual, the gate-up projection with the
+post-attention norm in front and SiLU x up behind, ``w_down`` adding into the residual. A
+layer is then five kernels and attention, and the residual is never pending.
+
 :data:`FUSED_LAYERS` is the switch: ``"auto"`` (default) fuses on CUDA only, ``"off"``
 never, ``"on"`` on any device with the ops' Triton backend (CPU tensors need
 ``TRITON_INTERPRET=1``: that is how the tests run this path, kernels included, without a
@@ -31,11 +38,14 @@ import os
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from osd.models.attention import attention
 from osd.models.llama import project
 from osd_kernels._ops import triton_available
 from osd_kernels.add_rms_norm import add_rms_norm
+from osd_kernels.decode_gemv import MAX_ROWS as GEMV_MAX_ROWS
+from osd_kernels.decode_gemv import decode_gemv
 from osd_kernels.rope_kv_write import rope_kv_write
 from osd_kernels.silu_mul import silu_mul
 
@@ -68,10 +78,14 @@ def fused_hidden(model, x: torch.Tensor, cache, ropes, slots: torch.Tensor,
     ``ropes`` the (global, local) ``cos, sin [B, T, 1, R]`` at each token's position,
     ``slots [B, T]`` the K/V slots); returns the last layer's output ``[B, T, hidden]``."""
     backend = "triton" if FUSED_LAYERS == "on" else "auto"   # auto: Triton on CUDA
+    layers = [(i, layer) for i, layer in enumerate(model.layers) if i not in skip_layers]
+    if x.shape[0] * x.shape[1] <= GEMV_MAX_ROWS and all(
+            type(getattr(layer, name)) is nn.Linear and getattr(layer, name).weight.dtype == x.dtype
+            for _, layer in layers for name in ("wqkv", "wo", "w_gate_up", "w_down")):
+        return _gemv_layers(model, x, layers, cache, ropes, slots, tree_mask, depths,
+                            max_kv_len, backend)
     residual, pending, scale = x, None, 1.0   # pending: the last MLP output, not yet added
-    for index, layer in enumerate(model.layers):
-        if index in skip_layers:
-            continue
+    for index, layer in layers:
         norm = layer.input_norm
         if pending is None:
             normed = norm(residual)
@@ -79,15 +93,8 @@ def fused_hidden(model, x: torch.Tensor, cache, ropes, slots: torch.Tensor,
             residual, normed = add_rms_norm(pending, residual, norm.weight, norm.eps, scale=scale,
                                             backend=backend)
         qk, v = layer.heads(project(normed, layer.wqkv))
-        hq = layer.num_heads
-        cos, sin = ropes[layer.local_rope] if layer.rope else (None, None)
-        kv = cache.kv[index]                                          # [2, B_max, H, S, D]
-        q = rope_kv_write(qk[:, :, :hq], qk[:, :, hq:], v,
-                          None if cos is None else cos.squeeze(2),
-                          None if sin is None else sin.squeeze(2), kv, slots, backend=backend)
-        out = attention(q, kv[0], kv[1], cache.lens, tree_mask, scale=model.scale,
-                        max_kv_len=max_kv_len, backend=model.attention_backend,
-                        window=layer.window, depths=depths, softcap=layer.softcap)
+        out = _attend(model, layer, index, qk, v, cache, ropes, slots, tree_mask, depths,
+                      max_kv_len, backend)
         scale = layer.residual_multiplier
         norm = layer.post_attention_norm
         residual, normed = add_rms_norm(project(out.flatten(2), layer.wo), residual,
@@ -97,3 +104,36 @@ def fused_hidden(model, x: torch.Tensor, cache, ropes, slots: torch.Tensor,
     if pending is None:
         return residual
     return residual + (pending if scale == 1.0 else pending * scale)
+
+
+def _attend(model, layer, index: int, qk: torch.Tensor, v: torch.Tensor, cache, ropes,
+            slots: torch.Tensor, tree_mask, depths, max_kv_len: int, backend: str):
+    """RoPE, the K/V write and attention of one layer: ``[B, T, Hq, D]``."""
+    hq = layer.num_heads
+    cos, sin = ropes[layer.local_rope] if layer.rope else (None, None)
+    kv = cache.kv[index]                                              # [2, B_max, H, S, D]
+    q = rope_kv_write(qk[:, :, :hq], qk[:, :, hq:], v, None if cos is None else cos.squeeze(2),
+                      None if sin is None else sin.squeeze(2), kv, slots, backend=backend)
+    return attention(q, kv[0], kv[1], cache.lens, tree_mask, scale=model.scale,
+                     max_kv_len=max_kv_len, backend=model.attention_backend,
+                     window=layer.window, depths=depths, softcap=layer.softcap)
+
+
+def _gemv_layers(model, x: torch.Tensor, layers, cache, ropes, slots: torch.Tensor, tree_mask,
+                 depths, max_kv_len: int, backend: str) -> torch.Tensor:
+    """The layers of a forward of few rows, projections through ``decode_gemv``."""
+    for index, layer in layers:
+        norm, r = layer.input_norm, layer.residual_multiplier
+        qkv = decode_gemv(x, layer.wqkv.weight, layer.wqkv.bias, norm_weight=norm.weight,
+                          eps=norm.eps, backend=backend)
+        qk, v = layer.heads(qkv)
+        out = _attend(model, layer, index, qk, v, cache, ropes, slots, tree_mask, depths,
+                      max_kv_len, backend)
+        x = decode_gemv(out.flatten(2), layer.wo.weight, layer.wo.bias, residual=x, scale=r,
+                        backend=backend)
+        norm = layer.post_attention_norm
+        mlp = decode_gemv(x, layer.w_gate_up.weight, layer.w_gate_up.bias,
+                          norm_weight=norm.weight, eps=norm.eps, gated=True, backend=backend)
+        x = decode_gemv(mlp, layer.w_down.weight, layer.w_down.bias, residual=x, scale=r,
+                        backend=backend)
+    return x
