@@ -1,6 +1,7 @@
-"""decode_gemv: the Triton kernel, run by the interpreter on CPU tensors, against the
-PyTorch reference on random inputs of odd shapes (M = 1..11 rows, so one and two row
-blocks; odd K and N, so partial tiles), with each prologue / epilogue.
+"""decode_gemv: the Triton kernel, run by the interpreter on CPU tensors (and compiled on
+CUDA, marked gpu), against the PyTorch reference on random inputs of odd shapes (M = 1..11
+rows, so one and two row blocks; odd K and N, so partial tiles), with each prologue /
+epilogue.
 
 Tolerances. float32: within 1e-5 absolute and relative on outputs of order 1 (dot products
 of up to 1,100 terms summed in another order). bfloat16: within 2^-5 of the largest output
@@ -38,9 +39,10 @@ def _case(gen, M, K, N, dtype, gated):
 @pytest.mark.parametrize("M, K, N", [(1, 37, 14), (3, 515, 46), (5, 64, 30), (8, 257, 18),
                                      (11, 1100, 22)])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_triton_matches_reference(dtype, M, K, N, variant):
+def test_triton_matches_reference(device, dtype, M, K, N, variant):
     gen = torch.Generator().manual_seed(M * 10**4 + K * 10 + N)
     x, w, t = _case(gen, M, K, N, dtype, "gated" in variant)
+    x, w, t = x.to(device), w.to(device), {k: v.to(device) for k, v in t.items()}
     kw = VARIANTS[variant](t)
     ref = decode_gemv_reference(x, w, **kw)
     got = decode_gemv(x, w, backend="triton", **kw)

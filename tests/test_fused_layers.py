@@ -28,22 +28,23 @@ def _run(model, mode, monkeypatch):
     """Prefill (3 ragged rows), 3 decode steps and a tree verify; the logits of each
     forward and the final cache."""
     monkeypatch.setattr(fused_layers, "FUSED_LAYERS", mode)
+    dev = model.device
     gen = torch.Generator().manual_seed(4)
-    ids = torch.randint(0, VOCAB, (3, 9), generator=gen)
-    lengths = torch.tensor([9, 4, 6], dtype=torch.int32)
+    ids = torch.randint(0, VOCAB, (3, 9), generator=gen).to(dev)
+    lengths = torch.tensor([9, 4, 6], dtype=torch.int32, device=dev)
     parents = [-1, 0, 0, 1, 1, 2]
     masks, depths = _tree(parents)
-    nodes = torch.randint(0, VOCAB, (3, len(parents)), generator=gen)
+    nodes = torch.randint(0, VOCAB, (3, len(parents)), generator=gen).to(dev)
     cache = model.new_cache(4, 32)
     out = []
     with torch.no_grad():
         out.append(model.prefill(ids, cache, lengths, chunk=5))
         for _ in range(3):
-            step = torch.randint(0, VOCAB, (3, 1), generator=gen)
+            step = torch.randint(0, VOCAB, (3, 1), generator=gen).to(dev)
             out.append(model(step, cache))
-            cache.commit(torch.ones(3, dtype=torch.int32), 1)
-        out.append(model(nodes, cache, tree_mask=torch.tensor([masks] * 3),
-                         depths=torch.tensor([depths] * 3)))
+            cache.commit(torch.ones(3, dtype=torch.int32, device=dev), 1)
+        out.append(model(nodes, cache, tree_mask=torch.tensor([masks] * 3, device=dev),
+                         depths=torch.tensor([depths] * 3, device=dev)))
     return out, cache.kv
 
 
@@ -79,6 +80,20 @@ def test_fused_forward_matches_unfused(family, monkeypatch):
     layers = model.config.num_layers
     assert calls == {"rope_kv_write": 6 * layers, "silu_mul": 3 * layers,
                      "add_rms_norm": 3 * (2 * layers - 1), "decode_gemv": 3 * 4 * layers}
+    for a, b in zip(got, ref):
+        assert a.shape == b.shape and (a - b).abs().max() <= 1e-4
+    assert (got_kv - ref_kv).abs().max() <= 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FUSABLE)
+def test_fused_forward_matches_unfused_on_cuda(family, monkeypatch):
+    """On CUDA ``auto`` takes the fused path (compiled kernels) for these models."""
+    model = load_model(tiny_hf_model(family), device="cuda")
+    calls = _spy_on_kernels(monkeypatch)
+    ref, ref_kv = _run(model, "off", monkeypatch)
+    got, got_kv = _run(model, "auto", monkeypatch)
+    assert calls["rope_kv_write"] == 6 * model.config.num_layers
     for a, b in zip(got, ref):
         assert a.shape == b.shape and (a - b).abs().max() <= 1e-4
     assert (got_kv - ref_kv).abs().max() <= 1e-4
