@@ -37,33 +37,36 @@ def _decode_gemv_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, out_ptr, M, N, K, 
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
     m_mask = rm < M
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * sx_m
-    w_rows = w_ptr + rn[:, None].to(tl.int64) * sw_n
+    # 3-D index vectors: the tiles are loaded straight into the accumulator's layout
+    # (x as [BLOCK_M, 1, BLOCK_K], the weight as [1, BLOCK_N, BLOCK_K]), so the product
+    # needs no layout conversion through shared memory
+    m3 = rm[:, None, None]
+    n3 = rn[None, :, None]
+    k3 = rk[None, None, :]
+    x_rows = x_ptr + m3.to(tl.int64) * sx_m                       # [BLOCK_M, 1, 1]
+    w_rows = w_ptr + n3.to(tl.int64) * sw_n                       # [1, BLOCK_N, 1]
     if HAS_NORM:
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        squares = tl.zeros([BLOCK_M, 1, 1], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            xk = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk < K)[None, :],
-                         other=0.0).to(tl.float32)
-            squares += tl.sum(xk * xk, axis=1)
+            kk = k0 + k3
+            xk = tl.load(x_rows + kk, mask=(m3 < M) & (kk < K), other=0.0).to(tl.float32)
+            squares += tl.sum(xk * xk, axis=2, keep_dims=True)
         rstd = 1.0 / tl.sqrt(squares / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     if GATED:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
+        kk = k0 + k3
         k_mask = kk < K
-        xk = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        xk = tl.load(x_rows + kk, mask=(m3 < M) & k_mask, other=0.0)
         if HAS_NORM:
             nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-            xk = (xk.to(tl.float32) * rstd[:, None] * nw[None, :]).to(dtype)
-        xf = xk.to(tl.float32)[:, None, :]
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        acc += xf * w[None, :, :]
+            xk = (xk.to(tl.float32) * rstd * nw).to(dtype)
+        xf = xk.to(tl.float32)
+        w_mask = (n3 < N) & k_mask
+        acc += xf * tl.load(w_rows + kk, mask=w_mask, other=0.0).to(tl.float32)
         if GATED:
-            wu = tl.load(w_rows + N * sw_n + kk[None, :], mask=w_mask, other=0.0)
-            acc_up += xf * wu.to(tl.float32)[None, :, :]
+            acc_up += xf * tl.load(w_rows + N * sw_n + kk, mask=w_mask, other=0.0).to(tl.float32)
     y = tl.sum(acc, axis=2)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
