@@ -4,7 +4,8 @@ Per layer, the unfused cached forward launches an RMSNorm, the qkv projection, R
 several elementwise kernels, a stack and an ``index_put`` for the KV write, attention, the
 output projection, a residual add, a second RMSNorm, the gate-up projection, SiLU, a
 multiply, the down projection and a second add. Here three ops replace the glue between
-the projections and attention (``osd_kernels``: Triton on CUDA):
+the projections and attention (``osd_kernels``: Triton on CUDA), and for few rows a fourth
+takes the projections too:
 
 - ``rope_kv_write``: RoPE on q and k and the K/V write at ``[row, slot]`` in one kernel;
 - ``add_rms_norm``: each residual add and the RMSNorm after it (the post-attention norm,
@@ -25,8 +26,8 @@ layer is then five kernels and attention, and the residual is never pending.
 :data:`FUSED_LAYERS` is the switch: ``"auto"`` (default) fuses on CUDA only, ``"off"``
 never, ``"on"`` on any device with the ops' Triton backend (CPU tensors need
 ``TRITON_INTERPRET=1``: that is how the tests run this path, kernels included, without a
-GPU). The environment variable ``OSD_FUSED_LAYERS`` sets its
-initial value. Models outside the fused layer's shape keep the unfused forward: a layer
+GPU). The environment variable ``OSD_FUSED_LAYERS`` sets its initial value. Models
+outside the fused layer's shape keep the unfused forward: a layer
 must be pre-norm only (no post-norms: OLMo-2, Gemma), dense (no mixture of experts) and
 SiLU-gated (no GeGLU); the forward must run outside autograd (the kernels have no
 backward) in the model's own dtype. Results equal the unfused forward's within rounding
