@@ -23,11 +23,12 @@ input norm in front, ``wo`` adding into the residual, the gate-up projection wit
 post-attention norm in front and SiLU x up behind, ``w_down`` adding into the residual. A
 layer is then five kernels and attention, and the residual is never pending.
 
-:data:`FUSED_LAYERS` is the switch: ``"auto"`` (default) fuses on CUDA only, ``"off"``
-never, ``"on"`` on any device with the ops' Triton backend (CPU tensors need
-``TRITON_INTERPRET=1``: that is how the tests run this path, kernels included, without a
-GPU). The environment variable ``OSD_FUSED_LAYERS`` sets its initial value. Models
-outside the fused layer's shape keep the unfused forward: a layer
+:data:`FUSED_LAYERS` is the switch: ``"auto"`` fuses on CUDA only, ``"off"`` never (the
+default until these kernels have run on a GPU: ``docs/gpu.md``; ``make gpu-check``
+measures ``auto`` against it), ``"on"`` on any device with the ops' Triton backend (CPU
+tensors need ``TRITON_INTERPRET=1``: that is how the tests run this path, kernels
+included, without a GPU). The environment variable ``OSD_FUSED_LAYERS`` sets its initial
+value. Models outside the fused layer's shape keep the unfused forward: a layer
 must be pre-norm only (no post-norms: OLMo-2, Gemma), dense (no mixture of experts) and
 SiLU-gated (no GeGLU); the forward must run outside autograd (the kernels have no
 backward) in the model's own dtype. Results equal the unfused forward's within rounding
@@ -51,7 +52,7 @@ from osd_kernels.rope_kv_write import rope_kv_write
 from osd_kernels.silu_mul import silu_mul
 
 MODES = ("auto", "on", "off")
-FUSED_LAYERS = os.environ.get("OSD_FUSED_LAYERS", "auto")
+FUSED_LAYERS = os.environ.get("OSD_FUSED_LAYERS", "off")
 
 
 def _layer_fusable(layer) -> bool:
