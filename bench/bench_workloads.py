@@ -8,8 +8,10 @@ text from held-out standard-library modules), CPU, batch 1, ``OSD_BENCH_THREADS`
 prompt (``osd.evaluate``). Each row prints the median speedup over the workload's
 prompts, α, acceptance, tokens per target forward, the draft cost c and the analytic
 bound of the draft model's chain; greedy rows assert that every speculative output equals
-the plain one. ``OSD_BENCH_WORKLOAD_PROMPTS`` (default 6) sets the prompts per workload,
-``OSD_BENCH_CHAT_DRAFT`` another draft directory (the EAGLE one, say).
+the plain one. The zero-setup options run too, greedy: prompt lookup alone
+(``SpecConfig(drafter="ngram")``) and self-speculation (``drafter="self"``, the target
+with every other layer skipped). ``OSD_BENCH_WORKLOAD_PROMPTS`` (default 6) sets the
+prompts per workload, ``OSD_BENCH_CHAT_DRAFT`` another draft directory (the EAGLE one).
 
     .venv/bin/python -m pytest -q -s -p no:cacheprovider bench/bench_workloads.py
 """
@@ -18,12 +20,14 @@ import os
 import pytest
 import torch
 
+import osd
 from osd.evaluate import evaluate, table
 from osd.zoo.workloads import evaluation_set
 
 NEW_TOKENS = 128
 PROMPTS = int(os.environ.get("OSD_BENCH_WORKLOAD_PROMPTS", "6"))
 MODES = {"greedy": {}, "sampled": dict(temperature=0.7, top_p=0.9)}
+CASES = [("draft", "greedy"), ("draft", "sampled"), ("ngram", "greedy"), ("self", "greedy")]
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +41,17 @@ def pair():
     return target, os.environ.get("OSD_BENCH_CHAT_DRAFT") or draft
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_workloads(benchmark, pair, mode):
+@pytest.mark.parametrize("drafter,mode", CASES, ids=[f"{d}-{m}" for d, m in CASES])
+def test_workloads(benchmark, pair, drafter, mode):
     target, draft = pair
+    spec = None if drafter == "draft" else osd.SpecConfig(drafter=drafter)
     rows = benchmark.pedantic(
-        lambda: evaluate(target, draft, workloads=evaluation_set(n=PROMPTS),
-                         max_new_tokens=NEW_TOKENS, sampling=MODES[mode]),
+        lambda: evaluate(target, draft if spec is None else None, spec=spec,
+                         workloads=evaluation_set(n=PROMPTS), max_new_tokens=NEW_TOKENS,
+                         sampling=MODES[mode]),
         rounds=1, iterations=1)
-    print(f"\n{mode}, {NEW_TOKENS} new tokens, {PROMPTS} prompts per workload\n" + table(rows))
-    benchmark.extra_info.update(mode=mode, rows=rows)
+    print(f"\n{drafter}, {mode}, {NEW_TOKENS} new tokens, {PROMPTS} prompts per workload\n"
+          + table(rows))
+    benchmark.extra_info.update(drafter=drafter, mode=mode, rows=rows)
     if mode == "greedy":
         assert all(r["equal"] for r in rows), "a speculative output differs from plain greedy"

@@ -43,8 +43,9 @@ from osd_kernels.warp import warp_probs
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class SamplingParams(NamedTuple):
-    """Per-sequence parameters, materialised as ``[B]`` tensors on the logits' device."""
+class RowParams(NamedTuple):
+    """Per-row sampling parameters of a kernel call, materialised as ``[B]`` tensors on the
+    logits' device (``osd.SamplingParams`` is the per-request form users write)."""
 
     num_draft_tokens: torch.Tensor  # int32, number of valid drafts per row (<= K)
     temperature: torch.Tensor  # float32, 0 = greedy
@@ -66,7 +67,11 @@ def check_on_device(name: str, tensor: torch.Tensor, device: torch.device) -> No
         raise ValueError(f"{name} is on {tensor.device} but target_logits is on {device}")
 
 
-def check_sampling_values(params: SamplingParams) -> None:
+# The former name of RowParams.
+SamplingParams = RowParams
+
+
+def check_sampling_values(params: RowParams) -> None:
     """Range checks of temperature (finite, >= 0), top_k (>= 0) and top_p (in (0, 1]).
     They read the values on the host: call them on CPU tensors only."""
     # [B] values, checked in Python: cheaper than a few torch ops per call at these sizes
@@ -100,7 +105,7 @@ def _per_row(name: str, value, batch: int, default, dtype: torch.dtype, device,
 
 def sampling_params(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
                     num_draft_tokens=None, temperature=None, top_k=None, top_p=None,
-                    seed=None, offset=None, generator=None) -> SamplingParams:
+                    seed=None, offset=None, generator=None) -> RowParams:
     """Materialise the per-row parameters (defaults, seeds drawn from ``generator``)."""
     batch, k = draft_token_ids.shape
     device = target_logits.device
@@ -126,7 +131,7 @@ def sampling_params(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, 
         seed = seed.to(device)
     s = _per_row("seed", seed, batch, 0, torch.int64, device, (int,))
     o = _per_row("offset", offset, batch, 0, torch.int64, device, (int,))
-    return SamplingParams(n, t, tk, tp, s, o)
+    return RowParams(n, t, tk, tp, s, o)
 
 
 def _check_tensors(target_logits, draft_token_ids, draft_probs) -> None:
@@ -159,7 +164,7 @@ def _check_tensors(target_logits, draft_token_ids, draft_probs) -> None:
         check_on_device("draft_probs", draft_probs, target_logits.device)
 
 
-def _check_values(target_logits, draft_token_ids, params: SamplingParams) -> None:
+def _check_values(target_logits, draft_token_ids, params: RowParams) -> None:
     """Range checks, on CPU only: on CUDA they would need a host sync (kernels clamp)."""
     if target_logits.device.type != "cpu":
         return
@@ -174,7 +179,7 @@ def _check_values(target_logits, draft_token_ids, params: SamplingParams) -> Non
     check_sampling_values(params)
 
 
-def _race(resid: torch.Tensor, params: SamplingParams, position: torch.Tensor) -> torch.Tensor:
+def _race(resid: torch.Tensor, params: RowParams, position: torch.Tensor) -> torch.Tensor:
     """Exponential race over ``resid [B, V] >= 0`` with the Philox noise of ``position [B]``."""
     u = philox_uniform_rows(params.seed, params.offset,
                             stream_id(position, PURPOSE_SAMPLE), resid.shape[1])

@@ -260,7 +260,7 @@ def _rejection_sample_kernel(
 def rejection_sample_triton(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                             draft_probs, params) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton ``rejection_sample``; arguments as ``osd_kernels.rejection_sample`` with the
-    per-row parameters already materialised (``osd_kernels.rejection_sample.SamplingParams``)."""
+    per-row parameters already materialised (``osd_kernels.rejection_sample.RowParams``)."""
     batch, k1, vocab = target_logits.shape
     out = torch.empty((batch, k1), dtype=torch.int64, device=target_logits.device)
     accepted = torch.empty((batch,), dtype=torch.int32, device=target_logits.device)
