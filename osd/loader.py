@@ -10,6 +10,7 @@ import torch
 from osd.models.eagle import is_eagle_checkpoint, load_eagle
 from osd.models.loading import (is_gguf_source, is_transformers_model, load_model,
                                 load_tokenizer, resolve_device)
+from osd.models.quant import QuantLinear
 from osd.online.config import draft_online_recipe, with_recipe
 from osd.spec import serving_settings
 
@@ -35,7 +36,18 @@ def load_for_engine(target, draft, *, device, dtype, attention_backend, quantize
                                attention_backend=attention_backend) for d in drafts]
     if tokenizer is None:
         tokenizer = load_tokenizer(target)
-    spec, quantize_draft = serving_settings(drafts, draft_models, spec, quantize_draft)
+    # The draft's recommendation for a target kept quantized; learning online needs the
+    # draft model, so a recommendation of prompt lookup alone gives way to the float one.
+    quantized_target = any(isinstance(m, QuantLinear) for m in model.modules())
+    if spec is None and online is not None:
+        rec, _ = serving_settings(drafts, draft_models, None, None, quantized_target)
+        quantized_target = quantized_target and (rec is None or rec.drafter == "model")
+    recommended = spec is None
+    spec, quantize_draft = serving_settings(drafts, draft_models, spec, quantize_draft,
+                                            quantized_target)
+    if recommended and spec is not None and spec.drafter != "model":
+        # the draft recommends a draft-free option beside this target: it is not served
+        draft_models, quantize_draft = [], None
     if online is not None and len(drafts) == 1:
         online = with_recipe(online, draft_online_recipe(drafts[0]))
     return model, draft_models, tokenizer, spec, quantize_draft, online

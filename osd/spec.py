@@ -172,15 +172,22 @@ def describe(spec: SpecConfig) -> str:
     return ", ".join(changed or [f"num_draft_tokens={spec.num_draft_tokens}"])
 
 SERVING_FILE = "serving.json"
-SERVING_KEYS = ("spec", "quantize_draft", "online")   # "online": osd.online.config
+SERVING_KEYS = ("spec", "quantize_draft", "online", "quantized_target")
+# "online": osd.online.config; "quantized_target": {"spec", "quantize_draft"} for a target
+# that keeps its GGUF weights quantized
 
 
-def draft_serving_defaults(path) -> tuple[SpecConfig | None, str | None]:
+def draft_serving_defaults(path, quantized_target: bool = False
+                           ) -> tuple[SpecConfig | None, str | None]:
     """A draft checkpoint's recommended serving settings, from ``serving.json`` in its
     directory: ``{"spec": {SpecConfig fields}, "quantize_draft": "Q8_0" or null}``, both
-    keys optional. ``Engine.from_pretrained`` uses them for a draft it is given alone
-    when the caller passes no ``spec`` (and leaves ``quantize_draft="auto"``); they are
-    the shape measured fastest for that draft, and change speed only, never the output.
+    keys optional; with ``quantized_target``, the keys of its ``"quantized_target"``
+    object (the shape measured fastest beside a target that keeps its quantized weights,
+    whose verify forwards cost more per row) replace them. ``Engine.from_pretrained``
+    uses them for a draft it is given alone when the caller passes no ``spec`` (and
+    leaves ``quantize_draft="auto"``); they are the shape measured fastest for that
+    draft, and change speed only, never the output. A ``spec`` whose drafter is not
+    ``"model"`` (prompt lookup alone) means the draft is not served.
 
     Returns ``(spec or None, quantize_draft or None)``; ``(None, None)`` for a path
     without the file (or one that is not a directory). A malformed file raises
@@ -197,6 +204,13 @@ def draft_serving_defaults(path) -> tuple[SpecConfig | None, str | None]:
         unknown = sorted(set(data) - set(SERVING_KEYS))
         if unknown:
             raise ValueError(f"unknown keys {unknown} (known: {list(SERVING_KEYS)})")
+        override = data.get("quantized_target")
+        if override is not None:
+            if not isinstance(override, dict) or set(override) - {"spec", "quantize_draft"}:
+                raise ValueError("'quantized_target' must be an object with 'spec' and/or "
+                                 "'quantize_draft'")
+            if quantized_target:
+                data = {**data, **override}
         fields = data.get("spec")
         if fields is not None and not isinstance(fields, dict):
             raise ValueError("'spec' must be an object of SpecConfig fields")
@@ -210,7 +224,8 @@ def draft_serving_defaults(path) -> tuple[SpecConfig | None, str | None]:
 
 
 def serving_settings(sources: list, drafts: list, spec: SpecConfig | None,
-                     quantize_draft: str | None) -> tuple[SpecConfig | None, str | None]:
+                     quantize_draft: str | None, quantized_target: bool = False
+                     ) -> tuple[SpecConfig | None, str | None]:
     """``Engine.from_pretrained``'s ``spec`` and ``quantize_draft``: the caller's, except
     that ``spec=None`` and ``quantize_draft="auto"`` take what a single draft directory
     recommends (:func:`draft_serving_defaults`). ``sources``: the drafts as given (paths
@@ -220,7 +235,7 @@ def serving_settings(sources: list, drafts: list, spec: SpecConfig | None,
     rec_spec, rec_fmt = None, None
     if (len(sources) == 1 and isinstance(sources[0], (str, os.PathLike))
             and drafts[0].device.type == "cpu"):
-        rec_spec, rec_fmt = draft_serving_defaults(sources[0])
+        rec_spec, rec_fmt = draft_serving_defaults(sources[0], quantized_target)
     if spec is None:
         spec = rec_spec
     if quantize_draft == "auto":

@@ -312,6 +312,33 @@ def test_draft_directory_recommends_its_serving_settings(tmp_path):
             osd.Engine.from_pretrained(target, draft=str(draft), max_seq_len=64)
 
 
+def test_a_draft_recommends_other_settings_beside_a_quantized_target(tmp_path, q41):
+    """``serving.json``'s ``quantized_target`` applies when the target keeps quantized
+    weights; a draft-free recommendation there leaves the draft unserved, except when
+    learning online, which takes the draft's float-target settings."""
+    draft = tmp_path / "draft"
+    tiny_hf_model("llama", seed=73).save_pretrained(draft)
+    (draft / "serving.json").write_text(json.dumps({
+        "spec": {"num_draft_tokens": 2},
+        "quantized_target": {"spec": {"drafter": "ngram", "num_draft_tokens": 5}}}))
+    kw = dict(max_batch_size=2, max_seq_len=48)
+    eng = osd.Engine.from_pretrained(q41, draft=str(draft), **kw)
+    assert eng.spec.drafter == "ngram" and eng.spec.num_draft_tokens == 5 and eng.draft is None
+    fp32 = osd.Engine.from_pretrained(q41, draft=str(draft), quantized=False, **kw)
+    assert fp32.spec == osd.SpecConfig(num_draft_tokens=2) and fp32.draft is not None
+    online = osd.Engine.from_pretrained(q41, draft=str(draft), online=osd.OnlineConfig(
+        background=False), **kw)
+    assert online.spec == osd.SpecConfig(num_draft_tokens=2) and online.draft is not None
+    online.close()
+    prompts = prompts_of([9, 4], vocab=VOCAB, seed=74)
+    params = osd.SamplingParams(10)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == \
+        [o.token_ids for o in fp32.generate(prompts, params)]
+    (draft / "serving.json").write_text(json.dumps({"quantized_target": {"k": 1}}))
+    with pytest.raises(ValueError, match="quantized_target"):
+        osd.Engine.from_pretrained(q41, draft=str(draft), **kw)
+
+
 @pytest.mark.parametrize("kind", ["standalone", "eagle"])
 def test_quantized_draft_learns_online_through_its_float_master(tmp_path, kind):
     """With ``online``, the learner trains the float draft and publishes each update
