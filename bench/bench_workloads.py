@@ -22,12 +22,17 @@ import torch
 
 import osd
 from osd.evaluate import evaluate, table
+from osd.spec import draft_serving_defaults
 from osd.zoo.workloads import evaluation_set
 
 NEW_TOKENS = 128
 PROMPTS = int(os.environ.get("OSD_BENCH_WORKLOAD_PROMPTS", "6"))
 MODES = {"greedy": {}, "sampled": dict(temperature=0.7, top_p=0.9)}
-CASES = [("draft", "greedy"), ("draft", "sampled"), ("ngram", "greedy"), ("self", "greedy")]
+# "draft": as from_pretrained builds it (beside a quantized target the chat draft
+# recommends prompt lookup alone); "draft-model": the draft model with its float-target
+# settings (serving.json's "spec")
+CASES = [("draft", "greedy"), ("draft", "sampled"), ("draft-model", "greedy"),
+         ("draft-model", "sampled"), ("ngram", "greedy"), ("self", "greedy")]
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +49,10 @@ def pair():
 @pytest.mark.parametrize("drafter,mode", CASES, ids=[f"{d}-{m}" for d, m in CASES])
 def test_workloads(benchmark, pair, drafter, mode):
     target, draft = pair
-    spec = None if drafter == "draft" else osd.SpecConfig(drafter=drafter)
+    spec = None if drafter == "draft" else draft_serving_defaults(draft)[0] \
+        if drafter == "draft-model" else osd.SpecConfig(drafter=drafter)
     rows = benchmark.pedantic(
-        lambda: evaluate(target, draft if spec is None else None, spec=spec,
+        lambda: evaluate(target, draft if drafter.startswith("draft") else None, spec=spec,
                          workloads=evaluation_set(n=PROMPTS), max_new_tokens=NEW_TOKENS,
                          sampling=MODES[mode]),
         rounds=1, iterations=1)

@@ -138,7 +138,8 @@ def test_shipped_drafts_serve_with_their_recommended_settings():
     from osd.spec import draft_serving_defaults
 
     target = zoo_chat.cached_target()
-    plain = osd.Engine.from_pretrained(target, max_batch_size=2, max_seq_len=256)
+    kw = dict(max_batch_size=2, max_seq_len=256)
+    plain = osd.Engine.from_pretrained(target, quantized=False, **kw)
     convs = [[{"role": "user", "content": "Write a Python function that returns the "
                                           "largest of three numbers."}],
              [{"role": "system", "content": "Answer briefly."},
@@ -148,9 +149,15 @@ def test_shipped_drafts_serve_with_their_recommended_settings():
     for path in (DRAFT_DIR, zoo_chat.chat_eagle()):
         spec, fmt = draft_serving_defaults(path)
         assert spec.prompt_lookup and fmt == "Q8_0"
-        engine = osd.Engine.from_pretrained(target, draft=path, max_batch_size=2,
-                                            max_seq_len=256)
+        engine = osd.Engine.from_pretrained(target, draft=path, quantized=False, **kw)
         assert engine.spec == spec
         assert any(isinstance(m, QuantLinear) for m in engine.draft.modules())
         assert [o.token_ids for o in engine.chat(convs, params)] == want
         assert engine.stats["accepted"] > 0
+    # beside the target kept quantized (the CPU default) the standalone draft recommends
+    # prompt lookup alone, and is not served
+    quant_plain = osd.Engine.from_pretrained(target, **kw)
+    engine = osd.Engine.from_pretrained(target, draft=DRAFT_DIR, **kw)
+    assert engine.spec.drafter == "ngram" and engine.draft is None
+    assert [o.token_ids for o in engine.chat(convs, params)] == \
+        [o.token_ids for o in quant_plain.chat(convs, params)]
