@@ -24,14 +24,17 @@ def workloads_report(target: str, draft: str, out_dir: str, prompts: int = 3,
           f"tokens, greedy, the engines built as a user builds them) ...", flush=True)
     rows = evaluate(target, draft, workloads=evaluation_set(n=prompts),
                     max_new_tokens=max_new_tokens)
+    unserved = "" if rows[0]["draft_served"] else \
+        " (the draft recommends it beside this target, and is not served)"
     text = "\n".join([
         "", "## Speedup per workload", "",
         f"The same target and draft on the evaluation set (`osd.zoo.workloads`: text from "
         f"standard-library modules no shipped draft trained on), {prompts} prompts per "
         f"workload, {max_new_tokens} new tokens, greedy, batch 1: plain and speculative "
         f"engines built with `Engine.from_pretrained` and the draft's own settings, "
-        f"interleaved prompt by prompt (`osd.evaluate`). The bound is the analytic "
-        f"speedup of the draft model's chain alone; prompt lookup can beat it.", "",
+        f"interleaved prompt by prompt (`osd.evaluate`). Speculation as configured: "
+        f"`SpecConfig({rows[0]['spec']})`{unserved}. The bound is the analytic speedup "
+        f"of the draft model's chain alone; prompt lookup can beat it.", "",
         table(rows), ""])
     print(text)
     os.makedirs(out_dir, exist_ok=True)

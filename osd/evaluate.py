@@ -27,6 +27,7 @@ import time
 
 import osd
 from osd.chat import apply_chat_template
+from osd.spec import describe
 from osd.zoo.workloads import evaluation_set
 
 
@@ -105,6 +106,8 @@ def evaluate(target, draft=None, *, workloads=None, max_new_tokens: int = 128,
             "c": c, "k": k,
             "bound": analytic_speedup(alpha, k, c) if alpha is not None and c else None,
             "equal": equal if greedy else None,
+            "spec": describe(fast.spec) if fast.spec is not None else None,
+            "draft_served": fast.draft is not None,
         })
     plain.close()
     fast.close()
