@@ -6,11 +6,13 @@ The chat target (SmolLM2-135M-Instruct Q4_1, ``osd.zoo.chat.fetch_target()``), C
 and goes on, llama.cpp bans it), end to end (prefill included), the same token ids (each
 conversation through the target's chat template). Providers:
 
-- ``osd-plain``: ``osd.Engine.from_pretrained(target)`` (weights dequantized to fp32);
+- ``osd-plain``: ``osd.Engine.from_pretrained(target, quantized=False)`` (weights
+  dequantized to fp32);
 - ``osd-quant``: the same with ``quantized=True`` (the GGUF blocks kept, quant_linear);
 - ``osd-spec``: speculation as a user gets it by default,
-  ``osd.Engine.from_pretrained(target, draft=osd.zoo.chat.chat_pair()[1])`` (the shipped
-  draft with its ``serving.json`` settings);
+  ``osd.Engine.from_pretrained(target, draft=osd.zoo.chat.chat_pair()[1])``: the target
+  as loaded by default (kept quantized on the CPU) and the shipped draft's ``serving.json``
+  settings for it (the table's notes print the ``SpecConfig`` served);
 - ``llama.cpp-<mode>``: ``llama-server`` (``bench/llamacpp.py``: ``--poll 0``, ``-np 1``,
   ``/completion`` with token ids, ``cache_prompt: false``) in each mode of
   ``LLAMACPP_MODES``: ``plain`` and its n-gram modes; ``llama.cpp-draft`` too when
@@ -103,7 +105,7 @@ def setup():
     torch.set_num_threads(THREADS)
     kw = dict(max_batch_size=1, max_seq_len=MAX_SEQ_LEN)
     engines = {
-        "osd-plain": osd.Engine.from_pretrained(target, **kw),
+        "osd-plain": osd.Engine.from_pretrained(target, quantized=False, **kw),
         "osd-quant": osd.Engine.from_pretrained(target, quantized=True, **kw),
         "osd-spec": osd.Engine.from_pretrained(target, draft=draft, **kw),
     }
@@ -179,6 +181,22 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _served(eng) -> str:
+    """The speculation an engine serves, in short: drafter, k, lookup, and whether its
+    target is kept quantized."""
+    sp = eng.spec
+    if sp is None:
+        return "plain"
+    out = [f"drafter={sp.drafter}", f"k={sp.num_draft_tokens}"]
+    if sp.prompt_lookup:
+        out.append("prompt_lookup")
+    if sp.lookup_tree_below:
+        out.append(f"lookup_tree_below={sp.lookup_tree_below}")
+    quant = any(type(m).__name__.startswith("Quant") for m in eng.model.modules())
+    out.append("target quantized" if quant else "target fp32")
+    return ", ".join(out)
+
+
 def _table(name: str, n: int, rows: dict) -> str:
     base = rows.get("llama.cpp-plain", {}).get("tokens_per_s")
     best = max(
@@ -199,6 +217,8 @@ def _table(name: str, n: int, rows: dict) -> str:
             notes.append(f"accepted {r['accepted_per_draft']:.2f} of drafted")
         if r.get("mean_accepted_length") is not None:
             notes.append(f"tokens per verify {r['mean_accepted_length']:.2f}")
+        if r.get("served"):
+            notes.append(r["served"])
         same = f"{r['same_as_plain']:.0f}/{NEW_TOKENS}"
         lines.append(
             f"{prov:<28}{tps:>8.1f}"
@@ -252,8 +272,9 @@ def test_llamacpp(benchmark, setup, workload, capsys):
             if drafted:
                 row["accepted_per_draft"] = sum(x.get("draft_n_accepted", 0) for x in t) / drafted
         elif prov == "osd-spec":
-            st = setup["engines"][prov].stats
-            row["mean_accepted_length"] = st.get("mean_accepted_length")
+            eng = setup["engines"][prov]
+            row["mean_accepted_length"] = eng.stats.get("mean_accepted_length")
+            row["served"] = _served(eng)
         rows[prov] = row
     table = _table(workload, n, rows)
     benchmark.extra_info.update(
