@@ -40,7 +40,7 @@ per workload, default 4), ``_TOKENS`` (128), ``_THREADS`` (2), ``_ROUNDS`` (2),
 change the run.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_llamacpp.py \\
-        --benchmark-json=docs/bench_llamacpp.json
+        --benchmark-json=results/bench_llamacpp.json
 """
 
 from __future__ import annotations
