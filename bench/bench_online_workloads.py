@@ -16,8 +16,8 @@ import json
 import os
 
 import pytest
-import torch
 
+from bench.common import chat_pair_or_skip
 from osd.evaluate_online import online_stream
 from osd.zoo.workloads import stream
 
@@ -26,12 +26,7 @@ REQUESTS = int(os.environ.get("OSD_BENCH_ONLINE_REQUESTS", "160"))
 
 @pytest.fixture(scope="module")
 def pair():
-    from osd.zoo import chat
-    try:
-        target, draft = chat.chat_pair()
-    except RuntimeError as exc:           # no network and nothing cached
-        pytest.skip(f"the chat model is not available: {exc}")
-    torch.set_num_threads(int(os.environ.get("OSD_BENCH_THREADS", "1")))
+    target, draft = chat_pair_or_skip(threads=1)
     return target, draft
 
 

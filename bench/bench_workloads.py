@@ -18,9 +18,9 @@ prompts per workload, ``OSD_BENCH_CHAT_DRAFT`` another draft directory (the EAGL
 import os
 
 import pytest
-import torch
 
 import osd
+from bench.common import chat_pair_or_skip
 from osd.evaluate import evaluate, table
 from osd.spec import draft_serving_defaults
 from osd.zoo.workloads import evaluation_set
@@ -37,12 +37,7 @@ CASES = [("draft", "greedy"), ("draft", "sampled"), ("draft-model", "greedy"),
 
 @pytest.fixture(scope="module")
 def pair():
-    from osd.zoo import chat
-    try:
-        target, draft = chat.chat_pair()
-    except RuntimeError as exc:           # no network and nothing cached
-        pytest.skip(f"the chat model is not available: {exc}")
-    torch.set_num_threads(int(os.environ.get("OSD_BENCH_THREADS", "2")))
+    target, draft = chat_pair_or_skip(threads=2)
     return target, os.environ.get("OSD_BENCH_CHAT_DRAFT") or draft
 
 

@@ -56,3 +56,17 @@ def gbps(nbytes: int, benchmark) -> float | None:
     if benchmark.stats is None:
         return None
     return nbytes / benchmark.stats.stats.median / 1e9
+
+
+def chat_pair_or_skip(threads: int) -> tuple[str, str | None]:
+    """``osd.zoo.chat.chat_pair()`` (fetched on first use) with torch on ``threads`` threads
+    (``OSD_BENCH_THREADS`` overrides); the calling test is skipped when the model cannot
+    be fetched (no network and nothing cached)."""
+    from osd.zoo import chat   # the chat zoo is only needed by the benchmarks that use it
+
+    try:
+        pair = chat.chat_pair()
+    except RuntimeError as exc:
+        pytest.skip(f"the chat model is not available: {exc}")
+    torch.set_num_threads(int(os.environ.get("OSD_BENCH_THREADS", str(threads))))
+    return pair
