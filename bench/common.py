@@ -62,7 +62,7 @@ def chat_pair_or_skip(threads: int) -> tuple[str, str | None]:
     """``osd.zoo.chat.chat_pair()`` (fetched on first use) with torch on ``threads`` threads
     (``OSD_BENCH_THREADS`` overrides); the calling test is skipped when the model cannot
     be fetched (no network and nothing cached)."""
-    from osd.zoo import chat   # the chat zoo is only needed by the benchmarks that use it
+    from osd.zoo import chat  # the chat zoo is only needed by the benchmarks that use it
 
     try:
         pair = chat.chat_pair()
