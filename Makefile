@@ -58,18 +58,12 @@ triton-check: $(STAMP) $(TRITON36_STAMP)
 	$(PY) scripts/triton_check.py
 	$(TRITON36_PY) scripts/triton_check.py --triton-version 3.6.0
 
-# ruff (the dev extra; settings in pyproject.toml): lint over the whole tree, and the format
-# check over the files already in ruff's format. The rest of the tree keeps its hand-aligned
-# style until it is formatted in one pass; a file joins RUFF_FORMATTED once formatted.
+# ruff (the dev extra; settings in pyproject.toml): lint and the format check over the whole tree.
 RUFF := $(VENV)/bin/ruff
-RUFF_FORMATTED := bench/__init__.py bench/common.py osd/__init__.py osd/models/__init__.py \
-	osd/zoo/humaneval.py osd_kernels/triton/__init__.py osd_kernels/triton/fpmath.py \
-	osd_kernels/triton/philox.py scripts/cuda_check.py tests/__init__.py tests/conftest.py \
-	tests/test_gpu_goals.py
 
 lint: $(STAMP)
 	$(RUFF) check .
-	$(RUFF) format --check $(RUFF_FORMATTED)
+	$(RUFF) format --check .
 
 PYTEST := TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider --benchmark-disable
 

@@ -10,6 +10,7 @@ adding an op means its schema line in ``csrc/ops.cpp`` and its files under ``csr
     csrc/cpu/<op>.cpp           C++ CPU kernel (TORCH_LIBRARY_IMPL CPU)
     csrc/cuda/<op>.cpp          CUDA launch glue (TORCH_LIBRARY_IMPL CUDA)
 """
+
 import glob
 import os
 
@@ -34,16 +35,22 @@ def _extension():
         sources += sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/kernels/*.cu"))
         nvcc = ["-O3", "-std=c++17", "-lineinfo"]
         return CUDAExtension(
-            "osd_kernels._C", sources, include_dirs=include,
+            "osd_kernels._C",
+            sources,
+            include_dirs=include,
             define_macros=[("OSD_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx + ["-DOSD_WITH_CUDA=1"], "nvcc": nvcc},
             extra_link_args=["-fopenmp"],
         )
     return CppExtension(
-        "osd_kernels._C", sources, include_dirs=include,
-        extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"],
+        "osd_kernels._C",
+        sources,
+        include_dirs=include,
+        extra_compile_args={"cxx": cxx},
+        extra_link_args=["-fopenmp"],
     )
 
 
-setup(ext_modules=[_extension()],
-      cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})
+setup(
+    ext_modules=[_extension()], cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)}
+)

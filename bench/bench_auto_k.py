@@ -9,6 +9,7 @@ best-round tokens/s of each, ``auto_k_over_plain``, and the steps each chain len
 
     python -m pytest -q -p no:cacheprovider bench/bench_auto_k.py
 """
+
 import time
 
 import pytest
@@ -37,13 +38,22 @@ def test_auto_k_with_a_useless_draft(benchmark, batch):
     target = _model(ModelConfig("LlamaForCausalLM", 1000, 128, 256, 4, 4, 2, 32), dev, dtype)
     draft = _model(ModelConfig("LlamaForCausalLM", 1000, 64, 128, 1, 2, 1, 32), dev, dtype)
     seq = 16 + NEW_TOKENS + 8
-    engines = {"plain": osd.Engine(target, max_batch_size=batch, max_seq_len=seq),
-               "auto_k": osd.Engine(target, draft=draft, max_batch_size=batch, max_seq_len=seq,
-                                    spec=osd.SpecConfig(num_draft_tokens=4, auto_k=True))}
+    engines = {
+        "plain": osd.Engine(target, max_batch_size=batch, max_seq_len=seq),
+        "auto_k": osd.Engine(
+            target,
+            draft=draft,
+            max_batch_size=batch,
+            max_seq_len=seq,
+            spec=osd.SpecConfig(num_draft_tokens=4, auto_k=True),
+        ),
+    }
     prompts = [[(7 * i + j) % 1000 for j in range(16)] for i in range(batch)]
     params = osd.SamplingParams(NEW_TOKENS, ignore_eos=True)
-    outs = {name: [o.token_ids for o in e.generate(prompts, params)]   # warm-up
-            for name, e in engines.items()}
+    outs = {
+        name: [o.token_ids for o in e.generate(prompts, params)]  # warm-up
+        for name, e in engines.items()
+    }
     assert outs["auto_k"] == outs["plain"], "auto_k changed the greedy output"
     best = {"plain": float("inf")}
 
@@ -68,7 +78,11 @@ def test_auto_k_with_a_useless_draft(benchmark, batch):
     tps = {name: tokens / t for name, t in best.items()}
     summary = engines["auto_k"].stats["auto_k"][0]
     benchmark.extra_info.update(
-        batch=batch, device=dev.type, new_tokens=NEW_TOKENS,
-        plain_tokens_per_s=round(tps["plain"], 1), auto_k_tokens_per_s=round(tps["auto_k"], 1),
+        batch=batch,
+        device=dev.type,
+        new_tokens=NEW_TOKENS,
+        plain_tokens_per_s=round(tps["plain"], 1),
+        auto_k_tokens_per_s=round(tps["auto_k"], 1),
         auto_k_over_plain=round(tps["auto_k"] / tps["plain"], 3),
-        steps_per_k={str(k): v for k, v in next(iter(summary.values()))["steps"].items()})
+        steps_per_k={str(k): v for k, v in next(iter(summary.values()))["steps"].items()},
+    )

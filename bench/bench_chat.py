@@ -40,6 +40,7 @@ quantization, such as a Q4_K_M file), ``OSD_BENCH_CHAT_DRAFT`` another draft dir
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_chat.py \\
         --benchmark-json=results/bench_chat.json
 """
+
 import os
 import time
 
@@ -53,26 +54,42 @@ NEW_TOKENS = int(os.environ.get("OSD_BENCH_CHAT_TOKENS", "128"))
 NUM_PROMPTS = int(os.environ.get("OSD_BENCH_CHAT_PROMPTS", "16"))
 WARMUP = int(os.environ.get("OSD_BENCH_CHAT_WARMUP", "48"))
 K = 4
-LOOKUP_TOKENS = 8       # SpecConfig.lookup_tokens of the EAGLE rows with prompt lookup
+LOOKUP_TOKENS = 8  # SpecConfig.lookup_tokens of the EAGLE rows with prompt lookup
 ROUNDS = 2
-PROVIDERS = ["transformers", "transformers-assisted", "osd-plain", "osd-spec",
-             "osd-spec-lookup", "osd-online", "osd-spec-lookup-tree-q8",
-             "osd-online-lookup-tree-q8", "osd-eagle", "osd-eagle-lookup",
-             "osd-eagle-lookup-q8", "osd-eagle-lookup-tree-q8", "osd-eagle-online",
-             "osd-quant-plain", "osd-quant-spec-lookup",
-             "osd-quant-eagle-lookup", "osd-quant-eagle-lookup-q8", "llama.cpp"]
+PROVIDERS = [
+    "transformers",
+    "transformers-assisted",
+    "osd-plain",
+    "osd-spec",
+    "osd-spec-lookup",
+    "osd-online",
+    "osd-spec-lookup-tree-q8",
+    "osd-online-lookup-tree-q8",
+    "osd-eagle",
+    "osd-eagle-lookup",
+    "osd-eagle-lookup-q8",
+    "osd-eagle-lookup-tree-q8",
+    "osd-eagle-online",
+    "osd-quant-plain",
+    "osd-quant-spec-lookup",
+    "osd-quant-eagle-lookup",
+    "osd-quant-eagle-lookup-q8",
+    "llama.cpp",
+]
 # The speculative shapes of the quantized-target rows (measured side by side as the
 # fastest of their drafts on the quantized target, docs/benchmarks.md).
-QUANT_SPECS = {"osd-quant-spec-lookup": dict(num_draft_tokens=K, prompt_lookup=True),
-               "osd-quant-eagle-lookup": dict(num_draft_tokens=3, prompt_lookup=True,
-                                              ngram_min=2)}
+QUANT_SPECS = {
+    "osd-quant-spec-lookup": dict(num_draft_tokens=K, prompt_lookup=True),
+    "osd-quant-eagle-lookup": dict(num_draft_tokens=3, prompt_lookup=True, ngram_min=2),
+}
 QUANT_SPECS["osd-quant-eagle-lookup-q8"] = QUANT_SPECS["osd-quant-eagle-lookup"]
 # Lookup trees with 3-token matches drafting alone, the standalone draft's shape measured
 # on independent prompts (its serving.json; the demo also looks up earlier answers, so it
 # puts every match beside the draft's chain, docs/online.md).
-TREE_SPEC = dict(num_draft_tokens=3, prompt_lookup=True, lookup_tokens=LOOKUP_TOKENS,
-                 lookup_tree_below=3)
-EAGLE_TREE_SPEC = dict(TREE_SPEC, num_draft_tokens=4)   # the EAGLE draft's longer branch
+TREE_SPEC = dict(
+    num_draft_tokens=3, prompt_lookup=True, lookup_tokens=LOOKUP_TOKENS, lookup_tree_below=3
+)
+EAGLE_TREE_SPEC = dict(TREE_SPEC, num_draft_tokens=4)  # the EAGLE draft's longer branch
 
 
 @pytest.fixture(scope="module")
@@ -84,33 +101,47 @@ def setup():
 
     try:
         target, draft = zoo.chat_pair()
-    except Exception as exc:        # pragma: no cover - offline machines
+    except Exception as exc:  # pragma: no cover - offline machines
         pytest.skip(f"the chat pair is not available: {exc}")
-    target = os.environ.get("OSD_BENCH_CHAT_TARGET", target)   # another file of the model
-    draft = os.environ.get("OSD_BENCH_CHAT_DRAFT", draft)      # benchmark another draft
+    target = os.environ.get("OSD_BENCH_CHAT_TARGET", target)  # another file of the model
+    draft = os.environ.get("OSD_BENCH_CHAT_DRAFT", draft)  # benchmark another draft
     if draft is None:
         pytest.skip("the chat pair has no draft")
     convs = humaneval.conversations(NUM_PROMPTS + WARMUP, seed=11)
-    plain = osd.Engine.from_pretrained(target, max_batch_size=1, max_seq_len=1024,
-                                       quantized=False)
+    plain = osd.Engine.from_pretrained(target, max_batch_size=1, max_seq_len=1024, quantized=False)
     prompts = apply_chat_template(plain.tokenizer, convs)
-    return {"target": target, "draft": draft, "eagle": zoo.chat_eagle(), "plain": plain,
-            "prompts": prompts[:NUM_PROMPTS], "warmup": prompts[NUM_PROMPTS:], "rows": {}}
+    return {
+        "target": target,
+        "draft": draft,
+        "eagle": zoo.chat_eagle(),
+        "plain": plain,
+        "prompts": prompts[:NUM_PROMPTS],
+        "warmup": prompts[NUM_PROMPTS:],
+        "rows": {},
+    }
 
 
 def _hf(path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    m = osd.load_model(path, head_vocab=False)   # transformers holds the full head
+    m = osd.load_model(path, head_vocab=False)  # transformers holds the full head
     c = m.config
-    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-                      intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
-                      num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-                      head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-                      max_position_embeddings=c.max_position_embeddings,
-                      tie_word_embeddings=c.tie_word_embeddings,
-                      eos_token_id=list(c.eos_token_ids), bos_token_id=c.bos_token_id,
-                      pad_token_id=c.eos_token_ids[0])
+    cfg = LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+        eos_token_id=list(c.eos_token_ids),
+        bos_token_id=c.bos_token_id,
+        pad_token_id=c.eos_token_ids[0],
+    )
     hf = LlamaForCausalLM(cfg).eval()
     state = {}
     for name, t in m.state_dict().items():
@@ -128,61 +159,102 @@ def _hf_names(name, t, c):
         i, rest = name.split(".", 2)[1:]
         p = f"model.layers.{i}."
         if rest == "wqkv.weight":
-            return {p + "self_attn.q_proj.weight": t[:q], p + "self_attn.k_proj.weight":
-                    t[q:q + kv], p + "self_attn.v_proj.weight": t[q + kv:]}
+            return {
+                p + "self_attn.q_proj.weight": t[:q],
+                p + "self_attn.k_proj.weight": t[q : q + kv],
+                p + "self_attn.v_proj.weight": t[q + kv :],
+            }
         if rest == "w_gate_up.weight":
             h = t.shape[0] // 2
             return {p + "mlp.gate_proj.weight": t[:h], p + "mlp.up_proj.weight": t[h:]}
-        names = {"wo.weight": "self_attn.o_proj.weight", "w_down.weight": "mlp.down_proj.weight",
-                 "input_norm.weight": "input_layernorm.weight",
-                 "post_attention_norm.weight": "post_attention_layernorm.weight"}
+        names = {
+            "wo.weight": "self_attn.o_proj.weight",
+            "w_down.weight": "mlp.down_proj.weight",
+            "input_norm.weight": "input_layernorm.weight",
+            "post_attention_norm.weight": "post_attention_layernorm.weight",
+        }
         return {p + names[rest]: t}
-    names = {"embed_tokens.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-             "lm_head.weight": "lm_head.weight"}
+    names = {
+        "embed_tokens.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "lm_head.weight": "lm_head.weight",
+    }
     return {names[name]: t}
 
 
 def _draft_of(setup, provider):
     if not provider.startswith(("osd-eagle", "osd-quant-eagle")):
         return setup["draft"]
-    if setup["eagle"] is None:      # it ships in the repository: its absence is a broken install
-        pytest.fail("osd/zoo/weights/chat_eagle is missing: reinstall osd, or rebuild it with "
-                    "scripts/build_chat_eagle.py")
+    if setup["eagle"] is None:  # it ships in the repository: its absence is a broken install
+        pytest.fail(
+            "osd/zoo/weights/chat_eagle is missing: reinstall osd, or rebuild it with "
+            "scripts/build_chat_eagle.py"
+        )
     return setup["eagle"]
 
 
 def _engine(setup, provider):
     if provider.startswith("osd-quant"):
         if provider == "osd-quant-plain":
-            return osd.Engine.from_pretrained(setup["target"], max_batch_size=1,
-                                              max_seq_len=1024, quantized=True)
+            return osd.Engine.from_pretrained(
+                setup["target"], max_batch_size=1, max_seq_len=1024, quantized=True
+            )
         return osd.Engine.from_pretrained(
-            setup["target"], draft=_draft_of(setup, provider), max_batch_size=1,
-            max_seq_len=1024, quantized=True, spec=osd.SpecConfig(**QUANT_SPECS[provider]),
-            quantize_draft=_draft_format(provider))
+            setup["target"],
+            draft=_draft_of(setup, provider),
+            max_batch_size=1,
+            max_seq_len=1024,
+            quantized=True,
+            spec=osd.SpecConfig(**QUANT_SPECS[provider]),
+            quantize_draft=_draft_format(provider),
+        )
     lookup = provider.endswith(("-lookup", "-lookup-q8"))
     # The EAGLE draft drafts better than a 1-token match predicts: lookup on 2+-token matches.
     eagle_lookup = lookup and provider.startswith("osd-eagle")
-    spec = osd.SpecConfig(num_draft_tokens=K, prompt_lookup=lookup, ngram_min=2 if eagle_lookup
-                          else 1, lookup_tokens=LOOKUP_TOKENS if eagle_lookup else 0)
+    spec = osd.SpecConfig(
+        num_draft_tokens=K,
+        prompt_lookup=lookup,
+        ngram_min=2 if eagle_lookup else 1,
+        lookup_tokens=LOOKUP_TOKENS if eagle_lookup else 0,
+    )
     if "-lookup-tree" in provider:
-        spec = osd.SpecConfig(**(EAGLE_TREE_SPEC if provider.startswith("osd-eagle")
-                                 else TREE_SPEC))
+        spec = osd.SpecConfig(
+            **(EAGLE_TREE_SPEC if provider.startswith("osd-eagle") else TREE_SPEC)
+        )
     draft = _draft_of(setup, provider)
     if "-online" not in provider:
-        return osd.Engine.from_pretrained(setup["target"], draft=draft, spec=spec,
-                                          max_batch_size=1, max_seq_len=1024, quantized=False,
-                                          quantize_draft=_draft_format(provider))
-    eng = osd.Engine.from_pretrained(     # warm-up with the float draft
-        setup["target"], draft=draft, spec=spec, max_batch_size=1, max_seq_len=1024,
-        quantized=False, online=online_recipe("chat"), quantize_draft=None)
+        return osd.Engine.from_pretrained(
+            setup["target"],
+            draft=draft,
+            spec=spec,
+            max_batch_size=1,
+            max_seq_len=1024,
+            quantized=False,
+            quantize_draft=_draft_format(provider),
+        )
+    eng = osd.Engine.from_pretrained(  # warm-up with the float draft
+        setup["target"],
+        draft=draft,
+        spec=spec,
+        max_batch_size=1,
+        max_seq_len=1024,
+        quantized=False,
+        online=online_recipe("chat"),
+        quantize_draft=None,
+    )
     for p in setup["warmup"]:
         eng.generate([p], osd.SamplingParams(NEW_TOKENS))
     eng.close()
     learned = eng.speculators[0].drafter.model
-    frozen = osd.Engine(eng.model, draft=learned, spec=spec, tokenizer=eng.tokenizer,
-                        max_batch_size=1, max_seq_len=1024,
-                        quantize_draft=_draft_format(provider))
+    frozen = osd.Engine(
+        eng.model,
+        draft=learned,
+        spec=spec,
+        tokenizer=eng.tokenizer,
+        max_batch_size=1,
+        max_seq_len=1024,
+        quantize_draft=_draft_format(provider),
+    )
     frozen.online_updates = eng.stats["online"]["updates_applied"]
     return frozen
 
@@ -208,6 +280,7 @@ def _runner(setup, provider):
                     break
                 out.append(t)
             return out
+
         return run, None
     hf = setup.setdefault("hf", _hf(setup["target"]))
     kw = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -220,9 +293,11 @@ def _runner(setup, provider):
 
     def run(p):
         with torch.inference_mode():
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
-                              dtype=torch.long), **kw)
-        return out[0, len(p):].tolist()
+            out = hf.generate(
+                torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), **kw
+            )
+        return out[0, len(p) :].tolist()
+
     return run, None
 
 
@@ -233,8 +308,8 @@ def test_chat(benchmark, setup, provider):
     params = osd.SamplingParams(NEW_TOKENS)
     refs = [plain.generate([p], params)[0].token_ids for p in setup["prompts"]]
     outs = [run(p) for p in setup["prompts"]]
-    if provider != "llama.cpp":       # llama.cpp computes in its own precision
-        trimmed = [o[:len(r)] for o, r in zip(outs, refs)]
+    if provider != "llama.cpp":  # llama.cpp computes in its own precision
+        trimmed = [o[: len(r)] for o, r in zip(outs, refs)]
         assert trimmed == refs, f"{provider} differs from osd plain greedy"
     best = {"p": [float("inf")] * len(refs), "a": [float("inf")] * len(refs)}
 
@@ -251,25 +326,34 @@ def test_chat(benchmark, setup, provider):
         eng.reset_stats()
     benchmark.pedantic(rounds, rounds=ROUNDS, iterations=1)
     tokens = sum(len(o) for o in outs)
-    info = {"tokens_per_s": tokens / sum(best["p"]),
-            "plain_tokens_per_s": sum(len(r) for r in refs) / sum(best["a"]),
-            "new_tokens": NEW_TOKENS, "prompts": len(refs)}
+    info = {
+        "tokens_per_s": tokens / sum(best["p"]),
+        "plain_tokens_per_s": sum(len(r) for r in refs) / sum(best["a"]),
+        "new_tokens": NEW_TOKENS,
+        "prompts": len(refs),
+    }
     info["vs_plain"] = info["tokens_per_s"] / info["plain_tokens_per_s"]
     if eng is not None and eng is not plain and eng.drafts:
         st = eng.stats
-        info.update(alpha=st.get("alpha"), acceptance_rate=st.get("acceptance_rate"),
-                    mean_accepted_length=st.get("mean_accepted_length"),
-                    lookup_steps=st.get("lookup_steps"))
+        info.update(
+            alpha=st.get("alpha"),
+            acceptance_rate=st.get("acceptance_rate"),
+            mean_accepted_length=st.get("mean_accepted_length"),
+            lookup_steps=st.get("lookup_steps"),
+        )
         draft = _draft_of(setup, provider)
         key = (draft, provider.startswith("osd-quant"), _draft_format(provider))
         costs = setup.setdefault("c", {})
         if key not in costs:
-            costs[key] = draft_cost_ratio(setup["target"], draft, quantized=key[1],
-                                          quantize_draft=key[2])
+            costs[key] = draft_cost_ratio(
+                setup["target"], draft, quantized=key[1], quantize_draft=key[2]
+            )
         info["c"] = costs[key]
         if hasattr(eng, "online_updates"):
             info["online_updates"] = eng.online_updates
     benchmark.extra_info.update(info)
     setup["rows"][provider] = info
-    print(f"\n{provider}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                                        for k, v in info.items()))
+    print(
+        f"\n{provider}: "
+        + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items())
+    )

@@ -18,6 +18,7 @@ tokens and takes more rounds; ``OSD_BENCH_THREADS`` sets torch's thread count (d
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_decode.py \\
         --benchmark-json=results/bench_decode.json
 """
+
 import time
 
 import pytest
@@ -31,13 +32,32 @@ NEW_TOKENS = 128 if FULL else 32
 ROUNDS = {"4M": 10 if FULL else 5, "90M": 5 if FULL else 3, "moe": 5 if FULL else 3}
 PROMPT_LEN = 16
 SIZES = {
-    "4M": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=688,
-               num_attention_heads=4, vocab_size=4096),
-    "90M": dict(num_hidden_layers=12, hidden_size=768, intermediate_size=2048,
-                num_attention_heads=12, vocab_size=8192),
-    "moe": dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1024,
-                num_attention_heads=8, num_key_value_heads=4, vocab_size=8192, num_experts=8,
-                num_experts_per_tok=2, moe_intermediate_size=512, norm_topk_prob=True),
+    "4M": dict(
+        num_hidden_layers=4,
+        hidden_size=256,
+        intermediate_size=688,
+        num_attention_heads=4,
+        vocab_size=4096,
+    ),
+    "90M": dict(
+        num_hidden_layers=12,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_attention_heads=12,
+        vocab_size=8192,
+    ),
+    "moe": dict(
+        num_hidden_layers=4,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=8192,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=512,
+        norm_topk_prob=True,
+    ),
 }
 PROVIDERS = ["osd", "osd-native-attn"]
 CASES = [(size, batch, provider) for size in SIZES for batch in (1, 8) for provider in PROVIDERS]
@@ -50,16 +70,28 @@ def _hf_model(size: str):
     """Random weights drawn wide (std 0.1, unit norms) so greedy decoding has no near-ties."""
     if size not in _models:
         _models.clear()
-        config, cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if size == "moe" else \
-            (LlamaConfig, LlamaForCausalLM)
-        cfg = config(**SIZES[size], max_position_embeddings=1024, tie_word_embeddings=True,
-                     eos_token_id=None, bos_token_id=None, pad_token_id=None)
+        config, cls = (
+            (Qwen3MoeConfig, Qwen3MoeForCausalLM)
+            if size == "moe"
+            else (LlamaConfig, LlamaForCausalLM)
+        )
+        cfg = config(
+            **SIZES[size],
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+            eos_token_id=None,
+            bos_token_id=None,
+            pad_token_id=None,
+        )
         model = cls(cfg).eval()
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                p.copy_(torch.ones_like(p) if "norm" in name
-                        else 0.1 * torch.randn(p.shape, generator=gen))
+                p.copy_(
+                    torch.ones_like(p)
+                    if "norm" in name
+                    else 0.1 * torch.randn(p.shape, generator=gen)
+                )
         _models[size] = model
     return _models[size]
 
@@ -71,26 +103,31 @@ def _prompts(batch: int) -> torch.Tensor:
 
 def _hf_generate(model, ids: torch.Tensor) -> list[list[int]]:
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            pad_token_id=0,
+        )
     return out[:, PROMPT_LEN:].tolist()
 
 
-@pytest.mark.parametrize("size,batch,provider", CASES,
-                         ids=[f"{s}-b{b}-{p}" for s, b, p in CASES])
+@pytest.mark.parametrize("size,batch,provider", CASES, ids=[f"{s}-b{b}-{p}" for s, b, p in CASES])
 def test_decode(benchmark, size, batch, provider):
     hf = _hf_model(size)
     ids = _prompts(batch)
     reference = _hf_generate(hf, ids)
     backend = "native" if provider == "osd-native-attn" else "auto"
-    engine = osd.Engine.from_pretrained(hf, max_batch_size=batch,
-                                        max_seq_len=PROMPT_LEN + NEW_TOKENS,
-                                        attention_backend=backend)
+    engine = osd.Engine.from_pretrained(
+        hf, max_batch_size=batch, max_seq_len=PROMPT_LEN + NEW_TOKENS, attention_backend=backend
+    )
     params = osd.SamplingParams(NEW_TOKENS)
     prompts = ids.tolist()
-    assert [o.token_ids for o in engine.generate(prompts, params)] == reference, \
+    assert [o.token_ids for o in engine.generate(prompts, params)] == reference, (
         "greedy output differs from transformers"
+    )
 
     hf_times = []
 
@@ -99,13 +136,24 @@ def test_decode(benchmark, size, batch, provider):
         _hf_generate(hf, ids)
         hf_times.append(time.perf_counter() - start)
 
-    benchmark.pedantic(engine.generate, args=(prompts, params), setup=transformers_round,
-                       rounds=ROUNDS[size], iterations=1, warmup_rounds=1)
+    benchmark.pedantic(
+        engine.generate,
+        args=(prompts, params),
+        setup=transformers_round,
+        rounds=ROUNDS[size],
+        iterations=1,
+        warmup_rounds=1,
+    )
     tokens = batch * NEW_TOKENS
     ours, theirs = tokens / benchmark.stats.stats.min, tokens / min(hf_times)
-    benchmark.extra_info.update(provider=provider, size=size, batch=batch,
-                                params_m=round(hf.num_parameters() / 1e6, 1),
-                                new_tokens=NEW_TOKENS, threads=torch.get_num_threads(),
-                                tokens_per_s=round(ours, 1),
-                                transformers_tokens_per_s=round(theirs, 1),
-                                vs_transformers=round(ours / theirs, 2))
+    benchmark.extra_info.update(
+        provider=provider,
+        size=size,
+        batch=batch,
+        params_m=round(hf.num_parameters() / 1e6, 1),
+        new_tokens=NEW_TOKENS,
+        threads=torch.get_num_threads(),
+        tokens_per_s=round(ours, 1),
+        transformers_tokens_per_s=round(theirs, 1),
+        vs_transformers=round(ours / theirs, 2),
+    )

@@ -19,6 +19,7 @@ outputs are checked to agree first.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_decode_linear.py
 """
+
 import time
 
 import pytest
@@ -30,17 +31,20 @@ from osd_kernels import decode_linear, pack_weight
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
 
-SHAPES = {   # name: (N, K)
-    "zoo-qkv": (960, 320), "zoo-gate-up": (1728, 320), "zoo-down": (320, 864),
+SHAPES = {  # name: (N, K)
+    "zoo-qkv": (960, 320),
+    "zoo-gate-up": (1728, 320),
+    "zoo-down": (320, 864),
     "zoo-lm-head": (2048, 320),
-    "chat-down": (576, 1536), "chat-lm-head": (49152, 576),   # the chat target's
+    "chat-down": (576, 1536),
+    "chat-lm-head": (49152, 576),  # the chat target's
 }
 if FULL:
     SHAPES.update({"1b-qkv": (6144, 2048), "1b-down": (2048, 8192)})
 ROWS = (1, 2, 5, 9, 16, 32, 64)
-CALLS = 200   # calls per timed round, fewer where that reads over ROUND_ELEMENTS weights
+CALLS = 200  # calls per timed round, fewer where that reads over ROUND_ELEMENTS weights
 ROUND_ELEMENTS = 20_000_000
-COLD_BYTES = 32 << 20   # the development machine's last-level cache
+COLD_BYTES = 32 << 20  # the development machine's last-level cache
 
 
 @pytest.mark.parametrize("weights", ["hot", "cold"])
@@ -50,13 +54,18 @@ def test_decode_linear(benchmark, shape, rows, weights):
     n, k = SHAPES[shape]
     gen = torch.Generator().manual_seed(n + rows)
     x = torch.randn(rows, k, generator=gen)
-    w = torch.randn(n, k, generator=gen) / k ** 0.5
+    w = torch.randn(n, k, generator=gen) / k**0.5
     b = torch.randn(n, generator=gen)
-    torch.testing.assert_close(decode_linear(x, w, b, backend="native"), F.linear(x, w, b),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        decode_linear(x, w, b, backend="native"), F.linear(x, w, b), rtol=1e-4, atol=1e-4
+    )
     copies = 1 if weights == "hot" else -(-2 * COLD_BYTES // (4 * n * k))
-    torch.testing.assert_close(decode_linear(x, w, b, backend="native", packed=pack_weight(w)),
-                               F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        decode_linear(x, w, b, backend="native", packed=pack_weight(w)),
+        F.linear(x, w, b),
+        rtol=1e-4,
+        atol=1e-4,
+    )
     ws = [w] + [w.clone() for _ in range(copies - 1)]
     packs = [pack_weight(v) for v in ws]
     calls = max(10, min(CALLS, ROUND_ELEMENTS // (n * k)))
@@ -79,7 +88,14 @@ def test_decode_linear(benchmark, shape, rows, weights):
     benchmark.pedantic(ours, setup=linear_round, rounds=10, iterations=1, warmup_rounds=1)
     cpp = benchmark.stats.stats.min
     benchmark.extra_info.update(
-        N=n, K=k, M=rows, weights=weights, threads=torch.get_num_threads(),
-        linear_us=round(best["linear"] / calls * 1e6, 2), cpp_us=round(cpp / calls * 1e6, 2),
-        packed_us=round(best["packed"] / calls * 1e6, 2), speedup=round(best["linear"] / cpp, 2),
-        packed_speedup=round(best["linear"] / best["packed"], 2))
+        N=n,
+        K=k,
+        M=rows,
+        weights=weights,
+        threads=torch.get_num_threads(),
+        linear_us=round(best["linear"] / calls * 1e6, 2),
+        cpp_us=round(cpp / calls * 1e6, 2),
+        packed_us=round(best["packed"] / calls * 1e6, 2),
+        speedup=round(best["linear"] / cpp, 2),
+        packed_speedup=round(best["linear"] / best["packed"], 2),
+    )

@@ -16,6 +16,7 @@ Default sweep: N = 256, V = 32000, losses fkl and jsd, full and top-20 targets.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_distill_loss.py
 """
+
 import weakref
 
 import pytest
@@ -74,8 +75,14 @@ def _case(N, V, form, dtype, device):
     return draft, (ids, probs)
 
 
-CASES = [(N, V, loss, form, p) for p in PROVIDERS for V in VOCABS for N in ROWS
-         for loss in LOSSES for form in FORMS]
+CASES = [
+    (N, V, loss, form, p)
+    for p in PROVIDERS
+    for V in VOCABS
+    for N in ROWS
+    for loss in LOSSES
+    for form in FORMS
+]
 
 
 @pytest.mark.parametrize("N,V,loss,form,provider", CASES)
@@ -105,8 +112,15 @@ def test_distill_loss(benchmark, N, V, loss, form, provider):
     inputs = [draft] + ([target] if torch.is_tensor(target) else list(target))
     with _PeakTensorBytes(inputs) as mode:
         run()
-    benchmark.pedantic(run, rounds=3 if provider in ("autograd", "chunked") else 10,
-                       warmup_rounds=1)
-    benchmark.extra_info.update(provider=provider, N=N, V=V, loss=loss, target=form,
-                                grad_mb=N * V * draft.element_size() / 2**20,
-                                peak_mb=mode.peak / 2**20)
+    benchmark.pedantic(
+        run, rounds=3 if provider in ("autograd", "chunked") else 10, warmup_rounds=1
+    )
+    benchmark.extra_info.update(
+        provider=provider,
+        N=N,
+        V=V,
+        loss=loss,
+        target=form,
+        grad_mb=N * V * draft.element_size() / 2**20,
+        peak_mb=mode.peak / 2**20,
+    )

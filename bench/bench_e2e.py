@@ -66,6 +66,7 @@ writes a markdown table (``bench_e2e.md``) and a plot (``bench_e2e.png``) there:
     OSD_BENCH_E2E_OUT=results .venv/bin/python -m pytest -q -p no:cacheprovider \\
         bench/bench_e2e.py --benchmark-json=results/bench_e2e.json
 """
+
 import os
 import time
 
@@ -84,14 +85,15 @@ BATCH = 8
 PROMPT_TOKENS = 48
 K = 4
 K_MAX = 8
-TREE = [(0,), (1,), (2,), (3,), (0, 0), (1, 0)]   # top 4 at the root, best child of 2
+TREE = [(0,), (1,), (2,), (3,), (0, 0), (1, 0)]  # top 4 at the root, best child of 2
 COST_REPS = 400 if FULL else 200
 WARMUP = 400 if FULL else 200
 EVAL = 64 if FULL else 32
 # The learner shares the 2-core machine with serving: updates on the newest 1024 positions
 # (rather than 4096) cost a quarter as much, so about twice as many run in the warm-up.
-ONLINE = osd.OnlineConfig(update_every_requests=4, steps_per_update=8, lr=5e-4,
-                          batch_positions=1024, seed=0)
+ONLINE = osd.OnlineConfig(
+    update_every_requests=4, steps_per_update=8, lr=5e-4, batch_positions=1024, seed=0
+)
 THREADS = int(os.environ.get("OSD_BENCH_THREADS", "1"))
 OUT_DIR = os.environ.get("OSD_BENCH_E2E_OUT")
 
@@ -100,8 +102,10 @@ OSD_PROVIDERS = {
     "osd-plain": (1, None),
     "osd-spec": (1, osd.SpecConfig(num_draft_tokens=K)),
     "osd-online": (1, osd.SpecConfig(num_draft_tokens=K)),
-    "osd-online-lookup": (1, osd.SpecConfig(num_draft_tokens=K, prompt_lookup=True,
-                                            ngram_min=2, ngram_max=4)),
+    "osd-online-lookup": (
+        1,
+        osd.SpecConfig(num_draft_tokens=K, prompt_lookup=True, ngram_min=2, ngram_max=4),
+    ),
     f"osd-spec-k{K_MAX}": (1, osd.SpecConfig(num_draft_tokens=K_MAX)),
     "osd-adaptive": (1, osd.SpecConfig(num_draft_tokens=K_MAX, adaptive=True)),
     "osd-tree": (1, osd.SpecConfig(num_draft_tokens=len(TREE), tree=TREE)),
@@ -110,9 +114,20 @@ OSD_PROVIDERS = {
     "osd-spec-b8": (BATCH, osd.SpecConfig(num_draft_tokens=K)),
 }
 HF_PROVIDERS = ("transformers", "transformers-assisted")
-PROVIDERS = ["osd-plain", "transformers", "transformers-assisted", "osd-spec", "osd-online",
-             "osd-online-lookup", f"osd-spec-k{K_MAX}", "osd-adaptive", "osd-tree", "osd-ngram",
-             "osd-plain-b8", "osd-spec-b8"]
+PROVIDERS = [
+    "osd-plain",
+    "transformers",
+    "transformers-assisted",
+    "osd-spec",
+    "osd-online",
+    "osd-online-lookup",
+    f"osd-spec-k{K_MAX}",
+    "osd-adaptive",
+    "osd-tree",
+    "osd-ngram",
+    "osd-plain-b8",
+    "osd-spec-b8",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -137,22 +152,29 @@ def pair():
     hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
     hf_draft.generation_config.assistant_confidence_threshold = 0.0
     engines = {}
-    warmup: dict = {}       # osd-online: α per warm-up query and the learning history
+    warmup: dict = {}  # osd-online: α per warm-up query and the learning history
 
     def engine(name):
         if name == "osd-online-lookup" and name not in engines:
             learned = engine("osd-online")
             batch, spec = OSD_PROVIDERS[name]
-            engines[name] = osd.Engine(learned.model, draft=learned.draft, spec=spec,
-                                       max_batch_size=batch,
-                                       max_seq_len=PROMPT_TOKENS + NEW_TOKENS)
+            engines[name] = osd.Engine(
+                learned.model,
+                draft=learned.draft,
+                spec=spec,
+                max_batch_size=batch,
+                max_seq_len=PROMPT_TOKENS + NEW_TOKENS,
+            )
         if name not in engines:
             batch, spec = OSD_PROVIDERS[name]
             engines[name] = osd.Engine.from_pretrained(
-                target_dir, draft=draft_dir if spec is not None and spec.drafter == "model"
-                else None, spec=spec,
-                max_batch_size=batch, max_seq_len=PROMPT_TOKENS + NEW_TOKENS,
-                online=ONLINE if name == "osd-online" else None)
+                target_dir,
+                draft=draft_dir if spec is not None and spec.drafter == "model" else None,
+                spec=spec,
+                max_batch_size=batch,
+                max_seq_len=PROMPT_TOKENS + NEW_TOKENS,
+                online=ONLINE if name == "osd-online" else None,
+            )
             if name == "osd-online":
                 learner = engines[name]
                 warmup["alpha"] = warm_up(learner)
@@ -160,26 +182,41 @@ def pair():
                 warmup["history"] = learner.stats["online"]
                 # Serve the timed prompts with the learned draft, frozen: the timed rounds
                 # repeat the same prompts, which a learning draft would memorise.
-                engines[name] = osd.Engine(learner.model, draft=learner.draft, spec=spec,
-                                           max_batch_size=batch,
-                                           max_seq_len=PROMPT_TOKENS + NEW_TOKENS)
-                warmup["eval"] = {"static": mean_alpha(engine("osd-spec")),
-                                  "online": mean_alpha(engines[name])}
+                engines[name] = osd.Engine(
+                    learner.model,
+                    draft=learner.draft,
+                    spec=spec,
+                    max_batch_size=batch,
+                    max_seq_len=PROMPT_TOKENS + NEW_TOKENS,
+                )
+                warmup["eval"] = {
+                    "static": mean_alpha(engine("osd-spec")),
+                    "online": mean_alpha(engines[name]),
+                }
         return engines[name]
 
     params = osd.SamplingParams(NEW_TOKENS)
     reference = [engine("osd-plain").generate([p], params)[0].token_ids for p in prompts]
-    return dict(target_dir=target_dir, draft_dir=draft_dir, prompts=prompts, params=params,
-                hf_target=hf_target, hf_draft=hf_draft, engine=engine, reference=reference,
-                warmup=warmup)
+    return dict(
+        target_dir=target_dir,
+        draft_dir=draft_dir,
+        prompts=prompts,
+        params=params,
+        hf_target=hf_target,
+        hf_draft=hf_draft,
+        engine=engine,
+        reference=reference,
+        warmup=warmup,
+    )
 
 
 def mean_alpha(engine) -> float:
     """Mean α per query over ``EVAL`` code queries that neither the warm-up nor the timed
     rounds serve (seed 9)."""
     stream = zoo.query_stream("code", n=EVAL, prompt_tokens=PROMPT_TOKENS, seed=9)
-    alphas = [engine.generate([p], osd.SamplingParams(NEW_TOKENS))[0].stats["alpha"]
-              for p in stream]
+    alphas = [
+        engine.generate([p], osd.SamplingParams(NEW_TOKENS))[0].stats["alpha"] for p in stream
+    ]
     alphas = [a for a in alphas if a is not None]
     return sum(alphas) / len(alphas)
 
@@ -194,8 +231,11 @@ def warm_up(engine) -> list:
         alphas.append(engine.generate([prompt], params)[0].stats["alpha"])
         if i % 16 == 0 or i == len(stream):
             window = [a for a in alphas[-16:] if a is not None]
-            print(f"osd-online warm-up: {i}/{len(stream)} queries, α (last 16) "
-                  f"{sum(window) / max(len(window), 1):.3f}", flush=True)
+            print(
+                f"osd-online warm-up: {i}/{len(stream)} queries, α (last 16) "
+                f"{sum(window) / max(len(window), 1):.3f}",
+                flush=True,
+            )
     engine.online.wait()
     return alphas
 
@@ -204,9 +244,14 @@ def _hf_generate(pair, prompt: list[int], assisted: bool) -> list[int]:
     ids = torch.tensor([prompt])
     extra = dict(assistant_model=pair["hf_draft"]) if assisted else {}
     with torch.no_grad():
-        out = pair["hf_target"].generate(ids, attention_mask=torch.ones_like(ids),
-                                         do_sample=False, max_new_tokens=NEW_TOKENS, **extra)
-    return out[0, len(prompt):].tolist()
+        out = pair["hf_target"].generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            **extra,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def _workload(pair, name: str):
@@ -221,8 +266,9 @@ def _workload(pair, name: str):
         units = [lambda p=p: [_hf_generate(pair, p, assisted)] for p in prompts]
         return units, prompts, [None] * len(units)
     engine, params = pair["engine"](name), pair["params"]
-    groups = ([[p] for p in prompts[:NUM_PROMPTS]] if OSD_PROVIDERS[name][0] == 1
-              else [prompts[:BATCH]])
+    groups = (
+        [[p] for p in prompts[:NUM_PROMPTS]] if OSD_PROVIDERS[name][0] == 1 else [prompts[:BATCH]]
+    )
     outputs: list = [None] * len(groups)
 
     def unit(i):
@@ -249,19 +295,25 @@ def costs(pair):
             cache.commit(torch.tensor([PROMPT_TOKENS], dtype=torch.int32), PROMPT_TOKENS)
             caches[name] = cache
         step = prompt[:, -1:].clone()
-        chain = prompt[:, -(K + 1):].clone()
+        chain = prompt[:, -(K + 1) :].clone()
         # Forwards never change cache.lens, so each repetition decodes the same position.
-        calls = {"target": lambda: models["target"](step, caches["target"]),
-                 "draft": lambda: models["draft"](step, caches["draft"]),
-                 "verify": lambda: models["target"](chain, caches["target"])}
+        calls = {
+            "target": lambda: models["target"](step, caches["target"]),
+            "draft": lambda: models["draft"](step, caches["draft"]),
+            "verify": lambda: models["target"](chain, caches["target"]),
+        }
         best = dict.fromkeys(calls, float("inf"))
         for _ in range(COST_REPS):
             for name, call in calls.items():
                 start = time.perf_counter()
                 call()
                 best[name] = min(best[name], time.perf_counter() - start)
-    return dict(c=best["draft"] / best["target"], verify_cost=best["verify"] / best["target"],
-                target_forward_ms=best["target"] * 1e3, draft_forward_ms=best["draft"] * 1e3)
+    return dict(
+        c=best["draft"] / best["target"],
+        verify_cost=best["verify"] / best["target"],
+        target_forward_ms=best["target"] * 1e3,
+        draft_forward_ms=best["draft"] * 1e3,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -295,21 +347,36 @@ def _fmt(value, digits=2) -> str:
 
 def markdown_table(rows: dict[str, dict]) -> str:
     """The measured rows as a markdown table, in ``PROVIDERS`` order."""
-    head = ("| provider | batch | k | tokens/s | vs osd-plain | vs transformers-assisted | α "
-            "| acceptance | τ | c | bound (α) | bound (τ) |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    head = (
+        "| provider | batch | k | tokens/s | vs osd-plain | vs transformers-assisted | α "
+        "| acceptance | τ | c | bound (α) | bound (τ) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     lines = []
     for name in PROVIDERS:
         if name not in rows:
             continue
         r = rows[name]
-        lines.append("| " + " | ".join([
-            name, str(r["batch"]), _fmt(r.get("k")), f"{r['tokens_per_s']:.1f}",
-            _fmt(r["vs_plain"]), _fmt(r["vs_transformers_assisted"]),
-            _fmt(r.get("alpha"), 3), _fmt(r.get("acceptance_rate"), 3),
-            _fmt(r.get("mean_accepted_length")), _fmt(r.get("c"), 3), _fmt(r.get("bound")),
-            _fmt(r.get("bound_tau")),
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    name,
+                    str(r["batch"]),
+                    _fmt(r.get("k")),
+                    f"{r['tokens_per_s']:.1f}",
+                    _fmt(r["vs_plain"]),
+                    _fmt(r["vs_transformers_assisted"]),
+                    _fmt(r.get("alpha"), 3),
+                    _fmt(r.get("acceptance_rate"), 3),
+                    _fmt(r.get("mean_accepted_length")),
+                    _fmt(r.get("c"), 3),
+                    _fmt(r.get("bound")),
+                    _fmt(r.get("bound_tau")),
+                ]
+            )
+            + " |"
+        )
     return head + "\n".join(lines) + "\n"
 
 
@@ -327,9 +394,13 @@ def plot(rows: dict[str, dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(names) + 1.2))
     bars = ax.barh(names[::-1], tps[::-1], color=colors[::-1])
     for bar, n in zip(bars, names[::-1]):
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
-                f" {rows[n]['tokens_per_s']:.0f} ({rows[n]['vs_transformers_assisted']:.2f}x)",
-                va="center", fontsize=8)
+        ax.text(
+            bar.get_width(),
+            bar.get_y() + bar.get_height() / 2,
+            f" {rows[n]['tokens_per_s']:.0f} ({rows[n]['vs_transformers_assisted']:.2f}x)",
+            va="center",
+            fontsize=8,
+        )
     ax.set_xlabel("generated tokens/s (ratio over transformers-assisted, side by side)")
     ax.set_title("Zoo pair, CPU fp32 greedy, 1 thread (shared 2-core machine)", fontsize=9)
     ax.set_xlim(0, max(tps) * 1.3)
@@ -341,14 +412,16 @@ def plot(rows: dict[str, dict], path: str) -> None:
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_e2e(benchmark, pair, costs, report, provider):
     units, prompts, outputs = _workload(pair, provider)
-    reference = pair["reference"][:len(prompts)]
-    assert [t for u in units for t in u()] == reference, \
+    reference = pair["reference"][: len(prompts)]
+    assert [t for u in units for t in u()] == reference, (
         f"{provider}: greedy output differs from our plain decoding"
+    )
     batch = 1 if provider in HF_PROVIDERS else OSD_PROVIDERS[provider][0]
     plain_name = "osd-plain" if batch == 1 else "osd-plain-b8"
     runs = {provider: (units, prompts)}
-    runs.update({a: _workload(pair, a)[:2] for a in (plain_name, "transformers-assisted")
-                 if a != provider})
+    runs.update(
+        {a: _workload(pair, a)[:2] for a in (plain_name, "transformers-assisted") if a != provider}
+    )
     best = {name: [float("inf")] * len(u) for name, (u, _) in runs.items()}
 
     def interleaved_round():
@@ -369,16 +442,25 @@ def test_e2e(benchmark, pair, costs, report, provider):
     outputs = [o for unit_outputs in outputs if unit_outputs for o in unit_outputs]
 
     tokens = sum(len(t) for t in reference)
-    rates = {name: sum(len(t) for t in pair["reference"][:len(p)]) / sum(best[name])
-             for name, (_, p) in runs.items()}
+    rates = {
+        name: sum(len(t) for t in pair["reference"][: len(p)]) / sum(best[name])
+        for name, (_, p) in runs.items()
+    }
     tps = rates[provider]
-    row = dict(provider=provider, batch=batch, prompts=len(prompts), new_tokens=NEW_TOKENS,
-               generated_tokens=tokens, rounds=ROUNDS, threads=torch.get_num_threads(),
-               tokens_per_s=round(tps, 1),
-               vs_plain=round(tps / rates[plain_name], 2),
-               vs_transformers_assisted=round(tps / rates["transformers-assisted"], 2),
-               transformers_assisted_tokens_per_s=round(rates["transformers-assisted"], 1),
-               plain_tokens_per_s=round(rates[plain_name], 1))
+    row = dict(
+        provider=provider,
+        batch=batch,
+        prompts=len(prompts),
+        new_tokens=NEW_TOKENS,
+        generated_tokens=tokens,
+        rounds=ROUNDS,
+        threads=torch.get_num_threads(),
+        tokens_per_s=round(tps, 1),
+        vs_plain=round(tps / rates[plain_name], 2),
+        vs_transformers_assisted=round(tps / rates["transformers-assisted"], 2),
+        transformers_assisted_tokens_per_s=round(rates["transformers-assisted"], 1),
+        plain_tokens_per_s=round(rates[plain_name], 1),
+    )
     if provider == "transformers-assisted":
         row["k"] = K
     spec = None if provider in HF_PROVIDERS else OSD_PROVIDERS[provider][1]
@@ -388,31 +470,43 @@ def test_e2e(benchmark, pair, costs, report, provider):
         # Per sequence, from the outputs' own counters (the first token included).
         steps = sum(o.stats["target_forwards"] for o in outputs)
         drafted = sum(o.stats["drafted"] for o in outputs)
-        row.update(k=k, adaptive=spec.adaptive, tree=spec.is_tree,
-                   alpha=None if st["alpha"] is None else round(st["alpha"], 4),
-                   acceptance_rate=round(st["acceptance_rate"], 4),
-                   mean_accepted_length=round(sum(len(o.token_ids) for o in outputs) / steps, 3),
-                   drafted_per_step=round(drafted / steps, 3),
-                   lookup_steps=sum(o.stats["lookup_steps"] for o in outputs),
-                   steps=steps,
-                   position_acceptance=[None if a is None else round(a, 3)
-                                        for a in st["position_acceptance"]],
-                   time_s={p: round(t, 3) for p, t in st["time_s"].items()})
+        row.update(
+            k=k,
+            adaptive=spec.adaptive,
+            tree=spec.is_tree,
+            alpha=None if st["alpha"] is None else round(st["alpha"], 4),
+            acceptance_rate=round(st["acceptance_rate"], 4),
+            mean_accepted_length=round(sum(len(o.token_ids) for o in outputs) / steps, 3),
+            drafted_per_step=round(drafted / steps, 3),
+            lookup_steps=sum(o.stats["lookup_steps"] for o in outputs),
+            steps=steps,
+            position_acceptance=[
+                None if a is None else round(a, 3) for a in st["position_acceptance"]
+            ],
+            time_s={p: round(t, 3) for p, t in st["time_s"].items()},
+        )
         if spec.drafter == "model":
-            row.update(c=round(costs["c"], 4), verify_cost=round(costs["verify_cost"], 3),
-                       target_forward_ms=round(costs["target_forward_ms"], 3),
-                       draft_forward_ms=round(costs["draft_forward_ms"], 3))
+            row.update(
+                c=round(costs["c"], 4),
+                verify_cost=round(costs["verify_cost"], 3),
+                target_forward_ms=round(costs["target_forward_ms"], 3),
+                draft_forward_ms=round(costs["draft_forward_ms"], 3),
+            )
         if provider == "osd-online":
             hist = pair["warmup"]["history"]
             first = [a for a in pair["warmup"]["alpha"][:16] if a is not None]
-            row.update(warmup_queries=WARMUP, updates_applied=hist["updates_applied"],
-                       updates_rejected=hist["updates_rejected"],
-                       warmup_alpha_first16=round(sum(first) / len(first), 4),
-                       eval_queries=EVAL,
-                       eval_alpha_static=round(pair["warmup"]["eval"]["static"], 4),
-                       eval_alpha_online=round(pair["warmup"]["eval"]["online"], 4),
-                       eval_alpha_gain=round(pair["warmup"]["eval"]["online"]
-                                             - pair["warmup"]["eval"]["static"], 4))
+            row.update(
+                warmup_queries=WARMUP,
+                updates_applied=hist["updates_applied"],
+                updates_rejected=hist["updates_rejected"],
+                warmup_alpha_first16=round(sum(first) / len(first), 4),
+                eval_queries=EVAL,
+                eval_alpha_static=round(pair["warmup"]["eval"]["static"], 4),
+                eval_alpha_online=round(pair["warmup"]["eval"]["online"], 4),
+                eval_alpha_gain=round(
+                    pair["warmup"]["eval"]["online"] - pair["warmup"]["eval"]["static"], 4
+                ),
+            )
         if not (spec.is_tree or spec.adaptive or spec.prompt_lookup) and spec.drafter == "model":
             # In the engine a fixed chain runs k draft forwards per verify forward.
             t = st["time_s"]

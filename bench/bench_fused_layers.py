@@ -19,13 +19,21 @@ agree first (bfloat16: within 2^-5 of the largest output).
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_fused_layers.py
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from bench.common import FULL
-from osd_kernels import (add_rms_norm, add_rms_norm_reference, decode_gemv, rope_kv_write,
-                         rope_kv_write_reference, silu_mul, silu_mul_reference)
+from osd_kernels import (
+    add_rms_norm,
+    add_rms_norm_reference,
+    decode_gemv,
+    rope_kv_write,
+    rope_kv_write_reference,
+    silu_mul,
+    silu_mul_reference,
+)
 
 HIDDEN, INTER, HQ, HKV, D, S = 2048, 5632, 32, 4, 64, 2048
 GEMVS = ("qkv", "wo", "gate_up", "down")
@@ -45,39 +53,59 @@ def _case(name: str, rows: int, device: str, dtype=torch.bfloat16):
     x, res = randn(rows, HIDDEN), randn(rows, HIDDEN, scale=3.0)
     norm = randn(HIDDEN, scale=0.1) + 1
     if name in GEMVS:
-        n, k = {"qkv": ((HQ + 2 * HKV) * D, HIDDEN), "wo": (HIDDEN, HQ * D),
-                "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}[name]
-        w = randn(n, k, scale=k ** -0.5)
+        n, k = {
+            "qkv": ((HQ + 2 * HKV) * D, HIDDEN),
+            "wo": (HIDDEN, HQ * D),
+            "gate_up": (2 * INTER, HIDDEN),
+            "down": (HIDDEN, INTER),
+        }[name]
+        w = randn(n, k, scale=k**-0.5)
         inp = randn(rows, k)
         nbytes = w.numel() * w.element_size()
         if name == "qkv":
-            return (lambda: F.linear(F.rms_norm(inp, (k,), norm, 1e-5), w),
-                    lambda: decode_gemv(inp, w, norm_weight=norm, eps=1e-5, backend="triton"),
-                    nbytes)
+            return (
+                lambda: F.linear(F.rms_norm(inp, (k,), norm, 1e-5), w),
+                lambda: decode_gemv(inp, w, norm_weight=norm, eps=1e-5, backend="triton"),
+                nbytes,
+            )
         if name == "gate_up":
-            return (lambda: silu_mul_reference(F.linear(F.rms_norm(inp, (k,), norm, 1e-5), w)),
-                    lambda: decode_gemv(inp, w, norm_weight=norm, eps=1e-5, gated=True,
-                                        backend="triton"), nbytes)
-        return (lambda: res + F.linear(inp, w),
-                lambda: decode_gemv(inp, w, residual=res, backend="triton"), nbytes)
+            return (
+                lambda: silu_mul_reference(F.linear(F.rms_norm(inp, (k,), norm, 1e-5), w)),
+                lambda: decode_gemv(
+                    inp, w, norm_weight=norm, eps=1e-5, gated=True, backend="triton"
+                ),
+                nbytes,
+            )
+        return (
+            lambda: res + F.linear(inp, w),
+            lambda: decode_gemv(inp, w, residual=res, backend="triton"),
+            nbytes,
+        )
     if name == "add_rms_norm":
-        return (lambda: add_rms_norm_reference(x, res, norm, 1e-5)[1],
-                lambda: add_rms_norm(x, res, norm, 1e-5, backend="triton")[1],
-                4 * x.numel() * x.element_size())
+        return (
+            lambda: add_rms_norm_reference(x, res, norm, 1e-5)[1],
+            lambda: add_rms_norm(x, res, norm, 1e-5, backend="triton")[1],
+            4 * x.numel() * x.element_size(),
+        )
     if name == "silu_mul":
         gu = randn(rows, 2 * INTER)
-        return (lambda: silu_mul_reference(gu), lambda: silu_mul(gu, backend="triton"),
-                3 * gu.numel() // 2 * gu.element_size())
+        return (
+            lambda: silu_mul_reference(gu),
+            lambda: silu_mul(gu, backend="triton"),
+            3 * gu.numel() // 2 * gu.element_size(),
+        )
     qkv = randn(rows, 1, HQ + 2 * HKV, D)
-    q, k, v = qkv[:, :, :HQ], qkv[:, :, HQ:HQ + HKV], qkv[:, :, HQ + HKV:]
+    q, k, v = qkv[:, :, :HQ], qkv[:, :, HQ : HQ + HKV], qkv[:, :, HQ + HKV :]
     angles = torch.rand(rows, 1, D // 2, generator=gen) * 6.3
     cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype).to(device)
     sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype).to(device)
     kv = randn(2, rows, HKV, S, D)
     slots = torch.full((rows, 1), S // 2, dtype=torch.int64, device=device)
-    return (lambda: rope_kv_write_reference(q, k, v, cos, sin, kv, slots),
-            lambda: rope_kv_write(q, k, v, cos, sin, kv, slots, backend="triton"),
-            2 * qkv.numel() * qkv.element_size())
+    return (
+        lambda: rope_kv_write_reference(q, k, v, cos, sin, kv, slots),
+        lambda: rope_kv_write(q, k, v, cos, sin, kv, slots, backend="triton"),
+        2 * qkv.numel() * qkv.element_size(),
+    )
 
 
 @pytest.mark.parametrize("rows", ROWS)

@@ -10,6 +10,7 @@ the same machine state. Recorded in
 
     python -m pytest -q -p no:cacheprovider bench/bench_graphs.py
 """
+
 import time
 
 import pytest
@@ -29,8 +30,15 @@ def _engine(graphs: bool, batch: int, mode: str):
     target, draft = zoo.default_pair()
     spec = osd.SpecConfig(num_draft_tokens=K) if mode == "spec" else None
     return osd.Engine.from_pretrained(
-        target, draft=draft if spec is not None else None, device="cuda", dtype=torch.bfloat16,
-        max_batch_size=batch, max_seq_len=48 + NEW_TOKENS, spec=spec, cuda_graphs=graphs)
+        target,
+        draft=draft if spec is not None else None,
+        device="cuda",
+        dtype=torch.bfloat16,
+        max_batch_size=batch,
+        max_seq_len=48 + NEW_TOKENS,
+        spec=spec,
+        cuda_graphs=graphs,
+    )
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -62,8 +70,14 @@ def test_cuda_graphs_speedup(benchmark, mode, batch):
     best["graphs"] = benchmark.stats.stats.min
     tps = {name: tokens[name] / t for name, t in best.items()}
     benchmark.extra_info.update(
-        mode=mode, batch=batch, k=K if mode == "spec" else None, new_tokens=NEW_TOKENS,
+        mode=mode,
+        batch=batch,
+        k=K if mode == "spec" else None,
+        new_tokens=NEW_TOKENS,
         dtype="bfloat16",
-        eager_tokens_per_s=round(tps["eager"], 1), graphs_tokens_per_s=round(tps["graphs"], 1),
+        eager_tokens_per_s=round(tps["eager"], 1),
+        graphs_tokens_per_s=round(tps["graphs"], 1),
         graphs_over_eager=round(tps["graphs"] / tps["eager"], 2),
-        graphs=engines["graphs"].stats["cuda_graphs"], same_output_rows=f"{same}/{batch}")
+        graphs=engines["graphs"].stats["cuda_graphs"],
+        same_output_rows=f"{same}/{batch}",
+    )

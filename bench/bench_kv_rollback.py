@@ -15,6 +15,7 @@ Default sweep: L = 12, H = 12, D = 64, S = 2048, B in {1, 8}, prefix 1000.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_kv_rollback.py
 """
+
 import pytest
 import torch
 
@@ -55,5 +56,6 @@ def test_kv_rollback(benchmark, provider, B):
     benchmark.pedantic(run, rounds=10 if provider == "reference" else 50, warmup_rounds=2)
     moved = sum(1 for j, s in enumerate(PATH) if s != j)
     nbytes = 2 * B * LAYERS * 2 * HEADS * moved * DIM * kv.element_size()
-    benchmark.extra_info.update(provider=provider, B=B, L=LAYERS, H=HEADS, D=DIM, S=CAPACITY,
-                                gbps=gbps(nbytes, benchmark))
+    benchmark.extra_info.update(
+        provider=provider, B=B, L=LAYERS, H=HEADS, D=DIM, S=CAPACITY, gbps=gbps(nbytes, benchmark)
+    )

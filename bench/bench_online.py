@@ -29,6 +29,7 @@ CPU fp32, k = 4.
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_online.py \\
         --benchmark-json=results/bench_online.json
 """
+
 import os
 import time
 
@@ -47,23 +48,28 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _engine(online=None):
     target, draft = zoo.default_pair()
-    return osd.Engine.from_pretrained(target, draft=draft, spec=SPEC, online=online,
-                                      max_batch_size=1, max_seq_len=128)
+    return osd.Engine.from_pretrained(
+        target, draft=draft, spec=SPEC, online=online, max_batch_size=1, max_seq_len=128
+    )
 
 
 def test_learning_overhead(benchmark):
     torch.set_num_threads(int(os.environ.get("OSD_BENCH_THREADS", "1")))
     prompts = zoo.query_stream("code", n=N, prompt_tokens=48, seed=3)
-    engines = {"static": _engine(), "static-2": _engine(),
-               "online": _engine(osd.OnlineConfig(lr=1e-12, update_every_requests=8,
-                                                  steps_per_update=8, background=True))}
+    engines = {
+        "static": _engine(),
+        "static-2": _engine(),
+        "online": _engine(
+            osd.OnlineConfig(lr=1e-12, update_every_requests=8, steps_per_update=8, background=True)
+        ),
+    }
     spent = {name: [0.0, 0] for name in engines}
     names = list(engines)
 
     def serve():
         for i, p in enumerate(prompts):
             # Rotate the order so that no engine always runs first (cache warmth, load).
-            for name in names[i % 3:] + names[:i % 3]:
+            for name in names[i % 3 :] + names[: i % 3]:
                 t0 = time.perf_counter()
                 out = engines[name].generate([p], PARAMS)[0]
                 spent[name][0] += time.perf_counter() - t0
@@ -78,15 +84,17 @@ def test_learning_overhead(benchmark):
     hist = online.stats["online"]
     assert hist["updates_applied"] + hist["updates_rejected"] >= N // 8 - 1
     learn_s = sum(u["seconds"] for d in hist["drafts"] for u in d["updates"])
-    row = {"static_tokens_per_s": round(tps["static"], 1),
-           "static2_tokens_per_s": round(tps["static-2"], 1),
-           "online_tokens_per_s": round(tps["online"], 1),
-           "overhead": round(1 - tps["online"] / static, 4),
-           "noise_floor": round(abs(tps["static"] - tps["static-2"]) / static, 4),
-           "learner_seconds": round(learn_s, 2),
-           "learner_share_of_online_serving": round(learn_s / spent["online"][0], 3),
-           "updates": hist["updates_applied"] + hist["updates_rejected"],
-           "threads": torch.get_num_threads()}
+    row = {
+        "static_tokens_per_s": round(tps["static"], 1),
+        "static2_tokens_per_s": round(tps["static-2"], 1),
+        "online_tokens_per_s": round(tps["online"], 1),
+        "overhead": round(1 - tps["online"] / static, 4),
+        "noise_floor": round(abs(tps["static"] - tps["static-2"]) / static, 4),
+        "learner_seconds": round(learn_s, 2),
+        "learner_share_of_online_serving": round(learn_s / spent["online"][0], 3),
+        "updates": hist["updates_applied"] + hist["updates_rejected"],
+        "threads": torch.get_num_threads(),
+    }
     print("\nlearning overhead:", row)
     benchmark.extra_info.update(row)
 
@@ -110,8 +118,7 @@ def test_training_step_autocast(benchmark):
     def step(autocast: bool) -> float:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        with (torch.autocast("cpu", dtype=torch.bfloat16) if autocast
-              else contextlib.nullcontext()):
+        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
             logits = model.forward_train(ids, full_vocab=False).flatten(0, 1)
         osd_kernels.distill_loss(logits, (top_ids, top_p), loss="fkl").backward()
         opt.step()
@@ -124,11 +131,13 @@ def test_training_step_autocast(benchmark):
 
     benchmark.pedantic(run, rounds=1, iterations=1)
     best = {k: min(v) for k, v in seconds.items()}
-    row = {"fp32_step_s": round(best["fp32"], 3),
-           "bf16_autocast_step_s": round(best["bf16 autocast"], 3),
-           "bf16_over_fp32": round(best["bf16 autocast"] / best["fp32"], 2),
-           "cpu_has_fast_bf16": cpu_has_fast_bf16(),
-           "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    row = {
+        "fp32_step_s": round(best["fp32"], 3),
+        "bf16_autocast_step_s": round(best["bf16 autocast"], 3),
+        "bf16_over_fp32": round(best["bf16 autocast"] / best["fp32"], 2),
+        "cpu_has_fast_bf16": cpu_has_fast_bf16(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
     print("\ntraining step:", row)
     benchmark.extra_info.update(row)
 
@@ -146,9 +155,15 @@ def test_training_step_context(benchmark):
     for n in torch.linspace(81, 437, 16).long().tolist():
         tokens = torch.randint(0, model.config.vocab_size, (n + 48,), generator=gen)
         top_p = torch.softmax(torch.randn(48, 32, generator=gen), -1)
-        examples.append(Example(tokens, torch.arange(n, n + 48),
-                                torch.randperm(8192, generator=gen)[:32].expand(48, 32).int(),
-                                top_p, None))
+        examples.append(
+            Example(
+                tokens,
+                torch.arange(n, n + 48),
+                torch.randperm(8192, generator=gen)[:32].expand(48, 32).int(),
+                top_p,
+                None,
+            )
+        )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     batches = {n: batch_for(model, examples, n, "cpu") for n in (512, 128)}
     seconds = {n: [] for n in batches}
@@ -156,8 +171,9 @@ def test_training_step_context(benchmark):
     def step(batch) -> float:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        osd_kernels.distill_loss(draft_logits(model, batch), (batch.topk_ids, batch.topk_probs),
-                                 loss="fkl").backward()
+        osd_kernels.distill_loss(
+            draft_logits(model, batch), (batch.topk_ids, batch.topk_probs), loss="fkl"
+        ).backward()
         opt.step()
         return time.perf_counter() - t0
 
@@ -168,11 +184,14 @@ def test_training_step_context(benchmark):
 
     benchmark.pedantic(run, rounds=1, iterations=1)
     best = {n: min(v) for n, v in seconds.items()}
-    row = {"positions": batches[128].num_positions,
-           "tokens_fed_512": int(batches[512].attention_mask.sum()),
-           "tokens_fed_128": int(batches[128].attention_mask.sum()),
-           "step_s_512": round(best[512], 3), "step_s_128": round(best[128], 3),
-           "ratio": round(best[512] / best[128], 2)}
+    row = {
+        "positions": batches[128].num_positions,
+        "tokens_fed_512": int(batches[512].attention_mask.sum()),
+        "tokens_fed_128": int(batches[128].attention_mask.sum()),
+        "step_s_512": round(best[512], 3),
+        "step_s_128": round(best[128], 3),
+        "ratio": round(best[512] / best[128], 2),
+    }
     print("\ntraining step by context:", row)
     benchmark.extra_info.update(row)
 
@@ -185,8 +204,11 @@ def test_alpha_over_requests(benchmark):
 
     prompts = zoo.query_stream("code", n=N, prompt_tokens=48, seed=4)
     static = _engine()
-    online = _engine(osd.OnlineConfig(update_every_requests=4, steps_per_update=8, lr=5e-4,
-                                      background=False, seed=0))
+    online = _engine(
+        osd.OnlineConfig(
+            update_every_requests=4, steps_per_update=8, lr=5e-4, background=False, seed=0
+        )
+    )
     alphas = {"static": [], "online": []}
 
     def serve():
@@ -198,11 +220,18 @@ def test_alpha_over_requests(benchmark):
     w = 16
     rows = []
     for i in range(0, N, w):
-        rows.append((i, *(sum(alphas[k][i:i + w]) / len(alphas[k][i:i + w])
-                          for k in ("static", "online"))))
+        rows.append(
+            (
+                i,
+                *(
+                    sum(alphas[k][i : i + w]) / len(alphas[k][i : i + w])
+                    for k in ("static", "online")
+                ),
+            )
+        )
     fig, ax = plt.subplots(figsize=(7, 4))
     for k in ("static", "online"):
-        rolling = [alphas[k][max(0, i - w + 1):i + 1] for i in range(N)]
+        rolling = [alphas[k][max(0, i - w + 1) : i + 1] for i in range(N)]
         ax.plot(range(N), [sum(r) / len(r) for r in rolling], label=f"{k} draft")
     ax.set_xlabel("request")
     ax.set_ylabel(f"α = 1 − TV (rolling mean of {w})")
@@ -215,7 +244,11 @@ def test_alpha_over_requests(benchmark):
     lines = ["| requests | static α | online α |", "|---|---|---|"]
     lines += [f"| {i}–{min(i + w, N) - 1} | {a:.3f} | {b:.3f} |" for i, a, b in rows]
     print("\n" + "\n".join(lines))
-    benchmark.extra_info.update({"static_alpha_last": rows[-1][1],
-                                 "online_alpha_last": rows[-1][2],
-                                 "updates": online.stats["online"]["updates_applied"]})
+    benchmark.extra_info.update(
+        {
+            "static_alpha_last": rows[-1][1],
+            "online_alpha_last": rows[-1][2],
+            "updates": online.stats["online"]["updates_applied"],
+        }
+    )
     assert rows[-1][2] > rows[-1][1]

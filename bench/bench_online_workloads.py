@@ -12,6 +12,7 @@ Prints tokens per target forward and tokens/s over the first and the last quarte
 
     .venv/bin/python -m pytest -q -s -p no:cacheprovider bench/bench_online_workloads.py
 """
+
 import json
 import os
 
@@ -33,8 +34,9 @@ def pair():
 @pytest.mark.parametrize("workload", ["explain", "code"])
 def test_online_workload(benchmark, pair, workload):
     target, draft = pair
-    res = benchmark.pedantic(lambda: online_stream(target, draft, stream(workload, REQUESTS)),
-                             rounds=1, iterations=1)
+    res = benchmark.pedantic(
+        lambda: online_stream(target, draft, stream(workload, REQUESTS)), rounds=1, iterations=1
+    )
     s = res["summary"]
     print(f"\n{workload}: " + json.dumps(s, indent=1))
     benchmark.extra_info.update(workload=workload, summary=s)

@@ -18,6 +18,7 @@ first token without and with the cache, and the ratio; ``extra_info`` holds the 
 
     .venv/bin/python -m pytest -q -s -p no:cacheprovider bench/bench_prefix_cache.py
 """
+
 from __future__ import annotations
 
 import time
@@ -37,13 +38,15 @@ TURNS = 6
 def engines():
     try:
         target = zoo.chat_pair()[0]
-    except Exception as exc:        # no network and no cache: nothing to measure
+    except Exception as exc:  # no network and no cache: nothing to measure
         pytest.skip(f"the chat target is not available: {exc}")
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     kw = dict(max_batch_size=1, max_seq_len=4096)
-    yield (osd.Engine.from_pretrained(target, **kw),
-           osd.Engine.from_pretrained(target, prefix_cache=65536, **kw))
+    yield (
+        osd.Engine.from_pretrained(target, **kw),
+        osd.Engine.from_pretrained(target, prefix_cache=65536, **kw),
+    )
     torch.set_num_threads(before)
 
 
@@ -52,19 +55,25 @@ def _side_by_side(plain, cached, prompts) -> dict:
     seconds = [0.0, 0.0]
     reused0 = cached.prefix_cache.tokens_reused
     for n, p in enumerate(prompts):
-        for i in (0, 1) if n % 2 == 0 else (1, 0):      # who goes first alternates
+        for i in (0, 1) if n % 2 == 0 else (1, 0):  # who goes first alternates
             t0 = time.perf_counter()
             (plain, cached)[i].generate([p], one)
             seconds[i] += time.perf_counter() - t0
-    return {"prompts": len(prompts), "prompt_tokens": sum(len(p) for p in prompts),
-            "tokens_reused": cached.prefix_cache.tokens_reused - reused0,
-            "ttft_s_plain": round(seconds[0], 3), "ttft_s_cached": round(seconds[1], 3),
-            "ratio": round(seconds[0] / seconds[1], 2)}
+    return {
+        "prompts": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "tokens_reused": cached.prefix_cache.tokens_reused - reused0,
+        "ttft_s_plain": round(seconds[0], 3),
+        "ttft_s_cached": round(seconds[1], 3),
+        "ratio": round(seconds[0] / seconds[1], 2),
+    }
 
 
 def _report(benchmark, name: str, row: dict) -> None:
-    print(f"\n| {name} | {row['prompts']} | {row['prompt_tokens']} | {row['tokens_reused']} | "
-          f"{row['ttft_s_plain']} | {row['ttft_s_cached']} | {row['ratio']}x |")
+    print(
+        f"\n| {name} | {row['prompts']} | {row['prompt_tokens']} | {row['tokens_reused']} | "
+        f"{row['ttft_s_plain']} | {row['ttft_s_cached']} | {row['ratio']}x |"
+    )
     benchmark.extra_info.update(row)
 
 
@@ -75,8 +84,9 @@ def test_humaneval_stream(benchmark, engines):
     convs = humaneval.conversations(N_STREAM, seed=0)
     prompts = apply_chat_template(plain.tokenizer, convs)
     rows = []
-    benchmark.pedantic(lambda: rows.append(_side_by_side(plain, cached, prompts)),
-                       rounds=1, iterations=1)
+    benchmark.pedantic(
+        lambda: rows.append(_side_by_side(plain, cached, prompts)), rounds=1, iterations=1
+    )
     _report(benchmark, "HumanEval chat stream", rows[0])
 
 
@@ -93,6 +103,7 @@ def test_multi_turn(benchmark, engines):
         answer = plain.generate([prompt], osd.SamplingParams(64))[0]
         conv.append({"role": "assistant", "content": answer.text})
     rows = []
-    benchmark.pedantic(lambda: rows.append(_side_by_side(plain, cached, prompts)),
-                       rounds=1, iterations=1)
+    benchmark.pedantic(
+        lambda: rows.append(_side_by_side(plain, cached, prompts)), rounds=1, iterations=1
+    )
     _report(benchmark, f"one conversation, {TURNS} turns", rows[0])

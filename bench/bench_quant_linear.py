@@ -13,6 +13,7 @@ are checked to be equal first (bit for bit).
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_quant_linear.py
 """
+
 import time
 
 import pytest
@@ -22,14 +23,17 @@ from osd_kernels import decode_linear, dequantize_weight, quant_linear
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
 
-SHAPES = {   # name: (N, K, bits, weights per scale)
-    "chat-qkv-q4": (960, 576, 4, 32), "chat-gate-up-q4": (3072, 576, 4, 32),
-    "chat-down-q4": (576, 1536, 4, 32), "chat-lm-head-q8": (49152, 576, 8, 32),
-    "chat-down-q8": (576, 1536, 8, 32), "chat-down-q6k": (576, 1536, 8, 16),
+SHAPES = {  # name: (N, K, bits, weights per scale)
+    "chat-qkv-q4": (960, 576, 4, 32),
+    "chat-gate-up-q4": (3072, 576, 4, 32),
+    "chat-down-q4": (576, 1536, 4, 32),
+    "chat-lm-head-q8": (49152, 576, 8, 32),
+    "chat-down-q8": (576, 1536, 8, 32),
+    "chat-down-q6k": (576, 1536, 8, 16),
     "chat-down-q3k": (576, 1536, 4, 16),
 }
 ROWS = (1, 3, 5, 11, 16)
-CALLS = 60    # calls per timed round
+CALLS = 60  # calls per timed round
 COLD_BYTES = 64 << 20
 
 
@@ -50,8 +54,10 @@ def test_quant_linear(benchmark, shape, rows):
     assert torch.equal(quant_linear(x, q, scales, mins), decode_linear(x, w))
     copies = max(1, -(-2 * COLD_BYTES // (4 * n * k)))
     ws = [w] + [w.clone() for _ in range(copies - 1)]
-    qs = [(q, scales, mins)] + [(q.clone(), scales.clone(), None if mins is None else
-                                 mins.clone()) for _ in range(copies - 1)]
+    qs = [(q, scales, mins)] + [
+        (q.clone(), scales.clone(), None if mins is None else mins.clone())
+        for _ in range(copies - 1)
+    ]
     best = {"float32": float("inf")}
 
     def float_round():
@@ -67,6 +73,13 @@ def test_quant_linear(benchmark, shape, rows):
     benchmark.pedantic(quant, setup=float_round, rounds=8, iterations=1, warmup_rounds=1)
     ours = benchmark.stats.stats.min
     benchmark.extra_info.update(
-        N=n, K=k, M=rows, bits=bits, group=group, threads=torch.get_num_threads(),
+        N=n,
+        K=k,
+        M=rows,
+        bits=bits,
+        group=group,
+        threads=torch.get_num_threads(),
         float32_us=round(best["float32"] / CALLS * 1e6, 2),
-        quant_us=round(ours / CALLS * 1e6, 2), speedup=round(best["float32"] / ours, 2))
+        quant_us=round(ours / CALLS * 1e6, 2),
+        speedup=round(best["float32"] / ours, 2),
+    )

@@ -19,11 +19,20 @@ both providers erratic).
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_rejection_sample.py
 """
+
 import pytest
 import torch
 
-from bench.common import (BACKENDS, FULL, THREADS, assert_same, gbps, provider_device,
-                          tensor_bytes, to_device)
+from bench.common import (
+    BACKENDS,
+    FULL,
+    THREADS,
+    assert_same,
+    gbps,
+    provider_device,
+    tensor_bytes,
+    to_device,
+)
 from osd_kernels import rejection_sample, rejection_sample_reference
 
 BATCHES = (1, 8, 64) if FULL else (1, 8)
@@ -52,8 +61,14 @@ def _chain(B: int, K: int, V: int, mode: str, dtype: torch.dtype, device: str):
     return to_device((logits.to(dtype), drafts, draft, kw), device)
 
 
-CASES = [(B, K, V, mode, provider) for provider in PROVIDERS for V in VOCABS
-         for K in DRAFTS for B in BATCHES for mode in MODES]
+CASES = [
+    (B, K, V, mode, provider)
+    for provider in PROVIDERS
+    for V in VOCABS
+    for K in DRAFTS
+    for B in BATCHES
+    for mode in MODES
+]
 
 
 @pytest.mark.parametrize("B,K,V,mode,provider", CASES)
@@ -68,11 +83,18 @@ def test_rejection_sample(benchmark, B, K, V, mode, provider):
             torch.cuda.synchronize()
         return out
 
-    want = rejection_sample_reference(*to_device((logits, drafts, draft), "cpu"),
-                                      **to_device(kw, "cpu"))
+    want = rejection_sample_reference(
+        *to_device((logits, drafts, draft), "cpu"), **to_device(kw, "cpu")
+    )
     assert_same(run(), want, provider)
     benchmark.pedantic(run, rounds=3 if provider == "reference" else 10, warmup_rounds=1)
     benchmark.extra_info.update(
-        provider=provider, mode=mode, B=B, K=K, V=V, threads=THREADS,
+        provider=provider,
+        mode=mode,
+        B=B,
+        K=K,
+        V=V,
+        threads=THREADS,
         accepted_mean=float(want[1].float().mean()),
-        gbps=gbps(tensor_bytes(logits, draft), benchmark))
+        gbps=gbps(tensor_bytes(logits, draft), benchmark),
+    )

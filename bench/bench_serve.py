@@ -65,6 +65,7 @@ Under pytest (``make bench``, ``pytest bench/bench_serve.py``): a short load (4 
 uvicorn, openai or httpx is missing. ``OSD_BENCH_THREADS`` sets the servers' torch threads
 (default 1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -104,6 +105,7 @@ def missing_modules() -> list[str]:
 
 # ---- Prompts ----
 
+
 def make_prompts(n: int, seed: int = PROMPT_SEED, domain: str = "code") -> list[str]:
     """``n`` prompt texts: stdlib queries of ``domain`` (``osd.zoo.query_records``) cut to
     32..64 tokens, the lengths drawn with ``seed``."""
@@ -112,10 +114,11 @@ def make_prompts(n: int, seed: int = PROMPT_SEED, domain: str = "code") -> list[
     tok = zoo.tokenizer()
     rng = random.Random(f"bench_serve/{seed}")
     records = zoo.query_records(domain, n=n, prompt_tokens=PROMPT_MAX, seed=seed)
-    return [tok.decode(r.ids[:rng.randint(PROMPT_MIN, PROMPT_MAX)]) for r in records]
+    return [tok.decode(r.ids[: rng.randint(PROMPT_MIN, PROMPT_MAX)]) for r in records]
 
 
 # ---- Servers ----
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -147,7 +150,8 @@ NODELAY_WRAPPER = (
     "    return _bind(self, addr)\n"
     "socket.socket.bind = bind\n"
     "from osd import cli\n"
-    "sys.exit(cli.main(sys.argv[1:]))\n")
+    "sys.exit(cli.main(sys.argv[1:]))\n"
+)
 
 
 # Extra `osd serve` flags of the speculative server (--auto-k sets ["--auto-k"]).
@@ -165,15 +169,27 @@ class ServeProcess:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         launcher = ["-c", NODELAY_WRAPPER] if nodelay else ["-m", "osd.cli"]
-        self.cmd = [sys.executable, *launcher, "serve", "--target", target,
-                    "--model-name", MODEL, "--port", str(self.port), "--threads", str(threads),
-                    "--log-level", "warning"]
+        self.cmd = [
+            sys.executable,
+            *launcher,
+            "serve",
+            "--target",
+            target,
+            "--model-name",
+            MODEL,
+            "--port",
+            str(self.port),
+            "--threads",
+            str(threads),
+            "--log-level",
+            "warning",
+        ]
         if name == "spec":
             self.cmd += ["--draft", draft, "-k", str(k), *SPEC_FLAGS]
-        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"bench_serve_{name}_",
-                                               suffix=".log", delete=False)
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     cwd=ROOT)
+        self.log = tempfile.NamedTemporaryFile(
+            "w+", prefix=f"bench_serve_{name}_", suffix=".log", delete=False
+        )
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         import httpx
@@ -181,16 +197,19 @@ class ServeProcess:
         deadline = time.time() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"osd serve ({self.name}) exited with status "
-                                   f"{self.proc.returncode}:\n{self.output()}")
+                raise RuntimeError(
+                    f"osd serve ({self.name}) exited with status "
+                    f"{self.proc.returncode}:\n{self.output()}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             if time.time() > deadline:
-                raise RuntimeError(f"osd serve ({self.name}) not up after {timeout:.0f} s:\n"
-                                   f"{self.output()}")
+                raise RuntimeError(
+                    f"osd serve ({self.name}) not up after {timeout:.0f} s:\n{self.output()}"
+                )
             time.sleep(0.2)
 
     def output(self) -> str:
@@ -240,13 +259,20 @@ def start_servers(names=SERVERS, threads: int = THREADS, nodelay: bool = False) 
 
 # ---- Clients ----
 
+
 async def _one(client, prompt: str, max_tokens: int) -> dict:
     """One streamed completion: send time, (arrival time, token count) per chunk with
     tokens, the token ids, finish reason and usage."""
     t0 = time.perf_counter()
     stream = await client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"return_token_ids": True})
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
+    )
     chunks, ids, finish, usage = [], [], None, None
     async for chunk in stream:
         t = time.perf_counter()
@@ -259,8 +285,9 @@ async def _one(client, prompt: str, max_tokens: int) -> dict:
                 ids.extend(new)
             finish = c.finish_reason or finish
     t_end = time.perf_counter()
-    return dict(t0=t0, t_end=t_end, chunks=chunks, ids=ids, ntok=len(ids), finish=finish,
-                usage=usage)
+    return dict(
+        t0=t0, t_end=t_end, chunks=chunks, ids=ids, ntok=len(ids), finish=finish, usage=usage
+    )
 
 
 async def _load(url: str, prompts: list[str], clients: int, max_tokens: int) -> tuple:
@@ -271,8 +298,9 @@ async def _load(url: str, prompts: list[str], clients: int, max_tokens: int) -> 
 
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(300.0)) as http:
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
-                                    http_client=http)
+        client = openai.AsyncOpenAI(
+            base_url=url + "/v1", api_key="unused", max_retries=0, http_client=http
+        )
         results: list = [None] * len(prompts)
 
         async def worker(j: int):
@@ -289,6 +317,7 @@ def run_load(url: str, prompts: list[str], clients: int, max_tokens: int) -> tup
 
 
 # ---- Statistics ----
+
 
 def percentile(xs: list[float], q: float) -> float | None:
     """The q-th percentile (0..100) with linear interpolation; None for no samples."""
@@ -317,8 +346,14 @@ def latency_samples(results: list[dict]) -> dict:
         later = sum(n for _, n in ch[1:])
         if later:
             tpot.append((ch[-1][0] - ch[0][0]) / later)
-    return dict(ttft=ttft, itl=itl, gap=gaps, tpot=tpot, tokens_per_chunk=per_chunk,
-                first_chunk_extra_tokens=first_extra)
+    return dict(
+        ttft=ttft,
+        itl=itl,
+        gap=gaps,
+        tpot=tpot,
+        tokens_per_chunk=per_chunk,
+        first_chunk_extra_tokens=first_extra,
+    )
 
 
 def summarize(server: str, clients: int, runs: list[dict]) -> dict:
@@ -332,21 +367,30 @@ def summarize(server: str, clients: int, runs: list[dict]) -> dict:
             ms[f"{key}_p{q}_ms"] = None if v is None else 1e3 * v
     tok_s = [run["tokens"] / run["wall_s"] for run in runs]
     req_s = [run["requests"] / run["wall_s"] for run in runs]
-    row = dict(server=server, clients=clients, rounds=len(runs),
-               requests_per_round=runs[0]["requests"],
-               tokens_per_s=percentile(tok_s, 50), tokens_per_s_min=min(tok_s),
-               tokens_per_s_max=max(tok_s), tokens_per_s_rounds=tok_s,
-               requests_per_s=percentile(req_s, 50), requests_per_s_rounds=req_s,
-               wall_s_rounds=[run["wall_s"] for run in runs],
-               generated_tokens_rounds=[run["tokens"] for run in runs], **ms,
-               mean_tokens_per_chunk=(sum(lat["tokens_per_chunk"])
-                                      / max(len(lat["tokens_per_chunk"]), 1)),
-               itl_samples=len(lat["itl"]),
-               first_chunk_extra_tokens=lat["first_chunk_extra_tokens"],
-               finish_reasons={f: sum(str(r["finish"]) == f for r in results)
-                               for f in sorted({str(r["finish"]) for r in results})},
-               usage_mismatch=sum(r["usage"] != r["ntok"] for r in results),
-               loadavg_1m=[run["loadavg"] for run in runs])
+    row = dict(
+        server=server,
+        clients=clients,
+        rounds=len(runs),
+        requests_per_round=runs[0]["requests"],
+        tokens_per_s=percentile(tok_s, 50),
+        tokens_per_s_min=min(tok_s),
+        tokens_per_s_max=max(tok_s),
+        tokens_per_s_rounds=tok_s,
+        requests_per_s=percentile(req_s, 50),
+        requests_per_s_rounds=req_s,
+        wall_s_rounds=[run["wall_s"] for run in runs],
+        generated_tokens_rounds=[run["tokens"] for run in runs],
+        **ms,
+        mean_tokens_per_chunk=(sum(lat["tokens_per_chunk"]) / max(len(lat["tokens_per_chunk"]), 1)),
+        itl_samples=len(lat["itl"]),
+        first_chunk_extra_tokens=lat["first_chunk_extra_tokens"],
+        finish_reasons={
+            f: sum(str(r["finish"]) == f for r in results)
+            for f in sorted({str(r["finish"]) for r in results})
+        },
+        usage_mismatch=sum(r["usage"] != r["ntok"] for r in results),
+        loadavg_1m=[run["loadavg"] for run in runs],
+    )
     cpu = [run["server_cpu_s"] for run in runs if run["server_cpu_s"] is not None]
     if cpu:
         row["server_cpu_ms_per_token"] = 1e3 * sum(cpu) / sum(run["tokens"] for run in runs)
@@ -361,6 +405,7 @@ def summarize(server: str, clients: int, runs: list[dict]) -> dict:
 
 # ---- The benchmark ----
 
+
 def measure(server: ServeProcess, prompts: list[str], clients: int, max_tokens: int) -> dict:
     """One load on ``server``: wall time, tokens, results and the server's counters."""
     m0, cpu0 = server.metrics(), server.cpu_seconds()
@@ -370,15 +415,18 @@ def measure(server: ServeProcess, prompts: list[str], clients: int, max_tokens: 
     def diff(name):
         return m1.get(name, 0.0) - m0.get(name, 0.0)
 
-    return dict(wall_s=wall, results=results, requests=len(results),
-                tokens=sum(r["usage"] if r["usage"] is not None else r["ntok"]
-                           for r in results),
-                server_cpu_s=None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
-                target_forwards=diff("osd:target_forwards_total"),
-                engine_tokens=diff("osd:generation_tokens_total"),
-                draft_tokens=diff("osd:spec_decode_num_draft_tokens_total"),
-                accepted_tokens=diff("osd:spec_decode_num_accepted_tokens_total"),
-                loadavg=os.getloadavg()[0])
+    return dict(
+        wall_s=wall,
+        results=results,
+        requests=len(results),
+        tokens=sum(r["usage"] if r["usage"] is not None else r["ntok"] for r in results),
+        server_cpu_s=None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
+        target_forwards=diff("osd:target_forwards_total"),
+        engine_tokens=diff("osd:generation_tokens_total"),
+        draft_tokens=diff("osd:spec_decode_num_draft_tokens_total"),
+        accepted_tokens=diff("osd:spec_decode_num_accepted_tokens_total"),
+        loadavg=os.getloadavg()[0],
+    )
 
 
 def check_outputs(reference: dict, prompts: list[str], results: list[dict], label: str) -> int:
@@ -391,17 +439,30 @@ def check_outputs(reference: dict, prompts: list[str], results: list[dict], labe
         elif r["ids"] != reference[i][0]:
             bad += 1
             ref, where = reference[i]
-            first = next((j for j, (a, b) in enumerate(zip(ref, r["ids"])) if a != b),
-                         min(len(ref), len(r["ids"])))
-            print(f"  MISMATCH prompt {i} ({label} vs {where}): first difference at token "
-                  f"{first}: {r['ids'][first:first + 4]} vs {ref[first:first + 4]} "
-                  f"(lengths {len(r['ids'])} / {len(ref)})", flush=True)
+            first = next(
+                (j for j, (a, b) in enumerate(zip(ref, r["ids"])) if a != b),
+                min(len(ref), len(r["ids"])),
+            )
+            print(
+                f"  MISMATCH prompt {i} ({label} vs {where}): first difference at token "
+                f"{first}: {r['ids'][first : first + 4]} vs {ref[first : first + 4]} "
+                f"(lengths {len(r['ids'])} / {len(ref)})",
+                flush=True,
+            )
     return bad
 
 
-def bench(clients=CLIENTS, requests=REQUESTS, max_tokens=MAX_TOKENS, rounds=ROUNDS,
-          threads=THREADS, servers: dict | None = None, log=print,
-          nodelay: bool = False, domain: str = "code") -> dict:
+def bench(
+    clients=CLIENTS,
+    requests=REQUESTS,
+    max_tokens=MAX_TOKENS,
+    rounds=ROUNDS,
+    threads=THREADS,
+    servers: dict | None = None,
+    log=print,
+    nodelay: bool = False,
+    domain: str = "code",
+) -> dict:
     """The whole side-by-side run; a JSON-able dict with one row per (server, N)."""
     load0 = list(os.getloadavg())
     prompts = make_prompts(requests, domain=domain)
@@ -428,39 +489,66 @@ def bench(clients=CLIENTS, requests=REQUESTS, max_tokens=MAX_TOKENS, rounds=ROUN
                     lat = latency_samples(run["results"])
                     p50 = percentile(lat["itl"], 50)
                     ttft = percentile(lat["ttft"], 50)
-                    log(f"round {rnd + 1}/{rounds} {name:5s} N={n:2d}: {run['requests']} req, "
+                    log(
+                        f"round {rnd + 1}/{rounds} {name:5s} N={n:2d}: {run['requests']} req, "
                         f"{run['tokens']} tokens in {run['wall_s']:.2f} s = "
                         f"{run['tokens'] / run['wall_s']:.1f} tok/s, "
                         f"{run['requests'] / run['wall_s']:.2f} req/s, TTFT p50 "
                         f"{1e3 * ttft:.0f} ms, ITL p50 {1e3 * p50:.1f} ms/token, "
-                        f"load {run['loadavg']:.2f}" + (f", {bad} MISMATCHES" if bad else ""))
+                        f"load {run['loadavg']:.2f}" + (f", {bad} MISMATCHES" if bad else "")
+                    )
                     for r in run["results"]:
-                        r.pop("ids")            # kept only for the comparison
+                        r.pop("ids")  # kept only for the comparison
                 order.reverse()
     finally:
         if own:
             status = {name: srv.stop() for name, srv in servers.items()}
     rows = [summarize(s, n, runs[(s, n)]) for n in clients for s in SERVERS]
     return dict(
-        command=" ".join(["bench/bench_serve.py", "--clients", *map(str, clients),
-                          "--requests", str(requests), "--max-tokens", str(max_tokens),
-                          "--rounds", str(rounds)] + (["--tcp-nodelay"] if nodelay else [])
-                         + (["--auto-k"] if "--auto-k" in SPEC_FLAGS else [])
-                         + (["--domain", domain] if domain != "code" else [])),
+        command=" ".join(
+            [
+                "bench/bench_serve.py",
+                "--clients",
+                *map(str, clients),
+                "--requests",
+                str(requests),
+                "--max-tokens",
+                str(max_tokens),
+                "--rounds",
+                str(rounds),
+            ]
+            + (["--tcp-nodelay"] if nodelay else [])
+            + (["--auto-k"] if "--auto-k" in SPEC_FLAGS else [])
+            + (["--domain", domain] if domain != "code" else [])
+        ),
         tcp_nodelay=nodelay,
         servers={name: srv.cmd[3:] for name, srv in servers.items()},
         server_exit_status=status,
-        machine=dict(platform=platform.platform(), python=platform.python_version(),
-                     cpus=os.cpu_count(), nice=os.nice(0), threads=threads,
-                     loadavg_start=load0, loadavg_end=list(os.getloadavg())),
-        params=dict(k=K, max_tokens=max_tokens, requests=requests, rounds=rounds,
-                    prompt_tokens=[PROMPT_MIN, PROMPT_MAX], prompt_seed=PROMPT_SEED,
-                    prompt_domain=domain,
-                    temperature=0, max_batch_size=8),
+        machine=dict(
+            platform=platform.platform(),
+            python=platform.python_version(),
+            cpus=os.cpu_count(),
+            nice=os.nice(0),
+            threads=threads,
+            loadavg_start=load0,
+            loadavg_end=list(os.getloadavg()),
+        ),
+        params=dict(
+            k=K,
+            max_tokens=max_tokens,
+            requests=requests,
+            rounds=rounds,
+            prompt_tokens=[PROMPT_MIN, PROMPT_MAX],
+            prompt_seed=PROMPT_SEED,
+            prompt_domain=domain,
+            temperature=0,
+            max_batch_size=8,
+        ),
         started=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t_start)),
         duration_s=time.time() - t_start,
         mismatches=mismatches,
-        rows=rows)
+        rows=rows,
+    )
 
 
 def _f(v, fmt):
@@ -468,15 +556,20 @@ def _f(v, fmt):
 
 
 def markdown(out: dict) -> str:
-    lines = ["| N | server | tokens/s | req/s | TTFT p50 / p99 (ms) | ITL/token p50 / p99 (ms) "
-             "| chunk gap p50 / p99 (ms) | tokens/chunk | draft acceptance "
-             "| tokens/s spec ÷ plain |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| N | server | tokens/s | req/s | TTFT p50 / p99 (ms) | ITL/token p50 / p99 (ms) "
+        "| chunk gap p50 / p99 (ms) | tokens/chunk | draft acceptance "
+        "| tokens/s spec ÷ plain |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     by = {(r["server"], r["clients"]): r for r in out["rows"]}
     for r in out["rows"]:
         plain = by.get(("plain", r["clients"]))
-        ratio = f"{r['tokens_per_s'] / plain['tokens_per_s']:.2f}x" \
-            if r["server"] == "spec" and plain else ""
+        ratio = (
+            f"{r['tokens_per_s'] / plain['tokens_per_s']:.2f}x"
+            if r["server"] == "spec" and plain
+            else ""
+        )
         lines.append(
             f"| {r['clients']} | {r['server']} | {r['tokens_per_s']:.1f} "
             f"({r['tokens_per_s_min']:.0f}–{r['tokens_per_s_max']:.0f}) | "
@@ -484,7 +577,8 @@ def markdown(out: dict) -> str:
             f"{_f(r['ttft_p99_ms'], '.0f')} | {_f(r['itl_p50_ms'], '.1f')} / "
             f"{_f(r['itl_p99_ms'], '.1f')} | {_f(r['gap_p50_ms'], '.1f')} / "
             f"{_f(r['gap_p99_ms'], '.1f')} | {r['mean_tokens_per_chunk']:.2f} | "
-            f"{_f(r.get('acceptance_rate'), '.3f')} | {ratio} |")
+            f"{_f(r.get('acceptance_rate'), '.3f')} | {ratio} |"
+        )
     return "\n".join(lines)
 
 
@@ -499,8 +593,10 @@ def plot(out: dict, path: str) -> None:
         rows = [r for r in out["rows"] if r["server"] == name]
         n = [r["clients"] for r in rows]
         tps = [r["tokens_per_s"] for r in rows]
-        err = [[t - r["tokens_per_s_min"] for t, r in zip(tps, rows)],
-               [r["tokens_per_s_max"] - t for t, r in zip(tps, rows)]]
+        err = [
+            [t - r["tokens_per_s_min"] for t, r in zip(tps, rows)],
+            [r["tokens_per_s_max"] - t for t, r in zip(tps, rows)],
+        ]
         label = "speculative (k = 4)" if name == "spec" else "plain"
         a.errorbar(n, tps, yerr=err, marker="o", capsize=3, color=color, label=label)
         b.plot(n, [r["itl_p50_ms"] for r in rows], marker="o", color=color, label=label)
@@ -515,10 +611,13 @@ def plot(out: dict, path: str) -> None:
     a.set_ylim(bottom=0)
     b.set_ylabel("p50 inter-token latency (ms per token)")
     b.set_ylim(bottom=0)
-    fig.suptitle(f"osd serve, built-in pair, {out['params']['requests']} "
-                 f"{out['params']['prompt_domain']} requests × "
-                 f"{out['params']['max_tokens']} tokens, greedy, 1 torch thread, "
-                 f"shared 2-core CPU", fontsize=10)
+    fig.suptitle(
+        f"osd serve, built-in pair, {out['params']['requests']} "
+        f"{out['params']['prompt_domain']} requests × "
+        f"{out['params']['max_tokens']} tokens, greedy, 1 torch thread, "
+        f"shared 2-core CPU",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -533,35 +632,58 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=THREADS, help="torch threads per server")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a PNG plot here")
-    p.add_argument("--domain", default="code", choices=["code", "prose"],
-                   help="prompt stream (osd.zoo.query_records): code (default; the built-in "
-                   "draft learned mostly prose, so it drafts code poorly) or prose")
-    p.add_argument("--tcp-nodelay", action="store_true",
-                   help="start the servers with TCP_NODELAY on their listening socket "
-                   "(see NODELAY_WRAPPER)")
-    p.add_argument("--auto-k", action="store_true",
-                   help="serve spec with SpecConfig(auto_k=True): the chain length per step "
-                   "from measured goodput, 0 when drafting does not pay")
+    p.add_argument(
+        "--domain",
+        default="code",
+        choices=["code", "prose"],
+        help="prompt stream (osd.zoo.query_records): code (default; the built-in "
+        "draft learned mostly prose, so it drafts code poorly) or prose",
+    )
+    p.add_argument(
+        "--tcp-nodelay",
+        action="store_true",
+        help="start the servers with TCP_NODELAY on their listening socket (see NODELAY_WRAPPER)",
+    )
+    p.add_argument(
+        "--auto-k",
+        action="store_true",
+        help="serve spec with SpecConfig(auto_k=True): the chain length per step "
+        "from measured goodput, 0 when drafting does not pay",
+    )
     args = p.parse_args(argv)
     if args.auto_k:
         SPEC_FLAGS.append("--auto-k")
     missing = missing_modules()
     if missing:
-        print(f"error: bench_serve.py needs {', '.join(missing)}: pip install osd[serve] openai",
-              file=sys.stderr)
+        print(
+            f"error: bench_serve.py needs {', '.join(missing)}: pip install osd[serve] openai",
+            file=sys.stderr,
+        )
         return 2
     load0 = os.getloadavg()
-    print(f"bench_serve: clients {args.clients}, {args.requests} {args.domain} requests x "
-          f"{args.max_tokens} tokens, {args.rounds} rounds; load average "
-          f"{load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}", flush=True)
-    out = bench(args.clients, args.requests, args.max_tokens, args.rounds, args.threads,
-                log=lambda s: print(s, flush=True), nodelay=args.tcp_nodelay,
-                domain=args.domain)
+    print(
+        f"bench_serve: clients {args.clients}, {args.requests} {args.domain} requests x "
+        f"{args.max_tokens} tokens, {args.rounds} rounds; load average "
+        f"{load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}",
+        flush=True,
+    )
+    out = bench(
+        args.clients,
+        args.requests,
+        args.max_tokens,
+        args.rounds,
+        args.threads,
+        log=lambda s: print(s, flush=True),
+        nodelay=args.tcp_nodelay,
+        domain=args.domain,
+    )
     print()
     print(markdown(out))
-    print(f"\nload average at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}, at end "
-          + " ".join(f"{x:.2f}" for x in out["machine"]["loadavg_end"])
-          + f"; {out['duration_s']:.0f} s; greedy mismatches: {sum(out['mismatches'].values())}")
+    print(
+        f"\nload average at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}, at end "
+        + " ".join(f"{x:.2f}" for x in out["machine"]["loadavg_end"])
+        + f"; {out['duration_s']:.0f} s; greedy mismatches: {sum(out['mismatches'].values())}"
+    )
     for path in (args.json, args.plot):
         if path and os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -595,7 +717,7 @@ def serve_pair():
 def test_serve_load(benchmark, serve_pair, server):
     srv = serve_pair["servers"][server]
     prompts = serve_pair["prompts"]
-    run_load(srv.url, prompts[:1], 1, SHORT["max_tokens"])           # warm-up
+    run_load(srv.url, prompts[:1], 1, SHORT["max_tokens"])  # warm-up
     runs = []
 
     def once():
@@ -608,10 +730,23 @@ def test_serve_load(benchmark, serve_pair, server):
     assert check_outputs(serve_pair["reference"], prompts, run["results"], server) == 0
     row = summarize(server, SHORT["clients"], [run])
     benchmark.extra_info.update(
-        {k: row[k] for k in ("tokens_per_s", "requests_per_s", "ttft_p50_ms", "itl_p50_ms",
-                             "itl_p99_ms", "gap_p50_ms", "mean_tokens_per_chunk")},
-        clients=SHORT["clients"], requests=SHORT["requests"], max_tokens=SHORT["max_tokens"],
-        acceptance_rate=row.get("acceptance_rate"))
+        {
+            k: row[k]
+            for k in (
+                "tokens_per_s",
+                "requests_per_s",
+                "ttft_p50_ms",
+                "itl_p50_ms",
+                "itl_p99_ms",
+                "gap_p50_ms",
+                "mean_tokens_per_chunk",
+            )
+        },
+        clients=SHORT["clients"],
+        requests=SHORT["requests"],
+        max_tokens=SHORT["max_tokens"],
+        acceptance_rate=row.get("acceptance_rate"),
+    )
 
 
 if __name__ == "__main__":

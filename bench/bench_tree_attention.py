@@ -29,6 +29,7 @@ and, for T = 8, ``ratio`` to a T = 1 decode over the same prefix (goal 1.3).
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_tree_attention.py
 """
+
 import timeit
 
 import pytest
@@ -52,8 +53,9 @@ def _case(B, T, L, Hq, Hkv, dim, dtype, device):
     q = torch.randn(B, T, Hq, dim, generator=gen).to(dtype).to(device)
     kv = torch.randn(1, 2, B, Hkv, S, dim, generator=gen).to(dtype).to(device)
     lens = torch.full((B,), L, dtype=torch.int32, device=device)
-    parents = torch.stack([torch.full((B,), -1)] + [torch.randint(0, i, (B,), generator=gen)
-                                                    for i in range(1, T)], 1)
+    parents = torch.stack(
+        [torch.full((B,), -1)] + [torch.randint(0, i, (B,), generator=gen) for i in range(1, T)], 1
+    )
     mask = tree_mask_from_parents(parents).to(device)
     return q, kv[0, 0], kv[0, 1], lens, mask
 
@@ -75,12 +77,14 @@ def test_tree_attention(benchmark, B, T, L, provider):
         return out
 
     want = tree_attention_reference(q.float(), k.float(), v.float(), lens, mask)
-    torch.testing.assert_close(run().float(), want, rtol=2e-2 if on_gpu else 1e-4,
-                               atol=2e-2 if on_gpu else 1e-4)
+    torch.testing.assert_close(
+        run().float(), want, rtol=2e-2 if on_gpu else 1e-4, atol=2e-2 if on_gpu else 1e-4
+    )
     benchmark.pedantic(run, rounds=5 if provider == "reference" else 20, warmup_rounds=2)
     nbytes = 2 * B * HKV * (L + T) * D * k.element_size()
-    benchmark.extra_info.update(provider=provider, B=B, T=T, L=L, Hq=HQ, Hkv=HKV, D=D,
-                                gbps=gbps(nbytes, benchmark))
+    benchmark.extra_info.update(
+        provider=provider, B=B, T=T, L=L, Hq=HQ, Hkv=HKV, D=D, gbps=gbps(nbytes, benchmark)
+    )
 
 
 def _cuda_ms(fn, iters=50):
@@ -108,8 +112,9 @@ def test_gpu_goal_triton(benchmark, B):
     q1 = q[:, :1].transpose(1, 2)
 
     def decode():
-        return F.scaled_dot_product_attention(q1, k[:B, :, :L + T], v[:B, :, :L + T],
-                                              enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            q1, k[:B, :, : L + T], v[:B, :, : L + T], enable_gqa=True
+        )
 
     def run():
         out = tree_attention(q, k, v, lens, mask, backend="triton")
@@ -119,8 +124,16 @@ def test_gpu_goal_triton(benchmark, B):
     decode_ms = _cuda_ms(decode)
     tree_ms = _cuda_ms(lambda: tree_attention(q, k, v, lens, mask, backend="triton"))
     benchmark.pedantic(run, rounds=20, warmup_rounds=2)
-    benchmark.extra_info.update(provider="triton", B=B, T=T, L=L, tree_ms=tree_ms,
-                                decode_ms=decode_ms, ratio=tree_ms / decode_ms, goal=1.3)
+    benchmark.extra_info.update(
+        provider="triton",
+        B=B,
+        T=T,
+        L=L,
+        tree_ms=tree_ms,
+        decode_ms=decode_ms,
+        ratio=tree_ms / decode_ms,
+        goal=1.3,
+    )
 
 
 # Peak HBM bandwidth of an H200 (bytes/s): the roofline the split-KV times are judged against.
@@ -135,8 +148,9 @@ def _gpu_cache(B, L, Hkv, dim, T_max=8):
     if _gpu_cache.key != key:
         _gpu_cache.kv = None
         gen = torch.Generator("cuda").manual_seed(B * 7 + L)
-        _gpu_cache.kv = torch.randn(2, B, Hkv, L + T_max, dim, generator=gen, device="cuda",
-                                    dtype=torch.bfloat16)
+        _gpu_cache.kv = torch.randn(
+            2, B, Hkv, L + T_max, dim, generator=gen, device="cuda", dtype=torch.bfloat16
+        )
         _gpu_cache.key = key
     return _gpu_cache.kv
 
@@ -159,17 +173,20 @@ def test_split_kv_triton(benchmark, B, L, T):
     lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
     mask = None
     if T > 1:
-        parents = torch.stack([torch.full((B,), -1)] + [torch.randint(0, i, (B,))
-                                                        for i in range(1, T)], 1)
+        parents = torch.stack(
+            [torch.full((B,), -1)] + [torch.randint(0, i, (B,)) for i in range(1, T)], 1
+        )
         mask = tree_mask_from_parents(parents).cuda()
-    scale = dim ** -0.5
+    scale = dim**-0.5
 
     def call(queries=q, tree=mask, **kw):
-        return tree_attention_triton(queries, k, v, lens, tree, scale,
-                                     max_kv_len=L + queries.shape[1], **kw)
+        return tree_attention_triton(
+            queries, k, v, lens, tree, scale, max_kv_len=L + queries.shape[1], **kw
+        )
 
-    want = tree_attention_reference(q.float(), k.float(), v.float(), lens, mask, scale=scale,
-                                    max_kv_len=L + T)
+    want = tree_attention_reference(
+        q.float(), k.float(), v.float(), lens, mask, scale=scale, max_kv_len=L + T
+    )
     torch.testing.assert_close(call().float(), want, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(call(num_splits=0).float(), want, rtol=2e-2, atol=2e-2)
     del want
@@ -184,27 +201,43 @@ def test_split_kv_triton(benchmark, B, L, T):
     benchmark.pedantic(run, rounds=20, warmup_rounds=2)
     nbytes = 2 * B * Hkv * (L + T) * dim * k.element_size()
     roofline_ms = nbytes / H200_HBM_BYTES_PER_S * 1e3
-    splits = split_kv_num_splits(B, Hkv, T, Hq // Hkv, L + T,
-                                 torch.cuda.get_device_properties(0).multi_processor_count)
-    info = dict(provider="triton", B=B, T=T, L=L, Hq=Hq, Hkv=Hkv, D=dim, splits=splits,
-                tree_ms=tree_ms, single_ms=single_ms, roofline_frac=roofline_ms / tree_ms)
+    splits = split_kv_num_splits(
+        B, Hkv, T, Hq // Hkv, L + T, torch.cuda.get_device_properties(0).multi_processor_count
+    )
+    info = dict(
+        provider="triton",
+        B=B,
+        T=T,
+        L=L,
+        Hq=Hq,
+        Hkv=Hkv,
+        D=dim,
+        splits=splits,
+        tree_ms=tree_ms,
+        single_ms=single_ms,
+        roofline_frac=roofline_ms / tree_ms,
+    )
     if T > 1:
         q1 = q[:, :1].contiguous()
         decode_ms = _cuda_ms(lambda: call(q1, None))
         info.update(decode_ms=decode_ms, ratio=tree_ms / decode_ms, goal=1.3)
     benchmark.extra_info.update(info)
-    print(f"split-KV B={B} L={L} T={T}: {splits} splits, {tree_ms * 1e3:.1f} us "
-          f"(single pass {single_ms * 1e3:.1f} us), {roofline_ms / tree_ms:.0%} of the "
-          f"{H200_HBM_BYTES_PER_S / 1e12:.1f} TB/s roofline ({roofline_ms * 1e3:.1f} us)"
-          + (f", {info['ratio']:.2f}x a T=1 decode" if T > 1 else ""))
+    print(
+        f"split-KV B={B} L={L} T={T}: {splits} splits, {tree_ms * 1e3:.1f} us "
+        f"(single pass {single_ms * 1e3:.1f} us), {roofline_ms / tree_ms:.0%} of the "
+        f"{H200_HBM_BYTES_PER_S / 1e12:.1f} TB/s roofline ({roofline_ms * 1e3:.1f} us)"
+        + (f", {info['ratio']:.2f}x a T=1 decode" if T > 1 else "")
+    )
 
 
 WINDOW_CASES = [(B, T, cap) for B in (1, 8) for T in (1, 8) for cap in (None, 50.0)]
 
 
-CHAT_CASES = [(T, L, p) for T, L in ((1, 300), (5, 300), (9, 300), (1, 1000), (5, 1000),
-                                     (9, 1000), (300, 0), (1000, 0))
-              for p in ("cpp", "cpp-avx2", "reference")]
+CHAT_CASES = [
+    (T, L, p)
+    for T, L in ((1, 300), (5, 300), (9, 300), (1, 1000), (5, 1000), (9, 1000), (300, 0), (1000, 0))
+    for p in ("cpp", "cpp-avx2", "reference")
+]
 
 
 @pytest.mark.parametrize("T,L,provider", CHAT_CASES)
@@ -224,8 +257,9 @@ def test_chat_shapes(benchmark, monkeypatch, T, L, provider):
     def run():
         return tree_attention(q, k, v, lens, None, max_kv_len=L + T, backend=backend)
 
-    torch.testing.assert_close(run(), tree_attention_reference(q, k, v, lens, None),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        run(), tree_attention_reference(q, k, v, lens, None), rtol=1e-4, atol=1e-4
+    )
     benchmark.pedantic(run, rounds=20, warmup_rounds=3, iterations=5 if T < 300 else 1)
     benchmark.extra_info.update(provider=provider, T=T, L=L, Hq=9, Hkv=3, D=64)
 
@@ -240,18 +274,25 @@ def test_windowed_attention(benchmark, B, T, softcap):
 
     L, window = 1024, 512
     q, k, v, lens, mask = _case(B, T, L, HQ, HKV, D, torch.float32, "cpu")
-    scale = D ** -0.5
+    scale = D**-0.5
 
     def run():
-        return windowed_attention(q, k, v, lens, mask, None, scale=scale, max_kv_len=L + T,
-                                  window=window, softcap=softcap)
+        return windowed_attention(
+            q, k, v, lens, mask, None, scale=scale, max_kv_len=L + T, window=window, softcap=softcap
+        )
 
     def cpp():
-        return tree_attention(q, k, v, lens, mask, scale=scale, max_kv_len=L + T,
-                              backend="native")
+        return tree_attention(q, k, v, lens, mask, scale=scale, max_kv_len=L + T, backend="native")
 
     run()
     cpp_s = min(timeit.repeat(cpp, number=20, repeat=3)) / 20
     benchmark.pedantic(run, rounds=20, warmup_rounds=2)
-    benchmark.extra_info.update(B=B, T=T, L=L, window=window, softcap=softcap,
-                                cpp_ms=cpp_s * 1e3, ratio=benchmark.stats.stats.min / cpp_s)
+    benchmark.extra_info.update(
+        B=B,
+        T=T,
+        L=L,
+        window=window,
+        softcap=softcap,
+        cpp_ms=cpp_s * 1e3,
+        ratio=benchmark.stats.stats.min / cpp_s,
+    )

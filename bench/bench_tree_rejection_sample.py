@@ -18,11 +18,20 @@ both providers erratic).
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_tree_rejection_sample.py
 """
+
 import pytest
 import torch
 
-from bench.common import (BACKENDS, FULL, THREADS, assert_same, gbps, provider_device,
-                          tensor_bytes, to_device)
+from bench.common import (
+    BACKENDS,
+    FULL,
+    THREADS,
+    assert_same,
+    gbps,
+    provider_device,
+    tensor_bytes,
+    to_device,
+)
 from osd_kernels import tree_rejection_sample, tree_rejection_sample_reference
 
 BATCHES = (1, 8, 64) if FULL else (1, 8)
@@ -39,8 +48,9 @@ def _tree(B: int, K: int, V: int, mode: str, dtype: torch.dtype, device: str):
     """Logits, tokens, parents, draft probs and sampling kwargs of the benchmark tree."""
     gen = torch.Generator().manual_seed(B * 100 + K * 10 + V)
     T = 1 + WIDTH * K
-    parents = torch.tensor([-1] + [0 if i % K == 0 else i for i in range(WIDTH * K)],
-                           dtype=torch.int32)
+    parents = torch.tensor(
+        [-1] + [0 if i % K == 0 else i for i in range(WIDTH * K)], dtype=torch.int32
+    )
     logits = torch.randn(B, T, V, generator=gen) * 4
     q = torch.softmax(logits + torch.randn(B, T, V, generator=gen), dim=-1)
     par = parents.long().clamp(min=0)
@@ -50,12 +60,19 @@ def _tree(B: int, K: int, V: int, mode: str, dtype: torch.dtype, device: str):
     if mode != "greedy":
         kw["temperature"] = torch.ones(B)
     draft = q.to(dtype) if mode == "probs" else None
-    return to_device((logits.to(dtype), tokens, parents.expand(B, T).contiguous(), draft, kw),
-                     device)
+    return to_device(
+        (logits.to(dtype), tokens, parents.expand(B, T).contiguous(), draft, kw), device
+    )
 
 
-CASES = [(B, K, V, mode, provider) for provider in PROVIDERS for V in VOCABS
-         for K in DEPTHS for B in BATCHES for mode in MODES]
+CASES = [
+    (B, K, V, mode, provider)
+    for provider in PROVIDERS
+    for V in VOCABS
+    for K in DEPTHS
+    for B in BATCHES
+    for mode in MODES
+]
 
 
 @pytest.mark.parametrize("B,K,V,mode,provider", CASES)
@@ -70,11 +87,18 @@ def test_tree_rejection_sample(benchmark, B, K, V, mode, provider):
             torch.cuda.synchronize()
         return out
 
-    want = tree_rejection_sample_reference(*to_device((logits, tokens, parents, draft), "cpu"),
-                                           **to_device(kw, "cpu"))
+    want = tree_rejection_sample_reference(
+        *to_device((logits, tokens, parents, draft), "cpu"), **to_device(kw, "cpu")
+    )
     assert_same(run(), want, provider)
     benchmark.pedantic(run, rounds=3 if provider == "reference" else 10, warmup_rounds=1)
     benchmark.extra_info.update(
-        provider=provider, mode=mode, B=B, K=K, V=V, threads=THREADS,
+        provider=provider,
+        mode=mode,
+        B=B,
+        K=K,
+        V=V,
+        threads=THREADS,
         accepted_mean=float(want[2].float().mean()),
-        gbps=gbps(tensor_bytes(logits, draft), benchmark))
+        gbps=gbps(tensor_bytes(logits, draft), benchmark),
+    )

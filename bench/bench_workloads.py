@@ -15,6 +15,7 @@ prompts per workload, ``OSD_BENCH_CHAT_DRAFT`` another draft directory (the EAGL
 
     .venv/bin/python -m pytest -q -s -p no:cacheprovider bench/bench_workloads.py
 """
+
 import os
 
 import pytest
@@ -31,8 +32,14 @@ MODES = {"greedy": {}, "sampled": dict(temperature=0.7, top_p=0.9)}
 # "draft": as from_pretrained builds it (beside a quantized target the chat draft
 # recommends prompt lookup alone); "draft-model": the draft model with its float-target
 # settings (serving.json's "spec")
-CASES = [("draft", "greedy"), ("draft", "sampled"), ("draft-model", "greedy"),
-         ("draft-model", "sampled"), ("ngram", "greedy"), ("self", "greedy")]
+CASES = [
+    ("draft", "greedy"),
+    ("draft", "sampled"),
+    ("draft-model", "greedy"),
+    ("draft-model", "sampled"),
+    ("ngram", "greedy"),
+    ("self", "greedy"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +51,29 @@ def pair():
 @pytest.mark.parametrize("drafter,mode", CASES, ids=[f"{d}-{m}" for d, m in CASES])
 def test_workloads(benchmark, pair, drafter, mode):
     target, draft = pair
-    spec = None if drafter == "draft" else draft_serving_defaults(draft)[0] \
-        if drafter == "draft-model" else osd.SpecConfig(drafter=drafter)
+    spec = (
+        None
+        if drafter == "draft"
+        else draft_serving_defaults(draft)[0]
+        if drafter == "draft-model"
+        else osd.SpecConfig(drafter=drafter)
+    )
     rows = benchmark.pedantic(
-        lambda: evaluate(target, draft if drafter.startswith("draft") else None, spec=spec,
-                         workloads=evaluation_set(n=PROMPTS), max_new_tokens=NEW_TOKENS,
-                         sampling=MODES[mode]),
-        rounds=1, iterations=1)
-    print(f"\n{drafter}, {mode}, {NEW_TOKENS} new tokens, {PROMPTS} prompts per workload\n"
-          + table(rows))
+        lambda: evaluate(
+            target,
+            draft if drafter.startswith("draft") else None,
+            spec=spec,
+            workloads=evaluation_set(n=PROMPTS),
+            max_new_tokens=NEW_TOKENS,
+            sampling=MODES[mode],
+        ),
+        rounds=1,
+        iterations=1,
+    )
+    print(
+        f"\n{drafter}, {mode}, {NEW_TOKENS} new tokens, {PROMPTS} prompts per workload\n"
+        + table(rows)
+    )
     benchmark.extra_info.update(drafter=drafter, mode=mode, rows=rows)
     if mode == "greedy":
         assert all(r["equal"] for r in rows), "a speculative output differs from plain greedy"

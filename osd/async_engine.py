@@ -17,6 +17,7 @@ A request's tokens do not depend on what shares its batch: each draw is keyed on
 request's own seed and token position. ``seed=s`` gives the tokens
 ``Engine.generate([prompt], SamplingParams(..., seed=s))`` gives.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,7 +42,7 @@ class _Stream:
     request: RequestState
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    sent: int = -1                       # tokens in the last snapshot sent
+    sent: int = -1  # tokens in the last snapshot sent
 
 
 class AsyncEngine:
@@ -61,9 +62,9 @@ class AsyncEngine:
             raise TypeError(f"engine must be an osd.Engine, got {type(engine).__name__}")
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self._lock = threading.Lock()            # guards the three fields below
+        self._lock = threading.Lock()  # guards the three fields below
         self._streams: dict[str, _Stream] = {}  # every request not yet finished
-        self._inbox: list[_Stream] = []          # submitted, not yet in the engine
+        self._inbox: list[_Stream] = []  # submitted, not yet in the engine
         self._aborts: list[_Stream] = []
         self._wake = threading.Event()
         self._closed = False
@@ -77,8 +78,13 @@ class AsyncEngine:
         return cls(Engine.from_pretrained(target, draft, **kwargs))
 
     # -- the caller's side --------------------------------------------------------------
-    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
-                       draft: int | None = None):
+    async def generate(
+        self,
+        prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        draft: int | None = None,
+    ):
         """Generate a continuation of one prompt, as an async iterator of
         :class:`~osd.Output` snapshots.
 
@@ -125,11 +131,16 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            if not finished:        # the caller stopped listening (closed, cancelled)
+            if not finished:  # the caller stopped listening (closed, cancelled)
                 self._abort(request_id)
 
-    async def chat(self, messages: list[dict], params: SamplingParams,
-                   request_id: str | None = None, draft: int | None = None):
+    async def chat(
+        self,
+        messages: list[dict],
+        params: SamplingParams,
+        request_id: str | None = None,
+        draft: int | None = None,
+    ):
         """:meth:`generate` on one conversation formatted with the tokenizer's chat
         template (generation prompt added)."""
         if self.tokenizer is None:
@@ -156,9 +167,11 @@ class AsyncEngine:
         limit = self.engine.max_seq_len
         if len(request.prompt) + request.max_new_tokens > limit:
             self.engine.errors["bad_request"] += 1
-            raise ValueError(f"the prompt has {len(request.prompt)} tokens and max_new_tokens "
-                             f"is {request.max_new_tokens}: together they exceed the maximum "
-                             f"context max_seq_len={limit}")
+            raise ValueError(
+                f"the prompt has {len(request.prompt)} tokens and max_new_tokens "
+                f"is {request.max_new_tokens}: together they exceed the maximum "
+                f"context max_seq_len={limit}"
+            )
         return request
 
     async def score(self, prompt, logprobs: int = 0) -> list:
@@ -208,7 +221,7 @@ class AsyncEngine:
                 if engine.has_work():
                     try:
                         engine.step()
-                    except Exception:    # not a row's (osd.isolation handles those): serve on
+                    except Exception:  # not a row's (osd.isolation handles those): serve on
                         log.exception("osd: engine step failed")
                 self._publish()
 
@@ -233,6 +246,6 @@ class AsyncEngine:
     def _send(self, stream: _Stream, out: Output) -> None:
         try:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
-        except RuntimeError:                   # the caller's event loop is gone
+        except RuntimeError:  # the caller's event loop is gone
             if out.finish_reason is None:
                 self._abort(stream.request_id)

@@ -12,6 +12,7 @@ length update) or :meth:`KVCache.commit_tree` (tree verify: in-place compaction)
 The active batch is always rows ``0 .. B-1``; :meth:`KVCache.move_row` fills the hole
 left by a finished sequence.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,27 +33,63 @@ class KVCache:
             the context length (LongRoPE) read it as :attr:`context`.
     """
 
-    def __init__(self, num_layers: int, max_batch_size: int, num_kv_heads: int, max_seq_len: int,
-                 head_dim: int, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", context: int | None = None) -> None:
-        for name, value in (("num_layers", num_layers), ("max_batch_size", max_batch_size),
-                            ("num_kv_heads", num_kv_heads), ("max_seq_len", max_seq_len),
-                            ("head_dim", head_dim)):
+    def __init__(
+        self,
+        num_layers: int,
+        max_batch_size: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        context: int | None = None,
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("max_batch_size", max_batch_size),
+            ("num_kv_heads", num_kv_heads),
+            ("max_seq_len", max_seq_len),
+            ("head_dim", head_dim),
+        ):
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        self.kv = torch.zeros(num_layers, 2, max_batch_size, num_kv_heads, max_seq_len, head_dim,
-                              dtype=dtype, device=device)
+        self.kv = torch.zeros(
+            num_layers,
+            2,
+            max_batch_size,
+            num_kv_heads,
+            max_seq_len,
+            head_dim,
+            dtype=dtype,
+            device=device,
+        )
         self.lens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
         self.bound = 0
         self.context = int(max_seq_len if context is None else context)
 
     @classmethod
-    def for_model(cls, config, max_batch_size: int, max_seq_len: int, *,
-                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                  context: int | None = None) -> "KVCache":
+    def for_model(
+        cls,
+        config,
+        max_batch_size: int,
+        max_seq_len: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        context: int | None = None,
+    ) -> "KVCache":
         """A cache shaped for a model with ``config`` (an ``osd.models.ModelConfig``)."""
-        return cls(config.num_layers, max_batch_size, config.num_kv_heads, max_seq_len,
-                   config.head_dim, dtype=dtype, device=device, context=context)
+        return cls(
+            config.num_layers,
+            max_batch_size,
+            config.num_kv_heads,
+            max_seq_len,
+            config.head_dim,
+            dtype=dtype,
+            device=device,
+            context=context,
+        )
 
     @property
     def max_batch_size(self) -> int:
@@ -92,8 +129,9 @@ class KVCache:
         chain_rollback(self.lens, num_new)
         self.bound = min(self.bound + int(max_new), self.capacity)
 
-    def commit_tree(self, accepted_slots: torch.Tensor, num_keep: torch.Tensor,
-                    max_keep: int) -> None:
+    def commit_tree(
+        self, accepted_slots: torch.Tensor, num_keep: torch.Tensor, max_keep: int
+    ) -> None:
         """Tree commit: move each row's accepted tree slots to ``lens[b] ..`` and advance.
 
         Args:
@@ -128,8 +166,8 @@ class KVCache:
         if start < 0 or count < 1 or start + count > self.max_batch_size:
             raise ValueError(f"rows [{start}, {start + count}) outside [0, {self.max_batch_size})")
         view = KVCache.__new__(KVCache)
-        view.kv = self.kv[:, :, start:start + count]
-        view.lens = self.lens[start:start + count]
+        view.kv = self.kv[:, :, start : start + count]
+        view.lens = self.lens[start : start + count]
         view.bound = self.bound
         view.context = self.context
         return view

@@ -1,12 +1,13 @@
 r"""Chat prompts: conversations formatted with a tokenizer's chat template.
 
-    >>> from osd import zoo
-    >>> from osd.models.loading import load_tokenizer
-    >>> tok = load_tokenizer(zoo.chat_pair()[0])
-    >>> ids = apply_chat_template(tok, [[{"role": "user", "content": "Hi!"}]])
-    >>> tok.decode(ids[0]).endswith("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
-    True
+>>> from osd import zoo
+>>> from osd.models.loading import load_tokenizer
+>>> tok = load_tokenizer(zoo.chat_pair()[0])
+>>> ids = apply_chat_template(tok, [[{"role": "user", "content": "Hi!"}]])
+>>> tok.decode(ids[0]).endswith("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
+True
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -19,38 +20,45 @@ def validate_conversations(conversations) -> list[list[dict]]:
     ``{"role", "content"}`` messages) and return plain copies. TypeError for wrong types
     (including one conversation passed without the outer list), ValueError for an empty
     list, an unknown role or a message without content."""
-    if isinstance(conversations, (str, bytes, Mapping)) or not isinstance(conversations,
-                                                                          Sequence):
-        raise TypeError(f"conversations must be a list of conversations (lists of "
-                        f"{{'role', 'content'}} messages), got {type(conversations).__name__}")
+    if isinstance(conversations, (str, bytes, Mapping)) or not isinstance(conversations, Sequence):
+        raise TypeError(
+            f"conversations must be a list of conversations (lists of "
+            f"{{'role', 'content'}} messages), got {type(conversations).__name__}"
+        )
     if not conversations:
         raise ValueError("conversations is empty: give at least one conversation")
     if isinstance(conversations[0], Mapping):
-        raise TypeError("conversations must be a list of conversations; for one conversation "
-                        "pass [messages]")
+        raise TypeError(
+            "conversations must be a list of conversations; for one conversation pass [messages]"
+        )
     out = []
     for i, conv in enumerate(conversations):
         if isinstance(conv, (str, bytes, Mapping)) or not isinstance(conv, Sequence):
-            raise TypeError(f"conversation {i} must be a list of messages, got "
-                            f"{type(conv).__name__}")
+            raise TypeError(
+                f"conversation {i} must be a list of messages, got {type(conv).__name__}"
+            )
         if not conv:
             raise ValueError(f"conversation {i} is empty: give at least one message")
         messages = []
         for j, msg in enumerate(conv):
             where = f"conversation {i}, message {j}"
             if not isinstance(msg, Mapping):
-                raise TypeError(f"{where} must be a dict with 'role' and 'content', got "
-                                f"{type(msg).__name__}")
+                raise TypeError(
+                    f"{where} must be a dict with 'role' and 'content', got {type(msg).__name__}"
+                )
             if "role" not in msg:
                 raise ValueError(f"{where} has no 'role'; expected one of {', '.join(ROLES)}")
             if msg["role"] not in ROLES:
-                raise ValueError(f"{where} has role {msg['role']!r}; expected one of "
-                                 f"{', '.join(ROLES)}")
+                raise ValueError(
+                    f"{where} has role {msg['role']!r}; expected one of {', '.join(ROLES)}"
+                )
             if "content" not in msg or msg["content"] is None:
                 raise ValueError(f"{where} ({msg['role']}) has no 'content'")
             if not isinstance(msg["content"], str):
-                raise TypeError(f"{where} ({msg['role']}): content must be a str, got "
-                                f"{type(msg['content']).__name__}")
+                raise TypeError(
+                    f"{where} ({msg['role']}): content must be a str, got "
+                    f"{type(msg['content']).__name__}"
+                )
             messages.append(dict(msg))
         out.append(messages)
     return out
@@ -71,8 +79,10 @@ def apply_chat_template(tokenizer, conversations) -> list[list[int]]:
     """
     conversations = validate_conversations(conversations)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tokenizer has no chat template; chat needs a model whose "
-                         "tokenizer ships one (e.g. a GGUF file with tokenizer.chat_template)")
+        raise ValueError(
+            "the tokenizer has no chat template; chat needs a model whose "
+            "tokenizer ships one (e.g. a GGUF file with tokenizer.chat_template)"
+        )
     out = []
     for conv in conversations:
         text = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)

@@ -1,5 +1,6 @@
 """The drafters a :class:`~osd.SpecConfig` asks for, composed: prompt lookup in front of a
 model drafter is a :class:`~osd.prompt_lookup.LookupDrafter` around it."""
+
 from __future__ import annotations
 
 from osd.drafters import ModelDrafter
@@ -10,9 +11,16 @@ from osd.models.llama import DecoderLM, without_layers
 from osd.prompt_lookup import LookupDrafter, NGramDrafter
 
 
-def make_drafters(spec, target: DecoderLM, drafts: list[DecoderLM], max_batch_size: int,
-                  capacity: int, context: int, history: LookupHistory | None,
-                  learning: bool = False) -> list:
+def make_drafters(
+    spec,
+    target: DecoderLM,
+    drafts: list[DecoderLM],
+    max_batch_size: int,
+    capacity: int,
+    context: int,
+    history: LookupHistory | None,
+    learning: bool = False,
+) -> list:
     """The drafters of ``spec`` (``osd.SpecConfig``) for ``target``: one per draft model
     (an EAGLE draft gets an :class:`EagleDrafter`), or the n-gram drafter, or the target's
     own layers (self-speculation), each behind prompt lookup when ``spec.prompt_lookup``;
@@ -24,22 +32,37 @@ def make_drafters(spec, target: DecoderLM, drafts: list[DecoderLM], max_batch_si
         return [NGramDrafter(spec.ngram_min, spec.ngram_max, history)]
     if spec.drafter == "self":
         n = target.config.num_layers
-        skip = frozenset(spec.skip_layers) if spec.skip_layers is not None else \
-            frozenset(range(1, n, 2))
+        skip = (
+            frozenset(spec.skip_layers)
+            if spec.skip_layers is not None
+            else frozenset(range(1, n, 2))
+        )
         bad = [i for i in skip if not 0 <= i < n]
         if bad or len(skip) >= n:
-            raise ValueError(f"skip_layers must name some (not all) of the target's "
-                             f"{n} layers, got {sorted(skip)}")
-        drafters = [ModelDrafter(without_layers(target, skip), max_batch_size, capacity,
-                                 context=context) if learning else
-                    ModelDrafter(target, max_batch_size, capacity, skip, context=context)]
+            raise ValueError(
+                f"skip_layers must name some (not all) of the target's "
+                f"{n} layers, got {sorted(skip)}"
+            )
+        drafters = [
+            ModelDrafter(without_layers(target, skip), max_batch_size, capacity, context=context)
+            if learning
+            else ModelDrafter(target, max_batch_size, capacity, skip, context=context)
+        ]
     else:
-        drafters = [EagleDrafter(d, max_batch_size, capacity, context=context)
-                    if isinstance(d, EagleLM) else
-                    ModelDrafter(d, max_batch_size, capacity, context=context)
-                    for d in drafts]
+        drafters = [
+            EagleDrafter(d, max_batch_size, capacity, context=context)
+            if isinstance(d, EagleLM)
+            else ModelDrafter(d, max_batch_size, capacity, context=context)
+            for d in drafts
+        ]
     if spec.prompt_lookup:
-        drafters = [LookupDrafter(d, NGramDrafter(spec.ngram_min, spec.ngram_max, history),
-                                  spec.lookup_tokens, spec.lookup_tree_below)
-                    for d in drafters]
+        drafters = [
+            LookupDrafter(
+                d,
+                NGramDrafter(spec.ngram_min, spec.ngram_max, history),
+                spec.lookup_tokens,
+                spec.lookup_tree_below,
+            )
+            for d in drafters
+        ]
     return drafters

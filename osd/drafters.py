@@ -38,6 +38,7 @@ also yields the distribution at the root (the last committed token). Chain and t
 are written past that point and simply dropped afterwards (``reset_to``), so the draft
 cache needs no compaction.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,8 +60,9 @@ from osd_kernels.warp import warp_probs
 DRAFT_KEY = 0x5DEECE66D
 
 
-def sample_draft(q: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
-                 position: int) -> torch.Tensor:
+def sample_draft(
+    q: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, position: int
+) -> torch.Tensor:
     """Draw one token per row from ``q [B, V]`` by an exponential race with counter-based
     noise keyed on ``(seed[b], offset[b], position)``: ``argmax_x q(x) / E_x`` with
     ``E_x = -log u_x`` is distributed as ``q``. No generator state, no host sync."""
@@ -76,12 +78,12 @@ def sample_draft(q: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
 class ChainProposal:
     """A chain of drafts per row."""
 
-    tokens: torch.Tensor                # [B, k] int64, k >= 0 (past num_drafted: padding)
-    probs: torch.Tensor | None          # [B, k, V] warped q the tokens were drawn from
-    logits: torch.Tensor | None         # [B, k, V] raw draft logits (statistics)
-    num_drafted: torch.Tensor | None    # [B] int32, None = k for every row
-    max_drafted: int                    # host-side max of num_drafted (k if None)
-    source: str = "model"               # "model" (draft model), "lookup" (prompt lookup for
+    tokens: torch.Tensor  # [B, k] int64, k >= 0 (past num_drafted: padding)
+    probs: torch.Tensor | None  # [B, k, V] warped q the tokens were drawn from
+    logits: torch.Tensor | None  # [B, k, V] raw draft logits (statistics)
+    num_drafted: torch.Tensor | None  # [B] int32, None = k for every row
+    max_drafted: int  # host-side max of num_drafted (k if None)
+    source: str = "model"  # "model" (draft model), "lookup" (prompt lookup for
     #                                     every row) or "mixed" (lookup where a row matched)
     lookup_rows: list[bool] | None = None  # "mixed": the rows whose drafts are lookup's
 
@@ -90,17 +92,17 @@ class ChainProposal:
 class TreeProposal:
     """A token tree per row; node 0 is the root (the last committed token)."""
 
-    tokens: torch.Tensor    # [B, T] int64
-    parents: torch.Tensor   # [B, T] int32
-    depths: torch.Tensor    # [B, T] int64
-    mask: torch.Tensor      # [B, T] int64 ancestor bitmask
+    tokens: torch.Tensor  # [B, T] int64
+    parents: torch.Tensor  # [B, T] int32
+    depths: torch.Tensor  # [B, T] int64
+    mask: torch.Tensor  # [B, T] int64 ancestor bitmask
     max_depth: int
     # A lookup tree (:func:`lookup_tree`): the draft model's chain inside it, for α.
-    draft_nodes: torch.Tensor | None = None   # [B, k] int64: the node of each drafted token
+    draft_nodes: torch.Tensor | None = None  # [B, k] int64: the node of each drafted token
     draft_logits: torch.Tensor | None = None  # [B, k, V] the draft's raw logits there
-    lookup_rows: list[bool] | None = None     # the rows with a lookup branch
-    model_rows: list[bool] | None = None      # the rows with the model's branch
-    source: str = "model"                     # "model" (the draft's tree) or "mixed" (lookup)
+    lookup_rows: list[bool] | None = None  # the rows with a lookup branch
+    model_rows: list[bool] | None = None  # the rows with the model's branch
+    source: str = "model"  # "model" (the draft's tree) or "mixed" (lookup)
 
 
 # Columns of a model drafter's pending-token buffer: one step's tokens (a tree of up to
@@ -114,21 +116,26 @@ PENDING_WIDTH = 72
 class Emitted:
     """What one verify step emitted, for a drafter to catch up on."""
 
-    B: int                          # the step's rows, 0 .. B-1
-    tokens: torch.Tensor            # [B, W] int64: row b emitted tokens[b, :lengths[b]]
-    lengths: torch.Tensor           # [B] int64
-    max_len: int                    # host-side max of lengths
-    hidden: torch.Tensor | None = None   # [B, W, H] the target's features (needs_hidden)
+    B: int  # the step's rows, 0 .. B-1
+    tokens: torch.Tensor  # [B, W] int64: row b emitted tokens[b, :lengths[b]]
+    lengths: torch.Tensor  # [B] int64
+    max_len: int  # host-side max of lengths
+    hidden: torch.Tensor | None = None  # [B, W, H] the target's features (needs_hidden)
 
 
 class Drafter(Protocol):
     """What the speculative step (``osd.speculative``) asks of a drafter."""
 
-    model: object                   # the draft DecoderLM, or None (prompt lookup)
-    needs_hidden: bool              # wants the target's features in prefill / Emitted
+    model: object  # the draft DecoderLM, or None (prompt lookup)
+    needs_hidden: bool  # wants the target's features in prefill / Emitted
 
-    def prefill(self, prompts: list[list[int]], start_row: int, first_tokens: torch.Tensor,
-                hidden: torch.Tensor | None = None) -> None: ...
+    def prefill(
+        self,
+        prompts: list[list[int]],
+        start_row: int,
+        first_tokens: torch.Tensor,
+        hidden: torch.Tensor | None = None,
+    ) -> None: ...
 
     def move_row(self, src: int, dst: int) -> None: ...
 
@@ -136,12 +143,20 @@ class Drafter(Protocol):
 
     def use_graphs(self, graphs: StepGraphs | None) -> None: ...
 
-    def propose(self, active: list, roots: torch.Tensor, params: BatchParams,
-                seed: torch.Tensor, offset: torch.Tensor, *, k: int = 0, tree=None,
-                stopper=None) -> ChainProposal | TreeProposal: ...
+    def propose(
+        self,
+        active: list,
+        roots: torch.Tensor,
+        params: BatchParams,
+        seed: torch.Tensor,
+        offset: torch.Tensor,
+        *,
+        k: int = 0,
+        tree=None,
+        stopper=None,
+    ) -> ChainProposal | TreeProposal: ...
 
-    def after_verify(self, emitted: Emitted, committed_lens: torch.Tensor,
-                     bound: int) -> None: ...
+    def after_verify(self, emitted: Emitted, committed_lens: torch.Tensor, bound: int) -> None: ...
 
     def catch_up(self, emitted: Emitted) -> None: ...
 
@@ -162,20 +177,25 @@ class ModelDrafter:
     # MAX_TREE_NODES = 64); its last column is the queue's scratch column.
     PENDING_LIMIT = 24
 
-    def __init__(self, model: DecoderLM, max_batch_size: int, capacity: int,
-                 skip_layers: frozenset[int] = frozenset(), context: int | None = None):
+    def __init__(
+        self,
+        model: DecoderLM,
+        max_batch_size: int,
+        capacity: int,
+        skip_layers: frozenset[int] = frozenset(),
+        context: int | None = None,
+    ):
         self.model = model
         self.skip_layers = frozenset(skip_layers)
         # context: the engine's, so that a LongRoPE draft rotates as the target does
         self.cache = model.new_cache(max_batch_size, capacity, context=context)
         self.device = model.device
         dev = self.device
-        self._pending = torch.zeros(max_batch_size, PENDING_WIDTH, dtype=torch.int64,
-                                    device=dev)
+        self._pending = torch.zeros(max_batch_size, PENDING_WIDTH, dtype=torch.int64, device=dev)
         self._pending_len = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
         self._pending_max = 0
         self._one = torch.ones(max_batch_size, dtype=torch.int32, device=dev)
-        self.graphs: StepGraphs | None = None   # CUDA graphs of the chain loop (osd.graphs)
+        self.graphs: StepGraphs | None = None  # CUDA graphs of the chain loop (osd.graphs)
 
     def _forward(self, ids, **kw):
         return self.model(ids, self.cache, skip_layers=self.skip_layers, **kw)
@@ -183,8 +203,18 @@ class ModelDrafter:
     def use_graphs(self, graphs: StepGraphs | None) -> None:
         self.graphs = graphs
 
-    def propose(self, active, roots: torch.Tensor, params: BatchParams, seed: torch.Tensor,
-                offset: torch.Tensor, *, k: int = 0, tree=None, stopper=None):
+    def propose(
+        self,
+        active,
+        roots: torch.Tensor,
+        params: BatchParams,
+        seed: torch.Tensor,
+        offset: torch.Tensor,
+        *,
+        k: int = 0,
+        tree=None,
+        stopper=None,
+    ):
         """A chain of ``k`` drafts per row (:meth:`propose_chain`), or a ``tree``
         (:meth:`propose_tree`) below ``roots [B]``."""
         B = len(active)
@@ -208,21 +238,27 @@ class ModelDrafter:
         self._pending_len.zero_()
         self._pending_max = 0
 
-    def prefill(self, prompts: list[list[int]], start_row: int, first_tokens: torch.Tensor,
-                hidden=None) -> None:
+    def prefill(
+        self, prompts: list[list[int]], start_row: int, first_tokens: torch.Tensor, hidden=None
+    ) -> None:
         """Run ``prompts`` into rows ``start_row ..``; ``first_tokens [n]`` become pending."""
         n, longest = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(n, longest, dtype=torch.int64)
         for b, p in enumerate(prompts):
-            ids[b, :len(p)] = torch.tensor(p)
+            ids[b, : len(p)] = torch.tensor(p)
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=self.device)
         rows = self.cache.rows(start_row, n)
         rows.reset()
-        self.model.prefill(ids.to(self.device), rows, lens, skip_layers=self.skip_layers,
-                           logits_index=(lens.long() - 1)[:, None])
+        self.model.prefill(
+            ids.to(self.device),
+            rows,
+            lens,
+            skip_layers=self.skip_layers,
+            logits_index=(lens.long() - 1)[:, None],
+        )
         self.cache.set_bound(max(self.cache.bound, longest))
-        self._pending[start_row:start_row + n, 0] = first_tokens
-        self._pending_len[start_row:start_row + n] = 1
+        self._pending[start_row : start_row + n, 0] = first_tokens
+        self._pending_len[start_row : start_row + n] = 1
         self._pending_max = max(self._pending_max, 1)
 
     def move_row(self, src: int, dst: int) -> None:
@@ -230,8 +266,16 @@ class ModelDrafter:
         self._pending[dst] = self._pending[src]
         self._pending_len[dst] = self._pending_len[src]
 
-    def set_pending(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
-                    committed_lens: torch.Tensor, bound: int, hidden=None) -> None:
+    def set_pending(
+        self,
+        B: int,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        max_len: int,
+        committed_lens: torch.Tensor,
+        bound: int,
+        hidden=None,
+    ) -> None:
         """After a verify step: rows ``< B`` keep ``committed_lens`` cached tokens (the
         target's pre-step length + 1: everything up to the old root) and queue
         ``tokens[:, :lengths]`` (the accepted drafts and the emitted token); drafts written
@@ -240,18 +284,19 @@ class ModelDrafter:
         self.cache.set_bound(min(bound, self.cache.capacity))
         width = tokens.shape[1]
         self._pending[:B, :width] = tokens.clamp(min=0)
-        if hidden is not None:                 # an EAGLE draft's features, token by token
+        if hidden is not None:  # an EAGLE draft's features, token by token
             self._pending_feat[:B, :width] = hidden[:, :width]
         self._pending_len[:B] = lengths
         self._pending_max = max_len
 
-    def queue(self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int,
-              hidden=None) -> None:
+    def queue(
+        self, B: int, tokens: torch.Tensor, lengths: torch.Tensor, max_len: int, hidden=None
+    ) -> None:
         """After a verify step the draft did not draft for (prompt lookup): append
         ``tokens[:, :lengths]`` to the rows' pending tokens; the cache is unchanged. When
         the pending tokens would pass :attr:`PENDING_LIMIT`, they are fed first."""
         if self._pending_max + max_len > self.PENDING_LIMIT:
-            self._root(B)                      # feed the pending tokens now
+            self._root(B)  # feed the pending tokens now
             self._pending_len[:B] = 0
             self._pending_max = 0
         width = tokens.shape[1]
@@ -265,7 +310,7 @@ class ModelDrafter:
         if hidden is not None:
             self._pending_feat[rows, cols] = hidden[:, :width]
         self._pending_len[:B] += lengths
-        self._pending_max += max_len        # an upper bound of the rows' pending lengths
+        self._pending_max += max_len  # an upper bound of the rows' pending lengths
 
     def _root(self, B: int) -> torch.Tensor:
         """Feed the pending tokens; return the logits at the root ``[B, V]``. The pending
@@ -277,9 +322,15 @@ class ModelDrafter:
         return logits[:, 0]
 
     # -- proposals -----------------------------------------------------------------
-    def propose_chain(self, B: int, k: int, params: SamplingParams | BatchParams,
-                      seed: torch.Tensor,
-                      offset: torch.Tensor, stopper=None) -> ChainProposal:
+    def propose_chain(
+        self,
+        B: int,
+        k: int,
+        params: SamplingParams | BatchParams,
+        seed: torch.Tensor,
+        offset: torch.Tensor,
+        stopper=None,
+    ) -> ChainProposal:
         """Draft ``k`` tokens per row autoregressively.
 
         Greedy params draft the argmax (one-hot q, ``probs`` None); otherwise each token is
@@ -291,26 +342,35 @@ class ModelDrafter:
         # Graphs are keyed on the warp scalars: rows with mixed parameters run eagerly.
         if self.graphs is not None and stopper is None and getattr(params, "uniform", params):
             tokens, probs, raw = self._chain_graphed(B, k, params, seed, offset)
-            return ChainProposal(tokens=tokens, probs=probs, logits=raw, num_drafted=None,
-                                 max_drafted=k)
+            return ChainProposal(
+                tokens=tokens, probs=probs, logits=raw, num_drafted=None, max_drafted=k
+            )
         toks, probs, raw, num = self._chain(B, k, params, seed, offset, stopper)
         n = len(toks)
         tokens = torch.stack(toks, 1)
         max_drafted = n
         if num is not None:
-            max_drafted = int(num.max())      # host sync (adaptive mode only)
+            max_drafted = int(num.max())  # host sync (adaptive mode only)
             # When no row drafts, the verify forward is a plain decode step (T = 1).
             tokens = tokens[:, :max_drafted]
             num = num.clamp(max=tokens.shape[1])
         return ChainProposal(
             tokens=tokens,
-            probs=torch.stack(probs, 1)[:, :tokens.shape[1]] if probs else None,
-            logits=torch.stack(raw, 1)[:, :tokens.shape[1]],
-            num_drafted=num, max_drafted=max_drafted)
+            probs=torch.stack(probs, 1)[:, : tokens.shape[1]] if probs else None,
+            logits=torch.stack(raw, 1)[:, : tokens.shape[1]],
+            num_drafted=num,
+            max_drafted=max_drafted,
+        )
 
-    def _chain(self, B: int, k: int, params: SamplingParams | BatchParams,
-                      seed: torch.Tensor,
-               offset: torch.Tensor, stopper=None):
+    def _chain(
+        self,
+        B: int,
+        k: int,
+        params: SamplingParams | BatchParams,
+        seed: torch.Tensor,
+        offset: torch.Tensor,
+        stopper=None,
+    ):
         """The draft loop: lists of ``[B]`` tokens, ``[B, V]`` warped q (sampling only) and
         ``[B, V]`` raw logits per position, and the stopper's ``[B]`` counts (or None)."""
         logits = self._root(B)
@@ -345,8 +405,7 @@ class ModelDrafter:
         head = self.model.head_ids
         if head is None or logits.device.type != "cpu":
             return warp_probs(logits, params.temperature, params.top_k, params.top_p)
-        q = warp_probs(logits.index_select(1, head), params.temperature, params.top_k,
-                       params.top_p)
+        q = warp_probs(logits.index_select(1, head), params.temperature, params.top_k, params.top_p)
         return logits.new_zeros(logits.shape, dtype=torch.float32).index_copy_(1, head, q)
 
     def _advance(self, x: torch.Tensor, B: int) -> torch.Tensor:
@@ -355,48 +414,67 @@ class ModelDrafter:
         self.cache.commit(self._one[:B], 1)
         return logits
 
-    def _chain_graphed(self, B: int, k: int, params: SamplingParams | BatchParams,
-                      seed: torch.Tensor,
-                       offset: torch.Tensor):
+    def _chain_graphed(
+        self,
+        B: int,
+        k: int,
+        params: SamplingParams | BatchParams,
+        seed: torch.Tensor,
+        offset: torch.Tensor,
+    ):
         """:meth:`_chain` replayed from a CUDA graph of the batch bucket (``osd.graphs``):
         ``tokens [B, k]``, ``probs [B, k, V]`` or None, ``logits [B, k, V]``."""
         cache = self.cache
         P = self._pending_max
-        width = P + k - 1                     # tokens the loop commits to the draft cache
+        width = P + k - 1  # tokens the loop commits to the draft cache
         bound = cache.bound
-        if bound + width > cache.capacity:    # the eager path raises the capacity error
+        if bound + width > cache.capacity:  # the eager path raises the capacity error
             toks, probs, raw, _ = self._chain(B, k, params, seed, offset)
-            return torch.stack(toks, 1), torch.stack(probs, 1) if probs else None, \
-                torch.stack(raw, 1)
+            return (
+                torch.stack(toks, 1),
+                torch.stack(probs, 1) if probs else None,
+                torch.stack(raw, 1),
+            )
         Bb = batch_bucket(B, cache.max_batch_size)
         warp = None if params.greedy else (params.temperature, params.top_k, params.top_p)
 
         def build():
-            static = {"seed": torch.zeros(Bb, dtype=torch.int64, device=self.device),
-                      "offset": torch.zeros(Bb, dtype=torch.int64, device=self.device)}
+            static = {
+                "seed": torch.zeros(Bb, dtype=torch.int64, device=self.device),
+                "offset": torch.zeros(Bb, dtype=torch.int64, device=self.device),
+            }
 
             def body(s):
                 toks, probs, raw, _ = self._chain(Bb, k, params, s["seed"], s["offset"])
-                return (torch.stack(toks, 1), torch.stack(probs, 1) if probs else None,
-                        torch.stack(raw, 1))
+                return (
+                    torch.stack(toks, 1),
+                    torch.stack(probs, 1) if probs else None,
+                    torch.stack(raw, 1),
+                )
+
             return static, body
 
         def fill(s):
             s["seed"][:B].copy_(seed)
             s["offset"][:B].copy_(offset)
-            cache.lens[B:Bb].zero_()          # padding rows are free rows
+            cache.lens[B:Bb].zero_()  # padding rows are free rows
             self._pending_len[B:Bb] = 1
 
         def host_state():
             saved = cache.bound
-            cache.bound = cache.capacity - width   # capture with the widest key range
+            cache.bound = cache.capacity - width  # capture with the widest key range
             return lambda: setattr(cache, "bound", saved)
 
         # The step reads these after the verify graph replays: they live outside the pool.
-        tokens, probs, raw = self.graphs.run(("chain", id(self), Bb, P, k, warp), build, fill,
-                                             state=(cache.lens,), host_state=host_state,
-                                             own_outputs=True)
-        cache.bound = min(bound + width, cache.capacity)   # what the eager commits add
+        tokens, probs, raw = self.graphs.run(
+            ("chain", id(self), Bb, P, k, warp),
+            build,
+            fill,
+            state=(cache.lens,),
+            host_state=host_state,
+            own_outputs=True,
+        )
+        cache.bound = min(bound + width, cache.capacity)  # what the eager commits add
         return tokens[:B], None if probs is None else probs[:B], raw[:B]
 
     def propose_tree(self, B: int, tree, root_tokens: torch.Tensor) -> TreeProposal:
@@ -409,9 +487,10 @@ class ModelDrafter:
     def _forward_nodes(self, tokens, parents, depths, upto: int, at: torch.Tensor):
         """Logits of nodes ``at [B, m]`` after a forward over nodes ``1..upto-1`` (root in
         the cache, not re-fed)."""
-        mask = mask_with_roots(parents[:, 1:upto] - 1)   # the root's children become roots
-        logits = self._forward(tokens[:, 1:upto], tree_mask=mask, depths=depths[:, 1:upto] - 1,
-                               logits_index=at - 1)
+        mask = mask_with_roots(parents[:, 1:upto] - 1)  # the root's children become roots
+        logits = self._forward(
+            tokens[:, 1:upto], tree_mask=mask, depths=depths[:, 1:upto] - 1, logits_index=at - 1
+        )
         return logits
 
     def _tree_consts(self, tree: StaticTree):
@@ -425,8 +504,12 @@ class ModelDrafter:
                 parents_next = {tree.parents[n] for n in levels[d + 1]}
                 need = sorted(n for n in levels[d] if n in parents_next)
                 at[d] = (need, torch.tensor(need, dtype=torch.int64, device=dev))
-            consts[id(tree)] = (tree, torch.tensor(tree.parents, dtype=torch.int32, device=dev),
-                                torch.tensor(tree.depths, dtype=torch.int64, device=dev), at)
+            consts[id(tree)] = (
+                tree,
+                torch.tensor(tree.parents, dtype=torch.int32, device=dev),
+                torch.tensor(tree.depths, dtype=torch.int64, device=dev),
+                at,
+            )
         return consts[id(tree)][1:]
 
     def _static_tree(self, B, tree: StaticTree, root_tokens, root_logits) -> TreeProposal:
@@ -436,7 +519,7 @@ class ModelDrafter:
         parents, depths = parents.expand(B, T), depths.expand(B, T)
         tokens = torch.zeros(B, T, dtype=torch.int64, device=dev)
         tokens[:, 0] = root_tokens
-        dist = {0: root_logits}                          # node -> logits over its children
+        dist = {0: root_logits}  # node -> logits over its children
         levels = tree.levels()
         for d in range(1, len(levels)):
             for node in levels[d]:
@@ -451,8 +534,13 @@ class ModelDrafter:
                 logits = self._forward_nodes(tokens, parents, depths, upto, at)
                 for j, n in enumerate(need):
                     dist[n] = logits[:, j]
-        return TreeProposal(tokens, parents.contiguous(), depths.contiguous(),
-                            mask_from_parents(parents), tree.max_depth)
+        return TreeProposal(
+            tokens,
+            parents.contiguous(),
+            depths.contiguous(),
+            mask_from_parents(parents),
+            tree.max_depth,
+        )
 
     def _dynamic_tree(self, B, tree: DynamicTree, root_tokens, root_logits) -> TreeProposal:
         dev = self.device
@@ -467,27 +555,27 @@ class ModelDrafter:
         score[:, 0] = 0.0
         logp = torch.log_softmax(root_logits.float(), -1)
         cand = torch.topk(logp, k, dim=-1)
-        tokens[:, 1:1 + k] = cand.indices
-        parents[:, 1:1 + k] = 0
-        depths[:, 1:1 + k] = 1
-        score[:, 1:1 + k] = cand.values
+        tokens[:, 1 : 1 + k] = cand.indices
+        parents[:, 1 : 1 + k] = 0
+        depths[:, 1 : 1 + k] = 1
+        score[:, 1 : 1 + k] = cand.values
         for d in range(1, tree.depth):
-            lo, hi = 1 + k * (d - 1), 1 + k * d           # the level-d frontier
+            lo, hi = 1 + k * (d - 1), 1 + k * d  # the level-d frontier
             at = torch.arange(lo, hi, device=dev).expand(B, k)
             logits = self._forward_nodes(tokens, parents.to(torch.int32), depths, hi, at)
-            logp = torch.log_softmax(logits.float(), -1) + score[:, lo:hi, None]   # [B, k, V]
+            logp = torch.log_softmax(logits.float(), -1) + score[:, lo:hi, None]  # [B, k, V]
             best = torch.topk(logp.reshape(B, -1), k, dim=-1)
             V = logp.shape[-1]
-            tokens[:, hi:hi + k] = best.indices % V
-            parents[:, hi:hi + k] = lo + best.indices // V
-            depths[:, hi:hi + k] = d + 1
-            score[:, hi:hi + k] = best.values
+            tokens[:, hi : hi + k] = best.indices % V
+            parents[:, hi : hi + k] = lo + best.indices // V
+            depths[:, hi : hi + k] = d + 1
+            score[:, hi : hi + k] = best.values
         # Keep the best max_nodes by path log-probability; a parent scores at least as
         # high as its children and ties favour the shallower node, so the kept set is
         # closed under ancestors. Keep expansion order (parents before children).
         keep_n = min(tree.max_nodes, n_exp - 1)
         rank_key = score[:, 1:] - 1e-6 * depths[:, 1:].float()
-        kept = torch.topk(rank_key, keep_n, dim=-1).indices.sort(-1).values + 1   # [B, keep]
+        kept = torch.topk(rank_key, keep_n, dim=-1).indices.sort(-1).values + 1  # [B, keep]
         kept = torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=dev), kept], 1)
         remap = torch.full((B, n_exp), -1, dtype=torch.int64, device=dev)
         remap.scatter_(1, kept, torch.arange(keep_n + 1, device=dev).expand(B, -1))
@@ -495,8 +583,13 @@ class ModelDrafter:
         old_par = parents.gather(1, kept)
         new_par = torch.where(old_par >= 0, remap.gather(1, old_par.clamp(min=0)), old_par)
         new_par = new_par.to(torch.int32)
-        return TreeProposal(new_tokens, new_par, depths_from_parents(new_par),
-                            mask_from_parents(new_par), tree.depth)
+        return TreeProposal(
+            new_tokens,
+            new_par,
+            depths_from_parents(new_par),
+            mask_from_parents(new_par),
+            tree.depth,
+        )
 
 
 def mask_with_roots(parents: torch.Tensor) -> torch.Tensor:
@@ -507,7 +600,7 @@ def mask_with_roots(parents: torch.Tensor) -> torch.Tensor:
     one = torch.ones((), dtype=torch.int64, device=parents.device)
     for i in range(T):
         own = torch.bitwise_left_shift(one, i)
-        up = mask.gather(-1, par[..., i:i + 1].clamp(min=0))[..., 0]
+        up = mask.gather(-1, par[..., i : i + 1].clamp(min=0))[..., 0]
         mask[..., i] = torch.where(par[..., i] >= 0, up | own, own)
     return mask
 
@@ -517,5 +610,6 @@ def __getattr__(name: str):
     # name stays importable from here.
     if name == "EagleDrafter":
         from osd.eagle_drafter import EagleDrafter
+
         return EagleDrafter
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,5 @@
 """The EAGLE drafter: chains and trees drafted from the target's features."""
+
 from __future__ import annotations
 
 import torch
@@ -26,13 +27,18 @@ class EagleDrafter(ModelDrafter):
 
     needs_hidden = True
 
-    def __init__(self, model: DecoderLM, max_batch_size: int, capacity: int,
-                 context: int | None = None):
+    def __init__(
+        self, model: DecoderLM, max_batch_size: int, capacity: int, context: int | None = None
+    ):
         super().__init__(model, max_batch_size, capacity, context=context)
-        self._pending_feat = torch.zeros(max_batch_size, self._pending.shape[1],
-                                         model.config.hidden_size, dtype=model.dtype,
-                                         device=self.device)
-        self._feat: torch.Tensor | None = None    # [B, 1, H] the last predicted feature
+        self._pending_feat = torch.zeros(
+            max_batch_size,
+            self._pending.shape[1],
+            model.config.hidden_size,
+            dtype=model.dtype,
+            device=self.device,
+        )
+        self._feat: torch.Tensor | None = None  # [B, 1, H] the last predicted feature
         # [B, n, H] the feature predicted at tree node j < n (the root's after _root)
         self._tree_feat: torch.Tensor | None = None
 
@@ -47,9 +53,15 @@ class EagleDrafter(ModelDrafter):
         H = self._tree_feat.shape[-1]
         feats = self._tree_feat.gather(1, par[..., None].expand(-1, -1, H))
         mask = mask_with_roots(parents[:, 1:upto] - 1)
-        logits, g = self.model(tokens[:, 1:upto], self.cache, tree_mask=mask,
-                               depths=depths[:, 1:upto] - 1, features=feats,
-                               logits_index=at - 1, return_hidden=True)
+        logits, g = self.model(
+            tokens[:, 1:upto],
+            self.cache,
+            tree_mask=mask,
+            depths=depths[:, 1:upto] - 1,
+            features=feats,
+            logits_index=at - 1,
+            return_hidden=True,
+        )
         self._tree_feat = torch.cat([self._tree_feat[:, :1], g], 1)
         return logits
 
@@ -59,8 +71,9 @@ class EagleDrafter(ModelDrafter):
             raise ValueError("an EAGLE drafter needs the target's features (hidden=...)")
         return hidden
 
-    def prefill(self, prompts: list[list[int]], start_row: int, first_tokens: torch.Tensor,
-                hidden=None) -> None:
+    def prefill(
+        self, prompts: list[list[int]], start_row: int, first_tokens: torch.Tensor, hidden=None
+    ) -> None:
         """Rows ``start_row ..`` get the pairs ``(f_j, prompt[j + 1])``; the pair of the last
         prompt feature and ``first_tokens [n]`` becomes pending. ``hidden [n, T, H]``: the
         target's features at the prompts' positions."""
@@ -74,15 +87,20 @@ class EagleDrafter(ModelDrafter):
         if longest > 0:
             ids = torch.zeros(n, longest, dtype=torch.int64)
             for b, p in enumerate(prompts):
-                ids[b, :lens[b]] = torch.tensor(p[1:], dtype=torch.int64)
+                ids[b, : lens[b]] = torch.tensor(p[1:], dtype=torch.int64)
             zero = torch.zeros(n, 1, dtype=torch.int64, device=dev)
-            self.model.prefill(ids.to(dev), rows, torch.tensor(lens, dtype=torch.int32, device=dev),
-                               features=hidden[:, :longest], logits_index=zero)
+            self.model.prefill(
+                ids.to(dev),
+                rows,
+                torch.tensor(lens, dtype=torch.int32, device=dev),
+                features=hidden[:, :longest],
+                logits_index=zero,
+            )
             self.cache.set_bound(max(self.cache.bound, longest))
         last = torch.tensor(lens, dtype=torch.int64, device=dev)
-        self._pending[start_row:start_row + n, 0] = first_tokens
-        self._pending_feat[start_row:start_row + n, 0] = hidden[torch.arange(n, device=dev), last]
-        self._pending_len[start_row:start_row + n] = 1
+        self._pending[start_row : start_row + n, 0] = first_tokens
+        self._pending_feat[start_row : start_row + n, 0] = hidden[torch.arange(n, device=dev), last]
+        self._pending_len[start_row : start_row + n] = 1
         self._pending_max = max(self._pending_max, 1)
 
     def move_row(self, src: int, dst: int) -> None:
@@ -93,8 +111,9 @@ class EagleDrafter(ModelDrafter):
         """Token ``j`` emitted by the step pairs with the verify forward's feature ``j``
         (the target's state just before it); the draft keeps the pairs up to the old root."""
         e = emitted
-        self.set_pending(e.B, e.tokens, e.lengths, e.max_len, committed_lens - 1, bound,
-                         self._need(e.hidden))
+        self.set_pending(
+            e.B, e.tokens, e.lengths, e.max_len, committed_lens - 1, bound, self._need(e.hidden)
+        )
 
     def catch_up(self, emitted: Emitted) -> None:
         e = emitted
@@ -103,12 +122,16 @@ class EagleDrafter(ModelDrafter):
     def _root(self, B: int) -> torch.Tensor:
         P = self._pending_max
         last = self._pending_len[:B] - 1
-        logits, g = self.model(self._pending[:B, :P], self.cache,
-                               features=self._pending_feat[:B, :P], logits_index=last[:, None],
-                               return_hidden=True)
+        logits, g = self.model(
+            self._pending[:B, :P],
+            self.cache,
+            features=self._pending_feat[:B, :P],
+            logits_index=last[:, None],
+            return_hidden=True,
+        )
         self.cache.commit(self._pending_len[:B].to(torch.int32), P)
         self._feat = g.gather(1, last[:, None, None].expand(-1, 1, g.shape[-1]))
-        self._tree_feat = self._feat    # a tree's nodes extend it level by level
+        self._tree_feat = self._feat  # a tree's nodes extend it level by level
         return logits[:, 0]
 
     def _advance(self, x: torch.Tensor, B: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ fails alone (``finish_reason="error"``); a step that raises fails only the reque
 makes it raise, found by running each of the lane's requests alone, and the others resume
 where they were (``osd.isolation``).
 """
+
 from __future__ import annotations
 
 import collections
@@ -61,7 +62,7 @@ from osd.prefix_cache import PrefixCache
 from osd.runner import ModelRunner
 from osd.scheduler import Scheduler
 from osd.request import RequestError, RequestState, encode_prompts, stop_prefix_length
-from osd.sampling import (Output, SamplingParams, TokenLogprobs, request_seed)
+from osd.sampling import Output, SamplingParams, TokenLogprobs, request_seed
 from osd.scoring import score_tokens
 from osd.spec import SpecConfig
 from osd.speculative import Speculator
@@ -103,12 +104,22 @@ class Engine(Scheduler, ModelRunner):
             forwards for a second copy of those weights in memory. False keeps one copy.
     """
 
-    def __init__(self, model: DecoderLM, *, draft: DecoderLM | list[DecoderLM] | None = None,
-                 tokenizer=None, max_batch_size: int = 8, max_seq_len: int = 2048,
-                 spec: SpecConfig | None = None, online: OnlineConfig | None = None,
-                 cuda_graphs: bool = True, prefill_chunk: int | None = None,
-                 prefix_cache: int = 0, quantize_draft: str | None = None,
-                 pack_weights: bool = True) -> None:
+    def __init__(
+        self,
+        model: DecoderLM,
+        *,
+        draft: DecoderLM | list[DecoderLM] | None = None,
+        tokenizer=None,
+        max_batch_size: int = 8,
+        max_seq_len: int = 2048,
+        spec: SpecConfig | None = None,
+        online: OnlineConfig | None = None,
+        cuda_graphs: bool = True,
+        prefill_chunk: int | None = None,
+        prefix_cache: int = 0,
+        quantize_draft: str | None = None,
+        pack_weights: bool = True,
+    ) -> None:
         max_batch_size = operator.index(max_batch_size)
         prefix_cache = operator.index(prefix_cache)
         if prefix_cache < 0:
@@ -118,14 +129,17 @@ class Engine(Scheduler, ModelRunner):
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
-        drafts = [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) \
-            else [draft]
+        drafts = (
+            [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) else [draft]
+        )
         for i, d in enumerate(drafts):
             if not isinstance(d, DecoderLM):
                 raise TypeError(f"draft {i} must be an osd DecoderLM, got {type(d).__name__}")
             if d.vocab_size != model.vocab_size:
-                raise ValueError(f"draft vocabulary size {d.vocab_size} differs from the "
-                                 f"target vocabulary size {model.vocab_size}")
+                raise ValueError(
+                    f"draft vocabulary size {d.vocab_size} differs from the "
+                    f"target vocabulary size {model.vocab_size}"
+                )
             if d.device != model.device:
                 raise ValueError(f"draft is on {d.device} but the target is on {model.device}")
         if prefill_chunk is not None:
@@ -141,23 +155,28 @@ class Engine(Scheduler, ModelRunner):
         if spec is None and drafts:
             spec = SpecConfig()
         if spec is not None and spec.prompt_lookup and spec.drafter == "model" and not drafts:
-            spec = spec.lookup_alone()      # prompt lookup without a draft model: "ngram"
+            spec = spec.lookup_alone()  # prompt lookup without a draft model: "ngram"
         if spec is not None and spec.drafter == "model" and not drafts:
             raise ValueError("SpecConfig(drafter='model') needs a draft model: pass draft=...")
         if spec is not None and spec.drafter != "model" and drafts:
-            raise ValueError(f"SpecConfig(drafter={spec.drafter!r}) uses no draft model, but "
-                             f"draft=... was given")
+            raise ValueError(
+                f"SpecConfig(drafter={spec.drafter!r}) uses no draft model, but draft=... was given"
+            )
         if online is not None and (spec is None or spec.drafter == "ngram"):
-            raise ValueError("online learning needs a model drafter (a draft or "
-                             "SpecConfig(drafter='self'))")
-        masters = drafts if online is not None and quantize_draft is not None \
-            else [None] * len(drafts)      # the float drafts of quantized serving copies
+            raise ValueError(
+                "online learning needs a model drafter (a draft or SpecConfig(drafter='self'))"
+            )
+        masters = (
+            drafts if online is not None and quantize_draft is not None else [None] * len(drafts)
+        )  # the float drafts of quantized serving copies
         drafts = serving_drafts(drafts, quantize_draft, model.device, online is not None)
         for i, d in enumerate(drafts):
             if isinstance(d, EagleLM) and d.embed_tokens.weight is not model.embed_tokens.weight:
-                raise ValueError(f"EAGLE draft {i} was not built for this target (it must "
-                                 f"share the target's embedding: "
-                                 f"EagleLM.from_target(target) or load_eagle(path, target))")
+                raise ValueError(
+                    f"EAGLE draft {i} was not built for this target (it must "
+                    f"share the target's embedding: "
+                    f"EagleLM.from_target(target) or load_eagle(path, target))"
+                )
         if pack_weights:
             model.pack_weights()
         self.model = model
@@ -172,23 +191,38 @@ class Engine(Scheduler, ModelRunner):
         self._headroom = 0 if spec is None else _spec_width(spec) + 2
         # Finished requests' tokens, searched by prompt lookup after each request's own
         # (shared by every lane's lookup).
-        self.lookup_history = LookupHistory(spec.lookup_history, spec.ngram_min,
-                                            spec.ngram_max) \
-            if spec is not None and spec.lookup_history else None
+        self.lookup_history = (
+            LookupHistory(spec.lookup_history, spec.ngram_min, spec.ngram_max)
+            if spec is not None and spec.lookup_history
+            else None
+        )
         # One lane (target cache rows) per drafter, so requests of every draft are served
         # in the same steps; plain decoding has one lane without a speculator.
-        drafters = [None] if spec is None else make_drafters(
-            spec, model, drafts, max_batch_size, max_seq_len + self._headroom + PENDING_WIDTH,
-            max_seq_len,
-            self.lookup_history, learning=online is not None)
-        self.online = None if online is None else \
-            OnlineManager([d.model for d in drafters], online, masters)
-        self.lanes = [Lane(model.new_cache(max_batch_size, max_seq_len + self._headroom,
-                                           context=max_seq_len),
-                           torch.zeros(max_batch_size, dtype=torch.int64, device=self.device),
-                           model.new_cache(1, max_seq_len + self._headroom,
-                                           context=max_seq_len))
-                      for _ in drafters]
+        drafters = (
+            [None]
+            if spec is None
+            else make_drafters(
+                spec,
+                model,
+                drafts,
+                max_batch_size,
+                max_seq_len + self._headroom + PENDING_WIDTH,
+                max_seq_len,
+                self.lookup_history,
+                learning=online is not None,
+            )
+        )
+        self.online = (
+            None if online is None else OnlineManager([d.model for d in drafters], online, masters)
+        )
+        self.lanes = [
+            Lane(
+                model.new_cache(max_batch_size, max_seq_len + self._headroom, context=max_seq_len),
+                torch.zeros(max_batch_size, dtype=torch.int64, device=self.device),
+                model.new_cache(1, max_seq_len + self._headroom, context=max_seq_len),
+            )
+            for _ in drafters
+        ]
         self.prefix_cache = PrefixCache(prefix_cache) if prefix_cache else None
         for lane in self.lanes:
             lane.prefix_cache = self.prefix_cache
@@ -197,22 +231,33 @@ class Engine(Scheduler, ModelRunner):
                 continue
             listeners = []
             if online is not None:
-                listeners.append(TeacherCollector(online.topk, online.positions,
-                                                  online.prompt_positions,
-                                                  swap=lambda i=i: self.online.swap(i)))
-            lane.speculator = Speculator(self, spec, drafter, lane.cache, lane.next_tokens,
-                                         listeners)
-        self.speculators: list[Speculator] = [lane.speculator for lane in self.lanes
-                                              if lane.speculator is not None]
+                listeners.append(
+                    TeacherCollector(
+                        online.topk,
+                        online.positions,
+                        online.prompt_positions,
+                        swap=lambda i=i: self.online.swap(i),
+                    )
+                )
+            lane.speculator = Speculator(
+                self, spec, drafter, lane.cache, lane.next_tokens, listeners
+            )
+        self.speculators: list[Speculator] = [
+            lane.speculator for lane in self.lanes if lane.speculator is not None
+        ]
         self.cache = self.lanes[0].cache
         self.graphs: StepGraphs | None = None
         # A mixture of experts picks its experts on the host: no graphs for such a target.
-        if cuda_graphs and (spec is None or spec.cuda_graphs) and self.device.type == "cuda" \
-                and not self.model.config.num_experts:
+        if (
+            cuda_graphs
+            and (spec is None or spec.cuda_graphs)
+            and self.device.type == "cuda"
+            and not self.model.config.num_experts
+        ):
             self.use_graphs(StepGraphs(self.device))
         self._wall, self._generated, self._requests_served = 0.0, 0, 0
-        self.plain_stats = SpecStats()       # plain lanes: target forwards, time by phase
-        self.errors: collections.Counter = collections.Counter()   # failures by kind
+        self.plain_stats = SpecStats()  # plain lanes: target forwards, time by phase
+        self.errors: collections.Counter = collections.Counter()  # failures by kind
         self._aborted = 0
         self.last_error: str | None = None
         # One caller steps the lanes at a time (generate, stream, AsyncEngine's loop).
@@ -222,14 +267,26 @@ class Engine(Scheduler, ModelRunner):
         self._ones = torch.ones(max_batch_size, dtype=torch.int32, device=self.device)
 
     @classmethod
-    def from_pretrained(cls, target, draft=None, *, device: torch.device | str = "cpu",
-                        dtype: torch.dtype = torch.float32, max_batch_size: int = 8,
-                        max_seq_len: int = 2048, spec: SpecConfig | None = None,
-                        online: OnlineConfig | None = None, attention_backend: str = "auto",
-                        tokenizer=None, cuda_graphs: bool = True,
-                        prefill_chunk: int | None = None, quantized: bool | None = None,
-                        quantize_draft: str | None = "auto",
-                        prefix_cache: int = 0, pack_weights: bool = True) -> "Engine":
+    def from_pretrained(
+        cls,
+        target,
+        draft=None,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_batch_size: int = 8,
+        max_seq_len: int = 2048,
+        spec: SpecConfig | None = None,
+        online: OnlineConfig | None = None,
+        attention_backend: str = "auto",
+        tokenizer=None,
+        cuda_graphs: bool = True,
+        prefill_chunk: int | None = None,
+        quantized: bool | None = None,
+        quantize_draft: str | None = "auto",
+        prefix_cache: int = 0,
+        pack_weights: bool = True,
+    ) -> "Engine":
         """Load ``target`` (and drafts): each a checkpoint directory, a GGUF file or a
         transformers model.
 
@@ -265,23 +322,50 @@ class Engine(Scheduler, ModelRunner):
         in float32 on the CPU (where quantized drafts run), else None (float drafts).
         """
         model, draft_models, tokenizer, spec, quantize_draft, online = load_for_engine(
-            target, draft, device=device, dtype=dtype, attention_backend=attention_backend,
-            quantized=quantized, tokenizer=tokenizer, spec=spec, quantize_draft=quantize_draft,
-            online=online)
-        return cls(model, draft=draft_models or None, tokenizer=tokenizer,
-                   max_batch_size=max_batch_size, max_seq_len=max_seq_len, spec=spec,
-                   online=online, cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk,
-                   prefix_cache=prefix_cache, quantize_draft=quantize_draft,
-                   pack_weights=pack_weights)
+            target,
+            draft,
+            device=device,
+            dtype=dtype,
+            attention_backend=attention_backend,
+            quantized=quantized,
+            tokenizer=tokenizer,
+            spec=spec,
+            quantize_draft=quantize_draft,
+            online=online,
+        )
+        return cls(
+            model,
+            draft=draft_models or None,
+            tokenizer=tokenizer,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            spec=spec,
+            online=online,
+            cuda_graphs=cuda_graphs,
+            prefill_chunk=prefill_chunk,
+            prefix_cache=prefix_cache,
+            quantize_draft=quantize_draft,
+            pack_weights=pack_weights,
+        )
 
     def encode(self, prompts) -> list[list[int]]:
         """Validate ``prompts`` (token-id lists or strings) and return token-id lists
         (:func:`osd.request.encode_prompts`)."""
-        return encode_prompts(prompts, self.tokenizer, self.model.vocab_size, self.max_seq_len,
-                              self.model.config.max_position_embeddings)
+        return encode_prompts(
+            prompts,
+            self.tokenizer,
+            self.model.vocab_size,
+            self.max_seq_len,
+            self.model.config.max_position_embeddings,
+        )
 
-    def requests(self, prompts, params: SamplingParams | list[SamplingParams],
-                 base_index: int = 0, draft: int | None = None) -> list[RequestState]:
+    def requests(
+        self,
+        prompts,
+        params: SamplingParams | list[SamplingParams],
+        base_index: int = 0,
+        draft: int | None = None,
+    ) -> list[RequestState]:
         """Validated :class:`RequestState` objects for ``prompts``, each with its own
         sampling parameters (``params``: one for all, or one per prompt) and Philox seed,
         served by draft ``draft`` (an index into the engine's drafts) or, when None, by
@@ -291,23 +375,29 @@ class Engine(Scheduler, ModelRunner):
             if draft is not None:
                 n = len(self.speculators)
                 if isinstance(draft, bool) or not isinstance(draft, int):
-                    raise TypeError(f"draft must be an int index into the engine's drafts, "
-                                    f"got {type(draft).__name__}")
+                    raise TypeError(
+                        f"draft must be an int index into the engine's drafts, "
+                        f"got {type(draft).__name__}"
+                    )
                 if not 0 <= draft < max(n, 1) or (n == 0 and draft != 0):
-                    raise ValueError(f"unknown draft {draft}: this engine has "
-                                     f"{'no drafts' if n == 0 else f'{n} (0..{n - 1})'}")
+                    raise ValueError(
+                        f"unknown draft {draft}: this engine has "
+                        f"{'no drafts' if n == 0 else f'{n} (0..{n - 1})'}"
+                    )
             per = list(params) if isinstance(params, (list, tuple)) else None
             for p in per if per is not None else [params]:
                 if not isinstance(p, SamplingParams):
-                    raise TypeError(f"params must be an osd.SamplingParams, got "
-                                    f"{type(p).__name__}")
+                    raise TypeError(f"params must be an osd.SamplingParams, got {type(p).__name__}")
                 if p.stop and self.tokenizer is None:
-                    raise ValueError("stop strings need a tokenizer; this engine has none "
-                                     "(use stop_token_ids)")
+                    raise ValueError(
+                        "stop strings need a tokenizer; this engine has none (use stop_token_ids)"
+                    )
                 bad = [t for t in p.logit_bias or () if not 0 <= t < self.model.vocab_size]
                 if bad:
-                    raise ValueError(f"logit_bias has token id {bad[0]} outside the vocabulary "
-                                     f"[0, {self.model.vocab_size})")
+                    raise ValueError(
+                        f"logit_bias has token id {bad[0]} outside the vocabulary "
+                        f"[0, {self.model.vocab_size})"
+                    )
             token_lists = self.encode(prompts)
             if per is not None and len(per) != len(token_lists):
                 raise ValueError(f"got {len(per)} SamplingParams for {len(token_lists)} prompts")
@@ -318,19 +408,29 @@ class Engine(Scheduler, ModelRunner):
         for i, ids in enumerate(token_lists):
             p = per[i] if per is not None else params
             base_seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,)))
-            stop_ids = (frozenset() if p.ignore_eos else self.eos_token_ids) \
-                | frozenset(p.stop_token_ids or ())
+            stop_ids = (frozenset() if p.ignore_eos else self.eos_token_ids) | frozenset(
+                p.stop_token_ids or ()
+            )
             # A shared seed is spread over the prompts; a prompt's own seed is its alone.
-            out.append(RequestState(base_index + i, ids, p.max_new_tokens, stop_ids,
-                                    request_seed(base_seed, 0 if per else base_index + i), p,
-                                    pinned_draft=draft,
-                                    logprobs=None if p.logprobs is None else []))
+            out.append(
+                RequestState(
+                    base_index + i,
+                    ids,
+                    p.max_new_tokens,
+                    stop_ids,
+                    request_seed(base_seed, 0 if per else base_index + i),
+                    p,
+                    pinned_draft=draft,
+                    logprobs=None if p.logprobs is None else [],
+                )
+            )
         return out
 
     _requests = requests
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams],
-                 draft: int | None = None) -> list[Output]:
+    def generate(
+        self, prompts, params: SamplingParams | list[SamplingParams], draft: int | None = None
+    ) -> list[Output]:
         """Generate a continuation of every prompt.
 
         Args:
@@ -388,8 +488,10 @@ class Engine(Scheduler, ModelRunner):
             One :class:`~osd.Output` per conversation (the assistant's reply).
         """
         if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer with a chat template; this engine has "
-                             "none (load a checkpoint that ships one, or pass tokenizer=...)")
+            raise ValueError(
+                "chat needs a tokenizer with a chat template; this engine has "
+                "none (load a checkpoint that ships one, or pass tokenizer=...)"
+            )
         return self.generate(apply_chat_template(self.tokenizer, conversations), params)
 
     def stream(self, prompt, params: SamplingParams):
@@ -415,8 +517,10 @@ class Engine(Scheduler, ModelRunner):
         (iterating a stream) gets a RuntimeError instead of a deadlock."""
         me = threading.get_ident()
         if self._call_owner == me:
-            raise RuntimeError("this thread is already inside a generate/stream call of this "
-                               "engine (an unfinished stream?): exhaust or close() it first")
+            raise RuntimeError(
+                "this thread is already inside a generate/stream call of this "
+                "engine (an unfinished stream?): exhaust or close() it first"
+            )
         with self._call_lock:
             self._call_owner = me
             try:
@@ -457,8 +561,10 @@ class Engine(Scheduler, ModelRunner):
         if self.online is not None:
             out["online"] = self.online.history()
         if self.graphs is not None:
-            out["cuda_graphs"] = {"graphs": len(self.graphs.entries),
-                                  "replays": self.graphs.replays}
+            out["cuda_graphs"] = {
+                "graphs": len(self.graphs.entries),
+                "replays": self.graphs.replays,
+            }
         errors = dict(self.errors)
         if self.online is not None and hasattr(self.online, "faults"):
             errors.update({f"online_{k}": v for k, v in self.online.faults().items() if v})
@@ -467,8 +573,7 @@ class Engine(Scheduler, ModelRunner):
             out["prefix_cache"] = self.prefix_cache.stats()
         out["last_error"] = self.last_error
         out["aborted"] = self._aborted
-        out["running"] = sum(len(lane.active) + (lane.staging is not None)
-                             for lane in self.lanes)
+        out["running"] = sum(len(lane.active) + (lane.staging is not None) for lane in self.lanes)
         out["waiting"] = sum(len(lane.waiting) for lane in self.lanes)
         return out
 
@@ -483,8 +588,7 @@ class Engine(Scheduler, ModelRunner):
         if graphs is not None:
             # Captures read the models' constant buffers (sized by new_cache for every cache
             # the engine made): pinned, they are never replaced under a graph.
-            for m in [self.model] + [getattr(sp.drafter, "model", None)
-                                     for sp in self.speculators]:
+            for m in [self.model] + [getattr(sp.drafter, "model", None) for sp in self.speculators]:
                 if m is not None:
                     m.pin_buffers()
         for sp in self.speculators:
@@ -525,19 +629,25 @@ class Engine(Scheduler, ModelRunner):
             text = self.tokenizer.decode(r.generated, skip_special_tokens=True)
             if r.finish_reason is None and r.params is not None and r.params.stop:
                 # a snapshot's text is always a prefix of the final one
-                text = text[:len(text) - stop_prefix_length(text, r.params.stop)]
+                text = text[: len(text) - stop_prefix_length(text, r.params.stop)]
         stats = r.spec_stats.as_dict() if r.spec_stats is not None else None
         if stats is not None:
             stats["draft_index"] = r.draft_index
-        return Output(token_ids=list(r.generated), text=text, finish_reason=r.finish_reason,
-                      stats=stats, prompt_token_ids=list(r.prompt), error=r.error,
-                      logprobs=None if r.logprobs is None else list(r.logprobs))
+        return Output(
+            token_ids=list(r.generated),
+            text=text,
+            finish_reason=r.finish_reason,
+            stats=stats,
+            prompt_token_ids=list(r.prompt),
+            error=r.error,
+            logprobs=None if r.logprobs is None else list(r.logprobs),
+        )
 
 
 def _spec_width(spec: SpecConfig) -> int:
     """Most tokens one verify forward feeds per row (root included)."""
     chain = max(spec.num_draft_tokens, spec.lookup_tokens) + 1
-    if spec.lookup_tree_below:          # lookup's branch and the model's, below one root
+    if spec.lookup_tree_below:  # lookup's branch and the model's, below one root
         return chain + spec.num_draft_tokens
     if spec.tree is None:
         return chain

@@ -19,6 +19,7 @@ machine hits both alike; a warm-up round precedes the timed one. Each row report
   alone (prompt lookup can beat it: its drafts cost almost nothing);
 - ``equal``: greedy only, whether every speculative output equals the plain one.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -48,9 +49,18 @@ def _timed(engine, ids, params):
     return time.perf_counter() - t, out, engine.stats
 
 
-def evaluate(target, draft=None, *, workloads=None, max_new_tokens: int = 128,
-             sampling: dict | None = None, spec=None, engine_kwargs: dict | None = None,
-             encode=None, progress: bool = True) -> list[dict]:
+def evaluate(
+    target,
+    draft=None,
+    *,
+    workloads=None,
+    max_new_tokens: int = 128,
+    sampling: dict | None = None,
+    spec=None,
+    engine_kwargs: dict | None = None,
+    encode=None,
+    progress: bool = True,
+) -> list[dict]:
     """One row per workload (see the module docstring). ``sampling``: extra
     :class:`~osd.SamplingParams` fields (default greedy); ``spec``: a
     :class:`~osd.SpecConfig` instead of the draft's recommendations (None); a draft-free
@@ -66,15 +76,14 @@ def evaluate(target, draft=None, *, workloads=None, max_new_tokens: int = 128,
     rows = []
     for w in workloads:
         convs = [list(p) for p in w.prompts]
-        ids = encode(convs) if encode is not None else apply_chat_template(plain.tokenizer,
-                                                                          convs)
+        ids = encode(convs) if encode is not None else apply_chat_template(plain.tokenizer, convs)
         ratios, t_plain, t_fast, n_plain, n_fast = [], 0.0, 0.0, 0, 0
         equal, forwards, drafted, accepted = True, 0, 0, 0
         alpha_sum = alpha_n = draft_s = plain_decode_s = 0.0
         started = time.perf_counter()
         for i, prompt in enumerate(ids):
             params = osd.SamplingParams(max_new_tokens, seed=i, **sampling)
-            for _ in range(2):                    # a warm-up round, then the timed one
+            for _ in range(2):  # a warm-up round, then the timed one
                 tp, op, sp = _timed(plain, prompt, params)
                 tf, of, sf = _timed(fast, prompt, params)
             ratios.append(tp / tf)
@@ -91,24 +100,35 @@ def evaluate(target, draft=None, *, workloads=None, max_new_tokens: int = 128,
             if progress:
                 done = i + 1
                 eta = (time.perf_counter() - started) / done * (len(ids) - done)
-                print(f"\r[osd.evaluate] {w.name}: {done}/{len(ids)} prompts, "
-                      f"speedup so far {statistics.median(ratios):.2f}x, ETA {eta:.0f} s",
-                      end="", file=sys.stderr, flush=True)
+                print(
+                    f"\r[osd.evaluate] {w.name}: {done}/{len(ids)} prompts, "
+                    f"speedup so far {statistics.median(ratios):.2f}x, ETA {eta:.0f} s",
+                    end="",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if progress:
             print(file=sys.stderr)
         alpha = alpha_sum / alpha_n if alpha_n else None
         c = (draft_s / drafted) / (plain_decode_s / max(1, n_plain)) if drafted else None
-        rows.append({
-            "workload": w.name, "prompts": len(ids), "speedup": statistics.median(ratios),
-            "plain_tokens_per_s": n_plain / t_plain, "spec_tokens_per_s": n_fast / t_fast,
-            "alpha": alpha, "accept": accepted / drafted if drafted else None,
-            "tokens_per_forward": n_fast / forwards if forwards else None,
-            "c": c, "k": k,
-            "bound": analytic_speedup(alpha, k, c) if alpha is not None and c else None,
-            "equal": equal if greedy else None,
-            "spec": describe(fast.spec) if fast.spec is not None else None,
-            "draft_served": fast.draft is not None,
-        })
+        rows.append(
+            {
+                "workload": w.name,
+                "prompts": len(ids),
+                "speedup": statistics.median(ratios),
+                "plain_tokens_per_s": n_plain / t_plain,
+                "spec_tokens_per_s": n_fast / t_fast,
+                "alpha": alpha,
+                "accept": accepted / drafted if drafted else None,
+                "tokens_per_forward": n_fast / forwards if forwards else None,
+                "c": c,
+                "k": k,
+                "bound": analytic_speedup(alpha, k, c) if alpha is not None and c else None,
+                "equal": equal if greedy else None,
+                "spec": describe(fast.spec) if fast.spec is not None else None,
+                "draft_served": fast.draft is not None,
+            }
+        )
     plain.close()
     fast.close()
     return rows
@@ -116,18 +136,23 @@ def evaluate(target, draft=None, *, workloads=None, max_new_tokens: int = 128,
 
 def table(rows: list[dict]) -> str:
     """The rows as a markdown table."""
+
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
-    lines = ["| workload | prompts | plain tok/s | spec tok/s | speedup (median) | α | "
-             "accepted | tokens / forward | c | bound (model chain) | greedy equal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    lines = [
+        "| workload | prompts | plain tok/s | spec tok/s | speedup (median) | α | "
+        "accepted | tokens / forward | c | bound (model chain) | greedy equal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['workload']} | {r['prompts']} | {r['plain_tokens_per_s']:.1f} | "
             f"{r['spec_tokens_per_s']:.1f} | **{r['speedup']:.2f}x** | {f(r['alpha'], '.3f')} | "
             f"{f(r['accept'], '.2f')} | {f(r['tokens_per_forward'], '.2f')} | "
             f"{f(r['c'], '.3f')} | {f(r['bound'], '.2f')} | "
-            f"{'-' if r['equal'] is None else ('yes' if r['equal'] else 'NO')} |")
+            f"{'-' if r['equal'] is None else ('yes' if r['equal'] else 'NO')} |"
+        )
     return "\n".join(lines)
 
 

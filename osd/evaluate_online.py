@@ -10,6 +10,7 @@ target's greedy output). The summary compares the last quarter of the stream: to
 target forward (what the draft's acceptance buys), tokens/s (serving with the learner on
 against off, side by side), and α where the draft model drafted.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -24,34 +25,48 @@ def _serve(engine, ids, params):
     t = time.perf_counter()
     out = engine.generate([ids], params)[0]
     st = out.stats or {}
-    return out.token_ids, {"seconds": time.perf_counter() - t, "tokens": len(out.token_ids),
-                            "forwards": st.get("target_forwards") or 0,
-                            "alpha": st.get("alpha"), "drafted": st.get("drafted") or 0}
+    return out.token_ids, {
+        "seconds": time.perf_counter() - t,
+        "tokens": len(out.token_ids),
+        "forwards": st.get("target_forwards") or 0,
+        "alpha": st.get("alpha"),
+        "drafted": st.get("drafted") or 0,
+    }
 
 
 def _window(records):
     tokens = sum(r["tokens"] for r in records)
     drafted = sum(r["drafted"] for r in records if r["alpha"] is not None)
     alpha = sum(r["alpha"] * r["drafted"] for r in records if r["alpha"] is not None)
-    return {"tokens_per_forward": tokens / max(1, sum(r["forwards"] for r in records)),
-            "tokens_per_s": tokens / sum(r["seconds"] for r in records),
-            "alpha": alpha / drafted if drafted else None}
+    return {
+        "tokens_per_forward": tokens / max(1, sum(r["forwards"] for r in records)),
+        "tokens_per_s": tokens / sum(r["seconds"] for r in records),
+        "alpha": alpha / drafted if drafted else None,
+    }
 
 
-def online_stream(target, draft, conversations, *, max_new_tokens: int = 128,
-                  online: osd.OnlineConfig | None = None, engine_kwargs: dict | None = None,
-                  encode=None, progress: bool = True) -> dict:
+def online_stream(
+    target,
+    draft,
+    conversations,
+    *,
+    max_new_tokens: int = 128,
+    online: osd.OnlineConfig | None = None,
+    engine_kwargs: dict | None = None,
+    encode=None,
+    progress: bool = True,
+) -> dict:
     """Serve ``conversations`` with the online and the static draft side by side; returns
     ``{"online": [...], "static": [...]}`` per-request records and ``summary`` (the last
     quarter, and the first for reference). ``encode``: conversations -> token ids
     (default: the target tokenizer's chat template)."""
     kw = dict(max_batch_size=1, **(engine_kwargs or {}))
-    learning = osd.Engine.from_pretrained(target, draft=draft,
-                                          online=online or osd.OnlineConfig(), **kw)
+    learning = osd.Engine.from_pretrained(
+        target, draft=draft, online=online or osd.OnlineConfig(), **kw
+    )
     static = osd.Engine.from_pretrained(target, draft=draft, **kw)
     convs = [list(c) for c in conversations]
-    prompts = encode(convs) if encode is not None else apply_chat_template(static.tokenizer,
-                                                                          convs)
+    prompts = encode(convs) if encode is not None else apply_chat_template(static.tokenizer, convs)
     params = osd.SamplingParams(max_new_tokens)
     recs = {"online": [], "static": []}
     started = time.perf_counter()
@@ -60,19 +75,24 @@ def online_stream(target, draft, conversations, *, max_new_tokens: int = 128,
             out_on, rec_on = _serve(learning, ids, params)
             out_st, rec_st = _serve(static, ids, params)
             if out_on != out_st:
-                raise AssertionError(f"request {i}: the online engine's output differs from "
-                                     f"the static engine's (both must be the target's)")
+                raise AssertionError(
+                    f"request {i}: the online engine's output differs from "
+                    f"the static engine's (both must be the target's)"
+                )
             recs["online"].append(rec_on)
             recs["static"].append(rec_st)
             if progress and (i + 1) % 10 == 0:
                 last = slice(max(0, i - 19), i + 1)
                 on, st = _window(recs["online"][last]), _window(recs["static"][last])
                 eta = (time.perf_counter() - started) / (i + 1) * (len(prompts) - i - 1)
-                print(f"[osd.evaluate_online] {i + 1}/{len(prompts)}: tokens per forward "
-                      f"online {on['tokens_per_forward']:.2f} static "
-                      f"{st['tokens_per_forward']:.2f} (last 20), ETA {eta:.0f} s",
-                      file=sys.stderr, flush=True)
-        learning.close()                       # finish pending updates
+                print(
+                    f"[osd.evaluate_online] {i + 1}/{len(prompts)}: tokens per forward "
+                    f"online {on['tokens_per_forward']:.2f} static "
+                    f"{st['tokens_per_forward']:.2f} (last 20), ETA {eta:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        learning.close()  # finish pending updates
         updates = learning.stats["online"].get("updates_applied")
     finally:
         learning.close()
@@ -81,10 +101,12 @@ def online_stream(target, draft, conversations, *, max_new_tokens: int = 128,
     summary = {}
     for part, sl in (("first_quarter", slice(0, q)), ("last_quarter", slice(-q, None))):
         on, st = _window(recs["online"][sl]), _window(recs["static"][sl])
-        summary[part] = {"online": on, "static": st,
-                         "tokens_per_forward_gain": on["tokens_per_forward"]
-                         - st["tokens_per_forward"],
-                         "speed_ratio": on["tokens_per_s"] / st["tokens_per_s"]}
+        summary[part] = {
+            "online": on,
+            "static": st,
+            "tokens_per_forward_gain": on["tokens_per_forward"] - st["tokens_per_forward"],
+            "speed_ratio": on["tokens_per_s"] / st["tokens_per_s"],
+        }
     summary["requests"] = len(prompts)
     summary["updates_applied"] = updates
     summary["median_tokens"] = statistics.median(r["tokens"] for r in recs["static"])

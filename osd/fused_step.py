@@ -17,6 +17,7 @@ Steps that branch on the host stay on the separate-graph path (``Speculator.step
 trees, prompt lookup, EAGLE drafts (which read the verify forward's features), the
 adaptive stopper, rows with different sampling parameters, penalties and logit biases.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,13 +34,19 @@ log = logging.getLogger(__name__)
 def fusable(speculator, active, params, k: int) -> bool:
     """Whether this step can replay the fused graph."""
     d = speculator.drafter
-    return (speculator.graphs is not None and k > 0 and speculator.spec.tree is None
-            and speculator.stopper is None and type(d) is ModelDrafter
-            and params.uniform is not None and not getattr(speculator, "_unfusable", False)
-            and d._pending_max <= k + 1
-            and not any(r.params is not None and r.params.adjusts_logits for r in active)
-            and speculator.cache.bound + k + 1 <= speculator.cache.capacity
-            and d.cache.bound + 2 * k <= d.cache.capacity)
+    return (
+        speculator.graphs is not None
+        and k > 0
+        and speculator.spec.tree is None
+        and speculator.stopper is None
+        and type(d) is ModelDrafter
+        and params.uniform is not None
+        and not getattr(speculator, "_unfusable", False)
+        and d._pending_max <= k + 1
+        and not any(r.params is not None and r.params.adjusts_logits for r in active)
+        and speculator.cache.bound + k + 1 <= speculator.cache.capacity
+        and d.cache.bound + 2 * k <= d.cache.capacity
+    )
 
 
 def fused_chain_step(speculator, B: int, params, sampling: dict, k: int):
@@ -60,11 +67,14 @@ def fused_chain_step(speculator, B: int, params, sampling: dict, k: int):
 
     def build():
         dev = cache.lens.device
-        static = {"seed": torch.zeros(Bb, dtype=torch.int64, device=dev),
-                  "offset": torch.zeros(Bb, dtype=torch.int64, device=dev)}
-        for n in names:                       # padding rows sample validly: t 1, no cut
-            static[n] = torch.full((Bb,), 0 if n == "top_k" else 1, dtype=sampling[n].dtype,
-                                   device=dev)
+        static = {
+            "seed": torch.zeros(Bb, dtype=torch.int64, device=dev),
+            "offset": torch.zeros(Bb, dtype=torch.int64, device=dev),
+        }
+        for n in names:  # padding rows sample validly: t 1, no cut
+            static[n] = torch.full(
+                (Bb,), 0 if n == "top_k" else 1, dtype=sampling[n].dtype, device=dev
+            )
 
         def body(s):
             toks, probs, raw, _ = d._chain(Bb, k, params, s["seed"], s["offset"])
@@ -88,6 +98,7 @@ def fused_chain_step(speculator, B: int, params, sampling: dict, k: int):
             d._pending[:Bb, :P] = out.clamp(min=0)
             d._pending_len[:Bb] = keep.long()
             return packed, tokens, probs, raw, logits
+
         return static, body
 
     def fill(s):
@@ -95,30 +106,37 @@ def fused_chain_step(speculator, B: int, params, sampling: dict, k: int):
         s["offset"][:B].copy_(sampling["offset"])
         for n in names:
             s[n][:B].copy_(sampling[n])
-        cache.lens[B:Bb].zero_()               # padding rows are free rows
+        cache.lens[B:Bb].zero_()  # padding rows are free rows
         dcache.lens[B:Bb].zero_()
         d._pending_len[B:Bb] = 1
         d._pending_max = P
 
     def host_state():
         saved = cache.bound, dcache.bound
-        cache.bound = cache.capacity - P           # capture with the widest key ranges
+        cache.bound = cache.capacity - P  # capture with the widest key ranges
         dcache.bound = dcache.capacity - (P + k - 1)
 
         def restore():
             cache.bound, dcache.bound = saved
             d._pending_max = P
+
         return restore
 
     target_bound = cache.bound
     try:
         packed, tokens, probs, raw, logits = sp.graphs.run(
-            ("fused-chain", id(sp), Bb, k, warp), build, fill,
+            ("fused-chain", id(sp), Bb, k, warp),
+            build,
+            fill,
             state=(cache.lens, dcache.lens, d._pending, d._pending_len, sp.next_tokens),
-            host_state=host_state)
-    except RuntimeError as exc:                # a capture this device cannot take
-        log.warning("the fused speculative step could not be captured (%s); steps replay "
-                    "the draft and verify graphs separately", exc)
+            host_state=host_state,
+        )
+    except RuntimeError as exc:  # a capture this device cannot take
+        log.warning(
+            "the fused speculative step could not be captured (%s); steps replay "
+            "the draft and verify graphs separately",
+            exc,
+        )
         sp._unfusable = True
         return None
     # what the eager commits would have left on the host

@@ -54,6 +54,7 @@ scratch by the cache's contract.
 capture and replay, so the bookkeeping is tested on CPU; the CUDA capture itself is tested
 on a GPU by ``make gpu-check`` (``docs/gpu.md`` has the results).
 """
+
 from __future__ import annotations
 
 import threading
@@ -76,10 +77,10 @@ def batch_bucket(batch: int, max_batch_size: int) -> int:
 
 @dataclass
 class _Entry:
-    static: dict                      # input tensors the body reads
-    body: Callable[[dict], object]    # the captured computation
-    graph: object = None              # torch.cuda.CUDAGraph (None when emulated)
-    outputs: object = None            # the captured outputs (static tensors)
+    static: dict  # input tensors the body reads
+    body: Callable[[dict], object]  # the captured computation
+    graph: object = None  # torch.cuda.CUDAGraph (None when emulated)
+    outputs: object = None  # the captured outputs (static tensors)
 
 
 def _map(fn, outputs):
@@ -130,10 +131,15 @@ class StepGraphs:
         self.entries: dict[tuple, _Entry] = {}
         self.replays = 0
 
-    def run(self, key: tuple, build: Callable[[], tuple[dict, Callable]],
-            fill: Callable[[dict], None], state: tuple = (),
-            host_state: Callable[[], Callable[[], None]] | None = None,
-            own_outputs: bool = False):
+    def run(
+        self,
+        key: tuple,
+        build: Callable[[], tuple[dict, Callable]],
+        fill: Callable[[dict], None],
+        state: tuple = (),
+        host_state: Callable[[], Callable[[], None]] | None = None,
+        own_outputs: bool = False,
+    ):
         """Replay the graph of ``key`` (capturing it first if new) and return its outputs:
         valid until the next replay of any graph here, or with ``own_outputs`` until the
         next replay of this one (the memory invariant above).
@@ -178,13 +184,17 @@ class StepGraphs:
             if not owned:
                 owned.append(_map(torch.empty_like, out))
             return _copy_into(owned[0], out)
+
         run.owns_outputs = True
         return run
 
     def _poison_others(self, replayed: _Entry) -> None:
         for entry in self.entries.values():
-            if entry is not replayed and entry.outputs is not None \
-                    and not getattr(entry.body, "owns_outputs", False):
+            if (
+                entry is not replayed
+                and entry.outputs is not None
+                and not getattr(entry.body, "owns_outputs", False)
+            ):
                 _map(_garbage, entry.outputs)
 
     def _capture(self, entry: _Entry, state: tuple, host_state) -> None:
@@ -192,14 +202,14 @@ class StepGraphs:
         (the widest key range) in force for every run, the capture included; the device
         ``state`` and the host state are restored after each run."""
         saved = [t.clone() for t in state]
-        widen = host_state if host_state is not None else (lambda: (lambda: None))
+        widen = host_state if host_state is not None else (lambda: lambda: None)
         restore_host = widen()
 
         def restore(rewiden: bool):
             nonlocal restore_host
             for t, s in zip(state, saved):
                 t.copy_(s)
-            restore_host()                      # the run's commits moved the host state
+            restore_host()  # the run's commits moved the host state
             if rewiden:
                 restore_host = widen()
 
@@ -218,15 +228,22 @@ class StepGraphs:
         entry.graph = torch.cuda.CUDAGraph()
         # thread_local: the learner thread may run eager work meanwhile (its own capture
         # waits for the lock).
-        with capture_lock, torch.cuda.graph(entry.graph, pool=self.pool,
-                                            capture_error_mode="thread_local"):
+        with (
+            capture_lock,
+            torch.cuda.graph(entry.graph, pool=self.pool, capture_error_mode="thread_local"),
+        ):
             entry.outputs = entry.body(entry.static)
         restore(rewiden=False)
 
 
-def graphed_forward(graphs: StepGraphs, model, cache, inputs: torch.Tensor,
-                    mask: torch.Tensor | None = None,
-                    depths: torch.Tensor | None = None) -> torch.Tensor:
+def graphed_forward(
+    graphs: StepGraphs,
+    model,
+    cache,
+    inputs: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    depths: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``model(inputs, cache, tree_mask=mask, depths=depths)`` -> ``[B, T, V]`` logits,
     replayed from the graph of the batch bucket (``inputs [B, T]``, tree ``mask`` and
     ``depths [B, T]``). Falls back to the eager forward (and its capacity error) when the
@@ -246,6 +263,7 @@ def graphed_forward(graphs: StepGraphs, model, cache, inputs: torch.Tensor,
 
         def body(s):
             return model(s["ids"], cache, tree_mask=s.get("mask"), depths=s.get("depths"))
+
         return static, body
 
     def fill(s):
@@ -253,17 +271,18 @@ def graphed_forward(graphs: StepGraphs, model, cache, inputs: torch.Tensor,
         if tree:
             s["mask"][:B].copy_(mask)
             s["depths"][:B].copy_(depths)
-            if Bb > B:                 # padding rows: a causal chain
+            if Bb > B:  # padding rows: a causal chain
                 i = torch.arange(T, dtype=torch.int64, device=inputs.device)
                 s["mask"][B:] = (2 << i) - 1
                 s["depths"][B:] = i
-        cache.lens[B:Bb].zero_()       # padding rows are free rows
+        cache.lens[B:Bb].zero_()  # padding rows are free rows
 
     def host_state():
         saved = cache.bound
-        cache.bound = cache.capacity - T   # capture with the widest key range
+        cache.bound = cache.capacity - T  # capture with the widest key range
         return lambda: setattr(cache, "bound", saved)
 
-    logits = graphs.run(("forward", id(model), id(cache), Bb, T, tree), build, fill,
-                        host_state=host_state)
+    logits = graphs.run(
+        ("forward", id(model), id(cache), Bb, T, tree), build, fill, host_state=host_state
+    )
     return logits[:B]

@@ -26,6 +26,7 @@ prefill instead of the steps, equal up to rounding).
 Every probe that passes is a step of real progress (the request keeps its tokens), so
 failures that keep coming back still let every survivor advance.
 """
+
 from __future__ import annotations
 
 import collections
@@ -41,8 +42,14 @@ def _mark(r: RequestState) -> tuple:
     """Where a request stands: what a step may change (a plain tuple, made every step for
     every row: generated, logprobs, Philox offset, statistics, stop-string and teacher
     positions)."""
-    return (len(r.generated), None if r.logprobs is None else len(r.logprobs), r.spec_steps,
-            r.spec_stats, r.stop_checked, len(r.teacher))
+    return (
+        len(r.generated),
+        None if r.logprobs is None else len(r.logprobs),
+        r.spec_steps,
+        r.spec_stats,
+        r.stop_checked,
+        len(r.teacher),
+    )
 
 
 def mark_lane(lane) -> dict[int, tuple]:
@@ -58,7 +65,7 @@ def _rewind(r: RequestState, mark: tuple | None) -> None:
     generated, logprobs, steps, stats, checked, teacher = mark or (0, 0, 0, None, 0, 0)
     del r.generated[generated:]
     if r.logprobs is not None:
-        del r.logprobs[logprobs or 0:]
+        del r.logprobs[logprobs or 0 :]
     del r.teacher[teacher:]
     r.spec_steps, r.spec_stats, r.stop_checked = steps, stats, checked
     r.finish_reason = r.error = r.error_kind = r.stop_text = None
@@ -114,7 +121,7 @@ def _probe(engine, lane, r: RequestState) -> BaseException | None:
     try:
         _run_until_stepped(engine, lane, r)
         return None
-    except Exception as e:           # this request's own step failed
+    except Exception as e:  # this request's own step failed
         _rewind(r, mark)
         return e
     finally:
@@ -127,7 +134,7 @@ def _grow(engine, lane, survivors: list[RequestState], error: Exception) -> None
     whose joining makes a step raise completes a failing combination of rows and fails.
     The others end up running in the lane, ahead of its queue."""
     saved = lane.waiting
-    group: list[RequestState] = []           # running in the lane, or queued to rejoin it
+    group: list[RequestState] = []  # running in the lane, or queued to rejoin it
     try:
         for i, r in enumerate(survivors):
             group = [x for x in group if x.finish_reason is None]
@@ -157,9 +164,13 @@ def _grow(engine, lane, survivors: list[RequestState], error: Exception) -> None
             if r.finish_reason is None:
                 group.append(r)
     finally:
-        lane.waiting.extend(x for x in group if x.finish_reason is None
-                            and not _holds(lane, x)
-                            and all(x is not y for y in lane.waiting))
+        lane.waiting.extend(
+            x
+            for x in group
+            if x.finish_reason is None
+            and not _holds(lane, x)
+            and all(x is not y for y in lane.waiting)
+        )
         lane.waiting.extend(saved)
 
 
@@ -172,8 +183,11 @@ def recover(engine, lane, error: Exception, marks: dict[int, tuple]) -> None:
     suspects = [r for r in suspects if r.finish_reason != "abort"]
     _clear(engine, lane)
     engine.errors["failed_steps"] += 1
-    log.warning("osd: a step failed with %d request(s) in its lane; finding the one that "
-                "fails it", len(suspects), exc_info=error)
+    log.warning(
+        "osd: a step failed with %d request(s) in its lane; finding the one that fails it",
+        len(suspects),
+        exc_info=error,
+    )
     for r in suspects:
         _rewind(r, marks.get(id(r)))
     if len(suspects) == 1:
@@ -191,7 +205,7 @@ def recover(engine, lane, error: Exception, marks: dict[int, tuple]) -> None:
         for r in survivors:
             resume(r)
         lane.waiting.extendleft(reversed(survivors))
-    else:                        # no row fails alone: a combination of rows, or transient
+    else:  # no row fails alone: a combination of rows, or transient
         _grow(engine, lane, survivors, error)
 
 
@@ -201,8 +215,11 @@ def resumed_prompts(requests: list[RequestState], speculator):
     prompt (the drafter prefills it; the first token is their next input), and keep their
     speculative state (Philox offset, statistics, collected teacher data), which a
     prefill would start afresh."""
-    resumed = [(r, r.prompt, r.spec_steps, r.spec_stats, r.teacher)
-               for r in requests if r.context is not None]
+    resumed = [
+        (r, r.prompt, r.spec_steps, r.spec_stats, r.teacher)
+        for r in requests
+        if r.context is not None
+    ]
     for r, *_ in resumed:
         r.prompt = r.context
     try:

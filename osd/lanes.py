@@ -8,6 +8,7 @@ cache, a piece per step, before it joins a row reserved for it
 (:meth:`Lane.advance_staging`). With a prefix cache (``osd.prefix_cache``) a prompt's
 longest kept prefix is copied into its row (or the staging row) instead of prefilled.
 """
+
 from __future__ import annotations
 
 import collections
@@ -26,25 +27,26 @@ class Lane:
     occupies row ``b`` of ``cache`` (and of the draft's own cache), rows ``0 .. B-1``."""
 
     cache: KVCache
-    next_tokens: torch.Tensor              # [max_batch_size] int64, each row's last token
-    stage_cache: KVCache                   # one row: a long prompt prefilled piece by piece
-    speculator: object = None              # osd.speculative.Speculator, or None (plain)
+    next_tokens: torch.Tensor  # [max_batch_size] int64, each row's last token
+    stage_cache: KVCache  # one row: a long prompt prefilled piece by piece
+    speculator: object = None  # osd.speculative.Speculator, or None (plain)
     active: list[RequestState] = dataclasses.field(default_factory=list)
     waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
-    staging: RequestState | None = None    # the long prompt in stage_cache (a row reserved)
-    staged: int = 0                        # its prompt tokens in stage_cache
+    staging: RequestState | None = None  # the long prompt in stage_cache (a row reserved)
+    staged: int = 0  # its prompt tokens in stage_cache
     # The target's features [1, n, H] of the staged prompt's reused prefix and of each
     # staged piece, in order (for an EAGLE drafter).
     stage_hidden: list = dataclasses.field(default_factory=list)
-    prefix_cache: PrefixCache | None = None   # prompt K/V shared by the engine's lanes
+    prefix_cache: PrefixCache | None = None  # prompt K/V shared by the engine's lanes
 
     @property
     def needs_hidden(self) -> bool:
         """Whether the lane's drafter drafts from the target's features."""
         return self.speculator is not None and self.speculator.drafter.needs_hidden
 
-    def admit(self, max_batch_size: int, chunk: int, prompt_positions: int,
-              reserved: int = 0) -> list[RequestState]:
+    def admit(
+        self, max_batch_size: int, chunk: int, prompt_positions: int, reserved: int = 0
+    ) -> list[RequestState]:
         """Waiting requests for the free rows, oldest first. A prompt long enough to need
         more than one prefill piece of ``chunk`` tokens goes to the staging row instead
         (when it is free), to be prefilled one piece per step; the others are prefilled
@@ -60,8 +62,7 @@ class Lane:
                 if self.staging is None and len(new) < free:
                     self.stage_cache.reset()
                     self.staging = r
-                    self.staged, hidden = self.load_prefix(r, prompt_positions,
-                                                           self.stage_cache, 0)
+                    self.staged, hidden = self.load_prefix(r, prompt_positions, self.stage_cache, 0)
                     if hidden is not None:
                         self.stage_hidden.append(hidden[None])
                     self.stage_cache.lens[0] = self.staged
@@ -92,11 +93,17 @@ class Lane:
         ids = r.prefill_ids
         if pieces_left(len(ids) - self.staged, prompt_positions, chunk):
             dev = model.device
-            piece = torch.tensor([ids[self.staged:self.staged + chunk]],
-                                 dtype=torch.int64, device=dev)
+            piece = torch.tensor(
+                [ids[self.staged : self.staged + chunk]], dtype=torch.int64, device=dev
+            )
             first = torch.zeros(1, 1, dtype=torch.int64, device=dev)
-            out = model.prefill(piece, self.stage_cache, torch.tensor([chunk], device=dev),
-                                logits_index=first, return_hidden=self.needs_hidden)
+            out = model.prefill(
+                piece,
+                self.stage_cache,
+                torch.tensor([chunk], device=dev),
+                logits_index=first,
+                return_hidden=self.needs_hidden,
+            )
             if self.needs_hidden:
                 self.stage_hidden.append(out[1])
             self.staged += chunk
@@ -112,8 +119,9 @@ class Lane:
         self.unstage()
         return r, n, early
 
-    def load_prefix(self, r: RequestState, prompt_positions: int, cache: KVCache,
-                    row: int) -> tuple[int, torch.Tensor | None]:
+    def load_prefix(
+        self, r: RequestState, prompt_positions: int, cache: KVCache, row: int
+    ) -> tuple[int, torch.Tensor | None]:
         """Copy the K/V of the longest kept prefix of ``r``'s prompt (its
         ``prefill_ids``) into ``row`` of ``cache``; return its length (0 without a prefix
         cache) and, for an EAGLE drafter, the target's features there ``[n, H]`` (else
@@ -125,15 +133,17 @@ class Lane:
         limit = len(ids) - max(prompt_positions, 1)
         return self.prefix_cache.load(ids, limit, cache.kv[:, :, row], self.needs_hidden)
 
-    def store_prefix(self, requests: list[RequestState], start_row: int,
-                     hidden: torch.Tensor | None = None) -> None:
+    def store_prefix(
+        self, requests: list[RequestState], start_row: int, hidden: torch.Tensor | None = None
+    ) -> None:
         """Keep the prompt K/V of ``requests``, just prefilled into rows ``start_row ..``,
         and their features ``hidden`` (``[n, longest prompt, H]``) when given."""
         if self.prefix_cache is None:
             return
         for b, r in enumerate(requests):
-            self.prefix_cache.store(r.prompt, self.cache.kv[:, :, start_row + b],
-                                    None if hidden is None else hidden[b])
+            self.prefix_cache.store(
+                r.prompt, self.cache.kv[:, :, start_row + b], None if hidden is None else hidden[b]
+            )
 
     def unstage(self) -> None:
         """Free the staging row."""

@@ -1,6 +1,7 @@
 """What ``Engine.from_pretrained`` loads: the target, the drafts, the tokenizer, and the
 settings a draft directory recommends (its ``serving.json``: speculation shape, block
 format, online recipe) under the caller's own."""
+
 from __future__ import annotations
 
 import os
@@ -8,32 +9,57 @@ import os
 import torch
 
 from osd.models.eagle import is_eagle_checkpoint, load_eagle
-from osd.models.loading import (is_gguf_source, is_transformers_model, load_model,
-                                load_tokenizer, resolve_device)
+from osd.models.loading import (
+    is_gguf_source,
+    is_transformers_model,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+)
 from osd.models.quant import QuantLinear
 from osd.online.config import draft_online_recipe, with_recipe
 from osd.spec import serving_settings
 
 
-def load_for_engine(target, draft, *, device, dtype, attention_backend, quantized, tokenizer,
-                    spec, quantize_draft, online):
+def load_for_engine(
+    target,
+    draft,
+    *,
+    device,
+    dtype,
+    attention_backend,
+    quantized,
+    tokenizer,
+    spec,
+    quantize_draft,
+    online,
+):
     """``(model, draft models, tokenizer, spec, quantize_draft, online)`` for
     ``Engine.from_pretrained`` (its arguments, documented there)."""
-    drafts = [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) \
-        else [draft]
+    drafts = [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) else [draft]
     for name, source in [("target", target)] + [("draft", d) for d in drafts]:
-        if source is not None and not (isinstance(source, (str, os.PathLike))
-                                       or is_transformers_model(source)):
-            raise TypeError(f"{name} must be a checkpoint directory path or a transformers "
-                            f"model, got {type(source).__name__}")
+        if source is not None and not (
+            isinstance(source, (str, os.PathLike)) or is_transformers_model(source)
+        ):
+            raise TypeError(
+                f"{name} must be a checkpoint directory path or a transformers "
+                f"model, got {type(source).__name__}"
+            )
     if quantized is None:
-        quantized = (is_gguf_source(target) and resolve_device(device).type == "cpu"
-                     and dtype == torch.float32)
-    model = load_model(target, device=device, dtype=dtype, attention_backend=attention_backend,
-                       quantized=quantized)
-    draft_models = [load_eagle(d, model) if is_eagle_checkpoint(d) else
-                    load_model(d, device=device, dtype=dtype,
-                               attention_backend=attention_backend) for d in drafts]
+        quantized = (
+            is_gguf_source(target)
+            and resolve_device(device).type == "cpu"
+            and dtype == torch.float32
+        )
+    model = load_model(
+        target, device=device, dtype=dtype, attention_backend=attention_backend, quantized=quantized
+    )
+    draft_models = [
+        load_eagle(d, model)
+        if is_eagle_checkpoint(d)
+        else load_model(d, device=device, dtype=dtype, attention_backend=attention_backend)
+        for d in drafts
+    ]
     if tokenizer is None:
         tokenizer = load_tokenizer(target)
     # The draft's recommendation for a target kept quantized; learning online needs the
@@ -43,8 +69,9 @@ def load_for_engine(target, draft, *, device, dtype, attention_backend, quantize
         rec, _ = serving_settings(drafts, draft_models, None, None, quantized_target)
         quantized_target = quantized_target and (rec is None or rec.drafter == "model")
     recommended = spec is None
-    spec, quantize_draft = serving_settings(drafts, draft_models, spec, quantize_draft,
-                                            quantized_target)
+    spec, quantize_draft = serving_settings(
+        drafts, draft_models, spec, quantize_draft, quantized_target
+    )
     if recommended and spec is not None and spec.drafter != "model":
         # the draft recommends a draft-free option beside this target: it is not served
         draft_models, quantize_draft = [], None

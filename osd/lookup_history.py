@@ -13,9 +13,10 @@ tokens pass ``capacity``, the oldest half is dropped and the index rebuilt from 
 
 Drafts proposed from the history are verified like any others, so outputs never change.
 """
+
 from __future__ import annotations
 
-SEPARATOR = -1      # between requests: a continuation never crosses it
+SEPARATOR = -1  # between requests: a continuation never crosses it
 
 
 class LookupHistory:
@@ -30,15 +31,16 @@ class LookupHistory:
         if capacity < 1:
             raise ValueError(f"LookupHistory capacity must be >= 1, got {capacity}")
         if not 1 <= ngram_min <= ngram_max:
-            raise ValueError(f"LookupHistory needs 1 <= ngram_min <= ngram_max, got "
-                             f"{ngram_min}, {ngram_max}")
+            raise ValueError(
+                f"LookupHistory needs 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}"
+            )
         self.capacity = capacity
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
         self._tokens: list[int] = []
-        self._base = 0                        # absolute position of self._tokens[0]
-        self._index: dict[tuple[int, ...], int] = {}   # n-gram -> absolute position after it
-        self.requests = 0                     # requests added
+        self._base = 0  # absolute position of self._tokens[0]
+        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> absolute position after it
+        self.requests = 0  # requests added
 
     def __len__(self) -> int:
         return len(self._tokens)
@@ -48,7 +50,7 @@ class LookupHistory:
         ``output``."""
         if not output:
             return
-        seq = list(prompt[-self.ngram_max:]) + list(output) + [SEPARATOR]
+        seq = list(prompt[-self.ngram_max :]) + list(output) + [SEPARATOR]
         start = self._base + len(self._tokens)
         self._tokens += seq
         self._index_range(start, start + len(seq))
@@ -63,7 +65,7 @@ class LookupHistory:
         if pos is None or k < 1:
             return []
         out = []
-        for t in self._tokens[pos - self._base:pos - self._base + k]:
+        for t in self._tokens[pos - self._base : pos - self._base + k]:
             if t == SEPARATOR:
                 break
             out.append(t)
@@ -80,7 +82,7 @@ class LookupHistory:
                 begin = end - n
                 if begin < base:
                     break
-                gram = tuple(toks[begin - base:end - base])
+                gram = tuple(toks[begin - base : end - base])
                 if SEPARATOR in gram:
                     break
                 self._index[gram] = end

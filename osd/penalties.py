@@ -16,6 +16,7 @@ rejection sampler stays lossless. Drafts are not penalized: any draft distributi
 lossless, and penalizing the chat pair's EAGLE draft the same way did not raise its
 acceptance (docs/benchmarks.md).
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,22 +34,27 @@ class Penalties:
     def __init__(self, requests, vocab: int, device) -> None:
         B = len(requests)
         self.counts = torch.zeros(B, vocab, dtype=torch.float32, device=device)  # [B, V]
-        self.prompt = torch.zeros(B, vocab, dtype=torch.bool, device=device)     # [B, V]
+        self.prompt = torch.zeros(B, vocab, dtype=torch.bool, device=device)  # [B, V]
         rows = [b for b, r in enumerate(requests) for _ in r.generated]
         if rows:
             toks = [t for r in requests for t in r.generated]
-            self.counts.index_put_((torch.tensor(rows, device=device),
-                                    torch.tensor(toks, device=device)),
-                                   torch.ones(len(rows), device=device), accumulate=True)
+            self.counts.index_put_(
+                (torch.tensor(rows, device=device), torch.tensor(toks, device=device)),
+                torch.ones(len(rows), device=device),
+                accumulate=True,
+            )
         rows = [b for b, r in enumerate(requests) for _ in r.prompt]
-        self.prompt[torch.tensor(rows, device=device),
-                    torch.tensor([t for r in requests for t in r.prompt], device=device)] = True
+        self.prompt[
+            torch.tensor(rows, device=device),
+            torch.tensor([t for r in requests for t in r.prompt], device=device),
+        ] = True
 
-        def column(name: str) -> torch.Tensor:                               # [B, 1, 1]
-            return torch.tensor([getattr(r.params, name) for r in requests],
-                                dtype=torch.float32, device=device)[:, None, None]
+        def column(name: str) -> torch.Tensor:  # [B, 1, 1]
+            return torch.tensor(
+                [getattr(r.params, name) for r in requests], dtype=torch.float32, device=device
+            )[:, None, None]
 
-        self.bias = None                                                      # [B, 1, V]
+        self.bias = None  # [B, 1, V]
         if any(r.params.logit_bias for r in requests):
             self.bias = torch.zeros(B, 1, vocab, dtype=torch.float32, device=device)
             for b, r in enumerate(requests):
@@ -59,16 +65,21 @@ class Penalties:
         self.frequency = column("frequency_penalty")
         # min_tokens: a row's stop ids are banned at the positions that would sample one of
         # its first min_tokens tokens (``room`` more from here)
-        self.stops = self.room = None                                         # [B, 1, V], [B, 1]
+        self.stops = self.room = None  # [B, 1, V], [B, 1]
         if any(r.params.min_tokens > len(r.generated) for r in requests):
             self.stops = torch.zeros(B, 1, vocab, dtype=torch.bool, device=device)
             for b, r in enumerate(requests):
                 self.stops[b, 0, [t for t in r.stop_ids if 0 <= t < vocab]] = True
-            self.room = torch.tensor([r.params.min_tokens - len(r.generated) for r in requests],
-                                     device=device)[:, None]
+            self.room = torch.tensor(
+                [r.params.min_tokens - len(r.generated) for r in requests], device=device
+            )[:, None]
 
-    def apply(self, logits: torch.Tensor, extra: torch.Tensor | None = None,
-              depths: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self,
+        logits: torch.Tensor,
+        extra: torch.Tensor | None = None,
+        depths: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Penalized copy of ``logits [B, T, V]``; ``extra [B, T, V]``: counts of the
         tokens on each position's path beyond the output (None: none); ``depths [B, T]``:
         drafted tokens on each position's path (None: ``0 .. T-1``)."""
@@ -83,9 +94,13 @@ class Penalties:
             x = x.masked_fill(self.stops & (depths < self.room)[..., None], float("-inf"))
         return x.to(logits.dtype)
 
-    def verify(self, logits: torch.Tensor, inputs: torch.Tensor,
-               ancestors: torch.Tensor | None = None,
-               depths: torch.Tensor | None = None) -> torch.Tensor:
+    def verify(
+        self,
+        logits: torch.Tensor,
+        inputs: torch.Tensor,
+        ancestors: torch.Tensor | None = None,
+        depths: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Penalized ``logits [B, T, V]`` of a verify forward that fed ``inputs [B, T]``
         (position 0, the last sampled token, is in the output already). A tree's
         ``ancestors [B, T, T]`` bool (``[b, n, i]``: input ``i`` is on position ``n``'s

@@ -20,6 +20,7 @@ Memory: ``L * 2 * H_kv * D`` values of the cache's dtype per kept token (plus ``
 features). Past ``capacity_tokens`` the least recently used blocks go, each with the
 blocks below it.
 """
+
 from __future__ import annotations
 
 import collections
@@ -34,8 +35,8 @@ class _Block:
         self.tokens = tokens
         self.parent = parent
         self.children: dict[tuple, _Block] = {}
-        self.kv = kv                          # [L, 2, H_kv, block, D]; None for the root
-        self.hidden: torch.Tensor | None = None   # [block, H] target features, if kept
+        self.kv = kv  # [L, 2, H_kv, block, D]; None for the root
+        self.hidden: torch.Tensor | None = None  # [block, H] target features, if kept
 
 
 class PrefixCache:
@@ -50,14 +51,15 @@ class PrefixCache:
         if block < 1:
             raise ValueError(f"PrefixCache block must be >= 1, got {block}")
         if capacity_tokens < block:
-            raise ValueError(f"PrefixCache capacity_tokens must be >= its block ({block}), "
-                             f"got {capacity_tokens}")
+            raise ValueError(
+                f"PrefixCache capacity_tokens must be >= its block ({block}), got {capacity_tokens}"
+            )
         self.block = int(block)
         self.capacity_blocks = int(capacity_tokens) // self.block
         self._root = _Block((), None, None)
         self._lru: collections.OrderedDict[int, _Block] = collections.OrderedDict()
-        self.tokens_reused = 0                # prompt tokens whose K/V came from here
-        self.tokens_looked_up = 0             # prompt tokens of every lookup
+        self.tokens_reused = 0  # prompt tokens whose K/V came from here
+        self.tokens_looked_up = 0  # prompt tokens of every lookup
 
     def __len__(self) -> int:
         """Blocks kept."""
@@ -72,18 +74,19 @@ class PrefixCache:
         up to the first block without features)."""
         out, node, B = [], self._root, self.block
         for start in range(0, limit - B + 1, B):
-            node = node.children.get(tuple(prompt[start:start + B]))
+            node = node.children.get(tuple(prompt[start : start + B]))
             if node is None or (need_hidden and node.hidden is None):
                 break
             out.append(node)
         return out
 
     def _touch(self, path: list[_Block]) -> None:
-        for node in path:                     # parents before children: a child is newer
+        for node in path:  # parents before children: a child is newer
             self._lru.move_to_end(id(node))
 
-    def load(self, prompt: list[int], limit: int, dst: torch.Tensor,
-             need_hidden: bool = False) -> tuple[int, torch.Tensor | None]:
+    def load(
+        self, prompt: list[int], limit: int, dst: torch.Tensor, need_hidden: bool = False
+    ) -> tuple[int, torch.Tensor | None]:
         """Copy the K/V of the longest kept prefix of ``prompt[:limit]`` into ``dst``.
 
         Args:
@@ -107,8 +110,9 @@ class PrefixCache:
         self.tokens_reused += n
         return n, torch.cat([node.hidden for node in path]) if need_hidden else None
 
-    def store(self, prompt: list[int], src: torch.Tensor,
-              hidden: torch.Tensor | None = None) -> None:
+    def store(
+        self, prompt: list[int], src: torch.Tensor, hidden: torch.Tensor | None = None
+    ) -> None:
         """Keep the whole blocks of ``prompt`` from ``src`` (``[L, 2, H_kv, S, D]``, one row
         of a cache holding the prompt's K/V in slots ``0 .. len(prompt) - 1``) and, given
         ``hidden`` (``[>= len(prompt), H]``), the target's features at those positions."""
@@ -119,16 +123,16 @@ class PrefixCache:
         if hidden is not None:
             for i, block in enumerate(path):
                 if block.hidden is None:
-                    block.hidden = hidden[i * B:(i + 1) * B].clone()
+                    block.hidden = hidden[i * B : (i + 1) * B].clone()
         for start in range(len(path) * B, len(prompt) - B + 1, B):
             if len(self._lru) >= self.capacity_blocks:
                 self._evict(keep=node)
                 if len(self._lru) >= self.capacity_blocks:
-                    return                    # everything kept lies on this prompt's path
-            tokens = tuple(prompt[start:start + B])
-            child = _Block(tokens, node, src[:, :, :, start:start + B].clone())
+                    return  # everything kept lies on this prompt's path
+            tokens = tuple(prompt[start : start + B])
+            child = _Block(tokens, node, src[:, :, :, start : start + B].clone())
             if hidden is not None:
-                child.hidden = hidden[start:start + B].clone()
+                child.hidden = hidden[start : start + B].clone()
             node.children[tokens] = child
             self._lru[id(child)] = child
             node = child
@@ -153,8 +157,11 @@ class PrefixCache:
             stack.extend(n.children.values())
 
     def stats(self) -> dict:
-        return {"blocks": len(self._lru), "tokens": self.num_tokens,
-                "capacity_tokens": self.capacity_blocks * self.block,
-                "tokens_reused": self.tokens_reused,
-                "tokens_looked_up": self.tokens_looked_up,
-                "reuse_rate": self.tokens_reused / max(self.tokens_looked_up, 1)}
+        return {
+            "blocks": len(self._lru),
+            "tokens": self.num_tokens,
+            "capacity_tokens": self.capacity_blocks * self.block,
+            "tokens_reused": self.tokens_reused,
+            "tokens_looked_up": self.tokens_looked_up,
+            "reuse_rate": self.tokens_reused / max(self.tokens_looked_up, 1),
+        }

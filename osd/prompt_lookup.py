@@ -1,6 +1,7 @@
 """Prompt lookup as a drafter (``osd.drafters`` has the protocol): :class:`NGramDrafter`
 alone, :class:`LookupDrafter` in front of a model drafter, and the proposals they build
 from a row's matches (:func:`lookup_tree`, :func:`overlay_lookup`)."""
+
 from __future__ import annotations
 
 import torch
@@ -49,8 +50,9 @@ class NGramDrafter:
     def catch_up(self, emitted: Emitted) -> None:
         pass
 
-    def propose(self, active, roots, params, seed, offset, *, k: int = 0, tree=None,
-                stopper=None) -> ChainProposal:
+    def propose(
+        self, active, roots, params, seed, offset, *, k: int = 0, tree=None, stopper=None
+    ) -> ChainProposal:
         """Up to ``k`` drafts per row from each request's prompt and output."""
         if tree is not None:
             raise ValueError("prompt lookup drafts chains, not trees")
@@ -75,11 +77,17 @@ class NGramDrafter:
         tokens = torch.zeros(B, k, dtype=torch.int64)
         num = torch.zeros(B, dtype=torch.int32)
         for b, cont in enumerate(conts):
-            tokens[b, :len(cont)] = torch.tensor(cont, dtype=torch.int64)
+            tokens[b, : len(cont)] = torch.tensor(cont, dtype=torch.int64)
             num[b] = len(cont)
         max_drafted = int(num.max()) if B else 0
-        return ChainProposal(tokens[:, :max_drafted].to(device), None, None, num.to(device),
-                             max_drafted, source="lookup")
+        return ChainProposal(
+            tokens[:, :max_drafted].to(device),
+            None,
+            None,
+            num.to(device),
+            max_drafted,
+            source="lookup",
+        )
 
     def lookup(self, hist: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of a suffix: the
@@ -95,13 +103,13 @@ class NGramDrafter:
             if L < n:
                 continue
             if L > n:
-                windows = seq[:L - 1].unfold(0, n, 1)             # starts 0 .. L-1-n
-                hits = (windows == seq[L - n:]).all(1).nonzero()
+                windows = seq[: L - 1].unfold(0, n, 1)  # starts 0 .. L-1-n
+                hits = (windows == seq[L - n :]).all(1).nonzero()
                 if hits.numel():
                     start = int(hits[-1]) + n
-                    return n, seq[start:start + k].tolist()
+                    return n, seq[start : start + k].tolist()
             if self.history is not None:
-                cont = self.history.lookup(hist[L - n:], k)
+                cont = self.history.lookup(hist[L - n :], k)
                 if cont:
                     return n, cont
         return 0, []
@@ -129,13 +137,14 @@ class LookupDrafter:
 
     has_model = True
 
-    def __init__(self, inner: ModelDrafter, lookup: NGramDrafter, lookup_tokens: int = 0,
-                 tree_below: int = 0):
+    def __init__(
+        self, inner: ModelDrafter, lookup: NGramDrafter, lookup_tokens: int = 0, tree_below: int = 0
+    ):
         self.inner = inner
         self.lookup = lookup
         self.lookup_tokens = lookup_tokens  # most drafts of an all-lookup step (0: k)
-        self.tree_below = tree_below        # shorter matches verify beside the model's chain
-        self._looked_up = False         # the last proposal came from lookup
+        self.tree_below = tree_below  # shorter matches verify beside the model's chain
+        self._looked_up = False  # the last proposal came from lookup
 
     @property
     def model(self) -> DecoderLM:
@@ -157,8 +166,7 @@ class LookupDrafter:
     def use_graphs(self, graphs: StepGraphs | None) -> None:
         self.inner.use_graphs(graphs)
 
-    def propose(self, active, roots, params, seed, offset, *, k: int = 0, tree=None,
-                stopper=None):
+    def propose(self, active, roots, params, seed, offset, *, k: int = 0, tree=None, stopper=None):
         width = max(k, self.lookup_tokens)
         found = self.lookup.matches([r.prompt + r.generated for r in active], width)
         conts = [cont for _, cont in found]
@@ -172,8 +180,9 @@ class LookupDrafter:
             alone = [n >= self.tree_below for n, _ in found]
             chain = self.inner.propose(active, roots, GREEDY, seed, offset, k=k)
             return lookup_tree(roots, chain, conts, [not a for a in alone])
-        prop = self.inner.propose(active, roots, params, seed, offset, k=k, tree=tree,
-                                  stopper=stopper)
+        prop = self.inner.propose(
+            active, roots, params, seed, offset, k=k, tree=tree, stopper=stopper
+        )
         # A stopper calibrates on the model's own drafts: its steps stay the model's.
         if tree is None and stopper is None and any(conts):
             prop = overlay_lookup(prop, conts)
@@ -189,8 +198,9 @@ class LookupDrafter:
         self.inner.catch_up(emitted)
 
 
-def lookup_tree(roots: torch.Tensor, chain: ChainProposal, conts: list[list[int]],
-                model_rows: list[bool]) -> TreeProposal:
+def lookup_tree(
+    roots: torch.Tensor, chain: ChainProposal, conts: list[list[int]], model_rows: list[bool]
+) -> TreeProposal:
     """One tree per row below its root ``roots[b]``: the lookup continuation ``conts[b]``
     (a chain, possibly empty) and, on the rows of ``model_rows``, the draft model's greedy
     ``chain`` (``tokens [B, k]``), sharing their common prefix. Every draft is a point
@@ -204,9 +214,9 @@ def lookup_tree(roots: torch.Tensor, chain: ChainProposal, conts: list[list[int]
     all_tokens, all_parents, all_nodes = [], [], []
     for b in range(B):
         cont = conts[b]
-        tokens = [0] + list(cont)                      # node 0: the root
-        parents = list(range(-1, len(cont)))           # the lookup branch is a chain
-        nodes = [0] * k                                # no model branch: α skips the row
+        tokens = [0] + list(cont)  # node 0: the root
+        parents = list(range(-1, len(cont)))  # the lookup branch is a chain
+        nodes = [0] * k  # no model branch: α skips the row
         if model_rows[b]:
             prev, shared = 0, True
             for j, t in enumerate(drafted[b]):
@@ -230,17 +240,22 @@ def lookup_tree(roots: torch.Tensor, chain: ChainProposal, conts: list[list[int]
             depth.append(depth[parents[i]] + 1)
             mask.append(mask[parents[i]] | 1 << i)
         depths.append(depth)
-        masks.append([m - (1 << 64) if m >> 63 else m for m in mask])   # as int64
+        masks.append([m - (1 << 64) if m >> 63 else m for m in mask])  # as int64
     dev = roots.device
     tokens = torch.tensor(all_tokens, dtype=torch.int64).to(dev)
     tokens[:, 0] = roots
-    return TreeProposal(tokens, torch.tensor(all_parents, dtype=torch.int32).to(dev),
-                        torch.tensor(depths, dtype=torch.int64).to(dev),
-                        torch.tensor(masks, dtype=torch.int64).to(dev),
-                        max(k, max(len(c) for c in conts)),
-                        draft_nodes=torch.tensor(all_nodes, dtype=torch.int64).to(dev),
-                        draft_logits=chain.logits, lookup_rows=[bool(c) for c in conts],
-                        model_rows=list(model_rows), source="mixed")
+    return TreeProposal(
+        tokens,
+        torch.tensor(all_parents, dtype=torch.int32).to(dev),
+        torch.tensor(depths, dtype=torch.int64).to(dev),
+        torch.tensor(masks, dtype=torch.int64).to(dev),
+        max(k, max(len(c) for c in conts)),
+        draft_nodes=torch.tensor(all_nodes, dtype=torch.int64).to(dev),
+        draft_logits=chain.logits,
+        lookup_rows=[bool(c) for c in conts],
+        model_rows=list(model_rows),
+        source="mixed",
+    )
 
 
 def overlay_lookup(prop: ChainProposal, conts: list[list[int]]) -> ChainProposal:
@@ -252,8 +267,11 @@ def overlay_lookup(prop: ChainProposal, conts: list[list[int]]) -> ChainProposal
         return prop
     device = prop.tokens.device
     tokens = prop.tokens.clone()
-    num = (torch.full((B,), width, dtype=torch.int32, device=device)
-           if prop.num_drafted is None else prop.num_drafted.clone())
+    num = (
+        torch.full((B,), width, dtype=torch.int32, device=device)
+        if prop.num_drafted is None
+        else prop.num_drafted.clone()
+    )
     probs = None if prop.probs is None else prop.probs.clone()
     rows = [bool(c) for c in conts]
     for b, cont in enumerate(conts):
@@ -266,5 +284,4 @@ def overlay_lookup(prop: ChainProposal, conts: list[list[int]]) -> ChainProposal
         if probs is not None:
             probs[b, :n] = 0
             probs[b, torch.arange(n, device=device), cont] = 1
-    return ChainProposal(tokens, probs, prop.logits, num, width, source="mixed",
-                         lookup_rows=rows)
+    return ChainProposal(tokens, probs, prop.logits, num, width, source="mixed", lookup_rows=rows)

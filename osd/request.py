@@ -1,6 +1,7 @@
 """Host-side state of one request as the engine serves it, the error a request that
 fails while it runs raises (``osd.RequestError``), and the validation of prompts before
 they become requests (:func:`encode_prompts`)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,24 +23,24 @@ class RequestError(RuntimeError):
 class RequestState:
     """Host-side state of one sequence being generated."""
 
-    index: int                        # position in the prompts of the generate() call
-    prompt: list[int]                 # prompt token ids
+    index: int  # position in the prompts of the generate() call
+    prompt: list[int]  # prompt token ids
     max_new_tokens: int
-    stop_ids: frozenset[int]          # EOS ids and the request's stop ids
-    seed: int                         # Philox seed of all its sampling (request_seed)
-    params: SamplingParams | None = None   # its own sampling parameters
+    stop_ids: frozenset[int]  # EOS ids and the request's stop ids
+    seed: int  # Philox seed of all its sampling (request_seed)
+    params: SamplingParams | None = None  # its own sampling parameters
     generated: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
-    error: str | None = None          # why it failed (finish_reason "error")
-    error_kind: str | None = None     # its kind, counted in Engine.stats["errors"]
-    draft_index: int = 0              # which draft serves it (routing)
-    pinned_draft: int | None = None   # the draft the caller asked for (no routing)
-    spec_steps: int = 0               # speculative steps so far (the Philox offset)
+    error: str | None = None  # why it failed (finish_reason "error")
+    error_kind: str | None = None  # its kind, counted in Engine.stats["errors"]
+    draft_index: int = 0  # which draft serves it (routing)
+    pinned_draft: int | None = None  # the draft the caller asked for (no routing)
+    spec_steps: int = 0  # speculative steps so far (the Philox offset)
     spec_stats: SpecStats | None = None
     teacher: list = dataclasses.field(default_factory=list)  # collected target distributions
-    stop_checked: int = 0             # generated tokens already searched for stop strings
-    stop_text: str | None = None      # the text cut before the stop string that ended it
-    logprobs: list | None = None      # TokenLogprobs per generated token (params.logprobs)
+    stop_checked: int = 0  # generated tokens already searched for stop strings
+    stop_text: str | None = None  # the text cut before the stop string that ended it
+    logprobs: list | None = None  # TokenLogprobs per generated token (params.logprobs)
     # Set while the request waits to resume after a failed step (``osd.isolation``): the
     # tokens whose K/V its row must hold again (the prompt and all generated tokens but
     # the last, which is its next input). Prefilled instead of the prompt, sampling
@@ -110,7 +111,7 @@ def find_stop_string(tokenizer, ids: list[int], start: int, stops) -> tuple[int,
         text = tokenizer.decode(ids[:m], skip_special_tokens=True)
         hits = [i for i in (text.find(s) for s in stops) if i >= 0]
         if hits:
-            return m, text[:min(hits)]
+            return m, text[: min(hits)]
     return None
 
 
@@ -122,7 +123,7 @@ def stop_prefix_length(text: str, stops) -> int:
     n = 0
     for s in stops or ():
         if len(s) > 1:
-            n = max(n, _border(s, text[-(len(s) - 1):]))
+            n = max(n, _border(s, text[-(len(s) - 1) :]))
     return n
 
 
@@ -153,32 +154,37 @@ def _border(s: str, tail: str) -> int:
     return k
 
 
-def encode_prompts(prompts, tokenizer, vocab_size: int, max_seq_len: int,
-                   trained_context: int) -> list[list[int]]:
+def encode_prompts(
+    prompts, tokenizer, vocab_size: int, max_seq_len: int, trained_context: int
+) -> list[list[int]]:
     """Validate ``prompts`` (token-id lists, 1-D tensors or strings, encoded with
     ``tokenizer``) and return token-id lists. TypeError or ValueError naming the prompt
     and the problem: not a list, empty, a string without a tokenizer, a non-integer
     token, an id outside ``[0, vocab_size)``, or no room for one generated token within
     ``max_seq_len`` (the message names the model's ``trained_context`` too)."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts must be a list of prompts (token-id lists or strings), "
-                        f"got {type(prompts).__name__}")
+        raise TypeError(
+            f"prompts must be a list of prompts (token-id lists or strings), "
+            f"got {type(prompts).__name__}"
+        )
     if not prompts:
         raise ValueError("prompts is empty: give at least one prompt")
     out = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             if tokenizer is None:
-                raise TypeError(f"prompt {i} is a string but this engine has no tokenizer; "
-                                "pass token ids")
+                raise TypeError(
+                    f"prompt {i} is a string but this engine has no tokenizer; pass token ids"
+                )
             ids = list(tokenizer.encode(prompt)) if prompt else []
         elif isinstance(prompt, torch.Tensor) and prompt.dim() == 1:
             ids = prompt.tolist()
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
         else:
-            raise TypeError(f"prompt {i} must be a list of token ids or a string, got "
-                            f"{type(prompt).__name__}")
+            raise TypeError(
+                f"prompt {i} must be a list of token ids or a string, got {type(prompt).__name__}"
+            )
         if not ids:
             raise ValueError(f"prompt {i} is empty")
         for t in ids:
@@ -187,12 +193,15 @@ def encode_prompts(prompts, tokenizer, vocab_size: int, max_seq_len: int,
         ids = [operator.index(t) for t in ids]
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary "
-                             f"[0, {vocab_size})")
+            raise ValueError(
+                f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab_size})"
+            )
         if len(ids) >= max_seq_len:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens, longer than the maximum "
-                             f"context allows (max_seq_len={max_seq_len}, which must leave "
-                             f"room for one generated token; the model's trained context: "
-                             f"{trained_context})")
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens, longer than the maximum "
+                f"context allows (max_seq_len={max_seq_len}, which must leave "
+                f"room for one generated token; the model's trained context: "
+                f"{trained_context})"
+            )
         out.append(ids)
     return out

@@ -4,6 +4,7 @@ Temperature, top-k and top-p are defined once, in ``osd_kernels.warp.warp_probs`
 module only draws from the warped distribution. Temperature 0 is greedy: argmax, lowest
 index on ties.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,11 +25,11 @@ MAX_LOGPROBS = 20
 # top_k is an int32 tensor; seeds and token counts are int64.
 MIN_TEMPERATURE = 1e-6
 MAX_TEMPERATURE = 1e4
-MIN_TOP_P = 2.0 ** -126
+MIN_TOP_P = 2.0**-126
 MIN_PENALTY = 1e-6
 MAX_PENALTY = 1e4
-INT32_MAX = 2 ** 31 - 1
-INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Stop strings are searched after every step: their number and length bound that work.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -42,7 +43,7 @@ def _as_int(name: str, value, low: int = INT64_MIN, high: int = INT64_MAX) -> in
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
     if not low <= value <= high:
-        got = value if abs(value) < 10 ** 30 else f"an integer of {value.bit_length()} bits"
+        got = value if abs(value) < 10**30 else f"an integer of {value.bit_length()} bits"
         raise ValueError(f"{name} must be in [{low}, {high}], got {got}")
     return value
 
@@ -52,8 +53,9 @@ def _as_float(name: str, value) -> float:
     try:
         value = float(value)
     except OverflowError:
-        raise ValueError(f"{name} must be a finite number, got an integer of "
-                         f"{value.bit_length()} bits") from None
+        raise ValueError(
+            f"{name} must be a finite number, got an integer of {value.bit_length()} bits"
+        ) from None
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value}")
     return value
@@ -136,22 +138,30 @@ class SamplingParams:
             set_(self, name, _as_float(name, value))
         t = self.temperature
         if not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
-            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
-                             f"{MAX_TEMPERATURE:g}], got {t}")
+            raise ValueError(
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
+                f"{MAX_TEMPERATURE:g}], got {t}"
+            )
         if not (0 < self.top_p <= 1 and self.top_p >= MIN_TOP_P):
-            raise ValueError(f"top_p must be in (0, 1] and at least {MIN_TOP_P:.3g} (float32's "
-                             f"smallest normal number), got {self.top_p}")
+            raise ValueError(
+                f"top_p must be in (0, 1] and at least {MIN_TOP_P:.3g} (float32's "
+                f"smallest normal number), got {self.top_p}"
+            )
         set_(self, "top_k", _as_int("top_k", self.top_k))
         if not 0 <= self.top_k <= INT32_MAX:
-            raise ValueError(f"top_k must be >= 0 and at most {INT32_MAX} (int32), got "
-                             f"{self.top_k}")
+            raise ValueError(
+                f"top_k must be >= 0 and at most {INT32_MAX} (int32), got {self.top_k}"
+            )
         if self.seed is not None:
             set_(self, "seed", _as_int("seed", self.seed))
         if self.stop_token_ids is not None:
             if isinstance(self.stop_token_ids, (str, bytes)):
                 raise TypeError("stop_token_ids must be a sequence of ints")
-            set_(self, "stop_token_ids",
-                 tuple(_as_int("stop_token_ids[]", t) for t in self.stop_token_ids))
+            set_(
+                self,
+                "stop_token_ids",
+                tuple(_as_int("stop_token_ids[]", t) for t in self.stop_token_ids),
+            )
         if self.stop is not None:
             stop = (self.stop,) if isinstance(self.stop, str) else self.stop
             if isinstance(stop, bytes) or not all(isinstance(s, str) for s in stop):
@@ -162,8 +172,10 @@ class SamplingParams:
             if len(stop) > MAX_STOP_STRINGS:
                 raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
             if any(len(s) > MAX_STOP_CHARS for s in stop):
-                raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got "
-                                 f"one of {max(map(len, stop))}")
+                raise ValueError(
+                    f"stop strings must be at most {MAX_STOP_CHARS} characters, got "
+                    f"one of {max(map(len, stop))}"
+                )
             set_(self, "stop", stop or None)
         if self.logprobs is not None:
             set_(self, "logprobs", _as_int("logprobs", self.logprobs))
@@ -175,8 +187,10 @@ class SamplingParams:
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
             set_(self, name, _as_float(name, value))
         if not MIN_PENALTY <= self.repetition_penalty <= MAX_PENALTY:
-            raise ValueError(f"repetition_penalty must be > 0, in [{MIN_PENALTY:g}, "
-                             f"{MAX_PENALTY:g}], got {self.repetition_penalty}")
+            raise ValueError(
+                f"repetition_penalty must be > 0, in [{MIN_PENALTY:g}, "
+                f"{MAX_PENALTY:g}], got {self.repetition_penalty}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -194,8 +208,10 @@ class SamplingParams:
             set_(self, "logit_bias", bias or None)
         set_(self, "min_tokens", _as_int("min_tokens", self.min_tokens))
         if not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
-                             f"got {self.min_tokens}")
+            raise ValueError(
+                f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_tokens}"
+            )
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
 
@@ -211,9 +227,13 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether the target's logits are adjusted (penalties, a logit bias, min_tokens)."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or bool(self.logit_bias)
-                or self.min_tokens > 0)
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+        )
 
 
 @dataclasses.dataclass
@@ -263,8 +283,10 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[T
         ids, vals = top.indices.tolist(), top.values.tolist()
     else:
         ids = vals = [[] for _ in chosen]
-    return [TokenLogprobs(int(t), c, tuple(zip(i, v)))
-            for t, c, i, v in zip(tokens.tolist(), chosen, ids, vals)]
+    return [
+        TokenLogprobs(int(t), c, tuple(zip(i, v)))
+        for t, c, i, v in zip(tokens.tolist(), chosen, ids, vals)
+    ]
 
 
 def record_logprobs(requests, logits: torch.Tensor, rows: list[tuple[int, int, int]]) -> None:
@@ -274,8 +296,11 @@ def record_logprobs(requests, logits: torch.Tensor, rows: list[tuple[int, int, i
         return
     for n in {requests[i].params.logprobs for i, _, _ in rows}:
         mine = [(i, j, t) for i, j, t in rows if requests[i].params.logprobs == n]
-        got = token_logprobs(logits[[j for _, j, _ in mine]],
-                             torch.tensor([t for _, _, t in mine], device=logits.device), n)
+        got = token_logprobs(
+            logits[[j for _, j, _ in mine]],
+            torch.tensor([t for _, _, t in mine], device=logits.device),
+            n,
+        )
         for (i, _, _), entry in zip(mine, got):
             requests[i].logprobs.append(entry)
 
@@ -299,8 +324,9 @@ class BatchParams:
         if same:
             self.temperature, self.top_k, self.top_p = key
         else:
-            self.temperature = torch.tensor([p.temperature for p in params],
-                                            dtype=torch.float32).to(device)
+            self.temperature = torch.tensor(
+                [p.temperature for p in params], dtype=torch.float32
+            ).to(device)
             self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int32).to(device)
             self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)
 
@@ -308,16 +334,17 @@ class BatchParams:
         """``temperature``, ``top_k``, ``top_p`` as ``[B]`` tensors (the kernels' form)."""
         if self.uniform is None:
             return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
-        return {"temperature": torch.full((B,), self.temperature, device=device),
-                "top_k": torch.full((B,), self.top_k, dtype=torch.int32, device=device),
-                "top_p": torch.full((B,), self.top_p, device=device)}
+        return {
+            "temperature": torch.full((B,), self.temperature, device=device),
+            "top_k": torch.full((B,), self.top_k, dtype=torch.int32, device=device),
+            "top_p": torch.full((B,), self.top_p, device=device),
+        }
 
     def repeat(self, times: int) -> tuple:
         """``(temperature, top_k, top_p)`` for ``B * times`` rows (each row repeated)."""
         if self.uniform is not None:
             return self.temperature, self.top_k, self.top_p
-        return tuple(t.repeat_interleave(times) for t in (self.temperature, self.top_k,
-                                                          self.top_p))
+        return tuple(t.repeat_interleave(times) for t in (self.temperature, self.top_k, self.top_p))
 
 
 # The plain sampler's Philox key is the request's seed XOR this constant, so its draws are
@@ -341,8 +368,12 @@ def request_seed(base_seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & SEED_MASK
 
 
-def sample_tokens(logits: torch.Tensor, params: SamplingParams | BatchParams, seeds: torch.Tensor,
-                  offsets: torch.Tensor) -> torch.Tensor:
+def sample_tokens(
+    logits: torch.Tensor,
+    params: SamplingParams | BatchParams,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
     """Next tokens ``[B]`` int64 from ``logits [B, V]``, on the device, no host sync.
 
     Greedy rows (temperature 0) take the argmax (lowest index on ties). Other rows draw once
@@ -361,8 +392,14 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams | BatchParams, se
     B = logits.shape[0]
     none = torch.empty(B, 0, dtype=torch.int64, device=logits.device)
     out, _ = osd_kernels.rejection_sample(
-        logits[:, None], none, temperature=params.temperature, top_k=params.top_k,
-        top_p=params.top_p, seed=seeds ^ PLAIN_KEY, offset=offsets)
+        logits[:, None],
+        none,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=seeds ^ PLAIN_KEY,
+        offset=offsets,
+    )
     return out[:, 0]
 
 
@@ -382,4 +419,3 @@ def fail_rows(requests, bad: list) -> None:
     for r, b in zip(requests, bad):
         if b and r.finish_reason is None:
             r.fail("the target model produced non-finite logits (NaN or inf) for this request")
-

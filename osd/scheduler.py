@@ -8,6 +8,7 @@ into each hole. A lane whose step raises fails only the requests that make it ra
 (``osd.isolation``). The engine provides ``lanes``, ``model``, ``device``, ``online``,
 ``tokenizer``, ``lookup_history`` and the counters.
 """
+
 from __future__ import annotations
 
 import collections
@@ -84,31 +85,47 @@ class Scheduler:
         spec = lane.speculator
         m = spec.prompt_positions if spec is not None else 0
         staged = lane.advance_staging(self.model, m, self._empty_lane)
-        new = lane.admit(self.max_batch_size, self.model.config.prefill_chunk, m,
-                         reserved=int(staged is not None))
+        new = lane.admit(
+            self.max_batch_size,
+            self.model.config.prefill_chunk,
+            m,
+            reserved=int(staged is not None),
+        )
         if staged is not None or new:
             if not lane.active and staged is None:
                 self._empty_lane(lane)
             start = len(lane.active)
-            reused = [lane.load_prefix(r, m, lane.cache, start + b + (staged is not None))
-                      for b, r in enumerate(new)]
+            reused = [
+                lane.load_prefix(r, m, lane.cache, start + b + (staged is not None))
+                for b, r in enumerate(new)
+            ]
             ready, done, early = new, [n for n, _ in reused], [h for _, h in reused]
             if staged is not None:
                 ready, done, early = [staged[0]] + new, [staged[1]] + done, [staged[2]] + early
             lane.active += ready
-            prompt_logits = self.prefill(ready, start_row=start, lane=lane,
-                                         prompt_positions=m, done=done,
-                                         early_hidden=early if lane.needs_hidden else None)
+            prompt_logits = self.prefill(
+                ready,
+                start_row=start,
+                lane=lane,
+                prompt_positions=m,
+                done=done,
+                early_hidden=early if lane.needs_hidden else None,
+            )
             prompt_hidden = None
             if lane.needs_hidden:
                 prompt_logits, prompt_hidden = prompt_logits
             lane.store_prefix(ready, start, prompt_hidden)
             if spec is not None:
                 with resumed_prompts(ready, spec):
-                    spec.prefill(ready, start, lane.next_tokens[start:start + len(ready)],
-                                 prompt_logits, prompt_hidden)
+                    spec.prefill(
+                        ready,
+                        start,
+                        lane.next_tokens[start : start + len(ready)],
+                        prompt_logits,
+                        prompt_hidden,
+                    )
             for r in ready:
-                r.context = None              # a resumed request's row holds its tokens
+                r.context = None  # a resumed request's row holds its tokens
             self.retire(lane.active, lane=lane)
         if not lane.active:
             return
@@ -123,8 +140,12 @@ class Scheduler:
         self.errors[kind] += 1
         self.last_error = f"{kind}: {error}"
 
-    def retire(self, active: list[RequestState], speculator: Speculator | None = None,
-               lane: Lane | None = None) -> None:
+    def retire(
+        self,
+        active: list[RequestState],
+        speculator: Speculator | None = None,
+        lane: Lane | None = None,
+    ) -> None:
         """Drop finished sequences from ``lane`` (default the first; ``active`` is its
         list), moving the last active row into each hole (in the draft's cache too), hand
         requests that finished normally to online learning, and tighten the cache's
@@ -153,8 +174,7 @@ class Scheduler:
         online learning, error and abort counts, the lookup history."""
         if self.online is not None and r.finish_reason != "error":
             st = r.spec_stats
-            alpha = None if st is None else \
-                st.alpha if st.alpha is not None else st.acceptance_rate
+            alpha = None if st is None else st.alpha if st.alpha is not None else st.acceptance_rate
             self.online.finish(r, r.draft_index, alpha)
         if r.finish_reason == "error":
             self.errors[r.error_kind] += 1
@@ -163,6 +183,6 @@ class Scheduler:
             self._aborted += 1
         if self.lookup_history is not None and r.finish_reason != "error":
             self.lookup_history.add(r.prompt, r.generated)
-        r.teacher = []                # the learner has its copy; free it now
+        r.teacher = []  # the learner has its copy; free it now
         self._generated += len(r.generated)
         self._requests_served += 1

@@ -1,5 +1,6 @@
 """Prompt scoring: each prompt token's log-probability under a model given the tokens
 before it (:meth:`osd.Engine.score`, the server's ``echo``)."""
+
 from __future__ import annotations
 
 import torch
@@ -19,10 +20,10 @@ def score_tokens(model, ids: list[int], n: int, context: int) -> list[TokenLogpr
     cache = model.new_cache(1, len(ids), context=context)
     entries: list[TokenLogprobs | None] = [None]
     for start in range(0, len(ids) - 1, chunk):
-        piece = ids[start:min(start + chunk, len(ids) - 1)]
+        piece = ids[start : min(start + chunk, len(ids) - 1)]
         logits = model(torch.tensor([piece], device=device), cache)
         cache.commit(torch.full((1,), len(piece), dtype=torch.int32, device=device), len(piece))
-        nxt = torch.tensor(ids[start + 1:start + 1 + len(piece)], device=device)
+        nxt = torch.tensor(ids[start + 1 : start + 1 + len(piece)], device=device)
         entries += token_logprobs(logits[0], nxt, n)
     return entries
 
@@ -42,19 +43,21 @@ def draft_alphas(target, drafts: list, ids: list[int], start: int) -> list[float
     """
     n = len(ids) - start
     if start < 1 or n < 1:
-        raise ValueError(f"draft_alphas needs 1 <= start < len(ids), got start={start}, "
-                         f"len(ids)={len(ids)}")
+        raise ValueError(
+            f"draft_alphas needs 1 <= start < len(ids), got start={start}, len(ids)={len(ids)}"
+        )
     x = torch.tensor([ids], device=target.device)
-    rows = torch.arange(start - 1, len(ids) - 1, device=target.device)    # logits of t: t - 1
+    rows = torch.arange(start - 1, len(ids) - 1, device=target.device)  # logits of t: t - 1
     logits, feats = target.forward_train(x, rows=rows, return_hidden=True)
-    p = torch.softmax(logits.float(), -1)                                  # [n, V]
+    p = torch.softmax(logits.float(), -1)  # [n, V]
     out = []
     for draft in drafts:
         dev = draft.device
         if isinstance(draft, EagleLM):
-            keep = rows >= 1                                   # positions t >= 2
-            q = draft.forward_train(x[:, 1:].to(dev), rows=(rows[keep] - 1).to(dev),
-                                    features=feats[:, :-1].to(dev))
+            keep = rows >= 1  # positions t >= 2
+            q = draft.forward_train(
+                x[:, 1:].to(dev), rows=(rows[keep] - 1).to(dev), features=feats[:, :-1].to(dev)
+            )
             pk = p[keep]
         else:
             q, pk = draft.forward_train(x.to(dev), rows=rows.to(dev)), p

@@ -17,6 +17,7 @@ connections, and how often a repeated error is logged.
 Every refusal is an :class:`osd.server_requests.APIError`, answered in OpenAI's error
 shape.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,7 +29,7 @@ import time
 
 from osd.server_requests import APIError, _bad
 
-MAX_JSON_DEPTH = 64            # deepest nesting a request body may have
+MAX_JSON_DEPTH = 64  # deepest nesting a request body may have
 # Prompts are refused before tokenizing when longer than this many characters per token
 # of context: no tokenizer packs more into a token, so such a prompt cannot fit anyway.
 PROMPT_CHARS_PER_TOKEN = 32
@@ -40,16 +41,16 @@ log = logging.getLogger("osd.server")
 class Limits:
     """What one client may take from ``osd serve`` (flags of the same names)."""
 
-    api_key: str | None = None          # required as "Authorization: Bearer <key>" on /v1
-    allowed_origins: tuple[str, ...] = ()   # CORS origins; none: no CORS headers at all
-    max_body_bytes: int = 8 << 20       # request body, bytes (413 past it)
+    api_key: str | None = None  # required as "Authorization: Bearer <key>" on /v1
+    allowed_origins: tuple[str, ...] = ()  # CORS origins; none: no CORS headers at all
+    max_body_bytes: int = 8 << 20  # request body, bytes (413 past it)
     max_prompt_chars: int | None = None  # None: PROMPT_CHARS_PER_TOKEN * max_seq_len
-    max_waiting: int = 1024             # generations queued beyond the batch rows (429)
-    keep_alive_timeout: float = 5.0     # idle keep-alive connection, seconds
-    header_timeout: float = 10.0        # connection open to complete request headers
-    body_timeout: float = 30.0          # request headers to complete body (408)
-    max_connections: int = 1024         # open connections; more are closed at once
-    max_header_bytes: int = 16 << 10    # request line and headers (h11's default)
+    max_waiting: int = 1024  # generations queued beyond the batch rows (429)
+    keep_alive_timeout: float = 5.0  # idle keep-alive connection, seconds
+    header_timeout: float = 10.0  # connection open to complete request headers
+    body_timeout: float = 30.0  # request headers to complete body (408)
+    max_connections: int = 1024  # open connections; more are closed at once
+    max_header_bytes: int = 16 << 10  # request line and headers (h11's default)
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_waiting", "max_connections", "max_header_bytes"):
@@ -70,8 +71,12 @@ def error_response(exc: APIError):
     surrogate, say) can make the error itself fail to encode."""
     from starlette.responses import Response
 
-    return Response(json.dumps(exc.body(), ensure_ascii=True), status_code=exc.status,
-                    media_type="application/json", headers=exc.headers)
+    return Response(
+        json.dumps(exc.body(), ensure_ascii=True),
+        status_code=exc.status,
+        media_type="application/json",
+        headers=exc.headers,
+    )
 
 
 def _header(scope, name: bytes) -> bytes | None:
@@ -90,15 +95,22 @@ class Guard:
         self.key = None if limits.api_key is None else limits.api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.key is not None and \
-                scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if (
+            scope["type"] == "http"
+            and self.key is not None
+            and scope["path"].startswith("/v1")
+            and scope["method"] != "OPTIONS"
+        ):
             auth = _header(scope, b"authorization") or b""
             scheme, _, given = auth.partition(b" ")
             # compare_digest: the time taken does not depend on how much of the key matched
             if not (scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.key)):
-                exc = APIError(401, "a valid API key is required: send the header "
-                               "'Authorization: Bearer <key>'", code="invalid_api_key",
-                               headers={"WWW-Authenticate": "Bearer"})
+                exc = APIError(
+                    401,
+                    "a valid API key is required: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
                 self.on_error(exc)
                 return await error_response(exc)(scope, receive, send)
         return await self.app(scope, receive, send)
@@ -114,13 +126,19 @@ async def read_body(request, limits: Limits) -> bytes:
 
     ctype = request.headers.get("content-type", "")
     if ctype.split(";")[0].strip().lower() != "application/json":
-        raise APIError(415, f"the request body must be JSON sent as 'content-type: "
-                       f"application/json' (got {ctype[:100]!r})",
-                       code="unsupported_media_type")
+        raise APIError(
+            415,
+            f"the request body must be JSON sent as 'content-type: "
+            f"application/json' (got {ctype[:100]!r})",
+            code="unsupported_media_type",
+        )
     limit = limits.max_body_bytes
-    too_big = APIError(413, f"the request body is larger than this server accepts "
-                       f"({limit} bytes, --max-body-bytes)", code="request_too_large",
-                       headers={"Connection": "close"})
+    too_big = APIError(
+        413,
+        f"the request body is larger than this server accepts ({limit} bytes, --max-body-bytes)",
+        code="request_too_large",
+        headers={"Connection": "close"},
+    )
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise too_big
@@ -133,12 +151,16 @@ async def read_body(request, limits: Limits) -> bytes:
                     raise too_big
                 chunks.append(chunk)
     except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {limits.body_timeout:g} s "
-                       "(--body-timeout)", code="request_timeout",
-                       headers={"Connection": "close"}) from None
+        raise APIError(
+            408,
+            f"the request body did not arrive within {limits.body_timeout:g} s (--body-timeout)",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
     except ClientDisconnect:
-        raise APIError(400, "the client disconnected before sending the whole body",
-                       code="client_disconnected") from None
+        raise APIError(
+            400, "the client disconnected before sending the whole body", code="client_disconnected"
+        ) from None
     return b"".join(chunks)
 
 
@@ -155,8 +177,9 @@ def parse_json(raw: bytes):
 
 
 def _too_deep() -> APIError:
-    return _bad(f"the request body nests JSON arrays and objects deeper than "
-                f"{MAX_JSON_DEPTH} levels")
+    return _bad(
+        f"the request body nests JSON arrays and objects deeper than {MAX_JSON_DEPTH} levels"
+    )
 
 
 def _check_depth(body) -> None:
@@ -172,17 +195,24 @@ def _check_depth(body) -> None:
 
 # ---- Connections: header timeout, connection limit ----
 
+
 def http_protocol(limits: Limits):
     """uvicorn's h11 protocol, with the header timeout and the connection limit."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    refusal = json.dumps(APIError(
-        408, f"the request headers did not arrive within {limits.header_timeout:g} s "
-        "(--header-timeout)", code="request_timeout").body()).encode()
-    timeout_response = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                        b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(refusal)
-                        + refusal)
+    refusal = json.dumps(
+        APIError(
+            408,
+            f"the request headers did not arrive within {limits.header_timeout:g} s "
+            "(--header-timeout)",
+            code="request_timeout",
+        ).body()
+    ).encode()
+    timeout_response = (
+        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+        b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(refusal) + refusal
+    )
 
     class Protocol(H11Protocol):
         """Closes a connection whose request headers are not complete within
@@ -190,13 +220,15 @@ def http_protocol(limits: Limits):
         clients alike), and refuses connections past ``max_connections``."""
 
         _header_timer: asyncio.TimerHandle | None = None
-        _served = False          # a response was sent on this connection
-        _started = False         # bytes of the next request arrived
+        _served = False  # a response was sent on this connection
+        _started = False  # bytes of the next request arrived
 
         def connection_made(self, transport) -> None:
             if len(self.server_state.connections) >= limits.max_connections:
-                log.warning("osd serve: %d connections open (--max-connections); closing "
-                            "new ones", limits.max_connections)
+                log.warning(
+                    "osd serve: %d connections open (--max-connections); closing new ones",
+                    limits.max_connections,
+                )
                 transport.abort()
                 self.transport = transport
                 return
@@ -205,7 +237,7 @@ def http_protocol(limits: Limits):
 
         def connection_lost(self, exc) -> None:
             self._disarm()
-            if self.flow is None:             # refused in connection_made
+            if self.flow is None:  # refused in connection_made
                 return
             super().connection_lost(exc)
 
@@ -236,7 +268,7 @@ def http_protocol(limits: Limits):
         def handle_events(self) -> None:
             cycle = self.cycle
             super().handle_events()
-            if self.cycle is not cycle:       # a request's headers arrived
+            if self.cycle is not cycle:  # a request's headers arrived
                 self._disarm()
 
         def on_response_complete(self) -> None:
@@ -252,12 +284,17 @@ def uvicorn_config(app, limits: Limits, **kwargs):
     """A ``uvicorn.Config`` serving ``app`` within ``limits`` (``kwargs``: the rest)."""
     import uvicorn
 
-    return uvicorn.Config(app, http=http_protocol(limits),
-                          timeout_keep_alive=limits.keep_alive_timeout,
-                          h11_max_incomplete_event_size=limits.max_header_bytes, **kwargs)
+    return uvicorn.Config(
+        app,
+        http=http_protocol(limits),
+        timeout_keep_alive=limits.keep_alive_timeout,
+        h11_max_incomplete_event_size=limits.max_header_bytes,
+        **kwargs,
+    )
 
 
 # ---- Logs ----
+
 
 class RateLimitFilter(logging.Filter):
     """Lets through at most ``burst`` records of one kind (logger, level, message
@@ -267,7 +304,7 @@ class RateLimitFilter(logging.Filter):
     def __init__(self, burst: int = 5, window: float = 10.0, clock=time.monotonic) -> None:
         super().__init__()
         self.burst, self.window, self.clock = burst, window, clock
-        self._seen: dict[tuple, list] = {}     # kind -> [window start, passed, dropped]
+        self._seen: dict[tuple, list] = {}  # kind -> [window start, passed, dropped]
 
     def filter(self, record: logging.LogRecord) -> bool:
         kind = (record.name, record.levelno, str(record.msg)[:200])
@@ -277,11 +314,12 @@ class RateLimitFilter(logging.Filter):
             dropped = entry[2] if entry is not None else 0
             entry = self._seen[kind] = [now, 0, 0]
             if dropped:
-                record.msg = f"{record.msg} ({dropped} more like this in the last " \
-                             f"{self.window:g} s were not logged)"
-            if len(self._seen) > 1024:        # forget kinds not seen for a window
-                self._seen = {k: v for k, v in self._seen.items()
-                              if now - v[0] < self.window}
+                record.msg = (
+                    f"{record.msg} ({dropped} more like this in the last "
+                    f"{self.window:g} s were not logged)"
+                )
+            if len(self._seen) > 1024:  # forget kinds not seen for a window
+                self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self.window}
                 self._seen[kind] = entry
         if entry[1] >= self.burst:
             entry[2] += 1

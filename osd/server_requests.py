@@ -2,44 +2,81 @@
 body becomes a :class:`GenRequest` (token ids, :class:`~osd.SamplingParams`, stream and
 response options) or an :class:`APIError` naming the bad field, before the engine sees it.
 """
+
 import json
 import math
 from dataclasses import dataclass, replace
 
 from osd.chat import apply_chat_template
-from osd.sampling import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_PENALTY,
-                          MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE, MIN_PENALTY,
-                          MIN_TEMPERATURE, MIN_TOP_P, SamplingParams)
+from osd.sampling import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    MIN_PENALTY,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    SamplingParams,
+)
 
-MAX_CHOICES = 16                  # most choices (n) one request may ask for
-MAX_PROMPTS = 64                  # most prompts in one batched completions request
+MAX_CHOICES = 16  # most choices (n) one request may ask for
+MAX_PROMPTS = 64  # most prompts in one batched completions request
 # OpenAI's documented default for completions; chat defaults to the room left in the context.
 DEFAULT_COMPLETION_TOKENS = 16
 # Request fields this server does not implement, with the values that mean "off". Any
 # other value is refused with a 400 naming the field rather than silently ignored.
 UNSUPPORTED = {
-    "suffix": (None, ""), "tools": (None,), "functions": (None,), "best_of": (None, 1),
-    "response_format": (None, {"type": "text"}), "tool_choice": (None, "none"),
-    "function_call": (None, "none"), "parallel_tool_calls": (None,),
-    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
-    "reasoning_effort": (None,), "web_search_options": (None,),
+    "suffix": (None, ""),
+    "tools": (None,),
+    "functions": (None,),
+    "best_of": (None, 1),
+    "response_format": (None, {"type": "text"}),
+    "tool_choice": (None, "none"),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
 }
 
 
 class APIError(Exception):
     """A request the server refuses: HTTP ``status`` and an OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type: str = "invalid_request_error",
-                 headers: dict | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+        headers: dict | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = \
-            status, message, param, code, type
-        self.headers = headers            # extra response headers (Retry-After, ...)
+        self.status, self.message, self.param, self.code, self.type = (
+            status,
+            message,
+            param,
+            code,
+            type,
+        )
+        self.headers = headers  # extra response headers (Retry-After, ...)
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -50,18 +87,18 @@ def _bad(message: str, param: str | None = None) -> APIError:
 class GenRequest:
     """One validated generation request (completion or chat)."""
 
-    kind: str                         # "completion" | "chat"
+    kind: str  # "completion" | "chat"
     prompt_ids: list[int]
     params: SamplingParams
-    stop: list[str]                   # stop strings, found in the decoded text
+    stop: list[str]  # stop strings, found in the decoded text
     stream: bool
-    include_usage: bool               # stream_options.include_usage
-    return_token_ids: bool            # add token_ids / prompt_token_ids to each choice
-    draft: int | None = None          # the draft asked for (an index), else routed
-    logprobs: int | None = None       # top log-probabilities per token, None for none
-    echo: bool = False                # completions: the prompt leads the text (and logprobs)
-    generate: bool = True             # False: echo with max_tokens 0, nothing generated
-    n: int = 1                        # choices, each its own engine request
+    include_usage: bool  # stream_options.include_usage
+    return_token_ids: bool  # add token_ids / prompt_token_ids to each choice
+    draft: int | None = None  # the draft asked for (an index), else routed
+    logprobs: int | None = None  # top log-probabilities per token, None for none
+    echo: bool = False  # completions: the prompt leads the text (and logprobs)
+    generate: bool = True  # False: echo with max_tokens 0, nothing generated
+    n: int = 1  # choices, each its own engine request
 
     def choice_params(self, i: int) -> SamplingParams:
         """Choice ``i``'s parameters: a given seed moves by ``i`` so the choices differ
@@ -69,13 +106,13 @@ class GenRequest:
         p = self.params
         if p.seed is None or i == 0:
             return p
-        return replace(p, seed=(p.seed + i - INT64_MIN) % 2 ** 64 + INT64_MIN)
+        return replace(p, seed=(p.seed + i - INT64_MIN) % 2**64 + INT64_MIN)
 
 
 # ---- Request validation ----
 
-def _int_field(body: dict, name: str, default=None, low: int = INT64_MIN,
-               high: int = INT64_MAX):
+
+def _int_field(body: dict, name: str, default=None, low: int = INT64_MIN, high: int = INT64_MAX):
     value = body.get(name)
     if value is None:
         return default
@@ -88,7 +125,7 @@ def _int_field(body: dict, name: str, default=None, low: int = INT64_MIN,
 
 def _show(value) -> str:
     """A short JSON rendering of a client's value, for error messages."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 30:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
         return f"an integer of {value.bit_length()} bits"
     try:
         text = json.dumps(value)
@@ -103,8 +140,11 @@ def _text(value: str, param: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise _bad(f"{param} is not valid Unicode text: a lone surrogate "
-                   f"(\\u{ord(value[exc.start]):04x}) at character {exc.start}", param) from None
+        raise _bad(
+            f"{param} is not valid Unicode text: a lone surrogate "
+            f"(\\u{ord(value[exc.start]):04x}) at character {exc.start}",
+            param,
+        ) from None
     return value
 
 
@@ -112,8 +152,7 @@ def _float_field(body: dict, name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise _bad(f"{name} must be a finite number, got {_show(value)}", name)
     try:
         return float(value)
@@ -133,13 +172,17 @@ def _stop_strings(body: dict) -> list[str]:
     if len(stops) > MAX_STOP_STRINGS:
         raise _bad(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
     if any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise _bad(f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of "
-                   f"{max(map(len, stops))}", "stop")
+        raise _bad(
+            f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of "
+            f"{max(map(len, stops))}",
+            "stop",
+        )
     return [_text(s, "stop") for s in stops]
 
 
-def _sampling(body: dict, prompt_len: int, max_seq_len: int, vocab: int,
-              default_max_tokens: int | None) -> SamplingParams:
+def _sampling(
+    body: dict, prompt_len: int, max_seq_len: int, vocab: int, default_max_tokens: int | None
+) -> SamplingParams:
     """SamplingParams from the request's fields; every bad value is a 400 naming it. With
     ``echo``, ``max_tokens`` may be 0 (the caller generates nothing; the params say 1)."""
     max_tokens = _int_field(body, "max_completion_tokens")
@@ -154,41 +197,60 @@ def _sampling(body: dict, prompt_len: int, max_seq_len: int, vocab: int,
     elif max_tokens < 1:
         raise _bad(f"{name} must be at least 1 (0 only with echo), got {max_tokens}", name)
     elif max_tokens > room:
-        raise _bad(f"this model's maximum context length is {max_seq_len} tokens; the prompt "
-                   f"has {prompt_len} and {name} asks for {max_tokens} more (at most {room} "
-                   "fit)", name)
+        raise _bad(
+            f"this model's maximum context length is {max_seq_len} tokens; the prompt "
+            f"has {prompt_len} and {name} asks for {max_tokens} more (at most {room} "
+            "fit)",
+            name,
+        )
     temperature = _float_field(body, "temperature", 1.0)
     if not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
-        raise _bad(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
-                   f"{MAX_TEMPERATURE:g}], got {temperature}", "temperature")
+        raise _bad(
+            f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
+            f"{MAX_TEMPERATURE:g}], got {temperature}",
+            "temperature",
+        )
     top_p = _float_field(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise _bad(f"top_p must be in (0, 1], got {top_p}", "top_p")
     if top_p < MIN_TOP_P:
-        raise _bad(f"top_p must be at least {MIN_TOP_P:.3g} (float32's smallest normal "
-                   f"number), got {top_p}", "top_p")
+        raise _bad(
+            f"top_p must be at least {MIN_TOP_P:.3g} (float32's smallest normal "
+            f"number), got {top_p}",
+            "top_p",
+        )
     top_k = _int_field(body, "top_k", 0)
     if not -1 <= top_k <= INT32_MAX:
-        raise _bad(f"top_k must be >= 1 (at most {INT32_MAX}), or 0 / -1 for no limit; got "
-                   f"{_show(top_k)}", "top_k")
+        raise _bad(
+            f"top_k must be >= 1 (at most {INT32_MAX}), or 0 / -1 for no limit; got {_show(top_k)}",
+            "top_k",
+        )
     seed = _int_field(body, "seed")
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+            isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
+        ):
             raise _bad("stop_token_ids must be a list of integers", "stop_token_ids")
         bad = [t for t in stop_ids if not 0 <= t < vocab]
         if bad:
-            raise _bad(f"stop_token_ids has token id {bad[0]} outside the vocabulary "
-                       f"[0, {vocab})", "stop_token_ids")
+            raise _bad(
+                f"stop_token_ids has token id {bad[0]} outside the vocabulary [0, {vocab})",
+                "stop_token_ids",
+            )
     penalties = {}
-    for name, default, low, high in (("presence_penalty", 0.0, -2, 2),
-                                     ("frequency_penalty", 0.0, -2, 2),
-                                     ("repetition_penalty", 1.0, MIN_PENALTY, MAX_PENALTY)):
+    for name, default, low, high in (
+        ("presence_penalty", 0.0, -2, 2),
+        ("frequency_penalty", 0.0, -2, 2),
+        ("repetition_penalty", 1.0, MIN_PENALTY, MAX_PENALTY),
+    ):
         penalties[name] = _float_field(body, name, default)
         if not low <= penalties[name] <= high:
-            rule = f"> 0, in [{low:g}, {high:g}]" if name == "repetition_penalty" else \
-                f"in [{low}, {high}]"
+            rule = (
+                f"> 0, in [{low:g}, {high:g}]"
+                if name == "repetition_penalty"
+                else f"in [{low}, {high}]"
+            )
             raise _bad(f"{name} must be {rule}, got {penalties[name]}", name)
     bias = _logit_bias(body, vocab)
     ignore_eos = body.get("ignore_eos", False)
@@ -196,14 +258,23 @@ def _sampling(body: dict, prompt_len: int, max_seq_len: int, vocab: int,
         raise _bad("ignore_eos must be a boolean", "ignore_eos")
     min_tokens = _int_field(body, "min_tokens", 0)
     if not 0 <= min_tokens <= max_tokens:
-        raise _bad(f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}",
-                   "min_tokens")
+        raise _bad(
+            f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}", "min_tokens"
+        )
     try:
-        return SamplingParams(max_tokens, temperature=temperature, top_k=max(top_k, 0),
-                              top_p=top_p, seed=seed, stop_token_ids=stop_ids,
-                              logit_bias=bias, ignore_eos=ignore_eos, min_tokens=min_tokens,
-                              **penalties)
-    except (ValueError, TypeError) as exc:    # every field is checked above; a backstop
+        return SamplingParams(
+            max_tokens,
+            temperature=temperature,
+            top_k=max(top_k, 0),
+            top_p=top_p,
+            seed=seed,
+            stop_token_ids=stop_ids,
+            logit_bias=bias,
+            ignore_eos=ignore_eos,
+            min_tokens=min_tokens,
+            **penalties,
+        )
+    except (ValueError, TypeError) as exc:  # every field is checked above; a backstop
         message = str(exc)
         field = message.split(" ")[0].split("[")[0]
         raise _bad(message, field if field in body else None) from None
@@ -222,12 +293,16 @@ def _logit_bias(body: dict, vocab: int) -> dict | None:
         except ValueError:
             raise _bad("logit_bias keys must be token ids", "logit_bias") from None
         if not 0 <= token < vocab:
-            raise _bad(f"logit_bias has token id {token} outside the vocabulary [0, {vocab})",
-                       "logit_bias")
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or \
-                not -100 <= b <= 100:          # also false for NaN
-            raise _bad(f"logit_bias[{token}] must be in [-100, 100] (a number), got {_show(b)}",
-                       "logit_bias")
+            raise _bad(
+                f"logit_bias has token id {token} outside the vocabulary [0, {vocab})", "logit_bias"
+            )
+        if (
+            isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100
+        ):  # also false for NaN
+            raise _bad(
+                f"logit_bias[{token}] must be in [-100, 100] (a number), got {_show(b)}",
+                "logit_bias",
+            )
         out[token] = float(b)
     return out
 
@@ -239,11 +314,16 @@ def _common(body, model_name: str) -> None:
         raise _bad("the request body must be a JSON object")
     model = body.get("model")
     if model is not None and model != model_name:
-        raise APIError(404, f"the model {_show(model)} does not exist; this server serves "
-                       f"{model_name!r}", "model", "model_not_found")
+        raise APIError(
+            404,
+            f"the model {_show(model)} does not exist; this server serves {model_name!r}",
+            "model",
+            "model_not_found",
+        )
     n = body.get("n")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int)
-                          or not 1 <= n <= MAX_CHOICES):
+    if n is not None and (
+        isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES
+    ):
         raise _bad(f"n must be an integer in [1, {MAX_CHOICES}], got {_show(n)}", "n")
     for name, off in UNSUPPORTED.items():
         value = body.get(name)
@@ -263,22 +343,28 @@ def _encode(engine, prompt, param: str, max_chars: int | None = None) -> list[in
     if isinstance(prompt, str):
         _text(prompt, param)
         if max_chars is not None and len(prompt) > max_chars:
-            raise _bad(f"the prompt has {len(prompt)} characters; this server takes at most "
-                       f"{max_chars} (this model's context is {engine.max_seq_len} tokens)",
-                       param)
+            raise _bad(
+                f"the prompt has {len(prompt)} characters; this server takes at most "
+                f"{max_chars} (this model's context is {engine.max_seq_len} tokens)",
+                param,
+            )
         prompt = list(engine.tokenizer.encode(prompt))
     if len(prompt) >= engine.max_seq_len:
-        raise _bad(f"the prompt has {len(prompt)} tokens; this model's maximum context length "
-                   f"is {engine.max_seq_len} tokens, which must leave room for at least one "
-                   "generated token", param)
+        raise _bad(
+            f"the prompt has {len(prompt)} tokens; this model's maximum context length "
+            f"is {engine.max_seq_len} tokens, which must leave room for at least one "
+            "generated token",
+            param,
+        )
     try:
         return engine.encode([prompt])[0]
     except (ValueError, TypeError) as exc:
         raise _bad(str(exc).replace("prompt 0 ", "the prompt "), param) from None
 
 
-def parse_completion(body, engine, model_name: str,
-                     max_chars: int | None = None) -> list[GenRequest]:
+def parse_completion(
+    body, engine, model_name: str, max_chars: int | None = None
+) -> list[GenRequest]:
     """Validate a ``/v1/completions`` body: one :class:`GenRequest` per prompt (a batch is
     a list of strings or of token-id lists, up to :data:`MAX_PROMPTS`). A string prompt
     longer than ``max_chars`` characters is refused before tokenizing."""
@@ -288,8 +374,7 @@ def parse_completion(body, engine, model_name: str,
         raise _bad("prompt is required: a string or a list of token ids", "prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) > MAX_PROMPTS:
-            raise _bad(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}",
-                       "prompt")
+            raise _bad(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}", "prompt")
         return [_completion(body, engine, p, max_chars) for p in prompt]
     return [_completion(body, engine, prompt, max_chars)]
 
@@ -297,8 +382,9 @@ def parse_completion(body, engine, model_name: str,
 def _completion(body, engine, prompt, max_chars: int | None = None) -> GenRequest:
     if isinstance(prompt, str):
         if engine.tokenizer is None:
-            raise _bad("this model has no tokenizer: send the prompt as a list of token ids",
-                       "prompt")
+            raise _bad(
+                "this model has no tokenizer: send the prompt as a list of token ids", "prompt"
+            )
         if not prompt:
             raise _bad("prompt is empty", "prompt")
     elif isinstance(prompt, list):
@@ -317,10 +403,12 @@ def _content(msg: dict, i: int):
     if isinstance(content, list):
         texts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or \
-                    not isinstance(part.get("text"), str):
-                raise _bad(f"messages[{i}]: only text content parts are supported",
-                           "messages")
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise _bad(f"messages[{i}]: only text content parts are supported", "messages")
             texts.append(_text(part["text"], "messages"))
         return "".join(texts)
     return _text(content, "messages") if isinstance(content, str) else content
@@ -333,12 +421,14 @@ def parse_chat(body, engine, model_name: str, max_chars: int | None = None) -> G
     _common(body, model_name)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _bad("messages is required: a non-empty list of {role, content} messages",
-                   "messages")
+        raise _bad("messages is required: a non-empty list of {role, content} messages", "messages")
     tok = engine.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
-        raise _bad("this model's tokenizer has no chat template, so chat completions are "
-                   "unavailable; use /v1/completions", "messages")
+        raise _bad(
+            "this model's tokenizer has no chat template, so chat completions are "
+            "unavailable; use /v1/completions",
+            "messages",
+        )
     conv = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
@@ -349,32 +439,36 @@ def parse_chat(body, engine, model_name: str, max_chars: int | None = None) -> G
         conv.append({"role": role, "content": _content(msg, i)})
     chars = sum(len(m["content"]) for m in conv if isinstance(m["content"], str))
     if max_chars is not None and chars > max_chars:
-        raise _bad(f"the messages have {chars} characters; this server takes at most "
-                   f"{max_chars} (this model's context is {engine.max_seq_len} tokens)",
-                   "messages")
+        raise _bad(
+            f"the messages have {chars} characters; this server takes at most "
+            f"{max_chars} (this model's context is {engine.max_seq_len} tokens)",
+            "messages",
+        )
     try:
         text_ids = apply_chat_template(tok, [conv])[0]
     except (ValueError, TypeError) as exc:
         raise _bad(str(exc).replace("conversation 0, ", ""), "messages") from None
-    except Exception as exc:           # the template itself raised (jinja error, bad role order)
-        raise _bad(f"the chat template could not format these messages: {exc}",
-                   "messages") from None
+    except Exception as exc:  # the template itself raised (jinja error, bad role order)
+        raise _bad(
+            f"the chat template could not format these messages: {exc}", "messages"
+        ) from None
     ids = _encode(engine, text_ids, "messages")
     return _finish_parse("chat", body, engine, ids, None)
 
 
 def _finish_parse(kind, body, engine, ids, default_max_tokens) -> GenRequest:
-    params = _sampling(body, len(ids), engine.max_seq_len, engine.model.vocab_size,
-                       default_max_tokens)
+    params = _sampling(
+        body, len(ids), engine.max_seq_len, engine.model.vocab_size, default_max_tokens
+    )
     stop = _stop_strings(body)
     if stop and engine.tokenizer is None:
-        raise _bad("stop strings need a tokenizer; this model has none (use stop_token_ids)",
-                   "stop")
+        raise _bad(
+            "stop strings need a tokenizer; this model has none (use stop_token_ids)", "stop"
+        )
     stream = bool(body.get("stream"))
     opts = body.get("stream_options")
     if opts is not None and (not isinstance(opts, dict) or not stream):
-        raise _bad("stream_options must be an object, and only with stream: true",
-                   "stream_options")
+        raise _bad("stream_options must be an object, and only with stream: true", "stream_options")
     rti = body.get("return_token_ids", False)
     if not isinstance(rti, bool):
         raise _bad("return_token_ids must be a boolean", "return_token_ids")
@@ -387,9 +481,20 @@ def _finish_parse(kind, body, engine, ids, default_max_tokens) -> GenRequest:
     if echo is not None and (not isinstance(echo, bool) or (echo and kind == "chat")):
         raise _bad("echo must be a boolean, and only for completions", "echo")
     generate = not (echo and body.get("max_tokens") == 0)
-    return GenRequest(kind, ids, params, stop, stream, bool((opts or {}).get("include_usage")),
-                      rti or engine.tokenizer is None, draft, logprobs, bool(echo), generate,
-                      body.get("n") or 1)
+    return GenRequest(
+        kind,
+        ids,
+        params,
+        stop,
+        stream,
+        bool((opts or {}).get("include_usage")),
+        rti or engine.tokenizer is None,
+        draft,
+        logprobs,
+        bool(echo),
+        generate,
+        body.get("n") or 1,
+    )
 
 
 def _logprobs_field(kind: str, body: dict) -> int | None:
@@ -398,8 +503,9 @@ def _logprobs_field(kind: str, body: dict) -> int | None:
     if kind == "completion":
         n, name = _int_field(body, "logprobs"), "logprobs"
         if body.get("top_logprobs") is not None:
-            raise _bad("top_logprobs is a chat field; completions take logprobs: <int>",
-                       "top_logprobs")
+            raise _bad(
+                "top_logprobs is a chat field; completions take logprobs: <int>", "top_logprobs"
+            )
     else:
         on = body.get("logprobs")
         if on is not None and not isinstance(on, bool):

@@ -1,5 +1,6 @@
 """``osd serve``: load the pair, bind the port, and run the app of :mod:`osd.server`
 under uvicorn with the HTTP limits of :mod:`osd.server_limits`."""
+
 import osd
 from osd.models.quant import own_quant_layers
 from osd.server import build_app
@@ -22,8 +23,9 @@ def serve(args) -> int:
 
     from osd import zoo
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16}[args.dtype]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        args.dtype
+    ]
     target, draft, name = args.target, args.draft, args.model_name
     if target is None:
         # The chat pair when its target is already cached (never download at start-up),
@@ -43,21 +45,28 @@ def serve(args) -> int:
     # recommended settings (its serving.json; the chat drafts carry one) or a chain of 4.
     flags = [getattr(args, f, None) for f in ("k", "lookup_tokens", "lookup_tree_below")]
     spec = None
-    if args.prompt_lookup or (draft is not None and (any(f is not None for f in flags)
-                                                    or getattr(args, "auto_k", False)
-                                                    or getattr(args, "lookup_history", 0))):
+    if args.prompt_lookup or (
+        draft is not None
+        and (
+            any(f is not None for f in flags)
+            or getattr(args, "auto_k", False)
+            or getattr(args, "lookup_history", 0)
+        )
+    ):
         k = 4 if args.k is None else args.k
         lookup_tokens = getattr(args, "lookup_tokens", None) or 0
         # Without a draft model the n-gram drafter is the lookup: its chains are lookup's.
-        spec = osd.SpecConfig(num_draft_tokens=k if draft is not None else lookup_tokens or k,
-                              drafter="model" if draft is not None else "ngram",
-                              prompt_lookup=args.prompt_lookup and draft is not None,
-                              lookup_tokens=lookup_tokens if draft is not None else 0,
-                              lookup_history=getattr(args, "lookup_history", 0)
-                              if args.prompt_lookup else 0,
-                              lookup_tree_below=getattr(args, "lookup_tree_below", None) or 0
-                              if args.prompt_lookup and draft is not None else 0,
-                              auto_k=getattr(args, "auto_k", False))
+        spec = osd.SpecConfig(
+            num_draft_tokens=k if draft is not None else lookup_tokens or k,
+            drafter="model" if draft is not None else "ngram",
+            prompt_lookup=args.prompt_lookup and draft is not None,
+            lookup_tokens=lookup_tokens if draft is not None else 0,
+            lookup_history=getattr(args, "lookup_history", 0) if args.prompt_lookup else 0,
+            lookup_tree_below=getattr(args, "lookup_tree_below", None) or 0
+            if args.prompt_lookup and draft is not None
+            else 0,
+            auto_k=getattr(args, "auto_k", False),
+        )
     if args.online and draft is None:
         raise ValueError("--online needs a draft model to learn (--draft)")
     limits = limits_from_args(args)
@@ -67,8 +76,11 @@ def serve(args) -> int:
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted connections only when
     # the listening socket's protocol is TCP; without it a stream's first event waits for
     # the client's delayed ACK on a kept-alive connection.
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET,
-                         socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock = socket.socket(
+        socket.AF_INET6 if ":" in args.host else socket.AF_INET,
+        socket.SOCK_STREAM,
+        socket.IPPROTO_TCP,
+    )
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
@@ -78,20 +90,34 @@ def serve(args) -> int:
         raise OSError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
     try:
         ae = osd.AsyncEngine.from_pretrained(
-            target, draft=draft, device=args.device, dtype=dtype, spec=spec, online=online,
-            max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-            quantized=args.quantized, prefix_cache=getattr(args, "prefix_cache", 0),
-            quantize_draft=getattr(args, "quantize_draft", None))
+            target,
+            draft=draft,
+            device=args.device,
+            dtype=dtype,
+            spec=spec,
+            online=online,
+            max_batch_size=args.max_batch_size,
+            max_seq_len=args.max_seq_len,
+            quantized=args.quantized,
+            prefix_cache=getattr(args, "prefix_cache", 0),
+            quantize_draft=getattr(args, "quantize_draft", None),
+        )
     except BaseException:
         sock.close()
         raise
     try:
         app = build_app(ae, name, limits)
-        print(f"osd serve: {name} (target {target}, draft {draft or 'none'}) on "
-              f"http://{args.host}:{args.port}/v1", flush=True)
+        print(
+            f"osd serve: {name} (target {target}, draft {draft or 'none'}) on "
+            f"http://{args.host}:{args.port}/v1",
+            flush=True,
+        )
         if limits.api_key is None and args.host not in ("127.0.0.1", "::1", "localhost"):
-            print(f"osd serve: warning: {args.host} is reachable from other machines and no "
-                  "API key is set (--api-key or OSD_API_KEY)", flush=True)
+            print(
+                f"osd serve: warning: {args.host} is reachable from other machines and no "
+                "API key is set (--api-key or OSD_API_KEY)",
+                flush=True,
+            )
         if ae.engine.spec is not None:
             drafts = ae.engine.drafts
             formats = {m.fmt for d in drafts for m in own_quant_layers(d).values()}
@@ -101,7 +127,7 @@ def serve(args) -> int:
         limit_logs()
         try:
             uvicorn.Server(config).run(sockets=[sock])
-        except KeyboardInterrupt:      # uvicorn re-raises Ctrl-C after its clean shutdown
+        except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its clean shutdown
             pass
     finally:
         ae.close()
@@ -113,11 +139,21 @@ def limits_from_args(args) -> Limits:
     """:class:`Limits` from ``osd serve``'s flags (the API key also from ``OSD_API_KEY``)."""
     import os
 
-    origins = tuple(o.strip() for o in (getattr(args, "allowed_origins", None) or "").split(",")
-                    if o.strip())
-    given = {f: getattr(args, f) for f in ("max_body_bytes", "max_prompt_chars", "max_waiting",
-                                           "keep_alive_timeout", "header_timeout",
-                                           "body_timeout", "max_connections")
-             if getattr(args, f, None) is not None}
+    origins = tuple(
+        o.strip() for o in (getattr(args, "allowed_origins", None) or "").split(",") if o.strip()
+    )
+    given = {
+        f: getattr(args, f)
+        for f in (
+            "max_body_bytes",
+            "max_prompt_chars",
+            "max_waiting",
+            "keep_alive_timeout",
+            "header_timeout",
+            "body_timeout",
+            "max_connections",
+        )
+        if getattr(args, f, None) is not None
+    }
     key = getattr(args, "api_key", None) or os.environ.get("OSD_API_KEY") or None
     return Limits(api_key=key, allowed_origins=origins, **given)

@@ -1,4 +1,5 @@
 """Configuration of speculative decoding (``osd.SpecConfig``)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,16 +22,17 @@ class DynamicTree:
     keeps the ``max_nodes`` nodes (root excluded) with the highest path probability.
     """
 
-    topk: int = 4         # children tried per node
-    depth: int = 4        # levels below the root
-    max_nodes: int = 16   # node budget, root excluded (<= 63)
+    topk: int = 4  # children tried per node
+    depth: int = 4  # levels below the root
+    max_nodes: int = 16  # node budget, root excluded (<= 63)
 
     def __post_init__(self):
         if self.topk < 1 or self.depth < 1:
             raise ValueError(f"DynamicTree needs topk >= 1 and depth >= 1, got {self}")
         if not 1 <= self.max_nodes < MAX_TREE_NODES:
-            raise ValueError(f"DynamicTree.max_nodes must be in 1..{MAX_TREE_NODES - 1}, "
-                             f"got {self.max_nodes}")
+            raise ValueError(
+                f"DynamicTree.max_nodes must be in 1..{MAX_TREE_NODES - 1}, got {self.max_nodes}"
+            )
 
 
 @dataclass
@@ -78,85 +80,116 @@ class SpecConfig:
     fixed seed then depend on the batch a request ran in, since the chain lengths do.
     """
 
-    num_draft_tokens: int = 4            # k: chain length / most drafts per step
-    tree: object = None                  # None | list of rank paths | DynamicTree
-    drafter: str = "model"               # "model" (separate draft), "self" (layer skip), "ngram"
+    num_draft_tokens: int = 4  # k: chain length / most drafts per step
+    tree: object = None  # None | list of rank paths | DynamicTree
+    drafter: str = "model"  # "model" (separate draft), "self" (layer skip), "ngram"
     skip_layers: tuple[int, ...] | None = None  # self: target layers skipped (default: odd ones)
-    ngram_max: int = 3                   # ngram: longest suffix matched in the context
-    ngram_min: int = 1                   # ngram: shortest suffix matched
-    prompt_lookup: bool = False          # model/self: prompt lookup first (a chain); the draft
+    ngram_max: int = 3  # ngram: longest suffix matched in the context
+    ngram_min: int = 1  # ngram: shortest suffix matched
+    prompt_lookup: bool = False  # model/self: prompt lookup first (a chain); the draft
     #                                      model (chain or tree) where some row has no match
-    lookup_history: int = 0              # lookup also in this many tokens of finished
+    lookup_history: int = 0  # lookup also in this many tokens of finished
     #                                      requests (0: only the request's own text)
-    lookup_tokens: int = 0               # prompt lookup: most drafts of a step whose rows all
+    lookup_tokens: int = 0  # prompt lookup: most drafts of a step whose rows all
     #                                      match (0: num_draft_tokens)
-    lookup_tree_below: int = 0           # prompt lookup: matches shorter than this verify
+    lookup_tree_below: int = 0  # prompt lookup: matches shorter than this verify
     #                                      beside the model's chain, in one tree (0: off)
-    adaptive: bool = False               # stop drafting a row when the draft is unsure
-    adaptive_floor: float = 0.35         # adaptive: stop when P(reach and accept) < floor
+    adaptive: bool = False  # stop drafting a row when the draft is unsure
+    adaptive_floor: float = 0.35  # adaptive: stop when P(reach and accept) < floor
     adaptive_init_threshold: float = 0.3  # adaptive: confidence threshold before calibration
-    auto_k: bool = False                 # chain length per step from measured goodput per
+    auto_k: bool = False  # chain length per step from measured goodput per
     #                                      batch size, 0 (plain decoding) when drafts do not pay
-    exact_alpha: bool = True             # report 1 - TV(p, q) (one softmax per drafted row)
-    cuda_graphs: bool = True             # capture draft and verify forwards on CUDA
+    exact_alpha: bool = True  # report 1 - TV(p, q) (one softmax per drafted row)
+    cuda_graphs: bool = True  # capture draft and verify forwards on CUDA
 
     def lookup_alone(self) -> "SpecConfig":
         """This config's prompt lookup without a draft model: the ``"ngram"`` drafter with
         the same n-gram sizes and history, drafting up to ``max(num_draft_tokens,
         lookup_tokens)`` tokens. What ``prompt_lookup=True`` means when no draft is given."""
         return dataclasses.replace(
-            self, drafter="ngram", prompt_lookup=False, tree=None, lookup_tokens=0,
-            lookup_tree_below=0, adaptive=False,
-            num_draft_tokens=max(self.num_draft_tokens, self.lookup_tokens))
+            self,
+            drafter="ngram",
+            prompt_lookup=False,
+            tree=None,
+            lookup_tokens=0,
+            lookup_tree_below=0,
+            adaptive=False,
+            num_draft_tokens=max(self.num_draft_tokens, self.lookup_tokens),
+        )
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:
             raise ValueError(f"SpecConfig.drafter must be one of {DRAFTERS}, got {self.drafter!r}")
         if not 1 <= self.num_draft_tokens < MAX_TREE_NODES:
-            raise ValueError(f"SpecConfig.num_draft_tokens must be in 1..{MAX_TREE_NODES - 1}, "
-                             f"got {self.num_draft_tokens}")
+            raise ValueError(
+                f"SpecConfig.num_draft_tokens must be in 1..{MAX_TREE_NODES - 1}, "
+                f"got {self.num_draft_tokens}"
+            )
         if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"SpecConfig needs 1 <= ngram_min <= ngram_max, got "
-                             f"{self.ngram_min}, {self.ngram_max}")
+            raise ValueError(
+                f"SpecConfig needs 1 <= ngram_min <= ngram_max, got "
+                f"{self.ngram_min}, {self.ngram_max}"
+            )
         if not 0.0 < self.adaptive_floor < 1.0:
-            raise ValueError(f"SpecConfig.adaptive_floor must be in (0, 1), got "
-                             f"{self.adaptive_floor}")
+            raise ValueError(
+                f"SpecConfig.adaptive_floor must be in (0, 1), got {self.adaptive_floor}"
+            )
         if self.tree is not None and not isinstance(self.tree, (DynamicTree, StaticTree)):
             self.tree = StaticTree.from_paths(self.tree)
         if self.tree is not None and self.drafter == "ngram":
             raise ValueError("the ngram drafter proposes a chain; use tree=None")
         if self.prompt_lookup and self.drafter == "ngram":
-            raise ValueError("SpecConfig(prompt_lookup=True) adds prompt lookup to a model "
-                             "drafter; drafter='ngram' already is prompt lookup")
+            raise ValueError(
+                "SpecConfig(prompt_lookup=True) adds prompt lookup to a model "
+                "drafter; drafter='ngram' already is prompt lookup"
+            )
         if not 0 <= self.lookup_tokens < MAX_TREE_NODES:
-            raise ValueError(f"SpecConfig.lookup_tokens must be in 0..{MAX_TREE_NODES - 1}, "
-                             f"got {self.lookup_tokens}")
+            raise ValueError(
+                f"SpecConfig.lookup_tokens must be in 0..{MAX_TREE_NODES - 1}, "
+                f"got {self.lookup_tokens}"
+            )
         if self.lookup_tokens and not self.prompt_lookup:
-            raise ValueError("SpecConfig.lookup_tokens sets prompt lookup's chain length: set "
-                             "prompt_lookup=True (the ngram drafter's is num_draft_tokens)")
+            raise ValueError(
+                "SpecConfig.lookup_tokens sets prompt lookup's chain length: set "
+                "prompt_lookup=True (the ngram drafter's is num_draft_tokens)"
+            )
         if not 0 <= self.lookup_tree_below <= self.ngram_max + 1:
-            raise ValueError(f"SpecConfig.lookup_tree_below must be in 0..ngram_max + 1 = "
-                             f"{self.ngram_max + 1}, got {self.lookup_tree_below}")
+            raise ValueError(
+                f"SpecConfig.lookup_tree_below must be in 0..ngram_max + 1 = "
+                f"{self.ngram_max + 1}, got {self.lookup_tree_below}"
+            )
         if self.lookup_tree_below and not self.prompt_lookup:
-            raise ValueError("SpecConfig.lookup_tree_below puts prompt lookup beside the draft "
-                             "model: set prompt_lookup=True")
+            raise ValueError(
+                "SpecConfig.lookup_tree_below puts prompt lookup beside the draft "
+                "model: set prompt_lookup=True"
+            )
         if self.lookup_tree_below and (self.tree is not None or self.adaptive):
-            raise ValueError("SpecConfig.lookup_tree_below builds its own tree from the model's "
-                             "chain: it does not combine with tree= or adaptive=True")
-        if self.lookup_tree_below and (1 + max(self.num_draft_tokens, self.lookup_tokens)
-                                       + self.num_draft_tokens > MAX_TREE_NODES):
-            raise ValueError(f"SpecConfig.lookup_tree_below verifies up to 1 + "
-                             f"max(num_draft_tokens, lookup_tokens) + num_draft_tokens nodes, "
-                             f"at most {MAX_TREE_NODES}: got num_draft_tokens="
-                             f"{self.num_draft_tokens}, lookup_tokens={self.lookup_tokens}")
+            raise ValueError(
+                "SpecConfig.lookup_tree_below builds its own tree from the model's "
+                "chain: it does not combine with tree= or adaptive=True"
+            )
+        if self.lookup_tree_below and (
+            1 + max(self.num_draft_tokens, self.lookup_tokens) + self.num_draft_tokens
+            > MAX_TREE_NODES
+        ):
+            raise ValueError(
+                f"SpecConfig.lookup_tree_below verifies up to 1 + "
+                f"max(num_draft_tokens, lookup_tokens) + num_draft_tokens nodes, "
+                f"at most {MAX_TREE_NODES}: got num_draft_tokens="
+                f"{self.num_draft_tokens}, lookup_tokens={self.lookup_tokens}"
+            )
         if self.lookup_history < 0:
             raise ValueError(f"SpecConfig.lookup_history must be >= 0, got {self.lookup_history}")
         if self.lookup_history and not (self.prompt_lookup or self.drafter == "ngram"):
-            raise ValueError("SpecConfig.lookup_history extends prompt lookup: set "
-                             "prompt_lookup=True (or drafter='ngram')")
+            raise ValueError(
+                "SpecConfig.lookup_history extends prompt lookup: set "
+                "prompt_lookup=True (or drafter='ngram')"
+            )
         if self.auto_k and (self.tree is not None or self.adaptive):
-            raise ValueError("SpecConfig(auto_k=True) picks a chain length per step; it does "
-                             "not combine with trees or adaptive=True")
+            raise ValueError(
+                "SpecConfig(auto_k=True) picks a chain length per step; it does "
+                "not combine with trees or adaptive=True"
+            )
 
     @property
     def is_tree(self) -> bool:
@@ -167,9 +200,13 @@ def describe(spec: SpecConfig) -> str:
     """``spec``'s fields that differ from the defaults, ``"name=value, ..."`` (the chain of
     4 of a plain ``SpecConfig()`` reads ``num_draft_tokens=4``)."""
     default = SpecConfig()
-    changed = [f"{f.name}={getattr(spec, f.name)!r}" for f in fields(SpecConfig)
-               if getattr(spec, f.name) != getattr(default, f.name)]
+    changed = [
+        f"{f.name}={getattr(spec, f.name)!r}"
+        for f in fields(SpecConfig)
+        if getattr(spec, f.name) != getattr(default, f.name)
+    ]
     return ", ".join(changed or [f"num_draft_tokens={spec.num_draft_tokens}"])
+
 
 SERVING_FILE = "serving.json"
 SERVING_KEYS = ("spec", "quantize_draft", "online", "quantized_target")
@@ -177,8 +214,9 @@ SERVING_KEYS = ("spec", "quantize_draft", "online", "quantized_target")
 # that keeps its GGUF weights quantized
 
 
-def draft_serving_defaults(path, quantized_target: bool = False
-                           ) -> tuple[SpecConfig | None, str | None]:
+def draft_serving_defaults(
+    path, quantized_target: bool = False
+) -> tuple[SpecConfig | None, str | None]:
     """A draft checkpoint's recommended serving settings, from ``serving.json`` in its
     directory: ``{"spec": {SpecConfig fields}, "quantize_draft": "Q8_0" or null}``, both
     keys optional; with ``quantized_target``, the keys of its ``"quantized_target"``
@@ -207,8 +245,9 @@ def draft_serving_defaults(path, quantized_target: bool = False
         override = data.get("quantized_target")
         if override is not None:
             if not isinstance(override, dict) or set(override) - {"spec", "quantize_draft"}:
-                raise ValueError("'quantized_target' must be an object with 'spec' and/or "
-                                 "'quantize_draft'")
+                raise ValueError(
+                    "'quantized_target' must be an object with 'spec' and/or 'quantize_draft'"
+                )
             if quantized_target:
                 data = {**data, **override}
         fields = data.get("spec")
@@ -218,14 +257,18 @@ def draft_serving_defaults(path, quantized_target: bool = False
         fmt = data.get("quantize_draft")
         if fmt is not None and not isinstance(fmt, str):
             raise ValueError("'quantize_draft' must be a block format name or null")
-    except (ValueError, TypeError) as exc:    # json.JSONDecodeError is a ValueError
+    except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"bad draft serving settings in {file}: {exc}") from None
     return spec, fmt
 
 
-def serving_settings(sources: list, drafts: list, spec: SpecConfig | None,
-                     quantize_draft: str | None, quantized_target: bool = False
-                     ) -> tuple[SpecConfig | None, str | None]:
+def serving_settings(
+    sources: list,
+    drafts: list,
+    spec: SpecConfig | None,
+    quantize_draft: str | None,
+    quantized_target: bool = False,
+) -> tuple[SpecConfig | None, str | None]:
     """``Engine.from_pretrained``'s ``spec`` and ``quantize_draft``: the caller's, except
     that ``spec=None`` and ``quantize_draft="auto"`` take what a single draft directory
     recommends (:func:`draft_serving_defaults`). ``sources``: the drafts as given (paths
@@ -233,8 +276,11 @@ def serving_settings(sources: list, drafts: list, spec: SpecConfig | None,
     apply to a draft there only (on a GPU: a chain of 4, float); the block format only
     to a float32 draft (where quantized drafts run); "auto" is None otherwise."""
     rec_spec, rec_fmt = None, None
-    if (len(sources) == 1 and isinstance(sources[0], (str, os.PathLike))
-            and drafts[0].device.type == "cpu"):
+    if (
+        len(sources) == 1
+        and isinstance(sources[0], (str, os.PathLike))
+        and drafts[0].device.type == "cpu"
+    ):
         rec_spec, rec_fmt = draft_serving_defaults(sources[0], quantized_target)
     if spec is None:
         spec = rec_spec

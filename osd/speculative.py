@@ -18,6 +18,7 @@ counts, the non-finite flags, the drafted counts of an adaptive chain, the rows'
 and the tokens), which the stop check, the output lists and the statistics need. Host values
 go to the device with non-blocking copies from pinned memory.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -72,7 +73,7 @@ class AdaptiveStopper:
         self.tested = torch.zeros(self.BINS, dtype=torch.float64)
         self.accepted = torch.zeros(self.BINS, dtype=torch.float64)
         self._conf: list[torch.Tensor] = []
-        self._reach = torch.ones(0, dtype=torch.float64)   # [B] running product of scores
+        self._reach = torch.ones(0, dtype=torch.float64)  # [B] running product of scores
 
     def _bin(self, conf: torch.Tensor) -> torch.Tensor:
         # Deliberate host sync (adaptive mode only): the calibration table is on the host.
@@ -102,9 +103,9 @@ class AdaptiveStopper:
         """Learn from one step's verdicts (host lists, already synced)."""
         if not self._conf:
             return
-        conf = torch.stack(self._conf, 1).cpu()        # [B, steps drafted]
+        conf = torch.stack(self._conf, 1).cpu()  # [B, steps drafted]
         for b, (d, a) in enumerate(zip(num_drafted, num_accepted)):
-            for i in range(min(d, a + 1)):             # positions 0..a were tested
+            for i in range(min(d, a + 1)):  # positions 0..a were tested
                 j = int(self._bin(conf[b, i]))
                 self.tested[j] += 1
                 self.accepted[j] += float(i < a)
@@ -129,20 +130,25 @@ class DraftLengthController:
     is dropped: it pays one-time costs (CUDA graph capture, allocator growth).
     """
 
-    def __init__(self, k_max: int, explore_every: int = 16, decay: float = 0.7,
-                 explore_max: int | None = None):
+    def __init__(
+        self,
+        k_max: int,
+        explore_every: int = 16,
+        decay: float = 0.7,
+        explore_max: int | None = None,
+    ):
         self.arms = sorted({k for k in (k_max, 0, 1, 2, k_max // 2) if 0 <= k <= k_max})
         self.explore_every = explore_every
         self.explore_max = explore_max or 8 * explore_every
         self.decay = decay
-        self.goodput: dict[int, dict[int, float]] = {}    # bucket -> arm -> tokens/s
-        self._seen: dict[int, dict[int, int]] = {}        # bucket -> arm -> measurements
-        self._when: dict[int, dict[int, int]] = {}        # bucket -> arm -> last step
+        self.goodput: dict[int, dict[int, float]] = {}  # bucket -> arm -> tokens/s
+        self._seen: dict[int, dict[int, int]] = {}  # bucket -> arm -> measurements
+        self._when: dict[int, dict[int, int]] = {}  # bucket -> arm -> last step
         self._steps: dict[int, int] = {}
-        self._spacing: dict[int, int] = {}                # bucket -> steps between explorations
-        self._explored: dict[int, int] = {}               # bucket -> step of the last one
-        self._probe: dict[int, tuple[int, int]] = {}      # bucket -> (arm explored, best then)
-        self.chosen: dict[int, dict[int, int]] = {}       # bucket -> arm -> steps
+        self._spacing: dict[int, int] = {}  # bucket -> steps between explorations
+        self._explored: dict[int, int] = {}  # bucket -> step of the last one
+        self._probe: dict[int, tuple[int, int]] = {}  # bucket -> (arm explored, best then)
+        self.chosen: dict[int, dict[int, int]] = {}  # bucket -> arm -> steps
 
     @staticmethod
     def bucket(B: int) -> int:
@@ -159,8 +165,10 @@ class DraftLengthController:
         elif step - self._explored[b] >= self._spacing.setdefault(b, self.explore_every):
             when, best = self._when[b], max(good, key=good.get)
             i = self.arms.index(best)
-            k = min(self.arms[max(0, i - 1):i] + self.arms[i + 1:i + 2],
-                    key=lambda a: when.get(a, -1))
+            k = min(
+                self.arms[max(0, i - 1) : i] + self.arms[i + 1 : i + 2],
+                key=lambda a: when.get(a, -1),
+            )
             self._explored[b] = step
             self._probe[b] = (k, best)
         else:
@@ -181,14 +189,19 @@ class DraftLengthController:
         probe = self._probe.pop(b, None)
         if probe is not None and probe[0] == k:
             same = max(good, key=good.get) == probe[1]
-            self._spacing[b] = min(2 * self._spacing[b], self.explore_max) if same \
-                else self.explore_every
+            self._spacing[b] = (
+                min(2 * self._spacing[b], self.explore_max) if same else self.explore_every
+            )
 
     def summary(self) -> dict:
         """Per batch bucket: goodput (tokens/s) per arm and how often each arm ran."""
-        return {b: {"goodput": {k: round(v, 2) for k, v in sorted(self.goodput[b].items())},
-                    "steps": dict(sorted(self.chosen.get(b, {}).items()))}
-                for b in sorted(self.goodput)}
+        return {
+            b: {
+                "goodput": {k: round(v, 2) for k, v in sorted(self.goodput[b].items())},
+                "steps": dict(sorted(self.chosen.get(b, {}).items())),
+            }
+            for b in sorted(self.goodput)
+        }
 
 
 @dataclasses.dataclass
@@ -199,13 +212,13 @@ class Verdict:
     them, fewer than ``accepted[b] + 1`` when it stopped inside the step).
     """
 
-    active: list                       # the requests of the step
-    logits: torch.Tensor               # [B, T, V] the target's verify logits
+    active: list  # the requests of the step
+    logits: torch.Tensor  # [B, T, V] the target's verify logits
     proposal: ChainProposal | TreeProposal
-    accepted: list[int]                # drafts accepted per row
-    drafted: list[int]                 # drafts offered per row (a tree: its depth)
-    emitted: list[int]                 # tokens appended per row
-    path: torch.Tensor | None          # tree: [B, D + 1] accepted node per depth
+    accepted: list[int]  # drafts accepted per row
+    drafted: list[int]  # drafts offered per row (a tree: its depth)
+    emitted: list[int]  # tokens appended per row
+    path: torch.Tensor | None  # tree: [B, D + 1] accepted node per depth
     params: BatchParams
     hidden: torch.Tensor | None = None  # [B, T, H] the target's verify features (a drafter
     #                                     that needs_hidden; a tree: [B, D + 1, H] along the
@@ -233,26 +246,36 @@ class Speculator:
             prefill keeps.
     """
 
-    def __init__(self, engine, spec: SpecConfig, drafter, cache, next_tokens: torch.Tensor,
-                 listeners=()):
+    def __init__(
+        self, engine, spec: SpecConfig, drafter, cache, next_tokens: torch.Tensor, listeners=()
+    ):
         self.engine = engine
         self.cache = cache
         self.next_tokens = next_tokens
         self.spec = spec
         self.drafter = drafter
         self.listeners = list(listeners)
-        self.prompt_positions = max((getattr(x, "prompt_positions", 0) for x in self.listeners),
-                                    default=0)
+        self.prompt_positions = max(
+            (getattr(x, "prompt_positions", 0) for x in self.listeners), default=0
+        )
         self.stats = SpecStats()
-        self.stopper = (AdaptiveStopper(spec.adaptive_floor, spec.adaptive_init_threshold)
-                        if spec.adaptive and not spec.is_tree else None)
+        self.stopper = (
+            AdaptiveStopper(spec.adaptive_floor, spec.adaptive_init_threshold)
+            if spec.adaptive and not spec.is_tree
+            else None
+        )
         self.k_control = DraftLengthController(spec.num_draft_tokens) if spec.auto_k else None
-        self.graphs: StepGraphs | None = None       # CUDA graphs of the forwards (use_graphs)
+        self.graphs: StepGraphs | None = None  # CUDA graphs of the forwards (use_graphs)
 
     # -- row bookkeeping (mirrors the engine's cache rows) ---------------------------
-    def prefill(self, requests, start_row: int, first_tokens: torch.Tensor,
-                prompt_logits: torch.Tensor | None = None,
-                prompt_hidden: torch.Tensor | None = None) -> None:
+    def prefill(
+        self,
+        requests,
+        start_row: int,
+        first_tokens: torch.Tensor,
+        prompt_logits: torch.Tensor | None = None,
+        prompt_hidden: torch.Tensor | None = None,
+    ) -> None:
         """New rows ``start_row ..``; ``prompt_logits [n, m, V]`` (the target's logits at
         each prompt's last ``m`` positions) go to the listeners, ``prompt_hidden [n, T, H]``
         (the target's features at every prompt position) to a drafter that
@@ -263,8 +286,7 @@ class Speculator:
             r.spec_stats = SpecStats(requests=1)
         for listener in self.listeners:
             listener.on_prefill(requests, prompt_logits, prompt_hidden)
-        self.drafter.prefill([r.prompt for r in requests], start_row, first_tokens,
-                             prompt_hidden)
+        self.drafter.prefill([r.prompt for r in requests], start_row, first_tokens, prompt_hidden)
 
     def move_row(self, src: int, dst: int) -> None:
         self.drafter.move_row(src, dst)
@@ -278,31 +300,35 @@ class Speculator:
         the rows' ``params``. A row whose target logits are not finite fails
         (``finish_reason = "error"``); it emits nothing and teaches nothing."""
         for listener in self.listeners:
-            listener.before_step()                   # between steps, never within one
+            listener.before_step()  # between steps, never within one
         B = len(active)
         clock = [time.perf_counter()]
         sampling = self._sampling_tensors(active, params)
         k = self.spec.num_draft_tokens if self.k_control is None else self.k_control.choose(B)
-        fused = fused_chain_step(self, B, params, sampling, k) \
-            if fusable(self, active, params, k) else None
-        if fused is not None:                 # draft, verify, sample, commit: one replay
+        fused = (
+            fused_chain_step(self, B, params, sampling, k)
+            if fusable(self, active, params, k)
+            else None
+        )
+        if fused is not None:  # draft, verify, sample, commit: one replay
             prop, logits, packed = fused
             path = hidden = None
             t1 = time.perf_counter()
-            clock += [clock[0], t1, t1]       # the replay counts as "verify"
-            host = packed.tolist()            # the step's one read-back
+            clock += [clock[0], t1, t1]  # the replay counts as "verify"
+            host = packed.tolist()  # the step's one read-back
             self.drafter._pending_max = int(max(h[0] for h in host)) + 1
             alpha_col = 2 if self.spec.exact_alpha else None
             extra = 3 if self.spec.exact_alpha else 2
         else:
             prop, logits, hidden, path, host, extra, alpha_col = self._step_parts(
-                active, params, sampling, k, clock)
+                active, params, sampling, k, clock
+            )
         clock.append(time.perf_counter())
         n_host = [int(h[0]) for h in host]
         fail_rows(active, [h[1] for h in host])
         out_host = [[int(t) for t in h[extra:]] for h in host]
         if isinstance(prop, TreeProposal):
-            drafted = [prop.max_depth] * B      # a tree offers up to max_depth per row
+            drafted = [prop.max_depth] * B  # a tree offers up to max_depth per row
         elif prop.num_drafted is None:
             drafted = [prop.tokens.shape[1]] * B
         else:
@@ -310,7 +336,7 @@ class Speculator:
         emitted = []
         for b, r in enumerate(active):
             before = len(r.generated)
-            for t in out_host[b][:n_host[b] + 1] if r.finish_reason is None else ():
+            for t in out_host[b][: n_host[b] + 1] if r.finish_reason is None else ():
                 if r.finish_reason is not None:
                     break
                 r.append(t, self.engine.max_seq_len)
@@ -324,8 +350,9 @@ class Speculator:
         clock.append(time.perf_counter())
         if self.k_control is not None:
             self.k_control.observe(B, k, sum(emitted), clock[-1] - clock[0])
-        for phase, t0, t1 in zip(("draft", "verify", "sample", "rollback", "other"),
-                                 clock, clock[1:]):
+        for phase, t0, t1 in zip(
+            ("draft", "verify", "sample", "rollback", "other"), clock, clock[1:]
+        ):
             self.stats.add_time(phase, t1 - t0)
 
     def _step_parts(self, active, params: BatchParams, sampling: dict, k: int, clock: list):
@@ -335,21 +362,34 @@ class Speculator:
         first token column, index of the α column or None)``."""
         B = len(active)
         cache = self.cache
-        if k == 0:            # plain decoding through the verify path; the drafter catches up
-            prop = ChainProposal(torch.empty(B, 0, dtype=torch.int64, device=cache.lens.device),
-                                 None, None, None, 0, source="none")
+        if k == 0:  # plain decoding through the verify path; the drafter catches up
+            prop = ChainProposal(
+                torch.empty(B, 0, dtype=torch.int64, device=cache.lens.device),
+                None,
+                None,
+                None,
+                0,
+                source="none",
+            )
         else:
-            prop = self.drafter.propose(active, self.next_tokens[:B], params, sampling["seed"],
-                                        sampling["offset"], k=k, tree=self.spec.tree,
-                                        stopper=self.stopper)
+            prop = self.drafter.propose(
+                active,
+                self.next_tokens[:B],
+                params,
+                sampling["seed"],
+                sampling["offset"],
+                k=k,
+                tree=self.spec.tree,
+                stopper=self.stopper,
+            )
         clock.append(time.perf_counter())
         plain = isinstance(prop, ChainProposal) and prop.source == "none"
         lens_before = None if plain else cache.lens[:B].clone()
-        logits, hidden = self._verify(prop)               # [B, T, V], [B, T, H] / None
+        logits, hidden = self._verify(prop)  # [B, T, V], [B, T, H] / None
         clock.append(time.perf_counter())
         scored = self._penalized(active, logits, prop) if wants_penalties(active) else logits
         out, n, path = self._sample(scored, prop, sampling)
-        if path is not None and hidden is not None:   # the features along the accepted path
+        if path is not None and hidden is not None:  # the features along the accepted path
             hidden = hidden.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1]))
         clock.append(time.perf_counter())
         keep = (n + 1).to(torch.int32)
@@ -360,7 +400,7 @@ class Speculator:
         # The one deliberate host sync of the step: the accepted counts and tokens decide
         # the stop checks and fill the outputs; rows with non-finite logits fail; the
         # statistics' per-row values ride along. float64 holds every token id exactly.
-        alpha = self._alpha_rows(prop, logits, params)     # [B] or None
+        alpha = self._alpha_rows(prop, logits, params)  # [B] or None
         cols = [n[:, None], nonfinite_rows(logits)[:, None]]
         num_drafted = getattr(prop, "num_drafted", None)
         if num_drafted is not None:
@@ -377,8 +417,9 @@ class Speculator:
         else:
             # the draft keeps everything up to the old root; its cache may reach one past
             # the target's (the root it has not fed yet)
-            self.drafter.after_verify(emitted, committed_lens=lens_before + 1,
-                                      bound=cache.bound + 1)
+            self.drafter.after_verify(
+                emitted, committed_lens=lens_before + 1, bound=cache.bound + 1
+            )
         return prop, logits, hidden, path, host, len(cols), alpha_col
 
     def use_graphs(self, graphs: StepGraphs | None) -> None:
@@ -418,14 +459,15 @@ class Speculator:
         """The rejection sampler: ``(tokens [B, D + 1], accepted [B], path or None)``."""
         if "temperature" not in sampling and prop.tokens.shape[1] == 0:
             # greedy without drafts (auto_k's plain steps): the argmax is the whole sampler
-            return logits.argmax(-1), logits.new_zeros(logits.shape[0], dtype=torch.int32), \
-                None
+            return logits.argmax(-1), logits.new_zeros(logits.shape[0], dtype=torch.int32), None
         if isinstance(prop, TreeProposal):
             path, out, n = osd_kernels.tree_rejection_sample(
-                logits, prop.tokens, prop.parents, None, **sampling, max_depth=prop.max_depth)
+                logits, prop.tokens, prop.parents, None, **sampling, max_depth=prop.max_depth
+            )
             return out, n, path
         out, n = osd_kernels.rejection_sample(
-            logits, prop.tokens, prop.probs, num_draft_tokens=prop.num_drafted, **sampling)
+            logits, prop.tokens, prop.probs, num_draft_tokens=prop.num_drafted, **sampling
+        )
         return out, n, None
 
     @staticmethod
@@ -434,15 +476,19 @@ class Speculator:
         sampled from verify position ``j`` (a tree: the accepted node at depth ``j``)."""
         nodes = path.tolist() if path is not None else None
         T = logits.shape[1]
-        rows = [(b, b * T + (nodes[b][j] if nodes is not None else j), out_host[b][j])
-                for b, r in enumerate(active) if r.logprobs is not None
-                for j in range(emitted[b])]
+        rows = [
+            (b, b * T + (nodes[b][j] if nodes is not None else j), out_host[b][j])
+            for b, r in enumerate(active)
+            if r.logprobs is not None
+            for j in range(emitted[b])
+        ]
         record_logprobs(active, logits.reshape(-1, logits.shape[-1]), rows)
 
     def _sampling_tensors(self, active, params: BatchParams) -> dict:
         dev = self.engine.device
-        seed, offset = to_device([[r.seed for r in active], [r.spec_steps for r in active]],
-                                 torch.int64, dev)
+        seed, offset = to_device(
+            [[r.seed for r in active], [r.spec_steps for r in active]], torch.int64, dev
+        )
         if params.greedy:
             return {"seed": seed, "offset": offset}
         return {**params.per_row(len(active), dev), "seed": seed, "offset": offset}
@@ -460,8 +506,7 @@ class Speculator:
             self._add_alpha(v, alpha, self._alpha_counts(v))
         for b, r in enumerate(v.active):
             r.spec_steps += 1
-            r.spec_stats.add_step([v.drafted[b]], [min(v.accepted[b], v.emitted[b])],
-                                  v.emitted[b])
+            r.spec_stats.add_step([v.drafted[b]], [min(v.accepted[b], v.emitted[b])], v.emitted[b])
             r.spec_stats.lookup_steps += lookup or (rows is not None and rows[b])
         self.stats.add_step(v.drafted, v.accepted, sum(v.emitted))
         self.stats.lookup_steps += lookup
@@ -482,21 +527,27 @@ class Speculator:
             B, K = prop.tokens.shape
             p_logits = logits[:, :K].reshape(-1, V)
             q = None if params.greedy else prop.probs.reshape(p_logits.shape).float()
-            counts = prop.num_drafted if prop.num_drafted is not None else \
-                torch.full((B,), K, device=logits.device)
+            counts = (
+                prop.num_drafted
+                if prop.num_drafted is not None
+                else torch.full((B,), K, device=logits.device)
+            )
             if prop.lookup_rows is not None:
-                counts = counts * to_device([not x for x in prop.lookup_rows], counts.dtype,
-                                            logits.device)
+                counts = counts * to_device(
+                    [not x for x in prop.lookup_rows], counts.dtype, logits.device
+                )
             return self._alpha_sums(p_logits, prop.logits, q, K, counts, params)
         if getattr(prop, "draft_logits", None) is None:
             return None
         B, K = prop.draft_nodes.shape
         parents = torch.cat([prop.draft_nodes.new_zeros(B, 1), prop.draft_nodes[:, :-1]], 1)
         p_logits = logits.gather(1, parents[..., None].expand(B, K, V)).reshape(B * K, V)
-        q = None if params.greedy else warp_probs(prop.draft_logits.reshape(B * K, V),
-                                                  *params.repeat(K))
-        counts = to_device([K if m else 0 for m in prop.model_rows], torch.int64,
-                           logits.device)
+        q = (
+            None
+            if params.greedy
+            else warp_probs(prop.draft_logits.reshape(B * K, V), *params.repeat(K))
+        )
+        counts = to_device([K if m else 0 for m in prop.model_rows], torch.int64, logits.device)
         return self._alpha_sums(p_logits, prop.draft_logits, q, K, counts, params)
 
     @staticmethod
@@ -509,9 +560,15 @@ class Speculator:
         K = prop.draft_nodes.shape[1]
         return [K if m else 0 for m in prop.model_rows]
 
-    def _alpha_sums(self, p_logits: torch.Tensor, q_logits: torch.Tensor,
-                    q: torch.Tensor | None, K: int, counts: torch.Tensor,
-                    params: BatchParams) -> torch.Tensor:
+    def _alpha_sums(
+        self,
+        p_logits: torch.Tensor,
+        q_logits: torch.Tensor,
+        q: torch.Tensor | None,
+        K: int,
+        counts: torch.Tensor,
+        params: BatchParams,
+    ) -> torch.Tensor:
         """Each row's summed 1 - TV(p, q) over its first ``counts[b]`` of ``K`` positions
         -> ``[B]``. ``p_logits [B * K, V]`` (raw target), ``q_logits [B, K, V]`` (raw
         draft); ``q [B * K, V]`` the warped draft distribution (None: greedy, where both
@@ -526,8 +583,9 @@ class Speculator:
                 p = torch.softmax(p_logits, -1)
                 q = torch.softmax(q_logits, -1)
             else:
-                p = (p_logits.index_select(1, head)
-                     - torch.logsumexp(p_logits, 1, keepdim=True)).exp()
+                p = (
+                    p_logits.index_select(1, head) - torch.logsumexp(p_logits, 1, keepdim=True)
+                ).exp()
                 q = torch.softmax(q_logits.index_select(1, head), -1)
         else:
             p = warp_probs(p_logits, *params.repeat(K))

@@ -16,6 +16,7 @@ Reported quantities (REFERENCE.md §1 "α, precisely"):
 - ``time_s``: wall time split into draft, verify, sample, rollback (and prefill);
 - ``tokens_per_s``: generated tokens over the total wall time of ``generate``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,14 +30,14 @@ class SpecStats:
 
     requests: int = 0
     generated_tokens: int = 0
-    target_forwards: int = 0          # verify (or plain decode) forwards of the target
-    sequence_steps: int = 0           # rows those forwards verified (B per batched forward)
-    lookup_steps: int = 0             # verify steps drafted by prompt lookup (prompt_lookup)
+    target_forwards: int = 0  # verify (or plain decode) forwards of the target
+    sequence_steps: int = 0  # rows those forwards verified (B per batched forward)
+    lookup_steps: int = 0  # verify steps drafted by prompt lookup (prompt_lookup)
     drafted: int = 0
     accepted: int = 0
-    alpha_sum: float = 0.0            # sum over drafted positions of 1 - TV(p, q)
+    alpha_sum: float = 0.0  # sum over drafted positions of 1 - TV(p, q)
     alpha_count: int = 0
-    drafted_at: list[int] = field(default_factory=list)   # per draft position
+    drafted_at: list[int] = field(default_factory=list)  # per draft position
     accepted_at: list[int] = field(default_factory=list)
     time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     wall_s: float = 0.0
@@ -114,8 +115,9 @@ class SpecStats:
             "acceptance_rate": self.acceptance_rate,
             "alpha": self.alpha,
             "mean_accepted_length": self.mean_accepted_length,
-            "position_acceptance": [a / d if d else None
-                                    for d, a in zip(self.drafted_at, self.accepted_at)],
+            "position_acceptance": [
+                a / d if d else None for d, a in zip(self.drafted_at, self.accepted_at)
+            ],
             "time_s": dict(self.time_s),
             "wall_s": self.wall_s,
             "tokens_per_s": self.tokens_per_s,

@@ -11,6 +11,7 @@ A *static* tree is given as child-rank paths, e.g. ``[(0,), (1,), (0, 0), (0, 1)
 root's best and second-best children, then the best two children of the best child.
 "Rank r" means the r-th most likely token under the draft at the parent.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,9 +27,9 @@ MAX_TREE_NODES = 64  # one int64 bitmask row per node
 class StaticTree:
     """A fixed tree topology built from child-rank paths (root excluded)."""
 
-    parents: tuple[int, ...]     # [T], parents[0] = -1
-    ranks: tuple[int, ...]       # [T], child rank of each node under its parent (root: -1)
-    depths: tuple[int, ...]      # [T]
+    parents: tuple[int, ...]  # [T], parents[0] = -1
+    ranks: tuple[int, ...]  # [T], child rank of each node under its parent (root: -1)
+    depths: tuple[int, ...]  # [T]
 
     @staticmethod
     def from_paths(paths) -> "StaticTree":
@@ -48,8 +49,9 @@ class StaticTree:
             ranks.append(p[-1])
             depths.append(len(p))
         if len(parents) > MAX_TREE_NODES:
-            raise ValueError(f"a tree has at most {MAX_TREE_NODES} nodes (root included), "
-                             f"got {len(parents)}")
+            raise ValueError(
+                f"a tree has at most {MAX_TREE_NODES} nodes (root included), got {len(parents)}"
+            )
         return StaticTree(tuple(parents), tuple(ranks), tuple(depths))
 
     @staticmethod
@@ -77,7 +79,7 @@ def depths_from_parents(parents: torch.Tensor) -> torch.Tensor:
     depths = torch.zeros(parents.shape, dtype=torch.int64, device=parents.device)
     par = parents.to(torch.int64)
     for i in range(1, parents.shape[-1]):
-        depths[..., i] = depths.gather(-1, par[..., i:i + 1].clamp(min=0))[..., 0] + 1
+        depths[..., i] = depths.gather(-1, par[..., i : i + 1].clamp(min=0))[..., 0] + 1
     return depths
 
 
@@ -94,5 +96,5 @@ def mask_from_parents(parents: torch.Tensor) -> torch.Tensor:
         if i == 0:
             mask[..., 0] = own
         else:
-            mask[..., i] = mask.gather(-1, par[..., i:i + 1].clamp(min=0))[..., 0] | own
+            mask[..., i] = mask.gather(-1, par[..., i : i + 1].clamp(min=0))[..., 0] | own
     return mask

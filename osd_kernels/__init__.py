@@ -7,16 +7,20 @@ fused decode-layer ops (``add_rms_norm``, ``silu_mul``, ``rope_kv_write``, ``dec
 have a reference and a Triton kernel only: ``auto`` is Triton on CUDA and the reference
 elsewhere.
 """
+
 from osd_kernels._ops import native_available, use_avx512
 from osd_kernels.decode_linear import decode_linear, decode_linear_reference, pack_weight
 from osd_kernels.quant_linear import dequantize_weight, quant_linear, quant_linear_reference
 from osd_kernels.kv_rollback import chain_rollback, kv_rollback, kv_rollback_reference
 from osd_kernels.rejection_sample import rejection_sample, rejection_sample_reference
 from osd_kernels.distill_loss import distill_loss, distill_loss_reference
-from osd_kernels.tree_attention import (causal_tree_mask, tree_attention, tree_attention_reference,
-                                        tree_mask_from_parents)
-from osd_kernels.tree_rejection_sample import (tree_rejection_sample,
-                                               tree_rejection_sample_reference)
+from osd_kernels.tree_attention import (
+    causal_tree_mask,
+    tree_attention,
+    tree_attention_reference,
+    tree_mask_from_parents,
+)
+from osd_kernels.tree_rejection_sample import tree_rejection_sample, tree_rejection_sample_reference
 from osd_kernels.add_rms_norm import add_rms_norm, add_rms_norm_reference
 from osd_kernels.silu_mul import silu_mul, silu_mul_reference
 from osd_kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference

@@ -11,6 +11,7 @@ Every op in ``osd_kernels`` has up to four implementations that share one name:
 If ``osd_kernels._C`` is missing, ``native`` falls back to ``reference`` with a one-time
 warning, so the package imports and runs without a compiler.
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,7 +41,6 @@ def native_available() -> bool:
     return True
 
 
-
 def use_avx512() -> bool:
     """True when the C++ CPU kernels run their AVX-512 paths: the native build is loaded,
     the CPU has AVX-512 (F, DQ, VL, BW), and neither ``OSD_NO_AVX512`` nor ``OSD_NO_AVX2``
@@ -49,8 +49,12 @@ def use_avx512() -> bool:
         return False
     from osd_kernels import _C
 
-    return bool(getattr(_C, "CPU_AVX512", 0)) and "OSD_NO_AVX512" not in os.environ \
+    return (
+        bool(getattr(_C, "CPU_AVX512", 0))
+        and "OSD_NO_AVX512" not in os.environ
         and "OSD_NO_AVX2" not in os.environ
+    )
+
 
 def native_has_device(device: torch.device) -> bool:
     """True when the native extension has kernels for ``device`` (CPU always, CUDA if built)."""
@@ -79,8 +83,13 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_backend(backend: str, device: torch.device, *, has_triton: bool = True,
-                    prefer_triton_on_gpu: bool = True) -> str:
+def resolve_backend(
+    backend: str,
+    device: torch.device,
+    *,
+    has_triton: bool = True,
+    prefer_triton_on_gpu: bool = True,
+) -> str:
     """Turn ``backend`` (one of BACKENDS) into a concrete one for tensors on ``device``.
 
     ``auto`` picks Triton on CUDA when the op has a Triton kernel (and the caller prefers

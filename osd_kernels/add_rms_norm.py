@@ -15,6 +15,7 @@ Backends: ``reference`` (PyTorch, product code: the CPU path), ``triton`` (on CP
 under ``TRITON_INTERPRET=1``); ``auto`` is Triton on CUDA and the reference elsewhere. This
 op has no native kernel.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,13 @@ from osd_kernels._ops import resolve_backend
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float = 1e-6, scale: float = 1.0):
+def add_rms_norm_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    scale: float = 1.0,
+):
     """``h = residual + (x if scale == 1 else x * scale)``; returns ``(h, rms_norm(h))``."""
     h = residual + (x if scale == 1.0 else x * scale)
     return h, F.rms_norm(h, weight.shape, weight, eps)
@@ -34,21 +40,31 @@ def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torc
 
 def _check(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     if x.dim() < 1 or x.shape != residual.shape:
-        raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must be "
-                         f"one shape [..., H]")
+        raise ValueError(
+            f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must be one shape [..., H]"
+        )
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"weight must be [H={x.shape[-1]}], got {tuple(weight.shape)}")
     if x.dtype not in DTYPES or residual.dtype != x.dtype or weight.dtype != x.dtype:
-        raise TypeError(f"x, residual and weight must share one of {DTYPES}, got {x.dtype}, "
-                        f"{residual.dtype}, {weight.dtype}")
+        raise TypeError(
+            f"x, residual and weight must share one of {DTYPES}, got {x.dtype}, "
+            f"{residual.dtype}, {weight.dtype}"
+        )
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     if len({x.device, residual.device, weight.device}) > 1:
         raise ValueError("x, residual and weight must be on one device")
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float = 1e-6, *, scale: float = 1.0, backend: str = "auto"):
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    scale: float = 1.0,
+    backend: str = "auto",
+):
     """``h = residual + scale * x`` and ``y = weight * h / sqrt(mean(h^2) + eps)``.
 
     Args:

@@ -26,6 +26,7 @@ loads ``BLOCK_K / 16`` of its elements per step, so at 1 or 2 rows (``BLOCK_K`` 
 512) a bfloat16 tile is 8 or 4 16-byte loads a thread, at 8 rows (``BLOCK_K`` 128) one,
 plus what Triton's software pipelining keeps ahead. None of this has been measured.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,14 +36,20 @@ from osd_kernels._ops import resolve_backend
 from osd_kernels.silu_mul import silu_mul_reference
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MAX_ROWS = 8   # auto's Triton limit: one row block, the weight read once
+MAX_ROWS = 8  # auto's Triton limit: one row block, the weight read once
 
 
-def decode_gemv_reference(x: torch.Tensor, weight: torch.Tensor,
-                          bias: torch.Tensor | None = None, *,
-                          norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                          residual: torch.Tensor | None = None, scale: float = 1.0,
-                          gated: bool = False) -> torch.Tensor:
+def decode_gemv_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    scale: float = 1.0,
+    gated: bool = False,
+) -> torch.Tensor:
     """``F.rms_norm`` (with ``norm_weight``), ``F.linear``, then ``silu_mul`` (``gated``)
     or ``residual + y * scale`` (``residual``)."""
     if norm_weight is not None:
@@ -57,19 +64,21 @@ def decode_gemv_reference(x: torch.Tensor, weight: torch.Tensor,
 
 def _check(x, weight, bias, norm_weight, eps, residual, gated) -> None:
     if weight.dim() != 2 or (gated and weight.shape[0] % 2):
-        raise ValueError(f"weight must be [N, K] ([2 I, K] when gated), got "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(f"weight must be [N, K] ([2 I, K] when gated), got {tuple(weight.shape)}")
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x must be [..., K={weight.shape[1]}], got {tuple(x.shape)}")
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     if x.dtype not in DTYPES or weight.dtype != x.dtype:
         raise TypeError(f"x ({x.dtype}) and weight ({weight.dtype}) must share one of {DTYPES}")
-    for name, t, shape in (("bias", bias, (weight.shape[0],)),
-                           ("norm_weight", norm_weight, (weight.shape[1],)),
-                           ("residual", residual, (*x.shape[:-1], N))):
+    for name, t, shape in (
+        ("bias", bias, (weight.shape[0],)),
+        ("norm_weight", norm_weight, (weight.shape[1],)),
+        ("residual", residual, (*x.shape[:-1], N)),
+    ):
         if t is not None and (t.shape != shape or t.dtype != x.dtype):
-            raise ValueError(f"{name} must be {x.dtype} {list(shape)}, got {t.dtype} "
-                             f"{tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must be {x.dtype} {list(shape)}, got {t.dtype} {tuple(t.shape)}"
+            )
     if gated and residual is not None:
         raise ValueError("gated and residual are exclusive")
     if not eps >= 0:
@@ -79,10 +88,18 @@ def _check(x, weight, bias, norm_weight, eps, residual, gated) -> None:
         raise ValueError("x, weight, bias, norm_weight and residual must be on one device")
 
 
-def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                residual: torch.Tensor | None = None, scale: float = 1.0,
-                gated: bool = False, backend: str = "auto") -> torch.Tensor:
+def decode_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    scale: float = 1.0,
+    gated: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
     """``[residual + scale *] epilogue(rms_norm(x) @ weight.T + bias)``.
 
     Args:
@@ -105,8 +122,16 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     impl = resolve_backend(backend, x.device)
     rows = x.numel() // max(x.shape[-1], 1)
     if impl != "triton" or (backend == "auto" and rows > MAX_ROWS):
-        return decode_gemv_reference(x, weight, bias, norm_weight=norm_weight, eps=eps,
-                                     residual=residual, scale=scale, gated=gated)
+        return decode_gemv_reference(
+            x,
+            weight,
+            bias,
+            norm_weight=norm_weight,
+            eps=eps,
+            residual=residual,
+            scale=scale,
+            gated=gated,
+        )
     from osd_kernels.triton.decode_gemv import decode_gemv_triton
 
     return decode_gemv_triton(x, weight, bias, norm_weight, eps, residual, scale, gated)

@@ -22,6 +22,7 @@ in a different order (8 partial sums per output, or in order over ``K`` from a p
 weight; FMA on AVX2), so results agree to float32 rounding, not bit for bit. A row's
 result never depends on the other rows in the call.
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,16 +48,21 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight [N, K]`` (``N`` a multiple of :data:`PANEL`) -> ``[N / 16, K, 16]``, where
     ``packed[p, k, j] = weight[16 p + j, k]``: the layout the C++ kernel reads fastest."""
     if weight.dim() != 2 or weight.shape[0] % PANEL:
-        raise ValueError(f"pack_weight needs [N, K] with N a multiple of {PANEL}, got "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(
+            f"pack_weight needs [N, K] with N a multiple of {PANEL}, got {tuple(weight.shape)}"
+        )
     N, K = weight.shape
     return weight.detach().view(N // PANEL, PANEL, K).transpose(1, 2).contiguous()
 
 
-def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor,
-                            bias: torch.Tensor | None = None, *,
-                            norm_weight: torch.Tensor | None = None,
-                            eps: float = 1e-6) -> torch.Tensor:
+def decode_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, after ``F.rms_norm(x, (K,), norm_weight, eps)`` when
     ``norm_weight`` is given."""
     if norm_weight is not None:
@@ -64,8 +70,13 @@ def decode_linear_reference(x: torch.Tensor, weight: torch.Tensor,
     return F.linear(x, weight, bias)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           norm_weight: torch.Tensor | None, eps: float) -> None:
+def _check(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+) -> None:
     if weight.dim() != 2:
         raise ValueError(f"weight must be [N, K], got {tuple(weight.shape)}")
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
@@ -73,23 +84,36 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if x.dtype != weight.dtype or not x.dtype.is_floating_point:
         raise TypeError(f"x ({x.dtype}) and weight ({weight.dtype}) must share a float dtype")
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
-        raise ValueError(f"bias must be {x.dtype} [N={weight.shape[0]}], got {bias.dtype} "
-                         f"{tuple(bias.shape)}")
-    if norm_weight is not None and (norm_weight.shape != (weight.shape[1],)
-                                    or norm_weight.dtype != x.dtype):
-        raise ValueError(f"norm_weight must be {x.dtype} [K={weight.shape[1]}], got "
-                         f"{norm_weight.dtype} {tuple(norm_weight.shape)}")
+        raise ValueError(
+            f"bias must be {x.dtype} [N={weight.shape[0]}], got {bias.dtype} {tuple(bias.shape)}"
+        )
+    if norm_weight is not None and (
+        norm_weight.shape != (weight.shape[1],) or norm_weight.dtype != x.dtype
+    ):
+        raise ValueError(
+            f"norm_weight must be {x.dtype} [K={weight.shape[1]}], got "
+            f"{norm_weight.dtype} {tuple(norm_weight.shape)}"
+        )
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     devices = {t.device for t in (x, weight, bias, norm_weight) if t is not None}
     if len(devices) > 1:
-        raise ValueError(f"x, weight, bias and norm_weight must be on one device, got "
-                         f"{sorted(map(str, devices))}")
+        raise ValueError(
+            f"x, weight, bias and norm_weight must be on one device, got "
+            f"{sorted(map(str, devices))}"
+        )
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                  backend: str = "auto", packed: torch.Tensor | None = None) -> torch.Tensor:
+def decode_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    backend: str = "auto",
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``rms_norm(x) @ weight.T + bias`` (no norm without ``norm_weight``).
 
     Args:
@@ -114,25 +138,44 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if backend == "auto":
         # The per-call cost matters at these sizes: cheap tests here, and the C++ op
         # checks shapes and dtypes itself.
-        if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 1
-                or (packed is None and x.numel() > (
-                    WIDE_MAX_ROWS if x.shape[-1] <= WIDE_MAX_K else MAX_ROWS) * x.shape[-1])
-                or x.stride(-1) != 1
-                or not weight.is_contiguous() or not native_available()
-                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (
-                    norm_weight is not None and norm_weight.requires_grad)))):
+        if (
+            x.device.type != "cpu"
+            or x.dtype != torch.float32
+            or x.dim() < 1
+            or (
+                packed is None
+                and x.numel()
+                > (WIDE_MAX_ROWS if x.shape[-1] <= WIDE_MAX_K else MAX_ROWS) * x.shape[-1]
+            )
+            or x.stride(-1) != 1
+            or not weight.is_contiguous()
+            or not native_available()
+            or (
+                torch.is_grad_enabled()
+                and (
+                    x.requires_grad
+                    or weight.requires_grad
+                    or (norm_weight is not None and norm_weight.requires_grad)
+                )
+            )
+        ):
             return decode_linear_reference(x, weight, bias, norm_weight=norm_weight, eps=eps)
-        y = torch.ops.osd.decode_linear(x.reshape(-1, x.shape[-1]),
-                                        weight if packed is None else packed, bias, norm_weight,
-                                        eps)
+        y = torch.ops.osd.decode_linear(
+            x.reshape(-1, x.shape[-1]), weight if packed is None else packed, bias, norm_weight, eps
+        )
         return y.view(*x.shape[:-1], weight.shape[0])
     impl = resolve_backend(backend, x.device, has_triton=False)
     _check(x, weight, bias, norm_weight, eps)
-    if packed is not None and (packed.shape != (weight.shape[0] // PANEL, weight.shape[1], PANEL)
-                               or packed.dtype != weight.dtype or weight.shape[0] % PANEL):
-        raise ValueError(f"packed must be pack_weight(weight): {weight.dtype} "
-                         f"[{weight.shape[0] // PANEL}, {weight.shape[1]}, {PANEL}], got "
-                         f"{packed.dtype} {tuple(packed.shape)}")
+    if packed is not None and (
+        packed.shape != (weight.shape[0] // PANEL, weight.shape[1], PANEL)
+        or packed.dtype != weight.dtype
+        or weight.shape[0] % PANEL
+    ):
+        raise ValueError(
+            f"packed must be pack_weight(weight): {weight.dtype} "
+            f"[{weight.shape[0] // PANEL}, {weight.shape[1]}, {PANEL}], got "
+            f"{packed.dtype} {tuple(packed.shape)}"
+        )
     if impl == "reference" or x.device.type != "cpu":
         return decode_linear_reference(x, weight, bias, norm_weight=norm_weight, eps=eps)
     rows = x.reshape(-1, x.shape[-1])
@@ -144,6 +187,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 if native_available():
+
     @torch.library.register_fake("osd::decode_linear")
     def _decode_linear_fake(x, weight, bias, norm_weight=None, eps=1e-6):
         n = weight.shape[0] * (PANEL if weight.dim() == 3 else 1)

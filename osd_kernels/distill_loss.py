@@ -40,6 +40,7 @@ reference on chunks of ``chunk_size`` rows (fp32 temporaries of one chunk), ``na
 is the C++ CPU kernel (one row per thread at a time), ``triton`` streams each row
 (used on CUDA).
 """
+
 from __future__ import annotations
 
 import math
@@ -59,6 +60,7 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 # Default rows per chunk of the reference backend: about 1M fp32 elements per temporary.
 _CHUNK_ELEMENTS = 1 << 20
 
+
 def _split_target(target) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(target_logits, topk_ids, topk_probs), exactly one form set."""
     if isinstance(target, torch.Tensor):
@@ -70,11 +72,14 @@ def _split_target(target) -> tuple[torch.Tensor | None, torch.Tensor | None, tor
 
 def _check(draft_logits, target_logits, topk_ids, topk_probs, loss, beta, mask) -> None:
     if not isinstance(draft_logits, torch.Tensor) or draft_logits.dim() != 2:
-        raise ValueError("draft_logits must be a [N, V] tensor, got "
-                         f"{getattr(draft_logits, 'shape', type(draft_logits))}")
+        raise ValueError(
+            "draft_logits must be a [N, V] tensor, got "
+            f"{getattr(draft_logits, 'shape', type(draft_logits))}"
+        )
     if draft_logits.dtype not in _FLOATS:
-        raise TypeError("draft_logits must be float32, float16 or bfloat16, got "
-                        f"{draft_logits.dtype}")
+        raise TypeError(
+            f"draft_logits must be float32, float16 or bfloat16, got {draft_logits.dtype}"
+        )
     N, V = draft_logits.shape
     if loss not in LOSSES:
         raise ValueError(f"unknown loss {loss!r}; expected one of {LOSSES}")
@@ -82,26 +87,35 @@ def _check(draft_logits, target_logits, topk_ids, topk_probs, loss, beta, mask) 
         raise ValueError(f"beta must be in [0, 1], got {beta}")
     if target_logits is not None:
         if target_logits.shape != (N, V):
-            raise ValueError(f"target logits must be [N={N}, V={V}], got "
-                             f"{tuple(target_logits.shape)}")
+            raise ValueError(
+                f"target logits must be [N={N}, V={V}], got {tuple(target_logits.shape)}"
+            )
         if target_logits.dtype not in _FLOATS:
             raise TypeError(f"target logits must be floating point, got {target_logits.dtype}")
     else:
         if topk_ids.dtype != torch.int64 or topk_ids.dim() != 2 or topk_ids.shape[0] != N:
-            raise ValueError(f"topk_ids must be int64 [N={N}, k], got {topk_ids.dtype} "
-                             f"{tuple(topk_ids.shape)}")
+            raise ValueError(
+                f"topk_ids must be int64 [N={N}, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}"
+            )
         if not 1 <= topk_ids.shape[1] < V:
             raise ValueError(f"top-k targets need 1 <= k < V={V}, got k={topk_ids.shape[1]}")
         if topk_probs.shape != topk_ids.shape or topk_probs.dtype not in _FLOATS:
-            raise ValueError(f"topk_probs must be float [N, k={topk_ids.shape[1]}], got "
-                             f"{topk_probs.dtype} {tuple(topk_probs.shape)}")
+            raise ValueError(
+                f"topk_probs must be float [N, k={topk_ids.shape[1]}], got "
+                f"{topk_probs.dtype} {tuple(topk_probs.shape)}"
+            )
     if mask is not None and (mask.dtype != torch.bool or mask.shape != (N,)):
         raise ValueError(f"mask must be bool [N={N}], got {mask.dtype} {tuple(mask.shape)}")
-    for name, t in (("target logits", target_logits), ("topk_ids", topk_ids),
-                    ("topk_probs", topk_probs), ("mask", mask)):
+    for name, t in (
+        ("target logits", target_logits),
+        ("topk_ids", topk_ids),
+        ("topk_probs", topk_probs),
+        ("mask", mask),
+    ):
         if t is not None and t.device != draft_logits.device:
-            raise ValueError(f"{name} is on {t.device} but draft_logits is on "
-                             f"{draft_logits.device}")
+            raise ValueError(
+                f"{name} is on {t.device} but draft_logits is on {draft_logits.device}"
+            )
 
 
 def bucket_logprobs(draft_logits: torch.Tensor, target) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,8 +138,9 @@ def bucket_logprobs(draft_logits: torch.Tensor, target) -> tuple[torch.Tensor, t
     return log_p, torch.cat([log_q.gather(1, topk_ids), log_q_other], -1)
 
 
-def divergence_rows(log_p: torch.Tensor, log_q: torch.Tensor, loss: str,
-                    beta: float) -> torch.Tensor:
+def divergence_rows(
+    log_p: torch.Tensor, log_q: torch.Tensor, loss: str, beta: float
+) -> torch.Tensor:
     """Row-wise divergence ``[N]`` between distributions given by log-probabilities ``[N, K]``.
 
     Differentiable w.r.t. ``log_q`` (``log_p`` is a constant); zero probabilities are exact
@@ -141,8 +156,9 @@ def divergence_rows(log_p: torch.Tensor, log_q: torch.Tensor, loss: str,
         if beta in (0.0, 1.0):  # m = q or m = p: the divergence is identically 0
             return (log_q * 0.0).sum(-1)
         log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
-        terms = (beta * torch.where(p > 0, p * (log_p - log_m), zero)
-                 + (1.0 - beta) * q * (log_q - log_m))
+        terms = beta * torch.where(p > 0, p * (log_p - log_m), zero) + (1.0 - beta) * q * (
+            log_q - log_m
+        )
     else:
         terms = 0.5 * (p - q).abs()
     return terms.sum(-1)
@@ -154,8 +170,14 @@ def _masked_mean(rows: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return torch.where(mask, rows, 0.0).sum() / mask.sum().clamp_min(1)
 
 
-def distill_loss_reference(draft_logits: torch.Tensor, target, *, loss: str = "fkl",
-                           beta: float = 0.5, mask: torch.Tensor | None = None) -> torch.Tensor:
+def distill_loss_reference(
+    draft_logits: torch.Tensor,
+    target,
+    *,
+    loss: str = "fkl",
+    beta: float = 0.5,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Plain PyTorch (autograd) distillation loss; arguments as :func:`distill_loss`.
 
     Materialises several fp32 ``[N, V]`` tensors; the ground truth for the fused op.
@@ -166,8 +188,9 @@ def distill_loss_reference(draft_logits: torch.Tensor, target, *, loss: str = "f
     return _masked_mean(divergence_rows(log_p, log_q, loss, beta), mask)
 
 
-def distill_loss_fwd_bwd_reference(draft_logits, target_logits, topk_ids, topk_probs, mask,
-                                   loss: str, beta: float, chunk_size: int):
+def distill_loss_fwd_bwd_reference(
+    draft_logits, target_logits, topk_ids, topk_probs, mask, loss: str, beta: float, chunk_size: int
+):
     """Per-row losses ``[N]`` fp32 and their gradients ``[N, V]`` (draft dtype), chunk by chunk.
 
     Masked rows get loss 0 and a zero gradient.
@@ -179,8 +202,9 @@ def distill_loss_fwd_bwd_reference(draft_logits, target_logits, topk_ids, topk_p
         sl = slice(start, start + chunk_size)
         with torch.enable_grad():
             z = draft_logits[sl].detach().requires_grad_(True)
-            target = (target_logits[sl] if target_logits is not None
-                      else (topk_ids[sl], topk_probs[sl]))
+            target = (
+                target_logits[sl] if target_logits is not None else (topk_ids[sl], topk_probs[sl])
+            )
             log_p, log_q = bucket_logprobs(z, target)
             rows = divergence_rows(log_p, log_q, loss, beta)
             if mask is not None:
@@ -195,23 +219,30 @@ class _FusedDistillLoss(torch.autograd.Function):
     """Forward computes the loss and its gradient together; backward only rescales it."""
 
     @staticmethod
-    def forward(ctx, draft_logits, target_logits, topk_ids, topk_probs, mask, loss, beta,
-                impl, chunk_size):
+    def forward(
+        ctx, draft_logits, target_logits, topk_ids, topk_probs, mask, loss, beta, impl, chunk_size
+    ):
         if impl == "reference":
             loss_rows, grad = distill_loss_fwd_bwd_reference(
-                draft_logits, target_logits, topk_ids, topk_probs, mask, loss, beta, chunk_size)
+                draft_logits, target_logits, topk_ids, topk_probs, mask, loss, beta, chunk_size
+            )
         elif impl == "triton":
             from osd_kernels.triton.distill_loss import distill_loss_fwd_bwd_triton
 
             loss_rows, grad = distill_loss_fwd_bwd_triton(
-                draft_logits, target_logits, topk_ids, topk_probs, mask, loss, beta)
+                draft_logits, target_logits, topk_ids, topk_probs, mask, loss, beta
+            )
         else:
             loss_rows, grad = torch.ops.osd.distill_loss_fwd_bwd(
-                draft_logits, target_logits, topk_ids, topk_probs, mask, loss, beta)
+                draft_logits, target_logits, topk_ids, topk_probs, mask, loss, beta
+            )
         # A device tensor with a mask (no host sync), else a Python number (no host-to-device
         # copy, so the op can be captured in a CUDA graph either way).
-        count = (mask.sum().clamp_min(1).float() if mask is not None
-                 else float(max(draft_logits.shape[0], 1)))
+        count = (
+            mask.sum().clamp_min(1).float()
+            if mask is not None
+            else float(max(draft_logits.shape[0], 1))
+        )
         # Kept as attributes, not saved tensors: backward drops its reference before
         # returning the gradient, so autograd can accumulate it into .grad without a copy.
         ctx.grad, ctx.count = grad, count
@@ -221,16 +252,25 @@ class _FusedDistillLoss(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
         if ctx.grad is None:
-            raise RuntimeError("distill_loss: backward through the fused loss can run only once "
-                               "(its saved gradient is rescaled in place and handed over)")
+            raise RuntimeError(
+                "distill_loss: backward through the fused loss can run only once "
+                "(its saved gradient is rescaled in place and handed over)"
+            )
         grad, ctx.grad = ctx.grad, None
         grad.mul_((grad_output / ctx.count).to(grad.dtype))
         return grad, None, None, None, None, None, None, None, None
 
 
-def distill_loss(draft_logits: torch.Tensor, target, *, loss: str = "fkl", beta: float = 0.5,
-                 mask: torch.Tensor | None = None, chunk_size: int | None = None,
-                 backend: str = "auto") -> torch.Tensor:
+def distill_loss(
+    draft_logits: torch.Tensor,
+    target,
+    *,
+    loss: str = "fkl",
+    beta: float = 0.5,
+    mask: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
     """Fused distillation loss with its gradient w.r.t. ``draft_logits`` computed in the forward.
 
     Args:
@@ -269,13 +309,18 @@ def distill_loss(draft_logits: torch.Tensor, target, *, loss: str = "fkl", beta:
         target_logits = target_logits.detach()
     if topk_probs is not None:
         topk_probs = topk_probs.detach()
-    return _FusedDistillLoss.apply(draft_logits, target_logits, topk_ids, topk_probs, mask,
-                                   loss, float(beta), impl, chunk_size)
+    return _FusedDistillLoss.apply(
+        draft_logits, target_logits, topk_ids, topk_probs, mask, loss, float(beta), impl, chunk_size
+    )
 
 
 if native_available():
+
     @torch.library.register_fake("osd::distill_loss_fwd_bwd")
-    def _distill_loss_fwd_bwd_fake(draft_logits, target_logits, topk_ids, topk_probs, mask,
-                                   loss, beta):
-        return (draft_logits.new_empty(draft_logits.shape[0], dtype=torch.float32),
-                torch.empty_like(draft_logits))
+    def _distill_loss_fwd_bwd_fake(
+        draft_logits, target_logits, topk_ids, topk_probs, mask, loss, beta
+    ):
+        return (
+            draft_logits.new_empty(draft_logits.shape[0], dtype=torch.float32),
+            torch.empty_like(draft_logits),
+        )

@@ -11,6 +11,7 @@ Cache layout: ``kv_cache`` is one tensor ``[L, 2, B_max, H, S, D]`` (layers, K/V
 KV heads, capacity, head dim) and ``cache_lens`` is ``[B_max]`` int32 on the same device.
 Both are mutated in place; nothing is allocated, so the op is safe in CUDA graphs.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,32 +19,48 @@ import torch
 from osd_kernels._ops import native_available, resolve_backend
 
 
-def _check(kv_cache: torch.Tensor, cache_lens: torch.Tensor, accepted_slots: torch.Tensor,
-           num_keep: torch.Tensor) -> None:
+def _check(
+    kv_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    accepted_slots: torch.Tensor,
+    num_keep: torch.Tensor,
+) -> None:
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
         raise ValueError(f"kv_cache must be [L, 2, B_max, H, S, D], got {tuple(kv_cache.shape)}")
     if kv_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"kv_cache must be float32, float16 or bfloat16, got {kv_cache.dtype}")
     if cache_lens.dtype != torch.int32 or cache_lens.shape != (kv_cache.shape[2],):
-        raise ValueError(f"cache_lens must be int32 [B_max={kv_cache.shape[2]}], got "
-                         f"{cache_lens.dtype} {tuple(cache_lens.shape)}")
+        raise ValueError(
+            f"cache_lens must be int32 [B_max={kv_cache.shape[2]}], got "
+            f"{cache_lens.dtype} {tuple(cache_lens.shape)}"
+        )
     if accepted_slots.dtype != torch.int64 or accepted_slots.dim() != 2:
-        raise ValueError(f"accepted_slots must be int64 [B, N], got {accepted_slots.dtype} "
-                         f"{tuple(accepted_slots.shape)}")
+        raise ValueError(
+            f"accepted_slots must be int64 [B, N], got {accepted_slots.dtype} "
+            f"{tuple(accepted_slots.shape)}"
+        )
     batch = accepted_slots.shape[0]
     if batch > kv_cache.shape[2]:
         raise ValueError(f"accepted_slots has {batch} rows but the cache holds {kv_cache.shape[2]}")
     if num_keep.dtype != torch.int32 or num_keep.shape != (batch,):
-        raise ValueError(f"num_keep must be int32 [B={batch}], got {num_keep.dtype} "
-                         f"{tuple(num_keep.shape)}")
-    for name, t in (("cache_lens", cache_lens), ("accepted_slots", accepted_slots),
-                    ("num_keep", num_keep)):
+        raise ValueError(
+            f"num_keep must be int32 [B={batch}], got {num_keep.dtype} {tuple(num_keep.shape)}"
+        )
+    for name, t in (
+        ("cache_lens", cache_lens),
+        ("accepted_slots", accepted_slots),
+        ("num_keep", num_keep),
+    ):
         if t.device != kv_cache.device:
             raise ValueError(f"{name} is on {t.device} but kv_cache is on {kv_cache.device}")
 
 
-def kv_rollback_reference(kv_cache: torch.Tensor, cache_lens: torch.Tensor,
-                          accepted_slots: torch.Tensor, num_keep: torch.Tensor) -> None:
+def kv_rollback_reference(
+    kv_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    accepted_slots: torch.Tensor,
+    num_keep: torch.Tensor,
+) -> None:
     """Gather-then-scatter reference: correct for any slot order, allocates a copy."""
     for b in range(accepted_slots.shape[0]):
         n = int(num_keep[b])
@@ -52,12 +69,18 @@ def kv_rollback_reference(kv_cache: torch.Tensor, cache_lens: torch.Tensor,
         base = int(cache_lens[b])
         src = base + accepted_slots[b, :n].to(torch.long)
         rows = kv_cache[:, :, b].index_select(3, src).clone()  # [L, 2, H, n, D]
-        kv_cache[:, :, b, :, base:base + n] = rows
+        kv_cache[:, :, b, :, base : base + n] = rows
         cache_lens[b] += n
 
 
-def kv_rollback(kv_cache: torch.Tensor, cache_lens: torch.Tensor, accepted_slots: torch.Tensor,
-                num_keep: torch.Tensor, *, backend: str = "auto") -> None:
+def kv_rollback(
+    kv_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    accepted_slots: torch.Tensor,
+    num_keep: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> None:
     """Compact each sequence's accepted tree slots in place and advance its length.
 
     Args:
@@ -96,6 +119,7 @@ def chain_rollback(cache_lens: torch.Tensor, num_keep: torch.Tensor) -> None:
 
 
 if native_available():
+
     @torch.library.register_fake("osd::kv_rollback")
     def _kv_rollback_fake(kv_cache, cache_lens, accepted_slots, num_keep):
         return None

@@ -19,6 +19,7 @@ uint32 arithmetic is emulated in int64 (products split into 16-bit halves), so i
 any device and dtype-promotes nowhere. Arguments may mix tensors and Python ints; every
 tensor the functions create is on the device of their first tensor argument.
 """
+
 from __future__ import annotations
 
 import torch
@@ -77,7 +78,7 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1) -> tuple[torch.Tensor, ...]:
 
 def to_uniform(words: torch.Tensor) -> torch.Tensor:
     """uint32 words (int64 tensor) to float32 uniforms in (0, 1), exactly as the kernels."""
-    return (words >> 9).to(torch.float32) * 2.0 ** -23 + 2.0 ** -24
+    return (words >> 9).to(torch.float32) * 2.0**-23 + 2.0**-24
 
 
 def stream_id(position, purpose: int):
@@ -93,8 +94,14 @@ def philox_uniform(seed, offset, stream, index) -> torch.Tensor:
     """
     dev = _device_of(seed, offset, stream, index)
     seed, offset, index = _int64(seed, dev), _int64(offset, dev), _int64(index, dev)
-    words = philox4x32_10(index >> 2, _int64(stream, dev), offset & MASK32,
-                          (offset >> 32) & MASK32, seed & MASK32, (seed >> 32) & MASK32)
+    words = philox4x32_10(
+        index >> 2,
+        _int64(stream, dev),
+        offset & MASK32,
+        (offset >> 32) & MASK32,
+        seed & MASK32,
+        (seed >> 32) & MASK32,
+    )
     lane = torch.broadcast_to(index & 3, words[0].shape)
     picked = torch.where(lane == 0, words[0], words[1])
     picked = torch.where(lane == 2, words[2], picked)
@@ -113,13 +120,20 @@ def philox_uniform_rows(seed, offset, stream, n: int) -> torch.Tensor:
     offset = _int64(offset, dev)[..., None]
     stream = _int64(stream, dev)[..., None]
     blocks = torch.arange((n + 3) // 4, dtype=torch.int64, device=dev)
-    words = philox4x32_10(blocks, stream, offset & MASK32, (offset >> 32) & MASK32,
-                          seed & MASK32, (seed >> 32) & MASK32)
+    words = philox4x32_10(
+        blocks,
+        stream,
+        offset & MASK32,
+        (offset >> 32) & MASK32,
+        seed & MASK32,
+        (seed >> 32) & MASK32,
+    )
     words = torch.stack(words, dim=-1).flatten(-2)[..., :n]
     return to_uniform(words)
 
 
 if native_available():
+
     @torch.library.register_fake("osd::philox_uniform")
     def _philox_uniform_fake(seed, offset, stream, num):
         return seed.new_empty((seed.shape[0], num), dtype=torch.float32)

@@ -28,6 +28,7 @@ tokens for the same seeds:
 Backends agree token for token up to float rounding of the softmax (a tie within an ulp
 between the accept ratio and ``u``, or between the two best race keys, can differ).
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,13 @@ from typing import NamedTuple
 import torch
 
 from osd_kernels._ops import native_available, native_has_device, resolve_backend
-from osd_kernels.philox import (PURPOSE_ACCEPT, PURPOSE_SAMPLE, philox_uniform,
-                                philox_uniform_rows, stream_id)
+from osd_kernels.philox import (
+    PURPOSE_ACCEPT,
+    PURPOSE_SAMPLE,
+    philox_uniform,
+    philox_uniform_rows,
+    stream_id,
+)
 from osd_kernels.warp import warp_probs
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -84,16 +90,18 @@ def check_sampling_values(params: RowParams) -> None:
         raise ValueError(f"top_p must lie in (0, 1] (1 = off), got {tp}")
 
 
-def _per_row(name: str, value, batch: int, default, dtype: torch.dtype, device,
-             kinds: tuple) -> torch.Tensor:
+def _per_row(
+    name: str, value, batch: int, default, dtype: torch.dtype, device, kinds: tuple
+) -> torch.Tensor:
     if value is None:
         return torch.full((batch,), default, dtype=dtype, device=device)
     if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
         raise TypeError(f"{name} must be a [B] tensor or a number, got {type(value).__name__}")
     if not torch.is_tensor(value):
         if not isinstance(value, kinds):
-            raise TypeError(f"{name} must be {'an integer' if kinds == (int,) else 'a number'}, "
-                            f"got {value!r}")
+            raise TypeError(
+                f"{name} must be {'an integer' if kinds == (int,) else 'a number'}, got {value!r}"
+            )
         return torch.full((batch,), value, dtype=dtype, device=device)
     if value.shape != (batch,):
         raise ValueError(f"{name} must have shape [B={batch}], got {tuple(value.shape)}")
@@ -103,9 +111,18 @@ def _per_row(name: str, value, batch: int, default, dtype: torch.dtype, device,
     return value.to(dtype)
 
 
-def sampling_params(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
-                    num_draft_tokens=None, temperature=None, top_k=None, top_p=None,
-                    seed=None, offset=None, generator=None) -> RowParams:
+def sampling_params(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    *,
+    num_draft_tokens=None,
+    temperature=None,
+    top_k=None,
+    top_p=None,
+    seed=None,
+    offset=None,
+    generator=None,
+) -> RowParams:
     """Materialise the per-row parameters (defaults, seeds drawn from ``generator``)."""
     batch, k = draft_token_ids.shape
     device = target_logits.device
@@ -113,12 +130,15 @@ def sampling_params(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, 
         if not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         if generator.device.type != "cpu":
-            raise ValueError(f"generator must be a CPU torch.Generator, got one on "
-                             f"{generator.device}")
-    if num_draft_tokens is not None and torch.is_tensor(num_draft_tokens) and \
-            num_draft_tokens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"num_draft_tokens must be int32 (or int64), got "
-                        f"{num_draft_tokens.dtype}")
+            raise ValueError(
+                f"generator must be a CPU torch.Generator, got one on {generator.device}"
+            )
+    if (
+        num_draft_tokens is not None
+        and torch.is_tensor(num_draft_tokens)
+        and num_draft_tokens.dtype not in (torch.int32, torch.int64)
+    ):
+        raise TypeError(f"num_draft_tokens must be int32 (or int64), got {num_draft_tokens.dtype}")
     n = _per_row("num_draft_tokens", num_draft_tokens, batch, k, torch.int32, device, (int,))
     t = _per_row("temperature", temperature, batch, 0.0, torch.float32, device, (int, float))
     tk = _per_row("top_k", top_k, batch, 0, torch.int32, device, (int,))
@@ -126,8 +146,9 @@ def sampling_params(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, 
     if seed is None:
         # a fresh random key per row, drawn on the host (the generator is a CPU one) and
         # copied to the device
-        seed = torch.randint(2**63 - 1, (batch,), generator=generator, dtype=torch.int64,
-                             device="cpu")
+        seed = torch.randint(
+            2**63 - 1, (batch,), generator=generator, dtype=torch.int64, device="cpu"
+        )
         seed = seed.to(device)
     s = _per_row("seed", seed, batch, 0, torch.int64, device, (int,))
     o = _per_row("offset", offset, batch, 0, torch.int64, device, (int,))
@@ -136,8 +157,10 @@ def sampling_params(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, 
 
 def _check_tensors(target_logits, draft_token_ids, draft_probs) -> None:
     if not torch.is_tensor(target_logits) or target_logits.dim() != 3:
-        raise ValueError("target_logits must be a [B, K+1, V] tensor, got "
-                         f"{getattr(target_logits, 'shape', type(target_logits).__name__)}")
+        raise ValueError(
+            "target_logits must be a [B, K+1, V] tensor, got "
+            f"{getattr(target_logits, 'shape', type(target_logits).__name__)}"
+        )
     check_float_dtype("target_logits", target_logits)
     batch, k1, vocab = target_logits.shape
     if vocab < 1:
@@ -147,20 +170,25 @@ def _check_tensors(target_logits, draft_token_ids, draft_probs) -> None:
     if draft_token_ids.dtype != torch.int64:
         raise TypeError(f"draft_token_ids must be int64, got {draft_token_ids.dtype}")
     if tuple(draft_token_ids.shape) != (batch, k1 - 1):
-        raise ValueError(f"draft_token_ids must be [B={batch}, K={k1 - 1}] to match "
-                         f"target_logits [B, K+1, V]={tuple(target_logits.shape)}, got "
-                         f"{tuple(draft_token_ids.shape)}")
+        raise ValueError(
+            f"draft_token_ids must be [B={batch}, K={k1 - 1}] to match "
+            f"target_logits [B, K+1, V]={tuple(target_logits.shape)}, got "
+            f"{tuple(draft_token_ids.shape)}"
+        )
     check_on_device("draft_token_ids", draft_token_ids, target_logits.device)
     if draft_probs is not None:
         if not torch.is_tensor(draft_probs) or draft_probs.dim() != 3:
             raise ValueError("draft_probs must be a [B, K, V] tensor or None")
         check_float_dtype("draft_probs", draft_probs)
         if draft_probs.shape[2] != vocab:
-            raise ValueError(f"draft_probs vocab size {draft_probs.shape[2]} does not match "
-                             f"target_logits vocab size {vocab}")
+            raise ValueError(
+                f"draft_probs vocab size {draft_probs.shape[2]} does not match "
+                f"target_logits vocab size {vocab}"
+            )
         if tuple(draft_probs.shape[:2]) != (batch, k1 - 1):
-            raise ValueError(f"draft_probs must be [B={batch}, K={k1 - 1}, V], got "
-                             f"{tuple(draft_probs.shape)}")
+            raise ValueError(
+                f"draft_probs must be [B={batch}, K={k1 - 1}, V], got {tuple(draft_probs.shape)}"
+            )
         check_on_device("draft_probs", draft_probs, target_logits.device)
 
 
@@ -181,21 +209,39 @@ def _check_values(target_logits, draft_token_ids, params: RowParams) -> None:
 
 def _race(resid: torch.Tensor, params: RowParams, position: torch.Tensor) -> torch.Tensor:
     """Exponential race over ``resid [B, V] >= 0`` with the Philox noise of ``position [B]``."""
-    u = philox_uniform_rows(params.seed, params.offset,
-                            stream_id(position, PURPOSE_SAMPLE), resid.shape[1])
+    u = philox_uniform_rows(
+        params.seed, params.offset, stream_id(position, PURPOSE_SAMPLE), resid.shape[1]
+    )
     keys = torch.where(resid > 0, resid / -torch.log(u), torch.full_like(resid, -1.0))
     return keys.argmax(dim=-1)
 
 
-def rejection_sample_reference(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
-                               draft_probs: torch.Tensor | None = None, *, num_draft_tokens=None,
-                               temperature=None, top_k=None, top_p=None, seed=None, offset=None,
-                               generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rejection_sample_reference(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    *,
+    num_draft_tokens=None,
+    temperature=None,
+    top_k=None,
+    top_p=None,
+    seed=None,
+    offset=None,
+    generator=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-PyTorch chain rejection sampler (the ground truth); arguments as
     :func:`rejection_sample`. Materialises the warped ``[B, K+1, V]`` target."""
-    params = sampling_params(target_logits, draft_token_ids, num_draft_tokens=num_draft_tokens,
-                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                             offset=offset, generator=generator)
+    params = sampling_params(
+        target_logits,
+        draft_token_ids,
+        num_draft_tokens=num_draft_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        offset=offset,
+        generator=generator,
+    )
     batch, k1, vocab = target_logits.shape
     k = k1 - 1
     device = target_logits.device
@@ -211,15 +257,20 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_token_ids: tor
     def per_position(t):
         return t.repeat_interleave(k1)
 
-    p = warp_probs(logits.reshape(batch * k1, vocab), per_position(params.temperature),
-                   per_position(params.top_k), per_position(params.top_p)).view(batch, k1, vocab)
+    p = warp_probs(
+        logits.reshape(batch * k1, vocab),
+        per_position(params.temperature),
+        per_position(params.top_k),
+        per_position(params.top_p),
+    ).view(batch, k1, vocab)
     px = p[:, :k].gather(2, x[..., None]).squeeze(-1) * in_vocab
     if draft_probs is not None:
         qx = draft_probs.float().gather(2, x[..., None]).squeeze(-1)
     else:
         qx = torch.ones_like(px)
-    u = philox_uniform(params.seed[:, None], params.offset[:, None],
-                       stream_id(pos, PURPOSE_ACCEPT)[None], 0)
+    u = philox_uniform(
+        params.seed[:, None], params.offset[:, None], stream_id(pos, PURPOSE_ACCEPT)[None], 0
+    )
     stochastic_ok = torch.log(u) + torch.log(qx) < torch.log(px)
     greedy_ok = draft_token_ids == argmax[:, :k]
     ok = torch.where(greedy[:, None], greedy_ok, stochastic_ok) & (pos[None] < n[:, None])
@@ -248,10 +299,20 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_token_ids: tor
     return out, num_accepted.to(torch.int32)
 
 
-def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
-                     draft_probs: torch.Tensor | None = None, *, num_draft_tokens=None,
-                     temperature=None, top_k=None, top_p=None, seed=None, offset=None,
-                     generator=None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def rejection_sample(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    *,
+    num_draft_tokens=None,
+    temperature=None,
+    top_k=None,
+    top_p=None,
+    seed=None,
+    offset=None,
+    generator=None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify a chain of drafted tokens against the target in one fused step.
 
     Args:
@@ -289,16 +350,24 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     instead (out-of-range draft ids are rejected).
     """
     _check_tensors(target_logits, draft_token_ids, draft_probs)
-    params = sampling_params(target_logits, draft_token_ids, num_draft_tokens=num_draft_tokens,
-                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                             offset=offset, generator=generator)
+    params = sampling_params(
+        target_logits,
+        draft_token_ids,
+        num_draft_tokens=num_draft_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        offset=offset,
+        generator=generator,
+    )
     _check_values(target_logits, draft_token_ids, params)
     device = target_logits.device
-    impl = resolve_backend(backend, device,
-                           prefer_triton_on_gpu=not native_has_device(device))
+    impl = resolve_backend(backend, device, prefer_triton_on_gpu=not native_has_device(device))
     if impl == "reference":
-        return rejection_sample_reference(target_logits, draft_token_ids, draft_probs,
-                                          **params._asdict())
+        return rejection_sample_reference(
+            target_logits, draft_token_ids, draft_probs, **params._asdict()
+        )
     if impl == "triton":
         from osd_kernels.triton.rejection_sample import rejection_sample_triton
 
@@ -307,9 +376,19 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
 
 
 if native_available():
+
     @torch.library.register_fake("osd::rejection_sample")
-    def _rejection_sample_fake(target_logits, draft_token_ids, draft_probs, num_draft_tokens,
-                               temperature, top_k, top_p, seed, offset):
+    def _rejection_sample_fake(
+        target_logits,
+        draft_token_ids,
+        draft_probs,
+        num_draft_tokens,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        offset,
+    ):
         batch, k1, _ = target_logits.shape
         out = target_logits.new_empty((batch, k1), dtype=torch.int64)
         return out, target_logits.new_empty((batch,), dtype=torch.int32)

@@ -25,6 +25,7 @@ Backends: ``reference`` (PyTorch, product code: the CPU path), ``triton`` (on CP
 under ``TRITON_INTERPRET=1``); ``auto`` is Triton on CUDA and the reference elsewhere. This
 op has no native kernel.
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,9 +43,15 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.addcmul(x * cos, x.roll(rot // 2, dims=-1), sin)
 
 
-def rope_kv_write_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            cos: torch.Tensor | None, sin: torch.Tensor | None,
-                            kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def rope_kv_write_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
     """Rotate ``q`` and ``k``, write ``k, v`` at ``kv[:, b, :, slots[b, t]]``; returns the
     rotated ``q`` (``q`` itself without RoPE)."""
     if cos is not None:
@@ -57,29 +64,47 @@ def rope_kv_write_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _check(q, k, v, cos, sin, kv, slots) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[:2] != k.shape[:2] \
-            or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q must be [B, T, Hq, D] and k, v [B, T, Hkv, D], got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if (
+        q.dim() != 4
+        or k.dim() != 4
+        or v.shape != k.shape
+        or q.shape[:2] != k.shape[:2]
+        or q.shape[3] != k.shape[3]
+    ):
+        raise ValueError(
+            f"q must be [B, T, Hq, D] and k, v [B, T, Hkv, D], got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     B, T, _, D = q.shape
     Hkv = k.shape[2]
-    if kv.dim() != 5 or kv.shape[0] != 2 or kv.shape[1] < B or kv.shape[2] != Hkv \
-            or kv.shape[4] != D:
-        raise ValueError(f"kv must be [2, B_max >= {B}, Hkv={Hkv}, S, D={D}], got "
-                         f"{tuple(kv.shape)}")
+    if (
+        kv.dim() != 5
+        or kv.shape[0] != 2
+        or kv.shape[1] < B
+        or kv.shape[2] != Hkv
+        or kv.shape[4] != D
+    ):
+        raise ValueError(
+            f"kv must be [2, B_max >= {B}, Hkv={Hkv}, S, D={D}], got {tuple(kv.shape)}"
+        )
     if q.dtype not in DTYPES or {k.dtype, v.dtype, kv.dtype} != {q.dtype}:
-        raise TypeError(f"q, k, v and kv must share one of {DTYPES}, got {q.dtype}, {k.dtype}, "
-                        f"{v.dtype}, {kv.dtype}")
+        raise TypeError(
+            f"q, k, v and kv must share one of {DTYPES}, got {q.dtype}, {k.dtype}, "
+            f"{v.dtype}, {kv.dtype}"
+        )
     if slots.dtype != torch.int64 or slots.shape != (B, T):
-        raise ValueError(f"slots must be int64 [B={B}, T={T}], got {slots.dtype} "
-                         f"{tuple(slots.shape)}")
+        raise ValueError(
+            f"slots must be int64 [B={B}, T={T}], got {slots.dtype} {tuple(slots.shape)}"
+        )
     if (cos is None) != (sin is None):
         raise ValueError("cos and sin are both given or both None")
     if cos is not None:
         R = cos.shape[-1]
         if cos.shape != (B, T, R) or sin.shape != cos.shape or R % 2 or not 0 < R <= D:
-            raise ValueError(f"cos and sin must be [B={B}, T={T}, R] with R even, "
-                             f"0 < R <= {D}, got {tuple(cos.shape)}, {tuple(sin.shape)}")
+            raise ValueError(
+                f"cos and sin must be [B={B}, T={T}, R] with R even, "
+                f"0 < R <= {D}, got {tuple(cos.shape)}, {tuple(sin.shape)}"
+            )
         if cos.dtype != q.dtype or sin.dtype != q.dtype:
             raise TypeError(f"cos and sin must be {q.dtype}, got {cos.dtype}, {sin.dtype}")
     tensors = [t for t in (q, k, v, cos, sin, kv, slots) if t is not None]
@@ -87,9 +112,17 @@ def _check(q, k, v, cos, sin, kv, slots) -> None:
         raise ValueError("q, k, v, cos, sin, kv and slots must be on one device")
 
 
-def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  cos: torch.Tensor | None, sin: torch.Tensor | None, kv: torch.Tensor,
-                  slots: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def rope_kv_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
     """RoPE on ``q`` and ``k``; ``k`` and ``v`` written into ``kv`` at ``[b, slots[b, t]]``.
 
     Args:
@@ -107,8 +140,7 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         returns ``q`` itself when there is no RoPE).
     """
     if backend == "native":
-        raise ValueError("rope_kv_write has no native kernel (backends: auto, reference, "
-                         "triton)")
+        raise ValueError("rope_kv_write has no native kernel (backends: auto, reference, triton)")
     _check(q, k, v, cos, sin, kv, slots)
     if resolve_backend(backend, q.device) != "triton":
         return rope_kv_write_reference(q, k, v, cos, sin, kv, slots)

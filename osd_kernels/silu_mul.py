@@ -13,6 +13,7 @@ Backends: ``reference`` (PyTorch, product code: the CPU path), ``triton`` (on CP
 under ``TRITON_INTERPRET=1``); ``auto`` is Triton on CUDA and the reference elsewhere. This
 op has no native kernel.
 """
+
 from __future__ import annotations
 
 import torch

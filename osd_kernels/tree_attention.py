@@ -15,6 +15,7 @@ row) gets a zero output.
 
 Grouped-query attention: query head ``h`` reads KV head ``h // (Hq // Hkv)``.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,20 +36,28 @@ CPU_NATIVE_MAX_ROWS = 48
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           cache_lens: torch.Tensor, tree_mask: torch.Tensor | None) -> None:
+def _check(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+) -> None:
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, Hq, D], got {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be [B_max, Hkv, S, D], got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"k_cache and v_cache must both be [B_max, Hkv, S, D], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     B, T, Hq, D = q.shape
     B_max, Hkv, _, Dk = k_cache.shape
     if q.dtype not in _FLOATS:
         raise TypeError(f"q must be float32, float16 or bfloat16, got {q.dtype}")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"k_cache/v_cache dtype ({k_cache.dtype}/{v_cache.dtype}) must match "
-                        f"q ({q.dtype})")
+        raise TypeError(
+            f"k_cache/v_cache dtype ({k_cache.dtype}/{v_cache.dtype}) must match q ({q.dtype})"
+        )
     if Dk != D:
         raise ValueError(f"head dim of q ({D}) and of the cache ({Dk}) differ")
     if Hkv == 0 or Hq % Hkv != 0:
@@ -56,22 +65,33 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if B > B_max:
         raise ValueError(f"q has {B} rows but the cache holds only {B_max}")
     if tree_mask is not None and T > MAX_TREE:
-        raise ValueError(f"T={T} queries per row exceeds the bitmask limit {MAX_TREE} of "
-                         f"a tree_mask (causal calls, tree_mask=None, take any T)")
+        raise ValueError(
+            f"T={T} queries per row exceeds the bitmask limit {MAX_TREE} of "
+            f"a tree_mask (causal calls, tree_mask=None, take any T)"
+        )
     if cache_lens.dtype != torch.int32 or cache_lens.shape != (B_max,):
-        raise ValueError(f"cache_lens must be int32 [B_max={B_max}], got {cache_lens.dtype} "
-                         f"{tuple(cache_lens.shape)}")
+        raise ValueError(
+            f"cache_lens must be int32 [B_max={B_max}], got {cache_lens.dtype} "
+            f"{tuple(cache_lens.shape)}"
+        )
     if tree_mask is not None and (tree_mask.dtype != torch.int64 or tree_mask.shape != (B, T)):
-        raise ValueError(f"tree_mask must be int64 [B={B}, T={T}], got {tree_mask.dtype} "
-                         f"{tuple(tree_mask.shape)}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cache_lens", cache_lens),
-                    ("tree_mask", tree_mask)):
+        raise ValueError(
+            f"tree_mask must be int64 [B={B}, T={T}], got {tree_mask.dtype} "
+            f"{tuple(tree_mask.shape)}"
+        )
+    for name, t in (
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("cache_lens", cache_lens),
+        ("tree_mask", tree_mask),
+    ):
         if t is not None and t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
 
 
-def causal_tree_mask(batch: int, num_nodes: int,
-                     device: torch.device | str = "cpu") -> torch.Tensor:
+def causal_tree_mask(
+    batch: int, num_nodes: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """The chain (causal) bitmask ``[batch, num_nodes]`` int64: row ``i`` has bits ``0..i``."""
     if not 0 < num_nodes <= MAX_TREE:
         raise ValueError(f"num_nodes must be in 1..{MAX_TREE}, got {num_nodes}")
@@ -90,8 +110,9 @@ def tree_mask_from_parents(parents: torch.Tensor) -> torch.Tensor:
     no host sync.
     """
     if parents.dim() != 2 or parents.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"parents must be int32/int64 [B, T], got {parents.dtype} "
-                         f"{tuple(parents.shape)}")
+        raise ValueError(
+            f"parents must be int32/int64 [B, T], got {parents.dtype} {tuple(parents.shape)}"
+        )
     B, T = parents.shape
     if T > MAX_TREE:
         raise ValueError(f"T={T} nodes exceeds the bitmask limit {MAX_TREE}")
@@ -106,8 +127,13 @@ def tree_mask_from_parents(parents: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def tree_attention_mask(cache_lens: torch.Tensor, tree_mask: torch.Tensor | None, batch: int,
-                        num_queries: int, kv_len: int) -> torch.Tensor:
+def tree_attention_mask(
+    cache_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    batch: int,
+    num_queries: int,
+    kv_len: int,
+) -> torch.Tensor:
     """Boolean visibility ``[B, T, kv_len]``: ``[b, i, j]`` is True iff query ``i`` sees key ``j``.
 
     Causal (``tree_mask=None``, any ``T``): ``j <= cache_lens[b] + i``, one comparison per
@@ -117,20 +143,26 @@ def tree_attention_mask(cache_lens: torch.Tensor, tree_mask: torch.Tensor | None
     device = cache_lens.device
     lens = cache_lens[:batch].to(torch.int64).view(batch, 1, 1)
     j = torch.arange(kv_len, device=device, dtype=torch.int64).view(1, 1, kv_len)
-    rel = j - lens                                                    # [B, 1, kv]
+    rel = j - lens  # [B, 1, kv]
     bit_idx = torch.arange(num_queries, device=device, dtype=torch.int64)
     if tree_mask is None:
-        return rel <= bit_idx.view(1, num_queries, 1)                  # [B, T, kv]
-    bits = ((tree_mask.unsqueeze(-1) >> bit_idx) & 1).bool()          # [B, T, T]
+        return rel <= bit_idx.view(1, num_queries, 1)  # [B, T, kv]
+    bits = ((tree_mask.unsqueeze(-1) >> bit_idx) & 1).bool()  # [B, T, T]
     in_tree = (rel >= 0) & (rel < num_queries)
     tree_ok = bits.gather(2, rel.clamp(0, num_queries - 1).expand(batch, num_queries, kv_len))
     return (rel < 0) | (in_tree & tree_ok)
 
 
-def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             cache_lens: torch.Tensor, tree_mask: torch.Tensor | None, *,
-                             scale: float | None = None,
-                             max_kv_len: int | None = None) -> torch.Tensor:
+def tree_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    *,
+    scale: float | None = None,
+    max_kv_len: int | None = None,
+) -> torch.Tensor:
     """SDPA over keys ``[0, max_kv_len)`` with the boolean mask of :func:`tree_attention_mask`.
 
     Arguments as :func:`tree_attention`. Computes in the dtype of ``q``. The mask is
@@ -144,22 +176,34 @@ def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     if B == 0 or T == 0:
         return q.new_zeros(q.shape)
     kv_len = min(max_kv_len, k_cache.shape[2])
-    visible = tree_attention_mask(cache_lens, tree_mask, B, T, kv_len)   # [B, T, kv]
+    visible = tree_attention_mask(cache_lens, tree_mask, B, T, kv_len)  # [B, T, kv]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k_cache[:B, :, :kv_len], v_cache[:B, :, :kv_len],
-        attn_mask=visible.unsqueeze(1), scale=scale, enable_gqa=Hq != k_cache.shape[1])
+        q.transpose(1, 2),
+        k_cache[:B, :, :kv_len],
+        v_cache[:B, :, :kv_len],
+        attn_mask=visible.unsqueeze(1),
+        scale=scale,
+        enable_gqa=Hq != k_cache.shape[1],
+    )
     out = out.transpose(1, 2)
     if tree_mask is None:
-        return out          # causal: every query sees at least its own key
+        return out  # causal: every query sees at least its own key
     # A query that sees nothing outputs zero (SDPA's math path would give NaN).
     return out.masked_fill(~visible.any(-1).view(B, T, 1, 1), 0.0)
 
 
-def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   cache_lens: torch.Tensor, tree_mask: torch.Tensor | None = None, *,
-                   scale: float | None = None, max_kv_len: int | None = None,
-                   backend: str = "auto") -> torch.Tensor:
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    max_kv_len: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
     """Attention of ``T`` tree queries per row over the row's cached prefix plus the tree.
 
     Args:
@@ -202,22 +246,30 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     impl = resolve_backend(backend, q.device)
     rows_per_kv_head = q.shape[1] * (q.shape[2] // k_cache.shape[1])
-    if impl == "native" and (q.device.type != "cpu" or (
-            backend == "auto" and rows_per_kv_head > CPU_NATIVE_MAX_ROWS
-            and not (q.shape[3] % 16 == 0 and use_avx512()))):
+    if impl == "native" and (
+        q.device.type != "cpu"
+        or (
+            backend == "auto"
+            and rows_per_kv_head > CPU_NATIVE_MAX_ROWS
+            and not (q.shape[3] % 16 == 0 and use_avx512())
+        )
+    ):
         impl = "reference"  # the native kernel is CPU-only (Triton serves CUDA)
     if impl == "reference":
-        return tree_attention_reference(q, k_cache, v_cache, cache_lens, tree_mask,
-                                        scale=scale, max_kv_len=max_kv_len)
+        return tree_attention_reference(
+            q, k_cache, v_cache, cache_lens, tree_mask, scale=scale, max_kv_len=max_kv_len
+        )
     if impl == "triton":
         from osd_kernels.triton.tree_attention import tree_attention_triton
 
-        return tree_attention_triton(q, k_cache, v_cache, cache_lens, tree_mask, scale,
-                                     max_kv_len=max_kv_len)
+        return tree_attention_triton(
+            q, k_cache, v_cache, cache_lens, tree_mask, scale, max_kv_len=max_kv_len
+        )
     return torch.ops.osd.tree_attention(q, k_cache, v_cache, cache_lens, tree_mask, scale)
 
 
 if native_available():
+
     @torch.library.register_fake("osd::tree_attention")
     def _tree_attention_fake(q, k_cache, v_cache, cache_lens, tree_mask, scale):
         return q.new_empty(q.shape)

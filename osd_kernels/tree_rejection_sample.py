@@ -61,14 +61,19 @@ Outputs (``D`` = ``max_depth``, by default the depth of the deepest node of the 
   next root.
 - ``num_accepted`` ``[B]`` int32.
 """
+
 from __future__ import annotations
 
 import torch
 
 from osd_kernels import philox
 from osd_kernels._ops import native_available, native_has_device, resolve_backend
-from osd_kernels.rejection_sample import (check_float_dtype, check_on_device,
-                                          check_sampling_values, sampling_params)
+from osd_kernels.rejection_sample import (
+    check_float_dtype,
+    check_on_device,
+    check_sampling_values,
+    sampling_params,
+)
 from osd_kernels.warp import warp_probs
 
 RESIDUAL_EPS = 1e-5  # residual mass treated as round-off (see the module docstring)
@@ -96,19 +101,30 @@ def tree_max_depth(parents: torch.Tensor) -> int:
     return int(depths.max()) if depths.numel() else 0
 
 
-def _race(weights: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
-          node: torch.Tensor) -> torch.Tensor:
+def _race(
+    weights: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, node: torch.Tensor
+) -> torch.Tensor:
     """Exponential race ``argmax_x w_x / E_x`` over ``w_x > 0``, noise of tree node ``node``."""
-    u = philox.philox_uniform_rows(seed, offset, philox.stream_id(node, philox.PURPOSE_SAMPLE),
-                                   weights.shape[1])
+    u = philox.philox_uniform_rows(
+        seed, offset, philox.stream_id(node, philox.PURPOSE_SAMPLE), weights.shape[1]
+    )
     keys = torch.where(weights > 0, weights / -torch.log(u), torch.full_like(weights, -1.0))
     return keys.argmax(dim=-1)
 
 
 def tree_rejection_sample_reference(
-    target_logits: torch.Tensor, node_token_ids: torch.Tensor, parents: torch.Tensor,
-    draft_probs: torch.Tensor | None = None, *, temperature=None, top_k=None, top_p=None,
-    seed=None, offset=None, generator=None, max_depth: int | None = None,
+    target_logits: torch.Tensor,
+    node_token_ids: torch.Tensor,
+    parents: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    *,
+    temperature=None,
+    top_k=None,
+    top_p=None,
+    seed=None,
+    offset=None,
+    generator=None,
+    max_depth: int | None = None,
     without_replacement: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-PyTorch tree verification (the ground truth; arguments as
@@ -120,9 +136,16 @@ def tree_rejection_sample_reference(
     the draft mass ``z`` not yet drawn (without replacement), the sibling mass already
     tried (point-mass drafts) and the rank of the next sibling.
     """
-    params = sampling_params(target_logits, node_token_ids, temperature=temperature,
-                             top_k=top_k, top_p=top_p, seed=seed, offset=offset,
-                             generator=generator)
+    params = sampling_params(
+        target_logits,
+        node_token_ids,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        offset=offset,
+        generator=generator,
+    )
     B, T, V = target_logits.shape
     dev = target_logits.device
     D = tree_max_depth(parents) if max_depth is None else int(max_depth)
@@ -137,12 +160,17 @@ def tree_rejection_sample_reference(
 
     def warped(mask, node):
         """Warped target rows of ``node`` for the rows in ``mask``: ``[mask.sum(), V]``."""
-        return warp_probs(logits[rows[mask], node[mask]], params.temperature[mask],
-                          params.top_k[mask], params.top_p[mask])
+        return warp_probs(
+            logits[rows[mask], node[mask]],
+            params.temperature[mask],
+            params.top_k[mask],
+            params.top_p[mask],
+        )
 
     def accept_uniform(node, index):
-        return philox.philox_uniform(seed, offset,
-                                     philox.stream_id(node, philox.PURPOSE_ACCEPT), index)
+        return philox.philox_uniform(
+            seed, offset, philox.stream_id(node, philox.PURPOSE_ACCEPT), index
+        )
 
     cur = torch.zeros(B, dtype=torch.int64, device=dev)
     depth = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -211,25 +239,33 @@ def tree_rejection_sample_reference(
 
 def _check_tensors(target_logits, node_token_ids, parents, draft_probs, max_depth) -> None:
     if not torch.is_tensor(target_logits) or target_logits.dim() != 3:
-        raise ValueError("target_logits must be a [B, T, V] tensor, got "
-                         f"{getattr(target_logits, 'shape', type(target_logits).__name__)}")
+        raise ValueError(
+            "target_logits must be a [B, T, V] tensor, got "
+            f"{getattr(target_logits, 'shape', type(target_logits).__name__)}"
+        )
     check_float_dtype("target_logits", target_logits)
     B, T, V = target_logits.shape
     if T < 1 or V < 1:
         raise ValueError(f"target_logits needs T >= 1 nodes and V >= 1 tokens, got {(B, T, V)}")
     dev = target_logits.device
-    for name, t, dtype in (("node_token_ids", node_token_ids, torch.int64),
-                           ("parents", parents, torch.int32)):
+    for name, t, dtype in (
+        ("node_token_ids", node_token_ids, torch.int64),
+        ("parents", parents, torch.int32),
+    ):
         if not torch.is_tensor(t) or t.shape != (B, T):
-            raise ValueError(f"{name} must be a [B={B}, T={T}] tensor, got "
-                             f"{getattr(t, 'shape', type(t).__name__)}")
+            raise ValueError(
+                f"{name} must be a [B={B}, T={T}] tensor, got "
+                f"{getattr(t, 'shape', type(t).__name__)}"
+            )
         if t.dtype != dtype:
             raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
         check_on_device(name, t, dev)
     if draft_probs is not None:
         if not torch.is_tensor(draft_probs) or draft_probs.shape != (B, T, V):
-            raise ValueError(f"draft_probs must be a [B={B}, T={T}, V={V}] tensor or None, got "
-                             f"{getattr(draft_probs, 'shape', type(draft_probs).__name__)}")
+            raise ValueError(
+                f"draft_probs must be a [B={B}, T={T}, V={V}] tensor or None, got "
+                f"{getattr(draft_probs, 'shape', type(draft_probs).__name__)}"
+            )
         check_float_dtype("draft_probs", draft_probs)
         check_on_device("draft_probs", draft_probs, dev)
     if max_depth is not None and (isinstance(max_depth, bool) or not isinstance(max_depth, int)):
@@ -256,10 +292,20 @@ def _check_values(node_token_ids, parents, vocab: int, params) -> None:
 
 
 def tree_rejection_sample(
-    target_logits: torch.Tensor, node_token_ids: torch.Tensor, parents: torch.Tensor,
-    draft_probs: torch.Tensor | None = None, *, temperature=None, top_k=None, top_p=None,
-    seed=None, offset=None, generator: torch.Generator | None = None,
-    without_replacement: bool = False, max_depth: int | None = None, backend: str = "auto",
+    target_logits: torch.Tensor,
+    node_token_ids: torch.Tensor,
+    parents: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    *,
+    temperature=None,
+    top_k=None,
+    top_p=None,
+    seed=None,
+    offset=None,
+    generator: torch.Generator | None = None,
+    without_replacement: bool = False,
+    max_depth: int | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verify a token tree per sequence: accepted path, emitted tokens, accepted count.
 
@@ -302,9 +348,16 @@ def tree_rejection_sample(
         >>> kv_rollback(kv, lens, nodes, n + 1)                # keep the accepted path
     """
     _check_tensors(target_logits, node_token_ids, parents, draft_probs, max_depth)
-    params = sampling_params(target_logits, node_token_ids, temperature=temperature,
-                             top_k=top_k, top_p=top_p, seed=seed, offset=offset,
-                             generator=generator)
+    params = sampling_params(
+        target_logits,
+        node_token_ids,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        offset=offset,
+        generator=generator,
+    )
     _check_values(node_token_ids, parents, target_logits.shape[2], params)
     if max_depth is None:
         max_depth = tree_max_depth(parents)  # host sync: the output width depends on it
@@ -312,23 +365,54 @@ def tree_rejection_sample(
     impl = resolve_backend(backend, device, prefer_triton_on_gpu=not native_has_device(device))
     if impl == "reference":
         return tree_rejection_sample_reference(
-            target_logits, node_token_ids, parents, draft_probs, temperature=params.temperature,
-            top_k=params.top_k, top_p=params.top_p, seed=params.seed, offset=params.offset,
-            max_depth=max_depth, without_replacement=without_replacement)
-    args = (target_logits, node_token_ids, parents, draft_probs, params.temperature,
-            params.top_k, params.top_p, params.seed, params.offset, max_depth,
-            without_replacement)
+            target_logits,
+            node_token_ids,
+            parents,
+            draft_probs,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=params.seed,
+            offset=params.offset,
+            max_depth=max_depth,
+            without_replacement=without_replacement,
+        )
+    args = (
+        target_logits,
+        node_token_ids,
+        parents,
+        draft_probs,
+        params.temperature,
+        params.top_k,
+        params.top_p,
+        params.seed,
+        params.offset,
+        max_depth,
+        without_replacement,
+    )
     if impl == "triton":
         from osd_kernels.triton.tree_rejection_sample import tree_rejection_sample_triton
 
         return tree_rejection_sample_triton(*args)
     return torch.ops.osd.tree_rejection_sample(*args)
 
+
 if native_available():
+
     @torch.library.register_fake("osd::tree_rejection_sample")
-    def _tree_rejection_sample_fake(target_logits, node_token_ids, parents, draft_probs,
-                                    temperature, top_k, top_p, seed, offset, max_depth,
-                                    without_replacement):
+    def _tree_rejection_sample_fake(
+        target_logits,
+        node_token_ids,
+        parents,
+        draft_probs,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        offset,
+        max_depth,
+        without_replacement,
+    ):
         B = target_logits.shape[0]
         nodes = target_logits.new_empty((B, max_depth + 1), dtype=torch.int64)
         return nodes, torch.empty_like(nodes), target_logits.new_empty((B,), dtype=torch.int32)

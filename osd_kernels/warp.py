@@ -15,6 +15,7 @@ decoding samples from the same warped distribution, so there is one definition:
 
 The result is renormalised. All math is in float32.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,11 @@ def _per_row(x, n_rows: int, default: float, device, dtype) -> torch.Tensor:
         return torch.full((n_rows,), default, device=device, dtype=dtype)
     if not torch.is_tensor(x):
         return torch.full((n_rows,), float(x), device=device, dtype=dtype)
-    return x.to(device=device, dtype=dtype).reshape(-1).expand(n_rows) if x.numel() == 1 \
+    return (
+        x.to(device=device, dtype=dtype).reshape(-1).expand(n_rows)
+        if x.numel() == 1
         else x.to(device=device, dtype=dtype).reshape(n_rows)
+    )
 
 
 def warp_probs(logits: torch.Tensor, temperature=None, top_k=None, top_p=None) -> torch.Tensor:
@@ -74,8 +78,7 @@ def _top_p_keep_sorted(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     csum = torch.cumsum(sorted_p, dim=-1)
     # for value probs[x], mass strictly greater = csum at the last index with value > probs[x]
     idx = torch.searchsorted(-sorted_p.contiguous(), -probs.contiguous(), right=False)
-    above = torch.where(idx > 0, csum.gather(1, (idx - 1).clamp(min=0)),
-                        torch.zeros_like(probs))
+    above = torch.where(idx > 0, csum.gather(1, (idx - 1).clamp(min=0)), torch.zeros_like(probs))
     return (above < p[:, None]) | (p[:, None] >= 1)
 
 
@@ -97,15 +100,14 @@ def _top_p_keep_candidates(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor
     n, v = probs.shape
     for m in TOP_P_CANDIDATES:
         m = min(m, v)
-        vals = torch.topk(probs, m, dim=-1).values                      # [N, m] descending
+        vals = torch.topk(probs, m, dim=-1).values  # [N, m] descending
         csum = torch.cumsum(vals, dim=-1)
         if m < v and not bool(((csum[:, -1] >= p) | (p >= 1)).all()):
             continue
-        idx = torch.searchsorted(-vals, -vals, right=False)             # count strictly above
-        above = torch.where(idx > 0, csum.gather(1, (idx - 1).clamp(min=0)),
-                            torch.zeros_like(vals))
+        idx = torch.searchsorted(-vals, -vals, right=False)  # count strictly above
+        above = torch.where(idx > 0, csum.gather(1, (idx - 1).clamp(min=0)), torch.zeros_like(vals))
         kept = above < p[:, None]
         inf = torch.full_like(vals, float("inf"))
-        floor = torch.where(kept, vals, inf).amin(-1)                   # least likely kept
+        floor = torch.where(kept, vals, inf).amin(-1)  # least likely kept
         return (probs >= floor[:, None]) | (p[:, None] >= 1)
     return None

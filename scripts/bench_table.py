@@ -5,6 +5,7 @@ Each benchmark may put extra columns in ``benchmark.extra_info`` (e.g. ``gbps``,
 
 Usage: python scripts/bench_table.py results.json
 """
+
 import json
 import sys
 

@@ -50,6 +50,7 @@ The prompts are in ``scripts/chat_draft_prompts.py``, the teacher data in
 ``scripts/chat_draft_data.py``, ``--measure`` and ``--shapes`` in
 ``scripts/chat_draft_measure.py``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,24 +77,39 @@ from osd.models.loading import load_tokenizer  # noqa: E402
 from osd.zoo import chat as zoo_chat  # noqa: E402
 from osd_kernels import distill_loss  # noqa: E402
 
-from chat_draft_data import (DATA, TEACHER_SETS, DataRecipe, Example,  # noqa: E402
-                             ThreadTuner, _bar, _data_file, _log, cache_dir, load_teacher_set,
-                             make_data)
+from chat_draft_data import (
+    DATA,
+    TEACHER_SETS,
+    DataRecipe,
+    Example,  # noqa: E402
+    ThreadTuner,
+    _bar,
+    _data_file,
+    _log,
+    cache_dir,
+    load_teacher_set,
+    make_data,
+)
 
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "osd", "zoo", "weights", "chat_draft")
+DEFAULT_OUT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "osd",
+    "zoo",
+    "weights",
+    "chat_draft",
+)
 
 
 @dataclass(frozen=True)
 class DraftShape:
     """Shape of the draft (a ``LlamaForCausalLM`` with the target's vocabulary)."""
 
-    hidden_size: int = 256          # width; the 49,152 x hidden LM head dominates latency
-    num_layers: int = 4             # decoder layers (each adds ~0.15 ms per decode step here)
-    num_heads: int = 4              # query heads, head_dim 64 like the target
-    num_kv_heads: int = 2           # key/value heads
-    intermediate_size: int = 704    # SwiGLU width
-    rope_theta: float = 100000.0    # the target's
+    hidden_size: int = 256  # width; the 49,152 x hidden LM head dominates latency
+    num_layers: int = 4  # decoder layers (each adds ~0.15 ms per decode step here)
+    num_heads: int = 4  # query heads, head_dim 64 like the target
+    num_kv_heads: int = 2  # key/value heads
+    intermediate_size: int = 704  # SwiGLU width
+    rope_theta: float = 100000.0  # the target's
     max_position_embeddings: int = 8192
 
 
@@ -101,15 +117,15 @@ class DraftShape:
 class TrainRecipe:
     """How the draft is trained."""
 
-    epochs: float = 16.0            # upper bound; the time budget usually allows fewer
-    tokens_per_batch: int = 3072    # padded tokens per optimizer step
-    lr: float = 2e-3                # peak AdamW learning rate
-    warmup: int = 20                # linear warm-up steps (their time plans the rest)
-    weight_decay: float = 0.01      # on matrices (not norms)
-    bf16_autocast: bool = True      # bf16 matmuls, fp32 weights, where the CPU has fast bf16
+    epochs: float = 16.0  # upper bound; the time budget usually allows fewer
+    tokens_per_batch: int = 3072  # padded tokens per optimizer step
+    lr: float = 2e-3  # peak AdamW learning rate
+    warmup: int = 20  # linear warm-up steps (their time plans the rest)
+    weight_decay: float = 0.01  # on matrices (not norms)
+    bf16_autocast: bool = True  # bf16 matmuls, fp32 weights, where the CPU has fast bf16
     #                                 (osd.online.config.cpu_has_fast_bf16; fp32 otherwise)
-    final_norm_init: float = 0.3    # final RMSNorm weight at init (1.0 starts at loss ~25)
-    prompt_positions: bool = True   # also distill the target at prompt positions
+    final_norm_init: float = 0.3  # final RMSNorm weight at init (1.0 starts at loss ~25)
+    prompt_positions: bool = True  # also distill the target at prompt positions
     heldout_fraction: float = 0.03  # examples kept out of training for the alpha report
     seed: int = 0
 
@@ -128,15 +144,22 @@ def llama_config(shape: DraftShape, target_config):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=target_config.vocab_size, hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+        vocab_size=target_config.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
         head_dim=shape.hidden_size // shape.num_heads,
         max_position_embeddings=shape.max_position_embeddings,
-        rms_norm_eps=float(f"{target_config.rms_norm_eps:.6g}"), rope_theta=shape.rope_theta,
-        tie_word_embeddings=True, bos_token_id=target_config.bos_token_id,
-        eos_token_id=list(target_config.eos_token_ids)[0], pad_token_id=2,
-        architectures=["LlamaForCausalLM"])
+        rms_norm_eps=float(f"{target_config.rms_norm_eps:.6g}"),
+        rope_theta=shape.rope_theta,
+        tie_word_embeddings=True,
+        bos_token_id=target_config.bos_token_id,
+        eos_token_id=list(target_config.eos_token_ids)[0],
+        pad_token_id=2,
+        architectures=["LlamaForCausalLM"],
+    )
 
 
 def init_draft(shape: DraftShape, target, seed: int, final_norm: float = 1.0):
@@ -151,9 +174,9 @@ def init_draft(shape: DraftShape, target, seed: int, final_norm: float = 1.0):
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(llama_config(shape, target.config)).float()
-    E = target.embed_tokens.weight.detach().float()                   # [V, 576]
-    _, _, vh = torch.linalg.svd(E[::4], full_matrices=False)          # rows subsampled: faster
-    proj = E @ vh[:shape.hidden_size].T                                 # [V, hidden]
+    E = target.embed_tokens.weight.detach().float()  # [V, 576]
+    _, _, vh = torch.linalg.svd(E[::4], full_matrices=False)  # rows subsampled: faster
+    proj = E @ vh[: shape.hidden_size].T  # [V, hidden]
     proj *= E.pow(2).mean().sqrt() / proj.pow(2).mean().sqrt()
     with torch.no_grad():
         model.model.embed_tokens.weight.copy_(proj)
@@ -201,7 +224,7 @@ def _collate(examples: list[Example], prompt_positions: bool):
         ids[n, :L] = e.tokens.long()
         mask[n, :L] = 1
         sel = _rows(e, prompt_positions)
-        pos = e.start + sel                                  # token positions predicted
+        pos = e.start + sel  # token positions predicted
         rows.append(n * T + pos - 1)
         tk_ids.append(e.topk_ids[sel].long())
         tk_p.append(e.topk_probs[sel].float())
@@ -229,21 +252,35 @@ def evaluate(model, examples: list[Example], tokens_per_batch: int) -> dict:
         agree += (q.argmax(-1) == tk_ids[:, 0]).sum().item()
         count += rows.numel()
     model.train()
-    return {"overlap": round(overlap / max(count, 1), 4), "agree": round(agree / max(count, 1), 4),
-            "positions": int(count)}
+    return {
+        "overlap": round(overlap / max(count, 1), 4),
+        "agree": round(agree / max(count, 1), 4),
+        "positions": int(count),
+    }
 
 
-def train_draft(model, examples: list[Example], heldout: list[Example], recipe: TrainRecipe,
-                deadline: float, tuner: ThreadTuner) -> dict:
+def train_draft(
+    model,
+    examples: list[Example],
+    heldout: list[Example],
+    recipe: TrainRecipe,
+    deadline: float,
+    tuner: ThreadTuner,
+) -> dict:
     """Distil the teacher data into ``model`` (in place) until ``recipe.epochs`` or the
     planned number of steps that fits before ``deadline``. Returns the training figures."""
     gen = torch.Generator().manual_seed(recipe.seed)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     use_bf16 = recipe.bf16_autocast and cpu_has_fast_bf16()
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=recipe.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": recipe.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=recipe.lr,
+        betas=(0.9, 0.95),
+    )
     per_epoch = len(_batches(examples, recipe.tokens_per_batch, torch.Generator()))
     planned = max(recipe.warmup + 1, round(recipe.epochs * per_epoch))
     total = planned
@@ -264,8 +301,9 @@ def train_draft(model, examples: list[Example], heldout: list[Example], recipe: 
             for group in opt.param_groups:
                 group["lr"] = lr
             t_step = time.perf_counter()
-            ids, mask, rows, tk_ids, tk_p, resp = _collate([examples[i] for i in batch],
-                                                           recipe.prompt_positions)
+            ids, mask, rows, tk_ids, tk_p, resp = _collate(
+                [examples[i] for i in batch], recipe.prompt_positions
+            )
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
                 logits = _draft_logits(model, ids, mask, rows)
             loss = distill_loss(logits, (tk_ids, tk_p), loss="fkl")
@@ -284,25 +322,38 @@ def train_draft(model, examples: list[Example], heldout: list[Example], recipe: 
                 if bar is not None:
                     bar.total = total
                     bar.refresh()
-                _log(f"{pace:.2f} s/step: {total} steps of {planned} planned "
-                     f"({total / per_epoch:.2f} epochs of {per_epoch} steps)")
+                _log(
+                    f"{pace:.2f} s/step: {total} steps of {planned} planned "
+                    f"({total / per_epoch:.2f} epochs of {per_epoch} steps)"
+                )
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{statistics.fmean(losses[-20:]):.3f}", lr=f"{lr:.1e}",
-                                threads=tuner.current)
+                bar.set_postfix(
+                    loss=f"{statistics.fmean(losses[-20:]):.3f}",
+                    lr=f"{lr:.1e}",
+                    threads=tuner.current,
+                )
         epoch += 1
         if heldout:
             ev = evaluate(model, heldout, recipe.tokens_per_batch)
             history.append({"step": step, "loss": round(statistics.fmean(losses[-20:]), 4), **ev})
-            _log(f"epoch {epoch}, step {step}: loss {history[-1]['loss']}, held-out "
-                 f"overlap {ev['overlap']}, greedy agreement {ev['agree']}")
+            _log(
+                f"epoch {epoch}, step {step}: loss {history[-1]['loss']}, held-out "
+                f"overlap {ev['overlap']}, greedy agreement {ev['agree']}"
+            )
     if bar is not None:
         bar.close()
-    return {"steps": step, "planned_steps": planned, "steps_per_epoch": per_epoch,
-            "epochs": round(step / per_epoch, 2),
-            "final_loss": round(statistics.fmean(losses[-20:]), 4),
-            "seconds": round(time.monotonic() - t0, 1), "history": history,
-            "threads_final": tuner.current, "thread_switches": tuner.switches}
+    return {
+        "steps": step,
+        "planned_steps": planned,
+        "steps_per_epoch": per_epoch,
+        "epochs": round(step / per_epoch, 2),
+        "final_loss": round(statistics.fmean(losses[-20:]), 4),
+        "seconds": round(time.monotonic() - t0, 1),
+        "history": history,
+        "threads_final": tuner.current,
+        "thread_switches": tuner.switches,
+    }
 
 
 def write_checkpoint_dir(path: str, write) -> None:
@@ -313,7 +364,7 @@ def write_checkpoint_dir(path: str, write) -> None:
     tmp = tempfile.mkdtemp(prefix=".chat-checkpoint-", dir=os.path.dirname(path))
     try:
         write(tmp)
-        os.chmod(tmp, 0o755)                          # mkdtemp makes it private
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
         for name in os.listdir(tmp):
             os.chmod(os.path.join(tmp, name), 0o644)
         if os.path.isdir(path):
@@ -338,12 +389,16 @@ def save_draft(model, path: str, meta: dict) -> None:
 
     def write(tmp):
         model.config.save_pretrained(tmp)
-        state = {k: v.detach().to(torch.float16).contiguous()
-                 for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        state = {
+            k: v.detach().to(torch.float16).contiguous()
+            for k, v in model.state_dict().items()
+            if k != "lm_head.weight"
+        }
         save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "build.json"), "w") as f:
             json.dump(meta, f, indent=2, sort_keys=True)
             f.write("\n")
+
     write_checkpoint_dir(path, write)
 
 
@@ -365,8 +420,7 @@ def head_vocab(tokenizer, size: int, examples=()) -> list[int]:
     for e in examples:
         counts.update(e.tokens.tolist())
     special = {int(i) for i in tokenizer.all_special_ids}
-    special |= {int(i) for i in tokenizer.convert_tokens_to_ids(
-        list(tokenizer.get_added_vocab()))}
+    special |= {int(i) for i in tokenizer.convert_tokens_to_ids(list(tokenizer.get_added_vocab()))}
     keep = set(special)
     for token, _ in counts.most_common():
         if len(keep) >= size:
@@ -405,13 +459,14 @@ def build_head_vocab_only(args) -> int:
         with open(meta_file) as f:
             meta = json.load(f)
         meta["head_vocab"] = args.head_vocab
-        meta["head_vocab_command"] = ("python scripts/build_chat_draft.py "
-                                      + " ".join(sys.argv[1:]))
+        meta["head_vocab_command"] = "python scripts/build_chat_draft.py " + " ".join(sys.argv[1:])
         with open(meta_file, "w") as f:
             json.dump(meta, f, indent=2, sort_keys=True)
             f.write("\n")
-    _log(f"{args.out}: head vocabulary " + (f"of {len(ids)} tokens ({len(examples)} teacher "
-                                             "examples counted)" if ids else "removed"))
+    _log(
+        f"{args.out}: head vocabulary "
+        + (f"of {len(ids)} tokens ({len(examples)} teacher examples counted)" if ids else "removed")
+    )
     return 0
 
 
@@ -428,8 +483,9 @@ def build(args) -> int:
         if args.reuse_data:
             _log(f"no cached teacher data at {data_file}: generating it")
         # Generation gets its share of the budget; training plans itself into the rest.
-        data = make_data(target_path, data_recipe, wall0 + 60.0 * args.minutes * args.data_share,
-                         args.threads)
+        data = make_data(
+            target_path, data_recipe, wall0 + 60.0 * args.minutes * args.data_share, args.threads
+        )
         os.makedirs(cache_dir(), exist_ok=True)
         torch.save(data, data_file + ".part")
         os.replace(data_file + ".part", data_file)
@@ -438,19 +494,21 @@ def build(args) -> int:
         return 0
     examples = [Example(**e) for e in data["examples"]]
     sets = [{"examples": len(examples), "recipe": data["recipe"]}]
-    for recipe in TEACHER_SETS[1:args.data_sets]:
+    for recipe in TEACHER_SETS[1 : args.data_sets]:
         extra = load_teacher_set(recipe, 60.0 * args.minutes * args.data_share, args.threads)
         examples += [Example(**e) for e in extra["examples"]]
         sets.append({"examples": len(extra["examples"]), "recipe": extra["recipe"]})
     for e in examples:
-        e.features = None                    # the EAGLE draft's inputs: not used here
+        e.features = None  # the EAGLE draft's inputs: not used here
     if len(examples) < 2:
         raise SystemExit(f"error: only {len(examples)} teacher examples; give more --minutes")
     train, heldout = split_heldout(examples, TRAIN.heldout_fraction, TRAIN.seed)
     n_resp = sum(e.tokens.numel() - e.prompt_len for e in train)
     n_prompt = sum(e.prompt_len - e.start for e in train)
-    _log(f"training on {len(train)} examples ({n_resp} response + {n_prompt} prompt "
-         f"positions), {len(heldout)} held out")
+    _log(
+        f"training on {len(train)} examples ({n_resp} response + {n_prompt} prompt "
+        f"positions), {len(heldout)} held out"
+    )
     target = osd.load_model(target_path)
     model = init_draft(DRAFT, target, TRAIN.seed, TRAIN.final_norm_init)
     del target
@@ -461,77 +519,149 @@ def build(args) -> int:
     final = evaluate(model, heldout, TRAIN.tokens_per_batch)
     wall = time.monotonic() - wall0
     meta = {
-        "target": zoo_chat.FILENAME, "target_sha256": zoo_chat.SHA256,
-        "shape": asdict(DRAFT), "data_recipe": data["recipe"], "train_recipe": asdict(TRAIN),
-        "data": {"examples": len(examples), "train_examples": len(train),
-                 "heldout_examples": len(heldout), "train_response_positions": n_resp,
-                 "train_prompt_positions": n_prompt, "prompts_offered": data["prompts_offered"],
-                 "generation_seconds": data["seconds"],
-                 "generation_stopped_early": data["stopped_early"],
-                 "kinds": dict(collections.Counter(e.kind for e in examples)),
-                 "sets": sets},
-        "training": info, "heldout_initial": before, "heldout_final": final,
-        "build_seconds": round(wall, 1), "reused_data": bool(args.reuse_data),
-        "minutes_budget": args.minutes, "data_share": args.data_share,
-        "max_threads": args.threads, "head_vocab": args.head_vocab,
-        "python": platform.python_version(), "torch": torch.__version__,
+        "target": zoo_chat.FILENAME,
+        "target_sha256": zoo_chat.SHA256,
+        "shape": asdict(DRAFT),
+        "data_recipe": data["recipe"],
+        "train_recipe": asdict(TRAIN),
+        "data": {
+            "examples": len(examples),
+            "train_examples": len(train),
+            "heldout_examples": len(heldout),
+            "train_response_positions": n_resp,
+            "train_prompt_positions": n_prompt,
+            "prompts_offered": data["prompts_offered"],
+            "generation_seconds": data["seconds"],
+            "generation_stopped_early": data["stopped_early"],
+            "kinds": dict(collections.Counter(e.kind for e in examples)),
+            "sets": sets,
+        },
+        "training": info,
+        "heldout_initial": before,
+        "heldout_final": final,
+        "build_seconds": round(wall, 1),
+        "reused_data": bool(args.reuse_data),
+        "minutes_budget": args.minutes,
+        "data_share": args.data_share,
+        "max_threads": args.threads,
+        "head_vocab": args.head_vocab,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
         "command": "python scripts/build_chat_draft.py " + " ".join(sys.argv[1:]),
     }
     save_draft(model, args.out, meta)
     if args.head_vocab:
-        write_head_vocab(args.out, head_vocab(load_tokenizer(target_path), args.head_vocab,
-                                              examples))
-    _log(f"wrote {args.out} in {wall:.0f} s: final loss {info['final_loss']}, held-out "
-         f"overlap {final['overlap']}, greedy agreement {final['agree']}")
+        write_head_vocab(
+            args.out, head_vocab(load_tokenizer(target_path), args.head_vocab, examples)
+        )
+    _log(
+        f"wrote {args.out} in {wall:.0f} s: final loss {info['final_loss']}, held-out "
+        f"overlap {final['overlap']}, greedy agreement {final['agree']}"
+    )
     return 0
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--out", default=DEFAULT_OUT,
-                        help="checkpoint directory (default osd/zoo/weights/chat_draft)")
-    parser.add_argument("--minutes", type=float, default=33.0,
-                        help="wall-time budget of the whole build (default 33)")
-    parser.add_argument("--data-share", type=float, default=0.4,
-                        help="share of --minutes after which no new prompt is answered (0.4)")
-    parser.add_argument("--prompts", type=int, default=None,
-                        help=f"chat requests to answer (default {DATA.prompts})")
-    parser.add_argument("--reuse-data", action="store_true",
-                        help="train on the cached teacher data of the same recipe if present")
-    parser.add_argument("--data-sets", type=int, choices=(1, 2, 3), default=1,
-                        help="teacher sets to train on: the first, or also the second and "
-                             "third (TEACHER_SETS, each generated when not cached; default 1)")
-    parser.add_argument("--data-only", action="store_true",
-                        help="stop after the teacher data is cached (for the EAGLE head's build)")
-    parser.add_argument("--threads", type=int, default=2,
-                        help="most torch CPU threads; the build switches between 1 and this "
-                             "by measured pace (default 2); --measure uses exactly this")
-    parser.add_argument("--head-vocab", type=int, default=HEAD_VOCAB,
-                        help=f"rows the draft's output head keeps (default {HEAD_VOCAB}; 0: all)")
-    parser.add_argument("--head-vocab-only", action="store_true",
-                        help="only write head_vocab.json into the draft at --out")
-    parser.add_argument("--measure", action="store_true",
-                        help="measure the draft at --out instead of building")
-    parser.add_argument("--shapes", action="store_true",
-                        help="time decode forwards of candidate draft shapes and exit")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        help="checkpoint directory (default osd/zoo/weights/chat_draft)",
+    )
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=33.0,
+        help="wall-time budget of the whole build (default 33)",
+    )
+    parser.add_argument(
+        "--data-share",
+        type=float,
+        default=0.4,
+        help="share of --minutes after which no new prompt is answered (0.4)",
+    )
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        help=f"chat requests to answer (default {DATA.prompts})",
+    )
+    parser.add_argument(
+        "--reuse-data",
+        action="store_true",
+        help="train on the cached teacher data of the same recipe if present",
+    )
+    parser.add_argument(
+        "--data-sets",
+        type=int,
+        choices=(1, 2, 3),
+        default=1,
+        help="teacher sets to train on: the first, or also the second and "
+        "third (TEACHER_SETS, each generated when not cached; default 1)",
+    )
+    parser.add_argument(
+        "--data-only",
+        action="store_true",
+        help="stop after the teacher data is cached (for the EAGLE head's build)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="most torch CPU threads; the build switches between 1 and this "
+        "by measured pace (default 2); --measure uses exactly this",
+    )
+    parser.add_argument(
+        "--head-vocab",
+        type=int,
+        default=HEAD_VOCAB,
+        help=f"rows the draft's output head keeps (default {HEAD_VOCAB}; 0: all)",
+    )
+    parser.add_argument(
+        "--head-vocab-only",
+        action="store_true",
+        help="only write head_vocab.json into the draft at --out",
+    )
+    parser.add_argument(
+        "--measure", action="store_true", help="measure the draft at --out instead of building"
+    )
+    parser.add_argument(
+        "--shapes",
+        action="store_true",
+        help="time decode forwards of candidate draft shapes and exit",
+    )
     parser.add_argument("--eval-prompts", type=int, default=20, help="with --measure (20)")
     parser.add_argument("--new-tokens", type=int, default=128, help="with --measure (128)")
-    parser.add_argument("--ks", type=int, nargs="*", default=[3, 4, 5],
-                        help="with --measure: chain lengths (3 4 5)")
-    parser.add_argument("--lookup-ks", type=int, nargs="*", default=[4],
-                        help="with --measure: chain lengths with prompt lookup (4)")
-    parser.add_argument("--cost-reps", type=int, default=30,
-                        help="with --measure/--shapes: single-forward repetitions for c (30)")
+    parser.add_argument(
+        "--ks", type=int, nargs="*", default=[3, 4, 5], help="with --measure: chain lengths (3 4 5)"
+    )
+    parser.add_argument(
+        "--lookup-ks",
+        type=int,
+        nargs="*",
+        default=[4],
+        help="with --measure: chain lengths with prompt lookup (4)",
+    )
+    parser.add_argument(
+        "--cost-reps",
+        type=int,
+        default=30,
+        help="with --measure/--shapes: single-forward repetitions for c (30)",
+    )
     parser.add_argument("--json", default=None, help="with --measure: write the report here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.shapes:
         from chat_draft_measure import time_shapes
+
         return time_shapes(args)
     if args.measure:
         from chat_draft_measure import measure
+
         return measure(args)
     if args.head_vocab_only:
         return build_head_vocab_only(args)

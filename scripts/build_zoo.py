@@ -13,6 +13,7 @@ averaged over the continuation positions, and greedy agreement (argmax q == argm
 prequentially on the served stream (each query scored before the draft learns from it)
 and on a fixed set of evaluation queries (another seed of the same held-out files).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,14 +34,15 @@ def _served(target, prompt: list[int], new_tokens: int) -> tuple[torch.Tensor, i
     prompt and its distribution at every continuation position."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = target.generate(ids, max_new_tokens=new_tokens, do_sample=False,
-                              pad_token_id=target.config.pad_token_id)
-        logits = target(out).logits[0, len(prompt) - 1:-1]
+        out = target.generate(
+            ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=target.config.pad_token_id
+        )
+        logits = target(out).logits[0, len(prompt) - 1 : -1]
     return out, len(prompt), torch.softmax(logits.float(), dim=-1)
 
 
 def _draft_logits(draft, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    return draft(ids).logits[0, prompt_len - 1:-1].float()
+    return draft(ids).logits[0, prompt_len - 1 : -1].float()
 
 
 def _score(draft, served) -> tuple[float, float, int]:
@@ -67,8 +69,10 @@ def check_alpha(args) -> None:
     start = time.perf_counter()
     eval_served = [_served(target, q, args.new_tokens) for q in evals]
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.0)
-    print(f"{'queries':>8} {'eval alpha':>10} {'eval agree':>10} {'stream alpha':>12} "
-          f"{'stream agree':>12}")
+    print(
+        f"{'queries':>8} {'eval alpha':>10} {'eval agree':>10} {'stream alpha':>12} "
+        f"{'stream agree':>12}"
+    )
 
     def report(n_served: int, window: tuple[float, float, int]) -> None:
         a, g, c = _score(draft.eval(), eval_served)
@@ -98,28 +102,45 @@ def check_alpha(args) -> None:
         if i % args.report_every == 0:
             report(i, tuple(window))
             window = [0.0, 0.0, 0]
-    print(f"served {len(stream)} queries + {len(evals)} eval queries, learning and "
-          f"evaluating, in {time.perf_counter() - start:.0f} s "
-          f"({torch.get_num_threads()} threads)")
+    print(
+        f"served {len(stream)} queries + {len(evals)} eval queries, learning and "
+        f"evaluating, in {time.perf_counter() - start:.0f} s "
+        f"({torch.get_num_threads()} threads)"
+    )
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--out", default=None,
-                        help="zoo directory (default: osd/zoo/weights when building, the "
-                             "default pair when checking)")
-    parser.add_argument("--draft", default="draft",
-                        help="with --check-alpha: the draft's subdirectory (default: draft)")
-    parser.add_argument("--scale", type=float, default=1.0,
-                        help="multiply every training step count (default 1.0)")
-    parser.add_argument("--only", choices=tuple(train.MODELS), default=None,
-                        help="retrain one model only (default: all of "
-                             f"{', '.join(train.MODELS)})")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="zoo directory (default: osd/zoo/weights when building, the "
+        "default pair when checking)",
+    )
+    parser.add_argument(
+        "--draft",
+        default="draft",
+        help="with --check-alpha: the draft's subdirectory (default: draft)",
+    )
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiply every training step count (default 1.0)"
+    )
+    parser.add_argument(
+        "--only",
+        choices=tuple(train.MODELS),
+        default=None,
+        help=f"retrain one model only (default: all of {', '.join(train.MODELS)})",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
-    parser.add_argument("--check-alpha", action="store_true",
-                        help="measure static vs online-distilled alpha instead of building")
+    parser.add_argument(
+        "--check-alpha",
+        action="store_true",
+        help="measure static vs online-distilled alpha instead of building",
+    )
     parser.add_argument("--queries", type=int, default=200, help="served queries (default 200)")
     parser.add_argument("--eval-queries", type=int, default=40, help="evaluation queries (40)")
     parser.add_argument("--prompt-tokens", type=int, default=48, help="prompt length (48)")

@@ -5,6 +5,7 @@ its top-k distributions (and features) at every position (stage 2 of
 Each set (:class:`DataRecipe`) is cached in ``$OSD_CACHE/chat_draft`` under a key of its
 recipe and the target's hash, so a build that finds it skips the generation.
 """
+
 from __future__ import annotations
 
 import collections
@@ -35,17 +36,17 @@ except ImportError:  # pragma: no cover - tqdm comes with transformers
 class DataRecipe:
     """How the teacher data is made."""
 
-    prompts: int = 1100             # chat requests (the generation stage may stop earlier)
-    max_new_tokens: int = 128       # response length cap
-    max_prompt_tokens: int = 320    # longer prompts are skipped
-    batch_size: int = 32            # target rows decoded together (> 16: GEMM, not decode_linear)
-    prefill_group: int = 8          # most prompts prefilled at once (their logits: 8 x T x V)
-    teacher_dtype: str = "bfloat16" # the target's dtype while answering (1.6-1.8x faster here)
-    topk: int = 32                  # target probabilities kept per position
+    prompts: int = 1100  # chat requests (the generation stage may stop earlier)
+    max_new_tokens: int = 128  # response length cap
+    max_prompt_tokens: int = 320  # longer prompts are skipped
+    batch_size: int = 32  # target rows decoded together (> 16: GEMM, not decode_linear)
+    prefill_group: int = 8  # most prompts prefilled at once (their logits: 8 x T x V)
+    teacher_dtype: str = "bfloat16"  # the target's dtype while answering (1.6-1.8x faster here)
+    topk: int = 32  # target probabilities kept per position
     sampled_fraction: float = 0.25  # share of prompts answered at temperature 0.7
     temperature: float = 0.7
     seed: int = 0
-    features: bool = True           # keep the target's features too (the EAGLE draft's data)
+    features: bool = True  # keep the target's features too (the EAGLE draft's data)
     kinds: tuple[str, ...] = ("explain", "write", "summarize", "test", "improve", "comment")
     #                                 requests about stdlib functions, in turn (the keys of
     #                                 chat_draft_prompts.CODE_TEMPLATES)
@@ -55,10 +56,12 @@ DATA = DataRecipe()
 # The second and third teacher sets (``--data-sets``; the EAGLE draft trains on all three):
 # other stdlib functions (seeds 1 and 2), half and two thirds of the code requests asking
 # for a function's body from its signature and docstring.
-EXTRA_DATA = replace(DATA, seed=1, kinds=("complete", "write", "complete", "explain",
-                                          "complete", "test"))
-MORE_DATA = replace(DATA, seed=2, kinds=("complete", "write", "complete", "test", "complete",
-                                         "explain"))
+EXTRA_DATA = replace(
+    DATA, seed=1, kinds=("complete", "write", "complete", "explain", "complete", "test")
+)
+MORE_DATA = replace(
+    DATA, seed=2, kinds=("complete", "write", "complete", "test", "complete", "explain")
+)
 TEACHER_SETS = (DATA, EXTRA_DATA, MORE_DATA)
 
 
@@ -89,8 +92,8 @@ class ThreadTuner:
         self.current = self.options[-1]
         self.every = every
         self.paces: list[float] = []
-        self.trial_of: int | None = None      # the setting a trial step would replace
-        self.last_trial = time.monotonic() - every + 5.0   # first trial after 5 s
+        self.trial_of: int | None = None  # the setting a trial step would replace
+        self.last_trial = time.monotonic() - every + 5.0  # first trial after 5 s
         self.switches = 0
         torch.set_num_threads(self.current)
 
@@ -109,8 +112,7 @@ class ThreadTuner:
         self.paces = (self.paces + [pace])[-5:]
         if len(self.options) > 1 and time.monotonic() - self.last_trial > self.every:
             self.trial_of = self.current
-            self.current = self.options[0] if self.current == self.options[-1] else \
-                self.options[-1]
+            self.current = self.options[0] if self.current == self.options[-1] else self.options[-1]
             torch.set_num_threads(self.current)
 
 
@@ -130,11 +132,11 @@ class Example:
     ``tokens[start + i]`` given ``tokens[:start + i]``.
     """
 
-    tokens: torch.Tensor       # [L] int32: prompt then response
+    tokens: torch.Tensor  # [L] int32: prompt then response
     prompt_len: int
-    start: int                 # first position with a target (after the system prefix)
-    topk_ids: torch.Tensor     # [L - start, k] int32
-    topk_probs: torch.Tensor   # [L - start, k] float16
+    start: int  # first position with a target (after the system prefix)
+    topk_ids: torch.Tensor  # [L - start, k] int32
+    topk_probs: torch.Tensor  # [L - start, k] float16
     kind: str
     temperature: float
     # [L - 1, H] float16: the target's last-layer output before the final norm at
@@ -148,9 +150,15 @@ def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.inference_mode()
-def teacher_data(model, prompts: list[list[int]], meta: list[Prompt], start: int,
-                 recipe: DataRecipe, deadline: float,
-                 tuner: ThreadTuner) -> tuple[list[Example], bool]:
+def teacher_data(
+    model,
+    prompts: list[list[int]],
+    meta: list[Prompt],
+    start: int,
+    recipe: DataRecipe,
+    deadline: float,
+    tuner: ThreadTuner,
+) -> tuple[list[Example], bool]:
     """Answer ``prompts`` with the target ``model`` (osd ``DecoderLM``), continuous batching.
 
     Rows that finish (EOS or ``max_new_tokens``) leave the batch and waiting prompts are
@@ -163,7 +171,7 @@ def teacher_data(model, prompts: list[list[int]], meta: list[Prompt], start: int
     cache = model.new_cache(B, cap)
     gen = torch.Generator().manual_seed(recipe.seed)
     waiting = collections.deque(range(len(prompts)))
-    active: list[dict] = []                       # active[b] occupies cache row b
+    active: list[dict] = []  # active[b] occupies cache row b
     next_tok = torch.zeros(B, dtype=torch.int64)
     ones = torch.ones(B, dtype=torch.int32)
     done: dict[int, Example] = {}
@@ -190,13 +198,12 @@ def teacher_data(model, prompts: list[list[int]], meta: list[Prompt], start: int
                 break
         free = B - len(active)
         if waiting and (free >= min(4, len(waiting)) or not active):
-            new = [waiting.popleft()
-                   for _ in range(min(free, len(waiting), recipe.prefill_group))]
+            new = [waiting.popleft() for _ in range(min(free, len(waiting), recipe.prefill_group))]
             first = len(active)
             longest = max(len(prompts[i]) for i in new)
             ids = torch.zeros(len(new), longest, dtype=torch.int64)
             for b, i in enumerate(new):
-                ids[b, :len(prompts[i])] = torch.tensor(prompts[i])
+                ids[b, : len(prompts[i])] = torch.tensor(prompts[i])
             lengths = torch.tensor([len(prompts[i]) for i in new], dtype=torch.int32)
             rows = cache.rows(first, len(new))
             rows.reset()
@@ -205,27 +212,35 @@ def teacher_data(model, prompts: list[list[int]], meta: list[Prompt], start: int
             fresh = []
             for b, i in enumerate(new):
                 L = len(prompts[i])
-                tk_ids, tk_p = _topk(logits[b, start - 1:L], k)   # prompt targets + response 0
-                fresh.append({"index": i, "temp": meta[i].temperature, "response": [],
-                              "ids": [tk_ids], "probs": [tk_p], "cached": L,
-                              "feats": [hidden[b, :L].to(torch.float16)]})
+                tk_ids, tk_p = _topk(logits[b, start - 1 : L], k)  # prompt targets + response 0
+                fresh.append(
+                    {
+                        "index": i,
+                        "temp": meta[i].temperature,
+                        "response": [],
+                        "ids": [tk_ids],
+                        "probs": [tk_p],
+                        "cached": L,
+                        "feats": [hidden[b, :L].to(torch.float16)],
+                    }
+                )
             last = logits[torch.arange(len(new)), lengths.long() - 1]
             del logits
             tokens = sample(last, fresh)
             active += fresh
-            next_tok[first:first + len(new)] = tokens
+            next_tok[first : first + len(new)] = tokens
         else:
             n = len(active)
             t_step = time.perf_counter()
             logits, hidden = model(next_tok[:n, None], cache, return_hidden=True)
-            logits = logits[:, 0]                                # [n, V]
+            logits = logits[:, 0]  # [n, V]
             cache.commit(ones[:n], 1)
             tuner.record(time.perf_counter() - t_step, n)
             tk_ids, tk_p = _topk(logits, k)
             for b, r in enumerate(active):
                 r["cached"] += 1
-                r["ids"].append(tk_ids[b:b + 1])
-                r["probs"].append(tk_p[b:b + 1])
+                r["ids"].append(tk_ids[b : b + 1])
+                r["probs"].append(tk_p[b : b + 1])
                 r["feats"].append(hidden[b, :1].to(torch.float16))
             tokens = sample(logits, active)
             next_tok[:n] = tokens
@@ -239,10 +254,16 @@ def teacher_data(model, prompts: list[list[int]], meta: list[Prompt], start: int
             if r["response"][-1] in eos or len(r["response"]) >= recipe.max_new_tokens:
                 i = r["index"]
                 toks = torch.tensor(prompts[i] + r["response"], dtype=torch.int32)
-                done[i] = Example(tokens=toks, prompt_len=len(prompts[i]), start=start,
-                                  topk_ids=torch.cat(r["ids"]), topk_probs=torch.cat(r["probs"]),
-                                  kind=meta[i].kind, temperature=meta[i].temperature,
-                                  features=torch.cat(r["feats"]) if recipe.features else None)
+                done[i] = Example(
+                    tokens=toks,
+                    prompt_len=len(prompts[i]),
+                    start=start,
+                    topk_ids=torch.cat(r["ids"]),
+                    topk_probs=torch.cat(r["probs"]),
+                    kind=meta[i].kind,
+                    temperature=meta[i].temperature,
+                    features=torch.cat(r["feats"]) if recipe.features else None,
+                )
                 assert done[i].topk_ids.shape[0] == toks.numel() - start
                 assert not recipe.features or done[i].features.shape[0] == toks.numel() - 1
                 last = len(active) - 1
@@ -253,8 +274,9 @@ def teacher_data(model, prompts: list[list[int]], meta: list[Prompt], start: int
                 active.pop()
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(tok_s=f"{new_tokens / (time.monotonic() - t0):.0f}",
-                                    threads=tuner.current)
+                    bar.set_postfix(
+                        tok_s=f"{new_tokens / (time.monotonic() - t0):.0f}", threads=tuner.current
+                    )
         cache.set_bound(max((r["cached"] for r in active), default=0))
     if bar is not None:
         bar.close()
@@ -263,8 +285,9 @@ def teacher_data(model, prompts: list[list[int]], meta: list[Prompt], start: int
 
 def _system_prefix(tokenizer) -> int:
     """Tokens shared by every chat prompt (the template's system turn and the user header)."""
-    a, b = apply_chat_template(tokenizer, [[{"role": "user", "content": "Hi"}],
-                                           [{"role": "user", "content": "What?"}]])
+    a, b = apply_chat_template(
+        tokenizer, [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "What?"}]]
+    )
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
@@ -280,22 +303,31 @@ def make_data(target_path: str, recipe: DataRecipe, deadline: float, threads: in
     ids = apply_chat_template(tokenizer, [[{"role": "user", "content": p.text}] for p in meta])
     keep = [i for i, x in enumerate(ids) if len(x) <= recipe.max_prompt_tokens]
     meta, ids = [meta[i] for i in keep], [ids[i] for i in keep]
-    _log(f"{len(ids)} prompts ({sum(map(len, ids))} tokens; {recipe.prompts - len(keep)} "
-         f"longer than {recipe.max_prompt_tokens} tokens skipped), system prefix {start} tokens")
+    _log(
+        f"{len(ids)} prompts ({sum(map(len, ids))} tokens; {recipe.prompts - len(keep)} "
+        f"longer than {recipe.max_prompt_tokens} tokens skipped), system prefix {start} tokens"
+    )
     t0 = time.perf_counter()
     tuner = ThreadTuner(threads)
     examples, stopped = teacher_data(model, ids, meta, start, recipe, deadline, tuner)
     seconds = time.perf_counter() - t0
     response = sum(e.tokens.numel() - e.prompt_len for e in examples)
-    _log(f"teacher answered {len(examples)} prompts in {seconds:.0f} s ({response} response "
-         f"tokens, {response / seconds:.1f} tokens/s)" + (" -- stopped at the time budget"
-                                                         if stopped else ""))
+    _log(
+        f"teacher answered {len(examples)} prompts in {seconds:.0f} s ({response} response "
+        f"tokens, {response / seconds:.1f} tokens/s)"
+        + (" -- stopped at the time budget" if stopped else "")
+    )
     # Plain dicts of tensors, so the cache loads without this script's classes.
-    return {"examples": [dict(vars(e)) for e in examples], "recipe": asdict(recipe),
-            "seconds": round(seconds, 1),
-            "stopped_early": stopped, "prompts_offered": len(ids),
-            "threads_final": tuner.current, "thread_switches": tuner.switches,
-            "target_sha256": zoo_chat.SHA256}
+    return {
+        "examples": [dict(vars(e)) for e in examples],
+        "recipe": asdict(recipe),
+        "seconds": round(seconds, 1),
+        "stopped_early": stopped,
+        "prompts_offered": len(ids),
+        "threads_final": tuner.current,
+        "thread_switches": tuner.switches,
+        "target_sha256": zoo_chat.SHA256,
+    }
 
 
 def load_teacher_set(recipe: DataRecipe, seconds: float, threads: int) -> dict:

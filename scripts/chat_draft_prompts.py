@@ -4,6 +4,7 @@ write, summarize, test, comment, improve, implement from a signature and docstri
 general programming concepts and topics, and a few HumanEval-style tasks written for the
 script. Imported by that script (run from
 ``scripts/``)."""
+
 from __future__ import annotations
 
 import ast
@@ -26,8 +27,9 @@ class Function:
     skeleton: str | None = None  # the def line(s) and the docstring, without the body
 
 
-def stdlib_functions(split: str, *, min_lines: int = 3, max_lines: int = 30,
-                     max_chars: int = 1400) -> list[Function]:
+def stdlib_functions(
+    split: str, *, min_lines: int = 3, max_lines: int = 30, max_chars: int = 1400
+) -> list[Function]:
     """Functions and methods of the stdlib files of ``split`` (see ``osd.zoo.corpus``),
     ``min_lines..max_lines`` lines and at most ``max_chars`` characters, in file order."""
     root = corpus.stdlib_root()
@@ -51,8 +53,11 @@ def stdlib_functions(split: str, *, min_lines: int = 3, max_lines: int = 30,
             code = textwrap.dedent(" " * node.col_offset + seg)
             lines = code.count("\n") + 1
             if min_lines <= lines <= max_lines and len(code) <= max_chars:
-                found.append(Function(module, node.name, code, ast.get_docstring(node),
-                                      _skeleton(source, node)))
+                found.append(
+                    Function(
+                        module, node.name, code, ast.get_docstring(node), _skeleton(source, node)
+                    )
+                )
     return found
 
 
@@ -61,14 +66,14 @@ def _skeleton(source: str, node: ast.FunctionDef | ast.AsyncFunctionDef) -> str 
     without a body after it."""
     if ast.get_docstring(node) is None or len(node.body) < 2:
         return None
-    lines = source.splitlines()[node.lineno - 1:node.body[0].end_lineno]
+    lines = source.splitlines()[node.lineno - 1 : node.body[0].end_lineno]
     return textwrap.dedent("\n".join(lines)) + "\n"
 
 
 def _first_sentence(doc: str) -> str:
     text = " ".join(doc.strip().split("\n\n")[0].split())
     cut = text.find(". ")
-    return (text if cut < 0 else text[:cut + 1]).strip()
+    return (text if cut < 0 else text[: cut + 1]).strip()
 
 
 # Prompt templates over a stdlib function: kind -> template (code, doc, sentence, name, module).
@@ -80,57 +85,140 @@ CODE_TEMPLATES = {
     "improve": "How could this Python code be improved?\n\n```python\n{code}\n```",
     "comment": "Add comments to this code and explain how it works:\n\n```python\n{code}\n```",
     # a function's signature and docstring to implement, in three phrasings
-    "complete": ("Finish this Python function:\n\n```python\n{skeleton}```",
-                 "Write the implementation of this function.\n\n```python\n{skeleton}```",
-                 "Fill in the body of the following Python function and explain it.\n\n"
-                 "```python\n{skeleton}```"),
+    "complete": (
+        "Finish this Python function:\n\n```python\n{skeleton}```",
+        "Write the implementation of this function.\n\n```python\n{skeleton}```",
+        "Fill in the body of the following Python function and explain it.\n\n"
+        "```python\n{skeleton}```",
+    ),
 }
 CONCEPTS = [
-    "list comprehensions", "generators", "decorators", "context managers", "the GIL",
-    "dictionaries", "tuples and lists", "f-strings", "lambda functions", "exceptions",
-    "classes and objects", "inheritance", "virtual environments", "type hints",
-    "the `with` statement", "iterators", "recursion", "closures", "dataclasses",
-    "`*args` and `**kwargs`", "modules and packages", "sets", "string slicing",
-    "the `yield` keyword", "async and await", "unit tests with unittest", "regular expressions",
-    "reading and writing files", "JSON parsing", "sorting with a key function",
-    "the `enumerate` function", "the `zip` function", "mutable default arguments",
-    "shallow and deep copies", "properties", "static and class methods", "logging",
-    "command-line arguments with argparse", "the `collections` module", "threads and processes",
+    "list comprehensions",
+    "generators",
+    "decorators",
+    "context managers",
+    "the GIL",
+    "dictionaries",
+    "tuples and lists",
+    "f-strings",
+    "lambda functions",
+    "exceptions",
+    "classes and objects",
+    "inheritance",
+    "virtual environments",
+    "type hints",
+    "the `with` statement",
+    "iterators",
+    "recursion",
+    "closures",
+    "dataclasses",
+    "`*args` and `**kwargs`",
+    "modules and packages",
+    "sets",
+    "string slicing",
+    "the `yield` keyword",
+    "async and await",
+    "unit tests with unittest",
+    "regular expressions",
+    "reading and writing files",
+    "JSON parsing",
+    "sorting with a key function",
+    "the `enumerate` function",
+    "the `zip` function",
+    "mutable default arguments",
+    "shallow and deep copies",
+    "properties",
+    "static and class methods",
+    "logging",
+    "command-line arguments with argparse",
+    "the `collections` module",
+    "threads and processes",
 ]
 CONCEPT_TEMPLATES = [
-    "What are {t} in Python?", "Explain {t} in Python with a short example.",
+    "What are {t} in Python?",
+    "Explain {t} in Python with a short example.",
     "Give me a simple Python example that uses {t}.",
     "What are common mistakes beginners make with {t} in Python?",
 ]
 TOPICS = [
-    "photosynthesis", "the water cycle", "gravity", "the French Revolution", "machine learning",
-    "the Internet", "climate change", "vaccines", "black holes", "the stock market",
-    "inflation", "DNA", "the Roman Empire", "electric cars", "solar energy", "volcanoes",
-    "the human heart", "sleep", "meditation", "chess", "coffee", "rainbows", "earthquakes",
-    "the Moon", "bees", "democracy", "compound interest", "hash tables", "sorting algorithms",
-    "operating systems", "databases", "encryption", "version control", "prime numbers",
-    "probability", "music theory", "the printing press", "renewable energy", "the immune system",
-    "ocean tides", "cloud computing", "the scientific method", "public speaking",
-    "healthy eating", "time management", "the Olympic Games", "ancient Egypt", "dinosaurs",
+    "photosynthesis",
+    "the water cycle",
+    "gravity",
+    "the French Revolution",
+    "machine learning",
+    "the Internet",
+    "climate change",
+    "vaccines",
+    "black holes",
+    "the stock market",
+    "inflation",
+    "DNA",
+    "the Roman Empire",
+    "electric cars",
+    "solar energy",
+    "volcanoes",
+    "the human heart",
+    "sleep",
+    "meditation",
+    "chess",
+    "coffee",
+    "rainbows",
+    "earthquakes",
+    "the Moon",
+    "bees",
+    "democracy",
+    "compound interest",
+    "hash tables",
+    "sorting algorithms",
+    "operating systems",
+    "databases",
+    "encryption",
+    "version control",
+    "prime numbers",
+    "probability",
+    "music theory",
+    "the printing press",
+    "renewable energy",
+    "the immune system",
+    "ocean tides",
+    "cloud computing",
+    "the scientific method",
+    "public speaking",
+    "healthy eating",
+    "time management",
+    "the Olympic Games",
+    "ancient Egypt",
+    "dinosaurs",
 ]
 TOPIC_TEMPLATES = [
-    "What is {t}?", "Explain {t} to a ten-year-old.", "Give me three interesting facts about {t}.",
-    "Write a short paragraph about {t}.", "Why is {t} important?",
-    "Write a haiku about {t}.", "Summarize what you know about {t} in three sentences.",
+    "What is {t}?",
+    "Explain {t} to a ten-year-old.",
+    "Give me three interesting facts about {t}.",
+    "Write a short paragraph about {t}.",
+    "Why is {t} important?",
+    "Write a haiku about {t}.",
+    "Summarize what you know about {t} in three sentences.",
 ]
 REQUESTS = [
     "Give me tips for staying productive when working from home.",
     "Write a short thank-you note to a colleague who helped me with a project.",
-    "How do I make a good cup of tea?", "Suggest five names for a pet cat.",
-    "What should I pack for a weekend camping trip?", "Write a limerick about a programmer.",
-    "How can I improve my handwriting?", "Plan a simple three-day workout routine.",
+    "How do I make a good cup of tea?",
+    "Suggest five names for a pet cat.",
+    "What should I pack for a weekend camping trip?",
+    "Write a limerick about a programmer.",
+    "How can I improve my handwriting?",
+    "Plan a simple three-day workout routine.",
     "Write a short story about a robot who learns to paint.",
     "What is the difference between weather and climate?",
-    "Give me a recipe for a simple pasta dish.", "How do I prepare for a job interview?",
-    "Explain how a bicycle works.", "Write an email asking my manager for a day off.",
+    "Give me a recipe for a simple pasta dish.",
+    "How do I prepare for a job interview?",
+    "Explain how a bicycle works.",
+    "Write an email asking my manager for a day off.",
     "What are some good habits for learning a new language?",
-    "List the planets of the solar system in order.", "How do airplanes stay in the air?",
-    "Describe a sunset at the beach.", "What is the capital of Australia, and why?",
+    "List the planets of the solar system in order.",
+    "How do airplanes stay in the air?",
+    "Describe a sunset at the beach.",
+    "What is the capital of Australia, and why?",
     "How can I save money on groceries?",
 ]
 
@@ -154,9 +242,12 @@ def training_prompts(n: int, recipe) -> list[Prompt]:
     rng.shuffle(funcs)
     # "write" needs a public function with a docstring, "summarize" a docstring,
     # "complete" a public function with a docstring and a body.
-    pools = {"any": funcs, "doc": [f for f in funcs if f.doc],
-             "public": [f for f in funcs if f.doc and not f.name.startswith("_")],
-             "skeleton": [f for f in funcs if f.skeleton and not f.name.startswith("_")]}
+    pools = {
+        "any": funcs,
+        "doc": [f for f in funcs if f.doc],
+        "public": [f for f in funcs if f.doc and not f.name.startswith("_")],
+        "skeleton": [f for f in funcs if f.skeleton and not f.name.startswith("_")],
+    }
     needs = {"write": "public", "summarize": "doc", "complete": "skeleton"}
     used = {name: 0 for name in pools}
     general = [t.format(t=c) for c in CONCEPTS for t in CONCEPT_TEMPLATES]
@@ -178,9 +269,14 @@ def training_prompts(n: int, recipe) -> list[Prompt]:
             template = CODE_TEMPLATES[kind]
             if isinstance(template, tuple):
                 template = template[used[pool] % len(template)]
-            text = template.format(code=fn.code, doc=fn.doc, name=fn.name, skeleton=fn.skeleton,
-                                   sentence=fn.doc and _first_sentence(fn.doc),
-                                   module=fn.module)
+            text = template.format(
+                code=fn.code,
+                doc=fn.doc,
+                name=fn.name,
+                skeleton=fn.skeleton,
+                sentence=fn.doc and _first_sentence(fn.doc),
+                module=fn.module,
+            )
         else:
             text, kind = general[gi], "general"
             gi += 1
@@ -190,12 +286,18 @@ def training_prompts(n: int, recipe) -> list[Prompt]:
 
 
 # Held-out functions (files of corpus split "heldout") for the evaluation prompts.
-EVAL_FUNCTIONS = [("explain", "heapq", "heappush"), ("explain", "glob", "glob"),
-                  ("explain", "linecache", "getline"), ("write", "heapq", "heapify"),
-                  ("write", "getpass", "getuser"), ("explain", "random", "shuffle"),
-                  ("summarize", "functools", "total_ordering"),
-                  ("summarize", "linecache", "checkcache"), ("test", "heapq", "heappushpop"),
-                  ("write", "urllib.parse", "urldefrag")]
+EVAL_FUNCTIONS = [
+    ("explain", "heapq", "heappush"),
+    ("explain", "glob", "glob"),
+    ("explain", "linecache", "getline"),
+    ("write", "heapq", "heapify"),
+    ("write", "getpass", "getuser"),
+    ("explain", "random", "shuffle"),
+    ("summarize", "functools", "total_ordering"),
+    ("summarize", "linecache", "checkcache"),
+    ("test", "heapq", "heappushpop"),
+    ("write", "urllib.parse", "urldefrag"),
+]
 # HumanEval-style tasks written for this script (not from HumanEval).
 EVAL_TASKS = [
     "Write a Python function `count_vowels(s)` that returns the number of vowels in a string.",
@@ -229,7 +331,13 @@ def eval_prompts() -> list[str]:
         fn = by_name.get((module, name))
         if fn is None:
             raise RuntimeError(f"held-out function {module}.{name} not found in this stdlib")
-        out.append(CODE_TEMPLATES[kind].format(code=fn.code, doc=fn.doc, name=fn.name,
-                                               sentence=fn.doc and _first_sentence(fn.doc),
-                                               module=fn.module))
+        out.append(
+            CODE_TEMPLATES[kind].format(
+                code=fn.code,
+                doc=fn.doc,
+                name=fn.name,
+                sentence=fn.doc and _first_sentence(fn.doc),
+                module=fn.module,
+            )
+        )
     return out + EVAL_TASKS

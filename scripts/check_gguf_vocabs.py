@@ -19,6 +19,7 @@ vocabularies), through :func:`osd.models.gguf.write_gguf`.
     .venv/bin/python scripts/check_gguf_vocabs.py \\
         --llama-cpp /tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,7 @@ def stdlib_passages(n: int, seed: int = 0) -> list[str]:
         if len(text) < 10:
             continue
         start = rng.randrange(len(text))
-        out.append(text[start:start + rng.randint(1, 600)])
+        out.append(text[start : start + rng.randint(1, 600)])
     return out
 
 
@@ -60,7 +61,7 @@ def check(path: str, passages: list[str]) -> str:
     """One markdown table row for the vocabulary file ``path``."""
     from osd.models.gguf import GGUFFile, tokenizer_from_gguf
 
-    name = os.path.basename(path)[len("ggml-vocab-"):-len(".gguf")]
+    name = os.path.basename(path)[len("ggml-vocab-") : -len(".gguf")]
     g = GGUFFile(path)
     kind = g.metadata.get("tokenizer.ggml.model")
     pre = g.metadata.get("tokenizer.ggml.pre", "")
@@ -79,8 +80,9 @@ def check(path: str, passages: list[str]) -> str:
         return f"| {name} | {kind} | {pre} | {own_cell} | (llama-cpp-python absent) | |"
     ref = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
     rng = random.Random(1)
-    specials = [tok.convert_ids_to_tokens(i) for i in (tok.bos_token_id, tok.eos_token_id)
-                if i is not None]
+    specials = [
+        tok.convert_ids_to_tokens(i) for i in (tok.bos_token_id, tok.eos_token_id) if i is not None
+    ]
     same = back = 0
     for text in passages:
         back += tok.decode(tok.encode(text, add_special_tokens=False)) == text
@@ -89,22 +91,29 @@ def check(path: str, passages: list[str]) -> str:
             text = text[:cut] + rng.choice(specials) + text[cut:]
         ids = tok(text).input_ids
         same += ids == ref.tokenize(text.encode("utf-8"), add_bos=True, special=True)
-    return (f"| {name} | {kind} | {pre} | {own_cell} | {same}/{len(passages)} "
-            f"| {back}/{len(passages)} |")
+    return (
+        f"| {name} | {kind} | {pre} | {own_cell} | {same}/{len(passages)} "
+        f"| {back}/{len(passages)} |"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--llama-cpp", required=True,
-                    help="llama.cpp's source directory (with models/ggml-vocab-*.gguf)")
+    ap.add_argument(
+        "--llama-cpp",
+        required=True,
+        help="llama.cpp's source directory (with models/ggml-vocab-*.gguf)",
+    )
     args = ap.parse_args()
     files = sorted(glob.glob(os.path.join(args.llama_cpp, "models", "ggml-vocab-*.gguf")))
     if not files:
         raise SystemExit(f"no models/ggml-vocab-*.gguf under {args.llama_cpp!r}")
     passages = stdlib_passages(PASSAGES)
-    print("| vocabulary | model | pre-tokenizer | llama.cpp's test texts, ids equal "
-          "| standard-library passages (BOS, special tokens), ids equal to llama.cpp "
-          "| decoded back to the text |")
+    print(
+        "| vocabulary | model | pre-tokenizer | llama.cpp's test texts, ids equal "
+        "| standard-library passages (BOS, special tokens), ids equal to llama.cpp "
+        "| decoded back to the text |"
+    )
     print("|---|---|---|---|---|---|")
     for path in files:
         print(check(path, passages), flush=True)

@@ -16,6 +16,7 @@ pay, and whether ``SpecConfig(auto_k=True)`` falls back to plain decoding there.
 ``--smoke`` shrinks every shape so the script runs anywhere in seconds (the suite runs it
 on CPU to keep it working); its numbers mean nothing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,11 @@ def samplers(dev, V: int, reps: int, backends: list[str]) -> list[dict]:
     batch size and backend."""
     K, rows = 4, []
     g = torch.Generator(device="cpu").manual_seed(0)
-    modes = {"greedy": {}, "draft probs": dict(temperature=1.0),
-             "T0.8 top-k 50 top-p 0.9": dict(temperature=0.8, top_k=50, top_p=0.9)}
+    modes = {
+        "greedy": {},
+        "draft probs": dict(temperature=1.0),
+        "T0.8 top-k 50 top-p 0.9": dict(temperature=0.8, top_k=50, top_p=0.9),
+    }
     for B in (1, 64):
         logits = torch.randn(B, K + 1, V, generator=g).to(dev, torch.bfloat16)
         drafts = torch.randint(0, V, (B, K), generator=g).to(dev)
@@ -75,14 +79,42 @@ def samplers(dev, V: int, reps: int, backends: list[str]) -> list[dict]:
             per_row = {k: torch.full((B,), v, device=dev) for k, v in kw.items()}
             read = logits.numel() * 2 + (probs.numel() * 2 if probs is not None else 0)
             for backend in backends:
-                chain = _time_us(lambda: osd_kernels.rejection_sample(
-                    logits, drafts, probs, seed=seed, offset=offset, backend=backend,
-                    **per_row), reps, dev)
-                tree = _time_us(lambda: osd_kernels.tree_rejection_sample(
-                    logits, nodes, parents, None, seed=seed, offset=offset, max_depth=K,
-                    backend=backend, **per_row), reps, dev) if probs is None else None
-                rows.append({"B": B, "mode": mode, "backend": backend, "chain_us": chain,
-                             "tree_us": tree, "roofline_us": read / HBM_BYTES_PER_S * 1e6})
+                chain = _time_us(
+                    lambda: osd_kernels.rejection_sample(
+                        logits, drafts, probs, seed=seed, offset=offset, backend=backend, **per_row
+                    ),
+                    reps,
+                    dev,
+                )
+                tree = (
+                    _time_us(
+                        lambda: osd_kernels.tree_rejection_sample(
+                            logits,
+                            nodes,
+                            parents,
+                            None,
+                            seed=seed,
+                            offset=offset,
+                            max_depth=K,
+                            backend=backend,
+                            **per_row,
+                        ),
+                        reps,
+                        dev,
+                    )
+                    if probs is None
+                    else None
+                )
+                rows.append(
+                    {
+                        "B": B,
+                        "mode": mode,
+                        "backend": backend,
+                        "chain_us": chain,
+                        "tree_us": tree,
+                        "roofline_us": read / HBM_BYTES_PER_S * 1e6,
+                    }
+                )
     return rows
 
 
@@ -96,11 +128,13 @@ def attention(dev, cases, heads, reps: int) -> list[dict]:
         q = torch.randn(B, T, hq, d, device=dev, dtype=torch.bfloat16)
         lens = torch.full((B,), S, dtype=torch.int32, device=dev)
         mask = osd_kernels.causal_tree_mask(B, T, device=dev) if T > 1 else None
-        us = _time_us(lambda: osd_kernels.tree_attention(q, k, v, lens, mask,
-                                                         max_kv_len=S + T), reps, dev)
+        us = _time_us(
+            lambda: osd_kernels.tree_attention(q, k, v, lens, mask, max_kv_len=S + T), reps, dev
+        )
         read = 2 * B * hkv * (S + T) * d * 2
-        rows.append({"B": B, "prefix": S, "T": T, "us": us,
-                     "roofline_us": read / HBM_BYTES_PER_S * 1e6})
+        rows.append(
+            {"B": B, "prefix": S, "T": T, "us": us, "roofline_us": read / HBM_BYTES_PER_S * 1e6}
+        )
     return rows
 
 
@@ -113,7 +147,7 @@ def _model(cfg: ModelConfig, dev, dtype) -> DecoderLM:
 def _tokens_per_s(engine, B: int, new: int, vocab: int) -> float:
     prompts = [[(7 * i + j) % vocab for j in range(16)] for i in range(B)]
     params = osd.SamplingParams(new)
-    engine.generate(prompts, params)                       # warm-up (captures graphs)
+    engine.generate(prompts, params)  # warm-up (captures graphs)
     best = 0.0
     for _ in range(2):
         if engine.device.type == "cuda":
@@ -136,10 +170,18 @@ def decode_and_speculation(dev, target_cfg, draft_cfg, batches, new: int) -> dic
     out = {"weights_GB": weight_bytes / 1e9, "batches": []}
     for B in batches:
         row = {"B": B}
-        for name, spec in (("plain", None), ("spec k=4", osd.SpecConfig(num_draft_tokens=4)),
-                           ("spec auto_k", osd.SpecConfig(num_draft_tokens=4, auto_k=True))):
-            eng = osd.Engine(target, draft=None if spec is None else draft, spec=spec,
-                             max_batch_size=B, max_seq_len=16 + new + 8)
+        for name, spec in (
+            ("plain", None),
+            ("spec k=4", osd.SpecConfig(num_draft_tokens=4)),
+            ("spec auto_k", osd.SpecConfig(num_draft_tokens=4, auto_k=True)),
+        ):
+            eng = osd.Engine(
+                target,
+                draft=None if spec is None else draft,
+                spec=spec,
+                max_batch_size=B,
+                max_seq_len=16 + new + 8,
+            )
             row[name] = _tokens_per_s(eng, B, new, target_cfg.vocab_size)
         # the fused decode layer (osd.models.fused_layers), off by default until measured
         before, fused_layers.FUSED_LAYERS = fused_layers.FUSED_LAYERS, "auto"
@@ -164,8 +206,13 @@ def host_time_per_step(dev, vocab: int, new: int) -> dict:
     target, draft = _model(tcfg, dev, torch.float32), _model(tcfg, dev, torch.float32)
     out = {}
     for name, spec in (("plain", None), ("spec k=4", osd.SpecConfig(num_draft_tokens=4))):
-        eng = osd.Engine(target, draft=None if spec is None else draft, spec=spec,
-                         max_batch_size=1, max_seq_len=16 + new + 8)
+        eng = osd.Engine(
+            target,
+            draft=None if spec is None else draft,
+            spec=spec,
+            max_batch_size=1,
+            max_seq_len=16 + new + 8,
+        )
         eng.generate([[1] * 16], osd.SamplingParams(new, ignore_eos=True))
         steps = []
         for _ in range(3):
@@ -202,14 +249,25 @@ def main(argv=None) -> int:
             print("error: no CUDA device (use --smoke to check the script)", file=sys.stderr)
             return 2
         V, reps, heads, new = 128256, 30, (32, 8, 128), 64
-        att_cases = [(1, 4096, 1), (1, 4096, 8), (1, 16384, 1), (1, 16384, 8),
-                     (1, 32768, 8), (8, 4096, 1), (8, 4096, 8)]
+        att_cases = [
+            (1, 4096, 1),
+            (1, 4096, 8),
+            (1, 16384, 1),
+            (1, 16384, 8),
+            (1, 32768, 8),
+            (8, 4096, 1),
+            (8, 4096, 8),
+        ]
         tcfg = ModelConfig("LlamaForCausalLM", 32000, 2048, 5632, 22, 32, 4, 64)
         dcfg = ModelConfig("LlamaForCausalLM", 32000, 512, 1408, 2, 8, 2, 64)
         batches = (1, 8, 64)
     backends = ["native", "triton"] if dev.type == "cuda" else ["native"]
-    res = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
-           "torch": torch.__version__, "hbm_tbps": args.hbm_tbps, "smoke": args.smoke}
+    res = {
+        "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "hbm_tbps": args.hbm_tbps,
+        "smoke": args.smoke,
+    }
     res["samplers"] = samplers(dev, V, reps, backends)
     res["attention"] = attention(dev, att_cases, heads, reps)
     res["decode"] = decode_and_speculation(dev, tcfg, dcfg, batches, new)
@@ -223,40 +281,64 @@ def main(argv=None) -> int:
 
 def report(res: dict) -> str:
     """The results as markdown tables."""
-    lines = [f"device {res['device']}, torch {res['torch']}, HBM {res['hbm_tbps']} TB/s"
-             f"{' (smoke: shapes shrunk, numbers meaningless)' if res['smoke'] else ''}", "",
-             "| sampler B | mode | backend | chain µs | tree µs | roofline µs |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"device {res['device']}, torch {res['torch']}, HBM {res['hbm_tbps']} TB/s"
+        f"{' (smoke: shapes shrunk, numbers meaningless)' if res['smoke'] else ''}",
+        "",
+        "| sampler B | mode | backend | chain µs | tree µs | roofline µs |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in res["samplers"]:
         tree = "-" if r["tree_us"] is None else f"{r['tree_us']:.1f}"
-        lines.append(f"| {r['B']} | {r['mode']} | {r['backend']} | {r['chain_us']:.1f} | "
-                     f"{tree} | {r['roofline_us']:.1f} |")
-    lines += ["", "| attention B | prefix | T | µs | roofline µs | roofline fraction |",
-              "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['B']} | {r['mode']} | {r['backend']} | {r['chain_us']:.1f} | "
+            f"{tree} | {r['roofline_us']:.1f} |"
+        )
+    lines += [
+        "",
+        "| attention B | prefix | T | µs | roofline µs | roofline fraction |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in res["attention"]:
-        lines.append(f"| {r['B']} | {r['prefix']} | {r['T']} | {r['us']:.1f} | "
-                     f"{r['roofline_us']:.1f} | {r['roofline_us'] / r['us']:.0%} |")
+        lines.append(
+            f"| {r['B']} | {r['prefix']} | {r['T']} | {r['us']:.1f} | "
+            f"{r['roofline_us']:.1f} | {r['roofline_us'] / r['us']:.0%} |"
+        )
     d = res["decode"]
-    lines += ["", f"decode: {d['weights_GB']:.2f} GB of weights; batch 1 roofline "
-              f"{d['roofline_tokens_per_s_b1']:.0f} tokens/s; plain reaches "
-              f"{d['plain_b1_fraction']:.0%} ({d['plain_fused_b1_fraction']:.0%} with the fused "
-              f"decode layer)", "",
-              "| batch | plain tokens/s | plain fused | spec k=4 | spec auto_k | auto_k / plain |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"decode: {d['weights_GB']:.2f} GB of weights; batch 1 roofline "
+        f"{d['roofline_tokens_per_s_b1']:.0f} tokens/s; plain reaches "
+        f"{d['plain_b1_fraction']:.0%} ({d['plain_fused_b1_fraction']:.0%} with the fused "
+        f"decode layer)",
+        "",
+        "| batch | plain tokens/s | plain fused | spec k=4 | spec auto_k | auto_k / plain |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in d["batches"]:
-        lines.append(f"| {r['B']} | {r['plain']:.0f} | {r['plain fused']:.0f} | "
-                     f"{r['spec k=4']:.0f} | {r['spec auto_k']:.0f} | "
-                     f"{r['spec auto_k'] / r['plain']:.2f}x |")
+        lines.append(
+            f"| {r['B']} | {r['plain']:.0f} | {r['plain fused']:.0f} | "
+            f"{r['spec k=4']:.0f} | {r['spec auto_k']:.0f} | "
+            f"{r['spec auto_k'] / r['plain']:.2f}x |"
+        )
     h = res.get("host_us_per_step")
-    lines += ["", "| goal | target | measured |", "|---|---|---|",
-              f"| plain decode, batch 1, fused decode layer | >= 60% of the HBM roofline | "
-              f"{d['plain_fused_b1_fraction']:.0%} |"]
+    lines += [
+        "",
+        "| goal | target | measured |",
+        "|---|---|---|",
+        f"| plain decode, batch 1, fused decode layer | >= 60% of the HBM roofline | "
+        f"{d['plain_fused_b1_fraction']:.0%} |",
+    ]
     for r in d["batches"]:
-        lines.append(f"| random draft, auto_k / plain, batch {r['B']} | >= 0.97x | "
-                     f"{r['spec auto_k'] / r['plain']:.2f}x |")
+        lines.append(
+            f"| random draft, auto_k / plain, batch {r['B']} | >= 0.97x | "
+            f"{r['spec auto_k'] / r['plain']:.2f}x |"
+        )
     if h:
-        lines.append(f"| host time per speculative step, batch 1 (tiny models) | <= 60 µs | "
-                     f"{h['spec k=4']:.0f} µs (plain step {h['plain']:.0f} µs) |")
+        lines.append(
+            f"| host time per speculative step, batch 1 (tiny models) | <= 60 µs | "
+            f"{h['spec k=4']:.0f} µs (plain step {h['plain']:.0f} µs) |"
+        )
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ tokens on HumanEval chat prompts, and prints for how many tokens llama.cpp's gre
 on the same file agrees (llama.cpp quantizes activations for its dot products, so the two
 part ways after a while; wrong weights would part at once).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,23 +40,31 @@ def check(path: str, prompts: int = 3, new_tokens: int = 64) -> None:
     plain = osd.Engine.from_pretrained(path, max_batch_size=1, max_seq_len=1024)
     quant = osd.Engine.from_pretrained(path, max_batch_size=1, max_seq_len=1024, quantized=True)
     m = quant.model
-    layers = [getattr(layer, n) for layer in m.layers
-              for n in ("wqkv", "wo", "w_gate_up", "w_down")] + [m.lm_head]
+    layers = [
+        getattr(layer, n) for layer in m.layers for n in ("wqkv", "wo", "w_gate_up", "w_down")
+    ] + [m.lm_head]
     held = [x for x in layers if isinstance(x, QuantLinear)]
-    qbytes = sum(t.numel() * t.element_size() for x in held
-                 for t in (x.qweight, x.scales, x.mins) if t is not None)
-    fbytes = sum(x.weight.numel() * x.weight.element_size() for x in layers
-                 if not isinstance(x, QuantLinear))
-    print(f"{path}: {len(held)} of {len(layers)} linear layers kept quantized "
-          f"({', '.join(sorted({x.fmt for x in held}))}): {qbytes / 2**20:.1f} MiB of codes "
-          f"and factors, {fbytes / 2**20:.1f} MiB float32 in the rest")
+    qbytes = sum(
+        t.numel() * t.element_size()
+        for x in held
+        for t in (x.qweight, x.scales, x.mins)
+        if t is not None
+    )
+    fbytes = sum(
+        x.weight.numel() * x.weight.element_size() for x in layers if not isinstance(x, QuantLinear)
+    )
+    print(
+        f"{path}: {len(held)} of {len(layers)} linear layers kept quantized "
+        f"({', '.join(sorted({x.fmt for x in held}))}): {qbytes / 2**20:.1f} MiB of codes "
+        f"and factors, {fbytes / 2**20:.1f} MiB float32 in the rest"
+    )
     ids = apply_chat_template(plain.tokenizer, humaneval.conversations(prompts, seed=11))
     params = osd.SamplingParams(new_tokens)
     ref = [o.token_ids for o in plain.generate(ids, params)]
-    assert [o.token_ids for o in quant.generate(ids, params)] == ref, \
+    assert [o.token_ids for o in quant.generate(ids, params)] == ref, (
         "quantized=True differs from the dequantized model"
-    print(f"quantized=True greedy == dequantized greedy on {prompts} prompts x {new_tokens} "
-          f"tokens")
+    )
+    print(f"quantized=True greedy == dequantized greedy on {prompts} prompts x {new_tokens} tokens")
     llm = llama_cpp.Llama(path, n_threads=2, n_ctx=1024, verbose=False)
     agree = []
     for p, r in zip(ids, ref):
@@ -64,17 +73,23 @@ def check(path: str, prompts: int = 3, new_tokens: int = 64) -> None:
             if t in plain.eos_token_ids or len(out) >= new_tokens:
                 break
             out.append(t)
-        agree.append(next((i for i, (x, y) in enumerate(zip(out, r)) if x != y),
-                          min(len(out), len(r))))
-    print(f"llama.cpp greedy on the same file agrees with osd for the first {agree} tokens "
-          f"(of {[len(r) for r in ref]})")
+        agree.append(
+            next((i for i, (x, y) in enumerate(zip(out, r)) if x != y), min(len(out), len(r)))
+        )
+    print(
+        f"llama.cpp greedy on the same file agrees with osd for the first {agree} tokens "
+        f"(of {[len(r) for r in ref]})"
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", default=None, help="input GGUF (default: the chat target)")
-    parser.add_argument("--ftype", default="Q4_K_M",
-                        help="llama.cpp file type name: Q4_K_M, Q5_K_M, Q3_K_M, Q2_K, ...")
+    parser.add_argument(
+        "--ftype",
+        default="Q4_K_M",
+        help="llama.cpp file type name: Q4_K_M, Q5_K_M, Q3_K_M, Q2_K, ...",
+    )
     parser.add_argument("--out", help="the GGUF file to write")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--check", metavar="FILE", help="check FILE instead (see above)")
@@ -84,8 +99,9 @@ def main(argv=None) -> int:
     try:
         import llama_cpp
     except ImportError:
-        print("error: llama-cpp-python is not installed (pip install -e '.[bench]')",
-              file=sys.stderr)
+        print(
+            "error: llama-cpp-python is not installed (pip install -e '.[bench]')", file=sys.stderr
+        )
         return 2
     if args.check:
         check(args.check)
@@ -93,6 +109,7 @@ def main(argv=None) -> int:
     source = args.source
     if source is None:
         from osd.zoo import chat
+
         source = chat.fetch_target()
     ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{args.ftype.upper()}", None)
     if ftype is None:
@@ -102,8 +119,9 @@ def main(argv=None) -> int:
     params.ftype = ftype
     params.nthread = args.threads
     params.allow_requantize = True
-    rc = llama_cpp.llama_model_quantize(os.fsencode(source), os.fsencode(args.out),
-                                        ctypes.byref(params))
+    rc = llama_cpp.llama_model_quantize(
+        os.fsencode(source), os.fsencode(args.out), ctypes.byref(params)
+    )
     if rc != 0:
         print(f"error: llama_model_quantize returned {rc}", file=sys.stderr)
         return 1
@@ -111,8 +129,10 @@ def main(argv=None) -> int:
     for info in GGUFFile(args.out).tensors.values():
         name = type_name(info.type)
         counts[name] = counts.get(name, 0) + 1
-    print(f"wrote {args.out} ({os.path.getsize(args.out) / 2**20:.1f} MiB): tensors by type "
-          + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    print(
+        f"wrote {args.out} ({os.path.getsize(args.out) / 2**20:.1f} MiB): tensors by type "
+        + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    )
     return 0
 
 

@@ -1,6 +1,7 @@
 """``osd.AsyncEngine``: requests join and leave a running batch, each with its own
 sampling parameters, and each gets exactly what it gets alone; aborts, bad requests and
 failing rows leave the rest of the batch untouched."""
+
 import asyncio
 
 import pytest
@@ -20,20 +21,23 @@ def pair():
 
 
 def _engine(pair, drafts=1, **kw):
-    draft = list(pair[1:1 + drafts]) if drafts > 1 else pair[1] if drafts else None
+    draft = list(pair[1 : 1 + drafts]) if drafts > 1 else pair[1] if drafts else None
     spec = osd.SpecConfig(num_draft_tokens=3) if drafts else None
-    return osd.Engine.from_pretrained(pair[0], draft=draft, spec=spec, max_batch_size=4,
-                                      max_seq_len=MAX_SEQ, **kw)
+    return osd.Engine.from_pretrained(
+        pair[0], draft=draft, spec=spec, max_batch_size=4, max_seq_len=MAX_SEQ, **kw
+    )
 
 
 # Mixed parameters: greedy, sampled with top-k / top-p, stop ids, several lengths.
-MIXED = [osd.SamplingParams(14),
-         osd.SamplingParams(11, temperature=0.8, top_k=5, seed=3),
-         osd.SamplingParams(16, temperature=1.1, top_p=0.9, seed=4),
-         osd.SamplingParams(9, temperature=0.7, top_k=20, top_p=0.8, seed=5),
-         osd.SamplingParams(13, stop_token_ids=[7, 8]),
-         osd.SamplingParams(12, temperature=0.9, seed=6),
-         osd.SamplingParams(10, temperature=0.5, top_k=3, seed=7)]
+MIXED = [
+    osd.SamplingParams(14),
+    osd.SamplingParams(11, temperature=0.8, top_k=5, seed=3),
+    osd.SamplingParams(16, temperature=1.1, top_p=0.9, seed=4),
+    osd.SamplingParams(9, temperature=0.7, top_k=20, top_p=0.8, seed=5),
+    osd.SamplingParams(13, stop_token_ids=[7, 8]),
+    osd.SamplingParams(12, temperature=0.9, seed=6),
+    osd.SamplingParams(10, temperature=0.5, top_k=3, seed=7),
+]
 
 
 async def _collect(aeng, prompt, params, request_id=None, delay=0.0, snapshots=None):
@@ -55,8 +59,13 @@ def test_staggered_requests_with_mixed_params_equal_each_alone(pair, drafts):
 
     async def main():
         # 7 requests over 4 rows, arriving while others run.
-        return await asyncio.gather(*[_collect(aeng, p, sp, delay=0.003 * i)
-                                      for i, (p, sp) in enumerate(zip(prompts, MIXED))])
+        return await asyncio.gather(
+            *[
+                _collect(aeng, p, sp, delay=0.003 * i)
+                for i, (p, sp) in enumerate(zip(prompts, MIXED))
+            ]
+        )
+
     try:
         got = asyncio.run(main())
     finally:
@@ -94,8 +103,11 @@ def test_abort_frees_the_row_and_the_rest_go_on(pair):
                 if n == 2:
                     await aeng.abort("victim")
             return out
-        return await asyncio.gather(victim(), _collect(aeng, prompts[1], sp),
-                                    _collect(aeng, prompts[2], sp))
+
+        return await asyncio.gather(
+            victim(), _collect(aeng, prompts[1], sp), _collect(aeng, prompts[2], sp)
+        )
+
     try:
         got = asyncio.run(main())
         stats = aeng.stats
@@ -114,6 +126,7 @@ def test_a_consumer_that_stops_listening_aborts_its_request(pair):
         await gen.__anext__()
         await gen.aclose()
         return await _collect(aeng, [3, 4, 5], osd.SamplingParams(5))
+
     try:
         out = asyncio.run(main())
         for _ in range(100):
@@ -132,11 +145,13 @@ def test_bad_requests_mid_batch_are_refused_and_the_batch_is_unaffected(pair):
     sp = osd.SamplingParams(30, temperature=0.8, seed=1)
     alone = [_engine(pair).generate([p], sp)[0] for p in prompts]
     aeng = osd.AsyncEngine(_engine(pair))
-    bad = [([1, 2, 3], osd.SamplingParams(MAX_SEQ), "maximum context"),
-           ([1] * MAX_SEQ, osd.SamplingParams(1), "longer than the maximum"),
-           ([1, 2, 10_000], osd.SamplingParams(4), "outside the vocabulary"),
-           ([1, 2], "greedy", "SamplingParams"),
-           ([], osd.SamplingParams(4), "empty")]
+    bad = [
+        ([1, 2, 3], osd.SamplingParams(MAX_SEQ), "maximum context"),
+        ([1] * MAX_SEQ, osd.SamplingParams(1), "longer than the maximum"),
+        ([1, 2, 10_000], osd.SamplingParams(4), "outside the vocabulary"),
+        ([1, 2], "greedy", "SamplingParams"),
+        ([], osd.SamplingParams(4), "empty"),
+    ]
 
     async def main():
         running = [asyncio.create_task(_collect(aeng, p, sp)) for p in prompts]
@@ -156,6 +171,7 @@ def test_bad_requests_mid_batch_are_refused_and_the_batch_is_unaffected(pair):
         await aeng.abort("same")
         await dup
         return errors, await asyncio.gather(*running)
+
     try:
         errors, got = asyncio.run(main())
         stats = aeng.stats
@@ -181,6 +197,7 @@ def _poison(engine, victim_prompt, after=2):
                     if r.prompt == victim_prompt and len(r.generated) >= after:
                         logits[b] = float("nan")
         return logits
+
     model.forward = forward
 
 
@@ -204,8 +221,10 @@ def test_nonfinite_logits_fail_one_request_only(pair, online):
     aeng = osd.AsyncEngine(eng)
 
     async def main():
-        return await asyncio.gather(*[_collect(aeng, p, sp) for p in prompts],
-                                    return_exceptions=True)
+        return await asyncio.gather(
+            *[_collect(aeng, p, sp) for p in prompts], return_exceptions=True
+        )
+
     try:
         got = asyncio.run(main())
     finally:
@@ -254,11 +273,13 @@ def test_requests_of_different_drafts_share_the_steps(pair):
     def step():
         seen.append(tuple(len(lane.active) for lane in eng.lanes))
         real()
+
     eng.step = step
     aeng = osd.AsyncEngine(eng)
 
     async def main():
         return await asyncio.gather(*[_collect(aeng, p, sp) for p in prompts])
+
     try:
         got = asyncio.run(main())
         stats = aeng.stats
@@ -298,11 +319,19 @@ def test_a_request_may_pick_its_draft(pair):
 def test_long_prompts_prefill_piece_by_piece_between_decode_steps(pair, online):
     """With 16-token prefill pieces, a 90-token prompt is staged: the running requests
     keep decoding while it prefills, and everyone's output equals its output alone."""
+
     def engine():
         cfg = osd.OnlineConfig(background=False, prompt_positions=24) if online else None
-        return osd.Engine.from_pretrained(pair[0], draft=pair[1], online=cfg,
-                                          spec=osd.SpecConfig(num_draft_tokens=3),
-                                          max_batch_size=3, max_seq_len=160, prefill_chunk=16)
+        return osd.Engine.from_pretrained(
+            pair[0],
+            draft=pair[1],
+            online=cfg,
+            spec=osd.SpecConfig(num_draft_tokens=3),
+            max_batch_size=3,
+            max_seq_len=160,
+            prefill_chunk=16,
+        )
+
     short, long_ = prompts_of([6, 90, 9], seed=95), None
     long_ = short.pop(1)
     sp = osd.SamplingParams(30)
@@ -315,13 +344,17 @@ def test_long_prompts_prefill_piece_by_piece_between_decode_steps(pair, online):
         if lane.staging is not None and lane.active:
             overlap.append(len(lane.active))
         real(lane)
+
     eng._step_lane = step_lane
     aeng = osd.AsyncEngine(eng)
 
     async def main():
-        return await asyncio.gather(_collect(aeng, short[0], sp),
-                                    _collect(aeng, long_, sp, delay=0.02),
-                                    _collect(aeng, short[1], sp, delay=0.03))
+        return await asyncio.gather(
+            _collect(aeng, short[0], sp),
+            _collect(aeng, long_, sp, delay=0.02),
+            _collect(aeng, short[1], sp, delay=0.03),
+        )
+
     try:
         got = asyncio.run(main())
         stats = aeng.stats
@@ -329,7 +362,7 @@ def test_long_prompts_prefill_piece_by_piece_between_decode_steps(pair, online):
         aeng.close()
     for p, g in zip([short[0], long_, short[1]], got):
         assert g.token_ids == alone[tuple(p)]
-    assert len(overlap) >= 3          # at least three pieces while others decoded
+    assert len(overlap) >= 3  # at least three pieces while others decoded
     assert stats["running"] == 0
 
 
@@ -344,15 +377,22 @@ def test_prompt_lookup_rows_get_what_they_get_alone(pair, tree_below):
     spec = osd.SpecConfig(num_draft_tokens=3, prompt_lookup=True, lookup_tree_below=tree_below)
 
     def engine():
-        return osd.Engine.from_pretrained(pair[0], draft=pair[1], spec=spec, max_batch_size=4,
-                                          max_seq_len=MAX_SEQ)
+        return osd.Engine.from_pretrained(
+            pair[0], draft=pair[1], spec=spec, max_batch_size=4, max_seq_len=MAX_SEQ
+        )
+
     alone_engine = engine()
     alone = [alone_engine.generate([p], sp)[0] for p, sp in zip(prompts, MIXED)]
     aeng = osd.AsyncEngine(engine())
 
     async def main():
-        return await asyncio.gather(*[_collect(aeng, p, sp, delay=0.003 * i)
-                                      for i, (p, sp) in enumerate(zip(prompts, MIXED))])
+        return await asyncio.gather(
+            *[
+                _collect(aeng, p, sp, delay=0.003 * i)
+                for i, (p, sp) in enumerate(zip(prompts, MIXED))
+            ]
+        )
+
     try:
         got = asyncio.run(main())
         stats = aeng.engine.stats

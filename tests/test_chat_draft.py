@@ -3,6 +3,7 @@
 SmolLM2-135M-Instruct vocabulary, and greedy speculative decoding with it reproduces
 plain greedy decoding; the same for its EAGLE draft (``osd/zoo/weights/chat_eagle``).
 Skipped when the GGUF target is not cached."""
+
 import json
 import os
 
@@ -13,11 +14,17 @@ import osd
 from osd.models.loading import load_model
 from osd.zoo import chat as zoo_chat
 
-DRAFT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         "osd", "zoo", "weights", "chat_draft")
+DRAFT_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "osd",
+    "zoo",
+    "weights",
+    "chat_draft",
+)
 
-needs_target = pytest.mark.skipif(zoo_chat.cached_target() is None,
-                                  reason="SmolLM2 GGUF not cached; run osd.zoo.chat_pair() once")
+needs_target = pytest.mark.skipif(
+    zoo_chat.cached_target() is None, reason="SmolLM2 GGUF not cached; run osd.zoo.chat_pair() once"
+)
 
 
 def test_checkpoint_files():
@@ -69,14 +76,23 @@ def test_speculative_equals_plain_greedy():
     """``Engine.from_pretrained(gguf, draft=DRAFT_DIR)`` works unchanged, and its greedy
     answer to a chat prompt equals plain greedy decoding token for token; the draft gets
     some of its proposals accepted."""
-    engine = osd.Engine.from_pretrained(zoo_chat.cached_target(), draft=DRAFT_DIR,
-                                        max_batch_size=1, max_seq_len=256,
-                                        spec=osd.SpecConfig(num_draft_tokens=4))
+    engine = osd.Engine.from_pretrained(
+        zoo_chat.cached_target(),
+        draft=DRAFT_DIR,
+        max_batch_size=1,
+        max_seq_len=256,
+        spec=osd.SpecConfig(num_draft_tokens=4),
+    )
     assert engine.draft.vocab_size == engine.model.vocab_size == len(engine.tokenizer)
-    plain = osd.Engine(engine.model, tokenizer=engine.tokenizer, max_batch_size=1,
-                       max_seq_len=256)
-    conv = [[{"role": "user", "content": "Write a Python function that returns the square "
-                                         "of a number."}]]
+    plain = osd.Engine(engine.model, tokenizer=engine.tokenizer, max_batch_size=1, max_seq_len=256)
+    conv = [
+        [
+            {
+                "role": "user",
+                "content": "Write a Python function that returns the square of a number.",
+            }
+        ]
+    ]
     params = osd.SamplingParams(max_new_tokens=32)
     want = plain.chat(conv, params)[0]
     got = engine.chat(conv, params)[0]
@@ -103,8 +119,10 @@ def test_eagle_checkpoint_files():
         keys = set(f.keys())
         assert {f.get_slice(k).get_dtype() for k in keys} == {"F16"}
     assert "fc.weight" in keys and not keys & {"embed_tokens.weight", "lm_head.weight"}
-    with open(os.path.join(path, "head_vocab.json")) as f, \
-            open(os.path.join(DRAFT_DIR, "head_vocab.json")) as g:
+    with (
+        open(os.path.join(path, "head_vocab.json")) as f,
+        open(os.path.join(DRAFT_DIR, "head_vocab.json")) as g,
+    ):
         assert json.load(f) == json.load(g)
 
 
@@ -115,15 +133,26 @@ def test_eagle_speculative_equals_plain_greedy():
     greedy decoding, with and without prompt lookup, and the EAGLE draft is accepted."""
     target = zoo_chat.cached_target()
     plain = osd.Engine.from_pretrained(target, max_batch_size=2, max_seq_len=256)
-    convs = [[{"role": "user", "content": "Write a Python function that returns the square "
-                                          "of a number."}],
-             [{"role": "user", "content": "Explain what a linked list is in two sentences."}]]
+    convs = [
+        [
+            {
+                "role": "user",
+                "content": "Write a Python function that returns the square of a number.",
+            }
+        ],
+        [{"role": "user", "content": "Explain what a linked list is in two sentences."}],
+    ]
     params = osd.SamplingParams(max_new_tokens=32)
     want = [o.token_ids for o in plain.chat(convs, params)]
     for lookup in (False, True):
-        engine = osd.Engine(plain.model, draft=osd.load_eagle(zoo_chat.chat_eagle(), plain.model),
-                            tokenizer=plain.tokenizer, max_batch_size=2, max_seq_len=256,
-                            spec=osd.SpecConfig(num_draft_tokens=4, prompt_lookup=lookup))
+        engine = osd.Engine(
+            plain.model,
+            draft=osd.load_eagle(zoo_chat.chat_eagle(), plain.model),
+            tokenizer=plain.tokenizer,
+            max_batch_size=2,
+            max_seq_len=256,
+            spec=osd.SpecConfig(num_draft_tokens=4, prompt_lookup=lookup),
+        )
         assert [o.token_ids for o in engine.chat(convs, params)] == want
         assert engine.stats["accepted"] > 0
 
@@ -140,10 +169,18 @@ def test_shipped_drafts_serve_with_their_recommended_settings():
     target = zoo_chat.cached_target()
     kw = dict(max_batch_size=2, max_seq_len=256)
     plain = osd.Engine.from_pretrained(target, quantized=False, **kw)
-    convs = [[{"role": "user", "content": "Write a Python function that returns the "
-                                          "largest of three numbers."}],
-             [{"role": "system", "content": "Answer briefly."},
-              {"role": "user", "content": "What does a hash map do?"}]]
+    convs = [
+        [
+            {
+                "role": "user",
+                "content": "Write a Python function that returns the largest of three numbers.",
+            }
+        ],
+        [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "What does a hash map do?"},
+        ],
+    ]
     params = osd.SamplingParams(max_new_tokens=32)
     want = [o.token_ids for o in plain.chat(convs, params)]
     for path in (DRAFT_DIR, zoo_chat.chat_eagle()):
@@ -159,5 +196,6 @@ def test_shipped_drafts_serve_with_their_recommended_settings():
     quant_plain = osd.Engine.from_pretrained(target, **kw)
     engine = osd.Engine.from_pretrained(target, draft=DRAFT_DIR, **kw)
     assert engine.spec.drafter == "ngram" and engine.draft is None
-    assert [o.token_ids for o in engine.chat(convs, params)] == \
-        [o.token_ids for o in quant_plain.chat(convs, params)]
+    assert [o.token_ids for o in engine.chat(convs, params)] == [
+        o.token_ids for o in quant_plain.chat(convs, params)
+    ]

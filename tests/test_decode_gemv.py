@@ -9,6 +9,7 @@ of up to 1,100 terms summed in another order). bfloat16: within 2^-5 of the larg
 rounds to nearest, and the result goes through up to five roundings (norm, projection,
 SiLU, product or scale, residual add), each of which may differ by one ulp.
 """
+
 import pytest
 import torch
 
@@ -28,16 +29,23 @@ VARIANTS = {
 
 def _case(gen, M, K, N, dtype, gated):
     x = torch.randn(M, K, generator=gen).to(dtype)
-    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(dtype)
     out = N // 2 if gated else N
-    return x, w, dict(bias=torch.randn(N, generator=gen).to(dtype),
-                      norm=(1 + 0.1 * torch.randn(K, generator=gen)).to(dtype),
-                      residual=torch.randn(M, out, generator=gen).to(dtype))
+    return (
+        x,
+        w,
+        dict(
+            bias=torch.randn(N, generator=gen).to(dtype),
+            norm=(1 + 0.1 * torch.randn(K, generator=gen)).to(dtype),
+            residual=torch.randn(M, out, generator=gen).to(dtype),
+        ),
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M, K, N", [(1, 37, 14), (3, 515, 46), (5, 64, 30), (8, 257, 18),
-                                     (11, 1100, 22)])
+@pytest.mark.parametrize(
+    "M, K, N", [(1, 37, 14), (3, 515, 46), (5, 64, 30), (8, 257, 18), (11, 1100, 22)]
+)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_triton_matches_reference(device, dtype, M, K, N, variant):
     gen = torch.Generator().manual_seed(M * 10**4 + K * 10 + N)
@@ -58,7 +66,7 @@ def test_rows_of_a_batch_and_auto():
     gen = torch.Generator().manual_seed(9)
     wide = torch.randn(2, 3, 2 * 45, generator=gen)
     x = wide[..., :45]
-    w = torch.randn(20, 45, generator=gen) / 45 ** 0.5
+    w = torch.randn(20, 45, generator=gen) / 45**0.5
     ref = decode_gemv_reference(x, w)
     torch.testing.assert_close(decode_gemv(x, w, backend="triton"), ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(decode_gemv(x, w), ref)

@@ -8,6 +8,7 @@ references run on CPU inputs under :class:`DefaultDeviceElsewhere`, which sends 
 factory call whose device would come from the default to the 'meta' device instead, and
 fails on the first op that returns a tensor off the inputs' device, naming it.
 """
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -16,14 +17,24 @@ from torch.utils._pytree import tree_flatten
 
 from osd_kernels import philox
 from osd_kernels.decode_linear import decode_linear, decode_linear_reference
-from osd_kernels.distill_loss import (distill_loss, distill_loss_fwd_bwd_reference,
-                                      distill_loss_reference)
+from osd_kernels.distill_loss import (
+    distill_loss,
+    distill_loss_fwd_bwd_reference,
+    distill_loss_reference,
+)
 from osd_kernels.kv_rollback import chain_rollback, kv_rollback, kv_rollback_reference
 from osd_kernels.rejection_sample import rejection_sample, rejection_sample_reference
-from osd_kernels.tree_attention import (causal_tree_mask, tree_attention,
-                                        tree_attention_reference, tree_mask_from_parents)
-from osd_kernels.tree_rejection_sample import (tree_depths, tree_rejection_sample,
-                                               tree_rejection_sample_reference)
+from osd_kernels.tree_attention import (
+    causal_tree_mask,
+    tree_attention,
+    tree_attention_reference,
+    tree_mask_from_parents,
+)
+from osd_kernels.tree_rejection_sample import (
+    tree_depths,
+    tree_rejection_sample,
+    tree_rejection_sample_reference,
+)
 from osd_kernels.warp import warp_probs
 
 # Factories that take their device from their data when it is a tensor.
@@ -50,8 +61,10 @@ class DefaultDeviceElsewhere(TorchFunctionMode):
             if isinstance(t, torch.Tensor) and t.device != self.expected:
                 name = getattr(func, "__qualname__", repr(func))
                 name = name.replace("_VariableFunctionsClass", "torch")
-                raise AssertionError(f"{name} returned a tensor on {t.device}; the inputs are "
-                                     f"on {self.expected} (a tensor created without device=?)")
+                raise AssertionError(
+                    f"{name} returned a tensor on {t.device}; the inputs are "
+                    f"on {self.expected} (a tensor created without device=?)"
+                )
         return out
 
 
@@ -72,8 +85,9 @@ def test_mode_catches_a_tensor_created_without_device():
         _run_clean(lambda: x + torch.arange(4))
     # the pattern philox_uniform once had: a Python index made a tensor on the default device
     with pytest.raises(AssertionError, match="meta"):
-        _run_clean(lambda: philox.philox4x32_10(torch.as_tensor(0, dtype=torch.int64) >> 2,
-                                                x, 0, 0, x, x))
+        _run_clean(
+            lambda: philox.philox4x32_10(torch.as_tensor(0, dtype=torch.int64) >> 2, x, 0, 0, x, x)
+        )
     # tensors that follow their inputs pass, and so do explicit devices
     _run_clean(lambda: torch.as_tensor(x, dtype=torch.float32) + torch.full_like(x, 2))
     _run_clean(lambda: torch.arange(4, device=x.device) + torch.zeros((), device="cpu"))
@@ -93,19 +107,27 @@ def test_warp_probs():
     logits = torch.randn(3, 17)
     _run_clean(warp_probs, logits)
     _run_clean(warp_probs, logits, 0.7, 5, 0.9)
-    _run_clean(warp_probs, logits, torch.tensor([0.5, 1.0, 0.0]),
-               torch.tensor([0, 3, 20], dtype=torch.int32), torch.tensor([1.0, 0.8, 0.5]))
+    _run_clean(
+        warp_probs,
+        logits,
+        torch.tensor([0.5, 1.0, 0.0]),
+        torch.tensor([0, 3, 20], dtype=torch.int32),
+        torch.tensor([1.0, 0.8, 0.5]),
+    )
 
 
 def _chain_case(gen, B=3, K=4, V=23):
     logits = torch.randn(B, K + 1, V, generator=gen) * 2
     q = torch.softmax(torch.randn(B, K, V, generator=gen), -1)
     drafts = torch.multinomial(q.reshape(-1, V), 1, generator=gen).reshape(B, K)
-    kw = dict(temperature=torch.tensor([0.0, 0.8, 1.2]),
-              top_k=torch.tensor([0, 5, 0], dtype=torch.int32),
-              top_p=torch.tensor([1.0, 0.9, 0.7]),
-              seed=torch.tensor([1, 2, 3]), offset=torch.tensor([0, 5, 9]),
-              num_draft_tokens=torch.tensor([4, 2, 3], dtype=torch.int32))
+    kw = dict(
+        temperature=torch.tensor([0.0, 0.8, 1.2]),
+        top_k=torch.tensor([0, 5, 0], dtype=torch.int32),
+        top_p=torch.tensor([1.0, 0.9, 0.7]),
+        seed=torch.tensor([1, 2, 3]),
+        offset=torch.tensor([0, 5, 9]),
+        num_draft_tokens=torch.tensor([4, 2, 3], dtype=torch.int32),
+    )
     return logits, drafts, q, kw
 
 
@@ -115,30 +137,52 @@ def test_rejection_sample(with_q):
     logits, drafts, q, kw = _chain_case(gen)
     q = q if with_q else None
     _run_clean(rejection_sample_reference, logits, drafts, q, **kw)
-    _run_clean(rejection_sample_reference, logits, drafts, q, temperature=0.9, top_k=4,
-               top_p=0.95, generator=torch.Generator().manual_seed(1))
+    _run_clean(
+        rejection_sample_reference,
+        logits,
+        drafts,
+        q,
+        temperature=0.9,
+        top_k=4,
+        top_p=0.95,
+        generator=torch.Generator().manual_seed(1),
+    )
     _run_clean(rejection_sample, logits, drafts, q, backend="reference", **kw)
 
 
-@pytest.mark.parametrize("with_q,without_replacement", [(True, False), (True, True),
-                                                        (False, False)])
+@pytest.mark.parametrize(
+    "with_q,without_replacement", [(True, False), (True, True), (False, False)]
+)
 def test_tree_rejection_sample(with_q, without_replacement):
     gen = torch.Generator().manual_seed(0)
     B, T, V = 3, 6, 19
-    parents = torch.tensor([[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 2, 3, 4], [-1, 0, 0, 0, -1, 3]],
-                           dtype=torch.int32)
+    parents = torch.tensor(
+        [[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 2, 3, 4], [-1, 0, 0, 0, -1, 3]], dtype=torch.int32
+    )
     logits = torch.randn(B, T, V, generator=gen) * 2
     q = torch.softmax(torch.randn(B, T, V, generator=gen), -1) if with_q else None
     tokens = torch.randint(0, V, (B, T), generator=gen)
     tokens[:, 1] = logits[:, 0].argmax(-1)  # some greedy acceptances
-    kw = dict(temperature=torch.tensor([0.0, 0.9, 1.1]),
-              top_k=torch.tensor([0, 6, 0], dtype=torch.int32),
-              top_p=torch.tensor([1.0, 1.0, 0.8]), seed=torch.tensor([4, 5, 6]),
-              offset=torch.tensor([1, 2, 3]), without_replacement=without_replacement)
+    kw = dict(
+        temperature=torch.tensor([0.0, 0.9, 1.1]),
+        top_k=torch.tensor([0, 6, 0], dtype=torch.int32),
+        top_p=torch.tensor([1.0, 1.0, 0.8]),
+        seed=torch.tensor([4, 5, 6]),
+        offset=torch.tensor([1, 2, 3]),
+        without_replacement=without_replacement,
+    )
     _run_clean(tree_depths, parents)
     _run_clean(tree_rejection_sample_reference, logits, tokens, parents, q, **kw)
-    _run_clean(tree_rejection_sample_reference, logits, tokens, parents, q, temperature=0.8,
-               generator=torch.Generator().manual_seed(2), max_depth=2)
+    _run_clean(
+        tree_rejection_sample_reference,
+        logits,
+        tokens,
+        parents,
+        q,
+        temperature=0.8,
+        generator=torch.Generator().manual_seed(2),
+        max_depth=2,
+    )
     _run_clean(tree_rejection_sample, logits, tokens, parents, q, backend="reference", **kw)
 
 
@@ -165,8 +209,7 @@ def test_distill_loss(loss):
     _run_clean(distill_loss_reference, z, (ids, probs), loss=loss)
     _run_clean(distill_loss_fwd_bwd_reference, z.detach(), t, None, None, mask, loss, 0.3, 2)
     _run_clean(distill_loss_fwd_bwd_reference, z.detach(), None, ids, probs, None, loss, 0.3, 3)
-    _run_clean(distill_loss, z, (ids, probs), loss=loss, mask=mask,
-               backend="reference").backward()
+    _run_clean(distill_loss, z, (ids, probs), loss=loss, mask=mask, backend="reference").backward()
 
 
 def test_decode_linear():

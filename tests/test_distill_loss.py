@@ -3,6 +3,7 @@ lower-bound properties, every backend's loss and gradient against autograd of th
 (every loss, beta in {0, 0.1, 0.5, 0.9, 1}, full and top-k targets, masks including
 all-masked), dtypes, strided inputs, what the fused op keeps for backward, and opcheck.
 """
+
 import zlib
 
 import pytest
@@ -17,8 +18,9 @@ from tests.conftest import backends_for
 # the NaN (e.g. 0 * -inf) in the side that is thrown away.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
-LOSS_BETAS = ([("fkl", 0.5), ("rkl", 0.5), ("tvd", 0.5)]
-              + [("jsd", b) for b in (0.0, 0.1, 0.5, 0.9, 1.0)])
+LOSS_BETAS = [("fkl", 0.5), ("rkl", 0.5), ("tvd", 0.5)] + [
+    ("jsd", b) for b in (0.0, 0.1, 0.5, 0.9, 1.0)
+]
 BACKENDS = ["reference", "native", "triton"]
 
 
@@ -56,6 +58,7 @@ def _compare(draft, target, backend, what, **kw):
     loss, grad = _grads(draft, target, backend, **kw)
     assert loss.dtype == torch.float32 and loss.dim() == 0
     assert grad.dtype == draft.dtype and grad.shape == draft.shape
+
     def msg(m):
         return f"{what}: {m}"
 
@@ -71,6 +74,7 @@ def _compare(draft, target, backend, what, **kw):
 
 
 # ---- the reference ---------------------------------------------------------------------
+
 
 def test_reference_closed_forms():
     gen = torch.Generator().manual_seed(0)
@@ -124,6 +128,7 @@ def test_topk_is_a_lower_bound_of_the_full_divergence():
 
 # ---- every backend against autograd of the reference -----------------------------------
 
+
 @pytest.mark.parametrize("form", ["full", "topk"])
 @pytest.mark.parametrize("loss,beta", LOSS_BETAS)
 def test_gradients_match_autograd(device, form, loss, beta):
@@ -136,8 +141,15 @@ def test_gradients_match_autograd(device, form, loss, beta):
         mask = (torch.rand(N, generator=gen) > 0.3).to(device)
         mask[0] = True
         for m in (mask, None):
-            _compare(draft, target, backend, f"{backend} {form} {loss} {beta}",
-                     loss=loss, beta=beta, mask=m)
+            _compare(
+                draft,
+                target,
+                backend,
+                f"{backend} {form} {loss} {beta}",
+                loss=loss,
+                beta=beta,
+                mask=m,
+            )
 
 
 @pytest.mark.parametrize("form", ["full", "topk"])
@@ -183,7 +195,7 @@ def test_strided_inputs(device):
     gen = torch.Generator().manual_seed(6)
     N, V = 7, 150
     draft = _logits(gen, N, 2 * V).to(device)[:, ::2]
-    target = _logits(gen, N, V + 9).to(device)[:, 4:V + 4]
+    target = _logits(gen, N, V + 9).to(device)[:, 4 : V + 4]
     ids, probs = _topk_target(gen, N, V, 12)
     ids, probs = ids.to(device)[:, ::2], probs.to(device)[:, ::2]
     assert not (draft.is_contiguous() or target.is_contiguous() or ids.is_contiguous())
@@ -216,6 +228,7 @@ def test_extreme_logits_stay_finite(device):
 
 
 # ---- the fused op's contract -----------------------------------------------------------
+
 
 def test_backward_keeps_only_the_gradient():
     """The fused loss keeps for backward the [N, V] gradient in the draft dtype and a scalar."""

@@ -4,23 +4,37 @@ plain, sampled joint equal to the target's); the drafter's root distribution at 
 equals a teacher-forced forward over the committed sequence (the feature plumbing through
 prefill, staged long prompts, verify, prompt lookup and row moves); it trains with
 ``eagle_loss``; checkpoints load on top of a target; bad uses fail clearly."""
+
 import pytest
 import torch
 
 import osd
 from osd.demo import DemoConfig, draft_cost_ratio
 from osd.eagle_drafter import EagleDrafter
-from osd.models.eagle import (EagleLM, eagle_loss, head_probs, is_eagle_checkpoint,
-                              load_eagle, save_eagle)
+from osd.models.eagle import (
+    EagleLM,
+    eagle_loss,
+    head_probs,
+    is_eagle_checkpoint,
+    load_eagle,
+    save_eagle,
+)
 from osd.models.loading import load_model
 from tests.test_models import VOCAB, tiny_hf_model
-from tests.test_speculative import (V_SMALL, _small_pair, assert_joint_follows_target,
-                                    prompts_of, serve_in_batches)
+from tests.test_speculative import (
+    V_SMALL,
+    _small_pair,
+    assert_joint_follows_target,
+    prompts_of,
+    serve_in_batches,
+)
 
 
 # Draft trees: a chain of three with siblings at the first two depths; a dynamic one.
-TREES = {"tree": [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)],
-         "dynamic-tree": osd.DynamicTree(topk=2, depth=3, max_nodes=5)}
+TREES = {
+    "tree": [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)],
+    "dynamic-tree": osd.DynamicTree(topk=2, depth=3, max_nodes=5),
+}
 
 
 def _eagle(target, seed: int, head_ids=None, std: float = 0.3) -> EagleLM:
@@ -34,14 +48,13 @@ def _trained(target, steps: int = 60, seed: int = 0, head_ids=None) -> EagleLM:
     draft = _eagle(target, seed, head_ids, std=0.05)
     eng = osd.Engine(target, max_batch_size=8, max_seq_len=96)
     prompts = prompts_of([6, 9, 4, 11, 7, 5, 8, 10], seed=seed + 1)
-    seqs = [p + o.token_ids for p, o in zip(prompts, eng.generate(prompts,
-                                                                  osd.SamplingParams(24)))]
+    seqs = [p + o.token_ids for p, o in zip(prompts, eng.generate(prompts, osd.SamplingParams(24)))]
     T = max(map(len, seqs))
     tokens = torch.zeros(len(seqs), T, dtype=torch.int64)
     mask = torch.zeros(len(seqs), T, dtype=torch.bool)
     for b, s in enumerate(seqs):
-        tokens[b, :len(s)] = torch.tensor(s)
-        mask[b, :len(s)] = True
+        tokens[b, : len(s)] = torch.tensor(s)
+        mask[b, : len(s)] = True
     with torch.no_grad():
         logits, feats = target.forward_train(tokens, mask.long(), return_hidden=True)
     probs = head_probs(draft, logits)
@@ -82,8 +95,7 @@ def test_training_lowers_the_loss_and_raises_agreement(target):
     # measured on the same data through the same helper
     eng = osd.Engine(target, max_batch_size=8, max_seq_len=96)
     prompts = prompts_of([6, 9, 4, 11, 7, 5, 8, 10], seed=4)
-    seqs = [p + o.token_ids for p, o in zip(prompts, eng.generate(prompts,
-                                                                  osd.SamplingParams(24)))]
+    seqs = [p + o.token_ids for p, o in zip(prompts, eng.generate(prompts, osd.SamplingParams(24)))]
     T = min(map(len, seqs))
     tokens = torch.tensor([s[:T] for s in seqs])
     with torch.no_grad():
@@ -111,13 +123,15 @@ def _spy_roots(eng):
     def spy_step(active, params):
         seen.append(([list(r.prompt + r.generated) for r in active], []))
         return step(active, params)
+
     drafter._root = spy_root
     spec.step = spy_step
     return seen
 
 
-@pytest.mark.parametrize("case", ["chain", "staged", "refill", "prefix", "prefix-staged",
-                                  "tree", "dynamic-tree"])
+@pytest.mark.parametrize(
+    "case", ["chain", "staged", "refill", "prefix", "prefix-staged", "tree", "dynamic-tree"]
+)
 def test_root_distribution_equals_a_teacher_forced_forward(target, trained, case):
     """At every step the draft's distribution at the root equals the EAGLE forward over the
     committed sequence with the target's features: the drafter's cache and pending pairs
@@ -126,17 +140,27 @@ def test_root_distribution_equals_a_teacher_forced_forward(target, trained, case
     in ``prefix-staged``)."""
     kw = dict(max_batch_size=2 if case == "refill" else 4, max_seq_len=160)
     if case in ("staged", "prefix-staged"):
-        kw["prefill_chunk"] = 8            # prompts of 20-40 tokens are staged piece by piece
-    lengths = {"chain": [5, 1, 9], "staged": [23, 40, 6], "refill": [7, 3, 12, 5, 9],
-               "prefix": [40, 7, 3], "prefix-staged": [40, 7, 3], "tree": [6, 9, 4, 11],
-               "dynamic-tree": [6, 9, 4, 11]}[case]
+        kw["prefill_chunk"] = 8  # prompts of 20-40 tokens are staged piece by piece
+    lengths = {
+        "chain": [5, 1, 9],
+        "staged": [23, 40, 6],
+        "refill": [7, 3, 12, 5, 9],
+        "prefix": [40, 7, 3],
+        "prefix-staged": [40, 7, 3],
+        "tree": [6, 9, 4, 11],
+        "dynamic-tree": [6, 9, 4, 11],
+    }[case]
     # Trees: the prompts the draft trained on, so that paths through siblings are accepted.
     prompts = prompts_of(lengths, seed=1 if "tree" in case else 5)
     if case.startswith("prefix"):
         kw.update(max_batch_size=1, prefix_cache=1024)
         base = prompts[0]
-        prompts += [base[:33] + prompts[1], base + prompts[2], base[:20] + prompts[1][:4],
-                    base[:36]]
+        prompts += [
+            base[:33] + prompts[1],
+            base + prompts[2],
+            base[:20] + prompts[1][:4],
+            base[:36],
+        ]
     spec = osd.SpecConfig(num_draft_tokens=3, tree=TREES.get(case))
     eng = osd.Engine(target, draft=[trained], spec=spec, **kw)
     seen = _spy_roots(eng)
@@ -160,18 +184,29 @@ def test_root_distribution_equals_a_teacher_forced_forward(target, trained, case
     assert checked >= 10
 
 
-@pytest.mark.parametrize("spec", [dict(num_draft_tokens=4), dict(num_draft_tokens=3,
-                                                                 prompt_lookup=True),
-                                  dict(num_draft_tokens=4, adaptive=True),
-                                  dict(tree=TREES["tree"]), dict(tree=TREES["dynamic-tree"]),
-                                  dict(num_draft_tokens=4, prompt_lookup=True,
-                                       tree=TREES["tree"]),
-                                  dict(num_draft_tokens=3, prompt_lookup=True, lookup_tokens=10,
-                                       lookup_history=512),
-                                  dict(num_draft_tokens=3, prompt_lookup=True,
-                                       lookup_tree_below=4)],
-                         ids=["chain", "lookup", "adaptive", "tree", "dynamic-tree",
-                              "lookup-tree", "lookup-long", "lookup-beside"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dict(num_draft_tokens=4),
+        dict(num_draft_tokens=3, prompt_lookup=True),
+        dict(num_draft_tokens=4, adaptive=True),
+        dict(tree=TREES["tree"]),
+        dict(tree=TREES["dynamic-tree"]),
+        dict(num_draft_tokens=4, prompt_lookup=True, tree=TREES["tree"]),
+        dict(num_draft_tokens=3, prompt_lookup=True, lookup_tokens=10, lookup_history=512),
+        dict(num_draft_tokens=3, prompt_lookup=True, lookup_tree_below=4),
+    ],
+    ids=[
+        "chain",
+        "lookup",
+        "adaptive",
+        "tree",
+        "dynamic-tree",
+        "lookup-tree",
+        "lookup-long",
+        "lookup-beside",
+    ],
+)
 def test_greedy_equals_plain(target, trained, spec):
     _assert_greedy_equals_plain(target, trained, spec)
 
@@ -182,9 +217,16 @@ def _assert_greedy_equals_plain(target, draft, spec: dict) -> None:
     prompts = prompts_of([5, 12, 1, 8, 30], seed=6)
     prompts[0] = prompts[0] * 3
     ref = osd.Engine(target, max_batch_size=3, max_seq_len=128).generate(
-        prompts, osd.SamplingParams(24))
-    eng = osd.Engine(target, draft=[draft], spec=osd.SpecConfig(**spec), max_batch_size=3,
-                     max_seq_len=128, prefill_chunk=16)
+        prompts, osd.SamplingParams(24)
+    )
+    eng = osd.Engine(
+        target,
+        draft=[draft],
+        spec=osd.SpecConfig(**spec),
+        max_batch_size=3,
+        max_seq_len=128,
+        prefill_chunk=16,
+    )
     outs = eng.generate(prompts, osd.SamplingParams(24))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert 0 < eng.stats["accepted"] <= eng.stats["drafted"]
@@ -196,8 +238,13 @@ def test_trained_draft_is_accepted_more_than_an_untrained_one(target, trained):
     prompts = prompts_of([6, 9, 4, 11], seed=1)
     rates = []
     for draft in (_eagle(target, seed=8, std=0.05), trained):
-        eng = osd.Engine(target, draft=[draft], spec=osd.SpecConfig(num_draft_tokens=4),
-                         max_batch_size=4, max_seq_len=96)
+        eng = osd.Engine(
+            target,
+            draft=[draft],
+            spec=osd.SpecConfig(num_draft_tokens=4),
+            max_batch_size=4,
+            max_seq_len=96,
+        )
         eng.generate(prompts, osd.SamplingParams(24))
         rates.append(eng.stats["accepted"] / eng.stats["drafted"])
     assert rates[1] > rates[0] + 0.1
@@ -214,8 +261,13 @@ def test_sampled_joint_follows_target(tree):
     draft = _eagle(target, seed=10, head_ids=head, std=0.3)
     prompt = [3, 1, 4, 1]
     sp = osd.SamplingParams(3, seed=99, temperature=0.8, top_k=0, top_p=0.95)
-    eng = osd.Engine(target, draft=[draft], spec=osd.SpecConfig(num_draft_tokens=2, tree=tree),
-                     max_batch_size=4096, max_seq_len=16)
+    eng = osd.Engine(
+        target,
+        draft=[draft],
+        spec=osd.SpecConfig(num_draft_tokens=2, tree=tree),
+        max_batch_size=4096,
+        max_seq_len=16,
+    )
     assert_joint_follows_target(eng, hf_target, prompt, sp)
 
 
@@ -249,15 +301,31 @@ def test_learns_online_from_the_targets_features(target, lookup):
     draft = _eagle(target, seed=13, std=0.05)
     own = {k: v.clone() for k, v in draft.own_state_dict().items()}
     embed = target.embed_tokens.weight.detach().clone()
-    online = osd.OnlineConfig(update_every_requests=2, steps_per_update=3, lr=3e-3,
-                              background=False, holdout_every=4, guard_tolerance=1.0)
-    eng = osd.Engine(target, draft=[draft], online=online, max_batch_size=4, max_seq_len=128,
-                     spec=osd.SpecConfig(num_draft_tokens=3, prompt_lookup=bool(lookup),
-                                         lookup_tree_below=4 if lookup == 4 else 0))
+    online = osd.OnlineConfig(
+        update_every_requests=2,
+        steps_per_update=3,
+        lr=3e-3,
+        background=False,
+        holdout_every=4,
+        guard_tolerance=1.0,
+    )
+    eng = osd.Engine(
+        target,
+        draft=[draft],
+        online=online,
+        max_batch_size=4,
+        max_seq_len=128,
+        spec=osd.SpecConfig(
+            num_draft_tokens=3,
+            prompt_lookup=bool(lookup),
+            lookup_tree_below=4 if lookup == 4 else 0,
+        ),
+    )
     prompts = prompts_of([6, 9, 4, 7] * 3, seed=14)
     prompts[1] = prompts[1] * 3
     ref = osd.Engine(target, max_batch_size=4, max_seq_len=128).generate(
-        prompts, osd.SamplingParams(20))
+        prompts, osd.SamplingParams(20)
+    )
     learner = eng.online.learners[0]
     seen = []
     observe = learner.observe
@@ -280,11 +348,17 @@ def test_bad_uses_fail_clearly(tmp_path, target, trained):
     with pytest.raises(ValueError, match="needs the target's features"):
         trained(torch.zeros(1, 2, dtype=torch.int64), trained.new_cache(1, 8))
     with pytest.raises(ValueError, match="takes no input features"):
-        target(torch.zeros(1, 2, dtype=torch.int64), target.new_cache(1, 8),
-               features=torch.zeros(1, 2, 64))
+        target(
+            torch.zeros(1, 2, dtype=torch.int64),
+            target.new_cache(1, 8),
+            features=torch.zeros(1, 2, 64),
+        )
     with pytest.raises(ValueError, match="features must be"):
-        trained(torch.zeros(1, 2, dtype=torch.int64), trained.new_cache(1, 8),
-                features=torch.zeros(1, 3, 64))
+        trained(
+            torch.zeros(1, 2, dtype=torch.int64),
+            trained.new_cache(1, 8),
+            features=torch.zeros(1, 3, 64),
+        )
     other = load_model(tiny_hf_model("llama", seed=32))
     with pytest.raises(ValueError, match="not built for this target"):
         osd.Engine(other, draft=[trained])
@@ -302,8 +376,10 @@ def test_a_chain_shaped_tree_drafts_what_the_chain_drafts(target, trained):
     through the tree forward) accepts exactly what the chain loop does, step by step."""
     prompts = prompts_of([5, 12, 8, 30], seed=16)
     stats = []
-    for spec in (osd.SpecConfig(num_draft_tokens=3),
-                 osd.SpecConfig(tree=[(0,), (0, 0), (0, 0, 0)])):
+    for spec in (
+        osd.SpecConfig(num_draft_tokens=3),
+        osd.SpecConfig(tree=[(0,), (0, 0), (0, 0, 0)]),
+    ):
         eng = osd.Engine(target, draft=[trained], spec=spec, max_batch_size=2, max_seq_len=96)
         outs = eng.generate(prompts, osd.SamplingParams(20))
         stats.append(([o.token_ids for o in outs], eng.stats["accepted"], eng.stats["drafted"]))
@@ -311,8 +387,10 @@ def test_a_chain_shaped_tree_drafts_what_the_chain_drafts(target, trained):
     assert stats[0][1] > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3", "granite", "olmo2", "phi3_longrope",
-                                    "smollm3", "gemma2", "gemma3", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "family",
+    ["qwen3", "granite", "olmo2", "phi3_longrope", "smollm3", "gemma2", "gemma3", "qwen3_moe"],
+)
 def test_family_target_eagle_draft_round_trips_and_stays_lossless(tmp_path, family):
     """A Qwen3 target (per-head q/k norms: its EAGLE draft's layer carries the norms too),
     a Granite one (residual multiplier, attention scale and logit scaling in the draft's
@@ -331,9 +409,15 @@ def test_family_target_eagle_draft_round_trips_and_stays_lossless(tmp_path, fami
         torch.testing.assert_close(loaded.own_state_dict()[name], value.half().float())
     prompts = prompts_of([5, 12, 8], seed=7)
     ref = osd.Engine(target, max_batch_size=3, max_seq_len=96).generate(
-        prompts, osd.SamplingParams(20))
-    eng = osd.Engine(target, draft=[loaded], spec=osd.SpecConfig(num_draft_tokens=3),
-                     max_batch_size=3, max_seq_len=96)
+        prompts, osd.SamplingParams(20)
+    )
+    eng = osd.Engine(
+        target,
+        draft=[loaded],
+        spec=osd.SpecConfig(num_draft_tokens=3),
+        max_batch_size=3,
+        max_seq_len=96,
+    )
     outs = eng.generate(prompts, osd.SamplingParams(20))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert eng.stats["drafted"] > 0
@@ -351,12 +435,17 @@ def _on_cuda(tmp_path, hf_target, draft):
 
 
 @cuda_only
-@pytest.mark.parametrize("spec", [dict(num_draft_tokens=4), dict(tree=TREES["dynamic-tree"]),
-                                  dict(num_draft_tokens=3, prompt_lookup=True)],
-                         ids=["chain", "dynamic-tree", "lookup"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dict(num_draft_tokens=4),
+        dict(tree=TREES["dynamic-tree"]),
+        dict(num_draft_tokens=3, prompt_lookup=True),
+    ],
+    ids=["chain", "dynamic-tree", "lookup"],
+)
 def test_greedy_equals_plain_on_cuda(tmp_path, trained, spec):
-    _assert_greedy_equals_plain(*_on_cuda(tmp_path, tiny_hf_model("llama", seed=31), trained),
-                                spec)
+    _assert_greedy_equals_plain(*_on_cuda(tmp_path, tiny_hf_model("llama", seed=31), trained), spec)
 
 
 @cuda_only
@@ -364,11 +453,17 @@ def test_greedy_equals_plain_on_cuda(tmp_path, trained, spec):
 def test_sampled_joint_follows_target_on_cuda(tmp_path, tree):
     hf_target, _ = _small_pair()
     head = torch.randperm(V_SMALL, generator=torch.Generator().manual_seed(9))[:11]
-    target, draft = _on_cuda(tmp_path, hf_target,
-                             _eagle(load_model(hf_target), seed=10, head_ids=head, std=0.3))
+    target, draft = _on_cuda(
+        tmp_path, hf_target, _eagle(load_model(hf_target), seed=10, head_ids=head, std=0.3)
+    )
     sp = osd.SamplingParams(3, seed=99, temperature=0.8, top_k=0, top_p=0.95)
-    eng = osd.Engine(target, draft=[draft], spec=osd.SpecConfig(num_draft_tokens=2, tree=tree),
-                     max_batch_size=4096, max_seq_len=16)
+    eng = osd.Engine(
+        target,
+        draft=[draft],
+        spec=osd.SpecConfig(num_draft_tokens=2, tree=tree),
+        max_batch_size=4096,
+        max_seq_len=16,
+    )
     assert_joint_follows_target(eng, hf_target, [3, 1, 4, 1], sp)
 
 
@@ -380,14 +475,27 @@ def test_learns_online_on_cuda(tmp_path, background):
     hf = tiny_hf_model("llama", seed=31)
     target, draft = _on_cuda(tmp_path, hf, _eagle(load_model(hf), seed=13, std=0.05))
     own = draft.own_state_dict()["fc.weight"].clone()
-    online = osd.OnlineConfig(update_every_requests=2, steps_per_update=3, lr=3e-3,
-                              background=background, wait_for_update=background,
-                              holdout_every=4, guard_tolerance=1.0)
-    eng = osd.Engine(target, draft=[draft], online=online, max_batch_size=4, max_seq_len=128,
-                     spec=osd.SpecConfig(num_draft_tokens=3))
+    online = osd.OnlineConfig(
+        update_every_requests=2,
+        steps_per_update=3,
+        lr=3e-3,
+        background=background,
+        wait_for_update=background,
+        holdout_every=4,
+        guard_tolerance=1.0,
+    )
+    eng = osd.Engine(
+        target,
+        draft=[draft],
+        online=online,
+        max_batch_size=4,
+        max_seq_len=128,
+        spec=osd.SpecConfig(num_draft_tokens=3),
+    )
     prompts = prompts_of([6, 9, 4, 7] * 3, seed=14)
     ref = osd.Engine(target, max_batch_size=4, max_seq_len=128).generate(
-        prompts, osd.SamplingParams(20))
+        prompts, osd.SamplingParams(20)
+    )
     outs = serve_in_batches(eng, prompts, osd.SamplingParams(20))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert eng.stats["online"]["updates_applied"] >= 1

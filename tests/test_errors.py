@@ -1,6 +1,7 @@
 """Bad input (issue 2 section 5): each case raises ValueError / TypeError /
 FileNotFoundError naming the problem, and afterwards the same Engine serves the next valid
 request correctly."""
+
 import json
 
 import pytest
@@ -98,15 +99,17 @@ def test_checkpoint_with_missing_tensor(engine, expected, hf, tmp_path):
 
 def test_unsupported_architecture(engine, expected, checkpoint, tmp_path):
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))
-    with pytest.raises(ValueError, match=f"'GPT2LMHeadModel'; supported architectures: "
-                                         f"{SUPPORTED}"):
+    with pytest.raises(
+        ValueError, match=f"'GPT2LMHeadModel'; supported architectures: {SUPPORTED}"
+    ):
         osd.Engine.from_pretrained(gpt2)
     renamed = _copy_checkpoint(checkpoint, tmp_path / "a")
     config = json.loads((renamed / "config.json").read_text())
     config["architectures"] = ["FalconForCausalLM"]
     (renamed / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=f"'FalconForCausalLM'; supported architectures: "
-                                         f"{SUPPORTED}"):
+    with pytest.raises(
+        ValueError, match=f"'FalconForCausalLM'; supported architectures: {SUPPORTED}"
+    ):
         osd.Engine.from_pretrained(renamed)
     _still_serves(engine, expected)
 
@@ -114,21 +117,31 @@ def test_unsupported_architecture(engine, expected, checkpoint, tmp_path):
 def test_draft_vocabulary_differs(engine, expected, hf):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    draft = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48,
-                                         num_hidden_layers=1, num_attention_heads=2))
-    with pytest.raises(ValueError, match="draft vocabulary size 97 differs from the target "
-                                         "vocabulary size 131"):
+    draft = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+        )
+    )
+    with pytest.raises(
+        ValueError, match="draft vocabulary size 97 differs from the target vocabulary size 131"
+    ):
         osd.Engine.from_pretrained(hf, draft=draft)
-    same = osd.Engine.from_pretrained(hf, draft=tiny_hf_model("qwen2", seed=21),
-                                      max_batch_size=2, max_seq_len=24)
+    same = osd.Engine.from_pretrained(
+        hf, draft=tiny_hf_model("qwen2", seed=21), max_batch_size=2, max_seq_len=24
+    )
     assert same.draft is not None and same.draft.vocab_size == VOCAB
     _still_serves(engine, expected)
 
 
 def test_prompt_longer_than_context(engine, expected):
     trained = engine.model.config.max_position_embeddings
-    with pytest.raises(ValueError, match=f"prompt 1 has 24 tokens.*max_seq_len=24.*trained "
-                                         f"context: {trained}"):
+    with pytest.raises(
+        ValueError, match=f"prompt 1 has 24 tokens.*max_seq_len=24.*trained context: {trained}"
+    ):
         engine.generate([[1, 2], [5] * 24], osd.SamplingParams(4))
     with pytest.raises(ValueError, match="prompt 0 has 40 tokens"):
         engine.generate([[5] * 40], osd.SamplingParams(4))
@@ -157,14 +170,17 @@ def test_token_ids_out_of_range(engine, expected):
     _still_serves(engine, expected)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"temperature": -0.5}, "temperature must be"),
-    ({"temperature": float("nan")}, "temperature must be"),
-    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-    ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
-    ({"top_k": -1}, "top_k must be >= 0"),
-    ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"temperature": -0.5}, "temperature must be"),
+        ({"temperature": float("nan")}, "temperature must be"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -1}, "top_k must be >= 0"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+    ],
+)
 def test_bad_sampling_params(engine, expected, kwargs, match):
     with pytest.raises(ValueError, match=match):
         osd.SamplingParams(**{"max_new_tokens": 4, **kwargs})
@@ -192,25 +208,35 @@ def test_unknown_device(engine, expected, hf):
     _still_serves(engine, expected)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(drafter="ngram", prompt_lookup=True), "drafter='ngram' already is prompt lookup"),
-    (dict(drafter="eagle"), "SpecConfig.drafter must be one of"),
-    (dict(ngram_min=3, ngram_max=2), "1 <= ngram_min <= ngram_max"),
-    (dict(lookup_history=-5, prompt_lookup=True), "lookup_history must be >= 0"),
-    (dict(lookup_history=1000), "lookup_history extends prompt lookup"),
-    (dict(lookup_tokens=-1, prompt_lookup=True), "lookup_tokens must be in 0..63"),
-    (dict(lookup_tokens=64, prompt_lookup=True), "lookup_tokens must be in 0..63"),
-    (dict(lookup_tokens=8), "lookup_tokens sets prompt lookup's chain length"),
-    (dict(lookup_tree_below=5, prompt_lookup=True), "lookup_tree_below must be in 0..ngram_max"),
-    (dict(lookup_tree_below=-1, prompt_lookup=True), "lookup_tree_below must be in"),
-    (dict(lookup_tree_below=3), "lookup_tree_below puts prompt lookup beside the draft"),
-    (dict(lookup_tree_below=3, prompt_lookup=True, adaptive=True), "does not combine"),
-    (dict(lookup_tree_below=3, prompt_lookup=True, tree=[(0,), (1,)]), "does not combine"),
-    (dict(lookup_tree_below=3, prompt_lookup=True, num_draft_tokens=40),
-     "up to 1 \\+ max\\(num_draft_tokens, lookup_tokens\\) \\+ num_draft_tokens"),
-    (dict(lookup_tree_below=3, prompt_lookup=True, num_draft_tokens=3, lookup_tokens=61),
-     "lookup_tokens=61"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(drafter="ngram", prompt_lookup=True), "drafter='ngram' already is prompt lookup"),
+        (dict(drafter="eagle"), "SpecConfig.drafter must be one of"),
+        (dict(ngram_min=3, ngram_max=2), "1 <= ngram_min <= ngram_max"),
+        (dict(lookup_history=-5, prompt_lookup=True), "lookup_history must be >= 0"),
+        (dict(lookup_history=1000), "lookup_history extends prompt lookup"),
+        (dict(lookup_tokens=-1, prompt_lookup=True), "lookup_tokens must be in 0..63"),
+        (dict(lookup_tokens=64, prompt_lookup=True), "lookup_tokens must be in 0..63"),
+        (dict(lookup_tokens=8), "lookup_tokens sets prompt lookup's chain length"),
+        (
+            dict(lookup_tree_below=5, prompt_lookup=True),
+            "lookup_tree_below must be in 0..ngram_max",
+        ),
+        (dict(lookup_tree_below=-1, prompt_lookup=True), "lookup_tree_below must be in"),
+        (dict(lookup_tree_below=3), "lookup_tree_below puts prompt lookup beside the draft"),
+        (dict(lookup_tree_below=3, prompt_lookup=True, adaptive=True), "does not combine"),
+        (dict(lookup_tree_below=3, prompt_lookup=True, tree=[(0,), (1,)]), "does not combine"),
+        (
+            dict(lookup_tree_below=3, prompt_lookup=True, num_draft_tokens=40),
+            "up to 1 \\+ max\\(num_draft_tokens, lookup_tokens\\) \\+ num_draft_tokens",
+        ),
+        (
+            dict(lookup_tree_below=3, prompt_lookup=True, num_draft_tokens=3, lookup_tokens=61),
+            "lookup_tokens=61",
+        ),
+    ],
+)
 def test_bad_spec_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         osd.SpecConfig(**kwargs)

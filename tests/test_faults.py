@@ -2,6 +2,7 @@
 graph capture) or diverges (non-finite loss or weights) is rolled back and counted while
 serving goes on with the last good draft, later updates still run, and a process killed
 at random moments of its checkpoint writes restarts from the last complete checkpoint."""
+
 import os
 import random
 import signal
@@ -61,6 +62,7 @@ def _serve(eng, plain, seed, n=4):
 def _raise_in_loss(learner, monkeypatch):
     def boom(batch):
         raise RuntimeError("injected loss failure")
+
     monkeypatch.setattr(learner, "_loss", boom)
 
 
@@ -68,34 +70,37 @@ def _raise_after_optimizer_step(learner, monkeypatch):
     step = learner.optim.step
 
     def boom(*args, **kwargs):
-        step(*args, **kwargs)               # the weights have moved: rollback must undo it
+        step(*args, **kwargs)  # the weights have moved: rollback must undo it
         raise RuntimeError("injected optimizer failure")
+
     monkeypatch.setattr(learner.optim, "step", boom)
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["inline", "background"])
-@pytest.mark.parametrize("inject", [_raise_in_loss, _raise_after_optimizer_step],
-                         ids=["loss", "optimizer"])
-def test_update_that_raises_is_rolled_back_and_counted(pair, plain, background, inject,
-                                                       monkeypatch):
+@pytest.mark.parametrize(
+    "inject", [_raise_in_loss, _raise_after_optimizer_step], ids=["loss", "optimizer"]
+)
+def test_update_that_raises_is_rolled_back_and_counted(
+    pair, plain, background, inject, monkeypatch
+):
     eng = _engine(pair, background=background, wait_for_update=background)
     learner = eng.online.learners[0]
     serving0, training0 = _state(learner.serving), _state(learner.model)
     with monkeypatch.context() as m:
         inject(learner, m)
-        _serve(eng, plain, seed=93)         # two updates due, both fail
+        _serve(eng, plain, seed=93)  # two updates due, both fail
         faults = eng.online.faults()
         assert faults["update_error"] == 2, faults
         hist = eng.stats["online"]
         assert hist["updates_applied"] == 0 and hist["updates_rejected"] == 2
         assert {u["reason"] for u in hist["drafts"][0]["updates"]} == {"error"}
         assert "injected" in hist["last_error"] and "update_error" in hist["last_error"]
-        assert _same(serving0, _state(learner.serving))    # the last good draft serves
-        assert _same(training0, _state(learner.model))     # the training copy rolled back
-    _serve(eng, plain, seed=94)             # the fault is gone: learning resumes
+        assert _same(serving0, _state(learner.serving))  # the last good draft serves
+        assert _same(training0, _state(learner.model))  # the training copy rolled back
+    _serve(eng, plain, seed=94)  # the fault is gone: learning resumes
     hist = eng.stats["online"]
     assert hist["updates_applied"] >= 1 and hist["faults"]["update_error"] == 2
-    learner.maybe_swap()                    # what the next decode step does first
+    learner.maybe_swap()  # what the next decode step does first
     assert not _same(serving0, _state(learner.serving))
     if background:
         assert learner._thread.is_alive()
@@ -110,14 +115,15 @@ def test_failed_graph_capture_falls_back_to_eager(pair, plain, monkeypatch):
 
     def capture(key, batch):
         raise RuntimeError("injected capture failure")
+
     monkeypatch.setattr(graphed, "_capture", capture)
     learner._graph_step = graphed
-    _serve(eng, plain, seed=95, n=2)        # one update: its capture fails
+    _serve(eng, plain, seed=95, n=2)  # one update: its capture fails
     faults = eng.online.faults()
     assert faults["graph_capture_error"] == 1 and faults["update_error"] == 0, faults
     assert learner._graph_step is None and _same(serving0, _state(learner.serving))
     assert "injected capture failure" in eng.stats["online"]["last_error"]
-    _serve(eng, plain, seed=96, n=2)        # the next update runs eagerly
+    _serve(eng, plain, seed=96, n=2)  # the next update runs eagerly
     assert eng.stats["online"]["updates_applied"] == 1
 
 
@@ -143,10 +149,11 @@ def test_non_finite_weights_are_rejected_before_the_swap(pair, plain, monkeypatc
     serving0, training0 = _state(learner.serving), _state(learner.model)
     step = learner.optim.step
 
-    def diverge(*args, **kwargs):           # finite loss, but the step blows a weight up
+    def diverge(*args, **kwargs):  # finite loss, but the step blows a weight up
         step(*args, **kwargs)
         with torch.no_grad():
             next(learner.model.parameters()).view(-1)[0] = float("inf")
+
     with monkeypatch.context() as m:
         m.setattr(learner.optim, "step", diverge)
         _serve(eng, plain, seed=99)
@@ -177,18 +184,20 @@ def test_heap_is_trimmed_after_each_update(pair, plain, monkeypatch):
     """The learner hands the C heap's free pages back after every update, failed or not,
     and after each swap of a published update into the serving draft."""
     import osd.online.learner as learner_mod
+
     calls = []
     monkeypatch.setattr(learner_mod, "release_free_memory", lambda: calls.append(1) or True)
     eng = _engine(pair)
     _serve(eng, plain, seed=105)
-    _serve(eng, plain, seed=106)                         # swaps the first round's update in
+    _serve(eng, plain, seed=106)  # swaps the first round's update in
     eng.online.wait()
     hist = eng.stats["online"]
     attempts, applied = hist["drafts"][0]["attempts"], hist["updates_applied"]
     assert attempts >= 1 and applied >= 1
     assert attempts < len(calls) <= attempts + applied
     from osd.online.memory import release_free_memory
-    assert release_free_memory() in (True, False)      # False only without glibc
+
+    assert release_free_memory() in (True, False)  # False only without glibc
 
 
 # A process that exits while its background learner is still training.
@@ -217,8 +226,9 @@ def test_exit_with_a_learner_still_training_is_clean():
     # Without stopping the thread at exit the process aborts ("terminate called without
     # an active exception", status -6) once torch is torn down under it.
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    proc = subprocess.run([sys.executable, "-c", EXITING], capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", EXITING], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 0 and "exiting" in proc.stdout, (proc.returncode, proc.stderr)
 
 
@@ -253,9 +263,17 @@ WRITER = textwrap.dedent("""
 
 def _resume(ckpt_dir):
     from osd.models import DecoderLM, ModelConfig
-    cfg = ModelConfig("LlamaForCausalLM", vocab_size=4096, hidden_size=256,
-                      intermediate_size=512, num_layers=4, num_heads=4, num_kv_heads=4,
-                      head_dim=64)
+
+    cfg = ModelConfig(
+        "LlamaForCausalLM",
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=64,
+    )
     draft = DecoderLM(cfg)
     learner = OnlineLearner(draft, OnlineConfig(background=False, checkpoint_dir=ckpt_dir))
     step = learner.history.updates_applied
@@ -271,19 +289,20 @@ def test_killed_at_random_moments_of_checkpoint_writes_resumes_whole(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     rng = random.Random(1234)
     last, partial = 0, 0
-    for kill in range(24):          # at least 6 kills, more until one lands inside a write
+    for kill in range(24):  # at least 6 kills, more until one lands inside a write
         if kill >= 6 and partial:
             break
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, ckpt], stdout=subprocess.PIPE,
-                                env=env)
-        first = proc.stdout.readline()      # one whole save done: the writer is looping
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER, ckpt], stdout=subprocess.PIPE, env=env
+        )
+        first = proc.stdout.readline()  # one whole save done: the writer is looping
         assert first, "the checkpoint writer died before its first save"
         time.sleep(rng.uniform(0.0, 0.15))  # a random moment of the following writes
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         partial += any(n.startswith(".tmp-") for n in os.listdir(ckpt))
         step, faults = _resume(ckpt)
-        assert step > last, (step, last)   # the newest complete one, never an older one
+        assert step > last, (step, last)  # the newest complete one, never an older one
         assert faults["resume_error"] == 0
         last = step
     assert partial, "no kill landed inside a write; the test did not exercise the crash"
@@ -291,6 +310,7 @@ def test_killed_at_random_moments_of_checkpoint_writes_resumes_whole(tmp_path):
 
 def test_unreadable_newest_checkpoint_falls_back_to_an_older_one(tmp_path, pair):
     from osd.online.checkpoint import latest_checkpoint
+
     draft = osd.load_model(pair[1])
     cfg = OnlineConfig(background=False, checkpoint_dir=str(tmp_path / "ck"))
     learner = OnlineLearner(draft, cfg)
@@ -302,9 +322,8 @@ def test_unreadable_newest_checkpoint_falls_back_to_an_older_one(tmp_path, pair)
             p.add_(1.0)
     learner.history.updates_applied = 2
     learner.checkpoint()
-    with open(os.path.join(latest_checkpoint(cfg.checkpoint_dir), "draft.safetensors"),
-              "r+b") as f:
-        f.truncate(100)                     # a disk fault, not a kill: the name is there
+    with open(os.path.join(latest_checkpoint(cfg.checkpoint_dir), "draft.safetensors"), "r+b") as f:
+        f.truncate(100)  # a disk fault, not a kill: the name is there
     resumed = OnlineLearner(osd.load_model(pair[1]), cfg)
     assert resumed.history.faults["resume_error"] == 1
     assert resumed.history.updates_applied == 1
@@ -320,5 +339,5 @@ def test_nonfinite_rows_flags_exactly_the_rows_with_nan_or_inf():
     logits[1, 2, 7] = float("nan")
     logits[2, 0, 0] = float("inf")
     logits[3, 1, 49] = -float("inf")
-    logits[4] = 3e38                       # finite, but a sum of them overflows
+    logits[4] = 3e38  # finite, but a sum of them overflows
     assert nonfinite_rows(logits).tolist() == [False, True, True, True, False, False]

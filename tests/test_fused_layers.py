@@ -11,6 +11,7 @@ and 3x the unfused one's (measured on the test model: mean 0.03-0.07 against 0.0
 max up to 2.3x, on logits of spread 2.4). The interpreter rounds float32 to bfloat16
 toward zero where a GPU rounds to nearest, which biases its errors.
 """
+
 import pytest
 import torch
 
@@ -21,7 +22,7 @@ from tests.test_models import VOCAB, _tree, tiny_hf_model
 # 24, Granite's residual multiplier, Phi-4-mini's partial rotary with LongRoPE, SmolLM3's
 # layer without RoPE, Gemma 3's sliding layer with a RoPE base of its own
 FUSABLE = ("llama", "llama_bias", "qwen3", "granite", "phi3_longrope", "smollm3")
-UNFUSABLE = ("gemma3", "olmo2", "mixtral")   # GeGLU and post-norms, post-norms, experts
+UNFUSABLE = ("gemma3", "olmo2", "mixtral")  # GeGLU and post-norms, post-norms, experts
 
 
 def _run(model, mode, monkeypatch):
@@ -43,8 +44,14 @@ def _run(model, mode, monkeypatch):
             step = torch.randint(0, VOCAB, (3, 1), generator=gen).to(dev)
             out.append(model(step, cache))
             cache.commit(torch.ones(3, dtype=torch.int32, device=dev), 1)
-        out.append(model(nodes, cache, tree_mask=torch.tensor([masks] * 3, device=dev),
-                         depths=torch.tensor([depths] * 3, device=dev)))
+        out.append(
+            model(
+                nodes,
+                cache,
+                tree_mask=torch.tensor([masks] * 3, device=dev),
+                depths=torch.tensor([depths] * 3, device=dev),
+            )
+        )
     return out, cache.kv
 
 
@@ -78,8 +85,12 @@ def test_fused_forward_matches_unfused(family, monkeypatch):
     # add_rms_norm but for the first layer's input norm, in the 3 decode steps of 3 rows
     # four decode_gemv
     layers = model.config.num_layers
-    assert calls == {"rope_kv_write": 6 * layers, "silu_mul": 3 * layers,
-                     "add_rms_norm": 3 * (2 * layers - 1), "decode_gemv": 3 * 4 * layers}
+    assert calls == {
+        "rope_kv_write": 6 * layers,
+        "silu_mul": 3 * layers,
+        "add_rms_norm": 3 * (2 * layers - 1),
+        "decode_gemv": 3 * 4 * layers,
+    }
     for a, b in zip(got, ref):
         assert a.shape == b.shape and (a - b).abs().max() <= 1e-4
     assert (got_kv - ref_kv).abs().max() <= 1e-4
@@ -105,8 +116,10 @@ def test_skip_layers(monkeypatch):
     model = load_model(tiny_hf_model("llama"))
     skip = frozenset({0})
     gen = torch.Generator().manual_seed(8)
-    ids, step = torch.randint(0, VOCAB, (3, 5), generator=gen), torch.randint(0, VOCAB, (3, 1),
-                                                                              generator=gen)
+    ids, step = (
+        torch.randint(0, VOCAB, (3, 5), generator=gen),
+        torch.randint(0, VOCAB, (3, 1), generator=gen),
+    )
     results = []
     for mode in ("off", "on"):
         monkeypatch.setattr(fused_layers, "FUSED_LAYERS", mode)
@@ -117,7 +130,7 @@ def test_skip_layers(monkeypatch):
             results.append((first, model(step, cache, skip_layers=skip), cache.kv.clone()))
     for a, b in zip(*results):
         assert (a - b).abs().max() <= 1e-4
-    assert results[1][2][0].abs().max() == 0    # layer 0's cache never written
+    assert results[1][2][0].abs().max() == 0  # layer 0's cache never written
 
 
 @pytest.mark.parametrize("family", UNFUSABLE)
@@ -139,7 +152,7 @@ def test_switch(monkeypatch):
             monkeypatch.setattr(fused_layers, "FUSED_LAYERS", mode)
             assert fused_layers.use_fused(model, x) is expected
         assert not fused_layers.use_fused(model, x.bfloat16())
-    assert not fused_layers.use_fused(model, x)          # grad enabled
+    assert not fused_layers.use_fused(model, x)  # grad enabled
     monkeypatch.setattr(fused_layers, "FUSED_LAYERS", "yes")
     with torch.no_grad(), pytest.raises(ValueError, match="FUSED_LAYERS"):
         fused_layers.use_fused(model, x)

@@ -10,11 +10,18 @@ nearest), so each rounding may differ by one bfloat16 ulp (2^-8 to 2^-7 relative
 rounding (the residual sum) within 2^-7 relative, a chain of two or three within 2^-6
 relative and absolute on values of order 1. Values copied are still exact.
 """
+
 import pytest
 import torch
 
-from osd_kernels import (add_rms_norm, add_rms_norm_reference, rope_kv_write,
-                         rope_kv_write_reference, silu_mul, silu_mul_reference)
+from osd_kernels import (
+    add_rms_norm,
+    add_rms_norm_reference,
+    rope_kv_write,
+    rope_kv_write_reference,
+    silu_mul,
+    silu_mul_reference,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-6, atol=2**-6)}
@@ -27,8 +34,10 @@ def _randn(gen, *shape, dtype, scale=1.0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B, T, H, scale", [(1, 1, 37, 1.0), (2, 7, 64, 0.22), (5, 3, 129, 1.0),
-                                            (3, 5, 999, 1.0), (4, 2, 1537, 0.5)])
+@pytest.mark.parametrize(
+    "B, T, H, scale",
+    [(1, 1, 37, 1.0), (2, 7, 64, 0.22), (5, 3, 129, 1.0), (3, 5, 999, 1.0), (4, 2, 1537, 0.5)],
+)
 def test_add_rms_norm_triton_matches_reference(device, dtype, B, T, H, scale):
     gen = torch.Generator().manual_seed(B * 1000 + T * 100 + H)
     x = _randn(gen, B, T, H, dtype=dtype).to(device)
@@ -65,14 +74,14 @@ def test_silu_mul_triton_matches_reference(device, dtype, B, T, inter):
     assert got.dtype == dtype and got.shape == (B, T, inter)
     torch.testing.assert_close(got, ref, **TOL[dtype])
     if device.type == "cpu":
-        assert torch.equal(silu_mul(gate_up), ref)       # auto on CPU: the reference
+        assert torch.equal(silu_mul(gate_up), ref)  # auto on CPU: the reference
 
 
 def _rope_case(gen, B, T, Hq, Hkv, D, R, dtype, B_max=6, S=23):
     """Views of one projection ``[B, T, Hq + 2 Hkv, D]``, tables at tree positions that
     differ from the slots, and a cache with random contents."""
     qkv = _randn(gen, B, T, Hq + 2 * Hkv, D, dtype=dtype)
-    q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:]
+    q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], qkv[:, :, Hq + Hkv :]
     if R:
         angles = torch.rand(S, R // 2, generator=gen) * 6.3
         cos_t = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
@@ -89,17 +98,21 @@ def _rope_case(gen, B, T, Hq, Hkv, D, R, dtype, B_max=6, S=23):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B, T, Hq, Hkv, D, R", [
-    (1, 1, 4, 2, 16, 16),     # decode
-    (2, 7, 4, 2, 24, 24),     # head width not a power of two (Qwen3's test model)
-    (5, 3, 3, 1, 20, 12),     # partial rotary (Phi-4-mini style), odd head counts
-    (3, 5, 2, 2, 18, 0),      # a layer without RoPE
-    (4, 2, 6, 3, 7, 0),       # odd head width, no RoPE
-])
+@pytest.mark.parametrize(
+    "B, T, Hq, Hkv, D, R",
+    [
+        (1, 1, 4, 2, 16, 16),  # decode
+        (2, 7, 4, 2, 24, 24),  # head width not a power of two (Qwen3's test model)
+        (5, 3, 3, 1, 20, 12),  # partial rotary (Phi-4-mini style), odd head counts
+        (3, 5, 2, 2, 18, 0),  # a layer without RoPE
+        (4, 2, 6, 3, 7, 0),  # odd head width, no RoPE
+    ],
+)
 def test_rope_kv_write_triton_matches_reference(device, dtype, B, T, Hq, Hkv, D, R):
     gen = torch.Generator().manual_seed(B * 10**4 + T * 1000 + D * 10 + R)
-    q, k, v, cos, sin, kv, slots = (None if t is None else t.to(device)
-                                    for t in _rope_case(gen, B, T, Hq, Hkv, D, R, dtype))
+    q, k, v, cos, sin, kv, slots = (
+        None if t is None else t.to(device) for t in _rope_case(gen, B, T, Hq, Hkv, D, R, dtype)
+    )
     kv_ref = kv.clone()
     q_ref = rope_kv_write_reference(q, k, v, cos, sin, kv_ref, slots)
     ptr = kv.data_ptr()
@@ -113,8 +126,7 @@ def test_rope_kv_write_triton_matches_reference(device, dtype, B, T, Hq, Hkv, D,
     # [B_max, S, Hkv, D]
     keys, keys_ref = kv[0].cpu().transpose(1, 2), kv_ref[0].cpu().transpose(1, 2)
     assert torch.equal(keys[~written], keys_ref[~written])
-    torch.testing.assert_close(keys[written], keys_ref[written],
-                               **(TOL[dtype] if R else EXACT))
+    torch.testing.assert_close(keys[written], keys_ref[written], **(TOL[dtype] if R else EXACT))
 
 
 def test_rope_kv_write_auto_on_cpu_is_the_reference():

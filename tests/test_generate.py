@@ -1,5 +1,6 @@
 """Plain generation: greedy equals transformers, batching is invisible, sampling follows
 ``warp_probs``, and EOS / stop ids / the context limit end sequences."""
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -19,15 +20,19 @@ def _prompts(lengths, seed=0):
 def _hf_greedy(hf, prompt, n):
     with torch.no_grad():
         ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                          do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return osd.Engine(load_model(tiny_hf_model("llama", seed=1)), max_batch_size=4,
-                      max_seq_len=64)
+    return osd.Engine(load_model(tiny_hf_model("llama", seed=1)), max_batch_size=4, max_seq_len=64)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -63,7 +68,7 @@ def test_eos_from_config_ends_sequence():
     hf.config.eos_token_id = [eos, VOCAB - 1] if eos != VOCAB - 1 else [eos]
     eng = osd.Engine.from_pretrained(hf, max_seq_len=32)
     out = eng.generate([prompt], osd.SamplingParams(10))[0]
-    assert out.token_ids == free[:free.index(eos) + 1] and out.finish_reason == "stop"
+    assert out.token_ids == free[: free.index(eos) + 1] and out.finish_reason == "stop"
 
 
 def test_context_limit_stops_with_length(engine):
@@ -96,7 +101,7 @@ def test_sampled_tokens_lie_in_top_k(engine):
     for prompt, out in zip(prompts, outs):
         seq = torch.tensor([prompt + out.token_ids])
         with torch.no_grad():
-            logits = engine.model.forward_train(seq)[0, len(prompt) - 1:-1]
+            logits = engine.model.forward_train(seq)[0, len(prompt) - 1 : -1]
         top3 = logits.topk(3, dim=-1).indices
         assert all(t in top3[i].tolist() for i, t in enumerate(out.token_ids))
 
@@ -119,8 +124,10 @@ def _naive_warp(logits, temperature, top_k, top_p):
     return out / out.sum()
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [
-    (1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8), (0.8, 6, 0.7)])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8), (0.8, 6, 0.7)],
+)
 def test_sampling_distribution_chi_square(temperature, top_k, top_p):
     """200k draws per setting vs the exact warped distribution; significance 1e-4."""
     logits = torch.randn(11, generator=torch.Generator().manual_seed(10)) * 0.8
@@ -146,14 +153,20 @@ def test_plain_sampler_rows_follow_their_seed_and_offset():
     seeds = torch.tensor([request_seed(5, i) for i in range(3)])
     offsets = torch.tensor([0, 4, 9])
     a = sample_tokens(logits, params, seeds, offsets)
-    b = torch.cat([sample_tokens(logits[i:i + 1], params, seeds[i:i + 1], offsets[i:i + 1])
-                   for i in range(3)])
+    b = torch.cat(
+        [
+            sample_tokens(logits[i : i + 1], params, seeds[i : i + 1], offsets[i : i + 1])
+            for i in range(3)
+        ]
+    )
     assert torch.equal(a, b)
-    draws = {int(sample_tokens(logits[:1], params, seeds[:1], torch.tensor([o])))
-             for o in range(40)}
-    assert len(draws) > 1                     # a new offset is a new draw
-    assert torch.equal(sample_tokens(logits, osd.SamplingParams(1), seeds, offsets),
-                       logits.argmax(-1))
+    draws = {
+        int(sample_tokens(logits[:1], params, seeds[:1], torch.tensor([o]))) for o in range(40)
+    }
+    assert len(draws) > 1  # a new offset is a new draw
+    assert torch.equal(
+        sample_tokens(logits, osd.SamplingParams(1), seeds, offsets), logits.argmax(-1)
+    )
 
 
 def test_request_seeds_are_mixed():
@@ -173,8 +186,9 @@ def test_string_prompts_with_checkpoint_tokenizer(tmp_path):
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
-                            eos_token="<eos>").save_pretrained(tmp_path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>"
+    ).save_pretrained(tmp_path)
     hf = tiny_hf_model("qwen2", seed=13)
     hf.save_pretrained(tmp_path)
     eng = osd.Engine.from_pretrained(tmp_path, max_seq_len=32)
@@ -196,9 +210,11 @@ def test_chat_formats_with_the_template(tmp_path):
     eng = osd.Engine.from_pretrained(hf, max_seq_len=32)
     with pytest.raises(ValueError, match="tokenizer"):
         eng.chat([[{"role": "user", "content": "w5"}]], osd.SamplingParams(4))
-    fast.chat_template = ("{% for m in messages %}w{{ 10 if m['role'] == 'user' else 11 }} "
-                          "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w12"
-                          "{% endif %}")
+    fast.chat_template = (
+        "{% for m in messages %}w{{ 10 if m['role'] == 'user' else 11 }} "
+        "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w12"
+        "{% endif %}"
+    )
     eng = osd.Engine.from_pretrained(hf, max_seq_len=32, tokenizer=fast)
     conv = [{"role": "system", "content": "w7"}, {"role": "user", "content": "w5 w17"}]
     out = eng.chat([conv], osd.SamplingParams(5))
@@ -207,4 +223,4 @@ def test_chat_formats_with_the_template(tmp_path):
     with pytest.raises(ValueError, match="role"):
         eng.chat([[{"role": "robot", "content": "w5"}]], osd.SamplingParams(4))
     with pytest.raises(TypeError):
-        eng.chat(conv, osd.SamplingParams(4))            # one conversation without the list
+        eng.chat(conv, osd.SamplingParams(4))  # one conversation without the list

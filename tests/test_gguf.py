@@ -6,18 +6,42 @@ F32 logits match transformers to 1e-4, and quantized files match transformers ho
 dequantized weights. Every block type's dequantizer equals a per-block loop written from
 ggml's C code, and the quantizers equal ggml's reference quantizers byte for byte.
 """
+
 import math
 import struct
 
 import numpy as np
 import pytest
 import torch
-from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, \
-    Olmo2Config, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, \
-    Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM, Gemma2Config, Gemma2ForCausalLM, \
-    Gemma3ForCausalLM, Gemma3TextConfig, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, \
-    Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, OlmoeConfig, OlmoeForCausalLM, \
-    GraniteMoeConfig, GraniteMoeForCausalLM
+from transformers import (
+    GraniteConfig,
+    GraniteForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    GraniteMoeConfig,
+    GraniteMoeForCausalLM,
+)
 
 import osd
 from osd.models import gguf
@@ -36,60 +60,106 @@ VOCAB = 300
 def tiny_hf_model(family: str = "llama", *, tie: bool = False, seed: int = 0):
     """A random 2-layer model: hidden 64, 4 heads, 2 KV heads (head dim 16), SwiGLU 96,
     vocab 300. Rows are whole 32-blocks so every type can quantize them."""
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=None,
-                  eos_token_id=2, pad_token_id=None)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        bos_token_id=None,
+        eos_token_id=2,
+        pad_token_id=None,
+    )
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(rope_theta=10000.0, **common))
     elif family == "llama_bias":
         model = LlamaForCausalLM(LlamaConfig(attention_bias=True, mlp_bias=True, **common))
     elif family == "llama3":
-        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        rope = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
         model = LlamaForCausalLM(LlamaConfig(rope_scaling=rope, rope_theta=500000.0, **common))
     elif family == "llama_linear":
         rope = {"rope_type": "linear", "factor": 2.5}
         model = LlamaForCausalLM(LlamaConfig(rope_scaling=rope, **common))
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
-    elif family == "qwen3":      # head_dim 32, not hidden / heads = 16
+    elif family == "qwen3":  # head_dim 32, not hidden / heads = 16
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=32, **common))
     elif family == "granite":
         from tests.test_models import GRANITE
+
         model = GraniteForCausalLM(GraniteConfig(**GRANITE, **common))
     elif family == "olmo2":
         model = Olmo2ForCausalLM(Olmo2Config(**common))
-    elif family.startswith("phi3"):        # longrope: short factors up to 128 of 256 positions
+    elif family.startswith("phi3"):  # longrope: short factors up to 128 of 256 positions
         from tests.test_models import phi3_config
+
         model = Phi3ForCausalLM(phi3_config(family, common, original=128))
-    elif family == "gemma2":               # sliding, then global; soft caps that bend
-        model = Gemma2ForCausalLM(Gemma2Config(
-            **{**common, "pad_token_id": None}, head_dim=16, query_pre_attn_scalar=16,
-            sliding_window=5, attn_logit_softcapping=5.0, final_logit_softcapping=3.0))
-    elif family == "gemma3":               # 6 layers: llama.cpp's 5 sliding, then 1 global
-        model = Gemma3ForCausalLM(Gemma3TextConfig(
-            **{**common, "num_hidden_layers": 6, "pad_token_id": None}, sliding_window=5,
-            head_dim=16, query_pre_attn_scalar=16))      # llama.cpp scales by the head width
-    elif family == "smollm3":              # 4 layers: llama.cpp's NoPE on every 4th
+    elif family == "gemma2":  # sliding, then global; soft caps that bend
+        model = Gemma2ForCausalLM(
+            Gemma2Config(
+                **{**common, "pad_token_id": None},
+                head_dim=16,
+                query_pre_attn_scalar=16,
+                sliding_window=5,
+                attn_logit_softcapping=5.0,
+                final_logit_softcapping=3.0,
+            )
+        )
+    elif family == "gemma3":  # 6 layers: llama.cpp's 5 sliding, then 1 global
+        model = Gemma3ForCausalLM(
+            Gemma3TextConfig(
+                **{**common, "num_hidden_layers": 6, "pad_token_id": None},
+                sliding_window=5,
+                head_dim=16,
+                query_pre_attn_scalar=16,
+            )
+        )  # llama.cpp scales by the head width
+    elif family == "smollm3":  # 4 layers: llama.cpp's NoPE on every 4th
         model = SmolLM3ForCausalLM(SmolLM3Config(**{**common, "num_hidden_layers": 4}))
-    elif family == "mixtral":              # the llama architecture with 4 experts
-        model = MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
-                                                 **common))
-    elif family == "qwen2_moe":            # routing weights as they are, a shared expert
-        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
-            num_experts=5, num_experts_per_tok=2, moe_intermediate_size=32,
-            shared_expert_intermediate_size=64, norm_topk_prob=False, **common))
-    elif family == "qwen3_moe":            # routing weights summing to 1
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-            num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
-            head_dim=32, **common))
-    elif family == "olmoe":                # q/k norms over whole projections
+    elif family == "mixtral":  # the llama architecture with 4 experts
+        model = MixtralForCausalLM(
+            MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
+        )
+    elif family == "qwen2_moe":  # routing weights as they are, a shared expert
+        model = Qwen2MoeForCausalLM(
+            Qwen2MoeConfig(
+                num_experts=5,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=64,
+                norm_topk_prob=False,
+                **common,
+            )
+        )
+    elif family == "qwen3_moe":  # routing weights summing to 1
+        model = Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(
+                num_experts=6,
+                num_experts_per_tok=3,
+                moe_intermediate_size=32,
+                norm_topk_prob=True,
+                head_dim=32,
+                **common,
+            )
+        )
+    elif family == "olmoe":  # q/k norms over whole projections
         model = OlmoeForCausalLM(OlmoeConfig(num_experts=5, num_experts_per_tok=2, **common))
-    elif family == "granite_moe":          # Granite's multipliers
+    elif family == "granite_moe":  # Granite's multipliers
         from tests.test_models import GRANITE
-        model = GraniteMoeForCausalLM(GraniteMoeConfig(num_local_experts=4, num_experts_per_tok=2,
-                                                       **GRANITE, **common))
+
+        model = GraniteMoeForCausalLM(
+            GraniteMoeConfig(num_local_experts=4, num_experts_per_tok=2, **GRANITE, **common)
+        )
     else:
         raise ValueError(family)
     gen = torch.Generator().manual_seed(seed)
@@ -106,21 +176,36 @@ def llama_cpp_permute(weights: torch.Tensor, n_head: int, n_head_kv: int | None)
     """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute, as written there."""
     if n_head_kv is not None and n_head != n_head_kv:
         n_head = n_head_kv
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
-_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-          "post_feedforward_layernorm": "post_ffw_norm", "self_attn.qkv_proj": "attn_qkv",
-          "mlp.gate_up_proj": "ffn_up", "pre_feedforward_layernorm": "ffn_norm",
-          "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
-          "mlp.shared_expert.up_proj": "ffn_up_shexp",
-          "mlp.shared_expert.down_proj": "ffn_down_shexp",
-          "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "block_sparse_moe.router": "ffn_gate_inp"}
+_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "block_sparse_moe.router": "ffn_gate_inp",
+}
 
 
 def _rope_theta(cfg) -> float:
@@ -128,11 +213,12 @@ def _rope_theta(cfg) -> float:
     rope = getattr(cfg, "rope_parameters", None)
     if not rope:
         return float(cfg.rope_theta)
-    return float(rope["full_attention"]["rope_theta"] if "full_attention" in rope
-                 else rope["rope_theta"])
+    return float(
+        rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"]
+    )
 
 
-PERMUTED = ("llama", "granite", "granitemoe", "smollm3")   # Q/K rows reordered by llama.cpp
+PERMUTED = ("llama", "granite", "granitemoe", "smollm3")  # Q/K rows reordered by llama.cpp
 
 
 def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
@@ -140,45 +226,68 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
     weights as ``qtype`` and 1-D ones as F32, ``output.weight`` left out when tied.
     ``extra`` adds metadata (a None value removes the key); ``skip`` leaves tensors out."""
     cfg = hf.config
-    arch = {Qwen2ForCausalLM: "qwen2", Qwen3ForCausalLM: "qwen3",
-            GraniteForCausalLM: "granite", Olmo2ForCausalLM: "olmo2",
-            Phi3ForCausalLM: "phi3", SmolLM3ForCausalLM: "smollm3",
-            Gemma2ForCausalLM: "gemma2", Gemma3ForCausalLM: "gemma3",
-            Qwen2MoeForCausalLM: "qwen2moe", Qwen3MoeForCausalLM: "qwen3moe",
-            OlmoeForCausalLM: "olmoe", GraniteMoeForCausalLM: "granitemoe"}.get(type(hf), "llama")
-    meta = {"general.architecture": arch, "general.name": "tiny",
-            f"{arch}.block_count": cfg.num_hidden_layers,
-            f"{arch}.context_length": cfg.max_position_embeddings,
-            f"{arch}.embedding_length": cfg.hidden_size,
-            f"{arch}.feed_forward_length": cfg.intermediate_size,
-            f"{arch}.attention.head_count": cfg.num_attention_heads,
-            f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
-            f"{arch}.attention.key_length": getattr(cfg, "head_dim", None),
-            f"{arch}.attention.value_length": getattr(cfg, "head_dim", None),
-            f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
-            f"{arch}.rope.freq_base": _rope_theta(cfg)}
+    arch = {
+        Qwen2ForCausalLM: "qwen2",
+        Qwen3ForCausalLM: "qwen3",
+        GraniteForCausalLM: "granite",
+        Olmo2ForCausalLM: "olmo2",
+        Phi3ForCausalLM: "phi3",
+        SmolLM3ForCausalLM: "smollm3",
+        Gemma2ForCausalLM: "gemma2",
+        Gemma3ForCausalLM: "gemma3",
+        Qwen2MoeForCausalLM: "qwen2moe",
+        Qwen3MoeForCausalLM: "qwen3moe",
+        OlmoeForCausalLM: "olmoe",
+        GraniteMoeForCausalLM: "granitemoe",
+    }.get(type(hf), "llama")
+    meta = {
+        "general.architecture": arch,
+        "general.name": "tiny",
+        f"{arch}.block_count": cfg.num_hidden_layers,
+        f"{arch}.context_length": cfg.max_position_embeddings,
+        f"{arch}.embedding_length": cfg.hidden_size,
+        f"{arch}.feed_forward_length": cfg.intermediate_size,
+        f"{arch}.attention.head_count": cfg.num_attention_heads,
+        f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
+        f"{arch}.attention.key_length": getattr(cfg, "head_dim", None),
+        f"{arch}.attention.value_length": getattr(cfg, "head_dim", None),
+        f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        f"{arch}.rope.freq_base": _rope_theta(cfg),
+    }
     if arch in ("gemma2", "gemma3"):
         meta[f"{arch}.attention.sliding_window"] = cfg.sliding_window
     if arch == "gemma2":
         meta["gemma2.attn_logit_softcapping"] = float(cfg.attn_logit_softcapping)
         meta["gemma2.final_logit_softcapping"] = float(cfg.final_logit_softcapping)
     if arch in ("granite", "granitemoe"):
-        meta.update({f"{arch}.{k}": float(getattr(cfg, name)) for k, name in (
-            ("embedding_scale", "embedding_multiplier"), ("residual_scale", "residual_multiplier"),
-            ("attention.scale", "attention_multiplier"), ("logit_scale", "logits_scaling"))})
+        meta.update(
+            {
+                f"{arch}.{k}": float(getattr(cfg, name))
+                for k, name in (
+                    ("embedding_scale", "embedding_multiplier"),
+                    ("residual_scale", "residual_multiplier"),
+                    ("attention.scale", "attention_multiplier"),
+                    ("logit_scale", "logits_scaling"),
+                )
+            }
+        )
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
     if experts:
-        meta.update({f"{arch}.expert_count": experts,
-                     f"{arch}.expert_used_count": cfg.num_experts_per_tok,
-                     f"{arch}.expert_feed_forward_length": getattr(cfg, "moe_intermediate_size",
-                                                                   None),
-                     f"{arch}.expert_shared_feed_forward_length": getattr(
-                         cfg, "shared_expert_intermediate_size", None)})
+        meta.update(
+            {
+                f"{arch}.expert_count": experts,
+                f"{arch}.expert_used_count": cfg.num_experts_per_tok,
+                f"{arch}.expert_feed_forward_length": getattr(cfg, "moe_intermediate_size", None),
+                f"{arch}.expert_shared_feed_forward_length": getattr(
+                    cfg, "shared_expert_intermediate_size", None
+                ),
+            }
+        )
     meta.update(extra or {})
     meta = {k: v for k, v in meta.items() if v is not None}
     tensors = {}
     for name, w in hf.state_dict().items():
-        if name.endswith("experts.gate_up_proj"):            # [E, 2I, H] -> gate and up
+        if name.endswith("experts.gate_up_proj"):  # [E, 2I, H] -> gate and up
             i = name.split(".")[2]
             gate, up = w.chunk(2, dim=1)
             tensors[f"blk.{i}.ffn_gate_exps.weight"] = (gate, T.F32)
@@ -187,7 +296,7 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
         if name.endswith("experts.down_proj"):
             tensors[f"blk.{name.split('.')[2]}.ffn_down_exps.weight"] = (w, T.F32)
             continue
-        if name.endswith("mlp.shared_expert_gate.weight"):   # stored as [hidden]
+        if name.endswith("mlp.shared_expert_gate.weight"):  # stored as [hidden]
             w = w.reshape(-1)
         if name == "lm_head.weight":
             if cfg.tie_word_embeddings:
@@ -202,36 +311,50 @@ def to_gguf(hf, path, qtype=T.F32, *, extra: dict | None = None, skip=()):
             module, kind = rest.rsplit(".", 1)
             gname = f"blk.{i}.{_NAMES[module]}.{kind}"
             if arch in ("olmo2", "gemma2", "gemma3") and module == "post_attention_layernorm":
-                gname = f"blk.{i}.post_attention_norm.{kind}"          # after attention
+                gname = f"blk.{i}.post_attention_norm.{kind}"  # after attention
             if arch in PERMUTED and module == "self_attn.q_proj":
                 w = llama_cpp_permute(w, cfg.num_attention_heads, cfg.num_attention_heads)
             elif arch in PERMUTED and module == "self_attn.k_proj":
                 w = llama_cpp_permute(w, cfg.num_attention_heads, cfg.num_key_value_heads)
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
-            w = w + 1                  # llama.cpp stores Gemma's 1 + weight
+            w = w + 1  # llama.cpp stores Gemma's 1 + weight
         if gname not in skip:
             tensors[gname] = (w, qtype if w.dim() == 2 else T.F32)
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    if arch == "phi3":                     # as llama.cpp's Phi3MiniModel writes them
-        meta["phi3.rope.dimension_count"] = int(rope.get("partial_rotary_factor", 1.0)
-                                                * cfg.hidden_size) // cfg.num_attention_heads
-        meta["phi3.rope.scaling.original_context_length"] = \
-            rope.get("original_max_position_embeddings", cfg.max_position_embeddings)
+    if arch == "phi3":  # as llama.cpp's Phi3MiniModel writes them
+        meta["phi3.rope.dimension_count"] = (
+            int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // cfg.num_attention_heads
+        )
+        meta["phi3.rope.scaling.original_context_length"] = rope.get(
+            "original_max_position_embeddings", cfg.max_position_embeddings
+        )
         if rope.get("rope_type") == "longrope":
             scale = cfg.max_position_embeddings / rope["original_max_position_embeddings"]
             meta["phi3.rope.scaling.attn_factor"] = math.sqrt(
-                1 + math.log(scale) / math.log(rope["original_max_position_embeddings"]))
+                1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])
+            )
             for kind in ("long", "short"):
                 tensors[f"rope_factors_{kind}.weight"] = (
-                    torch.tensor(rope[f"{kind}_factor"], dtype=torch.float32), T.F32)
+                    torch.tensor(rope[f"{kind}_factor"], dtype=torch.float32),
+                    T.F32,
+                )
     elif rope.get("rope_type") == "llama3":
-        factors = gguf.llama3_rope_factors(rope["rope_theta"], 16, rope["factor"],
-                                           rope["low_freq_factor"], rope["high_freq_factor"],
-                                           rope["original_max_position_embeddings"])
+        factors = gguf.llama3_rope_factors(
+            rope["rope_theta"],
+            16,
+            rope["factor"],
+            rope["low_freq_factor"],
+            rope["high_freq_factor"],
+            rope["original_max_position_embeddings"],
+        )
         tensors["rope_freqs.weight"] = (factors.float(), T.F32)
     elif rope.get("rope_type") == "linear":
-        meta.update({"llama.rope.scaling.type": "linear",
-                     "llama.rope.scaling.factor": float(rope["factor"])})
+        meta.update(
+            {
+                "llama.rope.scaling.type": "linear",
+                "llama.rope.scaling.factor": float(rope["factor"]),
+            }
+        )
     write_gguf(path, meta, tensors)
     return path
 
@@ -263,13 +386,13 @@ def osd_logits(model, ids):
 
 
 # -- reference dequantizers and quantizers (one block at a time, after ggml's C code) -----
-K_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)      # 256-weight super-blocks
+K_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)  # 256-weight super-blocks
 SUPER_TYPES = (*K_TYPES, T.IQ4_XS)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def _h(b, i):
-    return np.float32(np.frombuffer(bytes(b[i:i + 2]), np.float16)[0])
+    return np.float32(np.frombuffer(bytes(b[i : i + 2]), np.float16)[0])
 
 
 def _ref_block(b, t):
@@ -307,8 +430,9 @@ def _ref_block(b, t):
         def scale_min(j):
             if j < 4:
                 return sc[j] & 63, sc[j + 4] & 63
-            return (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4), \
-                (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)
+            return (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | (
+                (sc[j] >> 6) << 4
+            )
 
         out, qi, is_ = 0, 0, 0
         for _ in range(0, 256, 64):
@@ -316,7 +440,7 @@ def _ref_block(b, t):
             d1, m1 = d * f32(s), dmin * f32(m)
             s, m = scale_min(is_ + 1)
             d2, m2 = d * f32(s), dmin * f32(m)
-            u1, u2 = 1 << is_, 2 << is_         # Q5_K: the fifth bits of this 64
+            u1, u2 = 1 << is_, 2 << is_  # Q5_K: the fifth bits of this 64
             for lane in range(32):
                 h = 16 if qh is not None and qh[lane] & u1 else 0
                 y[out + lane] = d1 * f32((q[qi + lane] & 0xF) + h) - m1
@@ -417,8 +541,7 @@ def ref_quantize(x: np.ndarray, t) -> bytes:
                     amax, mx = abs(v), v
             d = mx / f32(-16 if five else -8)
             inv = f32(1) / d if d else f32(0)
-            q = [min(31 if five else 15, int(v * inv + f32(16.5 if five else 8.5)))
-                 for v in blk]
+            q = [min(31 if five else 15, int(v * inv + f32(16.5 if five else 8.5))) for v in blk]
             head = np.float16(d).tobytes()
         else:
             lo, hi = min(blk), max(blk)
@@ -438,11 +561,22 @@ def random_blocks(t, n: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     size = gguf.BLOCK_LAYOUT[t][1]
     b = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
-    halves = {T.Q8_0: [0], T.Q4_0: [0], T.Q5_0: [0], T.Q4_1: [0, 2], T.Q5_1: [0, 2],
-              T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2],
-              T.Q6_K: [208], T.IQ4_NL: [0], T.IQ4_XS: [0]}[t]
+    halves = {
+        T.Q8_0: [0],
+        T.Q4_0: [0],
+        T.Q5_0: [0],
+        T.Q4_1: [0, 2],
+        T.Q5_1: [0, 2],
+        T.Q2_K: [80, 82],
+        T.Q3_K: [108],
+        T.Q4_K: [0, 2],
+        T.Q5_K: [0, 2],
+        T.Q6_K: [208],
+        T.IQ4_NL: [0],
+        T.IQ4_XS: [0],
+    }[t]
     for at in halves:
-        b[:, at:at + 2] = rng.uniform(-2, 2, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+        b[:, at : at + 2] = rng.uniform(-2, 2, n).astype(np.float16).view(np.uint8).reshape(n, 2)
     return b.reshape(-1)
 
 
@@ -467,8 +601,8 @@ def test_dequantize_matches_per_block_reference(t):
 @pytest.mark.parametrize("t", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1], ids=lambda t: t.name)
 def test_quantize_matches_ggml_reference(t):
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1)) * 3
-    x[0, :32] = 0.0           # an all-zero block: d = 0
-    x[1, 32:64] = 1.5         # a constant block
+    x[0, :32] = 0.0  # an all-zero block: d = 0
+    x[1, 32:64] = 1.5  # a constant block
     raw = quantize(x, t)
     assert raw.tobytes() == ref_quantize(x.numpy(), t)
     back = torch.from_numpy(ref_dequantize(raw, t)).reshape(-1, 32)
@@ -477,10 +611,14 @@ def test_quantize_matches_ggml_reference(t):
     # Worst error in steps: half a step (Q4_0, Q5_0: a whole one, the end at +8 / +16 is
     # clamped), plus the fp16 rounding of d (and of Q4_1's and Q5_1's minimum).
     spread = blocks.amax(1, True) - blocks.amin(1, True)
-    step, steps = {T.Q8_0: (amax / 127, 0.5), T.Q4_0: (amax / 8, 1.0),
-                   T.Q4_1: (spread / 15, 0.5), T.Q5_0: (amax / 16, 1.0),
-                   T.Q5_1: (spread / 31, 0.5)}[t]
-    assert ((back - blocks).abs() <= step * (steps + 0.1) + amax * 2 ** -10).all()
+    step, steps = {
+        T.Q8_0: (amax / 127, 0.5),
+        T.Q4_0: (amax / 8, 1.0),
+        T.Q4_1: (spread / 15, 0.5),
+        T.Q5_0: (amax / 16, 1.0),
+        T.Q5_1: (spread / 31, 0.5),
+    }[t]
+    assert ((back - blocks).abs() <= step * (steps + 0.1) + amax * 2**-10).all()
 
 
 @pytest.mark.parametrize("t", [T.F32, T.F16, T.BF16], ids=lambda t: t.name)
@@ -500,24 +638,42 @@ def test_unpermute_inverts_llama_cpp_permute():
         assert torch.equal(gguf.unpermute_rope_rows(stored, kv or heads), rows)
 
 
-@pytest.mark.parametrize("family,tie", [("llama", False), ("llama", True), ("llama_bias", False),
-                                        ("llama3", False), ("llama_linear", True),
-                                        ("qwen2", True), ("qwen3", True), ("qwen3", False),
-                                        ("granite", True), ("granite", False),
-                                        ("olmo2", True), ("olmo2", False), ("phi3", False),
-                                        ("phi3_longrope", False), ("smollm3", True),
-                                        ("gemma2", True), ("gemma3", True),
-                                        ("mixtral", False), ("qwen2_moe", False),
-                                        ("qwen3_moe", True), ("olmoe", False),
-                                        ("granite_moe", True)])
+@pytest.mark.parametrize(
+    "family,tie",
+    [
+        ("llama", False),
+        ("llama", True),
+        ("llama_bias", False),
+        ("llama3", False),
+        ("llama_linear", True),
+        ("qwen2", True),
+        ("qwen3", True),
+        ("qwen3", False),
+        ("granite", True),
+        ("granite", False),
+        ("olmo2", True),
+        ("olmo2", False),
+        ("phi3", False),
+        ("phi3_longrope", False),
+        ("smollm3", True),
+        ("gemma2", True),
+        ("gemma3", True),
+        ("mixtral", False),
+        ("qwen2_moe", False),
+        ("qwen3_moe", True),
+        ("olmoe", False),
+        ("granite_moe", True),
+    ],
+)
 def test_f32_logits_match_transformers(family, tie, tmp_path):
     hf = tiny_hf_model(family, tie=tie)
     path = to_gguf(hf, tmp_path / "m.gguf")
     model = load_model(path)
     assert model.config.tie_word_embeddings == tie
     if family in ("llama3", "llama_linear"):
-        assert (model.config.rope_type, model.config.rope_factor) == \
-            ({"llama3": ("llama3", 8.0), "llama_linear": ("linear", 2.5)}[family])
+        assert (model.config.rope_type, model.config.rope_factor) == (
+            {"llama3": ("llama3", 8.0), "llama_linear": ("linear", 2.5)}[family]
+        )
     ids = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 0, 299]
     torch.testing.assert_close(osd_logits(model, ids), hf_logits(hf, ids), atol=ATOL, rtol=0)
 
@@ -528,8 +684,9 @@ def test_quantized_file_matches_transformers_with_dequantized_weights(t, tmp_pat
     path = to_gguf(hf, tmp_path / "m.gguf", t)
     want = dequantized_copy(hf, t)
     ids = [1, 2, 3, 200, 150, 42, 42, 9]
-    torch.testing.assert_close(osd_logits(load_model(path), ids), hf_logits(want, ids),
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        osd_logits(load_model(path), ids), hf_logits(want, ids), atol=ATOL, rtol=0
+    )
 
 
 def test_quantized_moe_file_keeps_its_linear_layers_quantized(tmp_path):
@@ -542,23 +699,33 @@ def test_quantized_moe_file_keeps_its_linear_layers_quantized(tmp_path):
     path = to_gguf(hf, tmp_path / "m.gguf", T.Q8_0)
     quant, plain = load_model(path, quantized=True), load_model(path)
     kept = [n for n, m in quant.named_modules() if isinstance(m, QuantLinear)]
-    assert {n.split(".")[-1] for n in kept} == {"wqkv", "wo", "shared_gate_up", "shared_down",
-                                                "lm_head"}
+    assert {n.split(".")[-1] for n in kept} == {
+        "wqkv",
+        "wo",
+        "shared_gate_up",
+        "shared_down",
+        "lm_head",
+    }
     ids = [1, 2, 3, 200, 150, 42, 42, 9]
     torch.testing.assert_close(osd_logits(quant, ids), osd_logits(plain, ids), atol=ATOL, rtol=0)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     want = osd.Engine(plain, max_batch_size=2, max_seq_len=64).generate(
-        prompts, osd.SamplingParams(16))
-    got = osd.Engine(quant, draft=load_model(tiny_hf_model("qwen3_moe", seed=7)), max_batch_size=2,
-                     max_seq_len=64, spec=osd.SpecConfig(num_draft_tokens=3)).generate(
-        prompts, osd.SamplingParams(16))
+        prompts, osd.SamplingParams(16)
+    )
+    got = osd.Engine(
+        quant,
+        draft=load_model(tiny_hf_model("qwen3_moe", seed=7)),
+        max_batch_size=2,
+        max_seq_len=64,
+        spec=osd.SpecConfig(num_draft_tokens=3),
+    ).generate(prompts, osd.SamplingParams(16))
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
 def test_dtype_and_directory_loading(tmp_path):
     hf = tiny_hf_model("llama", seed=4)
     to_gguf(hf, tmp_path / "weights.gguf", T.Q8_0)
-    fp32 = load_model(tmp_path)              # a directory holding one .gguf
+    fp32 = load_model(tmp_path)  # a directory holding one .gguf
     bf16 = load_model(tmp_path / "weights.gguf", dtype=torch.bfloat16)
     for (name, a), (_, b) in zip(fp32.named_parameters(), bf16.named_parameters()):
         assert b.dtype == torch.bfloat16 and torch.equal(a.to(torch.bfloat16), b), name
@@ -576,20 +743,24 @@ def test_engine_from_pretrained_generates_like_transformers(tmp_path):
         ids.append(int(hf_logits(hf, ids)[-1].argmax()))
         if ids[-1] == 2:
             break
-    assert out.token_ids == ids[len(prompt):]
+    assert out.token_ids == ids[len(prompt) :]
 
 
 def test_written_numpy_arrays_keep_their_element_type(tmp_path):
     """``write_gguf`` stores a numpy array with its dtype (llama.cpp reads token_type only
     as int32), a list of ints as u32."""
-    meta = {"general.architecture": "llama", "i32": np.array([2, -3, 7], dtype=np.int32),
-            "f32": np.array([0.5, -1.0], dtype=np.float32), "u8": np.array([1, 255], np.uint8),
-            "ints": [1, 2, 3]}
+    meta = {
+        "general.architecture": "llama",
+        "i32": np.array([2, -3, 7], dtype=np.int32),
+        "f32": np.array([0.5, -1.0], dtype=np.float32),
+        "u8": np.array([1, 255], np.uint8),
+        "ints": [1, 2, 3],
+    }
     write_gguf(tmp_path / "a.gguf", meta, {})
     raw = (tmp_path / "a.gguf").read_bytes()
     for key, etype in (("i32", 5), ("f32", 6), ("u8", 0), ("ints", 4)):
         at = raw.index(key.encode()) + len(key)
-        assert struct.unpack_from("<II", raw, at) == (9, etype), key     # array of etype
+        assert struct.unpack_from("<II", raw, at) == (9, etype), key  # array of etype
     back = GGUFFile(tmp_path / "a.gguf").metadata
     assert back["i32"].tolist() == [2, -3, 7] and back["f32"].tolist() == [0.5, -1.0]
     assert back["u8"].tolist() == [1, 255] and list(back["ints"]) == [1, 2, 3]
@@ -597,20 +768,28 @@ def test_written_numpy_arrays_keep_their_element_type(tmp_path):
 
 def test_metadata_value_types_and_alignment(tmp_path):
     """A hand-packed file with every metadata value type and a 64-byte alignment."""
+
     def s(x):
         return struct.pack("<Q", len(x.encode())) + x.encode()
 
-    kv = [("general.architecture", 8, s("llama")), ("u8", 0, struct.pack("<B", 200)),
-          ("i8", 1, struct.pack("<b", -5)), ("u16", 2, struct.pack("<H", 60000)),
-          ("i16", 3, struct.pack("<h", -300)), ("u32", 4, struct.pack("<I", 4000000000)),
-          ("i32", 5, struct.pack("<i", -7)), ("f32", 6, struct.pack("<f", 0.5)),
-          ("bool", 7, struct.pack("<?", True)), ("u64", 10, struct.pack("<Q", 2 ** 40)),
-          ("i64", 11, struct.pack("<q", -2 ** 40)), ("f64", 12, struct.pack("<d", 0.1)),
-          ("general.alignment", 4, struct.pack("<I", 64)),
-          ("arr_i16", 9, struct.pack("<IQ", 3, 3) + struct.pack("<3h", -1, 0, 1)),
-          ("arr_str", 9, struct.pack("<IQ", 8, 2) + s("a b") + s("ü")),
-          ("arr_arr", 9, struct.pack("<IQ", 9, 1) + struct.pack("<IQ", 4, 1)
-           + struct.pack("<I", 9))]
+    kv = [
+        ("general.architecture", 8, s("llama")),
+        ("u8", 0, struct.pack("<B", 200)),
+        ("i8", 1, struct.pack("<b", -5)),
+        ("u16", 2, struct.pack("<H", 60000)),
+        ("i16", 3, struct.pack("<h", -300)),
+        ("u32", 4, struct.pack("<I", 4000000000)),
+        ("i32", 5, struct.pack("<i", -7)),
+        ("f32", 6, struct.pack("<f", 0.5)),
+        ("bool", 7, struct.pack("<?", True)),
+        ("u64", 10, struct.pack("<Q", 2**40)),
+        ("i64", 11, struct.pack("<q", -(2**40))),
+        ("f64", 12, struct.pack("<d", 0.1)),
+        ("general.alignment", 4, struct.pack("<I", 64)),
+        ("arr_i16", 9, struct.pack("<IQ", 3, 3) + struct.pack("<3h", -1, 0, 1)),
+        ("arr_str", 9, struct.pack("<IQ", 8, 2) + s("a b") + s("ü")),
+        ("arr_arr", 9, struct.pack("<IQ", 9, 1) + struct.pack("<IQ", 4, 1) + struct.pack("<I", 9)),
+    ]
     header = b"GGUF" + struct.pack("<IQQ", 3, 1, len(kv))
     header += b"".join(s(k) + struct.pack("<I", t) + v for k, t, v in kv)
     header += s("w") + struct.pack("<I", 2) + struct.pack("<2Q", 4, 2) + struct.pack("<IQ", 0, 0)
@@ -619,10 +798,15 @@ def test_metadata_value_types_and_alignment(tmp_path):
     path.write_bytes(header + b"\0" * (-len(header) % 64) + data)
     g = GGUFFile(path)
     m = g.metadata
-    assert (m["u8"], m["i8"], m["u16"], m["i16"], m["u32"], m["i32"]) == \
-        (200, -5, 60000, -300, 4000000000, -7)
-    assert (m["f32"], m["bool"], m["u64"], m["i64"], m["f64"]) == (0.5, True, 2 ** 40,
-                                                                   -2 ** 40, 0.1)
+    assert (m["u8"], m["i8"], m["u16"], m["i16"], m["u32"], m["i32"]) == (
+        200,
+        -5,
+        60000,
+        -300,
+        4000000000,
+        -7,
+    )
+    assert (m["f32"], m["bool"], m["u64"], m["i64"], m["f64"]) == (0.5, True, 2**40, -(2**40), 0.1)
     assert m["arr_i16"].tolist() == [-1, 0, 1] and m["arr_str"] == ["a b", "ü"]
     assert m["arr_arr"][0].tolist() == [9]
     assert g.data_start % 64 == 0 and g.tensors["w"].shape == (2, 4)
@@ -632,8 +816,9 @@ def test_metadata_value_types_and_alignment(tmp_path):
 # -- errors ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def good_file(tmp_path_factory):
-    return to_gguf(tiny_hf_model("llama", seed=6),
-                   tmp_path_factory.mktemp("good") / "m.gguf", T.Q4_0)
+    return to_gguf(
+        tiny_hf_model("llama", seed=6), tmp_path_factory.mktemp("good") / "m.gguf", T.Q4_0
+    )
 
 
 def test_missing_and_foreign_files(tmp_path):
@@ -655,8 +840,11 @@ def test_truncated_files(good_file, tmp_path):
     data = good_file.read_bytes()
     cut = tmp_path / "cut.gguf"
     in_infos = data.index(b"blk.1.ffn_up.weight") + 5
-    for size, where in ((40, "the header ends"), (in_infos, "the header ends"),
-                        (len(data) - 100, "tensor")):
+    for size, where in (
+        (40, "the header ends"),
+        (in_infos, "the header ends"),
+        (len(data) - 100, "tensor"),
+    ):
         cut.write_bytes(data[:size])
         with pytest.raises(ValueError, match=f"truncated GGUF file.*{where}"):
             load_model(cut)
@@ -665,8 +853,11 @@ def test_truncated_files(good_file, tmp_path):
 def test_unsupported_architecture_and_quantization(good_file, tmp_path):
     data = good_file.read_bytes()
     other = tmp_path / "falcon.gguf"
-    other.write_bytes(data.replace(b"\x05\x00\x00\x00\x00\x00\x00\x00llama",
-                                   b"\x05\x00\x00\x00\x00\x00\x00\x00gpt-2", 1))
+    other.write_bytes(
+        data.replace(
+            b"\x05\x00\x00\x00\x00\x00\x00\x00llama", b"\x05\x00\x00\x00\x00\x00\x00\x00gpt-2", 1
+        )
+    )
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt-2'.*llama"):
         load_model(other)
     # Re-type one tensor as IQ2_XXS: its type field follows the name, n_dims and the dims.
@@ -674,10 +865,10 @@ def test_unsupported_architecture_and_quantization(good_file, tmp_path):
     at = data.index(name) + len(name) + 4 + 2 * 8
     assert struct.unpack_from("<I", data, at)[0] == T.Q4_0
     iq = tmp_path / "iq2_xxs.gguf"
-    iq.write_bytes(data[:at] + struct.pack("<I", T.IQ2_XXS) + data[at + 4:])
+    iq.write_bytes(data[:at] + struct.pack("<I", T.IQ2_XXS) + data[at + 4 :])
     with pytest.raises(ValueError, match="'blk.1.ffn_up.weight' has quantization type IQ2_XXS"):
         load_model(iq)
-    iq.write_bytes(data[:at] + struct.pack("<I", 99) + data[at + 4:])
+    iq.write_bytes(data[:at] + struct.pack("<I", 99) + data[at + 4 :])
     with pytest.raises(ValueError, match="unknown type 99"):
         load_model(iq)
 
@@ -695,8 +886,9 @@ def test_missing_metadata_tensor_and_ambiguous_directory(tmp_path):
 
 
 # -- the real model -----------------------------------------------------------------------
-@pytest.mark.skipif(zoo_chat.cached_target() is None,
-                    reason="SmolLM2 GGUF not cached; run osd.zoo.chat_pair() once")
+@pytest.mark.skipif(
+    zoo_chat.cached_target() is None, reason="SmolLM2 GGUF not cached; run osd.zoo.chat_pair() once"
+)
 @pytest.mark.slow
 def test_smollm2_real_greedy_matches_transformers():
     """osd's greedy answer on a chat prompt equals transformers' LlamaForCausalLM holding
@@ -706,22 +898,36 @@ def test_smollm2_real_greedy_matches_transformers():
     model = load_model(path)
     tok = load_tokenizer(path)
     cfg = model.config
-    hf = LlamaForCausalLM(LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=True,
-        max_position_embeddings=cfg.max_position_embeddings)).eval()
+    hf = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=cfg.rope_theta,
+            tie_word_embeddings=True,
+            max_position_embeddings=cfg.max_position_embeddings,
+        )
+    ).eval()
     keys, get = gguf.open_gguf_weights(g, cfg)
     missing, unexpected = hf.load_state_dict({k: get(k) for k in keys}, strict=False)
     assert unexpected == [] and set(missing) <= {"lm_head.weight"}
     hf.tie_weights()
-    [prompt] = apply_chat_template(tok, [[{"role": "user",
-                                           "content": "What is the capital of France?"}]])
+    [prompt] = apply_chat_template(
+        tok, [[{"role": "user", "content": "What is the capital of France?"}]]
+    )
     engine = osd.Engine(model, tokenizer=tok, max_batch_size=1, max_seq_len=256)
     out = engine.generate([prompt], osd.SamplingParams(max_new_tokens=16))[0]
     with torch.no_grad():
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                           eos_token_id=2, pad_token_id=2)[0, len(prompt):].tolist()
+        want = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=2,
+        )[0, len(prompt) :].tolist()
     assert out.token_ids == want
     assert "Paris" in out.text

@@ -6,6 +6,7 @@ with plain calls in place of capture and replay), with ``poison=True``: after ev
 the outputs of the other graphs that do not own them are overwritten with garbage, as the
 shared pool of real graphs may. It must emit exactly what the eager engine emits. The real
 capture runs only where CUDA is present."""
+
 import pytest
 import torch
 
@@ -39,9 +40,14 @@ def pair():
 def _engine(pair, spec, device="cpu", max_batch_size=4):
     target, draft = pair
     spec = osd.SpecConfig(**spec)
-    return osd.Engine.from_pretrained(target, draft=draft if spec.drafter == "model" else None,
-                                      spec=spec, device=device, max_batch_size=max_batch_size,
-                                      max_seq_len=80)
+    return osd.Engine.from_pretrained(
+        target,
+        draft=draft if spec.drafter == "model" else None,
+        spec=spec,
+        device=device,
+        max_batch_size=max_batch_size,
+        max_seq_len=80,
+    )
 
 
 def test_batch_bucket():
@@ -55,8 +61,11 @@ def test_step_graphs_need_cuda_unless_emulated():
         StepGraphs(torch.device("cpu"))
 
 
-PLAIN_SAMPLING = {"greedy": dict(temperature=0.0), "temperature": dict(temperature=0.9),
-                  "truncated": dict(temperature=0.9, top_k=20, top_p=0.8)}
+PLAIN_SAMPLING = {
+    "greedy": dict(temperature=0.0),
+    "temperature": dict(temperature=0.9),
+    "truncated": dict(temperature=0.9, top_k=20, top_p=0.8),
+}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -68,8 +77,9 @@ def test_graphs_in_plain_decoding(pair, sampling, device):
     params = osd.SamplingParams(16, seed=39, **PLAIN_SAMPLING[sampling])
 
     def engine():
-        return osd.Engine.from_pretrained(pair[0], max_batch_size=4, max_seq_len=48,
-                                          device=device, cuda_graphs=False)
+        return osd.Engine.from_pretrained(
+            pair[0], max_batch_size=4, max_seq_len=48, device=device, cuda_graphs=False
+        )
 
     eager = engine().generate(prompts, params)
     eng = engine()
@@ -135,11 +145,11 @@ def test_cuda_graphs_emit_what_eager_emits(pair, case):
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
     _assert_replayed(eng)
     if sampling["temperature"] == 0.0:
-        plain = osd.Engine.from_pretrained(pair[0], device="cuda", max_batch_size=4,
-                                           max_seq_len=80)
-        assert plain.graphs is not None                   # plain decoding is graphed too
-        eager_plain = osd.Engine.from_pretrained(pair[0], device="cuda", max_batch_size=4,
-                                                 max_seq_len=80, cuda_graphs=False)
+        plain = osd.Engine.from_pretrained(pair[0], device="cuda", max_batch_size=4, max_seq_len=80)
+        assert plain.graphs is not None  # plain decoding is graphed too
+        eager_plain = osd.Engine.from_pretrained(
+            pair[0], device="cuda", max_batch_size=4, max_seq_len=80, cuda_graphs=False
+        )
         want = [o.token_ids for o in eager_plain.generate(prompts, params)]
         assert [o.token_ids for o in plain.generate(prompts, params)] == want
         assert [o.token_ids for o in graphed] == want
@@ -155,9 +165,15 @@ def test_graphed_drafting_proposes_what_eager_drafting_proposes(pair, case, devi
     logs = {}
     for graphed in (False, True):
         target, draft = pair
-        eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(**spec),
-                                         device=device, max_batch_size=4, max_seq_len=80,
-                                         cuda_graphs=False)
+        eng = osd.Engine.from_pretrained(
+            target,
+            draft=draft,
+            spec=osd.SpecConfig(**spec),
+            device=device,
+            max_batch_size=4,
+            max_seq_len=80,
+            cuda_graphs=False,
+        )
         if graphed:
             eng.use_graphs(_graphs(eng, device))
         log = []
@@ -173,8 +189,12 @@ def test_graphed_drafting_proposes_what_eager_drafting_proposes(pair, case, devi
 
             def on_verdict(self, v, _log=log):
                 prop = v.proposal
-                _log.append((prop.tokens.cpu().clone(),
-                             None if prop.probs is None else prop.probs.float().cpu().clone()))
+                _log.append(
+                    (
+                        prop.tokens.cpu().clone(),
+                        None if prop.probs is None else prop.probs.float().cpu().clone(),
+                    )
+                )
 
         eng.speculators[0].listeners.append(Recorder())
         eng.generate(prompts, osd.SamplingParams(16, seed=5, **params))
@@ -191,10 +211,16 @@ def test_graphed_drafting_proposes_what_eager_drafting_proposes(pair, case, devi
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("V", [131, 49_152])
-@pytest.mark.parametrize("warp", [dict(temperature=0.8), dict(temperature=0.8, top_k=6),
-                                  dict(temperature=0.8, top_p=0.9),
-                                  dict(temperature=0.7, top_k=20, top_p=0.9)],
-                         ids=["t", "top_k", "top_p", "top_k-top_p"])
+@pytest.mark.parametrize(
+    "warp",
+    [
+        dict(temperature=0.8),
+        dict(temperature=0.8, top_k=6),
+        dict(temperature=0.8, top_p=0.9),
+        dict(temperature=0.7, top_k=20, top_p=0.9),
+    ],
+    ids=["t", "top_k", "top_p", "top_k-top_p"],
+)
 @pytest.mark.parametrize("B", [4, 4096])
 def test_cuda_graph_of_a_draft_draw_equals_eager(V, warp, B):
     """The draft loop's sampling ops alone (``warp_probs``, then ``sample_draft``),
@@ -202,14 +228,16 @@ def test_cuda_graph_of_a_draft_draw_equals_eager(V, warp, B):
     as the eager ops. Localises a graph-unsafe op among the warps."""
     dev = torch.device("cuda")
     gen = torch.Generator(device="cpu").manual_seed(B + V)
-    static = {"logits": torch.randn(B, V, generator=gen).to(dev),
-              "seed": torch.arange(B, dtype=torch.int64, device=dev),
-              "offset": torch.zeros(B, dtype=torch.int64, device=dev)}
+    static = {
+        "logits": torch.randn(B, V, generator=gen).to(dev),
+        "seed": torch.arange(B, dtype=torch.int64, device=dev),
+        "offset": torch.zeros(B, dtype=torch.int64, device=dev),
+    }
 
     def body():
-        q = warp_probs(static["logits"], warp["temperature"], warp.get("top_k"),
-                       warp.get("top_p"))
+        q = warp_probs(static["logits"], warp["temperature"], warp.get("top_k"), warp.get("top_p"))
         return q, sample_draft(q, static["seed"], static["offset"], 1)
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -236,7 +264,8 @@ TORCH_OPS = {
     "sort": lambda x: torch.sort(x, dim=-1, descending=True)[0],
     "cumsum": lambda x: torch.cumsum(torch.softmax(x, -1), dim=-1),
     "searchsorted": lambda x: torch.searchsorted(
-        -torch.sort(x, dim=-1, descending=True)[0].contiguous(), -x.contiguous()),
+        -torch.sort(x, dim=-1, descending=True)[0].contiguous(), -x.contiguous()
+    ),
 }
 
 
@@ -272,8 +301,9 @@ def test_mixed_sampling_rows_replay_and_emit_what_eager_emits(pair):
     eager engine emits."""
     spec, _ = CASES["greedy-chain"]
     prompts = prompts_of([7, 3, 11, 5], seed=40)
-    mixed = [osd.SamplingParams(12)] * 3 + [osd.SamplingParams(
-        24, seed=41, temperature=0.9, top_p=0.8, ignore_eos=True)]
+    mixed = [osd.SamplingParams(12)] * 3 + [
+        osd.SamplingParams(24, seed=41, temperature=0.9, top_p=0.8, ignore_eos=True)
+    ]
     eager = _engine(pair, spec).generate(prompts, mixed)
     eng = _engine(pair, spec)
     eng.use_graphs(_graphs(eng))
@@ -289,14 +319,16 @@ def test_poison_overwrites_outputs_a_graph_does_not_own():
     def run(key, value, own):
         def build():
             return {"x": torch.zeros(3)}, lambda s: (s["x"] * 2, s["x"].long())
+
         return graphs.run(key, build, lambda s: s["x"].fill_(value), own_outputs=own)
 
     shared, _ = run("a", 1.0, own=False)
     owned, owned_ids = run("b", 2.0, own=True)
-    assert shared.isnan().all()                      # "b" replayed after "a"
+    assert shared.isnan().all()  # "b" replayed after "a"
     run("c", 3.0, own=False)
-    assert torch.equal(owned, torch.full((3,), 4.0)) and torch.equal(owned_ids, torch.full(
-        (3,), 2))                                    # owned outputs survive other replays
+    assert torch.equal(owned, torch.full((3,), 4.0)) and torch.equal(
+        owned_ids, torch.full((3,), 2)
+    )  # owned outputs survive other replays
     fresh, _ = run("a", 5.0, own=False)
     assert torch.equal(fresh, torch.full((3,), 10.0))
     with pytest.raises(ValueError, match="emulate=True"):
@@ -304,8 +336,9 @@ def test_poison_overwrites_outputs_a_graph_does_not_own():
 
 
 def _buffers(model):
-    return [model._arange.data_ptr()] + [t.data_ptr() for tables in model._tables.values()
-                                         for t in tables]
+    return [model._arange.data_ptr()] + [
+        t.data_ptr() for tables in model._tables.values() for t in tables
+    ]
 
 
 @pytest.mark.parametrize("spec", [None, CASES["sampled-chain"][0]], ids=["plain", "chain"])
@@ -317,8 +350,11 @@ def test_captured_buffers_never_move_when_a_longer_prompt_arrives(pair, spec):
     eng = osd.Engine.from_pretrained(
         tiny_hf_model("llama", seed=31),
         draft=None if spec is None else perturbed(tiny_hf_model("llama", seed=31), 0.3, seed=32),
-        spec=None if spec is None else osd.SpecConfig(**spec), max_batch_size=4,
-        max_seq_len=400, cuda_graphs=False)
+        spec=None if spec is None else osd.SpecConfig(**spec),
+        max_batch_size=4,
+        max_seq_len=400,
+        cuda_graphs=False,
+    )
     eng.use_graphs(_graphs(eng))
     models = [eng.model] + [sp.drafter.model for sp in eng.speculators]
     params = osd.SamplingParams(6, temperature=0.8, seed=3)
@@ -330,12 +366,13 @@ def test_captured_buffers_never_move_when_a_longer_prompt_arrives(pair, spec):
 
 
 def test_a_pinned_model_refuses_to_grow_its_buffers(pair):
-    model = osd.Engine.from_pretrained(tiny_hf_model("llama", seed=31), max_batch_size=2,
-                                       max_seq_len=32).model
+    model = osd.Engine.from_pretrained(
+        tiny_hf_model("llama", seed=31), max_batch_size=2, max_seq_len=32
+    ).model
     model.pin_buffers()
-    cache = model.new_cache(1, 4096)           # reserving keeps the old buffers alive
+    cache = model.new_cache(1, 4096)  # reserving keeps the old buffers alive
     assert model._arange.shape[0] >= 4096
-    model._arange = model._arange[:8]          # as if sized for a small engine
+    model._arange = model._arange[:8]  # as if sized for a small engine
     with pytest.raises(RuntimeError, match=r"_arange holds 8 entries but a forward needs"):
         model(torch.zeros(1, 9, dtype=torch.int64), cache)
 
@@ -349,12 +386,20 @@ def test_graphed_truncated_sampling_equals_eager_at_every_batch(pair, batch, dev
     target, draft = pair
     spec = osd.SpecConfig(num_draft_tokens=3)
     prompts = prompts_of([3 + i % 5 for i in range(batch)], seed=60)
-    params = osd.SamplingParams(5 if batch > 64 else 10, seed=61, temperature=0.8, top_k=20,
-                                top_p=0.9, ignore_eos=True)
+    params = osd.SamplingParams(
+        5 if batch > 64 else 10, seed=61, temperature=0.8, top_k=20, top_p=0.9, ignore_eos=True
+    )
     outs = []
     for graphed in (False, True):
-        eng = osd.Engine.from_pretrained(target, draft=draft, spec=spec, max_batch_size=batch,
-                                         max_seq_len=24, cuda_graphs=False, device=device)
+        eng = osd.Engine.from_pretrained(
+            target,
+            draft=draft,
+            spec=spec,
+            max_batch_size=batch,
+            max_seq_len=24,
+            cuda_graphs=False,
+            device=device,
+        )
         if graphed:
             eng.use_graphs(_graphs(eng, device))
         outs.append([o.token_ids for o in eng.generate(prompts, params)])

@@ -2,6 +2,7 @@
 the full head's at the kept tokens and -inf elsewhere; speculative decoding with it stays
 lossless (greedy equal to plain, sampled joint equal to the target's); it learns online
 on its own columns; checkpoints carry the vocabulary in ``head_vocab.json``."""
+
 import json
 
 import pytest
@@ -12,8 +13,14 @@ from osd.models.loading import HEAD_VOCAB_FILE, load_model
 from osd.online.distill import to_head_vocab
 from osd.spec import DynamicTree
 from tests.test_models import VOCAB, tiny_hf_model
-from tests.test_speculative import (V_SMALL, _small_pair, assert_joint_follows_target,
-                                    perturbed, prompts_of, serve_in_batches)
+from tests.test_speculative import (
+    V_SMALL,
+    _small_pair,
+    assert_joint_follows_target,
+    perturbed,
+    prompts_of,
+    serve_in_batches,
+)
 
 
 def _kept(vocab: int, n: int, seed: int) -> torch.Tensor:
@@ -40,14 +47,19 @@ def test_logits_are_the_full_heads_at_kept_tokens(pair):
     outside[ids] = False
     assert torch.isinf(out["cut"][..., outside]).all() and (out["cut"][..., outside] < 0).all()
     torch.testing.assert_close(out["cut"][..., ids], out["full"][..., ids])
-    train = cut.forward_train(x, rows=torch.tensor([0, 3, 11]), full_vocab=False)   # [3, 50]
+    train = cut.forward_train(x, rows=torch.tensor([0, 3, 11]), full_vocab=False)  # [3, 50]
     ref = full.forward_train(x).reshape(18, VOCAB)[[0, 3, 11]][:, ids]
     torch.testing.assert_close(train, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("params", [osd.SamplingParams(8, temperature=0.8),
-                                    osd.SamplingParams(8, temperature=0.7, top_k=5, top_p=0.9),
-                                    osd.SamplingParams(8, temperature=1.3, top_k=80)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        osd.SamplingParams(8, temperature=0.8),
+        osd.SamplingParams(8, temperature=0.7, top_k=5, top_p=0.9),
+        osd.SamplingParams(8, temperature=1.3, top_k=80),
+    ],
+)
 def test_draft_warps_only_the_kept_columns(pair, params):
     """The drafter warps a restricted head's own columns: the distribution warping the
     whole row gives (the other tokens have probability 0)."""
@@ -81,10 +93,15 @@ def _engine(target, draft, **kw):
     return osd.Engine(load_model(target), draft=draft, **kw)
 
 
-@pytest.mark.parametrize("spec", [dict(num_draft_tokens=4),
-                                  dict(tree=DynamicTree(topk=3, depth=3, max_nodes=8)),
-                                  dict(num_draft_tokens=3, prompt_lookup=True)],
-                         ids=["chain", "dyntree", "lookup"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dict(num_draft_tokens=4),
+        dict(tree=DynamicTree(topk=3, depth=3, max_nodes=8)),
+        dict(num_draft_tokens=3, prompt_lookup=True),
+    ],
+    ids=["chain", "dyntree", "lookup"],
+)
 def test_greedy_equals_plain(pair, spec):
     prompts = prompts_of([5, 12, 8], seed=3)
     prompts[0] = prompts[0] * 3
@@ -97,12 +114,16 @@ def test_greedy_equals_plain(pair, spec):
     assert 0 < eng.stats["accepted"] < eng.stats["drafted"]
 
 
-@pytest.mark.parametrize("spec", [dict(num_draft_tokens=3),
-                                  dict(num_draft_tokens=3, prompt_lookup=True,
-                                       lookup_tree_below=4)], ids=["chain", "lookup-tree"])
-@pytest.mark.parametrize("params", [osd.SamplingParams(16),
-                                    osd.SamplingParams(16, temperature=0.8, top_k=40, top_p=0.9,
-                                                       seed=5)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "spec",
+    [dict(num_draft_tokens=3), dict(num_draft_tokens=3, prompt_lookup=True, lookup_tree_below=4)],
+    ids=["chain", "lookup-tree"],
+)
+@pytest.mark.parametrize(
+    "params",
+    [osd.SamplingParams(16), osd.SamplingParams(16, temperature=0.8, top_k=40, top_p=0.9, seed=5)],
+    ids=["greedy", "sampled"],
+)
 def test_alpha_is_exact_over_the_kept_columns(pair, spec, params):
     """The reported α is the mean of 1 - TV(p, q) over the drafted positions, p the
     target's (warped when sampling) distribution and q the draft's over the whole
@@ -121,12 +142,16 @@ def test_alpha_is_exact_over_the_kept_columns(pair, spec, params):
         if params.greedy:
             return torch.softmax(logits.float(), -1)
         n = logits.shape[0]
-        return warp_probs(logits, torch.full((n,), params.temperature),
-                          torch.full((n,), params.top_k), torch.full((n,), params.top_p))
+        return warp_probs(
+            logits,
+            torch.full((n,), params.temperature),
+            torch.full((n,), params.top_k),
+            torch.full((n,), params.top_p),
+        )
 
     for v in verdicts:
         prop = v.proposal
-        if getattr(prop, "draft_logits", None) is not None:         # a lookup tree
+        if getattr(prop, "draft_logits", None) is not None:  # a lookup tree
             nodes = [0] + prop.draft_nodes[0, :-1].tolist()
             p, q = dist(v.logits[0, nodes]), dist(prop.draft_logits[0])
         elif prop.source == "model":
@@ -148,13 +173,18 @@ def test_sampled_joint_follows_target():
     prompt = [3, 1, 4, 1]
     sp = osd.SamplingParams(3, seed=99, temperature=0.8, top_k=0, top_p=0.95)
     small = load_model(draft).restrict_head(_kept(V_SMALL, 9, seed=5))
-    eng = osd.Engine(load_model(target), draft=[small], spec=osd.SpecConfig(num_draft_tokens=2),
-                     max_batch_size=4096, max_seq_len=16)
+    eng = osd.Engine(
+        load_model(target),
+        draft=[small],
+        spec=osd.SpecConfig(num_draft_tokens=2),
+        max_batch_size=4096,
+        max_seq_len=16,
+    )
     assert_joint_follows_target(eng, target, prompt, sp)
 
 
 def test_targets_map_into_the_heads_columns():
-    head = torch.tensor([7, 2, 9, 4, 11, 0, 5, 13])          # column c holds token head[c]
+    head = torch.tensor([7, 2, 9, 4, 11, 0, 5, 13])  # column c holds token head[c]
     ids = torch.tensor([[2, 3, 13, 6], [0, 9, 1, 8], [4, 7, 2, 5]])
     probs = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.5, 0.2, 0.2, 0.1], [0.3, 0.3, 0.2, 0.2]])
     cols, p, none = to_head_vocab(head, ids, probs, None)
@@ -163,7 +193,7 @@ def test_targets_map_into_the_heads_columns():
     torch.testing.assert_close(p, probs * present)
     column = {int(t): c for c, t in enumerate(head.tolist())}
     for r in range(3):
-        assert len(set(cols[r].tolist())) == 4                # distinct, as distill_loss needs
+        assert len(set(cols[r].tolist())) == 4  # distinct, as distill_loss needs
         for j in range(4):
             if present[r, j]:
                 assert int(cols[r, j]) == column[int(ids[r, j])]
@@ -177,8 +207,15 @@ def test_targets_map_into_the_heads_columns():
 def test_learns_online_on_its_columns(pair, topk):
     draft = load_model(pair[1]).restrict_head(_kept(VOCAB, 100, seed=6))
     head_ids = draft.head_ids.clone()
-    online = osd.OnlineConfig(update_every_requests=2, steps_per_update=2, lr=3e-3,
-                              background=False, holdout_every=4, guard_tolerance=1.0, topk=topk)
+    online = osd.OnlineConfig(
+        update_every_requests=2,
+        steps_per_update=2,
+        lr=3e-3,
+        background=False,
+        holdout_every=4,
+        guard_tolerance=1.0,
+        topk=topk,
+    )
     eng = _engine(pair[0], [draft], spec=osd.SpecConfig(num_draft_tokens=4), online=online)
     prompts = prompts_of([6, 9, 4, 7] * 3, seed=7)
     ref = _engine(pair[0], None).generate(prompts, osd.SamplingParams(20))

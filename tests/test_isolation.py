@@ -6,6 +6,7 @@ or from its k-th token on) shares a batch with others; the poisoned one fails wi
 alone, through ``Engine.generate`` and ``AsyncEngine`` alike, plain and speculative,
 greedy and sampled, with long contexts resumed piece by piece.
 """
+
 import asyncio
 
 import pytest
@@ -25,17 +26,24 @@ def pair():
 
 
 def _engine(pair, spec: bool, **kw):
-    return osd.Engine.from_pretrained(pair[0], draft=pair[1] if spec else None,
-                                      spec=osd.SpecConfig(num_draft_tokens=3) if spec else None,
-                                      max_batch_size=4, max_seq_len=MAX_SEQ, **kw)
+    return osd.Engine.from_pretrained(
+        pair[0],
+        draft=pair[1] if spec else None,
+        spec=osd.SpecConfig(num_draft_tokens=3) if spec else None,
+        max_batch_size=4,
+        max_seq_len=MAX_SEQ,
+        **kw,
+    )
 
 
 def _poison(eng, prompt, after: int | None):
     """Every step holding the request with ``prompt`` raises: its prefill (``after``
     None) or, once it has ``after`` tokens, its decode / speculative steps."""
+
     def hit(requests):
-        return any(r.prompt == prompt and (after is None or len(r.generated) >= after)
-                   for r in requests)
+        return any(
+            r.prompt == prompt and (after is None or len(r.generated) >= after) for r in requests
+        )
 
     real_prefill = eng.prefill
 
@@ -43,6 +51,7 @@ def _poison(eng, prompt, after: int | None):
         if after is None and hit(new):
             raise RuntimeError("injected admission failure")
         return real_prefill(new, *a, **kw)
+
     eng.prefill = prefill
     for lane in eng.lanes:
         if lane.speculator is not None:
@@ -52,6 +61,7 @@ def _poison(eng, prompt, after: int | None):
                 if after is not None and hit(active):
                     raise RuntimeError("injected step failure")
                 return real(active, params)
+
             lane.speculator.step = step
     real_decode = eng.decode_step
 
@@ -59,13 +69,18 @@ def _poison(eng, prompt, after: int | None):
         if after is not None and hit(active):
             raise RuntimeError("injected step failure")
         return real_decode(active, params, lane=lane)
+
     eng.decode_step = decode_step
 
 
-PARAMS = [osd.SamplingParams(20), osd.SamplingParams(17, temperature=0.9, seed=3),
-          osd.SamplingParams(22, stop_token_ids=[5]), osd.SamplingParams(19),
-          osd.SamplingParams(21, temperature=0.7, top_k=8, seed=4),
-          osd.SamplingParams(18, logprobs=2)]
+PARAMS = [
+    osd.SamplingParams(20),
+    osd.SamplingParams(17, temperature=0.9, seed=3),
+    osd.SamplingParams(22, stop_token_ids=[5]),
+    osd.SamplingParams(19),
+    osd.SamplingParams(21, temperature=0.7, top_k=8, seed=4),
+    osd.SamplingParams(18, logprobs=2),
+]
 
 
 def _alone(pair, spec, prompts, params, **kw):
@@ -86,7 +101,7 @@ def test_a_poisoned_request_fails_alone_in_engine_generate(pair, spec, after):
     # It keeps the tokens it had before the step that failed (none when that step admitted
     # it: a prefill and the first decode step are one step).
     kept = out[poisoned].token_ids
-    assert kept == alone[poisoned].token_ids[:len(kept)]
+    assert kept == alone[poisoned].token_ids[: len(kept)]
     assert len(kept) == 0 if after in (None, 1) else len(kept) >= after
     for i, (o, a) in enumerate(zip(out, alone)):
         if i != poisoned:
@@ -111,13 +126,20 @@ def test_an_eagle_lane_resumes_from_the_targets_features(pair):
     prompts = prompts_of([5, 30, 3, 12], seed=95)
     params = osd.SamplingParams(24)
     alone = osd.Engine(target, max_batch_size=4, max_seq_len=MAX_SEQ).generate(prompts, params)
-    eng = osd.Engine(target, draft=[draft], spec=osd.SpecConfig(num_draft_tokens=3),
-                     max_batch_size=4, max_seq_len=MAX_SEQ, prefill_chunk=8)
+    eng = osd.Engine(
+        target,
+        draft=[draft],
+        spec=osd.SpecConfig(num_draft_tokens=3),
+        max_batch_size=4,
+        max_seq_len=MAX_SEQ,
+        prefill_chunk=8,
+    )
     _poison(eng, prompts[2], 7)
     out = eng.generate(prompts, params)
     assert out[2].finish_reason == "error" and eng.stats["errors"]["failed_steps"] == 1
-    assert [o.token_ids for i, o in enumerate(out) if i != 2] == \
-        [a.token_ids for i, a in enumerate(alone) if i != 2]
+    assert [o.token_ids for i, o in enumerate(out) if i != 2] == [
+        a.token_ids for i, a in enumerate(alone) if i != 2
+    ]
 
 
 def test_long_contexts_resume_piece_by_piece(pair):
@@ -131,8 +153,9 @@ def test_long_contexts_resume_piece_by_piece(pair):
     _poison(eng, prompts[1], 12)
     out = eng.generate(prompts, params)
     assert out[1].finish_reason == "error"
-    assert [o.token_ids for i, o in enumerate(out) if i != 1] == \
-        [a.token_ids for i, a in enumerate(alone) if i != 1]
+    assert [o.token_ids for i, o in enumerate(out) if i != 1] == [
+        a.token_ids for i, a in enumerate(alone) if i != 1
+    ]
 
 
 @pytest.mark.parametrize("after", [None, 4], ids=["admission", "mid-stream"])
@@ -145,7 +168,7 @@ def test_async_engine_streams_survive_a_poisoned_neighbour(pair, after):
     aeng = osd.AsyncEngine(eng)
 
     async def one(i):
-        await asyncio.sleep(0.002 * i)       # arriving while the others run
+        await asyncio.sleep(0.002 * i)  # arriving while the others run
         snapshots = []
         async for out in aeng.generate(prompts[i], params[i]):
             snapshots.append(list(out.token_ids))
@@ -153,6 +176,7 @@ def test_async_engine_streams_survive_a_poisoned_neighbour(pair, after):
 
     async def main():
         return await asyncio.gather(*[one(i) for i in range(5)], return_exceptions=True)
+
     try:
         got = asyncio.run(main())
     finally:
@@ -163,7 +187,7 @@ def test_async_engine_streams_survive_a_poisoned_neighbour(pair, after):
             continue
         assert snaps[-1] == alone[i].token_ids, i
         # Every snapshot extends the one before: nothing sent is ever taken back.
-        assert all(b[:len(a)] == a for a, b in zip(snaps, snaps[1:])), i
+        assert all(b[: len(a)] == a for a, b in zip(snaps, snaps[1:])), i
 
 
 def test_a_failure_no_request_reproduces_alone_resumes_everyone(pair, monkeypatch):
@@ -179,6 +203,7 @@ def test_a_failure_no_request_reproduces_alone_resumes_everyone(pair, monkeypatc
         if calls["n"] == 4:
             raise RuntimeError("injected transient failure")
         return real(active, params, lane=lane)
+
     monkeypatch.setattr(eng, "decode_step", flaky)
     out = eng.generate(prompts, sp)
     assert [o.token_ids for o in out] == [a.token_ids for a in alone]
@@ -198,6 +223,7 @@ def test_a_failure_that_needs_two_rows_fails_the_one_that_joins(pair, monkeypatc
         if sum(r.prompt in prompts[:2] for r in active) == 2:
             raise RuntimeError("injected pair failure")
         return real(active, params, lane=lane)
+
     monkeypatch.setattr(eng, "decode_step", picky)
     out = eng.generate(prompts, sp)
     assert [o.finish_reason for o in out] == ["length", "error", "length"]
@@ -207,9 +233,17 @@ def test_a_failure_that_needs_two_rows_fails_the_one_that_joins(pair, monkeypatc
 def test_values_the_kernels_cannot_represent_never_reach_a_batch():
     """``SamplingParams`` refuses them (the server refuses them with a 400 naming the
     field, ``tests/test_server_hostile.py``)."""
-    for kw in [dict(temperature=1e39), dict(temperature=1e-39), dict(top_p=1e-46),
-               dict(top_k=2 ** 63 - 1), dict(seed=2 ** 64), dict(stop=["a"] * 17),
-               dict(stop=["a" * 257]), dict(repetition_penalty=1e-300),
-               dict(logit_bias={3: float("inf")}), dict(max_new_tokens=2 ** 64)]:
+    for kw in [
+        dict(temperature=1e39),
+        dict(temperature=1e-39),
+        dict(top_p=1e-46),
+        dict(top_k=2**63 - 1),
+        dict(seed=2**64),
+        dict(stop=["a"] * 17),
+        dict(stop=["a" * 257]),
+        dict(repetition_penalty=1e-300),
+        dict(logit_bias={3: float("inf")}),
+        dict(max_new_tokens=2**64),
+    ]:
         with pytest.raises(ValueError):
             osd.SamplingParams(**{"max_new_tokens": 4, **kw})

@@ -1,4 +1,5 @@
 """kv_rollback: every backend against the reference, overlapping slots, opcheck."""
+
 import pytest
 import torch
 
@@ -24,8 +25,15 @@ def _random_case(gen, L, B_max, B, H, S, D, T, dtype, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 16, 8, 4), (2, 5, 3, 3, 37, 20, 9),
-                                   (3, 8, 8, 2, 80, 64, 33), (1, 4, 2, 1, 70, 7, 64)])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (1, 1, 1, 1, 16, 8, 4),
+        (2, 5, 3, 3, 37, 20, 9),
+        (3, 8, 8, 2, 80, 64, 33),
+        (1, 4, 2, 1, 70, 7, 64),
+    ],
+)
 def test_matches_reference(device, dtype, shape):
     L, B_max, B, H, S, D, T = shape
     gen = torch.Generator().manual_seed(hash(shape) % 2**31)
@@ -93,16 +101,19 @@ def test_bad_input_names_the_problem():
     kv = torch.zeros(1, 2, 2, 1, 8, 4)
     lens = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(ValueError, match="kv_cache"):
-        kv_rollback(kv[0], lens, torch.zeros(1, 1, dtype=torch.long),
-                    torch.ones(1, dtype=torch.int32))
+        kv_rollback(
+            kv[0], lens, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.int32)
+        )
     with pytest.raises(ValueError, match="cache_lens"):
-        kv_rollback(kv, lens.long(), torch.zeros(1, 1, dtype=torch.long),
-                    torch.ones(1, dtype=torch.int32))
+        kv_rollback(
+            kv, lens.long(), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.int32)
+        )
     with pytest.raises(ValueError, match="num_keep"):
         kv_rollback(kv, lens, torch.zeros(1, 1, dtype=torch.long), torch.ones(2, dtype=torch.int32))
     with pytest.raises(RuntimeError, match="strictly increasing"):
-        kv_rollback(kv, lens, torch.tensor([[0, 0]]), torch.tensor([2], dtype=torch.int32),
-                    backend="native")
+        kv_rollback(
+            kv, lens, torch.tensor([[0, 0]]), torch.tensor([2], dtype=torch.int32), backend="native"
+        )
 
 
 def test_opcheck():
@@ -110,6 +121,8 @@ def test_opcheck():
     lens = torch.tensor([1, 2, 0], dtype=torch.int32)
     slots = torch.tensor([[0, 2], [0, 1]])
     keep = torch.tensor([2, 1], dtype=torch.int32)
-    torch.library.opcheck(torch.ops.osd.kv_rollback.default, (kv, lens, slots, keep),
-                          test_utils=("test_schema", "test_faketensor",
-                                      "test_autograd_registration"))
+    torch.library.opcheck(
+        torch.ops.osd.kv_rollback.default,
+        (kv, lens, slots, keep),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )

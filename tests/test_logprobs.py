@@ -1,6 +1,7 @@
 """``SamplingParams.logprobs``: each generated token's log-probability under the target
 (before warping) and the most likely tokens', equal to transformers' on the same sequence
 whether the token came from plain decoding, a chain or a tree verify, or sampling."""
+
 import pytest
 import torch
 
@@ -21,7 +22,7 @@ def _reference(hf, prompt: list[int], generated: list[int]) -> torch.Tensor:
     """transformers' log-probabilities ``[len(generated), V]`` of each generated position."""
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + generated])).logits[0].float()
-    return torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    return torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
 
 
 def _check(hf, prompt, out, n_top=N_TOP):
@@ -35,21 +36,32 @@ def _check(hf, prompt, out, n_top=N_TOP):
         assert {i for i, _ in e.top} == set(top.indices.tolist())
 
 
-@pytest.mark.parametrize("spec", [None, dict(num_draft_tokens=4), dict(tree=TREE),
-                                  dict(tree=osd.DynamicTree(topk=3, depth=3, max_nodes=8))],
-                         ids=["plain", "chain", "tree", "dynamic"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        None,
+        dict(num_draft_tokens=4),
+        dict(tree=TREE),
+        dict(tree=osd.DynamicTree(topk=3, depth=3, max_nodes=8)),
+    ],
+    ids=["plain", "chain", "tree", "dynamic"],
+)
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_logprobs_equal_transformers(target, spec, temperature):
     draft = perturbed(target, 0.3, seed=32) if spec is not None else None
-    eng = osd.Engine.from_pretrained(target, draft=draft, max_batch_size=3, max_seq_len=96,
-                                     spec=osd.SpecConfig(**spec) if spec else None)
+    eng = osd.Engine.from_pretrained(
+        target,
+        draft=draft,
+        max_batch_size=3,
+        max_seq_len=96,
+        spec=osd.SpecConfig(**spec) if spec else None,
+    )
     prompts = prompts_of([5, 11, 3], seed=33)
-    params = osd.SamplingParams(20, temperature=temperature, top_k=20, seed=4,
-                                logprobs=N_TOP)
+    params = osd.SamplingParams(20, temperature=temperature, top_k=20, seed=4, logprobs=N_TOP)
     outs = eng.generate(prompts, params)
     for prompt, out in zip(prompts, outs):
         _check(target, prompt, out)
-        if temperature == 0:           # greedy: the chosen token is the most likely one
+        if temperature == 0:  # greedy: the chosen token is the most likely one
             assert all(e.top[0][0] == e.token_id for e in out.logprobs)
     # Without logprobs, none are kept; with 0, only the chosen token's.
     assert eng.generate(prompts[:1], osd.SamplingParams(4))[0].logprobs is None
@@ -59,13 +71,18 @@ def test_logprobs_equal_transformers(target, spec, temperature):
 
 def test_logprobs_follow_stop_strings_and_bad_values_raise():
     target, draft = zoo.default_pair()
-    eng = osd.Engine.from_pretrained(target, draft=draft, max_batch_size=1, max_seq_len=128,
-                                     spec=osd.SpecConfig(num_draft_tokens=4))
+    eng = osd.Engine.from_pretrained(
+        target,
+        draft=draft,
+        max_batch_size=1,
+        max_seq_len=128,
+        spec=osd.SpecConfig(num_draft_tokens=4),
+    )
     [free] = eng.generate(["def add(a, b):"], osd.SamplingParams(32, logprobs=2))
-    stop = free.text[len(free.text) // 2:len(free.text) // 2 + 2]
+    stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 2]
     [cut] = eng.generate(["def add(a, b):"], osd.SamplingParams(32, logprobs=2, stop=stop))
     assert len(cut.logprobs) == len(cut.token_ids) < len(free.token_ids)
-    assert cut.logprobs == free.logprobs[:len(cut.token_ids)]
+    assert cut.logprobs == free.logprobs[: len(cut.token_ids)]
     for bad, err in [(-1, ValueError), (21, ValueError), (2.5, TypeError), ("3", TypeError)]:
         with pytest.raises(err, match="logprobs"):
             osd.SamplingParams(4, logprobs=bad)
@@ -75,9 +92,14 @@ def test_score_equals_transformers(target):
     """``Engine.score``: each prompt token's log-probability given the ones before it, in
     pieces of ``prefill_chunk`` tokens (here 4), equal to transformers' on the whole
     prompt; the serving engine's outputs are unchanged around it."""
-    eng = osd.Engine.from_pretrained(target, draft=perturbed(target, 0.3, seed=34),
-                                     max_batch_size=2, max_seq_len=96, prefill_chunk=4,
-                                     spec=osd.SpecConfig(num_draft_tokens=3))
+    eng = osd.Engine.from_pretrained(
+        target,
+        draft=perturbed(target, 0.3, seed=34),
+        max_batch_size=2,
+        max_seq_len=96,
+        prefill_chunk=4,
+        spec=osd.SpecConfig(num_draft_tokens=3),
+    )
     prompts = prompts_of([11, 2, 9], seed=35)
     before = eng.generate(prompts[:1], osd.SamplingParams(10))[0].token_ids
     scored = eng.score(prompts, logprobs=3)
@@ -88,8 +110,9 @@ def test_score_equals_transformers(target):
         for j, e in enumerate(entries[1:], start=1):
             assert e.token_id == prompt[j]
             assert e.logprob == pytest.approx(ref[j - 1, prompt[j]].item(), abs=1e-4)
-            assert [v for _, v in e.top] == pytest.approx(ref[j - 1].topk(3).values.tolist(),
-                                                          abs=1e-4)
+            assert [v for _, v in e.top] == pytest.approx(
+                ref[j - 1].topk(3).values.tolist(), abs=1e-4
+            )
     assert eng.generate(prompts[:1], osd.SamplingParams(10))[0].token_ids == before
     with pytest.raises(ValueError, match="logprobs must be in"):
         eng.score(prompts, logprobs=50)
@@ -106,8 +129,13 @@ def test_draft_alphas_equal_transformers_teacher_forced(target):
     from tests.test_eagle import _eagle
 
     hf_draft = perturbed(target, 0.4, seed=36)
-    eng = osd.Engine.from_pretrained(target, draft=hf_draft, max_batch_size=1,
-                                     max_seq_len=96, spec=osd.SpecConfig(num_draft_tokens=3))
+    eng = osd.Engine.from_pretrained(
+        target,
+        draft=hf_draft,
+        max_batch_size=1,
+        max_seq_len=96,
+        spec=osd.SpecConfig(num_draft_tokens=3),
+    )
     prompt = prompts_of([13], seed=37)[0]
     ids = prompt + eng.generate([prompt], osd.SamplingParams(17))[0].token_ids
     reduced = osd.Engine.from_pretrained(hf_draft, max_batch_size=1, max_seq_len=96).model
@@ -117,8 +145,8 @@ def test_draft_alphas_equal_transformers_teacher_forced(target):
     got = draft_alphas(eng.model, [eng.draft, reduced, eng.model, eagle], ids, len(prompt))
     with torch.no_grad():
         x = torch.tensor([ids])
-        p = torch.softmax(target(x).logits[0, len(prompt) - 1:-1].float(), -1)
-        q = torch.softmax(hf_draft(x).logits[0, len(prompt) - 1:-1].float(), -1)
+        p = torch.softmax(target(x).logits[0, len(prompt) - 1 : -1].float(), -1)
+        q = torch.softmax(hf_draft(x).logits[0, len(prompt) - 1 : -1].float(), -1)
     assert got[0] == pytest.approx(torch.minimum(p, q).sum(-1).mean().item(), abs=1e-5)
     q_head = torch.zeros_like(q)
     q_head[:, head] = torch.softmax(torch.log(q[:, head]), -1)
@@ -130,8 +158,14 @@ def test_draft_alphas_equal_transformers_teacher_forced(target):
         full, feats = eng.model.forward_train(torch.tensor([ids]), return_hidden=True)
     tokens = torch.tensor(ids)
     positions = torch.arange(len(prompt), len(ids))
-    ex = Example(tokens, positions, None, None, full[0, positions - 1],
-                 features=feats[0, :-1].to(torch.float16))
+    ex = Example(
+        tokens,
+        positions,
+        None,
+        None,
+        full[0, positions - 1],
+        features=feats[0, :-1].to(torch.float16),
+    )
     assert got[3] == pytest.approx(heldout_alpha(eagle, [ex], 512, "cpu"), abs=2e-3)
     with pytest.raises(ValueError, match="1 <= start < len"):
         draft_alphas(eng.model, [eng.draft], ids, len(ids))

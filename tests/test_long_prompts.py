@@ -5,6 +5,7 @@ ragged batches mix short and long prompts, and a chunked prefill equals one forw
 The kernel-level checks of causal blocks with ``T > 64`` (reference, C++ and Triton) are
 in tests/test_tree_attention.py.
 """
+
 import dataclasses
 
 import pytest
@@ -18,7 +19,7 @@ from tests.test_models import VOCAB, tiny_hf_model
 from tests.test_speculative import perturbed
 
 LENGTHS = (65, 100, 500, 2000)
-NEW = 10                      # generated tokens per prompt
+NEW = 10  # generated tokens per prompt
 MAX_SEQ = 2048
 
 
@@ -45,14 +46,28 @@ def llama():
     """Target, its greedy outputs on LENGTHS (from transformers), and a perturbed draft."""
     hf = long_model("llama", seed=3)
     prompts = prompts_of(LENGTHS, seed=4)
-    prompts[1] = (prompts[1][:20] * 5)[:100]      # repetition: prompt lookup finds matches
+    prompts[1] = (prompts[1][:20] * 5)[:100]  # repetition: prompt lookup finds matches
     ref = [_hf_greedy(hf, p, NEW) for p in prompts]
     return hf, perturbed(hf, 0.35, seed=5), prompts, ref
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "granite", "olmo2",
-                                    "phi3", "smollm3",
-                                    "mistral_window", "gemma2", "gemma3", "mixtral"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "granite",
+        "olmo2",
+        "phi3",
+        "smollm3",
+        "mistral_window",
+        "gemma2",
+        "gemma3",
+        "mixtral",
+    ],
+)
 def test_greedy_equals_transformers(family):
     """Each prompt alone (one cache row, continuous refill); 2,000 tokens is four pieces of
     the default 512-token chunk."""
@@ -78,10 +93,15 @@ def test_longrope_long_factors_past_the_original_context():
     outs = plain.generate(prompts, osd.SamplingParams(NEW))
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == _hf_greedy(hf, prompt, NEW), len(prompt)
-    spec = osd.Engine(model, max_batch_size=1, max_seq_len=500,
-                      spec=osd.SpecConfig(drafter="self", num_draft_tokens=3))
-    assert [o.token_ids for o in spec.generate(prompts, osd.SamplingParams(NEW))] == \
-        [o.token_ids for o in outs]
+    spec = osd.Engine(
+        model,
+        max_batch_size=1,
+        max_seq_len=500,
+        spec=osd.SpecConfig(drafter="self", num_draft_tokens=3),
+    )
+    assert [o.token_ids for o in spec.generate(prompts, osd.SamplingParams(NEW))] == [
+        o.token_ids for o in outs
+    ]
 
 
 SPECS = {
@@ -99,9 +119,13 @@ def test_speculative_greedy_equals_plain(llama, name):
     hf, draft, prompts, ref = llama
     spec = SPECS[name]
     uses_draft = spec.get("drafter", "model") == "model"
-    eng = osd.Engine(with_chunk(load_model(hf), 192),
-                     draft=with_chunk(load_model(draft), 192) if uses_draft else None,
-                     spec=osd.SpecConfig(**spec), max_batch_size=2, max_seq_len=MAX_SEQ)
+    eng = osd.Engine(
+        with_chunk(load_model(hf), 192),
+        draft=with_chunk(load_model(draft), 192) if uses_draft else None,
+        spec=osd.SpecConfig(**spec),
+        max_batch_size=2,
+        max_seq_len=MAX_SEQ,
+    )
     outs = eng.generate(prompts, osd.SamplingParams(NEW))
     assert [o.token_ids for o in outs] == ref
     assert eng.stats["drafted"] > 0
@@ -135,18 +159,21 @@ def test_chunked_prefill_equals_one_forward():
             cache = model.new_cache(5, T + 8)
             full = model.prefill(ids, cache, lens, chunk=chunk)
             assert cache.lens.tolist() == lengths + [0] and cache.bound == T
-            picked = model.prefill(ids, model.new_cache(4, T), lens, chunk=chunk,
-                                   logits_index=index)
+            picked = model.prefill(
+                ids, model.new_cache(4, T), lens, chunk=chunk, logits_index=index
+            )
             results[chunk] = full, picked, cache
     full, _, cache = results[T]
     for chunk in (1, 37, 64):
         got, picked, got_cache = results[chunk]
         for b, n in enumerate(lengths):
             torch.testing.assert_close(got[b, :n], full[b, :n], rtol=0, atol=1e-4)
-            torch.testing.assert_close(got_cache.kv[:, :, b, :, :n], cache.kv[:, :, b, :, :n],
-                                       rtol=0, atol=1e-4)
-        torch.testing.assert_close(picked, full.gather(1, index[..., None].expand(-1, -1, VOCAB)),
-                                   rtol=0, atol=1e-4)
+            torch.testing.assert_close(
+                got_cache.kv[:, :, b, :, :n], cache.kv[:, :, b, :, :n], rtol=0, atol=1e-4
+            )
+        torch.testing.assert_close(
+            picked, full.gather(1, index[..., None].expand(-1, -1, VOCAB)), rtol=0, atol=1e-4
+        )
 
 
 def test_engine_prefill_positions_across_pieces():
@@ -184,8 +211,9 @@ def test_tree_mask_limit_names_the_problem():
 
 def test_engine_prefill_chunk_option(llama):
     hf, draft, prompts, ref = llama
-    eng = osd.Engine.from_pretrained(hf, draft=draft, max_batch_size=2, max_seq_len=MAX_SEQ,
-                                     prefill_chunk=48)
+    eng = osd.Engine.from_pretrained(
+        hf, draft=draft, max_batch_size=2, max_seq_len=MAX_SEQ, prefill_chunk=48
+    )
     assert eng.model.config.prefill_chunk == 48 == eng.draft.config.prefill_chunk
     outs = eng.generate(prompts[:2], osd.SamplingParams(NEW))
     assert [o.token_ids for o in outs] == ref[:2]
@@ -199,10 +227,10 @@ def test_staged_prompts_back_to_back_in_a_full_lane(spec):
     its row reserved, so the next staged prompt waits instead of overflowing the rows."""
     hf = tiny_hf_model("llama", seed=41)
     prompts = prompts_of([7, 3, 12, 5, 9, 20, 2], seed=42)
-    ref = osd.Engine.from_pretrained(hf, max_batch_size=8).generate(prompts,
-                                                                    osd.SamplingParams(12))
+    ref = osd.Engine.from_pretrained(hf, max_batch_size=8).generate(prompts, osd.SamplingParams(12))
     draft = [perturbed(hf, 0.3, seed=43)] if spec else None
-    eng = osd.Engine.from_pretrained(hf, draft=draft, spec=spec, max_batch_size=2,
-                                     max_seq_len=160, prefill_chunk=8)
+    eng = osd.Engine.from_pretrained(
+        hf, draft=draft, spec=spec, max_batch_size=2, max_seq_len=160, prefill_chunk=8
+    )
     outs = eng.generate(prompts, osd.SamplingParams(12))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]

@@ -1,6 +1,7 @@
 """Prompt lookup across requests (LookupHistory): the latest occurrence of the longest
 suffix, continuations that stop at a request's end, a bounded store, and an engine whose
 output stays the target's while a repeated request is drafted from the earlier answer."""
+
 import pytest
 
 import osd
@@ -12,16 +13,16 @@ from tests.test_speculative import perturbed, prompts_of
 
 def test_latest_occurrence_and_request_boundaries():
     h = LookupHistory(1000, 1, 3)
-    h.add([9, 9, 1, 2], [3, 4, 5, 6])         # kept: prompt tail [9, 1, 2], then the output
+    h.add([9, 9, 1, 2], [3, 4, 5, 6])  # kept: prompt tail [9, 1, 2], then the output
     h.add([7], [1, 2, 8, 8])
     assert h.requests == 2 and len(h) == 3 + 4 + 1 + 1 + 4 + 1
-    assert h.lookup([1, 2], 5) == [8, 8]      # the latest occurrence wins
-    assert h.lookup([9, 1, 2], 5) == [3, 4, 5, 6]   # never crosses into the next request
+    assert h.lookup([1, 2], 5) == [8, 8]  # the latest occurrence wins
+    assert h.lookup([9, 1, 2], 5) == [3, 4, 5, 6]  # never crosses into the next request
     assert h.lookup([4], 2) == [5, 6]
-    assert h.lookup([6], 3) == []             # the end of a request has no continuation
+    assert h.lookup([6], 3) == []  # the end of a request has no continuation
     assert h.lookup([8, 8], 3) == []
     assert h.lookup([3, 3], 3) == [] and h.lookup([1, 2], 0) == []
-    h.add([5], [])                            # nothing generated: nothing kept
+    h.add([5], [])  # nothing generated: nothing kept
     assert h.requests == 2
 
 
@@ -30,8 +31,8 @@ def test_capacity_drops_the_oldest_half():
     for i in range(10):
         h.add([100 + i], [200 + i, 300 + i, 400 + i])
     assert len(h) <= 20
-    assert h.lookup([209], 2) == [309, 409]    # the newest request is kept
-    assert h.lookup([200], 2) == []            # the oldest is gone, from the index too
+    assert h.lookup([209], 2) == [309, 409]  # the newest request is kept
+    assert h.lookup([200], 2) == []  # the oldest is gone, from the index too
     with pytest.raises(ValueError, match="capacity"):
         LookupHistory(0, 1, 3)
     with pytest.raises(ValueError, match="ngram_min"):
@@ -57,9 +58,13 @@ def test_a_repeated_request_is_drafted_from_the_earlier_answer():
     ref = plain.generate([prompt], osd.SamplingParams(40))[0].token_ids
     forwards = {}
     for history in (0, 4096):
-        eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(
-            num_draft_tokens=4, prompt_lookup=True, lookup_history=history),
-            max_batch_size=2, max_seq_len=96)
+        eng = osd.Engine.from_pretrained(
+            target,
+            draft=draft,
+            spec=osd.SpecConfig(num_draft_tokens=4, prompt_lookup=True, lookup_history=history),
+            max_batch_size=2,
+            max_seq_len=96,
+        )
         first = eng.generate([prompt], osd.SamplingParams(40))[0]
         before = eng.stats["target_forwards"]
         again = eng.generate([prompt, prompt], osd.SamplingParams(40))

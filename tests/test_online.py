@@ -1,5 +1,6 @@
 """Online distillation: learning changes speed, never output; updates are guarded,
 non-finite losses are discarded, and what was learned survives a restart."""
+
 import copy
 
 import pytest
@@ -19,13 +20,23 @@ def pair():
 
 
 def _engine(pair, **online):
-    cfg = dict(update_every_requests=2, steps_per_update=2, lr=3e-3, background=False,
-               holdout_every=4, guard_tolerance=0.02)
+    cfg = dict(
+        update_every_requests=2,
+        steps_per_update=2,
+        lr=3e-3,
+        background=False,
+        holdout_every=4,
+        guard_tolerance=0.02,
+    )
     cfg.update(online)
-    return osd.Engine.from_pretrained(pair[0], draft=pair[1],
-                                      spec=osd.SpecConfig(num_draft_tokens=4),
-                                      online=osd.OnlineConfig(**cfg), max_batch_size=4,
-                                      max_seq_len=96)
+    return osd.Engine.from_pretrained(
+        pair[0],
+        draft=pair[1],
+        spec=osd.SpecConfig(num_draft_tokens=4),
+        online=osd.OnlineConfig(**cfg),
+        max_batch_size=4,
+        max_seq_len=96,
+    )
 
 
 def _draft_state(engine):
@@ -38,7 +49,7 @@ def test_outputs_unchanged_and_alpha_rises(pair):
     ref = plain.generate(prompts, osd.SamplingParams(24))
     eng = _engine(pair)
     before = _draft_state(eng)
-    outs = serve_in_batches(eng, prompts, osd.SamplingParams(24))   # a stream of small batches
+    outs = serve_in_batches(eng, prompts, osd.SamplingParams(24))  # a stream of small batches
     # learning never changes the output
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     hist = eng.stats["online"]
@@ -74,13 +85,15 @@ def test_non_finite_loss_is_discarded(pair, monkeypatch):
     eng = _engine(pair)
     learner = eng.online.learners[0]
     before = {k: v.clone() for k, v in learner.model.state_dict().items()}
-    monkeypatch.setattr(learner, "_loss", lambda batch: torch.tensor(float("nan"),
-                                                                      requires_grad=True))
+    monkeypatch.setattr(
+        learner, "_loss", lambda batch: torch.tensor(float("nan"), requires_grad=True)
+    )
     prompts = prompts_of([5, 8, 6, 7], seed=85)
     plain = osd.Engine.from_pretrained(pair[0], max_batch_size=4, max_seq_len=96)
     outs = eng.generate(prompts, osd.SamplingParams(16))
-    assert [o.token_ids for o in outs] == [o.token_ids for o in
-                                           plain.generate(prompts, osd.SamplingParams(16))]
+    assert [o.token_ids for o in outs] == [
+        o.token_ids for o in plain.generate(prompts, osd.SamplingParams(16))
+    ]
     hist = eng.stats["online"]
     assert hist["updates_applied"] == 0 and hist["updates_rejected"] >= 1
     assert {u["reason"] for u in hist["drafts"][0]["updates"]} == {"non-finite loss"}
@@ -98,8 +111,10 @@ def test_checkpoint_resume(pair, tmp_path):
     resumed = _engine(pair, checkpoint_dir=ck)
     state = resumed.speculators[0].drafter.model.state_dict()
     assert all(torch.allclose(state[k], learned[k]) for k in learned)
-    assert resumed.online.learners[0].history.updates_applied == \
-        eng.online.learners[0].history.updates_applied
+    assert (
+        resumed.online.learners[0].history.updates_applied
+        == eng.online.learners[0].history.updates_applied
+    )
 
 
 def test_background_learning_swaps_between_steps(pair):
@@ -109,7 +124,7 @@ def test_background_learning_swaps_between_steps(pair):
     ref = plain.generate(prompts, osd.SamplingParams(20))
     outs = []
     for i in range(0, len(prompts), 2):
-        outs += eng.generate(prompts[i:i + 2], osd.SamplingParams(20))
+        outs += eng.generate(prompts[i : i + 2], osd.SamplingParams(20))
     eng.close()
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert eng.stats["online"]["updates_applied"] >= 1
@@ -127,9 +142,9 @@ def test_paused_learner_holds_until_resumed(pair):
     with eng.learning_paused():
         assert learner.paused
         outs = [eng.generate([p], osd.SamplingParams(12))[0] for p in prompts]
-        eng.online.wait()                       # returns: the thread holds
+        eng.online.wait()  # returns: the thread holds
         assert learner.history.as_dict()["attempts"] == 0
-        assert learner.busy                     # the due updates are queued
+        assert learner.busy  # the due updates are queued
     assert not learner.paused
     eng.online.wait()
     assert learner.history.as_dict()["attempts"] >= 1
@@ -138,9 +153,8 @@ def test_paused_learner_holds_until_resumed(pair):
         eng.generate(prompts[:2], osd.SamplingParams(12))
         eng.close()
     assert learner._thread is None
-    with plain.learning_paused():               # no learners: nothing to pause
-        assert plain.generate(prompts[:1], osd.SamplingParams(12))[0].token_ids == \
-            ref[0].token_ids
+    with plain.learning_paused():  # no learners: nothing to pause
+        assert plain.generate(prompts[:1], osd.SamplingParams(12))[0].token_ids == ref[0].token_ids
 
 
 def test_corrected_positions_policy_and_full_logits(pair):
@@ -155,14 +169,13 @@ def test_prompt_positions_are_kept(pair, m):
     """``prompt_positions = m``: each request's example holds the target's logits at its
     prompt's last m positions (from the prefill) and at every generated position, all
     equal to a cacheless target forward."""
-    eng = _engine(pair, topk=None, prompt_positions=m, update_every_requests=100,
-                  holdout_every=0)
+    eng = _engine(pair, topk=None, prompt_positions=m, update_every_requests=100, holdout_every=0)
     prompts = prompts_of([9, 3], seed=89)
     eng.generate(prompts, osd.SamplingParams(10))
     examples = eng.online.learners[0].buffer.recent(10**6)
     assert len(examples) == 2
     for ex in examples:
-        L = next(len(p) for p in prompts if ex.tokens[:len(p)].tolist() == p)
+        L = next(len(p) for p in prompts if ex.tokens[: len(p)].tolist() == p)
         n = ex.tokens.numel()
         first = max(1, L - m + 1) if m else L + 1
         assert sorted(ex.positions.tolist()) == list(range(first, n))
@@ -175,19 +188,26 @@ def test_lookup_tree_steps_teach_the_accepted_path(pair):
     """With lookup trees (``SpecConfig.lookup_tree_below``) the teacher is read along each
     step's accepted path: every generated position's stored logits equal a cacheless
     target forward, and the outputs equal the target alone's."""
-    online = osd.OnlineConfig(update_every_requests=100, background=False, holdout_every=0,
-                              topk=None, prompt_positions=0)
-    eng = osd.Engine.from_pretrained(pair[0], draft=pair[1], spec=osd.SpecConfig(
-        num_draft_tokens=3, prompt_lookup=True, lookup_tree_below=4), online=online,
-        max_batch_size=4, max_seq_len=96)
+    online = osd.OnlineConfig(
+        update_every_requests=100, background=False, holdout_every=0, topk=None, prompt_positions=0
+    )
+    eng = osd.Engine.from_pretrained(
+        pair[0],
+        draft=pair[1],
+        spec=osd.SpecConfig(num_draft_tokens=3, prompt_lookup=True, lookup_tree_below=4),
+        online=online,
+        max_batch_size=4,
+        max_seq_len=96,
+    )
     prompts = [prompts_of([5], seed=90)[0] * 4, prompts_of([9], seed=91)[0] * 2]
     ref = osd.Engine.from_pretrained(pair[0], max_batch_size=4, max_seq_len=96).generate(
-        prompts, osd.SamplingParams(16))
+        prompts, osd.SamplingParams(16)
+    )
     outs = eng.generate(prompts, osd.SamplingParams(16))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
-    assert sum(o.stats["lookup_steps"] for o in outs) > 0       # trees with a lookup branch
+    assert sum(o.stats["lookup_steps"] for o in outs) > 0  # trees with a lookup branch
     for ex in eng.online.learners[0].buffer.recent(10**6):
-        L = next(len(p) for p in prompts if ex.tokens[:len(p)].tolist() == p)
+        L = next(len(p) for p in prompts if ex.tokens[: len(p)].tolist() == p)
         assert sorted(ex.positions.tolist()) == list(range(L + 1, ex.tokens.numel()))
         with torch.no_grad():
             want = eng.model.forward_train(ex.tokens[None])[0, ex.positions - 1]
@@ -215,18 +235,24 @@ def test_held_out_requests_retire_into_training():
     """The held-out slice keeps the newest ``holdout_capacity`` held-out requests; an
     older one joins the training set rather than being dropped."""
     from osd.online.buffer import Example, ReplayBuffer
+
     buf = ReplayBuffer(capacity_positions=1000, holdout_every=2, holdout_capacity=2)
 
     def ex(i):
-        return Example(tokens=torch.full((4,), i), positions=torch.arange(3),
-                       topk_ids=torch.zeros(3, 2, dtype=torch.int32),
-                       topk_probs=torch.ones(3, 2) / 2, logits=None)
+        return Example(
+            tokens=torch.full((4,), i),
+            positions=torch.arange(3),
+            topk_ids=torch.zeros(3, 2, dtype=torch.int32),
+            topk_probs=torch.ones(3, 2) / 2,
+            logits=None,
+        )
+
     for i in range(1, 11):
         buf.add(ex(i))
     held = [int(e.tokens[0]) for e in buf.holdout()]
     train = [int(e.tokens[0]) for e in buf.recent(10_000)]
     assert held == [8, 10]
-    assert sorted(train) == [1, 2, 3, 4, 5, 6, 7, 9]      # 2, 4, 6 held out, then retired
+    assert sorted(train) == [1, 2, 3, 4, 5, 6, 7, 9]  # 2, 4, 6 held out, then retired
     assert not set(held) & set(train)
     with pytest.raises(ValueError, match="holdout_requests"):
         osd.OnlineConfig(holdout_requests=0)
@@ -234,11 +260,11 @@ def test_held_out_requests_retire_into_training():
 
 def test_update_batch_mixes_newest_and_replayed_requests():
     from osd.online.buffer import Example, ReplayBuffer
+
     buf = ReplayBuffer(capacity_positions=1000, holdout_every=0)
-    for i in range(20):                                  # request i: 10 positions, token i
-        buf.add(Example(torch.full((12,), i), torch.arange(1, 11), None, None,
-                        torch.zeros(10, 4)))
-    tag = lambda exs: [int(ex.tokens[0]) for ex in exs]     # noqa: E731
+    for i in range(20):  # request i: 10 positions, token i
+        buf.add(Example(torch.full((12,), i), torch.arange(1, 11), None, None, torch.zeros(10, 4)))
+    tag = lambda exs: [int(ex.tokens[0]) for ex in exs]  # noqa: E731
     assert tag(buf.batch(50)) == [15, 16, 17, 18, 19]
     g = torch.Generator().manual_seed(0)
     mixed = tag(buf.batch(60, replay_fraction=0.5, generator=g))
@@ -247,14 +273,15 @@ def test_update_batch_mixes_newest_and_replayed_requests():
     seen = set()
     for _ in range(30):
         seen.update(tag(buf.batch(60, replay_fraction=0.5, generator=g))[:3])
-    assert len(seen) > 10                                # replay reaches the whole buffer
+    assert len(seen) > 10  # replay reaches the whole buffer
     assert tag(buf.batch(5, replay_fraction=0.5, generator=g))[-1] == 19
 
 
 def test_online_needs_a_model_drafter(pair):
     with pytest.raises(ValueError, match="online learning needs a model drafter"):
-        osd.Engine.from_pretrained(pair[0], spec=osd.SpecConfig(drafter="ngram"),
-                                   online=osd.OnlineConfig())
+        osd.Engine.from_pretrained(
+            pair[0], spec=osd.SpecConfig(drafter="ngram"), online=osd.OnlineConfig()
+        )
 
 
 @pytest.mark.parametrize("feedback", ["score", "bandit"])
@@ -285,13 +312,20 @@ def test_self_speculation_learns_a_copy_never_the_target():
     target = tiny_hf_model("llama", seed=85)
     prompts = prompts_of([7, 5, 9, 6] * 3, seed=86)
     sp = osd.SamplingParams(16)
-    ref = osd.Engine.from_pretrained(target, max_batch_size=4, max_seq_len=96).generate(
-        prompts, sp)
+    ref = osd.Engine.from_pretrained(target, max_batch_size=4, max_seq_len=96).generate(prompts, sp)
     eng = osd.Engine.from_pretrained(
-        target, spec=osd.SpecConfig(drafter="self", skip_layers=(1,), num_draft_tokens=3),
-        online=osd.OnlineConfig(update_every_requests=2, steps_per_update=2, lr=3e-2,
-                                background=False, guard_tolerance=1.0),
-        max_batch_size=4, max_seq_len=96)
+        target,
+        spec=osd.SpecConfig(drafter="self", skip_layers=(1,), num_draft_tokens=3),
+        online=osd.OnlineConfig(
+            update_every_requests=2,
+            steps_per_update=2,
+            lr=3e-2,
+            background=False,
+            guard_tolerance=1.0,
+        ),
+        max_batch_size=4,
+        max_seq_len=96,
+    )
     before = {k: v.clone() for k, v in eng.model.state_dict().items()}
     draft = eng.speculators[0].drafter.model
     assert draft is not eng.model and draft.config.num_layers == 1
@@ -307,10 +341,20 @@ def test_half_precision_draft_learns_in_fp32(pair):
     """A bf16 draft trains on fp32 master weights and optimizer state; the serving draft
     receives them cast to bf16."""
     eng = osd.Engine.from_pretrained(
-        pair[0], draft=pair[1], spec=osd.SpecConfig(num_draft_tokens=3), dtype=torch.bfloat16,
-        online=osd.OnlineConfig(update_every_requests=2, steps_per_update=2, lr=1e-3,
-                                background=False, guard_tolerance=1.0),
-        max_batch_size=4, max_seq_len=96)
+        pair[0],
+        draft=pair[1],
+        spec=osd.SpecConfig(num_draft_tokens=3),
+        dtype=torch.bfloat16,
+        online=osd.OnlineConfig(
+            update_every_requests=2,
+            steps_per_update=2,
+            lr=1e-3,
+            background=False,
+            guard_tolerance=1.0,
+        ),
+        max_batch_size=4,
+        max_seq_len=96,
+    )
     learner = eng.online.learners[0]
     assert all(p.dtype == torch.float32 for p in learner.model.parameters())
     serving = eng.speculators[0].drafter.model
@@ -318,7 +362,7 @@ def test_half_precision_draft_learns_in_fp32(pair):
     eng.generate(prompts_of([6, 8, 5, 7], seed=87), osd.SamplingParams(12))
     assert eng.stats["online"]["updates_applied"] >= 1
     assert all(st["exp_avg"].dtype == torch.float32 for st in learner.optim.state.values())
-    eng.online.swap(0)                  # publish the newest update (as the next step would)
+    eng.online.swap(0)  # publish the newest update (as the next step would)
     for name, p in serving.state_dict().items():
         assert torch.equal(p, learner.model.state_dict()[name].to(torch.bfloat16)), name
 
@@ -327,6 +371,7 @@ def test_autocast_auto_uses_bf16_only_where_the_cpu_has_it(pair, monkeypatch):
     """``autocast="auto"`` trains in bf16 on a CPU with fast bf16 matmuls and in fp32 on
     one without (there a bf16 step is many times slower); on CUDA it is fp32 (graphs)."""
     from osd.online import config as online_config
+
     assert online_config.resolve_autocast("float16", "cpu") == "float16"
     assert online_config.resolve_autocast(None, "cpu") is None
     assert online_config.resolve_autocast("auto", "cuda") is None
@@ -353,9 +398,10 @@ def test_autocast_steps_learn_with_fp32_weights(pair):
     forward = learner.model.forward_train
 
     def spy(*args, **kw):
-        if torch.is_grad_enabled():                 # a training step, not the guard's scoring
+        if torch.is_grad_enabled():  # a training step, not the guard's scoring
             seen.append(torch.is_autocast_enabled("cpu"))
         return forward(*args, **kw)
+
     learner.model.forward_train = spy
     outs = serve_in_batches(eng, prompts, osd.SamplingParams(24))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]

@@ -1,5 +1,6 @@
 """Online-learning recipes: ``OnlineConfig``'s defaults, a draft's ``serving.json`` recipe
 applied under the caller's own fields, and the demo's recipes read from the drafts."""
+
 import dataclasses
 import json
 
@@ -35,11 +36,16 @@ def test_from_pretrained_applies_the_drafts_recipe(tmp_path):
     target = tiny_hf_model("llama", seed=31)
     draft_dir = tmp_path / "draft"
     tiny_hf_model("llama", seed=32).save_pretrained(draft_dir)
-    (draft_dir / "serving.json").write_text(json.dumps(
-        {"online": {"lr": 7e-4, "update_every_requests": 3}}))
-    eng = osd.Engine.from_pretrained(target, draft=str(draft_dir), max_batch_size=2,
-                                     max_seq_len=64, online=osd.OnlineConfig(
-                                         update_every_requests=5, background=False))
+    (draft_dir / "serving.json").write_text(
+        json.dumps({"online": {"lr": 7e-4, "update_every_requests": 3}})
+    )
+    eng = osd.Engine.from_pretrained(
+        target,
+        draft=str(draft_dir),
+        max_batch_size=2,
+        max_seq_len=64,
+        online=osd.OnlineConfig(update_every_requests=5, background=False),
+    )
     cfg = eng.online.config
     assert (cfg.lr, cfg.update_every_requests, cfg.background) == (7e-4, 5, False)
     eng.close()
@@ -47,11 +53,9 @@ def test_from_pretrained_applies_the_drafts_recipe(tmp_path):
 
 def test_the_shipped_drafts_carry_their_recipes():
     c = online_recipe("chat")
-    assert (c.lr, c.steps_per_update, c.replay_fraction, c.max_train_len) == (3e-4, 4, 0.75,
-                                                                               128)
+    assert (c.lr, c.steps_per_update, c.replay_fraction, c.max_train_len) == (3e-4, 4, 0.75, 128)
     assert draft_online_recipe(chat.EAGLE_DIR) == draft_online_recipe(chat.DRAFT_DIR)
     b = online_recipe("builtin")
-    assert (b.lr, b.steps_per_update, b.batch_positions, b.prompt_positions) == (5e-4, 8, 1024,
-                                                                                 256)
+    assert (b.lr, b.steps_per_update, b.batch_positions, b.prompt_positions) == (5e-4, 8, 1024, 256)
     # the defaults are the chat recipe for general answer lengths
     assert dataclasses.replace(c, max_train_len=256) == osd.OnlineConfig()

@@ -11,6 +11,7 @@
   prompts' tokens, never their domain). After warm-up, >= 90% of each domain's requests
   must go to its matching draft, and the routed α must beat either draft alone.
 """
+
 import os
 
 import pytest
@@ -47,19 +48,34 @@ def test_online_alpha_rises_over_static_draft(device):
     target, draft = zoo.default_pair()
     prompts = zoo.query_stream("code", n=96, prompt_tokens=48, seed=1)
     spec = osd.SpecConfig(num_draft_tokens=4)
-    static = osd.Engine.from_pretrained(target, draft=draft, spec=spec, max_batch_size=1,
-                                        max_seq_len=128, device=device)
+    static = osd.Engine.from_pretrained(
+        target, draft=draft, spec=spec, max_batch_size=1, max_seq_len=128, device=device
+    )
     on_cuda = device == "cuda"
     online = osd.Engine.from_pretrained(
-        target, draft=draft, spec=spec, max_batch_size=1, max_seq_len=128, device=device,
-        online=osd.OnlineConfig(update_every_requests=4, steps_per_update=8, lr=5e-4,
-                                background=on_cuda, wait_for_update=on_cuda, seed=0))
+        target,
+        draft=draft,
+        spec=spec,
+        max_batch_size=1,
+        max_seq_len=128,
+        device=device,
+        online=osd.OnlineConfig(
+            update_every_requests=4,
+            steps_per_update=8,
+            lr=5e-4,
+            background=on_cuda,
+            wait_for_update=on_cuda,
+            seed=0,
+        ),
+    )
     a_static = _alphas(static, prompts)
     a_online = _alphas(online, prompts)
     tail = slice(64, 96)
     gain = _mean(a_online[tail]) - _mean(a_static[tail])
-    print(f"\nα over the last 32 requests: static {_mean(a_static[tail]):.3f}, online "
-          f"{_mean(a_online[tail]):.3f}, gain {gain:+.3f}")
+    print(
+        f"\nα over the last 32 requests: static {_mean(a_static[tail]):.3f}, online "
+        f"{_mean(a_online[tail]):.3f}, gain {gain:+.3f}"
+    )
     assert gain >= 0.1, (round(_mean(a_static[tail]), 3), round(_mean(a_online[tail]), 3))
     assert online.stats["online"]["updates_applied"] >= 12
     online.close()
@@ -73,11 +89,17 @@ def test_background_learners_two_drafts_and_graphs_serve_on_cuda():
     target, prose_draft = zoo.default_pair()
     stream = zoo.query_stream("code", n=48, prompt_tokens=48, seed=2)
     eng = osd.Engine.from_pretrained(
-        target, draft=[prose_draft, CODE_DRAFT], spec=osd.SpecConfig(num_draft_tokens=4),
-        max_batch_size=4, max_seq_len=128, device="cuda", dtype=torch.bfloat16,
-        online=osd.OnlineConfig(update_every_requests=4, steps_per_update=2))
+        target,
+        draft=[prose_draft, CODE_DRAFT],
+        spec=osd.SpecConfig(num_draft_tokens=4),
+        max_batch_size=4,
+        max_seq_len=128,
+        device="cuda",
+        dtype=torch.bfloat16,
+        online=osd.OnlineConfig(update_every_requests=4, steps_per_update=2),
+    )
     for i in range(0, len(stream), 4):
-        outs = eng.generate(stream[i:i + 4], PARAMS)
+        outs = eng.generate(stream[i : i + 4], PARAMS)
         assert all(0 < len(o.token_ids) <= PARAMS.max_new_tokens for o in outs)
     eng.close()
     assert eng.stats["online"]["updates_applied"] + eng.stats["online"]["updates_rejected"] > 0
@@ -90,13 +112,17 @@ def test_router_sends_each_domain_to_its_draft():
     n, warm = 64, 16
     prose = zoo.query_stream("prose", n=n, prompt_tokens=48, seed=3)
     code = zoo.query_stream("code", n=n, prompt_tokens=48, seed=3)
-    stream = [q for pair in zip(prose, code) for q in pair]          # interleaved
-    domains = [0, 1] * n                                             # 0 = prose, 1 = code
+    stream = [q for pair in zip(prose, code) for q in pair]  # interleaved
+    domains = [0, 1] * n  # 0 = prose, 1 = code
     spec = osd.SpecConfig(num_draft_tokens=4)
     routed = osd.Engine.from_pretrained(
-        target, draft=[prose_draft, CODE_DRAFT], spec=spec, max_batch_size=1,
+        target,
+        draft=[prose_draft, CODE_DRAFT],
+        spec=spec,
+        max_batch_size=1,
         max_seq_len=128,
-        online=osd.OnlineConfig(update_every_requests=8, lr=1e-4, background=False))
+        online=osd.OnlineConfig(update_every_requests=8, lr=1e-4, background=False),
+    )
     a_routed = _alphas(routed, stream)
     choices = routed.stats["online"]["routed"]
     # Measured on this stream (seed 3): 52 of 56 prose and 55 of 56 code requests after
@@ -113,7 +139,8 @@ def test_router_sends_each_domain_to_its_draft():
     # code draft alone 0.580 (each alone with online learning, batch 1: 0.610, 0.608).
     alone = []
     for d in (prose_draft, CODE_DRAFT):
-        eng = osd.Engine.from_pretrained(target, draft=d, spec=spec, max_batch_size=8,
-                                         max_seq_len=128)
+        eng = osd.Engine.from_pretrained(
+            target, draft=d, spec=spec, max_batch_size=8, max_seq_len=128
+        )
         alone.append(_mean([o.stats["alpha"] for o in eng.generate(stream[warm:], PARAMS)]))
     assert _mean(a_routed[warm:]) > max(alone), (_mean(a_routed[warm:]), alone)

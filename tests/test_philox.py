@@ -1,4 +1,5 @@
 """Philox-4x32-10: known answers, and bit equality of the PyTorch, C++ and Triton versions."""
+
 import pytest
 import torch
 import triton
@@ -12,8 +13,11 @@ from osd_kernels.triton.philox import philox4x32_10, philox_uniform
 KAT = [
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
     ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
 ]
 
 SEEDS = torch.tensor([0, 1, -1, 2**62 + 12345, -(2**40) - 7])
@@ -35,7 +39,7 @@ def test_uniform_range_and_moments():
     assert abs(float((u * u).mean()) - 1 / 3) < 0.005
     # extremes of the word -> float map are exact and strictly inside (0, 1)
     ends = P.to_uniform(torch.tensor([0, 0xFFFFFFFF]))
-    assert ends.tolist() == [2.0 ** -24, 1 - 2.0 ** -24]
+    assert ends.tolist() == [2.0**-24, 1 - 2.0**-24]
 
 
 def test_streams_and_offsets_differ():
@@ -84,6 +88,7 @@ def raw_kernel(c_ptr, k_ptr, out_ptr, N: tl.constexpr):
     tl.store(out_ptr + i * 4 + 2, w2.to(tl.int64))
     tl.store(out_ptr + i * 4 + 3, w3.to(tl.int64))
 
+
 @triton.jit
 def uniform_kernel(seed_ptr, offset_ptr, stream, out_ptr, n, BLOCK: tl.constexpr):
     b = tl.program_id(0)
@@ -92,6 +97,7 @@ def uniform_kernel(seed_ptr, offset_ptr, stream, out_ptr, n, BLOCK: tl.constexpr
     for start in range(0, n, BLOCK):
         i = start + tl.arange(0, BLOCK)
         tl.store(out_ptr + b * n + i, philox_uniform(seed, offset, stream, i), mask=i < n)
+
 
 @triton.jit
 def randint4x_kernel(seed, out_ptr, N: tl.constexpr):

@@ -6,6 +6,7 @@ without, plain and speculative, through ragged batches, staged long prompts and 
 learning that keeps prompt logits; blocks keep the target's features for an EAGLE draft
 (its engine-level check is in tests/test_eagle.py); bad sizes raise.
 """
+
 import dataclasses
 
 import pytest
@@ -34,30 +35,30 @@ def test_load_returns_whole_blocks_of_the_exact_prefix():
     pc = PrefixCache(capacity_tokens=256, block=8)
     a = list(range(30))
     pc.store(a, _row(a))
-    assert len(pc) == 3                                   # 24 of 30 tokens: whole blocks
-    b = a[:20] + [99] * 10                                # shares 20 tokens: 2 blocks
+    assert len(pc) == 3  # 24 of 30 tokens: whole blocks
+    b = a[:20] + [99] * 10  # shares 20 tokens: 2 blocks
     dst = torch.full((L, 2, H, S, D), -1.0)
     assert pc.load(b, len(b) - 1, dst) == (16, None)
     assert torch.equal(dst[:, :, :, :16], _row(a)[:, :, :, :16])
     assert (dst[:, :, :, 16:] == -1).all()
-    assert pc.load(a, 23, dst)[0] == 16            # the limit cuts the third block
+    assert pc.load(a, 23, dst)[0] == 16  # the limit cuts the third block
     assert pc.load(a, 24, dst)[0] == 24
-    assert pc.load([5] + a, 30, dst)[0] == 0       # a shifted prompt matches nothing
+    assert pc.load([5] + a, 30, dst)[0] == 0  # a shifted prompt matches nothing
     st = pc.stats()
     assert st["tokens_reused"] == 56 and st["blocks"] == 3
 
 
 def test_eviction_keeps_capacity_and_drops_subtrees():
-    pc = PrefixCache(capacity_tokens=32, block=8)         # 4 blocks
+    pc = PrefixCache(capacity_tokens=32, block=8)  # 4 blocks
     a, b = [1] * 32, [2] * 16
     pc.store(a, _row(a))
     assert len(pc) == 4
-    pc.store(b, _row(b))                                  # evicts a's oldest: its first block
+    pc.store(b, _row(b))  # evicts a's oldest: its first block
     assert len(pc) <= 4
     dst = torch.zeros(L, 2, H, S, D)
     assert pc.load(b, 16, dst)[0] == 16
-    assert pc.load(a, 32, dst)[0] == 0             # a's root block went with its subtree
-    c = [3] * 80                                          # longer than the capacity
+    assert pc.load(a, 32, dst)[0] == 0  # a's root block went with its subtree
+    c = [3] * 80  # longer than the capacity
     pc.store(c, _row(c))
     assert len(pc) == 4
     assert pc.load(c, 80, dst)[0] == 32
@@ -75,7 +76,7 @@ def test_features_kept_with_the_blocks():
     pc.store(a, _row(a), feats)
     n, got = pc.load(a, 19, dst, need_hidden=True)
     assert n == 16 and torch.equal(got, feats[:16])
-    b = a[:8] + [77] * 12                                 # a new branch, kept with features
+    b = a[:8] + [77] * 12  # a new branch, kept with features
     fb = -torch.ones(20, 3)
     pc.store(b, _row(b), fb)
     n, got = pc.load(b, 20, dst, need_hidden=True)
@@ -99,11 +100,20 @@ def _prompts(seed: int) -> list[list[int]]:
     """Prompts sharing a 37-token system prefix, repeats, a prompt that is a prefix of
     another, lengths on and off the 16-token blocks, and two long ones sharing 300 tokens."""
     gen = torch.Generator().manual_seed(seed)
-    rand = lambda n: torch.randint(0, VOCAB, (n,), generator=gen).tolist()   # noqa: E731
+    rand = lambda n: torch.randint(0, VOCAB, (n,), generator=gen).tolist()  # noqa: E731
     system, long = rand(37), rand(300)
     first = system + rand(20)
-    return [first, system + rand(11), first, system + rand(27), first[:48], system,
-            long + rand(40), long + rand(13), first + rand(5)]
+    return [
+        first,
+        system + rand(11),
+        first,
+        system + rand(27),
+        first[:48],
+        system,
+        long + rand(40),
+        long + rand(13),
+        first + rand(5),
+    ]
 
 
 @pytest.mark.parametrize("drafted", [False, True])
@@ -113,12 +123,17 @@ def test_greedy_equals_without_the_cache(pair, drafted, chunk):
     target, draft, _ = pair
     target.config = dataclasses.replace(target.config, prefill_chunk=chunk)
     prompts = _prompts(seed=23)
-    kw = dict(max_seq_len=512, draft=draft if drafted else None,
-              spec=osd.SpecConfig(num_draft_tokens=3, prompt_lookup=True) if drafted else None)
+    kw = dict(
+        max_seq_len=512,
+        draft=draft if drafted else None,
+        spec=osd.SpecConfig(num_draft_tokens=3, prompt_lookup=True) if drafted else None,
+    )
     params = osd.SamplingParams(12)
     try:
-        ref = [o.token_ids for o in osd.Engine(target, max_batch_size=3, **kw)
-               .generate(prompts, params)]
+        ref = [
+            o.token_ids
+            for o in osd.Engine(target, max_batch_size=3, **kw).generate(prompts, params)
+        ]
         for batch in (3, 1):
             eng = osd.Engine(target, max_batch_size=batch, prefix_cache=4096, **kw)
             assert [o.token_ids for o in eng.generate(prompts, params)] == ref
@@ -127,7 +142,7 @@ def test_greedy_equals_without_the_cache(pair, drafted, chunk):
             # token always fed): 32 + 48 + 32 + 32 + 32 + 0 + 288 + 48. A batch's prompts
             # are kept after their prefill, so they reuse only earlier batches.
             assert st["tokens_reused"] == 512 if batch == 1 else st["tokens_reused"] > 0, st
-            again = eng.generate(prompts[:2], params)    # kept across generate calls
+            again = eng.generate(prompts[:2], params)  # kept across generate calls
             assert [o.token_ids for o in again] == ref[:2]
     finally:
         target.config = dataclasses.replace(target.config, prefill_chunk=512)
@@ -140,10 +155,16 @@ def test_online_prompt_logits_stay_fed(pair):
     prompts = _prompts(seed=24)
     params = osd.SamplingParams(10)
     ref = [o.token_ids for o in osd.Engine(target, max_seq_len=512).generate(prompts, params)]
-    online = osd.OnlineConfig(prompt_positions=8, update_every_requests=4, steps_per_update=1,
-                              background=False)
-    eng = osd.Engine(target, draft=load_model(perturbed(hf, 0.3, seed=22)), max_seq_len=512,
-                     online=online, prefix_cache=4096)
+    online = osd.OnlineConfig(
+        prompt_positions=8, update_every_requests=4, steps_per_update=1, background=False
+    )
+    eng = osd.Engine(
+        target,
+        draft=load_model(perturbed(hf, 0.3, seed=22)),
+        max_seq_len=512,
+        online=online,
+        prefix_cache=4096,
+    )
     assert [o.token_ids for o in eng.generate(prompts, params)] == ref
     assert eng.stats["prefix_cache"]["tokens_reused"] > 0
     assert eng.stats["online"]["requests"] == len(prompts)

@@ -2,6 +2,7 @@
 bit, on each ISA path: AVX-512, AVX2, portable; scales per 32 and per 16 weights) and
 against the reference on odd shapes; the GGUF block formats; the auto dispatch rules; bad
 input; opcheck."""
+
 import numpy as np
 import pytest
 import torch
@@ -10,10 +11,22 @@ import osd_kernels
 from osd.models.gguf import GGMLType, dequantize, quantize
 from osd.models.quant import QuantLinear
 
-FUSED_MAX_ROWS = 64   # kFusedMaxRows in csrc/cpu/quant_linear.cpp: more rows take the GEMM
-SHAPES = [(1, 32, 1), (2, 64, 7), (3, 96, 13), (5, 576, 97), (7, 32, 5), (11, 160, 33),
-          (12, 64, 26), (13, 128, 9), (16, 96, 25), (25, 64, 6), (64, 32, 11),
-          (65, 64, 300), (130, 96, 17)]  # (M, K, N)
+FUSED_MAX_ROWS = 64  # kFusedMaxRows in csrc/cpu/quant_linear.cpp: more rows take the GEMM
+SHAPES = [
+    (1, 32, 1),
+    (2, 64, 7),
+    (3, 96, 13),
+    (5, 576, 97),
+    (7, 32, 5),
+    (11, 160, 33),
+    (12, 64, 26),
+    (13, 128, 9),
+    (16, 96, 25),
+    (25, 64, 6),
+    (64, 32, 11),
+    (65, 64, 300),
+    (130, 96, 17),
+]  # (M, K, N)
 
 
 def _inputs(m, k, n, bits, seed, *, mins=True, bias=True, group=32):
@@ -41,8 +54,7 @@ def _isa(monkeypatch, isa):
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (4, 16), (8, 16)])
 @pytest.mark.parametrize("m,k,n", SHAPES)
-def test_native_equals_decode_linear_on_dequantized_weights(monkeypatch, m, k, n, bits, group,
-                                                            isa):
+def test_native_equals_decode_linear_on_dequantized_weights(monkeypatch, m, k, n, bits, group, isa):
     _isa(monkeypatch, isa)
     for seed, extras in ((m * 100 + k, True), (n, False)):
         x, q, s, mn, b = _inputs(m, k, n, bits, seed, mins=extras, bias=extras, group=group)
@@ -50,10 +62,11 @@ def test_native_equals_decode_linear_on_dequantized_weights(monkeypatch, m, k, n
         got = osd_kernels.quant_linear(x, q, s, mn, b, norm_weight=norm, backend="native")
         w = osd_kernels.dequantize_weight(q, s, mn)
         if m <= FUSED_MAX_ROWS:
-            assert torch.equal(got, osd_kernels.decode_linear(x, w, b, norm_weight=norm,
-                                                              backend="native"))
+            assert torch.equal(
+                got, osd_kernels.decode_linear(x, w, b, norm_weight=norm, backend="native")
+            )
         want = osd_kernels.quant_linear_reference(x, q, s, mn, b, norm_weight=norm)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * k ** 0.5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * k**0.5)
 
 
 def test_isa_paths_agree(monkeypatch):
@@ -77,19 +90,26 @@ def test_a_row_does_not_depend_on_the_others(monkeypatch, isa):
     _isa(monkeypatch, isa)
     for bits, group in ((4, 32), (8, 32), (4, 16), (8, 16)):
         x, q, s, mn, b = _inputs(FUSED_MAX_ROWS, 192, 45, bits, 7, group=group)
-        alone = torch.cat([osd_kernels.quant_linear(x[i:i + 1], q, s, mn, b, backend="native")
-                           for i in range(FUSED_MAX_ROWS)])
+        alone = torch.cat(
+            [
+                osd_kernels.quant_linear(x[i : i + 1], q, s, mn, b, backend="native")
+                for i in range(FUSED_MAX_ROWS)
+            ]
+        )
         for m in (2, 5, 12, 16, 40, FUSED_MAX_ROWS):
             together = osd_kernels.quant_linear(x[:m], q, s, mn, b, backend="native")
             assert torch.equal(together, alone[:m])
 
 
 K_TYPES = [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
-FILE_ONLY = [*K_TYPES, GGMLType.IQ4_NL, GGMLType.IQ4_XS]    # random blocks, not quantize()
+FILE_ONLY = [*K_TYPES, GGMLType.IQ4_NL, GGMLType.IQ4_XS]  # random blocks, not quantize()
 
 
-@pytest.mark.parametrize("t", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q5_0,
-                               GGMLType.Q5_1, *FILE_ONLY], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "t",
+    [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q5_1, *FILE_ONLY],
+    ids=lambda t: t.name,
+)
 def test_gguf_blocks_dequantize_like_the_file_reader(t):
     """Every block type a file keeps quantized holds exactly the file reader's weights, and
     the kernel computes on exactly them (random blocks for the types osd only reads)."""
@@ -126,10 +146,10 @@ def test_auto_uses_the_kernel_only_where_it_is_meant_to(monkeypatch):
     osd_kernels.quant_linear(x[:16], q, s, mn, b)
     want = osd_kernels.quant_linear_reference(x, q, s, mn, b)
     torch.testing.assert_close(osd_kernels.quant_linear(x, q, s, mn, b), want)  # prefill
-    osd_kernels.quant_linear(x[:2].double(), q, s, mn, b.double())              # not float32
+    osd_kernels.quant_linear(x[:2].double(), q, s, mn, b.double())  # not float32
     assert calls == [16, FUSED_MAX_ROWS + 9]
     xg = x[:2].clone().requires_grad_()
-    osd_kernels.quant_linear(xg, q, s, mn, b).sum().backward()                  # autograd
+    osd_kernels.quant_linear(xg, q, s, mn, b).sum().backward()  # autograd
     assert xg.grad is not None and calls == [16, FUSED_MAX_ROWS + 9]
 
 
@@ -146,15 +166,14 @@ def test_bad_input_names_the_problem(backend):
         osd_kernels.quant_linear(x, q, s[:, :1], mn, backend=backend)
     with pytest.raises(ValueError, match="mins must be"):
         osd_kernels.quant_linear(x, q, s, mn.double(), backend=backend)
-    with pytest.raises(ValueError, match="mins must be"):           # groups of 16 and 32
+    with pytest.raises(ValueError, match="mins must be"):  # groups of 16 and 32
         osd_kernels.quant_linear(x, q, s.repeat_interleave(2, 1), mn, backend=backend)
     with pytest.raises(ValueError, match="bias must be"):
         osd_kernels.quant_linear(x, q, s, mn, b[:3], backend=backend)
     with pytest.raises(ValueError, match="norm_weight must be"):
         osd_kernels.quant_linear(x, q, s, mn, norm_weight=torch.ones(7), backend=backend)
     with pytest.raises(ValueError, match="eps must be"):
-        osd_kernels.quant_linear(x, q, s, mn, norm_weight=torch.ones(64), eps=-1.0,
-                                 backend=backend)
+        osd_kernels.quant_linear(x, q, s, mn, norm_weight=torch.ones(64), eps=-1.0, backend=backend)
     with pytest.raises(ValueError, match="unknown backend"):
         osd_kernels.quant_linear(x, q, s, mn, backend="fast")
 

@@ -5,6 +5,7 @@ float rounding in longer ones; plain, speculative (standalone, EAGLE, self) and 
 decoding emit the dequantized model's tokens; float models quantize in place; drafts quantize
 at load (``quantize_draft``); online EAGLE learning shares the quantized head; bad uses fail
 clearly."""
+
 import json
 
 import numpy as np
@@ -23,36 +24,47 @@ QTYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1]
 
 
 def _linears(model):
-    return [getattr(layer, n) for layer in model.layers
-            for n in ("wqkv", "wo", "w_gate_up", "w_down")] + [model.lm_head]
+    return [
+        getattr(layer, n) for layer in model.layers for n in ("wqkv", "wo", "w_gate_up", "w_down")
+    ] + [model.lm_head]
 
 
 def _forward(model, ids, tokens):
     """Logits of a prefill of ``ids`` then a cached forward of ``tokens`` more."""
     cache = model.new_cache(1, 128)
     with torch.no_grad():
-        first = model.prefill(torch.tensor([ids]), cache,
-                              torch.tensor([len(ids)], dtype=torch.int32))
+        first = model.prefill(
+            torch.tensor([ids]), cache, torch.tensor([len(ids)], dtype=torch.int32)
+        )
         return first, model(torch.tensor([tokens]), cache)
 
 
-@pytest.mark.parametrize("family,tie", [("llama", True), ("llama", False), ("qwen2", False),
-                                        ("qwen3", False), ("granite", True),
-                                        ("olmo2", False), ("phi3_longrope", False),
-                                        ("gemma2", True), ("gemma3", True)])
+@pytest.mark.parametrize(
+    "family,tie",
+    [
+        ("llama", True),
+        ("llama", False),
+        ("qwen2", False),
+        ("qwen3", False),
+        ("granite", True),
+        ("olmo2", False),
+        ("phi3_longrope", False),
+        ("gemma2", True),
+        ("gemma3", True),
+    ],
+)
 @pytest.mark.parametrize("t", QTYPES, ids=lambda t: t.name)
 def test_quantized_target_equals_its_dequantized_model(tmp_path, t, family, tie):
     path = to_gguf(tiny_hf_model(family, tie=tie, seed=41), tmp_path / "m.gguf", t)
     float_model = load_model(path)
     quant = load_model(path, quantized=True)
-    assert all(isinstance(layer, QuantLinear) and layer.fmt == t.name
-               for layer in _linears(quant))
+    assert all(isinstance(layer, QuantLinear) and layer.fmt == t.name for layer in _linears(quant))
     assert torch.equal(quant.embed_tokens.weight, float_model.embed_tokens.weight)
     ids = prompts_of([13], vocab=VOCAB, seed=42)[0]
-    for tokens in ([5], [7, 8, 9, 10, 11]):          # a decode step, a verify forward
+    for tokens in ([5], [7, 8, 9, 10, 11]):  # a decode step, a verify forward
         for a, b in zip(_forward(quant, ids, tokens), _forward(float_model, ids, tokens)):
             assert torch.equal(a, b)
-    long_ids = prompts_of([70], vocab=VOCAB, seed=43)[0]   # prefill rows past the kernels
+    long_ids = prompts_of([70], vocab=VOCAB, seed=43)[0]  # prefill rows past the kernels
     for a, b in zip(_forward(quant, long_ids, [5]), _forward(float_model, long_ids, [5])):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
 
@@ -67,32 +79,58 @@ def k_quant_gguf(path, linear_type, v_type=None, seed: int = 0):
 
     rng = np.random.default_rng(seed)
     H, F, V = 256, 512, VOCAB
-    meta = {"general.architecture": "llama", "llama.block_count": 2,
-            "llama.context_length": 256, "llama.embedding_length": H,
-            "llama.feed_forward_length": F, "llama.attention.head_count": 4,
-            "llama.attention.head_count_kv": 2, "llama.attention.layer_norm_rms_epsilon": 1e-5,
-            "llama.rope.freq_base": 10000.0}
+    meta = {
+        "general.architecture": "llama",
+        "llama.block_count": 2,
+        "llama.context_length": 256,
+        "llama.embedding_length": H,
+        "llama.feed_forward_length": F,
+        "llama.attention.head_count": 4,
+        "llama.attention.head_count_kv": 2,
+        "llama.attention.layer_norm_rms_epsilon": 1e-5,
+        "llama.rope.freq_base": 10000.0,
+    }
 
     def blocks(t, shape):
         n = shape[0] * shape[1] // BLOCK_LAYOUT[t][0]
         b = random_blocks(t, n, seed=int(rng.integers(1 << 30))).reshape(n, -1)
-        for at in {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2),
-                   T.Q6_K: (208,), T.Q5_0: (0,), T.Q8_0: (0,), T.IQ4_NL: (0,),
-                   T.IQ4_XS: (0,)}[t]:                                # d (and dmin)
-            b[:, at:at + 2] = (rng.uniform(-1, 1, n) * 5e-4).astype(np.float16) \
-                .view(np.uint8).reshape(n, 2)
+        for at in {
+            T.Q2_K: (80, 82),
+            T.Q3_K: (108,),
+            T.Q4_K: (0, 2),
+            T.Q5_K: (0, 2),
+            T.Q6_K: (208,),
+            T.Q5_0: (0,),
+            T.Q8_0: (0,),
+            T.IQ4_NL: (0,),
+            T.IQ4_XS: (0,),
+        }[t]:  # d (and dmin)
+            b[:, at : at + 2] = (
+                (rng.uniform(-1, 1, n) * 5e-4).astype(np.float16).view(np.uint8).reshape(n, 2)
+            )
         return b.reshape(-1), t, shape
 
     def norm(n):
         return torch.from_numpy(1 + 0.1 * rng.standard_normal(n).astype(np.float32)), T.F32
 
-    tensors = {"token_embd.weight": (torch.from_numpy(
-                   0.3 * rng.standard_normal((V, H)).astype(np.float32)), T.F32),
-               "output_norm.weight": norm(H), "output.weight": blocks(linear_type, (V, H))}
+    tensors = {
+        "token_embd.weight": (
+            torch.from_numpy(0.3 * rng.standard_normal((V, H)).astype(np.float32)),
+            T.F32,
+        ),
+        "output_norm.weight": norm(H),
+        "output.weight": blocks(linear_type, (V, H)),
+    }
     for i in range(2):
-        for name, shape in (("attn_q", (H, H)), ("attn_k", (H // 2, H)),
-                            ("attn_v", (H // 2, H)), ("attn_output", (H, H)),
-                            ("ffn_gate", (F, H)), ("ffn_up", (F, H)), ("ffn_down", (H, F))):
+        for name, shape in (
+            ("attn_q", (H, H)),
+            ("attn_k", (H // 2, H)),
+            ("attn_v", (H // 2, H)),
+            ("attn_output", (H, H)),
+            ("ffn_gate", (F, H)),
+            ("ffn_up", (F, H)),
+            ("ffn_down", (H, F)),
+        ):
             t = v_type if name == "attn_v" and v_type is not None else linear_type
             tensors[f"blk.{i}.{name}.weight"] = blocks(t, shape)
         tensors[f"blk.{i}.attn_norm.weight"] = norm(H)
@@ -101,13 +139,35 @@ def k_quant_gguf(path, linear_type, v_type=None, seed: int = 0):
     return path
 
 
-@pytest.mark.parametrize("t,v,qkv", [
-    (T.Q2_K, None, "Q2_K"), (T.Q3_K, None, "Q3_K"), (T.Q4_K, None, "Q4_K"),
-    (T.Q5_K, None, "Q5_K"), (T.Q6_K, None, "Q6_K"), (T.Q4_K, T.Q6_K, "Q4_K+Q6_K"),
-    (T.Q3_K, T.Q4_K, "Q3_K+Q4_K"), (T.Q5_0, T.Q8_0, "Q5_0+Q8_0"), (T.IQ4_NL, None, "IQ4_NL"),
-    (T.IQ4_XS, None, "IQ4_XS"), (T.IQ4_XS, T.Q4_K, "IQ4_XS+Q4_K")],
-    ids=["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_K-v-Q6_K", "Q3_K-v-Q4_K", "Q5_0-v-Q8_0",
-         "IQ4_NL", "IQ4_XS", "IQ4_XS-v-Q4_K"])
+@pytest.mark.parametrize(
+    "t,v,qkv",
+    [
+        (T.Q2_K, None, "Q2_K"),
+        (T.Q3_K, None, "Q3_K"),
+        (T.Q4_K, None, "Q4_K"),
+        (T.Q5_K, None, "Q5_K"),
+        (T.Q6_K, None, "Q6_K"),
+        (T.Q4_K, T.Q6_K, "Q4_K+Q6_K"),
+        (T.Q3_K, T.Q4_K, "Q3_K+Q4_K"),
+        (T.Q5_0, T.Q8_0, "Q5_0+Q8_0"),
+        (T.IQ4_NL, None, "IQ4_NL"),
+        (T.IQ4_XS, None, "IQ4_XS"),
+        (T.IQ4_XS, T.Q4_K, "IQ4_XS+Q4_K"),
+    ],
+    ids=[
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "Q4_K-v-Q6_K",
+        "Q3_K-v-Q4_K",
+        "Q5_0-v-Q8_0",
+        "IQ4_NL",
+        "IQ4_XS",
+        "IQ4_XS-v-Q4_K",
+    ],
+)
 def test_k_quant_target_equals_its_dequantized_model(tmp_path, t, v, qkv):
     """K-quant weights stay quantized (their 16- or 32-weight groups as 4- or 8-bit codes
     with float32 factors) and give the dequantized model's logits bit for bit in decode and
@@ -119,17 +179,19 @@ def test_k_quant_target_equals_its_dequantized_model(tmp_path, t, v, qkv):
     quant = load_model(path, quantized=True)
     for layer in quant.layers:
         assert (layer.wqkv.fmt if isinstance(layer.wqkv, QuantLinear) else None) == qkv
-        assert all(isinstance(getattr(layer, n), QuantLinear) and getattr(layer, n).fmt == t.name
-                   for n in ("wo", "w_gate_up", "w_down"))
+        assert all(
+            isinstance(getattr(layer, n), QuantLinear) and getattr(layer, n).fmt == t.name
+            for n in ("wo", "w_gate_up", "w_down")
+        )
     assert isinstance(quant.lm_head, QuantLinear)
     for a, b in zip(_linears(quant), _linears(float_model)):
         if isinstance(a, QuantLinear):
             assert torch.equal(a.dequantize(), b.weight)
     ids = prompts_of([13], vocab=VOCAB, seed=44)[0]
-    for tokens in ([5], [7, 8, 9, 10, 11]):          # a decode step, a verify forward
+    for tokens in ([5], [7, 8, 9, 10, 11]):  # a decode step, a verify forward
         for a, b in zip(_forward(quant, ids, tokens), _forward(float_model, ids, tokens)):
             assert torch.isfinite(b).all() and torch.equal(a, b)
-    long_ids = prompts_of([70], vocab=VOCAB, seed=45)[0]   # prefill rows past the kernels
+    long_ids = prompts_of([70], vocab=VOCAB, seed=45)[0]  # prefill rows past the kernels
     for a, b in zip(_forward(quant, long_ids, [5]), _forward(float_model, long_ids, [5])):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
 
@@ -150,24 +212,27 @@ def test_a_gguf_target_stays_quantized_by_default_on_the_cpu(q41):
     """``Engine.from_pretrained(gguf)`` keeps the file's blocks quantized on the CPU in
     float32 (``quantized=None``), dequantizes them with ``quantized=False`` or another
     dtype, and both emit the same greedy tokens."""
+
     def quantized(model):
         return any(isinstance(m, QuantLinear) for m in model.modules())
 
     default = osd.Engine.from_pretrained(q41, max_batch_size=2, max_seq_len=48)
     fp32 = osd.Engine.from_pretrained(q41, max_batch_size=2, max_seq_len=48, quantized=False)
     assert quantized(default.model) and not quantized(fp32.model)
-    bf16 = osd.Engine.from_pretrained(q41, max_batch_size=2, max_seq_len=48,
-                                      dtype=torch.bfloat16)
+    bf16 = osd.Engine.from_pretrained(q41, max_batch_size=2, max_seq_len=48, dtype=torch.bfloat16)
     assert not quantized(bf16.model)
     prompts = prompts_of([9, 4], vocab=VOCAB, seed=48)
     params = osd.SamplingParams(12)
-    assert [o.token_ids for o in default.generate(prompts, params)] == \
-        [o.token_ids for o in fp32.generate(prompts, params)]
+    assert [o.token_ids for o in default.generate(prompts, params)] == [
+        o.token_ids for o in fp32.generate(prompts, params)
+    ]
 
 
-@pytest.mark.parametrize("params", [osd.SamplingParams(12),
-                                    osd.SamplingParams(12, temperature=0.9, top_p=0.9, seed=3)],
-                         ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "params",
+    [osd.SamplingParams(12), osd.SamplingParams(12, temperature=0.9, top_p=0.9, seed=3)],
+    ids=["greedy", "sampled"],
+)
 def test_decoding_emits_the_dequantized_targets_tokens(q41, params):
     """Each decoding mode on the quantized target emits what the same mode emits on the
     dequantized one (greedy: also what plain decoding emits)."""
@@ -178,11 +243,16 @@ def test_decoding_emits_the_dequantized_targets_tokens(q41, params):
         eagle = EagleLM.from_target(target, num_layers=1)
         eagle.init_draft(std=0.3, generator=torch.Generator().manual_seed(46))
         kw = dict(max_batch_size=3, max_seq_len=64)
-        return {"plain": osd.Engine(target, **kw),
-                "draft": osd.Engine(target, draft=[draft], **kw),
-                "eagle": osd.Engine(target, draft=[eagle], **kw),
-                "self": osd.Engine(target, spec=osd.SpecConfig(
-                    drafter="self", skip_layers=(1,), num_draft_tokens=3), **kw)}
+        return {
+            "plain": osd.Engine(target, **kw),
+            "draft": osd.Engine(target, draft=[draft], **kw),
+            "eagle": osd.Engine(target, draft=[eagle], **kw),
+            "self": osd.Engine(
+                target,
+                spec=osd.SpecConfig(drafter="self", skip_layers=(1,), num_draft_tokens=3),
+                **kw,
+            ),
+        }
 
     quant = load_model(q41, quantized=True)
     want = {k: e.generate(prompts, params) for k, e in engines(load_model(q41)).items()}
@@ -207,14 +277,17 @@ def test_online_eagle_learning_shares_the_quantized_head(q41):
     quant = load_model(q41, quantized=True)
     eagle = EagleLM.from_target(quant, num_layers=1)
     eagle.init_draft(std=0.05, generator=torch.Generator().manual_seed(48))
-    online = osd.OnlineConfig(update_every_requests=2, steps_per_update=2, lr=3e-3,
-                              background=False, guard_tolerance=1.0)
+    online = osd.OnlineConfig(
+        update_every_requests=2, steps_per_update=2, lr=3e-3, background=False, guard_tolerance=1.0
+    )
     eng = osd.Engine(quant, draft=[eagle], online=online, max_batch_size=4, max_seq_len=96)
     prompts = prompts_of([6, 9, 4, 7] * 2, vocab=VOCAB, seed=49)
-    want = osd.Engine(quant, max_batch_size=4, max_seq_len=96).generate(prompts,
-                                                                       osd.SamplingParams(12))
-    outs = eng.generate(prompts[:4], osd.SamplingParams(12)) + \
-        eng.generate(prompts[4:], osd.SamplingParams(12))
+    want = osd.Engine(quant, max_batch_size=4, max_seq_len=96).generate(
+        prompts, osd.SamplingParams(12)
+    )
+    outs = eng.generate(prompts[:4], osd.SamplingParams(12)) + eng.generate(
+        prompts[4:], osd.SamplingParams(12)
+    )
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
     assert eng.stats["online"]["updates_applied"] >= 1
     assert eng.online.learners[0].model.lm_head is quant.lm_head
@@ -229,11 +302,15 @@ def test_quantize_linears_on_a_float_model():
     quantize_linears(model, "Q8_0")
     assert all(isinstance(layer, QuantLinear) for layer in _linears(model))
     after = _forward(model, ids, [3, 4])[1]
-    assert (after.softmax(-1) - before.softmax(-1)).abs().max() < 0.05   # 8-bit rounding
+    assert (after.softmax(-1) - before.softmax(-1)).abs().max() < 0.05  # 8-bit rounding
     prompts = prompts_of([5, 8], vocab=VOCAB, seed=52)
     plain = ref.generate(prompts, osd.SamplingParams(10))
-    spec = osd.Engine(model, spec=osd.SpecConfig(drafter="self", skip_layers=(0,)),
-                      max_batch_size=2, max_seq_len=64).generate(prompts, osd.SamplingParams(10))
+    spec = osd.Engine(
+        model,
+        spec=osd.SpecConfig(drafter="self", skip_layers=(0,)),
+        max_batch_size=2,
+        max_seq_len=64,
+    ).generate(prompts, osd.SamplingParams(10))
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]  # ref shares model
     with pytest.raises(ValueError, match="fmt must be one of"):
         quantize_linears(model, "Q5_K")
@@ -249,13 +326,19 @@ def test_quantize_draft_keeps_the_targets_tokens(tmp_path, fmt):
     eagle.init_draft(generator=torch.Generator().manual_seed(62))
     save_eagle(eagle, tmp_path / "eagle")
     prompts = prompts_of([6, 9, 4], vocab=VOCAB, seed=63)
-    want = [o.token_ids for o in osd.Engine.from_pretrained(target, max_seq_len=64).generate(
-        prompts, osd.SamplingParams(12))]
+    want = [
+        o.token_ids
+        for o in osd.Engine.from_pretrained(target, max_seq_len=64).generate(
+            prompts, osd.SamplingParams(12)
+        )
+    ]
     for d in (draft, str(tmp_path / "eagle")):
-        eng = osd.Engine.from_pretrained(target, draft=d, max_batch_size=3, max_seq_len=64,
-                                         quantize_draft=fmt)
-        assert all(isinstance(layer, QuantLinear) and layer.fmt == fmt
-                   for layer in _linears(eng.draft))
+        eng = osd.Engine.from_pretrained(
+            target, draft=d, max_batch_size=3, max_seq_len=64, quantize_draft=fmt
+        )
+        assert all(
+            isinstance(layer, QuantLinear) and layer.fmt == fmt for layer in _linears(eng.draft)
+        )
         assert not any(isinstance(m, QuantLinear) for m in eng.model.modules())
         assert [o.token_ids for o in eng.generate(prompts, osd.SamplingParams(12))] == want
         sampled = eng.generate(prompts, osd.SamplingParams(12, temperature=0.8, top_k=40, seed=5))
@@ -265,8 +348,7 @@ def test_quantize_draft_keeps_the_targets_tokens(tmp_path, fmt):
     with pytest.raises(ValueError, match="no draft was given"):
         osd.Engine.from_pretrained(target, quantize_draft=fmt)
     with pytest.raises(ValueError, match="CPU kernels"):
-        osd.Engine.from_pretrained(target, draft=draft, quantize_draft=fmt,
-                                   dtype=torch.bfloat16)
+        osd.Engine.from_pretrained(target, draft=draft, quantize_draft=fmt, dtype=torch.bfloat16)
     quant_draft = quantize_linears(load_model(draft), fmt)
     with pytest.raises(ValueError, match="cannot learn"):
         osd.Engine(load_model(target), draft=quant_draft, online=osd.OnlineConfig())
@@ -282,31 +364,52 @@ def test_draft_directory_recommends_its_serving_settings(tmp_path):
     draft.mkdir()
     to_gguf(tiny_hf_model("llama", seed=71), draft / "d.gguf")
     settings = draft / "serving.json"
-    settings.write_text(json.dumps({"spec": {"num_draft_tokens": 2, "prompt_lookup": True,
-                                             "lookup_tree_below": 3},
-                                    "quantize_draft": "Q8_0"}))
+    settings.write_text(
+        json.dumps(
+            {
+                "spec": {"num_draft_tokens": 2, "prompt_lookup": True, "lookup_tree_below": 3},
+                "quantize_draft": "Q8_0",
+            }
+        )
+    )
     prompts = prompts_of([7, 5], vocab=VOCAB, seed=72)
-    want = [o.token_ids for o in osd.Engine.from_pretrained(target, max_seq_len=64).generate(
-        prompts, osd.SamplingParams(12))]
+    want = [
+        o.token_ids
+        for o in osd.Engine.from_pretrained(target, max_seq_len=64).generate(
+            prompts, osd.SamplingParams(12)
+        )
+    ]
     eng = osd.Engine.from_pretrained(target, draft=str(draft), max_batch_size=2, max_seq_len=64)
-    assert eng.spec == osd.SpecConfig(num_draft_tokens=2, prompt_lookup=True,
-                                      lookup_tree_below=3)
-    assert all(isinstance(layer, QuantLinear) and layer.fmt == "Q8_0"
-               for layer in _linears(eng.draft))
+    assert eng.spec == osd.SpecConfig(num_draft_tokens=2, prompt_lookup=True, lookup_tree_below=3)
+    assert all(
+        isinstance(layer, QuantLinear) and layer.fmt == "Q8_0" for layer in _linears(eng.draft)
+    )
     assert [o.token_ids for o in eng.generate(prompts, osd.SamplingParams(12))] == want
-    mine = osd.Engine.from_pretrained(target, draft=str(draft), max_seq_len=64,
-                                      spec=osd.SpecConfig(num_draft_tokens=3),
-                                      quantize_draft=None)
+    mine = osd.Engine.from_pretrained(
+        target,
+        draft=str(draft),
+        max_seq_len=64,
+        spec=osd.SpecConfig(num_draft_tokens=3),
+        quantize_draft=None,
+    )
     assert mine.spec.num_draft_tokens == 3 and not mine.spec.prompt_lookup
     assert not any(isinstance(m, QuantLinear) for m in mine.draft.modules())
-    bf16 = osd.Engine.from_pretrained(target, draft=str(draft), max_seq_len=64,
-                                      dtype=torch.bfloat16)
+    bf16 = osd.Engine.from_pretrained(
+        target, draft=str(draft), max_seq_len=64, dtype=torch.bfloat16
+    )
     assert bf16.spec.lookup_tree_below == 3
     assert not any(isinstance(m, QuantLinear) for m in bf16.draft.modules())
     plain_file = osd.Engine.from_pretrained(target, draft=str(draft / "d.gguf"), max_seq_len=64)
     assert plain_file.spec == osd.SpecConfig()
-    for bad in ["{not json", '["spec"]', '{"sepc": {}}', '{"spec": {"num_draft_tokens": 0}}',
-                '{"spec": {"k": 4}}', '{"spec": 4}', '{"quantize_draft": 8}']:
+    for bad in [
+        "{not json",
+        '["spec"]',
+        '{"sepc": {}}',
+        '{"spec": {"num_draft_tokens": 0}}',
+        '{"spec": {"k": 4}}',
+        '{"spec": 4}',
+        '{"quantize_draft": 8}',
+    ]:
         settings.write_text(bad)
         with pytest.raises(ValueError, match="bad draft serving settings in .*serving.json"):
             osd.Engine.from_pretrained(target, draft=str(draft), max_seq_len=64)
@@ -318,22 +421,29 @@ def test_a_draft_recommends_other_settings_beside_a_quantized_target(tmp_path, q
     learning online, which takes the draft's float-target settings."""
     draft = tmp_path / "draft"
     tiny_hf_model("llama", seed=73).save_pretrained(draft)
-    (draft / "serving.json").write_text(json.dumps({
-        "spec": {"num_draft_tokens": 2},
-        "quantized_target": {"spec": {"drafter": "ngram", "num_draft_tokens": 5}}}))
+    (draft / "serving.json").write_text(
+        json.dumps(
+            {
+                "spec": {"num_draft_tokens": 2},
+                "quantized_target": {"spec": {"drafter": "ngram", "num_draft_tokens": 5}},
+            }
+        )
+    )
     kw = dict(max_batch_size=2, max_seq_len=48)
     eng = osd.Engine.from_pretrained(q41, draft=str(draft), **kw)
     assert eng.spec.drafter == "ngram" and eng.spec.num_draft_tokens == 5 and eng.draft is None
     fp32 = osd.Engine.from_pretrained(q41, draft=str(draft), quantized=False, **kw)
     assert fp32.spec == osd.SpecConfig(num_draft_tokens=2) and fp32.draft is not None
-    online = osd.Engine.from_pretrained(q41, draft=str(draft), online=osd.OnlineConfig(
-        background=False), **kw)
+    online = osd.Engine.from_pretrained(
+        q41, draft=str(draft), online=osd.OnlineConfig(background=False), **kw
+    )
     assert online.spec == osd.SpecConfig(num_draft_tokens=2) and online.draft is not None
     online.close()
     prompts = prompts_of([9, 4], vocab=VOCAB, seed=74)
     params = osd.SamplingParams(10)
-    assert [o.token_ids for o in eng.generate(prompts, params)] == \
-        [o.token_ids for o in fp32.generate(prompts, params)]
+    assert [o.token_ids for o in eng.generate(prompts, params)] == [
+        o.token_ids for o in fp32.generate(prompts, params)
+    ]
     (draft / "serving.json").write_text(json.dumps({"quantized_target": {"k": 1}}))
     with pytest.raises(ValueError, match="quantized_target"):
         osd.Engine.from_pretrained(q41, draft=str(draft), **kw)
@@ -352,31 +462,41 @@ def test_quantized_draft_learns_online_through_its_float_master(tmp_path, kind):
         eagle.init_draft(std=0.05, generator=torch.Generator().manual_seed(66))
         save_eagle(eagle, tmp_path / "eagle")
         draft = str(tmp_path / "eagle")
-    online = osd.OnlineConfig(update_every_requests=2, steps_per_update=2, lr=3e-3,
-                              background=False, guard_tolerance=1.0,
-                              checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1)
-    eng = osd.Engine.from_pretrained(target, draft=draft, online=online, quantize_draft="Q8_0",
-                                     max_batch_size=4, max_seq_len=96)
+    online = osd.OnlineConfig(
+        update_every_requests=2,
+        steps_per_update=2,
+        lr=3e-3,
+        background=False,
+        guard_tolerance=1.0,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=1,
+    )
+    eng = osd.Engine.from_pretrained(
+        target, draft=draft, online=online, quantize_draft="Q8_0", max_batch_size=4, max_seq_len=96
+    )
     serving, learner = eng.draft, eng.online.learners[0]
     wqkv = serving.layers[0].wqkv
     before = wqkv.qweight.clone()
     prompts = prompts_of([6, 9, 4, 7] * 2, vocab=VOCAB, seed=67)
     want = osd.Engine.from_pretrained(target, max_batch_size=4, max_seq_len=96).generate(
-        prompts, osd.SamplingParams(12))
-    outs = eng.generate(prompts[:4], osd.SamplingParams(12)) + \
-        eng.generate(prompts[4:], osd.SamplingParams(12))
+        prompts, osd.SamplingParams(12)
+    )
+    outs = eng.generate(prompts[:4], osd.SamplingParams(12)) + eng.generate(
+        prompts[4:], osd.SamplingParams(12)
+    )
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
     assert eng.stats["online"]["updates_applied"] >= 1
     assert isinstance(wqkv, QuantLinear) and serving.layers[0].wqkv is wqkv
     assert not torch.equal(wqkv.qweight, before)
     assert not any(isinstance(m, QuantLinear) for m in learner.model.modules())
-    learner.maybe_swap()                      # the newest update, if not swapped in yet
+    learner.maybe_swap()  # the newest update, if not swapped in yet
     want_q = quantize_weight(learner.model.layers[0].wqkv.weight, "Q8_0")
     assert torch.equal(wqkv.qweight, want_q.qweight) and torch.equal(wqkv.scales, want_q.scales)
     # A new engine resumes from the checkpoint of the newest applied update, quantized.
     learner.checkpoint()
-    again = osd.Engine.from_pretrained(target, draft=draft, online=online,
-                                       quantize_draft="Q8_0", max_batch_size=4, max_seq_len=96)
+    again = osd.Engine.from_pretrained(
+        target, draft=draft, online=online, quantize_draft="Q8_0", max_batch_size=4, max_seq_len=96
+    )
     assert torch.equal(again.draft.layers[0].wqkv.qweight, wqkv.qweight)
 
 

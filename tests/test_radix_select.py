@@ -23,9 +23,19 @@ def driver(tmp_path_factory):
     if CXX is None:
         pytest.skip("no C++ compiler")
     exe = str(tmp_path_factory.mktemp("radix") / "radix_select_driver")
-    subprocess.run([CXX, "-std=c++17", "-O2", "-I", os.path.join(ROOT, "csrc"),
-                    os.path.join(ROOT, "tests", "radix_select_driver.cpp"), "-o", exe],
-                   check=True)
+    subprocess.run(
+        [
+            CXX,
+            "-std=c++17",
+            "-O2",
+            "-I",
+            os.path.join(ROOT, "csrc"),
+            os.path.join(ROOT, "tests", "radix_select_driver.cpp"),
+            "-o",
+            exe,
+        ],
+        check=True,
+    )
     return exe
 
 
@@ -131,7 +141,7 @@ def test_top_p_threshold_matches_the_sorted_cumsum(driver, kind):
 def test_tiny_top_p_keeps_the_mode_and_its_ties(driver):
     p = np.array([0.1, 0.3, 0.3, 0.2, 0.1], dtype=np.float32)
     for top_p in (1e-6, 0.3):
-        (key, _), = _run(driver, [(1, 4, 0, 1.0, top_p, 1.0, p)])
+        ((key, _),) = _run(driver, [(1, 4, 0, 1.0, top_p, 1.0, p)])
         assert np.array_equal(keys(p) >= key, [False, True, True, False, False])
-    (key, _), = _run(driver, [(1, 4, 0, 1.0, 0.61, 1.0, p)])
+    ((key, _),) = _run(driver, [(1, 4, 0, 1.0, 0.61, 1.0, p)])
     assert np.array_equal(keys(p) >= key, [False, True, True, True, False])

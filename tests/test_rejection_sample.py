@@ -23,8 +23,7 @@ PARAMS = {
 }
 
 
-def _case(gen, B, K, V, dtype, device, *, draft_probs=True, params="plain", ragged=True,
-          scale=2.0):
+def _case(gen, B, K, V, dtype, device, *, draft_probs=True, params="plain", ragged=True, scale=2.0):
     """Random logits, a draft close to the target, drafted tokens and per-row parameters."""
     logits = (torch.randn(B, K + 1, V, generator=gen) * scale).to(dtype)
     q = torch.softmax(logits[:, :K].float() + 0.7 * torch.randn(B, K, V, generator=gen), -1)
@@ -38,7 +37,7 @@ def _case(gen, B, K, V, dtype, device, *, draft_probs=True, params="plain", ragg
         temperature=torch.tensor([r[0] for r in rows]),
         top_k=torch.tensor([r[1] for r in rows], dtype=torch.int32),
         top_p=torch.tensor([r[2] for r in rows]),
-        seed=torch.randint(-2**62, 2**62, (B,), generator=gen),
+        seed=torch.randint(-(2**62), 2**62, (B,), generator=gen),
         offset=torch.randint(0, 2**40, (B,), generator=gen),
     )
     if ragged:
@@ -67,38 +66,43 @@ def _check_invariants(out, acc, drafts, logits, kw):
         a = int(acc[b])
         assert 0 <= a <= int(n[b])
         assert torch.equal(out[b, :a], drafts[b, :a])
-        assert torch.all(out[b, a + 1:] == -1)
+        assert torch.all(out[b, a + 1 :] == -1)
         y = int(out[b, a])
         assert 0 <= y < logits.shape[-1]
         if float(t[b]) > 0:
-            p = warp_probs(logits[b, a][None].float(), t[b], kw["top_k"].cpu()[b],
-                           kw["top_p"].cpu()[b])[0]
+            p = warp_probs(
+                logits[b, a][None].float(), t[b], kw["top_k"].cpu()[b], kw["top_p"].cpu()[b]
+            )[0]
             assert float(p[y]) > 0, "emitted a token the warped target gives no mass"
         else:
             assert y == int(logits[b, a].float().argmax())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,K,V", [(1, 1, 111), (3, 4, 1000), (8, 8, 111), (3, 2, 32003),
-                                   (8, 5, 1000), (1, 7, 2)])
+@pytest.mark.parametrize(
+    "B,K,V", [(1, 1, 111), (3, 4, 1000), (8, 8, 111), (3, 2, 32003), (8, 5, 1000), (1, 7, 2)]
+)
 @pytest.mark.parametrize("with_q", [True, False])
 def test_native_matches_reference(device, dtype, B, K, V, with_q):
     gen = torch.Generator().manual_seed(B * 1000 + K * 10 + V)
     for params in ["mixed", "plain", "greedy", "all"]:
-        logits, drafts, q, kw = _case(gen, B, K, V, dtype, device, draft_probs=with_q,
-                                      params=params)
+        logits, drafts, q, kw = _case(
+            gen, B, K, V, dtype, device, draft_probs=with_q, params=params
+        )
         out, acc = _assert_same("native", logits, drafts, q, kw)
         _check_invariants(out, acc, drafts, logits, kw)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,K,V,params", [(3, 3, 111, "mixed"), (1, 5, 37, "all"),
-                                          (2, 1, 2, "plain")])
+@pytest.mark.parametrize(
+    "B,K,V,params", [(3, 3, 111, "mixed"), (1, 5, 37, "all"), (2, 1, 2, "plain")]
+)
 def test_triton_matches_reference(device, dtype, B, K, V, params):
     gen = torch.Generator().manual_seed(7 * B + K + V)
     for with_q in [True, False]:
-        logits, drafts, q, kw = _case(gen, B, K, V, dtype, device, draft_probs=with_q,
-                                      params=params)
+        logits, drafts, q, kw = _case(
+            gen, B, K, V, dtype, device, draft_probs=with_q, params=params
+        )
         _assert_same("triton", logits, drafts, q, kw)
 
 
@@ -155,9 +159,16 @@ def test_p_equals_q_always_accepts(device, backend):
         logits = (torch.randn(B, K + 1, V, generator=gen) * 3).to(device)
         q = warp_probs(logits[:, :K].reshape(-1, V), t, tk, tp).reshape(B, K, V)
         drafts = torch.multinomial(q.reshape(-1, V).cpu(), 1, generator=gen).reshape(B, K)
-        out, acc = rejection_sample(logits, drafts.to(device), q, temperature=t, top_k=tk,
-                                    top_p=tp, seed=torch.arange(B, device=device),
-                                    backend=backend)
+        out, acc = rejection_sample(
+            logits,
+            drafts.to(device),
+            q,
+            temperature=t,
+            top_k=tk,
+            top_p=tp,
+            seed=torch.arange(B, device=device),
+            backend=backend,
+        )
         assert acc.tolist() == [K] * B
         assert torch.equal(out[:, :K].cpu(), drafts)
 
@@ -172,8 +183,9 @@ def test_zero_draft_prob_is_accepted(device, backend):
     drafts = torch.randint(0, V, (B, K), generator=gen).to(device)
     q = torch.softmax(torch.randn(B, K, V, generator=gen), -1).to(device)
     q.scatter_(2, drafts[..., None], 0.0)
-    out, acc = rejection_sample(logits, drafts, q, temperature=1.0, backend=backend,
-                                seed=torch.arange(B, device=device))
+    out, acc = rejection_sample(
+        logits, drafts, q, temperature=1.0, backend=backend, seed=torch.arange(B, device=device)
+    )
     assert acc.tolist() == [K] * B
 
 
@@ -212,15 +224,15 @@ def test_greedy_reads_rows_in_place_or_copied(device, layout):
     B, K, V = 4, 5, 1000
     logits = torch.randn(B, K + 1, V, generator=gen).to(torch.bfloat16).float().to(device)
     drafts = logits[:, :K].argmax(-1)
-    drafts[1, 2] = (drafts[1, 2] + 1) % V        # a rejection mid-chain
-    drafts[3, 0] = (drafts[3, 0] + 1) % V        # and at the first draft
+    drafts[1, 2] = (drafts[1, 2] + 1) % V  # a rejection mid-chain
+    drafts[3, 0] = (drafts[3, 0] + 1) % V  # and at the first draft
     want = rejection_sample(logits, drafts, None, backend="native")
     if layout == "strided":
         wide = torch.zeros(B, K + 1, 2 * V, device=device)
         wide[..., ::2] = logits
         other = wide[..., ::2]
     else:
-        other = logits.to(torch.bfloat16)        # exact: the values came from bfloat16
+        other = logits.to(torch.bfloat16)  # exact: the values came from bfloat16
     got = rejection_sample(other, drafts, None, backend="native")
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert want[1].tolist() == [K, 2, K, 0]
@@ -254,7 +266,7 @@ def _joint_first_two(backend, params, one_hot, n=100_000, V=6):
         x2 = torch.multinomial(q1[x1], 1, generator=gen)[:, 0]
         logits = torch.stack([first_logits, target1[x1], target1[x2]], 1)
         q = None if one_hot else torch.stack([first_q, q1[x1]], 1)
-        sub = dict(kw, seed=kw["seed"][:len(x1)])
+        sub = dict(kw, seed=kw["seed"][: len(x1)])
         return rejection_sample(logits, torch.stack([x1, x2], 1), q, offset=offset, **sub)
 
     out, acc = step(target0.expand(n, V), q0.expand(n, V), 0)
@@ -271,10 +283,18 @@ def _joint_first_two(backend, params, one_hot, n=100_000, V=6):
 
 # the native kernel on every configuration, the (slower) reference on two; the two agree
 # token for token in the tests above
-@pytest.mark.parametrize("backend,one_hot,params", [
-    *[("native", one_hot, params) for one_hot in (False, True)
-      for params in [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.75), (0.9, 4, 0.9)]],
-    ("reference", False, (0.7, 3, 1.0)), ("reference", True, (1.3, 0, 0.75))])
+@pytest.mark.parametrize(
+    "backend,one_hot,params",
+    [
+        *[
+            ("native", one_hot, params)
+            for one_hot in (False, True)
+            for params in [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.75), (0.9, 4, 0.9)]
+        ],
+        ("reference", False, (0.7, 3, 1.0)),
+        ("reference", True, (1.3, 0, 0.75)),
+    ],
+)
 def test_joint_of_first_two_tokens_follows_warped_target(backend, one_hot, params):
     """Chi-square of 10^5 two-token draws against the exact warped joint p0(a) p1(b | a),
     significance 1e-3; cells the warped target excludes must never occur."""
@@ -290,16 +310,24 @@ def test_generator_and_seeds():
     B, K, V = 4, 3, 30
     logits, drafts, q, _ = _case(gen, B, K, V, torch.float32, "cpu", ragged=False)
     t = torch.ones(B)
-    a = rejection_sample(logits, drafts, q, temperature=t,
-                         generator=torch.Generator().manual_seed(5))
-    b = rejection_sample(logits, drafts, q, temperature=t,
-                         generator=torch.Generator().manual_seed(5))
+    a = rejection_sample(
+        logits, drafts, q, temperature=t, generator=torch.Generator().manual_seed(5)
+    )
+    b = rejection_sample(
+        logits, drafts, q, temperature=t, generator=torch.Generator().manual_seed(5)
+    )
     assert torch.equal(a[0], b[0])
     seeds = torch.randint(2**63 - 1, (B,), generator=torch.Generator().manual_seed(5))
     c = rejection_sample(logits, drafts, q, temperature=t, seed=seeds)
     assert torch.equal(a[0], c[0]), "generator draws the per-row seeds, offset 0"
-    outs = {tuple(rejection_sample(logits, drafts, q, temperature=t, seed=seeds,
-                                   offset=o)[0].flatten().tolist()) for o in range(8)}
+    outs = {
+        tuple(
+            rejection_sample(logits, drafts, q, temperature=t, seed=seeds, offset=o)[0]
+            .flatten()
+            .tolist()
+        )
+        for o in range(8)
+    }
     assert len(outs) > 1, "the offset selects fresh randomness"
 
 
@@ -344,12 +372,23 @@ def test_opcheck():
     gen = torch.Generator().manual_seed(0)
     B, K, V = 3, 2, 17
     logits, drafts, q, kw = _case(gen, B, K, V, torch.float32, "cpu", params="mixed")
-    args = (logits, drafts, q, kw["num_draft_tokens"], kw["temperature"], kw["top_k"],
-            kw["top_p"].float(), kw["seed"], kw["offset"])
+    args = (
+        logits,
+        drafts,
+        q,
+        kw["num_draft_tokens"],
+        kw["temperature"],
+        kw["top_k"],
+        kw["top_p"].float(),
+        kw["seed"],
+        kw["offset"],
+    )
     for a in (args, args[:2] + (None,) + args[3:]):
-        torch.library.opcheck(torch.ops.osd.rejection_sample.default, a,
-                              test_utils=("test_schema", "test_faketensor",
-                                          "test_autograd_registration"))
+        torch.library.opcheck(
+            torch.ops.osd.rejection_sample.default,
+            a,
+            test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+        )
 
 
 @triton.jit
@@ -372,11 +411,16 @@ def test_triton_float_helpers(device):
     subnormal results are kept (no flush to zero)."""
     gen = torch.Generator().manual_seed(0)
     n = 4096
-    a = torch.cat([torch.randn(n - 6, generator=gen) * 30,
-                   torch.tensor([-100.0, -87.5, 0.0, float("-inf"), 88.0, 1e-30])])
-    b = torch.rand(n, generator=gen) * torch.tensor(10.0) ** torch.randint(-30, 30, (n,),
-                                                                          generator=gen)
-    b[:4] = torch.tensor([1.0, 2.0 ** -130, 0.0, 3.0])
+    a = torch.cat(
+        [
+            torch.randn(n - 6, generator=gen) * 30,
+            torch.tensor([-100.0, -87.5, 0.0, float("-inf"), 88.0, 1e-30]),
+        ]
+    )
+    b = torch.rand(n, generator=gen) * torch.tensor(10.0) ** torch.randint(
+        -30, 30, (n,), generator=gen
+    )
+    b[:4] = torch.tensor([1.0, 2.0**-130, 0.0, 3.0])
     a, b = a.to(device), b.to(device)
     out = [torch.empty(n, device=device) for _ in range(3)]
     _float_helpers_kernel[(1,)](a, b, *out, n, BLOCK=n, **fpmath.launch_options(device))
@@ -386,7 +430,7 @@ def test_triton_float_helpers(device):
 
     def ulps(x, exact):
         exact32 = exact.float()
-        ulp = (torch.nextafter(exact32.abs(), torch.tensor(float("inf"))) - exact32.abs())
+        ulp = torch.nextafter(exact32.abs(), torch.tensor(float("inf"))) - exact32.abs()
         return torch.where(exact32 == x, 0.0, ((x.double() - exact) / ulp.double()).abs())
 
     exp_bound, log_bound = (2.0, 1.0) if device.type == "cuda" else (2.52, 3.83)
@@ -403,20 +447,30 @@ def _dist_cases():
     top-p bisections make 30 passes over V per row). On CUDA every backend takes both."""
     warped = dict(temperature=0.8, top_k=50, top_p=0.9)
     plain = dict(temperature=1.0)
-    cases = [("cpu", "native", 1000, 40_000, warped),
-             slow_case("cpu", "native", 128_256, 20_000, plain),
-             slow_case("cpu", "reference", 1000, 20_000, warped),
-             slow_case("cpu", "triton", 16, 400, plain)]
+    cases = [
+        ("cpu", "native", 1000, 40_000, warped),
+        slow_case("cpu", "native", 128_256, 20_000, plain),
+        slow_case("cpu", "reference", 1000, 20_000, warped),
+        slow_case("cpu", "triton", 16, 400, plain),
+    ]
     if torch.cuda.is_available():
         for backend in ("native", "triton", "reference"):
-            cases += [pytest.param("cuda", backend, *rest, marks=pytest.mark.gpu)
-                      for rest in ((1000, 100_000, warped), (128_256, 100_000, warped),
-                                   (128_256, 100_000, plain))]
+            cases += [
+                pytest.param("cuda", backend, *rest, marks=pytest.mark.gpu)
+                for rest in (
+                    (1000, 100_000, warped),
+                    (128_256, 100_000, warped),
+                    (128_256, 100_000, plain),
+                )
+            ]
     return cases
 
 
-@pytest.mark.parametrize("device,backend,V,n,warp", _dist_cases(),
-                         ids=lambda c: str(c) if not isinstance(c, dict) else "-".join(c))
+@pytest.mark.parametrize(
+    "device,backend,V,n,warp",
+    _dist_cases(),
+    ids=lambda c: str(c) if not isinstance(c, dict) else "-".join(c),
+)
 def test_first_token_follows_warped_target_every_backend(device, backend, V, n, warp):
     """n rows share one target and one draft (expanded, stride 0); each draws its draft
     token from q and is verified with its own seed. The first emitted token must follow
@@ -425,18 +479,24 @@ def test_first_token_follows_warped_target_every_backend(device, backend, V, n, 
     gen = torch.Generator().manual_seed(V + n)
     K = 2
     logits = torch.randn(1, K + 1, V, generator=gen) * 2.0
-    logits[0, :, :min(40, V // 4)] += 6.0                      # most mass on a few tokens
+    logits[0, :, : min(40, V // 4)] += 6.0  # most mass on a few tokens
     q = torch.softmax(logits[0, :K] + torch.randn(K, V, generator=gen), -1)
     drafts = torch.multinomial(q, n, replacement=True, generator=gen).T.contiguous()
     dev = torch.device(device)
 
     def draw(a: int, b: int) -> torch.Tensor:
         m = b - a
-        out, _ = rejection_sample(logits.to(dev).expand(m, K + 1, V), drafts[a:b].to(dev),
-                                  q.to(dev).expand(m, K, V), seed=torch.arange(a, b, device=dev),
-                                  offset=torch.full((m,), 7, device=dev), backend=backend,
-                                  **{k: torch.full((m,), v, device=dev) for k, v in warp.items()})
+        out, _ = rejection_sample(
+            logits.to(dev).expand(m, K + 1, V),
+            drafts[a:b].to(dev),
+            q.to(dev).expand(m, K, V),
+            seed=torch.arange(a, b, device=dev),
+            offset=torch.full((m,), 7, device=dev),
+            backend=backend,
+            **{k: torch.full((m,), v, device=dev) for k, v in warp.items()},
+        )
         return out[:, 0].cpu()
+
     first = in_row_chunks(n, (2 * K + 1) * V * 4, dev, draw)
     p0 = warp_probs(logits[0, :1], **{k: torch.tensor([v]) for k, v in warp.items()})[0]
     counts = torch.bincount(first, minlength=V).double()
@@ -444,7 +504,7 @@ def test_first_token_follows_warped_target_every_backend(device, backend, V, n, 
     exp = p0.double() * n
     small = exp < 5
     obs, ex = counts[~small], exp[~small]
-    if exp[small].sum() > 0:                      # pool the cells expected < 5
+    if exp[small].sum() > 0:  # pool the cells expected < 5
         obs = torch.cat([obs, counts[small].sum(0, keepdim=True)])
         ex = torch.cat([ex, exp[small].sum(0, keepdim=True)])
     stat = chisquare(obs.numpy(), ex.numpy() * float(obs.sum() / ex.sum()))
@@ -464,12 +524,12 @@ def test_top_p_from_candidates_equals_the_full_sort():
         v = int(torch.randint(2, 2500, (1,), generator=g))
         x = torch.randn(n, v, generator=g) * float(torch.rand(1, generator=g)) * 8
         if trial % 3 == 0:
-            x = (x * 2).round() / 2                       # ties everywhere
+            x = (x * 2).round() / 2  # ties everywhere
         if trial % 7 == 0:
-            x[:, : v // 2] = x[:, :1]                     # one large tie group
+            x[:, : v // 2] = x[:, :1]  # one large tie group
         probs = torch.softmax(x, -1)
         p = torch.rand(n, generator=g).clamp(min=1e-3)
-        if trial % 4 == 1:                                # p exactly at a prefix sum
+        if trial % 4 == 1:  # p exactly at a prefix sum
             csum = torch.sort(probs, -1, descending=True).values.cumsum(-1)
             p = csum[torch.arange(n), torch.randint(0, v, (n,), generator=g)].clamp(max=1.0)
         if trial % 5 == 0:

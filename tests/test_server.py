@@ -5,6 +5,7 @@ Greedy outputs served to 8 concurrent clients equal ``osd.Engine.generate`` toke
 token; a stream closed mid-way is aborted in the engine; bad requests get OpenAI-style
 4xx errors and the server keeps serving; ``/metrics`` parses as Prometheus text.
 """
+
 import math
 import re
 import socket
@@ -28,8 +29,10 @@ from osd.server import build_app  # noqa: E402
 MODEL = "osd-zoo"
 MAX_SEQ_LEN = 256
 # The built-in tokenizer ships no chat template; the chat tests install this one.
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 PROMPTS = [
     "def __init__(self, name):\n    self.name = name\n",
     "import os\nimport sys\n\n",
@@ -37,7 +40,7 @@ PROMPTS = [
     "class Error(Exception):\n",
     "    return self._data[key]\n",
     "if __name__ == '__main__':\n",
-    "    def close(self):\n        \"\"\"Close the file.",
+    '    def close(self):\n        """Close the file.',
     "    # Return the number of bytes",
 ]
 NEW = 16
@@ -59,8 +62,9 @@ class Server:
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
+        )
         self.thread.start()
         deadline = time.time() + 30
         while True:
@@ -90,17 +94,29 @@ def setup():
     long_ref = ref_engine.generate([PROMPTS[0]], osd.SamplingParams(64))[0]
 
     # The prefix cache on: the greedy outputs below must still equal plain decoding's.
-    engine = osd.Engine.from_pretrained(target, draft=draft, max_batch_size=4,
-                                        max_seq_len=MAX_SEQ_LEN,
-                                        spec=osd.SpecConfig(num_draft_tokens=3),
-                                        prefix_cache=4096)
+    engine = osd.Engine.from_pretrained(
+        target,
+        draft=draft,
+        max_batch_size=4,
+        max_seq_len=MAX_SEQ_LEN,
+        spec=osd.SpecConfig(num_draft_tokens=3),
+        prefix_cache=4096,
+    )
     engine.tokenizer.chat_template = TEMPLATE
     ae = osd.AsyncEngine(engine)
     server = Server(build_app(ae, MODEL))
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
-                           timeout=60)
-    yield dict(server=server, client=client, ae=ae, engine=engine, tok=tok, ref_engine=ref_engine,
-               reference=reference, chat_reference=chat_reference, long_ref=long_ref)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    yield dict(
+        server=server,
+        client=client,
+        ae=ae,
+        engine=engine,
+        tok=tok,
+        ref_engine=ref_engine,
+        reference=reference,
+        chat_reference=chat_reference,
+        long_ref=long_ref,
+    )
     server.stop()
     ae.close()
 
@@ -113,7 +129,7 @@ def _metrics(setup) -> dict:
     try:
         from prometheus_client.parser import text_string_to_metric_families
     except ImportError:
-        line = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$')
+        line = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
         for raw in text.splitlines():
             if raw.startswith("#") or not raw:
                 continue
@@ -138,8 +154,13 @@ def test_models_and_health(setup):
 
 def test_completion_plain_and_streamed(setup):
     client, ref = setup["client"], setup["reference"][0]
-    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=NEW,
-                                  temperature=0, extra_body={"return_token_ids": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[0],
+        max_tokens=NEW,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
     c = r.choices[0]
     assert r.object == "text_completion" and r.model == MODEL
     assert c.token_ids == ref.token_ids and c.text == ref.text
@@ -148,9 +169,16 @@ def test_completion_plain_and_streamed(setup):
     assert r.usage.prompt_tokens == len(setup["tok"].encode(PROMPTS[0]))
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=NEW,
-                                            temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[0],
+            max_tokens=NEW,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert all(ch.object == "text_completion" for ch in chunks)
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref.text
     finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
@@ -166,16 +194,20 @@ def test_completion_plain_and_streamed(setup):
 def test_chat_plain_and_streamed(setup):
     client, ref = setup["client"], setup["chat_reference"][1]
     messages = [{"role": "user", "content": PROMPTS[1]}]
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW,
-                                       temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=NEW, temperature=0
+    )
     assert r.object == "chat.completion"
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == ref.text
     assert r.choices[0].finish_reason == ref.finish_reason
     assert r.usage.completion_tokens == len(ref.token_ids)
 
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages,
-                                                 max_tokens=NEW, temperature=0, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=NEW, temperature=0, stream=True
+        )
+    )
     assert all(ch.object == "chat.completion.chunk" for ch in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ref.text
@@ -187,31 +219,41 @@ def test_logprobs(setup):
     streamed or not."""
     client, tok = setup["client"], setup["tok"]
     want = setup["ref_engine"].generate([PROMPTS[0]], osd.SamplingParams(NEW, logprobs=3))[0]
-    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=NEW,
-                                  temperature=0, logprobs=3)
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=NEW, temperature=0, logprobs=3
+    )
     lp = r.choices[0].logprobs
     assert lp.tokens == [tok.decode([e.token_id]) for e in want.logprobs]
     assert lp.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
     assert [len(t) for t in lp.top_logprobs] == [3] * len(want.logprobs)
     assert lp.text_offset[0] == 0 and "".join(lp.tokens) == r.choices[0].text
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=NEW,
-                                            temperature=0, logprobs=3, stream=True))
-    streamed = [t for ch in chunks if ch.choices[0].logprobs
-                for t in ch.choices[0].logprobs.token_logprobs]
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=NEW, temperature=0, logprobs=3, stream=True
+        )
+    )
+    streamed = [
+        t for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.token_logprobs
+    ]
     assert streamed == pytest.approx(lp.token_logprobs, abs=1e-6)
-    offsets = [o for ch in chunks if ch.choices[0].logprobs
-               for o in ch.choices[0].logprobs.text_offset]
+    offsets = [
+        o for ch in chunks if ch.choices[0].logprobs for o in ch.choices[0].logprobs.text_offset
+    ]
     assert offsets == lp.text_offset
 
     messages = [{"role": "user", "content": PROMPTS[1]}]
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW,
-                                       temperature=0, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=NEW, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = r.choices[0].logprobs.content
     assert "".join(c.token for c in content) == r.choices[0].message.content
-    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token
-               and c.bytes == list(c.token.encode()) for c in content)
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
-                                       temperature=0)
+    assert all(
+        len(c.top_logprobs) == 2
+        and c.top_logprobs[0].token == c.token
+        and c.bytes == list(c.token.encode())
+        for c in content
+    )
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
     assert r.choices[0].logprobs is None
 
 
@@ -232,8 +274,9 @@ def test_n_choices(setup):
         for c in ch.choices:
             texts[c.index] += c.text
     assert texts == [c.text for c in r.choices]
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=8, n=2, temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, n=2, temperature=0
+    )
     assert len(r.choices) == 2 and r.choices[0].message.content == r.choices[1].message.content
 
 
@@ -243,15 +286,25 @@ def test_batched_prompts(setup):
     client, ref = setup["client"], setup["reference"]
     ids = setup["tok"].encode(PROMPTS[2])
     for prompt in ([PROMPTS[0], PROMPTS[1]], [setup["tok"].encode(PROMPTS[0]), ids]):
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0,
-                                      n=2, extra_body={"return_token_ids": True})
+        r = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=NEW,
+            temperature=0,
+            n=2,
+            extra_body={"return_token_ids": True},
+        )
         assert [c.index for c in r.choices] == [0, 1, 2, 3]
-        want = [ref[0].token_ids] * 2 + [ref[1].token_ids if isinstance(prompt[1], str)
-                                          else ref[2].token_ids] * 2
+        want = [ref[0].token_ids] * 2 + [
+            ref[1].token_ids if isinstance(prompt[1], str) else ref[2].token_ids
+        ] * 2
         assert [c.token_ids for c in r.choices] == want
         assert r.usage.completion_tokens == sum(len(t) for t in want)
-    chunks = list(client.completions.create(model=MODEL, prompt=[PROMPTS[0], PROMPTS[1]],
-                                            max_tokens=NEW, temperature=0, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=NEW, temperature=0, stream=True
+        )
+    )
     texts = ["", ""]
     for ch in chunks:
         for c in ch.choices:
@@ -265,45 +318,78 @@ def test_echo_and_prompt_logprobs(setup):
     client, tok = setup["client"], setup["tok"]
     ids = tok.encode(PROMPTS[0])
     want = setup["ref_engine"].score([ids], logprobs=2)[0]
-    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=0, echo=True,
-                                  logprobs=2)
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=2
+    )
     c = r.choices[0]
     assert c.text == tok.decode(ids) and r.usage.completion_tokens == 0
     assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
-    assert c.logprobs.token_logprobs[1:] == pytest.approx([e.logprob for e in want[1:]],
-                                                          abs=1e-4)
+    assert c.logprobs.token_logprobs[1:] == pytest.approx([e.logprob for e in want[1:]], abs=1e-4)
     ref = setup["reference"][0]
-    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=NEW, temperature=0,
-                                  echo=True, logprobs=1)
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=NEW, temperature=0, echo=True, logprobs=1
+    )
     c = r.choices[0]
     assert c.text == tok.decode(ids) + ref.text
     assert len(c.logprobs.tokens) == len(ids) + len(ref.token_ids)
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=NEW,
-                                            temperature=0, echo=True, logprobs=1, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[0],
+            max_tokens=NEW,
+            temperature=0,
+            echo=True,
+            logprobs=1,
+            stream=True,
+        )
+    )
     assert "".join(ch.choices[0].text for ch in chunks) == c.text
-    assert [o for ch in chunks for o in ch.choices[0].logprobs.text_offset] == \
-        c.logprobs.text_offset
+    assert [
+        o for ch in chunks for o in ch.choices[0].logprobs.text_offset
+    ] == c.logprobs.text_offset
 
 
 def test_penalties_are_the_engines(setup):
     client = setup["client"]
     p = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5)
     want = setup["ref_engine"].generate([PROMPTS[2]], osd.SamplingParams(NEW, **p))[0]
-    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=NEW, temperature=0,
-                                  presence_penalty=0.5, frequency_penalty=0.5,
-                                  extra_body={"repetition_penalty": 1.3, "return_token_ids": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[2],
+        max_tokens=NEW,
+        temperature=0,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        extra_body={"repetition_penalty": 1.3, "return_token_ids": True},
+    )
     assert r.choices[0].token_ids == want.token_ids
-    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=4, temperature=0,
-                                  logit_bias={"42": 100}, extra_body={"return_token_ids": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[2],
+        max_tokens=4,
+        temperature=0,
+        logit_bias={"42": 100},
+        extra_body={"return_token_ids": True},
+    )
     assert r.choices[0].token_ids == [42] * 4
-    eos = setup["tok"].eos_token_id                 # forced by the bias, then ignored
-    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=5, temperature=0,
-                                  logit_bias={str(eos): 100},
-                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    eos = setup["tok"].eos_token_id  # forced by the bias, then ignored
+    r = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[2],
+        max_tokens=5,
+        temperature=0,
+        logit_bias={str(eos): 100},
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     assert r.choices[0].token_ids == [eos] * 5 and r.choices[0].finish_reason == "length"
-    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=5, temperature=0,
-                                  logit_bias={str(eos): 100},
-                                  extra_body={"return_token_ids": True, "min_tokens": 3})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[2],
+        max_tokens=5,
+        temperature=0,
+        logit_bias={str(eos): 100},
+        extra_body={"return_token_ids": True, "min_tokens": 3},
+    )
     assert len(r.choices[0].token_ids) == 4 and r.choices[0].token_ids[-1] == eos
 
 
@@ -313,7 +399,8 @@ def test_chat_without_template_is_a_400(setup):
     try:
         with pytest.raises(openai.BadRequestError) as exc:
             setup["client"].chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
     finally:
         tok.chat_template = saved
     assert "chat template" in exc.value.message
@@ -326,8 +413,13 @@ def test_eight_concurrent_clients_get_engine_generate(setup):
     def worker(i):
         try:
             stream = i % 2 == 1
-            kw = dict(model=MODEL, prompt=PROMPTS[i], max_tokens=NEW, temperature=0,
-                      extra_body={"return_token_ids": True})
+            kw = dict(
+                model=MODEL,
+                prompt=PROMPTS[i],
+                max_tokens=NEW,
+                temperature=0,
+                extra_body={"return_token_ids": True},
+            )
             if stream:
                 ids, text = [], ""
                 for ch in client.completions.create(stream=True, **kw):
@@ -337,7 +429,7 @@ def test_eight_concurrent_clients_get_engine_generate(setup):
             else:
                 c = client.completions.create(**kw).choices[0]
                 results[i] = (c.token_ids, c.text)
-        except Exception as exc:     # reported below, with the thread's index
+        except Exception as exc:  # reported below, with the thread's index
             errors.append((i, repr(exc)))
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
@@ -353,27 +445,41 @@ def test_eight_concurrent_clients_get_engine_generate(setup):
 def test_stop_strings_and_stop_token_ids(setup):
     client, ref = setup["client"], setup["long_ref"]
     text = ref.text
-    stop = text[len(text) // 2: len(text) // 2 + 3]
-    expected = text[:text.find(stop)]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    expected = text[: text.find(stop)]
     assert stop.strip() and expected
-    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=64, temperature=0,
-                                  stop=[stop, "\x00never"], extra_body={"return_token_ids": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[0],
+        max_tokens=64,
+        temperature=0,
+        stop=[stop, "\x00never"],
+        extra_body={"return_token_ids": True},
+    )
     c = r.choices[0]
     assert (c.text, c.finish_reason) == (expected, "stop")
     # Token ids end at the token that completed the stop string.
     tok = setup["tok"]
     assert stop in tok.decode(c.token_ids) and stop not in tok.decode(c.token_ids[:-1])
     assert r.usage.completion_tokens == len(c.token_ids)
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=64,
-                                            temperature=0, stop=stop, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=64, temperature=0, stop=stop, stream=True
+        )
+    )
     assert "".join(ch.choices[0].text for ch in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
 
     # A stop token id ends the output (its token is kept in token_ids, not in the text).
     sid = ref.token_ids[5]
-    cut = ref.token_ids[:ref.token_ids.index(sid) + 1]
-    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=64, temperature=0,
-                                  extra_body={"stop_token_ids": [sid], "return_token_ids": True})
+    cut = ref.token_ids[: ref.token_ids.index(sid) + 1]
+    r = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[0],
+        max_tokens=64,
+        temperature=0,
+        extra_body={"stop_token_ids": [sid], "return_token_ids": True},
+    )
     c = r.choices[0]
     assert (c.token_ids, c.finish_reason) == (cut, "stop")
     assert c.text == tok.decode(cut[:-1], skip_special_tokens=True)
@@ -385,16 +491,19 @@ def test_stop_strings_and_stop_token_ids(setup):
 def test_closed_stream_is_aborted(setup):
     client, url = setup["client"], setup["server"].url
     before = _metrics(setup)['osd:request_aborted_total{reason="client_disconnect"}']
-    stream = client.completions.create(model=MODEL, prompt=PROMPTS[2], temperature=0,
-                                       max_tokens=MAX_SEQ_LEN - 40, stream=True)
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPTS[2], temperature=0, max_tokens=MAX_SEQ_LEN - 40, stream=True
+    )
     it = iter(stream)
     next(it), next(it)
     stream.close()
     deadline = time.time() + 20
     while True:
         m = _metrics(setup)
-        if m["osd:num_requests_running"] == 0 and \
-                m['osd:request_aborted_total{reason="client_disconnect"}'] == before + 1:
+        if (
+            m["osd:num_requests_running"] == 0
+            and m['osd:request_aborted_total{reason="client_disconnect"}'] == before + 1
+        ):
             break
         assert time.time() < deadline, m
         time.sleep(0.1)
@@ -402,8 +511,10 @@ def test_closed_stream_is_aborted(setup):
     forwards = m["osd:target_forwards_total"]
     time.sleep(0.5)
     assert _metrics(setup)["osd:target_forwards_total"] == forwards
-    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": PROMPTS[0],
-                                                   "max_tokens": NEW, "temperature": 0})
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": NEW, "temperature": 0},
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == setup["reference"][0].text
 
 
@@ -429,12 +540,21 @@ BAD = [
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs must be in [0, 20]"),
     ({"prompt": "x", "logprobs": True}, 400, "logprobs must be an integer"),
     ({"prompt": "x", "top_logprobs": 2}, 400, "top_logprobs is a chat field"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
-     "top_logprobs needs logprobs: true"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 3}, 400,
-     "logprobs must be a boolean"),
-    ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400,
-     "echo must be a boolean, and only for completions"),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        400,
+        "top_logprobs needs logprobs: true",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": 3},
+        400,
+        "logprobs must be a boolean",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "echo": True},
+        400,
+        "echo must be a boolean, and only for completions",
+    ),
     ({"prompt": "x", "max_tokens": 0}, 400, "0 only with echo"),
     ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
     ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty must be > 0"),
@@ -457,22 +577,31 @@ BAD = [
 @pytest.mark.parametrize("body,status,match", BAD, ids=[m for _, _, m in BAD])
 def test_bad_requests_are_openai_errors(setup, body, status, match):
     url = setup["server"].url
-    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body \
+    path = (
+        "/v1/chat/completions"
+        if isinstance(body, dict) and "messages" in body
         else "/v1/completions"
+    )
     if isinstance(body, dict):
         body = {"model": MODEL, **body} if "model" not in body else body
         r = httpx.post(url + path, json=body, timeout=30)
     else:
-        r = httpx.post(url + path, content=body, headers={"content-type": "application/json"},
-                       timeout=30)
+        r = httpx.post(
+            url + path, content=body, headers={"content-type": "application/json"}, timeout=30
+        )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert match in err["message"], err
-    assert err["type"] == "invalid_request_error" and set(err) == {"message", "type", "param",
-                                                                    "code"}
+    assert err["type"] == "invalid_request_error" and set(err) == {
+        "message",
+        "type",
+        "param",
+        "code",
+    }
     # The server keeps serving.
-    ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x",
-                                                   "max_tokens": 2}, timeout=30)
+    ok = httpx.post(
+        url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=30
+    )
     assert ok.status_code == 200
 
 
@@ -486,22 +615,30 @@ def test_bad_request_through_the_client(setup):
 
 def test_metrics(setup):
     m = _metrics(setup)
-    for name in ("osd:spec_decode_num_drafts_total", "osd:spec_decode_num_draft_tokens_total",
-                 "osd:spec_decode_num_accepted_tokens_total", "osd:num_requests_running",
-                 "osd:online_updates_applied_total", "osd:online_updates_rejected_total",
-                 "osd:online_learners_busy",
-                 "osd:generation_tokens_total", "osd:prompt_tokens_total",
-                 "osd:prefix_cache_hits_total", "osd:prefix_cache_tokens"):
+    for name in (
+        "osd:spec_decode_num_drafts_total",
+        "osd:spec_decode_num_draft_tokens_total",
+        "osd:spec_decode_num_accepted_tokens_total",
+        "osd:num_requests_running",
+        "osd:online_updates_applied_total",
+        "osd:online_updates_rejected_total",
+        "osd:online_learners_busy",
+        "osd:generation_tokens_total",
+        "osd:prompt_tokens_total",
+        "osd:prefix_cache_hits_total",
+        "osd:prefix_cache_tokens",
+    ):
         assert name in m, name
     assert m["osd:prefix_cache_queries_total"] > 0
     assert 0 <= m["osd:prefix_cache_hits_total"] <= m["osd:prefix_cache_queries_total"]
     assert m["osd:spec_decode_num_drafts_total"] > 0
     drafted = m["osd:spec_decode_num_draft_tokens_total"]
     accepted = m["osd:spec_decode_num_accepted_tokens_total"]
-    per_pos = [m[f'osd:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}']
-               for i in range(3)]
+    per_pos = [
+        m[f'osd:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] for i in range(3)
+    ]
     assert sum(per_pos) == accepted and 0 < accepted <= drafted
-    assert per_pos == sorted(per_pos, reverse=True)       # a chain: later positions need earlier
+    assert per_pos == sorted(per_pos, reverse=True)  # a chain: later positions need earlier
     assert math.isclose(m["osd:spec_decode_acceptance_rate"], accepted / drafted)
     assert m['osd:request_success_total{finished_reason="length"}'] > 0
     assert m['osd:api_errors_total{status="400",type="invalid_request_error"}'] > 0
@@ -520,7 +657,7 @@ def test_cli_serve_help_and_errors(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: cannot listen") and "Traceback" not in err
 
-    monkeypatch.setitem(sys.modules, "fastapi", None)       # as if not installed
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if not installed
     assert cli.main(["serve", "--target", target]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "pip install osd[serve]" in err
@@ -532,13 +669,33 @@ def test_cli_serve_end_to_end():
     target, draft = zoo.default_pair()
     with _free_socket() as s:
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "osd.cli", "serve", "--target", target,
-                             "--draft", draft, "--port", str(port), "--max-seq-len", "128",
-                             "--log-level", "warning", "--threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "osd.cli",
+            "serve",
+            "--target",
+            target,
+            "--draft",
+            draft,
+            "--port",
+            str(port),
+            "--max-seq-len",
+            "128",
+            "--log-level",
+            "warning",
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
-                               max_retries=0, timeout=30)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30
+        )
         deadline = time.time() + 60
         while True:
             try:
@@ -550,11 +707,12 @@ def test_cli_serve_end_to_end():
             assert time.time() < deadline, "osd serve did not come up"
             time.sleep(0.2)
         assert client.models.list().data[0].id == "target"
-        r = client.completions.create(model="target", prompt=PROMPTS[0], max_tokens=4,
-                                      temperature=0)
+        r = client.completions.create(
+            model="target", prompt=PROMPTS[0], max_tokens=4, temperature=0
+        )
         assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
     finally:
-        proc.send_signal(2)                                   # SIGINT: uvicorn shuts down
+        proc.send_signal(2)  # SIGINT: uvicorn shuts down
         try:
             proc.wait(20)
         except subprocess.TimeoutExpired:
@@ -562,4 +720,4 @@ def test_cli_serve_end_to_end():
             proc.wait()
     out = proc.stdout.read()
     assert proc.returncode == 0, out
-    assert "osd serve: speculation num_draft_tokens=4; draft in float" in out   # its settings
+    assert "osd serve: speculation num_draft_tokens=4; draft in float" in out  # its settings

@@ -7,6 +7,7 @@ The server runs in-process (the built-in pair, k = 3, 4 rows, 256-token context)
 :func:`osd.server_limits.uvicorn_config` with short limits, so that timeouts take a
 second or two.
 """
+
 import asyncio
 import json
 import logging
@@ -33,15 +34,28 @@ MODEL = "osd-zoo"
 KEY = "sekrit-key"
 MAX_SEQ_LEN = 256
 ROWS = 4
-LIMITS = Limits(api_key=KEY, allowed_origins=("http://ok.example",), max_body_bytes=96 << 10,
-                max_waiting=2, keep_alive_timeout=1.0, header_timeout=1.5, body_timeout=1.5,
-                max_connections=24)
+LIMITS = Limits(
+    api_key=KEY,
+    allowed_origins=("http://ok.example",),
+    max_body_bytes=96 << 10,
+    max_waiting=2,
+    keep_alive_timeout=1.0,
+    header_timeout=1.5,
+    body_timeout=1.5,
+    max_connections=24,
+)
 AUTH = {"Authorization": f"Bearer {KEY}"}
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
-PROMPTS = ["def __init__(self, name):\n", "import os\nimport sys\n\n",
-           "    for i in range(len(items)):\n", "class Error(Exception):\n",
-           "    return self._data[key]\n"]
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+PROMPTS = [
+    "def __init__(self, name):\n",
+    "import os\nimport sys\n\n",
+    "    for i in range(len(items)):\n",
+    "class Error(Exception):\n",
+    "    return self._data[key]\n",
+]
 
 
 class Server:
@@ -53,8 +67,9 @@ class Server:
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn_config(app, limits, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
+        )
         self.thread.start()
         deadline = time.time() + 30
         while True:
@@ -76,16 +91,28 @@ def setup():
     target, draft = zoo.default_pair()
     ref_engine = osd.Engine.from_pretrained(target, max_batch_size=ROWS, max_seq_len=MAX_SEQ_LEN)
     reference = ref_engine.generate(PROMPTS, osd.SamplingParams(24))
-    engine = osd.Engine.from_pretrained(target, draft=draft, max_batch_size=ROWS,
-                                        max_seq_len=MAX_SEQ_LEN,
-                                        spec=osd.SpecConfig(num_draft_tokens=3))
+    engine = osd.Engine.from_pretrained(
+        target,
+        draft=draft,
+        max_batch_size=ROWS,
+        max_seq_len=MAX_SEQ_LEN,
+        spec=osd.SpecConfig(num_draft_tokens=3),
+    )
     engine.tokenizer.chat_template = TEMPLATE
     ae = osd.AsyncEngine(engine)
     app = build_app(ae, MODEL, LIMITS)
     server = Server(app, LIMITS)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-    yield dict(server=server, url=server.url, client=client, engine=engine, ae=ae, app=app,
-               tok=engine.tokenizer, reference=reference)
+    yield dict(
+        server=server,
+        url=server.url,
+        client=client,
+        engine=engine,
+        ae=ae,
+        app=app,
+        tok=engine.tokenizer,
+        reference=reference,
+    )
     server.stop()
     ae.close()
 
@@ -136,19 +163,25 @@ def _still_serves(setup):
 
 # ---- One request never fails another ----
 
+
 def _poison(monkeypatch, engine, prompt_ids, after):
     """Every engine step that holds the request whose prompt is ``prompt_ids`` raises:
     its admission (``after`` None) or its steps from its ``after``-th token on. Values
     this bad cannot come from a request (they are validated); this hook stands in."""
+
     def hit(requests):
-        return any(r.prompt == prompt_ids and (after is None or len(r.generated) >= after)
-                   for r in requests)
+        return any(
+            r.prompt == prompt_ids and (after is None or len(r.generated) >= after)
+            for r in requests
+        )
+
     real_prefill = engine.prefill
 
     def prefill(new, *a, **kw):
         if after is None and hit(new):
             raise RuntimeError("injected admission failure")
         return real_prefill(new, *a, **kw)
+
     monkeypatch.setattr(engine, "prefill", prefill)
     sp = engine.speculators[0]
     real_step = sp.step
@@ -157,12 +190,14 @@ def _poison(monkeypatch, engine, prompt_ids, after):
         if after is not None and hit(active):
             raise RuntimeError("injected step failure")
         return real_step(active, params)
+
     monkeypatch.setattr(sp, "step", step)
 
 
 @pytest.mark.parametrize("after", [None, 5], ids=["admission", "mid-stream"])
-def test_a_poisoned_request_fails_alone_and_the_batch_gets_its_solo_output(setup, monkeypatch,
-                                                                         after):
+def test_a_poisoned_request_fails_alone_and_the_batch_gets_its_solo_output(
+    setup, monkeypatch, after
+):
     poisoned = setup["tok"].encode("    # poisoned request\n")
     _poison(monkeypatch, setup["engine"], poisoned, after)
     client, ref = setup["client"], setup["reference"]
@@ -170,15 +205,17 @@ def test_a_poisoned_request_fails_alone_and_the_batch_gets_its_solo_output(setup
 
     def worker(i):
         try:
-            if i == len(PROMPTS) - 1:      # the poisoned one, streamed, among the others
-                stream = client.completions.create(model=MODEL, prompt=poisoned, max_tokens=24,
-                                                   temperature=0, stream=True)
+            if i == len(PROMPTS) - 1:  # the poisoned one, streamed, among the others
+                stream = client.completions.create(
+                    model=MODEL, prompt=poisoned, max_tokens=24, temperature=0, stream=True
+                )
                 results[i] = "".join(ch.choices[0].text for ch in stream)
                 return
             kw = dict(model=MODEL, prompt=PROMPTS[i], max_tokens=24, temperature=0)
             if i % 2:
-                results[i] = "".join(ch.choices[0].text for ch in
-                                     client.completions.create(stream=True, **kw))
+                results[i] = "".join(
+                    ch.choices[0].text for ch in client.completions.create(stream=True, **kw)
+                )
             else:
                 results[i] = client.completions.create(**kw).choices[0].text
         except Exception as exc:
@@ -204,22 +241,23 @@ BEYOND_KERNELS = [
     ({"temperature": 1e-39}, "temperature"),
     ({"top_p": 1e-46}, "top_p"),
     ({"top_k": 9223372036854775807}, "top_k"),
-    ({"seed": 2 ** 64}, "seed"),
+    ({"seed": 2**64}, "seed"),
     ({"repetition_penalty": 1e-300}, "repetition_penalty"),
     ({"repetition_penalty": 1e300}, "repetition_penalty"),
-    ({"max_tokens": 2 ** 70}, "max_tokens"),
+    ({"max_tokens": 2**70}, "max_tokens"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 10, "max_tokens": 4}, "min_tokens"),
     ({"logit_bias": {"5": 1e300}}, "logit_bias"),
     ({"logit_bias": {"5": "x"}}, "logit_bias"),
     ({"stop": ["a"] * 17}, "stop"),
     ({"stop": "x" * 257}, "stop"),
-    ({"n": 2, "seed": 2 ** 63 - 1}, None),       # accepted: choice seeds wrap within int64
+    ({"n": 2, "seed": 2**63 - 1}, None),  # accepted: choice seeds wrap within int64
 ]
 
 
-@pytest.mark.parametrize("fields,param", BEYOND_KERNELS,
-                         ids=[json.dumps(f)[:40] for f, _ in BEYOND_KERNELS])
+@pytest.mark.parametrize(
+    "fields,param", BEYOND_KERNELS, ids=[json.dumps(f)[:40] for f, _ in BEYOND_KERNELS]
+)
 def test_values_the_kernels_cannot_represent_are_400s_naming_the_field(setup, fields, param):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": 0.5, **fields}
     r = _post(setup, body)
@@ -234,6 +272,7 @@ def test_values_the_kernels_cannot_represent_are_400s_naming_the_field(setup, fi
 
 # ---- Bounded work per request ----
 
+
 def _rss_mb() -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
@@ -241,15 +280,19 @@ def _rss_mb() -> float:
 
 def test_bodies_past_the_limit_are_413_without_being_read(setup):
     before = _rss_mb()
-    s = _raw(setup)                    # a declared 512 MiB body: refused on the headers
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-              b"authorization: Bearer " + KEY.encode() + b"\r\ncontent-length: 536870912\r\n\r\n")
+    s = _raw(setup)  # a declared 512 MiB body: refused on the headers
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"authorization: Bearer " + KEY.encode() + b"\r\ncontent-length: 536870912\r\n\r\n"
+    )
     data, took = _read_until_closed(s, 5)
     s.close()
     assert data.startswith(b"HTTP/1.1 413") and b'"request_too_large"' in data and took < 4
-    s = _raw(setup)                    # chunked, no length: refused once past the limit
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-              b"authorization: Bearer " + KEY.encode() + b"\r\ntransfer-encoding: chunked\r\n\r\n")
+    s = _raw(setup)  # chunked, no length: refused once past the limit
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"authorization: Bearer " + KEY.encode() + b"\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
     chunk = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
     got = {}
     # Read while sending: the answer arrives before the reset that the unread rest of
@@ -257,7 +300,7 @@ def test_bodies_past_the_limit_are_413_without_being_read(setup):
     reader = threading.Thread(target=lambda: got.setdefault("data", _read_until_closed(s, 10)))
     reader.start()
     try:
-        for _ in range(64):            # up to 64 MiB; the server stops reading long before
+        for _ in range(64):  # up to 64 MiB; the server stops reading long before
             s.sendall(chunk)
     except OSError:
         pass
@@ -276,8 +319,11 @@ def test_an_overlong_prompt_is_refused_before_tokenizing(setup, monkeypatch):
     monkeypatch.setattr(tok, "encode", lambda *a, **k: calls.append(1) or real(*a, **k))
     r = _post(setup, {"model": MODEL, "prompt": "x" * 90_000})
     _error(r, 400, "prompt", "characters")
-    r = _post(setup, {"model": MODEL, "messages": [{"role": "user", "content": "x" * 90_000}]},
-              path="/v1/chat/completions")
+    r = _post(
+        setup,
+        {"model": MODEL, "messages": [{"role": "user", "content": "x" * 90_000}]},
+        path="/v1/chat/completions",
+    )
     _error(r, 400, "messages", "characters")
     assert not calls
 
@@ -289,27 +335,43 @@ def test_prompts_are_tokenized_off_the_event_loop(setup, monkeypatch):
     def slow(*a, **k):
         time.sleep(2.0)
         return real(*a, **k)
+
     monkeypatch.setattr(tok, "encode", slow)
     result = {}
-    t = threading.Thread(target=lambda: result.setdefault("r", _post(
-        setup, {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2})))
+    t = threading.Thread(
+        target=lambda: result.setdefault(
+            "r", _post(setup, {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2})
+        )
+    )
     t.start()
     time.sleep(0.3)
     t0 = time.time()
     assert httpx.get(setup["url"] + "/health", timeout=5).status_code == 200
-    assert time.time() - t0 < 1.0          # the loop answered while tokenizing
+    assert time.time() - t0 < 1.0  # the loop answered while tokenizing
     t.join(30)
     assert result["r"].status_code == 200
 
 
 def test_stop_strings_are_bounded_and_matched_in_linear_time(setup):
-    stops = [("\x01" + "q" * 254 + chr(0x41 + i)) for i in range(16)]   # never matched
+    stops = [("\x01" + "q" * 254 + chr(0x41 + i)) for i in range(16)]  # never matched
     t0 = time.time()
-    r = _post(setup, {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0,
-                      "stop": stops, "stream": True})
+    r = _post(
+        setup,
+        {
+            "model": MODEL,
+            "prompt": PROMPTS[1],
+            "max_tokens": 24,
+            "temperature": 0,
+            "stop": stops,
+            "stream": True,
+        },
+    )
     assert r.status_code == 200 and time.time() - t0 < 30
-    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
-                   if line.startswith("data: {"))
+    text = "".join(
+        json.loads(line[6:])["choices"][0]["text"]
+        for line in r.text.splitlines()
+        if line.startswith("data: {")
+    )
     assert text == setup["reference"][1].text
     # The hold-back check costs O(len(stop)) per stop string, whatever the text's length.
     long = "q" * 100_000
@@ -322,10 +384,15 @@ def test_stop_strings_are_bounded_and_matched_in_linear_time(setup):
 
 # ---- Access and admission ----
 
+
 def test_api_key_is_required_on_v1_in_openai_shape(setup):
     url = setup["url"]
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
-                    {"Authorization": f"Basic {KEY}"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": KEY},
+        {"Authorization": f"Basic {KEY}"},
+    ):
         r = httpx.get(url + "/v1/models", headers=headers, timeout=10)
         err = _error(r, 401)
         assert err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error"
@@ -333,7 +400,7 @@ def test_api_key_is_required_on_v1_in_openai_shape(setup):
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert httpx.get(url + "/v1/models", headers=AUTH, timeout=10).status_code == 200
-    assert httpx.get(url + "/health", timeout=10).status_code == 200      # open to probes
+    assert httpx.get(url + "/health", timeout=10).status_code == 200  # open to probes
     head = httpx.head(url + "/health", timeout=10)
     assert head.status_code == 200 and head.content == b""
     assert httpx.get(url + "/metrics", timeout=10).status_code == 200
@@ -344,21 +411,23 @@ def test_json_endpoints_take_only_application_json(setup):
     for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
         r = _post(setup, body, headers={"content-type": ctype})
         assert _error(r, 415)["code"] == "unsupported_media_type"
-    r = httpx.post(setup["url"] + "/v1/completions", content=body.encode(), headers=AUTH,
-                   timeout=10)
-    _error(r, 415)                                  # no content-type at all
+    r = httpx.post(
+        setup["url"] + "/v1/completions", content=body.encode(), headers=AUTH, timeout=10
+    )
+    _error(r, 415)  # no content-type at all
     r = _post(setup, body, headers={"content-type": "application/json; charset=utf-8"})
     assert r.status_code == 200
 
 
 def test_cors_only_for_allowed_origins(setup):
     url = setup["url"]
-    pre = {"Access-Control-Request-Method": "POST",
-           "Access-Control-Request-Headers": "authorization,content-type"}
+    pre = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
     ok = httpx.options(url + "/v1/completions", headers={"Origin": "http://ok.example", **pre})
     assert ok.headers.get("access-control-allow-origin") == "http://ok.example"
-    evil = httpx.options(url + "/v1/completions", headers={"Origin": "http://evil.example",
-                                                             **pre})
+    evil = httpx.options(url + "/v1/completions", headers={"Origin": "http://evil.example", **pre})
     assert "access-control-allow-origin" not in evil.headers
     r = httpx.get(url + "/v1/models", headers={"Origin": "http://evil.example", **AUTH})
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
@@ -369,16 +438,31 @@ def test_a_full_queue_answers_429_with_retry_after(setup, monkeypatch):
     real, slow = sp.step, threading.Event()
     slow.set()
 
-    def step(active, params):            # a busy engine: every step takes a while
+    def step(active, params):  # a busy engine: every step takes a while
         if slow.is_set():
             time.sleep(0.2)
         return real(active, params)
+
     monkeypatch.setattr(sp, "step", step)
     capacity = ROWS + LIMITS.max_waiting
     results = []
-    threads = [threading.Thread(target=lambda i=i: results.append(_post(
-        setup, {"model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 24,
-                "temperature": 0}, timeout=120))) for i in range(capacity)]
+    threads = [
+        threading.Thread(
+            target=lambda i=i: results.append(
+                _post(
+                    setup,
+                    {
+                        "model": MODEL,
+                        "prompt": PROMPTS[i % len(PROMPTS)],
+                        "max_tokens": 24,
+                        "temperature": 0,
+                    },
+                    timeout=120,
+                )
+            )
+        )
+        for i in range(capacity)
+    ]
     for t in threads:
         t.start()
     counters = setup["app"].state.counters
@@ -395,7 +479,7 @@ def test_a_full_queue_answers_429_with_retry_after(setup, monkeypatch):
         t.join(120)
     assert [x.status_code for x in results] == [200] * capacity
     r = _post(setup, {"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": capacity + 1})
-    _error(r, 400, "n", "generations")             # could never fit: not worth retrying
+    _error(r, 400, "n", "generations")  # could never fit: not worth retrying
     _still_serves(setup)
 
 
@@ -419,6 +503,7 @@ def test_idle_and_slow_header_connections_are_closed(setup):
         except OSError:
             pass
         closed["after"] = time.time() - t0
+
     t = threading.Thread(target=trickle)
     t.start()
     t0 = time.time()
@@ -434,9 +519,10 @@ def test_idle_and_slow_header_connections_are_closed(setup):
 def test_a_slow_body_gets_408_and_the_connection_closes(setup):
     s = _raw(setup)
     body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-              b"authorization: Bearer " + KEY.encode() + b"\r\ncontent-length: %d\r\n\r\n"
-              % len(body))
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"authorization: Bearer " + KEY.encode() + b"\r\ncontent-length: %d\r\n\r\n" % len(body)
+    )
     stop = threading.Event()
 
     def trickle():
@@ -448,6 +534,7 @@ def test_a_slow_body_gets_408_and_the_connection_closes(setup):
             except OSError:
                 return
             time.sleep(1.0)
+
     t = threading.Thread(target=trickle)
     t.start()
     _still_serves(setup)
@@ -465,14 +552,14 @@ def test_connections_past_the_limit_are_closed_at_once(setup):
     try:
         for _ in range(LIMITS.max_connections + 8):
             socks.append(_raw(setup))
-        time.sleep(0.5)                # well within the header timeout
+        time.sleep(0.5)  # well within the header timeout
         refused = 0
         for s in socks:
             s.setblocking(False)
             try:
                 if s.recv(1) == b"":
                     refused += 1
-            except BlockingIOError:    # open, waiting for a request
+            except BlockingIOError:  # open, waiting for a request
                 pass
             except ConnectionResetError:
                 refused += 1
@@ -482,7 +569,7 @@ def test_connections_past_the_limit_are_closed_at_once(setup):
         for s in socks:
             s.close()
     deadline = time.time() + 10
-    while True:                     # the server notices the closed sockets
+    while True:  # the server notices the closed sockets
         try:
             if httpx.get(setup["url"] + "/health", timeout=2).status_code == 200:
                 break
@@ -500,6 +587,7 @@ def test_accept_errors_are_logged_at_a_bounded_rate():
     class Keep(logging.Handler):
         def emit(self, record):
             records.append(record.getMessage())
+
     handler = Keep()
     logger = logging.getLogger("asyncio")
     logger.addHandler(handler)
@@ -509,14 +597,22 @@ def test_accept_errors_are_logged_at_a_bounded_rate():
     loop = asyncio.new_event_loop()
     try:
         for _ in range(2000):
-            loop.call_exception_handler({"message": "socket.accept() out of system resource",
-                                         "exception": OSError(24, "Too many open files")})
+            loop.call_exception_handler(
+                {
+                    "message": "socket.accept() out of system resource",
+                    "exception": OSError(24, "Too many open files"),
+                }
+            )
         assert len(records) == 3
         now[0] += 61.0
-        loop.call_exception_handler({"message": "socket.accept() out of system resource",
-                                     "exception": OSError(24, "Too many open files")})
+        loop.call_exception_handler(
+            {
+                "message": "socket.accept() out of system resource",
+                "exception": OSError(24, "Too many open files"),
+            }
+        )
         assert len(records) == 4 and "1997 more like this" in records[-1]
-        other = RateLimitFilter(burst=1, window=10.0, clock=lambda: 0.0)   # kinds apart
+        other = RateLimitFilter(burst=1, window=10.0, clock=lambda: 0.0)  # kinds apart
         rec = [logging.LogRecord("x", logging.WARNING, "f", 1, m, None, None) for m in "abab"]
         assert [other.filter(r) for r in rec] == [True, True, False, False]
     finally:
@@ -528,33 +624,42 @@ def test_accept_errors_are_logged_at_a_bounded_rate():
 
 # ---- Errors ----
 
+
 def test_malformed_bodies_are_400s(setup):
     _error(_post(setup, b"[" * 60_000), 400, None, "deeper than")
-    _error(_post(setup, b'{"prompt": ' + b"[" * 70 + b"]" * 70 + b"}"), 400, None,
-           "deeper than")
+    _error(_post(setup, b'{"prompt": ' + b"[" * 70 + b"]" * 70 + b"}"), 400, None, "deeper than")
     for bad in (b"\xff\xfe{}", b'{"prompt": "hi"', b"", b'{"prompt": 1e99999999999}'):
         r = _post(setup, bad)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = _post(setup, '{"prompt": "he\\ud800llo", "max_tokens": 2}')
     _error(r, 400, "prompt", "surrogate")
-    r = _post(setup, '{"messages": [{"role": "user", "content": "he\\udfffllo"}]}',
-              path="/v1/chat/completions")
+    r = _post(
+        setup,
+        '{"messages": [{"role": "user", "content": "he\\udfffllo"}]}',
+        path="/v1/chat/completions",
+    )
     _error(r, 400, "messages", "surrogate")
     r = _post(setup, '{"prompt": "hi", "stop": ["\\ud800"]}')
     _error(r, 400, "stop", "surrogate")
-    r = _post(setup, '{"prompt": "hi", "model": "\\ud800"}')       # echoed safely
+    r = _post(setup, '{"prompt": "hi", "model": "\\ud800"}')  # echoed safely
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     with pytest.raises(APIError):
         parse_json(b"[" * 100_000)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("tool_choice", "auto"), ("tool_choice", {"type": "function", "function": {"name": "f"}}),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("parallel_tool_calls", True),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        ("tool_choice", "auto"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
+        ("parallel_tool_calls", True),
+    ],
+)
 def test_unsupported_features_are_400s_naming_them(setup, field, value):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: value}
     r = _post(setup, body, path="/v1/chat/completions")
@@ -562,15 +667,29 @@ def test_unsupported_features_are_400s_naming_them(setup, field, value):
 
 
 def test_plain_text_response_format_is_accepted(setup):
-    r = _post(setup, {"model": MODEL, "prompt": "hi", "max_tokens": 2,
-                      "response_format": {"type": "text"}, "tool_choice": "none"})
+    r = _post(
+        setup,
+        {
+            "model": MODEL,
+            "prompt": "hi",
+            "max_tokens": 2,
+            "response_format": {"type": "text"},
+            "tool_choice": "none",
+        },
+    )
     assert r.status_code == 200, r.text
 
 
 def test_text_cut_by_max_tokens_never_ends_in_a_broken_character(setup):
-    lead = setup["tok"].convert_tokens_to_ids("â")     # byte 0xE2: opens a 3-byte character
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0,
-            "logit_bias": {str(lead): 100}, "return_token_ids": True}
+    lead = setup["tok"].convert_tokens_to_ids("â")  # byte 0xE2: opens a 3-byte character
+    body = {
+        "model": MODEL,
+        "prompt": "hi",
+        "max_tokens": 2,
+        "temperature": 0,
+        "logit_bias": {str(lead): 100},
+        "return_token_ids": True,
+    }
     c = _post(setup, body).json()["choices"][0]
     assert c["token_ids"] == [lead, lead] and c["finish_reason"] == "length"
     assert c["text"] == ""
@@ -581,16 +700,26 @@ def test_text_cut_by_max_tokens_never_ends_in_a_broken_character(setup):
 
 # ---- Flags ----
 
+
 def test_serve_flags_and_the_environment_key(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
     out = capsys.readouterr().out
-    for flag in ("--api-key", "--allowed-origins", "--max-body-bytes", "--max-prompt-chars",
-                 "--max-waiting", "--max-connections", "--keep-alive-timeout",
-                 "--header-timeout", "--body-timeout"):
+    for flag in (
+        "--api-key",
+        "--allowed-origins",
+        "--max-body-bytes",
+        "--max-prompt-chars",
+        "--max-waiting",
+        "--max-connections",
+        "--keep-alive-timeout",
+        "--header-timeout",
+        "--body-timeout",
+    ):
         assert flag in out, flag
-    args = cli.build_parser().parse_args(["serve", "--max-waiting", "3", "--allowed-origins",
-                                          "http://a.example, http://b.example"])
+    args = cli.build_parser().parse_args(
+        ["serve", "--max-waiting", "3", "--allowed-origins", "http://a.example, http://b.example"]
+    )
     monkeypatch.setenv("OSD_API_KEY", "from-env")
     limits = limits_from_args(args)
     assert limits.api_key == "from-env" and limits.max_waiting == 3

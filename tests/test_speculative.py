@@ -1,5 +1,6 @@
 """Speculative decoding is lossless: greedy output equals the target alone token for token
 (fp32), and sampled output follows the target's warped distribution exactly."""
+
 import copy
 import pytest
 import torch
@@ -37,8 +38,9 @@ def prompts_of(lengths, vocab=VOCAB, seed=0):
 def serve_in_batches(eng, prompts, params, size: int = 4) -> list:
     """``eng.generate`` over ``prompts`` as a stream of batches of ``size`` (so that online
     learners see requests finish between calls); the outputs in prompt order."""
-    return [o for i in range(0, len(prompts), size)
-            for o in eng.generate(prompts[i:i + size], params)]
+    return [
+        o for i in range(0, len(prompts), size) for o in eng.generate(prompts[i : i + size], params)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -53,29 +55,58 @@ def plain(llama_pair):
 
 
 def _spec_engine(target, draft, **spec):
-    return osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(**spec),
-                                      max_batch_size=8, max_seq_len=96)
+    return osd.Engine.from_pretrained(
+        target, draft=draft, spec=osd.SpecConfig(**spec), max_batch_size=8, max_seq_len=96
+    )
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3", "mistral", "qwen2", "qwen3", "granite",
-                                    "olmo2", "phi3_longrope", "smollm3",
-                                    "mistral_window", "qwen2_window", "gemma2",
-                                    "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "llama",
+        "llama3",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "granite",
+        "olmo2",
+        "phi3_longrope",
+        "smollm3",
+        "mistral_window",
+        "qwen2_window",
+        "gemma2",
+        "gemma3",
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
+    ],
+)
 def test_greedy_chain_equals_target_and_transformers(family):
     target = tiny_hf_model(family, seed=21)
     draft = perturbed(target, 0.3, seed=22)
     prompts = prompts_of([5, 9, 2], seed=23)
     ref = osd.Engine.from_pretrained(target, max_batch_size=4, max_seq_len=64).generate(
-        prompts, osd.SamplingParams(24))
-    eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(num_draft_tokens=3),
-                                     max_batch_size=4, max_seq_len=64)
+        prompts, osd.SamplingParams(24)
+    )
+    eng = osd.Engine.from_pretrained(
+        target,
+        draft=draft,
+        spec=osd.SpecConfig(num_draft_tokens=3),
+        max_batch_size=4,
+        max_seq_len=64,
+    )
     outs = eng.generate(prompts, osd.SamplingParams(24))
     for prompt, o, r in zip(prompts, outs, ref):
         assert o.token_ids == r.token_ids
         with torch.no_grad():
             ids = torch.tensor([prompt])
-            hf = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
-                                 do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+            hf = target.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=24,
+                do_sample=False,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
         assert o.token_ids == hf
     st = eng.stats
     assert st["drafted"] > 0 and 0 < st["accepted"] <= st["drafted"]
@@ -90,8 +121,9 @@ def test_greedy_chain_k_and_batch(llama_pair, plain, k, batch):
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
 
 
-@pytest.mark.parametrize("tree", [TREE, DynamicTree(topk=3, depth=3, max_nodes=10)],
-                         ids=["static", "dynamic"])
+@pytest.mark.parametrize(
+    "tree", [TREE, DynamicTree(topk=3, depth=3, max_nodes=10)], ids=["static", "dynamic"]
+)
 def test_greedy_tree_equals_target(llama_pair, plain, tree):
     target, draft = llama_pair
     prompts = prompts_of([4, 11, 7], seed=31)
@@ -102,19 +134,28 @@ def test_greedy_tree_equals_target(llama_pair, plain, tree):
     assert eng.stats["accepted"] > 0
 
 
-@pytest.mark.parametrize("spec", [dict(drafter="self", skip_layers=(1,), num_draft_tokens=4),
-                                  dict(drafter="ngram", num_draft_tokens=4),
-                                  dict(num_draft_tokens=6, adaptive=True),
-                                  dict(num_draft_tokens=4, prompt_lookup=True)],
-                         ids=["self", "ngram", "adaptive", "lookup"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dict(drafter="self", skip_layers=(1,), num_draft_tokens=4),
+        dict(drafter="ngram", num_draft_tokens=4),
+        dict(num_draft_tokens=6, adaptive=True),
+        dict(num_draft_tokens=4, prompt_lookup=True),
+    ],
+    ids=["self", "ngram", "adaptive", "lookup"],
+)
 def test_greedy_other_drafters_equal_target(llama_pair, plain, spec):
     target, draft = llama_pair
     prompts = prompts_of([6, 3, 12, 5], seed=41)
-    prompts[1] = prompts[1] * 4           # repetition gives the n-gram drafter matches
+    prompts[1] = prompts[1] * 4  # repetition gives the n-gram drafter matches
     ref = plain.generate(prompts, osd.SamplingParams(25))
-    eng = osd.Engine.from_pretrained(target, draft=draft if spec.get("drafter") is None else None,
-                                     spec=osd.SpecConfig(**spec), max_batch_size=3,
-                                     max_seq_len=96)
+    eng = osd.Engine.from_pretrained(
+        target,
+        draft=draft if spec.get("drafter") is None else None,
+        spec=osd.SpecConfig(**spec),
+        max_batch_size=3,
+        max_seq_len=96,
+    )
     outs = eng.generate(prompts, osd.SamplingParams(25))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
 
@@ -135,10 +176,10 @@ def test_stream_yields_the_generated_tokens(llama_pair, plain):
     target, _ = llama_pair
     prompt = prompts_of([7], seed=61)[0]
     ref = plain.generate([prompt], osd.SamplingParams(15))[0].token_ids
-    eng = _spec_engine(target, target, num_draft_tokens=4)   # a perfect draft
+    eng = _spec_engine(target, target, num_draft_tokens=4)  # a perfect draft
     chunks = list(eng.stream(prompt, osd.SamplingParams(15)))
     assert [t for c in chunks for t in c] == ref
-    assert len(chunks) < len(ref)          # several tokens per step when drafts are accepted
+    assert len(chunks) < len(ref)  # several tokens per step when drafts are accepted
 
 
 # -- sampling: the joint of the first three tokens equals the target's, exactly --------
@@ -146,10 +187,18 @@ V_SMALL = 16
 
 
 def _small_pair():
-    cfg = LlamaConfig(vocab_size=V_SMALL, hidden_size=32, intermediate_size=48,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=64, eos_token_id=None, bos_token_id=None,
-                      pad_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=V_SMALL,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(71)
     target = LlamaForCausalLM(cfg).eval()
     gen = torch.Generator().manual_seed(72)
@@ -162,34 +211,41 @@ def _small_pair():
 
 def _exact_joint(target, prompt, params, n=3):
     """P(first n tokens) of the target alone, by enumeration, with the same warping."""
+
     def warped(ctxs):
         with torch.no_grad():
             logits = target(torch.tensor(ctxs)).logits[:, -1].float()
         if params.temperature == 0:
             raise ValueError("sampling only")
         B = logits.shape[0]
-        return warp_probs(logits, torch.full((B,), params.temperature),
-                          torch.full((B,), params.top_k), torch.full((B,), params.top_p))
+        return warp_probs(
+            logits,
+            torch.full((B,), params.temperature),
+            torch.full((B,), params.top_k),
+            torch.full((B,), params.top_p),
+        )
 
     joint = torch.ones(1)
     ctxs = [list(prompt)]
     for _ in range(n):
-        p = warped(ctxs)                                   # [len(ctxs), V]
+        p = warped(ctxs)  # [len(ctxs), V]
         joint = (joint[:, None] * p).reshape(-1)
         ctxs = [c + [t] for c in ctxs for t in range(V_SMALL)]
-    return joint                                            # [V^n], lexicographic
+    return joint  # [V^n], lexicographic
 
 
-def assert_joint_follows_target(eng, hf_target, prompt, sp, n: int = 50_000,
-                                exact_joint=None) -> None:
+def assert_joint_follows_target(
+    eng, hf_target, prompt, sp, n: int = 50_000, exact_joint=None
+) -> None:
     """``eng``'s first three tokens of ``n`` requests for ``prompt`` follow the warped
     target's exact joint (``exact_joint(hf_target, prompt, sp)``, default
     :func:`_exact_joint`; chi-square p > 1e-3, nothing outside its support), and its draft
     was accepted sometimes, not always."""
     outs = eng.generate([prompt] * n, sp)
-    codes = torch.tensor([o.token_ids[0] * V_SMALL ** 2 + o.token_ids[1] * V_SMALL
-                          + o.token_ids[2] for o in outs])
-    counts = torch.bincount(codes, minlength=V_SMALL ** 3).double()
+    codes = torch.tensor(
+        [o.token_ids[0] * V_SMALL**2 + o.token_ids[1] * V_SMALL + o.token_ids[2] for o in outs]
+    )
+    counts = torch.bincount(codes, minlength=V_SMALL**3).double()
     expected = (exact_joint or _exact_joint)(hf_target, prompt, sp).double()
     assert counts[expected == 0].sum() == 0
     assert _chi2(counts, expected).pvalue > 1e-3
@@ -216,24 +272,47 @@ def _engine_modes():
 
 
 @pytest.mark.parametrize("mode", _engine_modes(), ids=lambda m: f"{m[0]}-graphs{int(m[1])}")
-@pytest.mark.parametrize("spec,params", [
-    (dict(num_draft_tokens=2), dict(temperature=0.7, top_k=6, top_p=0.9)),
-    slow_case(dict(num_draft_tokens=3), dict(temperature=0.9, top_k=0, top_p=1.0)),
-    slow_case(dict(tree=[(0,), (1,), (2,), (0, 0)]), dict(temperature=0.8, top_k=8, top_p=0.85)),
-    slow_case(dict(tree=DynamicTree(topk=3, depth=2, max_nodes=5)),
-              dict(temperature=0.9, top_k=5)),
-    slow_case(dict(num_draft_tokens=2, prompt_lookup=True),
-              dict(temperature=0.9, top_k=0, top_p=1.0)),
-    slow_case(dict(num_draft_tokens=3, auto_k=True), dict(temperature=0.8, top_k=6, top_p=1.0)),
-    slow_case(dict(num_draft_tokens=1, prompt_lookup=True, lookup_tokens=3),
-              dict(temperature=0.8, top_k=6, top_p=0.9)),
-    slow_case(dict(num_draft_tokens=2, prompt_lookup=True, lookup_tree_below=4),
-              dict(temperature=0.8, top_k=6, top_p=0.9)),
-    # a lookup branch (3 drafts) deeper than the model's (1) in the same tree
-    slow_case(dict(num_draft_tokens=1, prompt_lookup=True, lookup_tokens=3, lookup_tree_below=4),
-              dict(temperature=0.9, top_k=0, top_p=0.95)),
-], ids=["chain", "chain-t", "tree", "dyntree", "lookup", "auto-k", "lookup-long",
-        "lookup-tree", "lookup-tree-long"])
+@pytest.mark.parametrize(
+    "spec,params",
+    [
+        (dict(num_draft_tokens=2), dict(temperature=0.7, top_k=6, top_p=0.9)),
+        slow_case(dict(num_draft_tokens=3), dict(temperature=0.9, top_k=0, top_p=1.0)),
+        slow_case(
+            dict(tree=[(0,), (1,), (2,), (0, 0)]), dict(temperature=0.8, top_k=8, top_p=0.85)
+        ),
+        slow_case(
+            dict(tree=DynamicTree(topk=3, depth=2, max_nodes=5)), dict(temperature=0.9, top_k=5)
+        ),
+        slow_case(
+            dict(num_draft_tokens=2, prompt_lookup=True), dict(temperature=0.9, top_k=0, top_p=1.0)
+        ),
+        slow_case(dict(num_draft_tokens=3, auto_k=True), dict(temperature=0.8, top_k=6, top_p=1.0)),
+        slow_case(
+            dict(num_draft_tokens=1, prompt_lookup=True, lookup_tokens=3),
+            dict(temperature=0.8, top_k=6, top_p=0.9),
+        ),
+        slow_case(
+            dict(num_draft_tokens=2, prompt_lookup=True, lookup_tree_below=4),
+            dict(temperature=0.8, top_k=6, top_p=0.9),
+        ),
+        # a lookup branch (3 drafts) deeper than the model's (1) in the same tree
+        slow_case(
+            dict(num_draft_tokens=1, prompt_lookup=True, lookup_tokens=3, lookup_tree_below=4),
+            dict(temperature=0.9, top_k=0, top_p=0.95),
+        ),
+    ],
+    ids=[
+        "chain",
+        "chain-t",
+        "tree",
+        "dyntree",
+        "lookup",
+        "auto-k",
+        "lookup-long",
+        "lookup-tree",
+        "lookup-tree-long",
+    ],
+)
 def test_sampled_joint_follows_target(spec, params, mode):
     """The joint of the first three tokens over 50,000 requests in batches of 4096 (the
     first drawn by the plain sampler at prefill, the others by speculative steps);
@@ -243,19 +322,26 @@ def test_sampled_joint_follows_target(spec, params, mode):
     prompt = [3, 1, 4, 1]
     N = 50_000
     sp = osd.SamplingParams(3, seed=1234, **params)
-    eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(**spec),
-                                     max_batch_size=4096, max_seq_len=16, device=device,
-                                     cuda_graphs=graphs)
+    eng = osd.Engine.from_pretrained(
+        target,
+        draft=draft,
+        spec=osd.SpecConfig(**spec),
+        max_batch_size=4096,
+        max_seq_len=16,
+        device=device,
+        cuda_graphs=graphs,
+    )
     outs = eng.generate([prompt] * N, sp)
-    codes = torch.tensor([o.token_ids[0] * V_SMALL ** 2 + o.token_ids[1] * V_SMALL
-                          + o.token_ids[2] for o in outs])
-    counts = torch.bincount(codes, minlength=V_SMALL ** 3).double()
+    codes = torch.tensor(
+        [o.token_ids[0] * V_SMALL**2 + o.token_ids[1] * V_SMALL + o.token_ids[2] for o in outs]
+    )
+    counts = torch.bincount(codes, minlength=V_SMALL**3).double()
     expected = _exact_joint(target, prompt, sp).double()
     assert counts[expected == 0].sum() == 0, "emitted a sequence the warped target excludes"
     stat = _chi2(counts, expected)
     assert stat.pvalue > 1e-3, stat
     st = eng.stats
-    assert 0 < st["accepted"] < st["drafted"]     # the test exercised accepts and rejects
+    assert 0 < st["accepted"] < st["drafted"]  # the test exercised accepts and rejects
     if spec.get("prompt_lookup"):
         # rows with a match verified lookup drafts beside rows the draft model drafted
         assert sum(o.stats["lookup_steps"] for o in outs) > 0
@@ -267,8 +353,9 @@ def test_steps_where_no_row_drafts(llama_pair, plain):
     target, _ = llama_pair
     prompts = [list(range(10, 30)), list(range(40, 47))]
     ref = plain.generate(prompts, osd.SamplingParams(12))
-    eng = osd.Engine.from_pretrained(target, spec=osd.SpecConfig(drafter="ngram"),
-                                     max_batch_size=2, max_seq_len=96)
+    eng = osd.Engine.from_pretrained(
+        target, spec=osd.SpecConfig(drafter="ngram"), max_batch_size=2, max_seq_len=96
+    )
     outs = eng.generate(prompts, osd.SamplingParams(12))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
 
@@ -281,8 +368,13 @@ def test_prompt_lookup_with_a_model_draft(llama_pair, plain):
     prompts = [prompts_of([7], seed=81)[0] * 5, prompts_of([9], seed=82)[0] * 3]
     ref = plain.generate(prompts, osd.SamplingParams(40))
     for d in (draft, target):
-        eng = osd.Engine.from_pretrained(target, draft=d, spec=osd.SpecConfig(
-            num_draft_tokens=4, prompt_lookup=True), max_batch_size=2, max_seq_len=96)
+        eng = osd.Engine.from_pretrained(
+            target,
+            draft=d,
+            spec=osd.SpecConfig(num_draft_tokens=4, prompt_lookup=True),
+            max_batch_size=2,
+            max_seq_len=96,
+        )
         outs = [eng.generate([p], osd.SamplingParams(40))[0] for p in prompts]
         outs += eng.generate(prompts, osd.SamplingParams(40))
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref] * 2
@@ -319,11 +411,19 @@ def test_prompt_lookup_rows_beside_model_rows(llama_pair, plain):
     verify their lookup continuation while the draft model drafts the rest; the output
     equals the target's, and the draft's cache stays in step for both kinds of row."""
     target, draft = llama_pair
-    prompts = [prompts_of([7], seed=81)[0] * 5, list(range(40, 60)),
-               prompts_of([5], seed=85)[0] * 4]
+    prompts = [
+        prompts_of([7], seed=81)[0] * 5,
+        list(range(40, 60)),
+        prompts_of([5], seed=85)[0] * 4,
+    ]
     ref = plain.generate(prompts, osd.SamplingParams(40))
-    eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(
-        num_draft_tokens=4, prompt_lookup=True, ngram_min=2), max_batch_size=3, max_seq_len=96)
+    eng = osd.Engine.from_pretrained(
+        target,
+        draft=draft,
+        spec=osd.SpecConfig(num_draft_tokens=4, prompt_lookup=True, ngram_min=2),
+        max_batch_size=3,
+        max_seq_len=96,
+    )
     verdicts = record_verdicts(eng)
     outs = eng.generate(prompts, osd.SamplingParams(40))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
@@ -332,8 +432,9 @@ def test_prompt_lookup_rows_beside_model_rows(llama_pair, plain):
     assert outs[0].stats["lookup_steps"] > 0
 
 
-@pytest.mark.parametrize("tree", [[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)],
-                                  osd.DynamicTree(topk=2, depth=3, max_nodes=5)])
+@pytest.mark.parametrize(
+    "tree", [[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)], osd.DynamicTree(topk=2, depth=3, max_nodes=5)]
+)
 def test_prompt_lookup_in_front_of_a_tree(llama_pair, plain, tree):
     """prompt_lookup with a tree: matched steps verify the lookup chain (k = 6, wider than
     the tree), the others the draft's tree; greedy output equals the target's, alone and
@@ -341,8 +442,13 @@ def test_prompt_lookup_in_front_of_a_tree(llama_pair, plain, tree):
     target, draft = llama_pair
     prompts = [prompts_of([7], seed=83)[0] * 5, prompts_of([9], seed=84)[0] * 3]
     ref = plain.generate(prompts, osd.SamplingParams(40))
-    eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(
-        num_draft_tokens=6, prompt_lookup=True, tree=tree), max_batch_size=2, max_seq_len=112)
+    eng = osd.Engine.from_pretrained(
+        target,
+        draft=draft,
+        spec=osd.SpecConfig(num_draft_tokens=6, prompt_lookup=True, tree=tree),
+        max_batch_size=2,
+        max_seq_len=112,
+    )
     outs = [eng.generate([p], osd.SamplingParams(40))[0] for p in prompts]
     outs += eng.generate(prompts, osd.SamplingParams(40))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref] * 2
@@ -360,14 +466,23 @@ def test_lookup_tree_beside_the_model(llama_pair, plain, k, below):
     batch; α is measured
     along the model's branch (1 for a perfect draft, whose branch is then always taken)."""
     target, draft = llama_pair
-    prompts = [prompts_of([7], seed=81)[0] * 5, list(range(40, 60)),
-               prompts_of([5], seed=85)[0] * 4]
+    prompts = [
+        prompts_of([7], seed=81)[0] * 5,
+        list(range(40, 60)),
+        prompts_of([5], seed=85)[0] * 4,
+    ]
     ref = plain.generate(prompts, osd.SamplingParams(40))
     sources = set()
     for d in (draft, target):
-        eng = osd.Engine.from_pretrained(target, draft=d, spec=osd.SpecConfig(
-            num_draft_tokens=k, prompt_lookup=True, lookup_tokens=6, lookup_tree_below=below),
-            max_batch_size=3, max_seq_len=112)
+        eng = osd.Engine.from_pretrained(
+            target,
+            draft=d,
+            spec=osd.SpecConfig(
+                num_draft_tokens=k, prompt_lookup=True, lookup_tokens=6, lookup_tree_below=below
+            ),
+            max_batch_size=3,
+            max_seq_len=112,
+        )
         verdicts = record_verdicts(eng)
         outs = [eng.generate([p], osd.SamplingParams(40))[0] for p in prompts]
         outs += eng.generate(prompts, osd.SamplingParams(40))
@@ -376,12 +491,11 @@ def test_lookup_tree_beside_the_model(llama_pair, plain, k, below):
         assert trees and all(v.proposal.source == "mixed" for v in trees)
         assert any(any(v.proposal.lookup_rows) for v in trees)
         # a batched tree step whose rows hold a lookup branch beside rows without one
-        assert any(any(v.proposal.lookup_rows) and not all(v.proposal.lookup_rows)
-                   for v in trees)
+        assert any(any(v.proposal.lookup_rows) and not all(v.proposal.lookup_rows) for v in trees)
         assert eng.stats["alpha"] is not None
         sources |= {getattr(v.proposal, "source", None) for v in verdicts}
     assert eng.stats["alpha"] == pytest.approx(1.0, abs=1e-4)
-    assert ("lookup" in sources) == (below == 2)     # 2-token matches draft alone
+    assert ("lookup" in sources) == (below == 2)  # 2-token matches draft alone
     # beside the model, a match's branch runs as far as a lookup step's (lookup_tokens)
     assert any(v.proposal.max_depth > k for v in trees)
 
@@ -390,13 +504,14 @@ def test_lookup_tree_layout():
     """lookup_tree: the lookup branch first, the model's chain sharing its common prefix
     (rows without the model's branch verify the lookup chain alone), narrower rows padded
     with children of the root repeating node 1's token."""
-    chain = ChainProposal(torch.tensor([[5, 6, 9], [7, 8, 9], [1, 1, 1]]), None,
-                          torch.zeros(3, 3, 11), None, 3)
-    prop = lookup_tree(torch.tensor([1, 2, 3]), chain, [[5, 6, 7], [], [4, 4, 4, 4, 4]],
-                       [True, True, False])
+    chain = ChainProposal(
+        torch.tensor([[5, 6, 9], [7, 8, 9], [1, 1, 1]]), None, torch.zeros(3, 3, 11), None, 3
+    )
+    prop = lookup_tree(
+        torch.tensor([1, 2, 3]), chain, [[5, 6, 7], [], [4, 4, 4, 4, 4]], [True, True, False]
+    )
     assert prop.tokens.tolist() == [[1, 5, 6, 7, 9, 5], [2, 7, 8, 9, 7, 7], [3, 4, 4, 4, 4, 4]]
-    assert prop.parents.tolist() == [[-1, 0, 1, 2, 2, 0], [-1, 0, 1, 2, 0, 0],
-                                     [-1, 0, 1, 2, 3, 4]]
+    assert prop.parents.tolist() == [[-1, 0, 1, 2, 2, 0], [-1, 0, 1, 2, 0, 0], [-1, 0, 1, 2, 3, 4]]
     assert prop.depths.tolist() == [[0, 1, 2, 3, 3, 1], [0, 1, 2, 3, 1, 1], [0, 1, 2, 3, 4, 5]]
     assert prop.draft_nodes.tolist() == [[1, 2, 4], [1, 2, 3], [0, 0, 0]]
     assert prop.max_depth == 5 and prop.lookup_rows == [True, False, True]
@@ -404,9 +519,12 @@ def test_lookup_tree_layout():
     assert torch.equal(prop.mask, mask_from_parents(prop.parents))
     assert torch.equal(prop.depths, depths_from_parents(prop.parents))
     # a 63-draft lookup chain: the last node's ancestor bit is bit 63 (int64's sign bit)
-    wide = lookup_tree(torch.tensor([1, 2]), ChainProposal(
-        chain.tokens[:2], None, chain.logits[:2], None, 3), [list(range(63)), [5]],
-        [False, True])
+    wide = lookup_tree(
+        torch.tensor([1, 2]),
+        ChainProposal(chain.tokens[:2], None, chain.logits[:2], None, 3),
+        [list(range(63)), [5]],
+        [False, True],
+    )
     assert wide.tokens.shape == (2, 64)
     assert torch.equal(wide.mask, mask_from_parents(wide.parents))
 
@@ -420,15 +538,24 @@ def test_lookup_steps_verify_longer_chains(llama_pair, plain, tree):
     target, draft = llama_pair
     prompts = [prompts_of([7], seed=86)[0] * 3, prompts_of([9], seed=87)[0] * 2]
     ref = plain.generate(prompts, osd.SamplingParams(40))
-    eng = osd.Engine.from_pretrained(target, draft=draft, spec=osd.SpecConfig(
-        num_draft_tokens=3, prompt_lookup=True, lookup_tokens=12, lookup_history=1024,
-        tree=tree), max_batch_size=2, max_seq_len=96)
+    eng = osd.Engine.from_pretrained(
+        target,
+        draft=draft,
+        spec=osd.SpecConfig(
+            num_draft_tokens=3, prompt_lookup=True, lookup_tokens=12, lookup_history=1024, tree=tree
+        ),
+        max_batch_size=2,
+        max_seq_len=96,
+    )
     verdicts = record_verdicts(eng)
     outs = [eng.generate([p], osd.SamplingParams(40))[0] for p in prompts]
     outs += eng.generate(prompts, osd.SamplingParams(40))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref] * 2
-    steps = [(v.proposal.max_drafted, max(v.emitted)) for v in verdicts
-             if getattr(v.proposal, "source", None) == "lookup"]
+    steps = [
+        (v.proposal.max_drafted, max(v.emitted))
+        for v in verdicts
+        if getattr(v.proposal, "source", None) == "lookup"
+    ]
     assert max(width for width, _ in steps) == 12
     assert max(emitted for _, emitted in steps) == 13
 
@@ -450,7 +577,7 @@ def test_draft_cache_catches_up_after_lookup_steps(llama_pair, monkeypatch, limi
         width = max(len(c) for c in pair)
         tokens = torch.full((2, width), -1, dtype=torch.int64)
         for b, c in enumerate(pair):
-            tokens[b, :len(c)] = torch.tensor(c)
+            tokens[b, : len(c)] = torch.tensor(c)
             seqs[b] += c
         drafter.queue(2, tokens, torch.tensor([len(c) for c in pair]), width)
     root = drafter._root(2)
@@ -461,14 +588,15 @@ def test_draft_cache_catches_up_after_lookup_steps(llama_pair, monkeypatch, limi
 
 
 # -- adaptive draft length: the stopper learns from verdicts ---------------------------
-def _run_stopper(stopper, conf: float, accept_rate: float, steps: int, k: int = 8,
-                 batch: int = 4) -> float:
+def _run_stopper(
+    stopper, conf: float, accept_rate: float, steps: int, k: int = 8, batch: int = 4
+) -> float:
     """Drive ``stopper`` with drafts of confidence ``conf`` accepted i.i.d. with
     ``accept_rate``; return the mean drafts per row over the last quarter of the steps."""
     g = torch.Generator().manual_seed(7)
     logits = torch.full((batch, 8), -30.0)
     logits[:, 0] = 0.0
-    logits[:, 1] = -torch.log(torch.tensor(1.0 / conf - 1.0))   # softmax: conf on token 1
+    logits[:, 1] = -torch.log(torch.tensor(1.0 / conf - 1.0))  # softmax: conf on token 1
     tokens = torch.ones(batch, dtype=torch.int64)
     drafted_tail = []
     for step in range(steps):

@@ -1,5 +1,6 @@
 """Safe to embed: several threads share one engine, and an error in one call leaves the
 engine serving the next call exactly as before."""
+
 import threading
 
 import pytest
@@ -16,14 +17,21 @@ def pair():
 
 
 def _spec_engine(pair, **kw):
-    return osd.Engine.from_pretrained(pair[0], draft=pair[1],
-                                      spec=osd.SpecConfig(num_draft_tokens=3),
-                                      max_batch_size=3, max_seq_len=96, **kw)
+    return osd.Engine.from_pretrained(
+        pair[0],
+        draft=pair[1],
+        spec=osd.SpecConfig(num_draft_tokens=3),
+        max_batch_size=3,
+        max_seq_len=96,
+        **kw,
+    )
 
 
-@pytest.mark.parametrize("params", [dict(temperature=0.0),
-                                    dict(temperature=0.9, top_p=0.95, seed=7)],
-                         ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "params",
+    [dict(temperature=0.0), dict(temperature=0.9, top_p=0.95, seed=7)],
+    ids=["greedy", "sampled"],
+)
 def test_four_threads_get_what_each_call_gets_alone(pair, params):
     eng = _spec_engine(pair)
     calls = [prompts_of([5, 31, 2, 17][i:] + [9] * i, seed=100 + i) for i in range(4)]
@@ -35,11 +43,10 @@ def test_four_threads_get_what_each_call_gets_alone(pair, params):
     def worker(i):
         try:
             for _ in range(2):
-                results.setdefault(i, []).append(
-                    [o.token_ids for o in eng.generate(calls[i], sp)])
+                results.setdefault(i, []).append([o.token_ids for o in eng.generate(calls[i], sp)])
             streamed = [t for chunk in eng.stream(calls[i][0], sp) for t in chunk]
             results[i].append(streamed)
-        except Exception as exc:     # pragma: no cover - reported below
+        except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
@@ -59,7 +66,7 @@ def test_a_stream_inside_a_stream_of_the_same_thread_is_refused(pair):
     next(outer)
     with pytest.raises(RuntimeError, match="already inside"):
         eng.generate([[4, 5, 6]], osd.SamplingParams(4))
-    outer.close()                           # releases the engine
+    outer.close()  # releases the engine
     assert len(eng.generate([[4, 5, 6]], osd.SamplingParams(4))[0].token_ids) == 4
 
 
@@ -72,7 +79,7 @@ def test_engine_serves_correctly_after_errors(pair, monkeypatch):
     with pytest.raises(ValueError):
         eng.generate([[1, 2, 10_000]], sp)
     with pytest.raises(ValueError):
-        eng.generate([list(range(1, 100))], sp)          # longer than max_seq_len
+        eng.generate([list(range(1, 100))], sp)  # longer than max_seq_len
     # an exception inside a speculative step, mid-way through a batch
     spec = eng.speculators[0]
     real_step = spec.step

@@ -7,6 +7,7 @@ Low-precision tolerance (flash-attention's rule): a backend's error against the 
 reference must be within twice the error of the reference itself run in that precision,
 plus a small floor.
 """
+
 import importlib
 import math
 import zlib
@@ -14,8 +15,12 @@ import zlib
 import pytest
 import torch
 
-from osd_kernels import (causal_tree_mask, tree_attention, tree_attention_reference,
-                         tree_mask_from_parents)
+from osd_kernels import (
+    causal_tree_mask,
+    tree_attention,
+    tree_attention_reference,
+    tree_mask_from_parents,
+)
 from tests.conftest import backends_for
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -28,8 +33,9 @@ def _signed(bits: int) -> int:
 
 def random_parents(gen, batch: int, num_nodes: int) -> torch.Tensor:
     """Random trees [batch, num_nodes] int32: parents[:, 0] = -1, parents[:, i] < i."""
-    cols = [torch.full((batch,), -1)] + [torch.randint(0, i, (batch,), generator=gen)
-                                         for i in range(1, num_nodes)]
+    cols = [torch.full((batch,), -1)] + [
+        torch.randint(0, i, (batch,), generator=gen) for i in range(1, num_nodes)
+    ]
     return torch.stack(cols, 1).to(torch.int32)
 
 
@@ -163,8 +169,7 @@ def test_sharp_softmax_matches_reference(monkeypatch, path):
         mask = random_tree_mask(gen, 2, 9)
         for scale in (12.0, 60.0):
             for m in (mask, None):
-                out = tree_attention(q, kv[0, 0], kv[0, 1], lens, m, scale=scale,
-                                     backend="native")
+                out = tree_attention(q, kv[0, 0], kv[0, 1], lens, m, scale=scale, backend="native")
                 want = tree_attention_reference(q, kv[0, 0], kv[0, 1], lens, m, scale=scale)
                 torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
@@ -180,19 +185,20 @@ def test_rows_do_not_depend_on_their_task():
         pytest.skip("the CPU has no AVX-512")
     gen = torch.Generator().manual_seed(10)
     q, kv, lens = _case(gen, 1, 9, 9, 3, 64, torch.float32, "cpu", max_prefix=500)
-    lens[0] = 450            # split into ranges in both split layouts, ending in a part block
+    lens[0] = 450  # split into ranges in both split layouts, ending in a part block
     k, v = kv[0, 0], kv[0, 1]
-    longest = (2, 5, 9)      # the longest call (T) of each layout with 3 rows per T
+    longest = (2, 5, 9)  # the longest call (T) of each layout with 3 rows per T
     threads = torch.get_num_threads()
     try:
         outs = []
         for n in (1, 2):
             torch.set_num_threads(n)
-            full = {T: tree_attention(q[:, :T], k, v, lens, None, backend="native")
-                    for T in longest}
+            full = {
+                T: tree_attention(q[:, :T], k, v, lens, None, backend="native") for T in longest
+            }
             outs.append(full)
             for t in range(9):
-                last = tree_attention(q[:, :t + 1], k, v, lens, None, backend="native")[:, t]
+                last = tree_attention(q[:, : t + 1], k, v, lens, None, backend="native")[:, t]
                 same_layout = full[next(T for T in longest if t < T)]
                 assert torch.equal(last, same_layout[:, t]), (n, t)
     finally:
@@ -213,12 +219,20 @@ def test_lane_layout_matches_reference(D):
         for T, Hq, Hkv in ((2, 4, 1), (3, 9, 3), (5, 2, 1), (5, 6, 2), (10, 4, 1)):
             q, kv, lens = _case(gen, 3, T, Hq, Hkv, D, dtype, "cpu", max_prefix=500)
             lens[0] = 0
-            lens[1] = 384    # ends on a split boundary
+            lens[1] = 384  # ends on a split boundary
             mask = random_tree_mask(gen, 3, T)
             for m in (mask, None):
                 out = tree_attention(q, kv[0, 0], kv[0, 1], lens, m, backend="native")
-                _check_close(out, q, kv[0, 0], kv[0, 1], lens, m, dtype,
-                             f"lanes D={D} T={T} Hq={Hq} Hkv={Hkv} {dtype}")
+                _check_close(
+                    out,
+                    q,
+                    kv[0, 0],
+                    kv[0, 1],
+                    lens,
+                    m,
+                    dtype,
+                    f"lanes D={D} T={T} Hq={Hq} Hkv={Hkv} {dtype}",
+                )
 
 
 LONG_SHAPES = [  # B, T, Hq, Hkv, D: causal blocks past the 64-bit tree mask
@@ -242,7 +256,7 @@ def test_long_causal_matches_reference(device, dtype, shape):
         L = int(lens[b])
         for i in (0, 63, 64, T - 1):
             h = (i + b) % Hq
-            kk, vv = k[b, h // G, :L + i + 1].double(), v[b, h // G, :L + i + 1].double()
+            kk, vv = k[b, h // G, : L + i + 1].double(), v[b, h // G, : L + i + 1].double()
             want = torch.softmax(kk @ q[b, i, h].double() / math.sqrt(D), 0) @ vv
             torch.testing.assert_close(exact[b, i, h].cpu(), want.cpu())
     for backend in ["reference"] + backends_for(device):
@@ -260,14 +274,14 @@ def test_split_keys_cpu(monkeypatch, path):
     gen = torch.Generator().manual_seed(15)
     for dtype in DTYPES:
         for T in (1, 4):
-            q, kv, lens = _case(gen, 5, T, 6, 2, 32, dtype, "cpu", B_max=5, L=1,
-                                max_prefix=1500)
+            q, kv, lens = _case(gen, 5, T, 6, 2, 32, dtype, "cpu", B_max=5, L=1, max_prefix=1500)
             lens.copy_(torch.tensor([0, 70, 128, 384, 1500], dtype=torch.int32))
             mask = random_tree_mask(gen, 5, T)
             for m in (mask, None):
                 out = tree_attention(q, kv[0, 0], kv[0, 1], lens, m, backend="native")
-                _check_close(out, q, kv[0, 0], kv[0, 1], lens, m, dtype,
-                             f"split {path} T={T} {dtype}")
+                _check_close(
+                    out, q, kv[0, 0], kv[0, 1], lens, m, dtype, f"split {path} T={T} {dtype}"
+                )
 
 
 @pytest.mark.parametrize("path", CPU_PATHS)
@@ -303,9 +317,9 @@ def test_strided_inputs(device):
     gen = torch.Generator().manual_seed(3)
     B, T, Hq, Hkv, D = 3, 5, 4, 2, 24
     qkv = torch.randn(B, T, 3 * Hq, D + 8, generator=gen).to(device)
-    q = qkv[:, :, Hq:2 * Hq, :D]
+    q = qkv[:, :, Hq : 2 * Hq, :D]
     big = torch.randn(2, 2, B + 2, Hkv, 60, D + 8, generator=gen).to(device)
-    k, v = big[1, 0, ..., :D], big[1, 1, ..., 3:D + 3]
+    k, v = big[1, 0, ..., :D], big[1, 1, ..., 3 : D + 3]
     lens = torch.tensor([0, 17, 40, 2, 9], dtype=torch.int32, device=device)
     mask = random_tree_mask(gen, B, 2 * T).to(device)[:, ::2]
     assert not (q.is_contiguous() or k.is_contiguous() or mask.is_contiguous())
@@ -331,8 +345,7 @@ def test_max_kv_len_bound(device):
     gen = torch.Generator().manual_seed(5)
     q, kv, lens = _case(gen, 3, 4, 4, 2, 16, torch.float32, device)
     exact = tree_attention(q, kv[0, 0], kv[0, 1], lens, backend="reference")
-    loose = tree_attention(q, kv[0, 0], kv[0, 1], lens, backend="reference",
-                           max_kv_len=kv.shape[4])
+    loose = tree_attention(q, kv[0, 0], kv[0, 1], lens, backend="reference", max_kv_len=kv.shape[4])
     torch.testing.assert_close(exact, loose)
 
 
@@ -353,8 +366,14 @@ def test_bad_input_names_the_problem():
     with pytest.raises(ValueError, match="bitmask limit"):
         tree_attention(torch.zeros(1, 65, 2, 8), k, k, lens, torch.zeros(1, 65, dtype=torch.long))
     with pytest.raises(RuntimeError, match="bitmask limit"):
-        torch.ops.osd.tree_attention(torch.zeros(1, 65, 2, 8), k[..., :80, :], k[..., :80, :],
-                                     lens, torch.zeros(1, 65, dtype=torch.long), 1.0)
+        torch.ops.osd.tree_attention(
+            torch.zeros(1, 65, 2, 8),
+            k[..., :80, :],
+            k[..., :80, :],
+            lens,
+            torch.zeros(1, 65, dtype=torch.long),
+            1.0,
+        )
     with pytest.raises(ValueError, match="max_kv_len"):
         tree_attention(q, k, k, lens, max_kv_len=17)
     with pytest.raises(RuntimeError, match="capacity"):
@@ -366,8 +385,9 @@ def test_opcheck():
     q, kv, lens = _case(gen, 2, 3, 4, 2, 8, torch.float32, "cpu", max_prefix=7)
     mask = random_tree_mask(gen, 2, 3)
     for m in (mask, None):
-        torch.library.opcheck(torch.ops.osd.tree_attention.default,
-                              (q, kv[0, 0], kv[0, 1], lens, m, 0.3))
+        torch.library.opcheck(
+            torch.ops.osd.tree_attention.default, (q, kv[0, 0], kv[0, 1], lens, m, 0.3)
+        )
 
 
 # Split KV (the Triton decode/verify path for long prefixes), forced with ``num_splits`` so
@@ -393,8 +413,13 @@ def _split_case(gen, B, T, Hq, Hkv, D, lens, dtype):
     return q, kv[1, 0], kv[1, 1], torch.tensor(lens, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"B{c[0]}-T{c[1]}-{c[2]}/{c[3]}-"
-                         f"D{c[4]}-{'tree' if c[6] else 'causal'}-splits{c[7]}")
+@pytest.mark.parametrize(
+    "case",
+    SPLIT_CASES,
+    ids=lambda c: (
+        f"B{c[0]}-T{c[1]}-{c[2]}/{c[3]}-D{c[4]}-{'tree' if c[6] else 'causal'}-splits{c[7]}"
+    ),
+)
 def test_split_kv_matches_reference(case):
     """Split KV against the fp32 reference: ragged prefixes (empty ones too), GQA and MHA,
     head dims 64 and 80, tree masks (with a row that sees no tree key) and causal."""
@@ -407,7 +432,7 @@ def test_split_kv_matches_reference(case):
     if tree:
         mask[-1, T // 2] = 0  # a query that sees only the prefix (or nothing, if it is empty)
     for splits in split_counts:
-        out = tree_attention_triton(q, k, v, lens, mask, D ** -0.5, num_splits=splits)
+        out = tree_attention_triton(q, k, v, lens, mask, D**-0.5, num_splits=splits)
         _check_close(out, q, k, v, lens, mask, torch.float32, f"num_splits={splits}")
 
 
@@ -418,7 +443,7 @@ def test_split_kv_half(dtype):
     gen = torch.Generator().manual_seed(11)
     q, k, v, lens = _split_case(gen, 3, 6, 9, 3, 80, [400, 0, 95, 40], dtype)
     for mask in (random_tree_mask(gen, 3, 6), None):
-        out = tree_attention_triton(q, k, v, lens, mask, 80 ** -0.5, num_splits=5)
+        out = tree_attention_triton(q, k, v, lens, mask, 80**-0.5, num_splits=5)
         _check_close(out, q, k, v, lens, mask, dtype, f"split {dtype} mask={mask is not None}")
 
 
@@ -441,15 +466,14 @@ def test_split_kv_chain_equals_causal_and_nothing_seen():
 def test_split_kv_num_splits_heuristic():
     """Host-side choice: single pass for short prefixes, prefill and full GPUs; otherwise
     about two programs per SM, each split at least SPLIT_MIN_KEYS keys."""
-    from osd_kernels.triton.tree_attention import (MAX_SPLITS, SPLIT_MIN_KEYS,
-                                                   split_kv_num_splits)
+    from osd_kernels.triton.tree_attention import MAX_SPLITS, SPLIT_MIN_KEYS, split_kv_num_splits
 
-    assert split_kv_num_splits(1, 8, 8, 4, 300) == 1              # short prefix
-    assert split_kv_num_splits(1, 8, 65, 4, 1 << 15) == 1         # T > 64: prefill
-    assert split_kv_num_splits(64, 8, 8, 4, 1 << 15) == 1         # B * Hkv fills the GPU
+    assert split_kv_num_splits(1, 8, 8, 4, 300) == 1  # short prefix
+    assert split_kv_num_splits(1, 8, 65, 4, 1 << 15) == 1  # T > 64: prefill
+    assert split_kv_num_splits(64, 8, 8, 4, 1 << 15) == 1  # B * Hkv fills the GPU
     n = split_kv_num_splits(1, 8, 8, 4, (1 << 15) + 8)
-    assert n == 33                                                # ceil(2 * 132 / 8)
-    assert split_kv_num_splits(1, 8, 1, 4, (1 << 15) + 1) == n    # decode splits alike
+    assert n == 33  # ceil(2 * 132 / 8)
+    assert split_kv_num_splits(1, 8, 1, 4, (1 << 15) + 1) == n  # decode splits alike
     assert split_kv_num_splits(8, 8, 8, 4, 4096 + 8) == 5
     assert split_kv_num_splits(1, 8, 1, 4, 4096 + 1) == 4096 // SPLIT_MIN_KEYS
     assert split_kv_num_splits(1, 1, 1, 1, 1 << 20) == MAX_SPLITS
@@ -494,8 +518,9 @@ def test_cpu_auto_dispatch(monkeypatch, path):
     ta = importlib.import_module("osd_kernels.tree_attention")  # the module, not the function
     _use_path(monkeypatch, path)
     calls = []
-    monkeypatch.setattr(ta, "tree_attention_reference",
-                        lambda *a, **kw: _reference_spy(calls, *a, **kw))
+    monkeypatch.setattr(
+        ta, "tree_attention_reference", lambda *a, **kw: _reference_spy(calls, *a, **kw)
+    )
     gen = torch.Generator().manual_seed(14)
     avx512 = ta.use_avx512()
     for T, D in ((5, 64), (200, 64), (200, 40)):

@@ -1,5 +1,6 @@
 """tree_rejection_sample: golden greedy trees, every backend against the reference,
 degenerate cases, chi-square distribution tests, bad input, opcheck."""
+
 import pytest
 import torch
 from scipy import stats
@@ -51,23 +52,78 @@ def _greedy_logits(argmax_rows, V, ties=()):
 
 # (name, parents, tokens, argmax per node, ties, max_depth, expected path, expected output)
 GOLDEN = [
-    ("chain_all_accepted", [-1, 0, 1, 2], [9, 4, 2, 7], [4, 2, 7, 1], (), None,
-     [0, 1, 2, 3], [4, 2, 7, 1]),
-    ("chain_mismatch_at_second", [-1, 0, 1, 2], [9, 4, 2, 7], [4, 5, 7, 1], (), None,
-     [0, 1], [4, 5]),
+    (
+        "chain_all_accepted",
+        [-1, 0, 1, 2],
+        [9, 4, 2, 7],
+        [4, 2, 7, 1],
+        (),
+        None,
+        [0, 1, 2, 3],
+        [4, 2, 7, 1],
+    ),
+    (
+        "chain_mismatch_at_second",
+        [-1, 0, 1, 2],
+        [9, 4, 2, 7],
+        [4, 5, 7, 1],
+        (),
+        None,
+        [0, 1],
+        [4, 5],
+    ),
     ("root_rejects_all", [-1, 0, 0, 0], [0, 1, 2, 3], [6, 0, 0, 0], (), None, [0], [6]),
-    ("branching", [-1, 0, 0, 0, 2, 2, 5], [0, 3, 5, 6, 1, 2, 0], [5, 9, 2, 9, 9, 0, 4], (),
-     None, [0, 2, 5, 6], [5, 2, 0, 4]),
-    ("tie_takes_lowest_token", [-1, 0, 0, 1, 2], [0, 5, 3, 8, 1], [5, 8, 1, 2, 2],
-     ((0, 3),), None, [0, 2, 4], [3, 1, 2]),
-    ("repeated_sibling_takes_first", [-1, 0, 0, 2], [0, 5, 5, 4], [5, 7, 4, 3], (), None,
-     [0, 1], [5, 7]),
-    ("absent_nodes_are_skipped", [-1, -1, 0, 2, -1, 4], [0, 6, 6, 1, 2, 2],
-     [6, 0, 1, 2, 0, 0], (), None, [0, 2, 3], [6, 1, 2]),
-    ("max_depth_caps_the_walk", [-1, 0, 1, 2], [9, 4, 2, 7], [4, 2, 7, 1], (), 1, [0, 1],
-     [4, 2]),
-    ("deep_right_branch", [-1, 0, 0, 1, 2, 4, 4, 6], [0, 1, 2, 3, 4, 5, 6, 7],
-     [2, 3, 4, 9, 6, 9, 7, 8], (), None, [0, 2, 4, 6, 7], [2, 4, 6, 7, 8]),
+    (
+        "branching",
+        [-1, 0, 0, 0, 2, 2, 5],
+        [0, 3, 5, 6, 1, 2, 0],
+        [5, 9, 2, 9, 9, 0, 4],
+        (),
+        None,
+        [0, 2, 5, 6],
+        [5, 2, 0, 4],
+    ),
+    (
+        "tie_takes_lowest_token",
+        [-1, 0, 0, 1, 2],
+        [0, 5, 3, 8, 1],
+        [5, 8, 1, 2, 2],
+        ((0, 3),),
+        None,
+        [0, 2, 4],
+        [3, 1, 2],
+    ),
+    (
+        "repeated_sibling_takes_first",
+        [-1, 0, 0, 2],
+        [0, 5, 5, 4],
+        [5, 7, 4, 3],
+        (),
+        None,
+        [0, 1],
+        [5, 7],
+    ),
+    (
+        "absent_nodes_are_skipped",
+        [-1, -1, 0, 2, -1, 4],
+        [0, 6, 6, 1, 2, 2],
+        [6, 0, 1, 2, 0, 0],
+        (),
+        None,
+        [0, 2, 3],
+        [6, 1, 2],
+    ),
+    ("max_depth_caps_the_walk", [-1, 0, 1, 2], [9, 4, 2, 7], [4, 2, 7, 1], (), 1, [0, 1], [4, 2]),
+    (
+        "deep_right_branch",
+        [-1, 0, 0, 1, 2, 4, 4, 6],
+        [0, 1, 2, 3, 4, 5, 6, 7],
+        [2, 3, 4, 9, 6, 9, 7, 8],
+        (),
+        None,
+        [0, 2, 4, 6, 7],
+        [2, 4, 6, 7, 8],
+    ),
 ]
 
 
@@ -80,9 +136,9 @@ def test_greedy_golden_trees(device, case):
     tok = torch.tensor([tokens], device=device)
     D = max_depth if max_depth is not None else int(tree_depths(par).max())
     want_nodes = torch.full((1, D + 1), -1)
-    want_nodes[0, :len(path)] = torch.tensor(path)
+    want_nodes[0, : len(path)] = torch.tensor(path)
     want_out = torch.full((1, D + 1), -1)
-    want_out[0, :len(out)] = torch.tensor(out)
+    want_out[0, : len(out)] = torch.tensor(out)
     want = (want_nodes, want_out, torch.tensor([len(path) - 1], dtype=torch.int32))
     for backend in _all_backends(device):
         for temperature in (None, 0.0):
@@ -141,18 +197,24 @@ def _random_case(gen, B, T, V, mode, dtype, *, scale=3.0):
     tokens = torch.where(use_amax, amax, tokens)
     tokens[parents < 0] = -1
     temperature = torch.rand(B, generator=gen) * 1.5 + 0.3
-    top_k = torch.where(torch.rand(B, generator=gen) < 0.5,
-                        torch.randint(1, V + 1, (B,), generator=gen), 0).to(torch.int32)
-    top_p = torch.where(torch.rand(B, generator=gen) < 0.5,
-                        torch.rand(B, generator=gen) * 0.8 + 0.2, 1.0)
+    top_k = torch.where(
+        torch.rand(B, generator=gen) < 0.5, torch.randint(1, V + 1, (B,), generator=gen), 0
+    ).to(torch.int32)
+    top_p = torch.where(
+        torch.rand(B, generator=gen) < 0.5, torch.rand(B, generator=gen) * 0.8 + 0.2, 1.0
+    )
     if mode == "greedy":
         temperature = torch.zeros(B)
     elif B > 1:
         temperature[0] = 0.0  # a greedy row in a stochastic batch
-    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p,
-              seed=torch.randint(2**62, (B,), generator=gen),
-              offset=torch.randint(2**40, (B,), generator=gen),
-              without_replacement=mode == "without_replacement")
+    kw = dict(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=torch.randint(2**62, (B,), generator=gen),
+        offset=torch.randint(2**40, (B,), generator=gen),
+        without_replacement=mode == "without_replacement",
+    )
     draft = q.to(dtype) if mode in ("with_replacement", "without_replacement") else None
     return logits.to(dtype), tokens, parents, draft, kw
 
@@ -164,10 +226,20 @@ def _to(device, logits, tokens, parents, draft, kw):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("B,T,V,dtype", [
-    (1, 1, 111, torch.float32), (3, 7, 111, torch.bfloat16), (8, 64, 1000, torch.float16),
-    (3, 33, 32003, torch.float32), (1, 64, 32003, torch.bfloat16), (8, 9, 2, torch.float16),
-    (3, 12, 1000, torch.float32), (3, 12, 1000, torch.bfloat16), (3, 12, 1000, torch.float16)])
+@pytest.mark.parametrize(
+    "B,T,V,dtype",
+    [
+        (1, 1, 111, torch.float32),
+        (3, 7, 111, torch.bfloat16),
+        (8, 64, 1000, torch.float16),
+        (3, 33, 32003, torch.float32),
+        (1, 64, 32003, torch.bfloat16),
+        (8, 9, 2, torch.float16),
+        (3, 12, 1000, torch.float32),
+        (3, 12, 1000, torch.bfloat16),
+        (3, 12, 1000, torch.float16),
+    ],
+)
 def test_native_matches_reference(device, mode, B, T, V, dtype):
     gen = torch.Generator().manual_seed(B * 1000 + T * 10 + V + MODES.index(mode))
     case = _to(device, *_random_case(gen, B, T, V, mode, dtype))
@@ -178,8 +250,15 @@ def test_native_matches_reference(device, mode, B, T, V, dtype):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("B,T,V,dtype", [(3, 7, 111, torch.float32), (1, 9, 1000, torch.bfloat16),
-                                         (2, 5, 2, torch.float16), (8, 6, 111, torch.float16)])
+@pytest.mark.parametrize(
+    "B,T,V,dtype",
+    [
+        (3, 7, 111, torch.float32),
+        (1, 9, 1000, torch.bfloat16),
+        (2, 5, 2, torch.float16),
+        (8, 6, 111, torch.float16),
+    ],
+)
 def test_triton_matches_reference(device, mode, B, T, V, dtype):
     """Small shapes: the interpreter runs the bisection passes of top-k / top-p slowly."""
     gen = torch.Generator().manual_seed(B * 1000 + T * 10 + V + MODES.index(mode))
@@ -209,8 +288,8 @@ def test_strided_inputs(device, mode):
     want = tree_rejection_sample_reference(logits, tokens, parents, draft, **kw)
     # logits transposed in memory with a padded vocab, every other column of ids/parents
     big = torch.zeros(T, B, V + 13)
-    big[:, :, 5:5 + V] = logits.transpose(0, 1)
-    s_logits = big[:, :, 5:5 + V].transpose(0, 1)
+    big[:, :, 5 : 5 + V] = logits.transpose(0, 1)
+    s_logits = big[:, :, 5 : 5 + V].transpose(0, 1)
     s_tokens = torch.stack([tokens, tokens], -1)[..., 0]
     s_parents = torch.stack([parents, parents], -1)[..., 1]
     s_draft = None if draft is None else torch.cat([draft, draft], -1)[..., :V]
@@ -231,9 +310,9 @@ def test_invariants_and_rollback_contract(device):
             nodes, out, n = (t.cpu() for t in _run(backend, *tensors, **dkw))
             for b in range(6):
                 k = int(n[b])
-                path = nodes[b, :k + 1]
-                assert path[0] == 0 and (nodes[b, k + 1:] == -1).all()
-                assert (out[b, k + 1:] == -1).all() and 0 <= out[b, k] < 50
+                path = nodes[b, : k + 1]
+                assert path[0] == 0 and (nodes[b, k + 1 :] == -1).all()
+                assert (out[b, k + 1 :] == -1).all() and 0 <= out[b, k] < 50
                 assert (path[1:] > path[:-1]).all()
                 assert (parents[b, path[1:]] == path[:-1].int()).all()
                 assert torch.equal(out[b, :k], tokens[b, path[1:]])
@@ -249,11 +328,15 @@ def test_tree_on_a_chain_matches_the_chain_sampler(device):
     drafts = drafts.to(device)
     tokens = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device), drafts], 1)
     parents = (torch.arange(K + 1, dtype=torch.int32, device=device) - 1).expand(B, K + 1)
-    kw = dict(temperature=torch.full((B,), 0.9, device=device),
-              seed=torch.arange(B, device=device), offset=torch.full((B,), 9, device=device))
+    kw = dict(
+        temperature=torch.full((B,), 0.9, device=device),
+        seed=torch.arange(B, device=device),
+        offset=torch.full((B,), 9, device=device),
+    )
     for draft in (q, None):
-        want_out, want_n = rejection_sample(logits, drafts, None if draft is None else draft[:, :K],
-                                            backend="reference", **kw)
+        want_out, want_n = rejection_sample(
+            logits, drafts, None if draft is None else draft[:, :K], backend="reference", **kw
+        )
         for backend in _all_backends(device):
             nodes, out, n = _run(backend, logits, tokens, parents, draft, **kw)
             assert torch.equal(out, want_out) and torch.equal(n, want_n), backend
@@ -291,8 +374,13 @@ def test_one_hot_target_is_deterministic(device, draft_mode):
     case = _to(device, logits, tokens, parents, draft, {})
     greedy = tree_rejection_sample_reference(*case[:3])
     for backend in _all_backends(device):
-        got = _run(backend, *case[:4], temperature=1.0, seed=torch.arange(B, device=device),
-                   without_replacement=draft_mode == "without_replacement")
+        got = _run(
+            backend,
+            *case[:4],
+            temperature=1.0,
+            seed=torch.arange(B, device=device),
+            without_replacement=draft_mode == "without_replacement",
+        )
         _assert_equal(got, greedy, backend)
         assert (got[0][:, 1] == 2).all()
 
@@ -307,8 +395,13 @@ def test_warps_that_collapse_to_greedy(device, mode, warp):
     case = _to(device, logits, tokens, parents, draft, {})
     greedy = tree_rejection_sample_reference(*case[:3])
     for backend in _all_backends(device):
-        got = _run(backend, *case[:4], seed=torch.arange(3, device=device),
-                   without_replacement=mode == "without_replacement", **warp)
+        got = _run(
+            backend,
+            *case[:4],
+            seed=torch.arange(3, device=device),
+            without_replacement=mode == "without_replacement",
+            **warp,
+        )
         _assert_equal(got, greedy, (backend, warp))
 
 
@@ -319,8 +412,11 @@ def test_draft_equal_to_target_always_accepts(device):
     logits = torch.randn(B, T, V, generator=gen) * 2
     parents = _random_parents(gen, B, T, absent=0.0)
     q = warp_probs(logits.view(-1, V), 0.7).view(B, T, V)
-    tokens = torch.multinomial(q.gather(1, parents.long().clamp(min=0)[..., None]
-                                        .expand(B, T, V)).view(-1, V), 1, generator=gen).view(B, T)
+    tokens = torch.multinomial(
+        q.gather(1, parents.long().clamp(min=0)[..., None].expand(B, T, V)).view(-1, V),
+        1,
+        generator=gen,
+    ).view(B, T)
     depth = tree_depths(parents)
     # the path of first children: node -> its lowest-index child
     expect = []
@@ -335,10 +431,11 @@ def test_draft_equal_to_target_always_accepts(device):
         expect.append(path)
     case = _to(device, logits, tokens, parents, q, {})
     for backend in _all_backends(device):
-        nodes, out, n = _run(backend, *case[:4], temperature=0.7,
-                             seed=torch.arange(B, device=device))
+        nodes, out, n = _run(
+            backend, *case[:4], temperature=0.7, seed=torch.arange(B, device=device)
+        )
         for b in range(B):
-            assert nodes[b, :len(expect[b])].tolist() == expect[b], backend
+            assert nodes[b, : len(expect[b])].tolist() == expect[b], backend
             assert int(n[b]) == int(depth[b, expect[b][-1]])
 
 
@@ -352,8 +449,9 @@ def test_zero_draft_mass_at_a_supported_token_accepts(device):
     parents = torch.tensor([-1, 0, 1], dtype=torch.int32).expand(B, 3).contiguous()
     case = _to(device, logits, tokens, parents, q, {})
     for backend in _all_backends(device):
-        nodes, out, n = _run(backend, *case[:4], temperature=1.0,
-                             seed=torch.arange(B, device=device))
+        nodes, out, n = _run(
+            backend, *case[:4], temperature=1.0, seed=torch.arange(B, device=device)
+        )
         assert (n >= 1).all() and (nodes[:, 1] == 1).all(), backend
 
 
@@ -366,9 +464,14 @@ def test_residual_without_mass_falls_back_to_the_target(device):
     q = warp_probs(logits.view(-1, V), 1.0, 4).view(B, 2, V)
     tokens = torch.tensor([0, 5]).expand(B, 2).contiguous()  # token 5 is outside the top 4
     parents = torch.tensor([-1, 0], dtype=torch.int32).expand(B, 2).contiguous()
-    *case, kw = _to(device, logits, tokens, parents, q,
-                    dict(temperature=torch.ones(B), top_k=torch.full((B,), 4),
-                         seed=torch.arange(B)))
+    *case, kw = _to(
+        device,
+        logits,
+        tokens,
+        parents,
+        q,
+        dict(temperature=torch.ones(B), top_k=torch.full((B,), 4), seed=torch.arange(B)),
+    )
     want = None
     for backend in _all_backends(device):
         rows = 12 if backend == "triton" else B  # the interpreter is slow: a few rows
@@ -400,12 +503,17 @@ def test_large_temperature_and_v2(device):
 
 def test_seeds_offsets_and_generator():
     gen = torch.Generator().manual_seed(9)
-    logits, tokens, parents, draft, kw = _random_case(gen, 64, 12, 30, "with_replacement",
-                                                      torch.float32)
+    logits, tokens, parents, draft, kw = _random_case(
+        gen, 64, 12, 30, "with_replacement", torch.float32
+    )
     kw.pop("seed"), kw.pop("offset")
     a = tree_rejection_sample(logits, tokens, parents, draft, seed=5, offset=1, **kw)
-    assert all(torch.equal(x, y) for x, y in zip(a, tree_rejection_sample(
-        logits, tokens, parents, draft, seed=5, offset=1, **kw)))
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(
+            a, tree_rejection_sample(logits, tokens, parents, draft, seed=5, offset=1, **kw)
+        )
+    )
     b = tree_rejection_sample(logits, tokens, parents, draft, seed=5, offset=2, **kw)
     assert not torch.equal(a[1], b[1])
     g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
@@ -443,21 +551,30 @@ def _draw_trees(mode, tables, n, gen):
     else:
         repl = mode == "with_replacement"
         x = torch.multinomial(q0.expand(n, V), M1, replacement=repl, generator=gen)
-        y = torch.multinomial(q1[x].reshape(-1, V), M2, replacement=repl,
-                              generator=gen).view(n, M1, M2)
+        y = torch.multinomial(q1[x].reshape(-1, V), M2, replacement=repl, generator=gen).view(
+            n, M1, M2
+        )
     T = 1 + M1 + M1 * M2
     tokens = torch.cat([torch.zeros(n, 1, dtype=torch.long), x, y.reshape(n, -1)], 1)
-    parents = torch.tensor([-1] + [0] * M1 + [1 + k for k in range(M1) for _ in range(M2)],
-                           dtype=torch.int32).expand(n, T).contiguous()
-    logits = torch.cat([lp0.expand(n, 1, V), lp1[x],
-                        lp2[x[:, :, None].expand(n, M1, M2), y].reshape(n, -1, V)], 1)
+    parents = (
+        torch.tensor(
+            [-1] + [0] * M1 + [1 + k for k in range(M1) for _ in range(M2)], dtype=torch.int32
+        )
+        .expand(n, T)
+        .contiguous()
+    )
+    logits = torch.cat(
+        [lp0.expand(n, 1, V), lp1[x], lp2[x[:, :, None].expand(n, M1, M2), y].reshape(n, -1, V)], 1
+    )
     draft = torch.cat([q0.expand(n, 1, V), q1[x], torch.full((n, M1 * M2, V), 1 / V)], 1)
     return logits, tokens, parents, None if mode == "point_mass" else draft
 
 
-@pytest.mark.parametrize("warp", [dict(temperature=1.0),
-                                  dict(temperature=0.8, top_k=5, top_p=0.9)],
-                         ids=["plain", "warped"])
+@pytest.mark.parametrize(
+    "warp",
+    [dict(temperature=1.0), dict(temperature=0.8, top_k=5, top_p=0.9)],
+    ids=["plain", "warped"],
+)
 @pytest.mark.parametrize("mode", MODES[1:])
 def test_joint_of_first_two_tokens_follows_the_warped_target(mode, warp):
     """Joint of the first two emitted tokens over 2e5 trees, chi-square at ALPHA.
@@ -474,8 +591,16 @@ def test_joint_of_first_two_tokens_follows_the_warped_target(mode, warp):
     n = N_DRAWS
     kw = {k: torch.full((n,), v) for k, v in warp.items()}
     nodes, out, acc = tree_rejection_sample(
-        logits, tokens, parents, draft, seed=torch.arange(n), offset=torch.full((n,), 3),
-        without_replacement=mode == "without_replacement", backend="native", **kw)
+        logits,
+        tokens,
+        parents,
+        draft,
+        seed=torch.arange(n),
+        offset=torch.full((n,), 3),
+        without_replacement=mode == "without_replacement",
+        backend="native",
+        **kw,
+    )
     w = {k: v for k, v in warp.items()}
     p0 = warp_probs(lp0[None], **w)[0]
     p1 = warp_probs(lp1, **w)
@@ -535,11 +660,24 @@ def test_opcheck():
     gen = torch.Generator().manual_seed(0)
     for mode in ("greedy", "with_replacement"):
         logits, tokens, parents, draft, kw = _random_case(gen, 3, 6, 20, mode, torch.float32)
-        args = (logits, tokens, parents, draft, kw["temperature"], kw["top_k"], kw["top_p"],
-                kw["seed"], kw["offset"], 5, False)
-        torch.library.opcheck(torch.ops.osd.tree_rejection_sample.default, args,
-                              test_utils=("test_schema", "test_faketensor",
-                                          "test_autograd_registration"))
+        args = (
+            logits,
+            tokens,
+            parents,
+            draft,
+            kw["temperature"],
+            kw["top_k"],
+            kw["top_p"],
+            kw["seed"],
+            kw["offset"],
+            5,
+            False,
+        )
+        torch.library.opcheck(
+            torch.ops.osd.tree_rejection_sample.default,
+            args,
+            test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+        )
 
 
 # -- the first emitted token's distribution on every backend and device, small and 128k V
@@ -549,33 +687,48 @@ def _dist_cases():
     V = 128,256 with a plain warp; on CUDA every backend takes both."""
     warped = dict(temperature=0.8, top_k=50, top_p=0.9)
     plain = dict(temperature=1.0)
-    cases = [("cpu", "native", 1000, 40_000, warped),
-             slow_case("cpu", "native", 128_256, 6_000, plain),
-             slow_case("cpu", "reference", 1000, 20_000, warped),
-             slow_case("cpu", "triton", 16, 300, plain)]
+    cases = [
+        ("cpu", "native", 1000, 40_000, warped),
+        slow_case("cpu", "native", 128_256, 6_000, plain),
+        slow_case("cpu", "reference", 1000, 20_000, warped),
+        slow_case("cpu", "triton", 16, 300, plain),
+    ]
     if torch.cuda.is_available():
         for backend in ("native", "triton", "reference"):
-            cases += [pytest.param("cuda", backend, *rest, marks=pytest.mark.gpu)
-                      for rest in ((1000, 100_000, warped), (128_256, 100_000, warped),
-                                   (128_256, 50_000, plain))]
+            cases += [
+                pytest.param("cuda", backend, *rest, marks=pytest.mark.gpu)
+                for rest in (
+                    (1000, 100_000, warped),
+                    (128_256, 100_000, warped),
+                    (128_256, 50_000, plain),
+                )
+            ]
     return cases
 
 
 @pytest.mark.parametrize("without_replacement", [False, True], ids=["with", "without"])
-@pytest.mark.parametrize("device,backend,V,n,warp", _dist_cases(),
-                         ids=lambda c: str(c) if not isinstance(c, dict) else "-".join(c))
-def test_first_token_follows_warped_target_every_backend(device, backend, V, n, warp,
-                                                         without_replacement):
+@pytest.mark.parametrize(
+    "device,backend,V,n,warp",
+    _dist_cases(),
+    ids=lambda c: str(c) if not isinstance(c, dict) else "-".join(c),
+)
+def test_first_token_follows_warped_target_every_backend(
+    device, backend, V, n, warp, without_replacement
+):
     """A root with two children drawn from q (with or without replacement), n trees
     sharing one target and one draft (expanded); the first emitted token must follow the
     warped target p0 (chi-square, cells expected < 5 pooled, p > 1e-3)."""
     gen = torch.Generator().manual_seed(V + n + without_replacement)
     T = 3
     logits = torch.randn(1, T, V, generator=gen) * 2.0
-    logits[0, :, :min(40, V // 4)] += 6.0
+    logits[0, :, : min(40, V // 4)] += 6.0
     q0 = torch.softmax(logits[0, 0] + torch.randn(V, generator=gen), -1)
-    children = torch.stack([torch.multinomial(q0, 2, replacement=not without_replacement,
-                                              generator=gen) for _ in range(n)])
+    children = torch.stack(
+        [
+            torch.multinomial(q0, 2, replacement=not without_replacement, generator=gen)
+            for _ in range(n)
+        ]
+    )
     tokens = torch.cat([torch.zeros(n, 1, dtype=torch.int64), children], 1)
     parents = torch.tensor([-1, 0, 0], dtype=torch.int32).expand(n, T).contiguous()
     draft = torch.cat([q0[None], torch.full((T - 1, V), 1.0 / V)])
@@ -584,11 +737,18 @@ def test_first_token_follows_warped_target_every_backend(device, backend, V, n, 
     def draw(a: int, b: int) -> torch.Tensor:
         m = b - a
         _, out, _ = tree_rejection_sample(
-            logits.to(dev).expand(m, T, V), tokens[a:b].to(dev), parents[a:b].to(dev),
-            draft.to(dev).expand(m, T, V), seed=torch.arange(a, b, device=dev),
-            offset=torch.full((m,), 5, device=dev), without_replacement=without_replacement,
-            backend=backend, **{k: torch.full((m,), v, device=dev) for k, v in warp.items()})
+            logits.to(dev).expand(m, T, V),
+            tokens[a:b].to(dev),
+            parents[a:b].to(dev),
+            draft.to(dev).expand(m, T, V),
+            seed=torch.arange(a, b, device=dev),
+            offset=torch.full((m,), 5, device=dev),
+            without_replacement=without_replacement,
+            backend=backend,
+            **{k: torch.full((m,), v, device=dev) for k, v in warp.items()},
+        )
         return out[:, 0].cpu()
+
     first = in_row_chunks(n, 2 * T * V * 4, dev, draw)
     p0 = warp_probs(logits[0, :1], **{k: torch.tensor([v]) for k, v in warp.items()})[0]
     counts = torch.bincount(first, minlength=V).double()
@@ -596,7 +756,7 @@ def test_first_token_follows_warped_target_every_backend(device, backend, V, n, 
     exp = p0.double() * n
     small = exp < 5
     obs, ex = counts[~small], exp[~small]
-    if exp[small].sum() > 0:                      # pool the cells expected < 5
+    if exp[small].sum() > 0:  # pool the cells expected < 5
         obs = torch.cat([obs, counts[small].sum(0, keepdim=True)])
         ex = torch.cat([ex, exp[small].sum(0, keepdim=True)])
     _, pval = stats.chisquare(obs.numpy(), ex.numpy() * float(obs.sum() / ex.sum()))

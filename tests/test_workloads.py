@@ -1,5 +1,6 @@
 """The evaluation set (``osd.zoo.workloads``), the per-workload evaluator (``osd.evaluate``)
 and prompt lookup asked for without a draft model."""
+
 import pytest
 
 import osd
@@ -17,8 +18,8 @@ def test_evaluation_set_has_four_different_workloads():
         for conv in w.prompts:
             assert conv[-1]["role"] == "user" and conv[-1]["content"]
     summarise = ws[1].prompts
-    assert min(len(c[-1]["content"]) for c in summarise) > 500      # a passage to copy from
-    assert all(len(c) == 5 for c in ws[2].prompts)                   # earlier turns
+    assert min(len(c[-1]["content"]) for c in summarise) > 500  # a passage to copy from
+    assert all(len(c) == 5 for c in ws[2].prompts)  # earlier turns
     assert evaluation_set(n=5, seed=3) == ws and evaluation_set(n=5, seed=4) != ws
     with pytest.raises(ValueError, match="n must be >= 1"):
         evaluation_set(n=0)
@@ -31,6 +32,7 @@ def test_workloads_use_held_out_modules_only():
     import os
 
     from osd.zoo import corpus, workloads
+
     root = corpus.stdlib_root()
     for m in set(workloads.PASSAGE_MODULES) | set(workloads.FUNCTION_MODULES):
         path = os.path.relpath(importlib.import_module(m).__file__, root).replace(os.sep, "/")
@@ -44,9 +46,16 @@ def _encode(convs):
 def test_evaluate_reports_every_workload_and_greedy_parity():
     target = tiny_hf_model("llama", seed=31)
     draft = perturbed(target, 0.3, seed=32)
-    rows = evaluate(target, draft, workloads=evaluation_set(n=2), max_new_tokens=8,
-                    encode=_encode, spec=osd.SpecConfig(num_draft_tokens=3),
-                    engine_kwargs=dict(max_seq_len=512), progress=False)
+    rows = evaluate(
+        target,
+        draft,
+        workloads=evaluation_set(n=2),
+        max_new_tokens=8,
+        encode=_encode,
+        spec=osd.SpecConfig(num_draft_tokens=3),
+        engine_kwargs=dict(max_seq_len=512),
+        progress=False,
+    )
     assert [r["workload"] for r in rows] == ["explain", "summarise", "multiturn", "code"]
     for r in rows:
         assert r["equal"] is True and r["speedup"] > 0 and r["k"] == 3
@@ -80,9 +89,16 @@ def test_online_stream_compares_the_online_and_the_static_draft():
     target = tiny_hf_model("llama", seed=31)
     draft = perturbed(target, 0.3, seed=32)
     convs = stream("explain", 8)
-    res = online_stream(target, draft, convs, max_new_tokens=8, encode=_encode,
-                        online=osd.OnlineConfig(update_every_requests=2, background=False),
-                        engine_kwargs=dict(max_seq_len=512), progress=False)
+    res = online_stream(
+        target,
+        draft,
+        convs,
+        max_new_tokens=8,
+        encode=_encode,
+        online=osd.OnlineConfig(update_every_requests=2, background=False),
+        engine_kwargs=dict(max_seq_len=512),
+        progress=False,
+    )
     s = res["summary"]
     assert len(res["online"]) == len(res["static"]) == 8 and s["requests"] == 8
     assert s["updates_applied"] >= 1
@@ -98,4 +114,4 @@ def test_streams_have_distinct_prompts():
         prompts = stream(name, 120)
         assert len({p[0]["content"] for p in prompts}) == 120
     with pytest.raises(ValueError, match="distinct prompts"):
-        stream("code", 10 ** 6)
+        stream("code", 10**6)

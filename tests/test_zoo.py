@@ -1,4 +1,5 @@
 """The built-in model pair (osd.zoo): checkpoints, tokenizer, corpus split, query streams."""
+
 import json
 import os
 
@@ -41,13 +42,15 @@ def test_pair_loads_with_transformers_in_float32(pair, models):
 def test_pair_loads_with_osd_and_matches_transformers(pair, models):
     import osd
 
-    ids = torch.randint(0, models[0].config.vocab_size, (2, 37),
-                        generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, models[0].config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(0)
+    )
     for path, model in zip(pair, models):
         ours = osd.load_model(path)
         with torch.no_grad():
-            torch.testing.assert_close(ours.forward_train(ids), model(ids).logits,
-                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                ours.forward_train(ids), model(ids).logits, rtol=1e-4, atol=1e-4
+            )
 
 
 def test_shared_tokenizer(pair, models):
@@ -76,15 +79,20 @@ def test_draft_is_wide_shallow_and_cheaper(models):
 
 
 def test_split_source_separates_prose_from_code():
-    source = ('#!/usr/bin/env python\n"""Module doc."""\nimport os  # for paths\n\n\n'
-              "# first line of a block\n# second line\nclass A:\n"
-              "    '''Class doc\n\n    more.'''\n    x = '# not a comment'\n")
+    source = (
+        '#!/usr/bin/env python\n"""Module doc."""\nimport os  # for paths\n\n\n'
+        "# first line of a block\n# second line\nclass A:\n"
+        "    '''Class doc\n\n    more.'''\n    x = '# not a comment'\n"
+    )
     prose, code = corpus.split_source(source)
-    assert prose == ("Module doc.\n\nfor paths\n\nfirst line of a block second line\n\n"
-                     "Class doc\n\nmore.")
+    assert prose == (
+        "Module doc.\n\nfor paths\n\nfirst line of a block second line\n\nClass doc\n\nmore."
+    )
     assert code == "import os\n\nclass A:\n    x = '# not a comment'"
-    assert corpus.split_source("a = 1\r\n\x0c# note\r\nb = 2  # two\r\n") == \
-        ("note\n\ntwo", "a = 1\nb = 2")
+    assert corpus.split_source("a = 1\r\n\x0c# note\r\nb = 2  # two\r\n") == (
+        "note\n\ntwo",
+        "a = 1\nb = 2",
+    )
     assert corpus.split_source("def broken(:\n") is None
 
 
@@ -115,7 +123,7 @@ def test_query_stream_is_deterministic_and_held_out():
         assert len(q.ids) == 48 and all(isinstance(t, int) for t in q.ids)
         assert corpus.split_of(q.source) == "heldout"
         doc_ids = tok.backend_tokenizer.encode(docs[q.source], add_special_tokens=False).ids
-        assert doc_ids[q.start:q.start + 48] == q.ids
+        assert doc_ids[q.start : q.start + 48] == q.ids
         assert len(doc_ids) >= q.start + 48 + 32
     prose = zoo.query_stream("prose", n=3, prompt_tokens=16, seed=0)
     assert len(prose) == 3 and all(len(p) == 16 for p in prose)
@@ -145,8 +153,9 @@ def test_target_greedy_code_continuations_are_not_degenerate(models):
     target = models[0]
     prompts = torch.tensor(zoo.query_stream("code", n=6, prompt_tokens=48, seed=3))
     with torch.no_grad():
-        out = target.generate(prompts, max_new_tokens=32, do_sample=False,
-                              pad_token_id=target.config.pad_token_id)[:, 48:]
+        out = target.generate(
+            prompts, max_new_tokens=32, do_sample=False, pad_token_id=target.config.pad_token_id
+        )[:, 48:]
     assert out.shape == (6, 32)
     # A small greedy LM loops now and then; most continuations must not.
     distinct = [len(set(row)) for row in out.tolist()]
@@ -169,9 +178,19 @@ def test_train_and_save_round_trip(tmp_path):
     from osd.zoo import train
 
     tok = zoo.tokenizer()
-    spec = train.ModelSpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
-                           steps=3, batch_size=2, seq_len=16, lr=1e-3, warmup=1,
-                           code_fraction=0.5, seed=0)
+    spec = train.ModelSpec(
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=64,
+        steps=3,
+        batch_size=2,
+        seq_len=16,
+        lr=1e-3,
+        warmup=1,
+        code_fraction=0.5,
+        seed=0,
+    )
     gen = torch.Generator().manual_seed(0)
     streams = {d: torch.randint(0, len(tok), (100,), generator=gen) for d in corpus.DOMAINS}
     model, info = train.train_model(spec, tok, streams, desc="test")

@@ -28,6 +28,7 @@ window in its boolean mask, on every backend and device. Soft-capped scores (Gem
 ``softcap``: ``c * tanh(s / c)`` before the mask) take :func:`windowed_attention` too,
 which then computes the scores itself.
 """
+
 from __future__ import annotations
 
 import functools
@@ -63,19 +64,30 @@ def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.d
         return "triton" if device.type == "cuda" else "auto"
     if backend == "flash":
         if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"the flash attention backend needs CUDA and fp16/bf16, got "
-                             f"{device.type} {dtype}")
+            raise ValueError(
+                f"the flash attention backend needs CUDA and fp16/bf16, got {device.type} {dtype}"
+            )
         if not flash_available():
-            raise ValueError("the flash attention backend needs flash-attn "
-                             "(pip install 'osd[flash]')")
+            raise ValueError(
+                "the flash attention backend needs flash-attn (pip install 'osd[flash]')"
+            )
     return backend
 
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: torch.Tensor,
-              tree_mask: torch.Tensor | None, *, scale: float, max_kv_len: int,
-              backend: str, window: int | None = None,
-              depths: torch.Tensor | None = None,
-              softcap: float | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lens: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    *,
+    scale: float,
+    max_kv_len: int,
+    backend: str,
+    window: int | None = None,
+    depths: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Attention of ``T`` new queries per row over the row's cache (prefix + new keys).
 
     Args:
@@ -97,25 +109,49 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, len
         ``[B, T, Hq, D]`` in the dtype of ``q``.
     """
     if softcap is not None or (window is not None and max_kv_len > window):
-        return windowed_attention(q, k_cache, v_cache, lens, tree_mask, depths, scale=scale,
-                                  max_kv_len=max_kv_len, window=window, softcap=softcap)
+        return windowed_attention(
+            q,
+            k_cache,
+            v_cache,
+            lens,
+            tree_mask,
+            depths,
+            scale=scale,
+            max_kv_len=max_kv_len,
+            window=window,
+            softcap=softcap,
+        )
     if backend == "flash":
         if tree_mask is None:
             return _flash_causal(q, k_cache, v_cache, lens, scale)
         backend = "triton"
-    if (backend == "auto" and q.device.type == "cpu" and native_available()
-            and q.shape[1] * (q.shape[2] // k_cache.shape[1]) <= CPU_NATIVE_MAX_ROWS):
+    if (
+        backend == "auto"
+        and q.device.type == "cpu"
+        and native_available()
+        and q.shape[1] * (q.shape[2] // k_cache.shape[1]) <= CPU_NATIVE_MAX_ROWS
+    ):
         # What tree_attention's auto picks here (the C++ kernel, which checks its own
         # arguments), without its Python checks: decode steps make one call per layer.
         return torch.ops.osd.tree_attention(q, k_cache, v_cache, lens, tree_mask, scale)
-    return tree_attention(q, k_cache, v_cache, lens, tree_mask, scale=scale,
-                          max_kv_len=max_kv_len, backend=backend)
+    return tree_attention(
+        q, k_cache, v_cache, lens, tree_mask, scale=scale, max_kv_len=max_kv_len, backend=backend
+    )
 
 
-def windowed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       lens: torch.Tensor, tree_mask: torch.Tensor | None,
-                       depths: torch.Tensor | None, *, scale: float, max_kv_len: int,
-                       window: int | None, softcap: float | None = None) -> torch.Tensor:
+def windowed_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lens: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    depths: torch.Tensor | None,
+    *,
+    scale: float,
+    max_kv_len: int,
+    window: int | None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """:func:`attention` with a sliding window: query ``i`` of row ``b`` (position
     ``p = lens[b] + depth``) sees what the tree or causal mask lets it see among keys
     whose position is above ``p - window`` (every key when ``window`` is None). A cached
@@ -127,24 +163,39 @@ def windowed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if B == 0 or T == 0:
         return q.new_zeros(q.shape)
     kv_len = min(max_kv_len, k_cache.shape[2])
-    visible = tree_attention_mask(lens, tree_mask, B, T, kv_len)           # [B, T, kv]
+    visible = tree_attention_mask(lens, tree_mask, B, T, kv_len)  # [B, T, kv]
     base = lens[:B].to(torch.int64).view(B, 1)
-    steps = torch.arange(T, device=q.device).view(1, T).expand(B, T) if depths is None \
+    steps = (
+        torch.arange(T, device=q.device).view(1, T).expand(B, T)
+        if depths is None
         else depths.to(torch.int64)
+    )
     slots = torch.arange(kv_len, device=q.device).view(1, kv_len)
-    rel = slots - base                                                      # [B, kv]
+    rel = slots - base  # [B, kv]
     new = (rel >= 0) & (rel < T)
     key_pos = torch.where(new, base + steps.gather(1, rel.clamp(0, T - 1)), slots)
     if window is not None:
         visible = visible & (key_pos.unsqueeze(1) > (base + steps - window).unsqueeze(2))
-    out = _masked_sdpa(q.transpose(1, 2), k_cache[:B, :, :kv_len], v_cache[:B, :, :kv_len],
-                       visible.unsqueeze(1), scale, softcap)
+    out = _masked_sdpa(
+        q.transpose(1, 2),
+        k_cache[:B, :, :kv_len],
+        v_cache[:B, :, :kv_len],
+        visible.unsqueeze(1),
+        scale,
+        softcap,
+    )
     # A query that sees nothing (possible only in a malformed tree) outputs zero.
     return out.transpose(1, 2).masked_fill(~visible.any(-1).view(B, T, 1, 1), 0.0)
 
 
-def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                 scale: float, softcap: float | None) -> torch.Tensor:
+def _masked_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
     """SDPA of ``q [N, Hq, T, D]`` over ``k, v [N, Hkv, S, D]`` under the boolean ``mask``
     (broadcast to ``[N, Hq, T, S]``); with ``softcap``, the scores are computed here and
     soft-capped (``c * tanh(s / c)``) before the mask, with the softmax in float32, as
@@ -152,8 +203,9 @@ def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     N, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                              enable_gqa=Hq != Hkv)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=Hq != Hkv
+        )
     # The query heads of one KV head are consecutive: multiply each group by its K and V
     # once ([N, Hkv, rep * T, D]) instead of copying K and V for every query head.
     scores = torch.matmul(q.reshape(N, Hkv, Hq // Hkv * T, D), k.transpose(2, 3)) * scale
@@ -163,21 +215,35 @@ def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     return torch.matmul(probs.view(N, Hkv, Hq // Hkv * T, S), v).view(N, Hq, T, D)
 
 
-def _flash_causal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  lens: torch.Tensor, scale: float) -> torch.Tensor:
+def _flash_causal(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: torch.Tensor, scale: float
+) -> torch.Tensor:
     """flash-attn over keys ``[0, lens[b] + T)``; its causal mask is aligned to the end,
     so query ``i`` sees keys ``j <= lens[b] + i``, as the causal tree mask does."""
     from flash_attn import flash_attn_with_kvcache
 
     B, T = q.shape[:2]
     # flash-attn reads the cache as [B, S, Hkv, D] with any row/head strides.
-    return flash_attn_with_kvcache(q, k_cache[:B].transpose(1, 2), v_cache[:B].transpose(1, 2),
-                                   cache_seqlens=lens[:B] + T, softmax_scale=scale, causal=True)
+    return flash_attn_with_kvcache(
+        q,
+        k_cache[:B].transpose(1, 2),
+        v_cache[:B].transpose(1, 2),
+        cache_seqlens=lens[:B] + T,
+        softmax_scale=scale,
+        causal=True,
+    )
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     key_padding_mask: torch.Tensor | None, *, scale: float,
-                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Cacheless causal self-attention over whole sequences (training; differentiable).
 
     Args:
@@ -197,21 +263,23 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if softcap is not None or (window is not None and T > window):
         i = torch.arange(T, device=q.device)
-        mask = i[None, :] <= i[:, None]                                           # [T, T]
+        mask = i[None, :] <= i[:, None]  # [T, T]
         if window is not None:
             mask = mask & (i[None, :] > i[:, None] - window)
         if key_padding_mask is not None:
             eye = torch.eye(T, dtype=torch.bool, device=q.device)
-            mask = (mask & key_padding_mask[:, None, :]) | eye                    # [N, T, T]
+            mask = (mask & key_padding_mask[:, None, :]) | eye  # [N, T, T]
         mask = mask if mask.dim() == 3 else mask.expand(q.shape[0], T, T)
         out = _masked_sdpa(qh, kh, vh, mask[:, None], scale, softcap)
     elif key_padding_mask is None:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                             enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa
+        )
     else:
         causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         eye = torch.eye(T, dtype=torch.bool, device=q.device)
-        mask = (causal & key_padding_mask[:, None, :]) | eye      # [N, T, T]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None], scale=scale,
-                                             enable_gqa=gqa)
+        mask = (causal & key_padding_mask[:, None, :]) | eye  # [N, T, T]
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask[:, None], scale=scale, enable_gqa=gqa
+        )
     return out.transpose(1, 2)

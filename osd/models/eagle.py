@@ -20,6 +20,7 @@ Checkpoint directory (:func:`save_eagle`, :func:`load_eagle`): ``config.json``
 (``"architectures": ["OsdEagleDraft"]`` with the layer shape and the target's hidden and
 vocabulary sizes), ``model.safetensors`` and optionally ``head_vocab.json``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,8 +50,9 @@ class EagleLM(DecoderLM):
     the draft. ``state_dict()`` leaves the shared (frozen) tensors out.
     """
 
-    def __init__(self, config, *, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__(config, device=device, dtype=dtype)
         H = config.hidden_size
         self.feature_norm = RMSNorm(H, config.rms_norm_eps).to(device=self.device, dtype=dtype)
@@ -60,8 +62,14 @@ class EagleLM(DecoderLM):
         self.register_state_dict_post_hook(_drop_shared)
 
     @classmethod
-    def from_target(cls, target: DecoderLM, *, num_layers: int = 1,
-                    intermediate_size: int | None = None, head_ids=None) -> "EagleLM":
+    def from_target(
+        cls,
+        target: DecoderLM,
+        *,
+        num_layers: int = 1,
+        intermediate_size: int | None = None,
+        head_ids=None,
+    ) -> "EagleLM":
         """A fresh EAGLE draft for ``target``: uninitialised layers (call
         :meth:`init_draft`), the target's embedding, final norm and head shared (a
         restricted head, ``head_ids``, copies the kept rows)."""
@@ -71,15 +79,20 @@ class EagleLM(DecoderLM):
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         # the draft's own layers all use RoPE and full attention, whatever the target's
         # NoPE (SmolLM3) and sliding-window layers
-        config = dataclasses.replace(   # dense layers, also for a mixture-of-experts target
-            target.config, num_layers=num_layers, nope_layers=(), window_layers=(),
+        config = dataclasses.replace(  # dense layers, also for a mixture-of-experts target
+            target.config,
+            num_layers=num_layers,
+            nope_layers=(),
+            window_layers=(),
             intermediate_size=intermediate_size or target.config.intermediate_size,
-            num_experts=0, moe_layers=None)
+            num_experts=0,
+            moe_layers=None,
+        )
         model = cls(config, device=target.device, dtype=target.dtype)
         model.embed_tokens.weight = target.embed_tokens.weight
         model.norm.weight = target.norm.weight
         if isinstance(target.lm_head, QuantLinear):
-            model.lm_head = target.lm_head           # block-quantized: shared as it is
+            model.lm_head = target.lm_head  # block-quantized: shared as it is
         else:
             model.lm_head.weight = target.lm_head.weight
         for p in model.shared_parameters():
@@ -101,8 +114,11 @@ class EagleLM(DecoderLM):
 
     def own_state_dict(self) -> dict[str, torch.Tensor]:
         """The draft's own weights (what a checkpoint stores)."""
-        return {k: v for k, v in self.state_dict().items()
-                if k.startswith(("fc.", "feature_norm.", "layers."))}
+        return {
+            k: v
+            for k, v in self.state_dict().items()
+            if k.startswith(("fc.", "feature_norm.", "layers."))
+        }
 
     def init_draft(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         """Fresh draft weights (the shared target tensors are left alone): normal(0, std)
@@ -118,8 +134,10 @@ class EagleLM(DecoderLM):
         if features is None:
             raise ValueError("an EAGLE draft needs the target's features (features=...)")
         if features.shape[:-1] != input_ids.shape or features.shape[-1] != self.config.hidden_size:
-            raise ValueError(f"features must be [*{tuple(input_ids.shape)}, "
-                             f"{self.config.hidden_size}], got {tuple(features.shape)}")
+            raise ValueError(
+                f"features must be [*{tuple(input_ids.shape)}, "
+                f"{self.config.hidden_size}], got {tuple(features.shape)}"
+            )
         f = self.feature_norm(features.to(self.dtype))
         return self.fc(torch.cat([self.embed_tokens(input_ids), f], -1))
 
@@ -152,15 +170,22 @@ def save_eagle(model: EagleLM, path: str | os.PathLike, meta: dict | None = None
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     c = model.config
-    config = {"architectures": [ARCHITECTURE], "num_layers": c.num_layers,
-              "intermediate_size": c.intermediate_size, "hidden_size": c.hidden_size,
-              "vocab_size": c.vocab_size, "num_heads": c.num_heads,
-              "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
+    config = {
+        "architectures": [ARCHITECTURE],
+        "num_layers": c.num_layers,
+        "intermediate_size": c.intermediate_size,
+        "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size,
+        "num_heads": c.num_heads,
+        "num_kv_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+    }
     if meta:
         config["build"] = meta
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    state = {k: v.detach().to(torch.float16).contiguous()
-             for k, v in model.own_state_dict().items()}
+    state = {
+        k: v.detach().to(torch.float16).contiguous() for k, v in model.own_state_dict().items()
+    }
     save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
     head = path / HEAD_VOCAB_FILE
     if model.head_ids is not None:
@@ -169,8 +194,7 @@ def save_eagle(model: EagleLM, path: str | os.PathLike, meta: dict | None = None
         head.unlink()
 
 
-def load_eagle(source: str | os.PathLike, target: DecoderLM, *,
-               head_vocab: bool = True) -> EagleLM:
+def load_eagle(source: str | os.PathLike, target: DecoderLM, *, head_vocab: bool = True) -> EagleLM:
     """The EAGLE draft at ``source`` for ``target`` (on its device and dtype). ValueError
     when the checkpoint was built for another hidden size, vocabulary or head shape."""
     path = Path(source)
@@ -180,31 +204,45 @@ def load_eagle(source: str | os.PathLike, target: DecoderLM, *,
         raise FileNotFoundError(f"EAGLE draft {str(path)!r} has no {WEIGHTS_FILE}")
     config = json.loads((path / CONFIG_FILE).read_text())
     if ARCHITECTURE not in (config.get("architectures") or []):
-        raise ValueError(f"{str(path)!r} is not an EAGLE draft (architectures "
-                         f"{config.get('architectures')})")
+        raise ValueError(
+            f"{str(path)!r} is not an EAGLE draft (architectures {config.get('architectures')})"
+        )
     tc = target.config
-    for key, have in (("hidden_size", tc.hidden_size), ("vocab_size", tc.vocab_size),
-                      ("num_heads", tc.num_heads), ("num_kv_heads", tc.num_kv_heads),
-                      ("head_dim", tc.head_dim)):
+    for key, have in (
+        ("hidden_size", tc.hidden_size),
+        ("vocab_size", tc.vocab_size),
+        ("num_heads", tc.num_heads),
+        ("num_kv_heads", tc.num_kv_heads),
+        ("head_dim", tc.head_dim),
+    ):
         if config.get(key) != have:
-            raise ValueError(f"EAGLE draft {str(path)!r} was built for {key} = "
-                             f"{config.get(key)}, but the target has {have}")
+            raise ValueError(
+                f"EAGLE draft {str(path)!r} was built for {key} = "
+                f"{config.get(key)}, but the target has {have}"
+            )
     ids = read_head_vocab(path) if head_vocab else None
-    model = EagleLM.from_target(target, num_layers=int(config["num_layers"]),
-                                intermediate_size=int(config["intermediate_size"]),
-                                head_ids=ids)
+    model = EagleLM.from_target(
+        target,
+        num_layers=int(config["num_layers"]),
+        intermediate_size=int(config["intermediate_size"]),
+        head_ids=ids,
+    )
     state = load_file(str(path / WEIGHTS_FILE))
     own = model.own_state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:
-        raise ValueError(f"EAGLE draft {str(path)!r} does not match its config: missing "
-                         f"{missing[:4]}, unexpected {unexpected[:4]}")
+        raise ValueError(
+            f"EAGLE draft {str(path)!r} does not match its config: missing "
+            f"{missing[:4]}, unexpected {unexpected[:4]}"
+        )
     with torch.no_grad():
         for name, value in state.items():
             if own[name].shape != value.shape:
-                raise ValueError(f"EAGLE draft {str(path)!r}: {name} has shape "
-                                 f"{tuple(value.shape)}, expected {tuple(own[name].shape)}")
+                raise ValueError(
+                    f"EAGLE draft {str(path)!r}: {name} has shape "
+                    f"{tuple(value.shape)}, expected {tuple(own[name].shape)}"
+                )
             own[name].copy_(value.to(own[name].dtype))
     return model.requires_grad_(False)
 
@@ -226,10 +264,18 @@ def head_probs(draft: EagleLM, logits: torch.Tensor) -> torch.Tensor:
     return p if draft.head_ids is None else p.index_select(-1, draft.head_ids)
 
 
-def eagle_loss(draft: EagleLM, tokens: torch.Tensor, features: torch.Tensor,
-               target_probs: torch.Tensor, mask: torch.Tensor | None = None, *,
-               feature_weight: float = 1.0, unroll: int = 2, noise: float = 0.0,
-               generator: torch.Generator | None = None) -> dict:
+def eagle_loss(
+    draft: EagleLM,
+    tokens: torch.Tensor,
+    features: torch.Tensor,
+    target_probs: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    feature_weight: float = 1.0,
+    unroll: int = 2,
+    noise: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> dict:
     """The EAGLE training loss of ``draft`` on teacher-forced sequences.
 
     Args:
@@ -259,8 +305,11 @@ def eagle_loss(draft: EagleLM, tokens: torch.Tensor, features: torch.Tensor,
     N, T1 = ids.shape
     # Draft position j reads tokens[:, j + 1]; the target's feature and distribution at
     # position j + 1 are its goals.
-    real = torch.ones(N, T1, dtype=torch.bool, device=ids.device) if mask is None else \
-        mask[:, 1:].bool()
+    real = (
+        torch.ones(N, T1, dtype=torch.bool, device=ids.device)
+        if mask is None
+        else mask[:, 1:].bool()
+    )
     attn = None if mask is None else _right_padding(mask[:, 1:])
     rows = real.reshape(-1).nonzero()[:, 0]
     H = features.shape[-1]
@@ -274,8 +323,9 @@ def eagle_loss(draft: EagleLM, tokens: torch.Tensor, features: torch.Tensor,
     passes = max(1, unroll)
     total, tok_sum, feat_sum, agree = 0.0, 0.0, 0.0, 0.0
     for u_pass in range(passes):
-        logits, g = draft.forward_train(ids, attn, rows=rows, full_vocab=False,
-                                        features=x_feats, return_hidden=True)
+        logits, g = draft.forward_train(
+            ids, attn, rows=rows, full_vocab=False, features=x_feats, return_hidden=True
+        )
         tok = -(goal_p * torch.log_softmax(logits, -1)).sum(-1).mean()
         pred = g.reshape(-1, H).index_select(0, rows).float()
         feat = torch.nn.functional.smooth_l1_loss(_unit_rms(pred), goal_feat)
@@ -286,8 +336,12 @@ def eagle_loss(draft: EagleLM, tokens: torch.Tensor, features: torch.Tensor,
             agree = float((logits.argmax(-1) == goal_p.argmax(-1)).float().mean())
         # The next pass reads the feature predicted for position j at input j.
         x_feats = torch.cat([feats[:, :1], g[:, :-1].detach().to(feats.dtype)], 1)
-    return {"loss": total / passes, "token": tok_sum / passes, "feature": feat_sum / passes,
-            "agree": agree}
+    return {
+        "loss": total / passes,
+        "token": tok_sum / passes,
+        "feature": feat_sum / passes,
+        "agree": agree,
+    }
 
 
 def _unit_rms(x: torch.Tensor) -> torch.Tensor:

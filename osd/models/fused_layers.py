@@ -34,6 +34,7 @@ SiLU-gated (no GeGLU); the forward must run outside autograd (the kernels have n
 backward) in the model's own dtype. Results equal the unfused forward's within rounding
 (the kernels round where the unfused ops do; ``osd_kernels.add_rms_norm`` and friends).
 """
+
 from __future__ import annotations
 
 import os
@@ -56,16 +57,21 @@ FUSED_LAYERS = os.environ.get("OSD_FUSED_LAYERS", "off")
 
 
 def _layer_fusable(layer) -> bool:
-    return (layer.input_norm is not None and not layer.post_norm and layer.moe is None
-            and layer.act is F.silu)
+    return (
+        layer.input_norm is not None
+        and not layer.post_norm
+        and layer.moe is None
+        and layer.act is F.silu
+    )
 
 
 def use_fused(model, x: torch.Tensor) -> bool:
     """Whether ``model``'s cached forward on ``x`` (the embedded input) takes this path."""
     mode = FUSED_LAYERS
     if mode not in MODES:
-        raise ValueError(f"osd.models.fused_layers.FUSED_LAYERS must be one of {MODES}, got "
-                         f"{mode!r}")
+        raise ValueError(
+            f"osd.models.fused_layers.FUSED_LAYERS must be one of {MODES}, got {mode!r}"
+        )
     if mode == "off" or (mode == "auto" and (x.device.type != "cuda" or not triton_available())):
         return False
     if torch.is_grad_enabled() or x.dtype != model.dtype:
@@ -73,69 +79,143 @@ def use_fused(model, x: torch.Tensor) -> bool:
     return all(_layer_fusable(layer) for layer in model.layers)
 
 
-def fused_hidden(model, x: torch.Tensor, cache, ropes, slots: torch.Tensor,
-                 tree_mask: torch.Tensor | None, depths: torch.Tensor | None,
-                 skip_layers: frozenset[int], max_kv_len: int) -> torch.Tensor:
+def fused_hidden(
+    model,
+    x: torch.Tensor,
+    cache,
+    ropes,
+    slots: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    depths: torch.Tensor | None,
+    skip_layers: frozenset[int],
+    max_kv_len: int,
+) -> torch.Tensor:
     """The layers of ``DecoderLM._hidden`` (same arguments: ``x [B, T, hidden]`` embedded,
     ``ropes`` the (global, local) ``cos, sin [B, T, 1, R]`` at each token's position,
     ``slots [B, T]`` the K/V slots); returns the last layer's output ``[B, T, hidden]``."""
-    backend = "triton" if FUSED_LAYERS == "on" else "auto"   # auto: Triton on CUDA
+    backend = "triton" if FUSED_LAYERS == "on" else "auto"  # auto: Triton on CUDA
     layers = [(i, layer) for i, layer in enumerate(model.layers) if i not in skip_layers]
     if x.shape[0] * x.shape[1] <= GEMV_MAX_ROWS and all(
-            type(getattr(layer, name)) is nn.Linear and getattr(layer, name).weight.dtype == x.dtype
-            for _, layer in layers for name in ("wqkv", "wo", "w_gate_up", "w_down")):
-        return _gemv_layers(model, x, layers, cache, ropes, slots, tree_mask, depths,
-                            max_kv_len, backend)
-    residual, pending, scale = x, None, 1.0   # pending: the last MLP output, not yet added
+        type(getattr(layer, name)) is nn.Linear and getattr(layer, name).weight.dtype == x.dtype
+        for _, layer in layers
+        for name in ("wqkv", "wo", "w_gate_up", "w_down")
+    ):
+        return _gemv_layers(
+            model, x, layers, cache, ropes, slots, tree_mask, depths, max_kv_len, backend
+        )
+    residual, pending, scale = x, None, 1.0  # pending: the last MLP output, not yet added
     for index, layer in layers:
         norm = layer.input_norm
         if pending is None:
             normed = norm(residual)
         else:
-            residual, normed = add_rms_norm(pending, residual, norm.weight, norm.eps, scale=scale,
-                                            backend=backend)
+            residual, normed = add_rms_norm(
+                pending, residual, norm.weight, norm.eps, scale=scale, backend=backend
+            )
         qk, v = layer.heads(project(normed, layer.wqkv))
-        out = _attend(model, layer, index, qk, v, cache, ropes, slots, tree_mask, depths,
-                      max_kv_len, backend)
+        out = _attend(
+            model, layer, index, qk, v, cache, ropes, slots, tree_mask, depths, max_kv_len, backend
+        )
         scale = layer.residual_multiplier
         norm = layer.post_attention_norm
-        residual, normed = add_rms_norm(project(out.flatten(2), layer.wo), residual,
-                                        norm.weight, norm.eps, scale=scale, backend=backend)
-        pending = project(silu_mul(project(normed, layer.w_gate_up), backend=backend),
-                          layer.w_down)
+        residual, normed = add_rms_norm(
+            project(out.flatten(2), layer.wo),
+            residual,
+            norm.weight,
+            norm.eps,
+            scale=scale,
+            backend=backend,
+        )
+        pending = project(silu_mul(project(normed, layer.w_gate_up), backend=backend), layer.w_down)
     if pending is None:
         return residual
     return residual + (pending if scale == 1.0 else pending * scale)
 
 
-def _attend(model, layer, index: int, qk: torch.Tensor, v: torch.Tensor, cache, ropes,
-            slots: torch.Tensor, tree_mask, depths, max_kv_len: int, backend: str):
+def _attend(
+    model,
+    layer,
+    index: int,
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    cache,
+    ropes,
+    slots: torch.Tensor,
+    tree_mask,
+    depths,
+    max_kv_len: int,
+    backend: str,
+):
     """RoPE, the K/V write and attention of one layer: ``[B, T, Hq, D]``."""
     hq = layer.num_heads
     cos, sin = ropes[layer.local_rope] if layer.rope else (None, None)
-    kv = cache.kv[index]                                              # [2, B_max, H, S, D]
-    q = rope_kv_write(qk[:, :, :hq], qk[:, :, hq:], v, None if cos is None else cos.squeeze(2),
-                      None if sin is None else sin.squeeze(2), kv, slots, backend=backend)
-    return attention(q, kv[0], kv[1], cache.lens, tree_mask, scale=model.scale,
-                     max_kv_len=max_kv_len, backend=model.attention_backend,
-                     window=layer.window, depths=depths, softcap=layer.softcap)
+    kv = cache.kv[index]  # [2, B_max, H, S, D]
+    q = rope_kv_write(
+        qk[:, :, :hq],
+        qk[:, :, hq:],
+        v,
+        None if cos is None else cos.squeeze(2),
+        None if sin is None else sin.squeeze(2),
+        kv,
+        slots,
+        backend=backend,
+    )
+    return attention(
+        q,
+        kv[0],
+        kv[1],
+        cache.lens,
+        tree_mask,
+        scale=model.scale,
+        max_kv_len=max_kv_len,
+        backend=model.attention_backend,
+        window=layer.window,
+        depths=depths,
+        softcap=layer.softcap,
+    )
 
 
-def _gemv_layers(model, x: torch.Tensor, layers, cache, ropes, slots: torch.Tensor, tree_mask,
-                 depths, max_kv_len: int, backend: str) -> torch.Tensor:
+def _gemv_layers(
+    model,
+    x: torch.Tensor,
+    layers,
+    cache,
+    ropes,
+    slots: torch.Tensor,
+    tree_mask,
+    depths,
+    max_kv_len: int,
+    backend: str,
+) -> torch.Tensor:
     """The layers of a forward of few rows, projections through ``decode_gemv``."""
     for index, layer in layers:
         norm, r = layer.input_norm, layer.residual_multiplier
-        qkv = decode_gemv(x, layer.wqkv.weight, layer.wqkv.bias, norm_weight=norm.weight,
-                          eps=norm.eps, backend=backend)
+        qkv = decode_gemv(
+            x,
+            layer.wqkv.weight,
+            layer.wqkv.bias,
+            norm_weight=norm.weight,
+            eps=norm.eps,
+            backend=backend,
+        )
         qk, v = layer.heads(qkv)
-        out = _attend(model, layer, index, qk, v, cache, ropes, slots, tree_mask, depths,
-                      max_kv_len, backend)
-        x = decode_gemv(out.flatten(2), layer.wo.weight, layer.wo.bias, residual=x, scale=r,
-                        backend=backend)
+        out = _attend(
+            model, layer, index, qk, v, cache, ropes, slots, tree_mask, depths, max_kv_len, backend
+        )
+        x = decode_gemv(
+            out.flatten(2), layer.wo.weight, layer.wo.bias, residual=x, scale=r, backend=backend
+        )
         norm = layer.post_attention_norm
-        mlp = decode_gemv(x, layer.w_gate_up.weight, layer.w_gate_up.bias,
-                          norm_weight=norm.weight, eps=norm.eps, gated=True, backend=backend)
-        x = decode_gemv(mlp, layer.w_down.weight, layer.w_down.bias, residual=x, scale=r,
-                        backend=backend)
+        mlp = decode_gemv(
+            x,
+            layer.w_gate_up.weight,
+            layer.w_gate_up.bias,
+            norm_weight=norm.weight,
+            eps=norm.eps,
+            gated=True,
+            backend=backend,
+        )
+        x = decode_gemv(
+            mlp, layer.w_down.weight, layer.w_down.bias, residual=x, scale=r, backend=backend
+        )
     return x

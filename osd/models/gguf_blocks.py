@@ -8,6 +8,7 @@ float32 factors that :class:`osd.models.quant.QuantLinear` keeps; :func:`quantiz
 F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 bytes (used to build test checkpoints and to
 quantize drafts).
 """
+
 from __future__ import annotations
 
 import enum
@@ -16,31 +17,59 @@ import numpy as np
 import torch
 
 # ggml tensor types: the ids a GGUF tensor info stores.
-GGMLType = enum.IntEnum("GGMLType", [
-    ("F32", 0), ("F16", 1), ("Q4_0", 2), ("Q4_1", 3), ("Q5_0", 6), ("Q5_1", 7), ("Q8_0", 8),
-    ("Q8_1", 9), ("Q2_K", 10), ("Q3_K", 11), ("Q4_K", 12), ("Q5_K", 13), ("Q6_K", 14),
-    ("Q8_K", 15), ("IQ2_XXS", 16), ("IQ2_XS", 17), ("IQ3_XXS", 18), ("IQ1_S", 19),
-    ("IQ4_NL", 20), ("IQ3_S", 21), ("IQ2_S", 22), ("IQ4_XS", 23), ("I8", 24), ("I16", 25),
-    ("I32", 26), ("I64", 27), ("F64", 28), ("IQ1_M", 29), ("BF16", 30)])
+GGMLType = enum.IntEnum(
+    "GGMLType",
+    [
+        ("F32", 0),
+        ("F16", 1),
+        ("Q4_0", 2),
+        ("Q4_1", 3),
+        ("Q5_0", 6),
+        ("Q5_1", 7),
+        ("Q8_0", 8),
+        ("Q8_1", 9),
+        ("Q2_K", 10),
+        ("Q3_K", 11),
+        ("Q4_K", 12),
+        ("Q5_K", 13),
+        ("Q6_K", 14),
+        ("Q8_K", 15),
+        ("IQ2_XXS", 16),
+        ("IQ2_XS", 17),
+        ("IQ3_XXS", 18),
+        ("IQ1_S", 19),
+        ("IQ4_NL", 20),
+        ("IQ3_S", 21),
+        ("IQ2_S", 22),
+        ("IQ4_XS", 23),
+        ("I8", 24),
+        ("I16", 25),
+        ("I32", 26),
+        ("I64", 27),
+        ("F64", 28),
+        ("IQ1_M", 29),
+        ("BF16", 30),
+    ],
+)
 
 # (weights per block, bytes per block) of the types this module reads.
 BLOCK_LAYOUT = {
     GGMLType.F32: (1, 4),
     GGMLType.F16: (1, 2),
     GGMLType.BF16: (1, 2),
-    GGMLType.Q4_0: (32, 18),     # fp16 d, 16 bytes of nibbles
-    GGMLType.Q4_1: (32, 20),     # fp16 d, fp16 m, 16 bytes of nibbles
-    GGMLType.Q5_0: (32, 22),     # fp16 d, u32 high bits, 16 bytes of nibbles
-    GGMLType.Q5_1: (32, 24),     # fp16 d, fp16 m, u32 high bits, 16 bytes of nibbles
-    GGMLType.Q8_0: (32, 34),     # fp16 d, 32 int8
-    GGMLType.Q2_K: (256, 84),    # 16 bytes of 4-bit scale/min pairs, 64 bytes of 2-bit codes,
+    GGMLType.Q4_0: (32, 18),  # fp16 d, 16 bytes of nibbles
+    GGMLType.Q4_1: (32, 20),  # fp16 d, fp16 m, 16 bytes of nibbles
+    GGMLType.Q5_0: (32, 22),  # fp16 d, u32 high bits, 16 bytes of nibbles
+    GGMLType.Q5_1: (32, 24),  # fp16 d, fp16 m, u32 high bits, 16 bytes of nibbles
+    GGMLType.Q8_0: (32, 34),  # fp16 d, 32 int8
+    GGMLType.Q2_K: (256, 84),  # 16 bytes of 4-bit scale/min pairs, 64 bytes of 2-bit codes,
     #                              fp16 d, fp16 dmin
-    GGMLType.Q3_K: (256, 110),   # 32 bytes of high bits, 64 bytes of 2-bit codes, 12 bytes of
+    GGMLType.Q3_K: (256, 110),  # 32 bytes of high bits, 64 bytes of 2-bit codes, 12 bytes of
     #                              6-bit scales, fp16 d
-    GGMLType.Q4_K: (256, 144),   # fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 nibbles
-    GGMLType.Q5_K: (256, 176),   # Q4_K's fields, then 32 bytes of high bits before the nibbles
-    GGMLType.Q6_K: (256, 210),   # 128 low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, fp16 d
-    GGMLType.IQ4_NL: (32, 18),   # fp16 d, 16 bytes of nibbles indexing IQ4_VALUES
+    GGMLType.Q4_K: (256, 144),  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 nibbles
+    GGMLType.Q5_K: (256, 176),  # Q4_K's fields, then 32 bytes of high bits before the nibbles
+    GGMLType.Q6_K: (256, 210),  # 128 low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, fp16 d
+    GGMLType.IQ4_NL: (32, 18),  # fp16 d, 16 bytes of nibbles indexing IQ4_VALUES
     GGMLType.IQ4_XS: (256, 136),  # fp16 d, u16 high scale bits, 4 bytes of low scale nibbles,
     #                               128 bytes of nibbles indexing IQ4_VALUES
 }
@@ -59,7 +88,7 @@ def type_name(ggml_type: int) -> str:
 # -- dequantization ---------------------------------------------------------------------------
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The fp16 field at byte ``start`` of every block, as float32 [n, 1]."""
-    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
 
 
 def nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -115,16 +144,22 @@ def k_quant_parts(b: torch.Tensor, ggml_type: int):
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
     if ggml_type in (GGMLType.Q4_K, GGMLType.Q5_K):
         sc, mn = _k4_scales(b[:, 4:16])
-        qs = b[:, 16:].reshape(n, 4, 32) if ggml_type == GGMLType.Q4_K \
+        qs = (
+            b[:, 16:].reshape(n, 4, 32)
+            if ggml_type == GGMLType.Q4_K
             else b[:, 48:].reshape(n, 4, 32)
+        )
         q = torch.stack([qs & 0xF, qs >> 4], dim=2).reshape(n, 8, 32)
-        if ggml_type == GGMLType.Q5_K:           # sub-block j's fifth bit: bit j of qh
+        if ggml_type == GGMLType.Q5_K:  # sub-block j's fifth bit: bit j of qh
             q = q | (_bit_planes(b[:, 16:48]) << 4)
-        return (q.reshape(n, 256).to(torch.int16), _f16(b, 0) * sc.float(),
-                -(_f16(b, 2) * mn.float()))
+        return (
+            q.reshape(n, 256).to(torch.int16),
+            _f16(b, 0) * sc.float(),
+            -(_f16(b, 2) * mn.float()),
+        )
     if ggml_type == GGMLType.Q2_K:
         sc = b[:, :16]
-        qs = b[:, 16:80].reshape(n, 2, 1, 32)    # [half, shift, 32 lanes] -> 16 groups of 16
+        qs = b[:, 16:80].reshape(n, 2, 1, 32)  # [half, shift, 32 lanes] -> 16 groups of 16
         q = ((qs >> shifts) & 3).reshape(n, 256).to(torch.int16)
         # ggml: dl = d * (sc & 0xF), ml = dmin * (sc >> 4), y = dl * q - ml
         return q, _f16(b, 80) * (sc & 0xF).float(), -(_f16(b, 82) * (sc >> 4).float())
@@ -135,10 +170,11 @@ def k_quant_parts(b: torch.Tensor, ggml_type: int):
         high = _bit_planes(b[:, :32]).reshape(n, 256).to(torch.int16)
         return low - ((high ^ 1) << 2), _f16(b, 108) * _k3_scales(b[:, 96:108]).float(), None
     if ggml_type == GGMLType.Q6_K:
-        ql = b[:, :128].reshape(n, 2, 2, 32)     # [half, first/second 32 bytes, 32]
+        ql = b[:, :128].reshape(n, 2, 2, 32)  # [half, first/second 32 bytes, 32]
         qh = b[:, 128:192].reshape(n, 2, 32)
-        low = torch.stack([ql[:, :, 0] & 0xF, ql[:, :, 1] & 0xF, ql[:, :, 0] >> 4,
-                           ql[:, :, 1] >> 4], dim=2)                      # [n, 2, 4, 32]
+        low = torch.stack(
+            [ql[:, :, 0] & 0xF, ql[:, :, 1] & 0xF, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], dim=2
+        )  # [n, 2, 4, 32]
         high = torch.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2)  # [n, 2, 4, 32]
         q = (low | (high << 4)).reshape(n, 256).to(torch.int16) - 32
         # group g (16 weights) has scale sc[g]; ggml: d * sc[is] * q
@@ -166,7 +202,7 @@ def iq4_parts(b: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.Tens
     q = levels[nibbles(b[:, 8:].reshape(n * 8, 16)).long()].reshape(n, 256)
     low = torch.stack([b[:, 4:8] & 0xF, b[:, 4:8] >> 4], dim=2).reshape(n, 8).to(torch.int32)
     high = b[:, 2:4].to(torch.int32)
-    high = high[:, 0] | (high[:, 1] << 8)                          # u16 scales_h
+    high = high[:, 0] | (high[:, 1] << 8)  # u16 scales_h
     shifts = torch.arange(0, 16, 2, dtype=torch.int32, device=b.device)
     ls = low | (((high.unsqueeze(1) >> shifts) & 3) << 4)
     return q, _f16(b, 0) * (ls - 32).float()
@@ -199,8 +235,9 @@ def _dequant_blocks(b: torch.Tensor, ggml_type: int) -> torch.Tensor:
     raise ValueError(f"cannot dequantize {type_name(ggml_type)}")
 
 
-def dequantize(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...],
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Stored bytes of one tensor -> a ``dtype`` tensor of ``shape`` (torch order).
 
     Args:
@@ -216,8 +253,10 @@ def dequantize(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...],
     if ggml_type == GGMLType.BF16:
         return raw.view(torch.bfloat16).reshape(shape).to(dtype)
     if ggml_type not in BLOCK_LAYOUT:
-        raise ValueError(f"cannot dequantize {type_name(ggml_type)}; supported: "
-                         f"{', '.join(t.name for t in SUPPORTED_TYPES)}")
+        raise ValueError(
+            f"cannot dequantize {type_name(ggml_type)}; supported: "
+            f"{', '.join(t.name for t in SUPPORTED_TYPES)}"
+        )
     _, size = BLOCK_LAYOUT[ggml_type]
     return _dequant_blocks(raw.reshape(-1, size), ggml_type).reshape(shape).to(dtype)
 
@@ -233,8 +272,15 @@ def quantize(x: np.ndarray | torch.Tensor, ggml_type: int) -> np.ndarray:
     Q5_1; the last dim must be a multiple of 32 for the block types."""
     if isinstance(x, torch.Tensor):
         if ggml_type == GGMLType.BF16:
-            return x.detach().cpu().to(torch.bfloat16).contiguous().view(torch.uint8) \
-                .numpy().reshape(-1)
+            return (
+                x.detach()
+                .cpu()
+                .to(torch.bfloat16)
+                .contiguous()
+                .view(torch.uint8)
+                .numpy()
+                .reshape(-1)
+            )
         x = x.detach().cpu().float().numpy()
     x = np.ascontiguousarray(x, dtype=np.float32)
     if ggml_type == GGMLType.F32:
@@ -243,10 +289,11 @@ def quantize(x: np.ndarray | torch.Tensor, ggml_type: int) -> np.ndarray:
         return x.astype(np.float16).reshape(-1).view(np.uint8)
     if ggml_type == GGMLType.BF16:
         return quantize(torch.from_numpy(x), ggml_type)
-    if ggml_type not in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0,
-                         GGMLType.Q5_1):
-        raise ValueError(f"quantize supports F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
-                         f"not {type_name(ggml_type)}")
+    if ggml_type not in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1):
+        raise ValueError(
+            f"quantize supports F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+            f"not {type_name(ggml_type)}"
+        )
     if x.shape[-1] % 32:
         raise ValueError(f"rows of {x.shape[-1]} weights are not whole blocks of 32")
     blocks = x.reshape(-1, 32)
@@ -261,7 +308,7 @@ def quantize(x: np.ndarray | torch.Tensor, ggml_type: int) -> np.ndarray:
         top = 31 if ggml_type in (GGMLType.Q5_0, GGMLType.Q5_1) else 15
         if ggml_type in (GGMLType.Q4_0, GGMLType.Q5_0):
             signed_max = blocks[np.arange(len(blocks)), np.abs(blocks).argmax(axis=1)]
-            half = (top + 1) // 2                # the code of 0: 8 (Q4_0) or 16 (Q5_0)
+            half = (top + 1) // 2  # the code of 0: 8 (Q4_0) or 16 (Q5_0)
             d = signed_max / -half
             inv = np.where(d != 0, 1 / d, 0).astype(np.float32)
             q = np.minimum(top, np.trunc(blocks * inv[:, None] + (half + 0.5))).astype(np.uint8)
@@ -269,17 +316,28 @@ def quantize(x: np.ndarray | torch.Tensor, ggml_type: int) -> np.ndarray:
             lo, hi = blocks.min(axis=1), blocks.max(axis=1)
             d = (hi - lo) / top
             inv = np.where(d != 0, 1 / d, 0).astype(np.float32)
-            q = np.minimum(top, np.trunc((blocks - lo[:, None]) * inv[:, None] + 0.5)) \
-                .astype(np.uint8)
+            q = np.minimum(top, np.trunc((blocks - lo[:, None]) * inv[:, None] + 0.5)).astype(
+                np.uint8
+            )
     packed = (q[:, :16] & 0xF) | ((q[:, 16:] & 0xF) << 4)
     head = [_fp16_bytes(d)]
     if ggml_type in (GGMLType.Q4_1, GGMLType.Q5_1):
         head.append(_fp16_bytes(lo))
-    if top == 31:                                # the fifth bits: bit j of a u32, element j
+    if top == 31:  # the fifth bits: bit j of a u32, element j
         bits = (q >> 4).astype(np.uint32) << np.arange(32, dtype=np.uint32)
         head.append(bits.sum(axis=1, dtype=np.uint32).astype("<u4")[:, None].view(np.uint8))
     return np.concatenate(head + [packed], axis=1).reshape(-1)
 
 
-__all__ = ["GGMLType", "BLOCK_LAYOUT", "SUPPORTED_TYPES", "IQ4_VALUES", "K_QUANTS", "type_name",
-           "k_quant_parts", "iq4_parts", "dequantize", "quantize"]
+__all__ = [
+    "GGMLType",
+    "BLOCK_LAYOUT",
+    "SUPPORTED_TYPES",
+    "IQ4_VALUES",
+    "K_QUANTS",
+    "type_name",
+    "k_quant_parts",
+    "iq4_parts",
+    "dequantize",
+    "quantize",
+]

@@ -5,6 +5,7 @@ split first by the regexes llama.cpp uses for ``tokenizer.ggml.pre``); "llama" i
 SentencePiece BPE (merges rebuilt from the scores, byte fallback). Control tokens become
 special tokens; BOS/EOS are added as the file says; the chat template is kept.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -17,40 +18,110 @@ if TYPE_CHECKING:
 
 _CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
-_TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
-           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
-          rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
-          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
-_DEEPSEEK3 = [r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
-              r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
+_DEEPSEEK3 = [
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+]
 _BLOOM = r" ?[^(\s|.,!?…。，、।۔،)]+"
 # tokenizer.ggml.pre -> the regexes llama.cpp (llama-vocab.cpp) splits text by, applied
 # in order, each to the pieces the one before left; where llama.cpp rewrites a
 # tokenizer.json regex for std::regex, the original is used (the tokenizers crate runs it).
 _PRE_SPLITS = {
-    "default": [r"[\p{P}\$\+<=>\^~\|]+",
-                r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
-                r"\p{N}+", r"[0-9][0-9][0-9]"],
-    **dict.fromkeys(["gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4",
-                     "trillion", "granite-docling", "jina-es", "jina-de", "gigachat",
-                     "a.x-4.0", "mellum"], [_GPT2]),
-    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
-                     "minerva-7b", "mellum2"], [r"\p{N}", _GPT2]),
-    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
-                     "midm-2.0", "lfm2", "dbrx", "smaug-bpe", "chatglm-bpe", "glm4", "glm5"],
-                    [_LLAMA3]),
-    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2",
-                     "hunyuan", "solar-open", "grok-2"], [_QWEN2]),
+    "default": [
+        r"[\p{P}\$\+<=>\^~\|]+",
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+        r"\p{N}+",
+        r"[0-9][0-9][0-9]",
+    ],
+    **dict.fromkeys(
+        [
+            "gpt2",
+            "gpt-2",
+            "phi-2",
+            "mpt",
+            "olmo",
+            "jais",
+            "exaone4",
+            "trillion",
+            "granite-docling",
+            "jina-es",
+            "jina-de",
+            "gigachat",
+            "a.x-4.0",
+            "mellum",
+        ],
+        [_GPT2],
+    ),
+    **dict.fromkeys(
+        [
+            "smollm",
+            "starcoder",
+            "refact",
+            "command-r",
+            "codeshell",
+            "exaone",
+            "minerva-7b",
+            "mellum2",
+        ],
+        [r"\p{N}", _GPT2],
+    ),
+    **dict.fromkeys(
+        [
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "dbrx",
+            "smaug-bpe",
+            "chatglm-bpe",
+            "glm4",
+            "glm5",
+        ],
+        [_LLAMA3],
+    ),
+    **dict.fromkeys(
+        [
+            "qwen2",
+            "deepseek-r1-qwen",
+            "kormo",
+            "f2llmv2",
+            "megrez",
+            "stablelm2",
+            "hunyuan",
+            "solar-open",
+            "grok-2",
+        ],
+        [_QWEN2],
+    ),
     "qwen35": [_QWEN35],
     "tekken": [_TEKKEN],
     **dict.fromkeys(["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], [_GPT4O]),
@@ -70,24 +141,51 @@ _PRE_SPLITS = {
         "\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a"
         "\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2"
         "\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+",
-        "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$", _CJK,
-        r"\p{N}+"],
+        "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+        r"\s+$",
+        _CJK,
+        r"\p{N}+",
+    ],
     "deepseek-coder": [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"],
-    "falcon": [r"[\p{P}\$\+<=>\^~\|`]+",
-               r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
-               r"[0-9][0-9][0-9]"],
-    "seed-coder": [_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}"
-                   r"| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    "falcon": [
+        r"[\p{P}\$\+<=>\^~\|`]+",
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+        r"[0-9][0-9][0-9]",
+    ],
+    "seed-coder": [
+        _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}"
+        r"| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ],
     **dict.fromkeys(["poro-chat", "bloom", "gpt3-finnish"], [_BLOOM]),
     "viking": [_BLOOM, r"\p{N}"],
 }
 # Pre-tokenizers whose words found whole in the vocabulary are taken as one token before
 # any merge (the tokenizers crate's ``ignore_merges``), and those that add BOS by default.
-_IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
-                  "midm-2.0", "lfm2", "tekken", "glm4", "glm5"}
-_ADD_BOS = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
-            "lfm2", "tekken"}
-_CONTROL, _USER_DEFINED = 3, 4     # tokenizer.ggml.token_type values
+_IGNORE_MERGES = {
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "falcon-h1",
+    "pixtral",
+    "midm-2.0",
+    "lfm2",
+    "tekken",
+    "glm4",
+    "glm5",
+}
+_ADD_BOS = {
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "falcon-h1",
+    "pixtral",
+    "midm-2.0",
+    "lfm2",
+    "tekken",
+}
+_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 
 
 def _bpe_tokenizer(meta: Mapping[str, Any]):
@@ -97,16 +195,26 @@ def _bpe_tokenizer(meta: Mapping[str, Any]):
     tokens = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     pre = meta.get("tokenizer.ggml.pre", "default")
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                               fuse_unk=False, byte_fallback=False,
-                               ignore_merges=pre in _IGNORE_MERGES))
+    tok = Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=merges,
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=pre in _IGNORE_MERGES,
+        )
+    )
     if pre not in _PRE_SPLITS:
-        warnings.warn(f"GGUF pre-tokenizer {pre!r} is not known to osd; splitting text as "
-                      "GPT-2 does, so token ids may differ from llama.cpp's", stacklevel=3)
+        warnings.warn(
+            f"GGUF pre-tokenizer {pre!r} is not known to osd; splitting text as "
+            "GPT-2 does, so token ids may differ from llama.cpp's",
+            stacklevel=3,
+        )
     splits = _PRE_SPLITS.get(pre, _PRE_SPLITS["default"])
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -121,7 +229,7 @@ def _spm_merges(tokens: list[str], scores) -> list[tuple[str, str]]:
         local = [(t[:i], t[i:]) for i in range(1, len(t)) if t[:i] in vocab and t[i:] in vocab]
         local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
         merges += [(-float(score), -len(a), -len(b), a, b) for a, b in local]
-    merges.sort(key=lambda m: m[:3])      # stable: equal keys keep vocabulary order
+    merges.sort(key=lambda m: m[:3])  # stable: equal keys keep vocabulary order
     return [(a, b) for _, _, _, a, b in merges]
 
 
@@ -134,16 +242,23 @@ def _spm_tokenizer(meta: Mapping[str, Any]):
     if scores is None:
         scores = -np.arange(len(tokens), dtype=np.float32)
     unk = meta.get("tokenizer.ggml.unknown_token_id")
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
-                               merges=_spm_merges(tokens, scores),
-                               unk_token=None if unk is None else tokens[unk],
-                               fuse_unk=True, byte_fallback=True))
+    tok = Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=_spm_merges(tokens, scores),
+            unk_token=None if unk is None else tokens[unk],
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     tok.normalizer = normalizers.Sequence(
-        ([normalizers.Prepend("▁")] if prefix else []) + [normalizers.Replace(" ", "▁")])
+        ([normalizers.Prepend("▁")] if prefix else []) + [normalizers.Replace(" ", "▁")]
+    )
     tok.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-        + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+        + ([decoders.Strip(" ", 1, 0)] if prefix else [])
+    )
     return tok
 
 
@@ -164,24 +279,34 @@ def tokenizer_from_gguf(g: GGUFFile):
     elif kind == "llama":
         tok = _spm_tokenizer(meta)
     else:
-        raise ValueError(f"GGUF file {str(g.path)!r}: unsupported tokenizer model {kind!r}; "
-                         "supported: gpt2 (byte-level BPE), llama (SentencePiece)")
+        raise ValueError(
+            f"GGUF file {str(g.path)!r}: unsupported tokenizer model {kind!r}; "
+            "supported: gpt2 (byte-level BPE), llama (SentencePiece)"
+        )
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type")
     if types is not None:
         # In a byte-level vocabulary every real token is spelled in the byte alphabet; a
         # control token with other characters would match raw text it was never meant to.
         alphabet = set(pre_tokenizers.ByteLevel.alphabet()) if kind == "gpt2" else None
-        tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                for t, k in zip(tokens, types) if k == _CONTROL
-                                and (alphabet is None or set(t) <= alphabet)])
-        tok.add_tokens([AddedToken(t, normalized=False, special=False)
-                        for t, k in zip(tokens, types) if k == _USER_DEFINED])
+        tok.add_special_tokens(
+            [
+                AddedToken(t, normalized=False, special=True)
+                for t, k in zip(tokens, types)
+                if k == _CONTROL and (alphabet is None or set(t) <= alphabet)
+            ]
+        )
+        tok.add_tokens(
+            [
+                AddedToken(t, normalized=False, special=False)
+                for t, k in zip(tokens, types)
+                if k == _USER_DEFINED
+            ]
+        )
 
     def special(name: str) -> tuple[str, int] | None:
         i = meta.get(f"tokenizer.ggml.{name}_token_id")
-        return (tokens[int(i)], int(i)) if i is not None and 0 <= int(i) < len(tokens) \
-            else None
+        return (tokens[int(i)], int(i)) if i is not None and 0 <= int(i) < len(tokens) else None
 
     bos, eos, unk, pad = special("bos"), special("eos"), special("unknown"), special("padding")
     add_bos = kind == "llama" or meta.get("tokenizer.ggml.pre") in _ADD_BOS
@@ -191,10 +316,15 @@ def tokenizer_from_gguf(g: GGUFFile):
         one = " ".join([t for t, _ in add] + ["$A"] + [t for t, _ in end])
         two = " ".join([t for t, _ in add] + ["$B"] + [t for t, _ in end])
         tok.post_processor = processors.TemplateProcessing(
-            single=one, pair=f"{one} {two}", special_tokens=list(dict.fromkeys(add + end)))
+            single=one, pair=f"{one} {two}", special_tokens=list(dict.fromkeys(add + end))
+        )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=bos and bos[0], eos_token=eos and eos[0],
-        unk_token=unk and unk[0], pad_token=pad and pad[0],
+        tokenizer_object=tok,
+        bos_token=bos and bos[0],
+        eos_token=eos and eos[0],
+        unk_token=unk and unk[0],
+        pad_token=pad and pad[0],
         chat_template=meta.get("tokenizer.chat_template"),
         model_max_length=int(meta.get(f"{g.architecture}.context_length", 2048)),
-        clean_up_tokenization_spaces=False)
+        clean_up_tokenization_spaces=False,
+    )

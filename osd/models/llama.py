@@ -27,6 +27,7 @@ logits still come back over the whole vocabulary, ``-inf`` outside the kept toke
 that a proposal is an ordinary distribution the verifier can score; training asks for
 the kept columns only (``full_vocab=False``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,10 +59,11 @@ def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
     dim = config.rope_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     if config.rope_type == "longrope":
-        factors = torch.tensor(config.rope_long_factor if long else config.rope_short_factor,
-                               dtype=torch.float32)
-        return 1.0 / (factors * config.rope_theta ** exponents)
-    inv_freq = 1.0 / (config.rope_theta ** exponents)
+        factors = torch.tensor(
+            config.rope_long_factor if long else config.rope_short_factor, dtype=torch.float32
+        )
+        return 1.0 / (factors * config.rope_theta**exponents)
+    inv_freq = 1.0 / (config.rope_theta**exponents)
     if config.rope_type == "linear":
         return inv_freq / config.rope_factor
     if config.rope_type == "llama3":
@@ -76,8 +78,9 @@ def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
     return inv_freq
 
 
-def rope_tables(inv_freq: torch.Tensor, n: int, dtype: torch.dtype, device: torch.device,
-                scale: float = 1.0):
+def rope_tables(
+    inv_freq: torch.Tensor, n: int, dtype: torch.dtype, device: torch.device, scale: float = 1.0
+):
     """``cos, sin`` tables ``[n, D]`` for positions ``0..n-1``, in the layout of
     :func:`apply_rope`: ``cos = [c, c]`` and ``sin = [-s, s]``, times ``scale`` (LongRoPE's
     attention factor; computed in float32 as transformers does, then cast)."""
@@ -85,8 +88,10 @@ def rope_tables(inv_freq: torch.Tensor, n: int, dtype: torch.dtype, device: torc
     cos, sin = freqs.cos(), freqs.sin()
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
-    return (torch.cat((cos, cos), dim=-1).to(device=device, dtype=dtype),
-            torch.cat((-sin, sin), dim=-1).to(device=device, dtype=dtype))
+    return (
+        torch.cat((cos, cos), dim=-1).to(device=device, dtype=dtype),
+        torch.cat((-sin, sin), dim=-1).to(device=device, dtype=dtype),
+    )
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -178,22 +183,24 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, act) -> torch.Tensor:
         """``x [B, T, H]`` (already normed) -> ``[B, T, H]``."""
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("a mixture-of-experts layer chooses its experts on the host and "
-                               "cannot be captured in a CUDA graph: pass cuda_graphs=False")
+            raise RuntimeError(
+                "a mixture-of-experts layer chooses its experts on the host and "
+                "cannot be captured in a CUDA graph: pass cuda_graphs=False"
+            )
         flat = x.reshape(-1, x.shape[-1])
         probs = torch.softmax(F.linear(flat, self.router.weight).float(), dim=-1)
-        weight, chosen = probs.topk(self.top_k, dim=-1)                  # [N, k]
+        weight, chosen = probs.topk(self.top_k, dim=-1)  # [N, k]
         if self.norm_topk:
             weight = weight / weight.sum(dim=-1, keepdim=True)
         weight = weight.to(flat.dtype).flatten()
-        order = chosen.flatten().argsort()                                # slots by expert
+        order = chosen.flatten().argsort()  # slots by expert
         counts = torch.bincount(chosen.flatten(), minlength=self.gate_up.shape[0]).tolist()
         out = torch.zeros_like(flat)
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            slots = order[start:start + n]
+            slots = order[start : start + n]
             start += n
             tokens = slots // self.top_k
             gate, up = F.linear(flat[tokens], self.gate_up[e]).chunk(2, dim=-1)
@@ -222,40 +229,48 @@ class DecoderLayer(nn.Module):
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.rope = index not in c.nope_layers        # SmolLM3: some layers have no RoPE
-        self.window = c.sliding_window if c.window_layers is None or index in c.window_layers \
-            else None
+        self.rope = index not in c.nope_layers  # SmolLM3: some layers have no RoPE
+        self.window = (
+            c.sliding_window if c.window_layers is None or index in c.window_layers else None
+        )
         # Pre-norms: input_norm before attention; before the MLP post_attention_norm, or
         # pre_feedforward_norm when the block has post-norms too (Gemma). Post-norms
         # (OLMo-2, Gemma): post_attention_norm on attention's output, post_feedforward_norm
         # on the MLP's.
         self.post_norm = c.post_norm
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.pre_norm else None
-        self.pre_feedforward_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) \
-            if c.pre_norm and c.post_norm else None
-        self.post_feedforward_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.post_norm \
-            else None
+        self.pre_feedforward_norm = (
+            RMSNorm(c.hidden_size, c.rms_norm_eps) if c.pre_norm and c.post_norm else None
+        )
+        self.post_feedforward_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.post_norm else None
         self.act = F.silu if c.hidden_act == "silu" else _gelu_tanh
         # Gemma 3: the sliding-window layers rotate with a RoPE base of their own
         self.local_rope = self.window is not None and c.rope_local_theta is not None
-        self.softcap = c.attn_logit_softcapping                   # Gemma 2; None elsewhere
-        self.wqkv = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
-                              bias=c.qkv_bias)
+        self.softcap = c.attn_logit_softcapping  # Gemma 2; None elsewhere
+        self.wqkv = nn.Linear(
+            c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.qkv_bias
+        )
         self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.moe = MoE(c) if c.is_moe_layer(index) else None
         if self.moe is None:
             self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
             self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
-        self.residual_multiplier = c.residual_multiplier           # Granite; 1 elsewhere
+        self.residual_multiplier = c.residual_multiplier  # Granite; 1 elsewhere
         # RMSNorms on queries and keys before RoPE: per head [D] (Qwen3) or over the whole
         # projection [Hq * D] and [Hkv * D] (OLMo-2)
         self.qk_norm = c.qk_norm
         full = c.qk_norm == "full"
-        self.q_norm = None if c.qk_norm == "none" else \
-            RMSNorm(c.num_heads * c.head_dim if full else c.head_dim, c.rms_norm_eps)
-        self.k_norm = None if c.qk_norm == "none" else \
-            RMSNorm(c.num_kv_heads * c.head_dim if full else c.head_dim, c.rms_norm_eps)
+        self.q_norm = (
+            None
+            if c.qk_norm == "none"
+            else RMSNorm(c.num_heads * c.head_dim if full else c.head_dim, c.rms_norm_eps)
+        )
+        self.k_norm = (
+            None
+            if c.qk_norm == "none"
+            else RMSNorm(c.num_kv_heads * c.head_dim if full else c.head_dim, c.rms_norm_eps)
+        )
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Queries ``[B, T, Hq, D]`` and keys, values ``[B, T, Hkv, D]``, RoPE applied (in
@@ -274,10 +289,10 @@ class DecoderLayer(nn.Module):
             q, k, v = qkv.split((hq * self.head_dim, hkv * self.head_dim, hkv * self.head_dim), -1)
             qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
         qkv = qkv.view(B, T, hq + 2 * hkv, self.head_dim)
-        qk = qkv[:, :, :hq + hkv]
+        qk = qkv[:, :, : hq + hkv]
         if self.qk_norm == "head":
             qk = torch.cat((self.q_norm(qk[:, :, :hq]), self.k_norm(qk[:, :, hq:])), dim=2)
-        return qk, qkv[:, :, hq + hkv:]
+        return qk, qkv[:, :, hq + hkv :]
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual after attention output ``attn [B, T, Hq, D]``, then the gated MLP block
@@ -309,8 +324,13 @@ class DecoderLM(nn.Module):
     :meth:`init_weights` for a fresh model.
     """
 
-    def __init__(self, config: ModelConfig, *, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.config = config
         with torch.device("meta"):
@@ -323,13 +343,20 @@ class DecoderLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.scale = config.attention_scale
-        self.attention_backend = resolve_attention_backend(config.attention_backend,
-                                                           self.device, dtype)
+        self.attention_backend = resolve_attention_backend(
+            config.attention_backend, self.device, dtype
+        )
         self._inv_freq = rope_inv_freq(config)
         # the sliding layers' RoPE (Gemma 3), or None
-        self._inv_freq_local = None if config.rope_local_theta is None else rope_inv_freq(
-            dataclasses.replace(config, rope_theta=config.rope_local_theta,
-                                rope_type="default", rope_factor=1.0))
+        self._inv_freq_local = (
+            None
+            if config.rope_local_theta is None
+            else rope_inv_freq(
+                dataclasses.replace(
+                    config, rope_theta=config.rope_local_theta, rope_type="default", rope_factor=1.0
+                )
+            )
+        )
         # (local, long) -> cos, sin; long: LongRoPE's long factors
         self._tables: dict[tuple[bool, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         self._arange = torch.empty(0)
@@ -369,8 +396,9 @@ class DecoderLM(nn.Module):
         if ids.numel() == 0:
             raise ValueError("restrict_head needs at least one token id")
         if int(ids.min()) < 0 or int(ids.max()) >= V:
-            raise ValueError(f"head token ids must lie in [0, {V}), got "
-                             f"[{int(ids.min())}, {int(ids.max())}]")
+            raise ValueError(
+                f"head token ids must lie in [0, {V}), got [{int(ids.min())}, {int(ids.max())}]"
+            )
         if ids.unique().numel() != ids.numel():
             raise ValueError("head token ids must be distinct")
         if self.head_ids is not None:
@@ -380,8 +408,9 @@ class DecoderLM(nn.Module):
             self.lm_head = self.lm_head.select_rows(ids)
             return self
         old = self.lm_head.weight.detach()
-        head = nn.Linear(self.config.hidden_size, ids.numel(), bias=False, device=self.device,
-                         dtype=self.dtype)
+        head = nn.Linear(
+            self.config.hidden_size, ids.numel(), bias=False, device=self.device, dtype=self.dtype
+        )
         with torch.no_grad():
             head.weight.copy_(old.index_select(0, ids.to(self.device)))
         head.weight.requires_grad_(old.requires_grad or self.embed_tokens.weight.requires_grad)
@@ -397,8 +426,12 @@ class DecoderLM(nn.Module):
         added = 0
         for module in self.modules():
             w = getattr(module, "weight", None)
-            if (not isinstance(module, nn.Linear) or w.device.type != "cpu"
-                    or w.dtype != torch.float32 or w.shape[0] % PANEL):
+            if (
+                not isinstance(module, nn.Linear)
+                or w.device.type != "cpu"
+                or w.dtype != torch.float32
+                or w.shape[0] % PANEL
+            ):
                 continue
             old = getattr(module, "osd_packed", None)
             if old is None or old[0] is not w or old[1] != _version(w):
@@ -406,8 +439,12 @@ class DecoderLM(nn.Module):
                 added += w.numel() * w.element_size()
         return added
 
-    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None,
-                     only: tuple[str, ...] | None = None) -> None:
+    def init_weights(
+        self,
+        std: float = 0.02,
+        generator: torch.Generator | None = None,
+        only: tuple[str, ...] | None = None,
+    ) -> None:
         """Fresh weights: normal(0, std) matrices and embeddings, zero biases, unit norms;
         ``only``: the parameters whose names start with one of these prefixes."""
         with torch.no_grad():
@@ -421,12 +458,19 @@ class DecoderLM(nn.Module):
                 else:
                     p.normal_(0.0, std, generator=generator)
 
-    def new_cache(self, max_batch_size: int, max_seq_len: int, *,
-                  context: int | None = None) -> KVCache:
+    def new_cache(
+        self, max_batch_size: int, max_seq_len: int, *, context: int | None = None
+    ) -> KVCache:
         """A :class:`~osd.cache.KVCache` for this model on its device and dtype (``context``:
         the longest sequence it will serve, default ``max_seq_len``)."""
-        cache = KVCache.for_model(self.config, max_batch_size, max_seq_len, dtype=self.dtype,
-                                  device=self.device, context=context)
+        cache = KVCache.for_model(
+            self.config,
+            max_batch_size,
+            max_seq_len,
+            dtype=self.dtype,
+            device=self.device,
+            context=context,
+        )
         self.reserve(cache.capacity, max_batch_size, cache.context)
         return cache
 
@@ -445,15 +489,15 @@ class DecoderLM(nn.Module):
         n = max(int(positions), int(rows))
         if self._arange.shape[0] < n or self._arange.device != self.device:
             self._retire(self._arange)
-            self._arange = torch.arange(max(n, 2 * self._arange.shape[0], 64),
-                                        device=self.device)
+            self._arange = torch.arange(max(n, 2 * self._arange.shape[0], 64), device=self.device)
         for local in (False, True) if self._inv_freq_local is not None else (False,):
             key = self._rope_key(local, positions if context is None else context)
             cos, sin = self._tables.get(key, (torch.empty(0), None))
             if cos.shape[0] < positions or cos.device != self.device or cos.dtype != self.dtype:
                 self._retire(cos, sin)
                 self._tables[key] = self._new_tables(
-                    key, max(int(positions), 2 * cos.shape[0], 256))
+                    key, max(int(positions), 2 * cos.shape[0], 256)
+                )
 
     def pin_buffers(self) -> None:
         """From now on forwards read the reserved buffers only (CUDA graphs capture them):
@@ -469,7 +513,8 @@ class DecoderLM(nn.Module):
             f"{type(self).__name__}.{name} holds {have} entries but a forward needs {need}, "
             f"and CUDA graphs may have captured it (the buffer cannot be replaced): make the "
             f"model's caches with new_cache() before capturing graphs, sized for the longest "
-            f"sequence and the largest batch")
+            f"sequence and the largest batch"
+        )
 
     def _iota(self, n: int) -> torch.Tensor:
         """``arange(n)`` int64 on the model's device, a slice of the reserved buffer."""
@@ -482,18 +527,29 @@ class DecoderLM(nn.Module):
     def _rope_key(self, local: bool, context: int) -> tuple[bool, bool]:
         """The table variant: ``(local, long)``, long for LongRoPE past its original context."""
         c = self.config
-        return local, (c.rope_type == "longrope" and not local
-                       and context > c.rope_original_max_positions)
+        return local, (
+            c.rope_type == "longrope" and not local and context > c.rope_original_max_positions
+        )
 
     def _new_tables(self, key: tuple[bool, bool], n: int):
         local, long = key
-        inv_freq = self._inv_freq_local if local else \
-            rope_inv_freq(self.config, long=True) if long else self._inv_freq
-        return rope_tables(inv_freq, n, self.dtype, self.device,
-                           self.config.rope_attention_factor)
+        inv_freq = (
+            self._inv_freq_local
+            if local
+            else rope_inv_freq(self.config, long=True)
+            if long
+            else self._inv_freq
+        )
+        return rope_tables(inv_freq, n, self.dtype, self.device, self.config.rope_attention_factor)
 
-    def _rope_tables(self, positions: torch.Tensor, needed: int, local: bool = False,
-                     context: int | None = None, cached: bool = True):
+    def _rope_tables(
+        self,
+        positions: torch.Tensor,
+        needed: int,
+        local: bool = False,
+        context: int | None = None,
+        cached: bool = True,
+    ):
         """``cos, sin [B, T, 1, D]`` at ``positions [B, T]`` (``local``: the sliding layers'
         RoPE) from tables covering ``needed`` positions. A LongRoPE model uses its long
         factors when ``context`` (a cache's, default ``needed``) exceeds the original
@@ -512,18 +568,29 @@ class DecoderLM(nn.Module):
                 cos, sin = self._new_tables(key, needed)
         return cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)
 
-    def _layer_ropes(self, positions: torch.Tensor, needed: int, context: int | None = None,
-                     cached: bool = True):
+    def _layer_ropes(
+        self, positions: torch.Tensor, needed: int, context: int | None = None, cached: bool = True
+    ):
         """``(global, local)`` RoPE tables at ``positions`` (local None without one)."""
-        local = None if self._inv_freq_local is None else \
-            self._rope_tables(positions, needed, local=True, cached=cached)
+        local = (
+            None
+            if self._inv_freq_local is None
+            else self._rope_tables(positions, needed, local=True, cached=cached)
+        )
         return self._rope_tables(positions, needed, context=context, cached=cached), local
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache, *,
-                tree_mask: torch.Tensor | None = None, depths: torch.Tensor | None = None,
-                skip_layers: frozenset[int] = frozenset(),
-                logits_index: torch.Tensor | None = None,
-                features: torch.Tensor | None = None, return_hidden: bool = False):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        *,
+        tree_mask: torch.Tensor | None = None,
+        depths: torch.Tensor | None = None,
+        skip_layers: frozenset[int] = frozenset(),
+        logits_index: torch.Tensor | None = None,
+        features: torch.Tensor | None = None,
+        return_hidden: bool = False,
+    ):
         """Cached forward of ``T`` new tokens per row (decode, verify, a prefill piece).
 
         Args:
@@ -549,11 +616,18 @@ class DecoderLM(nn.Module):
         logits = self._logits(x, logits_index)
         return (logits, x) if return_hidden else logits
 
-    def prefill(self, input_ids: torch.Tensor, cache: KVCache, lengths: torch.Tensor, *,
-                logits_index: torch.Tensor | None = None,
-                skip_layers: frozenset[int] = frozenset(),
-                chunk: int | None = None, features: torch.Tensor | None = None,
-                return_hidden: bool = False):
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        lengths: torch.Tensor,
+        *,
+        logits_index: torch.Tensor | None = None,
+        skip_layers: frozenset[int] = frozenset(),
+        chunk: int | None = None,
+        features: torch.Tensor | None = None,
+        return_hidden: bool = False,
+    ):
         """Feed a ragged batch of prompts in pieces and commit them.
 
         Piece ``s`` is ``input_ids[:, s * chunk : (s + 1) * chunk]``: one causal forward over
@@ -583,13 +657,13 @@ class DecoderLM(nn.Module):
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         lengths = lengths.to(torch.int32)
-        pieces = []                    # logits per piece, without logits_index
-        picked = None                  # [B, K, hidden]: hidden states at logits_index
-        hidden = []                    # [B, width, hidden] per piece (return_hidden)
+        pieces = []  # logits per piece, without logits_index
+        picked = None  # [B, K, hidden]: hidden states at logits_index
+        hidden = []  # [B, width, hidden] per piece (return_hidden)
         for start in range(0, T, chunk):
-            ids = input_ids[:, start:start + chunk]
+            ids = input_ids[:, start : start + chunk]
             width = ids.shape[1]
-            feats = None if features is None else features[:, start:start + chunk]
+            feats = None if features is None else features[:, start : start + chunk]
             x = self._hidden(ids, cache, None, None, skip_layers, feats)
             if return_hidden:
                 hidden.append(x)
@@ -615,9 +689,15 @@ class DecoderLM(nn.Module):
         m = self.config.embedding_multiplier
         return x if m == 1.0 else x * m
 
-    def _hidden(self, input_ids: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor | None,
-                depths: torch.Tensor | None, skip_layers: frozenset[int],
-                features: torch.Tensor | None = None) -> torch.Tensor:
+    def _hidden(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        tree_mask: torch.Tensor | None,
+        depths: torch.Tensor | None,
+        skip_layers: frozenset[int],
+        features: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The cached forward up to the final norm: hidden states ``[B, T, hidden]``."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got {tuple(input_ids.shape)}")
@@ -625,39 +705,59 @@ class DecoderLM(nn.Module):
         if B > cache.max_batch_size:
             raise ValueError(f"batch of {B} rows but the cache holds {cache.max_batch_size}")
         if cache.bound + T > cache.capacity:
-            raise ValueError(f"{T} new tokens on top of up to {cache.bound} cached ones exceed "
-                             f"the cache capacity {cache.capacity}")
+            raise ValueError(
+                f"{T} new tokens on top of up to {cache.bound} cached ones exceed "
+                f"the cache capacity {cache.capacity}"
+            )
         if tree_mask is not None and T > MAX_TREE:
             raise ValueError(f"a tree mask allows at most {MAX_TREE} tokens per row, got {T}")
-        lens = cache.lens[:B, None].to(torch.int64)                        # [B, 1]
-        slots = lens + self._iota(T)                                       # [B, T] K/V slots
+        lens = cache.lens[:B, None].to(torch.int64)  # [B, 1]
+        slots = lens + self._iota(T)  # [B, T] K/V slots
         positions = slots if depths is None else lens + depths
         ropes = self._layer_ropes(positions, cache.capacity, cache.context)
-        rows = self._iota(B)[:, None]                                      # [B, 1]
+        rows = self._iota(B)[:, None]  # [B, 1]
         max_kv_len = cache.bound + T
         x = self._embed(input_ids, features)
-        from osd.models import fused_layers   # it imports this module
+        from osd.models import fused_layers  # it imports this module
 
-        if fused_layers.use_fused(self, x):   # fused kernels on CUDA (osd/models/fused_layers.py)
-            return fused_layers.fused_hidden(self, x, cache, ropes, slots, tree_mask, depths,
-                                             skip_layers, max_kv_len)
+        if fused_layers.use_fused(self, x):  # fused kernels on CUDA (osd/models/fused_layers.py)
+            return fused_layers.fused_hidden(
+                self, x, cache, ropes, slots, tree_mask, depths, skip_layers, max_kv_len
+            )
         for index, layer in enumerate(self.layers):
             if index in skip_layers:
                 continue
             q, k, v = layer.qkv(x, *ropes[layer.local_rope])
-            kv = cache.kv[index]                                            # [2, B_max, H, S, D]
+            kv = cache.kv[index]  # [2, B_max, H, S, D]
             # write K/V at [row, slot]: a [B_max, S, 2, H, D] view indexed by (rows, slots)
             kv.permute(1, 3, 0, 2, 4).index_put_((rows, slots), torch.stack((k, v), dim=2))
-            out = attention(q, kv[0], kv[1], cache.lens, tree_mask, scale=self.scale,
-                            max_kv_len=max_kv_len, backend=self.attention_backend,
-                            window=layer.window, depths=depths, softcap=layer.softcap)
+            out = attention(
+                q,
+                kv[0],
+                kv[1],
+                cache.lens,
+                tree_mask,
+                scale=self.scale,
+                max_kv_len=max_kv_len,
+                backend=self.attention_backend,
+                window=layer.window,
+                depths=depths,
+                softcap=layer.softcap,
+            )
             x = layer.finish(x, out)
         return x
 
-    def forward_train(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      *, skip_layers: frozenset[int] = frozenset(),
-                      rows: torch.Tensor | None = None, full_vocab: bool = True,
-                      features: torch.Tensor | None = None, return_hidden: bool = False):
+    def forward_train(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        skip_layers: frozenset[int] = frozenset(),
+        rows: torch.Tensor | None = None,
+        full_vocab: bool = True,
+        features: torch.Tensor | None = None,
+        return_hidden: bool = False,
+    ):
         """Cacheless causal forward over whole sequences; supports autograd.
 
         Args:
@@ -693,16 +793,21 @@ class DecoderLM(nn.Module):
             if index in skip_layers:
                 continue
             q, k, v = layer.qkv(x, *ropes[layer.local_rope])
-            x = layer.finish(x, causal_attention(q, k, v, key_mask, scale=self.scale,
-                                                 window=layer.window, softcap=layer.softcap))
+            x = layer.finish(
+                x,
+                causal_attention(
+                    q, k, v, key_mask, scale=self.scale, window=layer.window, softcap=layer.softcap
+                ),
+            )
         hidden = x
         if rows is not None:
             x = x.reshape(N * T, x.shape[-1]).index_select(0, rows)
         logits = self._logits(x, None, full_vocab)
         return (logits, hidden) if return_hidden else logits
 
-    def _logits(self, x: torch.Tensor, logits_index: torch.Tensor | None,
-                full_vocab: bool = True) -> torch.Tensor:
+    def _logits(
+        self, x: torch.Tensor, logits_index: torch.Tensor | None, full_vocab: bool = True
+    ) -> torch.Tensor:
         if logits_index is not None:
             x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
         y = project(x, self.lm_head, self.norm).float()
@@ -724,11 +829,16 @@ def without_layers(model: DecoderLM, skip: frozenset[int]) -> DecoderLM:
     c = model.config
 
     def renumbered(layers):
-        return None if layers is None else tuple(new for new, old in enumerate(keep)
-                                                 if old in layers)
+        return (
+            None if layers is None else tuple(new for new, old in enumerate(keep) if old in layers)
+        )
 
-    config = dataclasses.replace(c, num_layers=len(keep), nope_layers=renumbered(c.nope_layers),
-                                 window_layers=renumbered(c.window_layers))
+    config = dataclasses.replace(
+        c,
+        num_layers=len(keep),
+        nope_layers=renumbered(c.nope_layers),
+        window_layers=renumbered(c.window_layers),
+    )
     sub = DecoderLM(config, device=model.device, dtype=model.dtype)
     # Block-quantized layers are shared (they are never trained).
     for new, old in enumerate(keep):

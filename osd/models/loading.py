@@ -13,6 +13,7 @@ file; ValueError for a corrupt file, an unsupported architecture (listing the su
 ones), missing/unexpected/mis-shaped tensors, or an unknown device; TypeError for an
 unsupported dtype or source type.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,14 +25,23 @@ import torch
 from torch import nn
 
 from osd.models.config import TEXT_MODELS, ModelConfig
-from osd.models.gguf import (GGUFFile, config_from_gguf, find_gguf, open_gguf_weights,
-                             tokenizer_from_gguf)
+from osd.models.gguf import (
+    GGUFFile,
+    config_from_gguf,
+    find_gguf,
+    open_gguf_weights,
+    tokenizer_from_gguf,
+)
 from osd.models.llama import DecoderLM
 from osd.models.quant import quantize_gguf_linears
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 # Checkpoint tensors that carry no weights (old checkpoints saved the RoPE buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -42,8 +52,9 @@ def resolve_device(device: torch.device | str) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"unknown device {device!r}; expected 'cpu', 'cuda' or 'cuda:N' "
-                         f"({exc})") from None
+        raise ValueError(
+            f"unknown device {device!r}; expected 'cpu', 'cuda' or 'cuda:N' ({exc})"
+        ) from None
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {device!r}; expected 'cpu', 'cuda' or 'cuda:N'")
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -53,8 +64,10 @@ def resolve_device(device: torch.device | str) -> torch.device:
 
 def check_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype not in DTYPES:
-        raise TypeError(f"unsupported dtype {dtype!r}; expected one of torch.float32, "
-                        "torch.bfloat16, torch.float16")
+        raise TypeError(
+            f"unsupported dtype {dtype!r}; expected one of torch.float32, "
+            "torch.bfloat16, torch.float16"
+        )
     return dtype
 
 
@@ -67,9 +80,15 @@ def is_transformers_model(obj) -> bool:
 HEAD_VOCAB_FILE = "head_vocab.json"
 
 
-def load_model(source, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               attention_backend: str = "auto", head_vocab: bool = True,
-               quantized: bool = False) -> DecoderLM:
+def load_model(
+    source,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    attention_backend: str = "auto",
+    head_vocab: bool = True,
+    quantized: bool = False,
+) -> DecoderLM:
     """Build a :class:`DecoderLM` from ``source``: a checkpoint directory or GGUF file
     (str / PathLike) or an in-memory transformers ``*ForCausalLM`` model. Weights are
     converted (GGUF: dequantized) to ``dtype`` and placed on ``device``.
@@ -85,16 +104,24 @@ def load_model(source, *, device: torch.device | str = "cpu", dtype: torch.dtype
     check_dtype(dtype)
     gguf_file = _gguf_source(source)
     if gguf_file is not None:
-        return load_gguf_model(gguf_file, device=device, dtype=dtype,
-                               attention_backend=attention_backend, quantized=quantized)
+        return load_gguf_model(
+            gguf_file,
+            device=device,
+            dtype=dtype,
+            attention_backend=attention_backend,
+            quantized=quantized,
+        )
     if quantized:
         name = str(source) if isinstance(source, (str, os.PathLike)) else type(source).__name__
-        raise ValueError(f"quantized=True keeps a GGUF file's quantized weights, but {name!r} "
-                         f"is not a GGUF file (osd.models.quant.quantize_linears quantizes a "
-                         f"loaded float model)")
+        raise ValueError(
+            f"quantized=True keeps a GGUF file's quantized weights, but {name!r} "
+            f"is not a GGUF file (osd.models.quant.quantize_linears quantizes a "
+            f"loaded float model)"
+        )
     if is_transformers_model(source):
-        config = ModelConfig.from_hf(source.config, architecture=type(source).__name__,
-                                     attention_backend=attention_backend)
+        config = ModelConfig.from_hf(
+            source.config, architecture=type(source).__name__, attention_backend=attention_backend
+        )
         state = source.state_dict()
         getter: Callable[[str], torch.Tensor] = state.__getitem__
         keys = set(state)
@@ -111,8 +138,10 @@ def load_model(source, *, device: torch.device | str = "cpu", dtype: torch.dtype
         if set(raw.get("architectures") or ()) & set(TEXT_MODELS):
             keys, getter = language_model_view(keys, getter)
     else:
-        raise TypeError(f"expected a checkpoint directory path or a transformers model, got "
-                        f"{type(source).__name__}")
+        raise TypeError(
+            f"expected a checkpoint directory path or a transformers model, got "
+            f"{type(source).__name__}"
+        )
     model = DecoderLM(config, device=device, dtype=dtype)
     gemma = config.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
     load_hf_state_dict(model, keys, getter, norm_shift=1.0 if gemma else 0.0)
@@ -133,8 +162,9 @@ def read_head_vocab(path: Path) -> list[int] | None:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"corrupt {HEAD_VOCAB_FILE} in {str(path)!r}: {exc}") from None
     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-        raise ValueError(f"corrupt {HEAD_VOCAB_FILE} in {str(path)!r}: expected a JSON list "
-                         "of token ids")
+        raise ValueError(
+            f"corrupt {HEAD_VOCAB_FILE} in {str(path)!r}: expected a JSON list of token ids"
+        )
     return ids
 
 
@@ -181,8 +211,10 @@ def _open_weights(path: Path):
     """``(keys, get)`` over the checkpoint's tensors, reading lazily where possible."""
     present = [name for name in WEIGHT_FILES if (path / name).is_file()]
     if not present:
-        raise FileNotFoundError(f"no weights in checkpoint directory {str(path)!r}; expected "
-                                f"one of {', '.join(WEIGHT_FILES)}")
+        raise FileNotFoundError(
+            f"no weights in checkpoint directory {str(path)!r}; expected "
+            f"one of {', '.join(WEIGHT_FILES)}"
+        )
     name = present[0]
     if name.endswith(".index.json"):
         try:
@@ -196,8 +228,9 @@ def _open_weights(path: Path):
     for file in files:
         full = path / file
         if not full.is_file():
-            raise FileNotFoundError(f"checkpoint shard {str(full)!r} listed in the index is "
-                                    "missing")
+            raise FileNotFoundError(
+                f"checkpoint shard {str(full)!r} listed in the index is missing"
+            )
         readers[file] = _read_file(full)
     owner = {key: file for file, reader in readers.items() for key in reader.keys()}
 
@@ -205,8 +238,9 @@ def _open_weights(path: Path):
         try:
             return readers[owner[key]].get_tensor(key)
         except Exception as exc:  # a damaged tensor surfaces only when it is read
-            raise ValueError(f"corrupt checkpoint file {str(path / owner[key])!r}: "
-                             f"tensor {key}: {exc}") from None
+            raise ValueError(
+                f"corrupt checkpoint file {str(path / owner[key])!r}: tensor {key}: {exc}"
+            ) from None
 
     return set(owner), get
 
@@ -239,8 +273,11 @@ def _read_file(file: Path):
 
 # Where a multimodal checkpoint keeps its language model's tensors (older and newer
 # transformers layouts), and what these names are in a text-only checkpoint.
-_LANGUAGE_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                      ("language_model.lm_head.", "lm_head."))
+_LANGUAGE_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
 
 
 def language_model_view(keys, get: Callable[[str], torch.Tensor]):
@@ -251,7 +288,7 @@ def language_model_view(keys, get: Callable[[str], torch.Tensor]):
     for key in keys:
         for prefix, text in _LANGUAGE_PREFIXES:
             if key.startswith(prefix):
-                names[text + key[len(prefix):]] = key
+                names[text + key[len(prefix) :]] = key
         if key == "lm_head.weight":
             names[key] = key
     return set(names), lambda name: get(names[name])
@@ -266,9 +303,11 @@ def _hf_sources(name: str, keys=(), num_experts: int = 0) -> list[str]:
     tensors (Mixtral's ``block_sparse_moe.experts.E.w1/w3/w2``, Qwen-MoE's and OLMoE's
     ``mlp.experts.E.gate_proj/up_proj/down_proj``)."""
     if not name.startswith("layers."):
-        return {"embed_tokens.weight": ["model.embed_tokens.weight"],
-                "norm.weight": ["model.norm.weight"],
-                "lm_head.weight": ["lm_head.weight"]}[name]
+        return {
+            "embed_tokens.weight": ["model.embed_tokens.weight"],
+            "norm.weight": ["model.norm.weight"],
+            "lm_head.weight": ["lm_head.weight"],
+        }[name]
     parts = name.split(".")
     pre = f"model.layers.{parts[1]}."
     if parts[2] == "moe":
@@ -294,29 +333,41 @@ def _hf_sources(name: str, keys=(), num_experts: int = 0) -> list[str]:
 def _moe_sources(pre: str, part: str, keys, num_experts: int) -> list[str]:
     """The sources of :class:`~osd.models.llama.MoE` parameter ``part`` of layer ``pre``."""
     mixtral = pre + "block_sparse_moe.gate.weight" in keys
-    granite = pre + "block_sparse_moe.router.layer.weight" in keys \
+    granite = (
+        pre + "block_sparse_moe.router.layer.weight" in keys
         or pre + "block_sparse_moe.router.weight" in keys
+    )
     moe = pre + ("block_sparse_moe." if mixtral or granite else "mlp.")
-    fused = {"gate_up": [moe + "experts.gate_up_proj", moe + "input_linear.weight"],
-             "down": [moe + "experts.down_proj", moe + "output_linear.weight"]}
+    fused = {
+        "gate_up": [moe + "experts.gate_up_proj", moe + "input_linear.weight"],
+        "down": [moe + "experts.down_proj", moe + "output_linear.weight"],
+    }
     for name in fused.get(part, ()):
         if name in keys:
             return [name]
     if granite and part == "router":
-        return [moe + ("router.layer.weight" if moe + "router.layer.weight" in keys
-                       else "router.weight")]
-    names = ({"gate_up": ("w1", "w3"), "down": ("w2",)} if mixtral else
-             {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)})
+        return [
+            moe
+            + ("router.layer.weight" if moe + "router.layer.weight" in keys else "router.weight")
+        ]
+    names = (
+        {"gate_up": ("w1", "w3"), "down": ("w2",)}
+        if mixtral
+        else {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+    )
     if part in names:
         return [f"{moe}experts.{e}.{p}.weight" for e in range(num_experts) for p in names[part]]
-    return {"router": [moe + "gate.weight"],
-            "shared_gate_up": [pre + f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up")],
-            "shared_down": [pre + "mlp.shared_expert.down_proj.weight"],
-            "shared_gate": [pre + "mlp.shared_expert_gate.weight"]}[part]
+    return {
+        "router": [moe + "gate.weight"],
+        "shared_gate_up": [pre + f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up")],
+        "shared_down": [pre + "mlp.shared_expert.down_proj.weight"],
+        "shared_gate": [pre + "mlp.shared_expert_gate.weight"],
+    }[part]
 
 
-def load_hf_state_dict(model: DecoderLM, keys, get: Callable[[str], torch.Tensor], *,
-                       norm_shift: float = 0.0) -> None:
+def load_hf_state_dict(
+    model: DecoderLM, keys, get: Callable[[str], torch.Tensor], *, norm_shift: float = 0.0
+) -> None:
     """Copy Hugging Face named tensors into ``model``'s (fused) parameters.
 
     Args:
@@ -346,13 +397,15 @@ def load_hf_state_dict(model: DecoderLM, keys, get: Callable[[str], torch.Tensor
                 if norm_shift and name.endswith("norm.weight"):
                     tensor = tensor.float() + norm_shift
                 if tensor.dim() == param.dim() - 1 and param.dim() == 3:
-                    dst = param.flatten(0, 1)          # per-expert [rows, K] into [E * rows, K]
+                    dst = param.flatten(0, 1)  # per-expert [rows, K] into [E * rows, K]
                 rows = tensor.shape[0]
                 want = (rows,) + tuple(dst.shape[1:])
                 if tuple(tensor.shape) != want or offset + rows > dst.shape[0]:
-                    raise ValueError(f"tensor {src} has shape {tuple(tensor.shape)}, expected "
-                                     f"{want} for this config")
-                dst[offset:offset + rows].copy_(tensor)
+                    raise ValueError(
+                        f"tensor {src} has shape {tuple(tensor.shape)}, expected "
+                        f"{want} for this config"
+                    )
+                dst[offset : offset + rows].copy_(tensor)
                 offset += rows
                 used.add(src)
             if offset != dst.shape[0]:
@@ -360,12 +413,16 @@ def load_hf_state_dict(model: DecoderLM, keys, get: Callable[[str], torch.Tensor
     if tied:
         used.add("lm_head.weight")
     if missing:
-        raise ValueError(f"checkpoint is missing {len(missing)} tensors: "
-                         f"{', '.join(sorted(missing)[:8])}{' ...' if len(missing) > 8 else ''}")
+        raise ValueError(
+            f"checkpoint is missing {len(missing)} tensors: "
+            f"{', '.join(sorted(missing)[:8])}{' ...' if len(missing) > 8 else ''}"
+        )
     unexpected = sorted(k for k in keys - used if not k.endswith(_IGNORED_SUFFIXES))
     if unexpected:
-        raise ValueError(f"checkpoint has {len(unexpected)} tensors this architecture does not "
-                         f"use: {', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}")
+        raise ValueError(
+            f"checkpoint has {len(unexpected)} tensors this architecture does not "
+            f"use: {', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}"
+        )
 
 
 def load_tokenizer(source):
@@ -376,7 +433,6 @@ def load_tokenizer(source):
         return None
     gguf_file = _gguf_source(source)
     if gguf_file is not None:
-
         return tokenizer_from_gguf(GGUFFile(gguf_file))
     path = Path(source)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
@@ -401,9 +457,14 @@ def _tokenizer_class(path: Path) -> str | None:
         return None
 
 
-def load_gguf_model(path: str | os.PathLike, *, device: torch.device | str = "cpu",
-                    dtype: torch.dtype = torch.float32, attention_backend: str = "auto",
-                    quantized: bool = False):
+def load_gguf_model(
+    path: str | os.PathLike,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    attention_backend: str = "auto",
+    quantized: bool = False,
+):
     """A :class:`~osd.models.llama.DecoderLM` with the weights of GGUF file ``path``,
     dequantized to ``dtype`` on ``device``.
 
@@ -412,9 +473,11 @@ def load_gguf_model(path: str | os.PathLike, *, device: torch.device | str = "cp
     the same outputs as the dequantized model, with 4-bit weights read at 0.75 bytes each
     instead of 4. The embedding stays float for lookups; other types stay float."""
     if quantized and (torch.device(device).type != "cpu" or dtype != torch.float32):
-        raise ValueError(f"quantized=True computes with the CPU float32 kernels; got device "
-                         f"{str(device)!r}, dtype {dtype} (load dequantized weights there: "
-                         f"quantized=False)")
+        raise ValueError(
+            f"quantized=True computes with the CPU float32 kernels; got device "
+            f"{str(device)!r}, dtype {dtype} (load dequantized weights there: "
+            f"quantized=False)"
+        )
     g = GGUFFile(path)
     config = config_from_gguf(g, attention_backend=attention_backend)
     keys, get = open_gguf_weights(g, config, device=device, dtype=dtype)

@@ -18,6 +18,7 @@ float rounding, and autograd through ``F.linear`` on the dequantized matrix.
 - :func:`quantized_state`: a float model's weights for its quantized copy (an online
   learner trains the float draft and publishes them to the quantized serving draft).
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,8 +28,16 @@ import torch
 from torch import nn
 
 from osd.models.gguf import ARCHITECTURES, unpermute_rope_rows
-from osd.models.gguf_blocks import (BLOCK_LAYOUT, GGMLType, high_bits, iq4_parts,
-                                    k_quant_parts, nibbles, quantize, type_name)
+from osd.models.gguf_blocks import (
+    BLOCK_LAYOUT,
+    GGMLType,
+    high_bits,
+    iq4_parts,
+    k_quant_parts,
+    nibbles,
+    quantize,
+    type_name,
+)
 from osd_kernels.quant_linear import BLOCK, dequantize_weight, quant_linear
 
 # Block types a float layer can be quantized to (ggml's reference rounding), by name.
@@ -36,8 +45,17 @@ FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 # GGUF block types a QuantLinear holds as codes: FORMATS, the 5-bit types (as 8-bit codes),
 # the K-quants, whose 16- or 32-weight groups are affine in their codes, and IQ4_NL and
 # IQ4_XS, whose 16 non-uniform levels are 8-bit codes times a scale per 32 weights.
-GGUF_FORMATS = FORMATS + ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
-                          "IQ4_XS")
+GGUF_FORMATS = FORMATS + (
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "IQ4_NL",
+    "IQ4_XS",
+)
 
 
 class QuantLinear(nn.Module):
@@ -48,9 +66,14 @@ class QuantLinear(nn.Module):
     None). Not trainable: the weights are fixed (a target model's, or a shared output head).
     """
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor,
-                 mins: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                 fmt: str = "") -> None:
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        fmt: str = "",
+    ) -> None:
         super().__init__()
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
@@ -66,11 +89,13 @@ class QuantLinear(nn.Module):
     def in_features(self) -> int:
         return self.qweight.shape[1] * (2 if self.qweight.dtype == torch.uint8 else 1)
 
-    def forward(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None,
-                eps: float = 1e-6) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6
+    ) -> torch.Tensor:
         """``[..., K] -> [..., N]``, after the RMSNorm of ``norm_weight`` when given."""
-        return quant_linear(x, self.qweight, self.scales, self.mins, self.bias,
-                            norm_weight=norm_weight, eps=eps)
+        return quant_linear(
+            x, self.qweight, self.scales, self.mins, self.bias, norm_weight=norm_weight, eps=eps
+        )
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight ``[N, K]``."""
@@ -78,15 +103,18 @@ class QuantLinear(nn.Module):
 
     def select_rows(self, ids: torch.Tensor) -> "QuantLinear":
         """A layer of the output rows ``ids`` only (a restricted output head)."""
+
         def pick(t):
             return None if t is None else t.index_select(0, ids.to(t.device))
 
-        return QuantLinear(pick(self.qweight), pick(self.scales), pick(self.mins),
-                           pick(self.bias), self.fmt)
+        return QuantLinear(
+            pick(self.qweight), pick(self.scales), pick(self.mins), pick(self.bias), self.fmt
+        )
 
     @classmethod
-    def from_gguf_blocks(cls, raw: torch.Tensor, fmt: str, shape: tuple[int, int],
-                         bias: torch.Tensor | None = None) -> "QuantLinear":
+    def from_gguf_blocks(
+        cls, raw: torch.Tensor, fmt: str, shape: tuple[int, int], bias: torch.Tensor | None = None
+    ) -> "QuantLinear":
         """A layer from one GGUF tensor's stored bytes (``raw`` uint8, ``shape = (N, K)``
         in torch order) of block type ``fmt`` (one of :data:`GGUF_FORMATS`)."""
         if fmt not in GGUF_FORMATS:
@@ -103,24 +131,44 @@ class QuantLinear(nn.Module):
             # Q5_1; a 5-bit code times a float16 scale is exact in float32.
             lo = 2 if fmt == "Q5_0" else 4
             flat = blocks.reshape(N * (K // BLOCK), -1)
-            q = nibbles(flat[:, lo + 4:]) | (high_bits(flat[:, lo:lo + 4]) << 4)
-            m = -16.0 * d if fmt == "Q5_0" else \
-                blocks[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
-            return cls(q.to(torch.int8).reshape(N, K).contiguous(), d.contiguous(),
-                       m.contiguous(), bias, fmt)
+            q = nibbles(flat[:, lo + 4 :]) | (high_bits(flat[:, lo : lo + 4]) << 4)
+            m = (
+                -16.0 * d
+                if fmt == "Q5_0"
+                else blocks[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+            )
+            return cls(
+                q.to(torch.int8).reshape(N, K).contiguous(),
+                d.contiguous(),
+                m.contiguous(),
+                bias,
+                fmt,
+            )
         if fmt == "Q8_0":
             q = blocks[..., 2:].contiguous().view(torch.int8).reshape(N, K)
             return cls(q, d.contiguous(), None, bias, fmt)
-        if fmt == "Q4_0":                  # (q - 8) * d = q * d + (-8 d), exact in float32
-            return cls(blocks[..., 2:].reshape(N, K // 2).contiguous(), d.contiguous(),
-                       (-8.0 * d).contiguous(), bias, fmt)
+        if fmt == "Q4_0":  # (q - 8) * d = q * d + (-8 d), exact in float32
+            return cls(
+                blocks[..., 2:].reshape(N, K // 2).contiguous(),
+                d.contiguous(),
+                (-8.0 * d).contiguous(),
+                bias,
+                fmt,
+            )
         m = blocks[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
-        return cls(blocks[..., 4:].reshape(N, K // 2).contiguous(), d.contiguous(),
-                   m.contiguous(), bias, fmt)
+        return cls(
+            blocks[..., 4:].reshape(N, K // 2).contiguous(),
+            d.contiguous(),
+            m.contiguous(),
+            bias,
+            fmt,
+        )
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               f"format={self.fmt}, bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"format={self.fmt}, bias={self.bias is not None}"
+        )
 
 
 def _fused(pieces: list[QuantLinear], bias: torch.Tensor | None) -> QuantLinear:
@@ -139,7 +187,7 @@ def _fused(pieces: list[QuantLinear], bias: torch.Tensor | None) -> QuantLinear:
     qs, scales, mins = [], [], []
     for p in pieces:
         q = p.qweight
-        if wide and q.dtype == torch.uint8:       # nibbles j, j + 16 of each block of 32
+        if wide and q.dtype == torch.uint8:  # nibbles j, j + 16 of each block of 32
             q = q.reshape(q.shape[0], -1, 16)
             q = torch.cat([q & 0xF, q >> 4], dim=-1).reshape(q.shape[0], K).to(torch.int8)
         repeat = groups // p.scales.shape[1]
@@ -148,8 +196,13 @@ def _fused(pieces: list[QuantLinear], bias: torch.Tensor | None) -> QuantLinear:
         m = torch.zeros_like(p.scales) if p.mins is None else p.mins
         mins.append(m.repeat_interleave(repeat, dim=1))
     fmts = "+".join(dict.fromkeys(p.fmt for p in pieces))
-    return QuantLinear(torch.cat(qs), torch.cat(scales).contiguous(),
-                       torch.cat(mins).contiguous() if with_mins else None, bias, fmts)
+    return QuantLinear(
+        torch.cat(qs),
+        torch.cat(scales).contiguous(),
+        torch.cat(mins).contiguous() if with_mins else None,
+        bias,
+        fmts,
+    )
 
 
 def _k_quant_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
@@ -164,14 +217,14 @@ def _k_quant_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
     if K % 256:
         raise ValueError(f"{fmt} rows hold whole super-blocks of 256 weights, got K = {K}")
     q, scales, mins = k_quant_parts(raw.reshape(-1, BLOCK_LAYOUT[t][1]), t)
-    groups = scales.shape[1] * (K // 256)                 # per weight row
+    groups = scales.shape[1] * (K // 256)  # per weight row
     if t == GGMLType.Q3_K:
         q, mins = q + 4, -4.0 * scales
     scales = scales.reshape(N, groups).contiguous()
     mins = None if mins is None else mins.reshape(N, groups).contiguous()
     if t in (GGMLType.Q5_K, GGMLType.Q6_K):
         return q.to(torch.int8).reshape(N, K).contiguous(), scales, mins
-    q = q.to(torch.uint8).reshape(-1, 2, 16)              # blocks of 32: j | (j + 16) << 4
+    q = q.to(torch.uint8).reshape(-1, 2, 16)  # blocks of 32: j | (j + 16) << 4
     return (q[:, 0] | (q[:, 1] << 4)).reshape(N, K // 2).contiguous(), scales, mins
 
 
@@ -184,8 +237,7 @@ def _iq4_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
     if K % per_block:
         raise ValueError(f"{fmt} rows hold whole blocks of {per_block} weights, got K = {K}")
     q, scales = iq4_parts(raw.reshape(-1, size), t)
-    return (q.to(torch.int8).reshape(N, K).contiguous(),
-            scales.reshape(N, K // 32).contiguous())
+    return (q.to(torch.int8).reshape(N, K).contiguous(), scales.reshape(N, K // 32).contiguous())
 
 
 def _linear_slots(model) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -201,8 +253,7 @@ def _linear_slots(model) -> list[tuple[nn.Module, str, nn.Linear]]:
     return slots
 
 
-def quantize_weight(w: torch.Tensor, fmt: str,
-                    bias: torch.Tensor | None = None) -> QuantLinear:
+def quantize_weight(w: torch.Tensor, fmt: str, bias: torch.Tensor | None = None) -> QuantLinear:
     """A :class:`QuantLinear` of float weight ``w [N, K]`` (``K`` a multiple of 32) in
     ``fmt``, rounded as ggml's reference quantizer does."""
 
@@ -231,12 +282,14 @@ def own_quant_layers(model: nn.Module) -> dict[str, QuantLinear]:
     """``model``'s :class:`QuantLinear` layers by module name, less the target layers it
     shares (``model.shared_modules()``: an EAGLE draft's quantized head)."""
     shared = {id(m) for m in getattr(model, "shared_modules", list)()}
-    return {name: m for name, m in model.named_modules()
-            if isinstance(m, QuantLinear) and id(m) not in shared}
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, QuantLinear) and id(m) not in shared
+    }
 
 
-def serving_drafts(drafts: list, fmt: str | None, device: torch.device,
-                   learning: bool) -> list:
+def serving_drafts(drafts: list, fmt: str | None, device: torch.device, learning: bool) -> list:
     """The drafts an engine serves: copies quantized in ``fmt`` (``Engine(quantize_draft=
     ...)``; each shares the target tensors its draft shares), or ``drafts`` themselves when
     ``fmt`` is None. ValueError for a bad ``fmt``, no drafts, drafts that are not float32
@@ -245,27 +298,33 @@ def serving_drafts(drafts: list, fmt: str | None, device: torch.device,
     if fmt is None:
         for i, d in enumerate(drafts if learning else ()):
             if own_quant_layers(d):
-                raise ValueError(f"draft {i} keeps quantized layers, which cannot learn: pass "
-                                 f"the float draft with quantize_draft=... to serve it "
-                                 f"quantized while it learns")
+                raise ValueError(
+                    f"draft {i} keeps quantized layers, which cannot learn: pass "
+                    f"the float draft with quantize_draft=... to serve it "
+                    f"quantized while it learns"
+                )
         return drafts
     if fmt not in FORMATS:
         raise ValueError(f"quantize_draft must be one of {FORMATS}, got {fmt!r}")
     if not drafts:
         raise ValueError("quantize_draft quantizes the drafts, but no draft was given")
     if torch.device(device).type != "cpu" or any(d.dtype != torch.float32 for d in drafts):
-        raise ValueError(f"quantize_draft runs on the CPU kernels: it needs float32 drafts on "
-                         f"the CPU, got {drafts[0].dtype} on {device}")
+        raise ValueError(
+            f"quantize_draft runs on the CPU kernels: it needs float32 drafts on "
+            f"the CPU, got {drafts[0].dtype} on {device}"
+        )
     copies = []
     for d in drafts:
-        shared = list(getattr(d, "shared_parameters", list)()) + \
-            list(getattr(d, "shared_modules", list)())
+        shared = list(getattr(d, "shared_parameters", list)()) + list(
+            getattr(d, "shared_modules", list)()
+        )
         copies.append(quantize_linears(copy.deepcopy(d, memo={id(t): t for t in shared}), fmt))
     return copies
 
 
-def quantized_state(state: dict[str, torch.Tensor],
-                    layers: dict[str, QuantLinear]) -> dict[str, torch.Tensor]:
+def quantized_state(
+    state: dict[str, torch.Tensor], layers: dict[str, QuantLinear]
+) -> dict[str, torch.Tensor]:
     """A float model's ``state`` (its ``state_dict()``) for a copy of it whose ``layers``
     (:func:`own_quant_layers`) are quantized: each such layer's ``<name>.weight`` replaced
     by its buffers, quantized in the layer's format. Other entries pass through."""
@@ -301,21 +360,27 @@ def quantize_gguf_linears(model, g) -> int:
 
     swapped = 0
     for i, layer in enumerate(model.layers):
-        groups = {"wqkv": [part(f"blk.{i}.attn_q.weight", config.num_heads),
-                           part(f"blk.{i}.attn_k.weight", config.num_kv_heads),
-                           part(f"blk.{i}.attn_v.weight")],
-                  "wo": [part(f"blk.{i}.attn_output.weight")],
-                  "w_gate_up": [part(f"blk.{i}.ffn_gate.weight"), part(f"blk.{i}.ffn_up.weight")],
-                  "w_down": [part(f"blk.{i}.ffn_down.weight")]}
-        if g.architecture == "phi3":      # fused in the file: attn_qkv, ffn_up = [gate; up]
+        groups = {
+            "wqkv": [
+                part(f"blk.{i}.attn_q.weight", config.num_heads),
+                part(f"blk.{i}.attn_k.weight", config.num_kv_heads),
+                part(f"blk.{i}.attn_v.weight"),
+            ],
+            "wo": [part(f"blk.{i}.attn_output.weight")],
+            "w_gate_up": [part(f"blk.{i}.ffn_gate.weight"), part(f"blk.{i}.ffn_up.weight")],
+            "w_down": [part(f"blk.{i}.ffn_down.weight")],
+        }
+        if g.architecture == "phi3":  # fused in the file: attn_qkv, ffn_up = [gate; up]
             groups["wqkv"] = [part(f"blk.{i}.attn_qkv.weight")]
             groups["w_gate_up"] = [part(f"blk.{i}.ffn_up.weight")]
         owners = dict.fromkeys(groups, layer)
-        if layer.moe is not None:         # the routed experts stay float; a shared one not
+        if layer.moe is not None:  # the routed experts stay float; a shared one not
             del groups["w_gate_up"], groups["w_down"]
             if layer.moe.shared_gate_up is not None:
-                groups["shared_gate_up"] = [part(f"blk.{i}.ffn_gate_shexp.weight"),
-                                            part(f"blk.{i}.ffn_up_shexp.weight")]
+                groups["shared_gate_up"] = [
+                    part(f"blk.{i}.ffn_gate_shexp.weight"),
+                    part(f"blk.{i}.ffn_up_shexp.weight"),
+                ]
                 groups["shared_down"] = [part(f"blk.{i}.ffn_down_shexp.weight")]
                 owners.update(shared_gate_up=layer.moe, shared_down=layer.moe)
         for name, parts in groups.items():
@@ -324,20 +389,22 @@ def quantize_gguf_linears(model, g) -> int:
             owner = owners[name]
             old = getattr(owner, name)
             K = old.weight.shape[1]
-            pieces = [QuantLinear.from_gguf_blocks(raw, fmt, (raw.shape[0], K))
-                      for fmt, raw in parts]
+            pieces = [
+                QuantLinear.from_gguf_blocks(raw, fmt, (raw.shape[0], K)) for fmt, raw in parts
+            ]
             bias = None if old.bias is None else old.bias.detach()
             setattr(owner, name, _fused(pieces, bias).to(old.weight.device))
             swapped += 1
-    head = part("output.weight") or (part("token_embd.weight") if "output.weight" not in
-                                     g.tensors else None)
+    head = part("output.weight") or (
+        part("token_embd.weight") if "output.weight" not in g.tensors else None
+    )
     if head is not None and model.head_ids is None:
         old = model.lm_head
-        model.lm_head = QuantLinear.from_gguf_blocks(head[1], head[0], tuple(old.weight.shape)) \
-            .to(old.weight.device)
+        model.lm_head = QuantLinear.from_gguf_blocks(head[1], head[0], tuple(old.weight.shape)).to(
+            old.weight.device
+        )
         swapped += 1
     return swapped
 
 
-__all__ = ["QuantLinear", "FORMATS", "GGUF_FORMATS", "quantize_linears",
-           "quantize_gguf_linears"]
+__all__ = ["QuantLinear", "FORMATS", "GGUF_FORMATS", "quantize_linears", "quantize_gguf_linears"]

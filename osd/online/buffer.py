@@ -14,6 +14,7 @@ Positions are absolute indices into the sequence: position ``t`` holds the distr
 of token ``t`` given tokens ``< t``. Which positions are kept is a policy: all verified
 positions (default) or only those where the target corrected the draft (OSD's choice).
 """
+
 from __future__ import annotations
 
 import threading
@@ -27,12 +28,12 @@ import torch
 class Example:
     """One served request's training signal (CPU tensors)."""
 
-    tokens: torch.Tensor             # [n] int64: prompt + generated tokens
-    positions: torch.Tensor          # [m] int64: positions with a stored target distribution
-    topk_ids: torch.Tensor | None    # [m, k] int32 (top-k storage)
+    tokens: torch.Tensor  # [n] int64: prompt + generated tokens
+    positions: torch.Tensor  # [m] int64: positions with a stored target distribution
+    topk_ids: torch.Tensor | None  # [m, k] int32 (top-k storage)
     topk_probs: torch.Tensor | None  # [m, k] float32
-    logits: torch.Tensor | None      # [m, V] float32 (full storage)
-    domain: str | None = None        # optional label (used only for reporting)
+    logits: torch.Tensor | None  # [m, V] float32 (full storage)
+    domain: str | None = None  # optional label (used only for reporting)
     features: torch.Tensor | None = None  # [n - 1, H] float16: the target's features at
     #                                       positions 0 .. n - 2 (an EAGLE draft's inputs)
 
@@ -66,8 +67,9 @@ class ReplayBuffer:
     again later is drafted from what was learned from it, whichever slice it went to.
     """
 
-    def __init__(self, capacity_positions: int = 65536, holdout_every: int = 5,
-                 holdout_capacity: int = 64):
+    def __init__(
+        self, capacity_positions: int = 65536, holdout_every: int = 5, holdout_capacity: int = 64
+    ):
         self.capacity = int(capacity_positions)
         self.holdout_every = int(holdout_every)
         self._train: deque[Example] = deque()
@@ -82,8 +84,9 @@ class ReplayBuffer:
         with self._lock:
             self._seen += 1
             if self.holdout_every > 0 and self._seen % self.holdout_every == 0:
-                retired = (self._holdout.popleft()
-                           if len(self._holdout) == self._holdout.maxlen else None)
+                retired = (
+                    self._holdout.popleft() if len(self._holdout) == self._holdout.maxlen else None
+                )
                 self._holdout.append(ex)
                 if retired is None:
                     return
@@ -104,8 +107,12 @@ class ReplayBuffer:
                 n += ex.num_positions
         return out[::-1]
 
-    def batch(self, max_positions: int, replay_fraction: float = 0.0,
-              generator: torch.Generator | None = None) -> list[Example]:
+    def batch(
+        self,
+        max_positions: int,
+        replay_fraction: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> list[Example]:
         """Examples for one update: the newest ones holding about ``(1 - replay_fraction)
         * max_positions`` positions, then older ones drawn uniformly at random (without
         repeats) up to about ``replay_fraction * max_positions`` more. Rehearsing older

@@ -15,6 +15,7 @@ temporary file, fsynced and renamed). A process killed at any point leaves the p
 ``LATEST`` and the checkpoint it names intact; stale temporaries are removed on the next
 save. Only the newest ``keep`` checkpoints are retained.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,9 @@ def _write_file(path: str, write) -> None:
         os.fsync(f.fileno())
 
 
-def save_checkpoint(ckpt_dir: str, step: int, state_dict: dict, optim_state: dict | None,
-                    meta: dict, keep: int = 3) -> str:
+def save_checkpoint(
+    ckpt_dir: str, step: int, state_dict: dict, optim_state: dict | None, meta: dict, keep: int = 3
+) -> str:
     """Write checkpoint ``step`` atomically and point ``LATEST`` at it. Returns its path."""
     os.makedirs(ckpt_dir, exist_ok=True)
     for name in os.listdir(ckpt_dir):
@@ -54,7 +56,7 @@ def save_checkpoint(ckpt_dir: str, step: int, state_dict: dict, optim_state: dic
     name = f"step-{step:06d}-{uuid.uuid4().hex[:8]}"  # never reuses a live name
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=ckpt_dir)
     tensors, aliases, seen = {}, {}, {}
-    for k, v in state_dict.items():      # tied weights (e.g. embeddings) are stored once
+    for k, v in state_dict.items():  # tied weights (e.g. embeddings) are stored once
         key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
         if key in seen:
             aliases[k] = seen[key]
@@ -66,8 +68,10 @@ def save_checkpoint(ckpt_dir: str, step: int, state_dict: dict, optim_state: dic
     with open(os.path.join(tmp, "draft.safetensors"), "rb+") as f:
         os.fsync(f.fileno())
     _write_file(os.path.join(tmp, "optim.pt"), lambda f: torch.save(optim_state or {}, f))
-    _write_file(os.path.join(tmp, "meta.json"),
-                lambda f: f.write(json.dumps(dict(meta, step=step), indent=1).encode()))
+    _write_file(
+        os.path.join(tmp, "meta.json"),
+        lambda f: f.write(json.dumps(dict(meta, step=step), indent=1).encode()),
+    )
     _fsync_dir(tmp)
     final = os.path.join(ckpt_dir, name)
     os.replace(tmp, final)
@@ -97,7 +101,7 @@ def latest_checkpoint(ckpt_dir: str) -> str | None:
 def _mtime(path: str) -> float:
     try:
         return os.path.getmtime(path)
-    except OSError:                      # removed meanwhile by a concurrent save's cleanup
+    except OSError:  # removed meanwhile by a concurrent save's cleanup
         return 0.0
 
 
@@ -113,8 +117,11 @@ def complete_checkpoints(ckpt_dir: str) -> list[str]:
         names = os.listdir(ckpt_dir)
     except FileNotFoundError:
         return out
-    others = [os.path.join(ckpt_dir, n) for n in names if n.startswith("step-")
-              and os.path.isfile(os.path.join(ckpt_dir, n, "meta.json"))]
+    others = [
+        os.path.join(ckpt_dir, n)
+        for n in names
+        if n.startswith("step-") and os.path.isfile(os.path.join(ckpt_dir, n, "meta.json"))
+    ]
     others.sort(key=lambda p: (os.path.basename(p).split("-")[1], _mtime(p)), reverse=True)
     return out + [p for p in others if p != latest]
 

@@ -11,6 +11,7 @@ For an EAGLE draft (whose drafter ``needs_hidden``) it also keeps the target's f
 at every position the target read (the prompt, then each step's root and accepted drafts),
 the draft's inputs when it trains.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,24 +39,35 @@ class TeacherCollector:
         if self.swap is not None:
             self.swap()
 
-    def on_prefill(self, requests, prompt_logits: torch.Tensor | None,
-                   prompt_hidden: torch.Tensor | None = None) -> None:
+    def on_prefill(
+        self,
+        requests,
+        prompt_logits: torch.Tensor | None,
+        prompt_hidden: torch.Tensor | None = None,
+    ) -> None:
         """``prompt_logits [n, m, V]``: the target's logits at each prompt's last ``m``
         positions (a shorter prompt's row starts with copies), the requests' first
         teacher positions ``len(prompt) - m + 1 .. len(prompt)``. ``prompt_hidden
         [n, T, H]``: the target's features at the prompts' positions (EAGLE), or None."""
         for b, r in enumerate(requests):
-            r.teacher = []     # (positions [m], topk ids, topk probs | logits)
+            r.teacher = []  # (positions [m], topk ids, topk probs | logits)
             # [positions, H] float16 pieces covering positions 0, 1, ... in order
-            r.features = None if prompt_hidden is None else \
-                [prompt_hidden[b, :len(r.prompt)].detach().to("cpu", torch.float16)]
+            r.features = (
+                None
+                if prompt_hidden is None
+                else [prompt_hidden[b, : len(r.prompt)].detach().to("cpu", torch.float16)]
+            )
         if prompt_logits is None:
             return
         m = prompt_logits.shape[1]
-        keep = [min(m, len(r.prompt)) for r in requests]   # rows without the copies
-        self._keep([(r, torch.arange(len(r.prompt) - j + 1, len(r.prompt) + 1))
-                    for r, j in zip(requests, keep)],
-                   [prompt_logits[b, m - j:] for b, j in enumerate(keep)])
+        keep = [min(m, len(r.prompt)) for r in requests]  # rows without the copies
+        self._keep(
+            [
+                (r, torch.arange(len(r.prompt) - j + 1, len(r.prompt) + 1))
+                for r, j in zip(requests, keep)
+            ],
+            [prompt_logits[b, m - j :] for b, j in enumerate(keep)],
+        )
 
     def on_verdict(self, v) -> None:
         """Keep the target's distributions at the positions ``v`` (a ``Verdict``)
@@ -68,12 +80,15 @@ class TeacherCollector:
                 continue
             n = v.accepted[b]
             if feats is not None and getattr(r, "features", None) is not None:
-                r.features.append(feats[b, :n + 1])   # the root and the accepted drafts
-            idx = ([n] if n < v.drafted[b] else []) if self.policy == "corrected" \
+                r.features.append(feats[b, : n + 1])  # the root and the accepted drafts
+            idx = (
+                ([n] if n < v.drafted[b] else [])
+                if self.policy == "corrected"
                 else list(range(n + 1))
+            )
             if not idx:
                 continue
-            base = r.length - v.emitted[b]           # position of the step's first token
+            base = r.length - v.emitted[b]  # position of the step's first token
             node = [path_host[b][j] for j in idx] if path_host is not None else idx
             rows.append(v.logits[b, node])
             where.append((r, torch.tensor([base + j for j in idx], dtype=torch.int64)))
@@ -89,7 +104,12 @@ class TeacherCollector:
         for r, pos in where:
             m = pos.numel()
             sl = slice(start, start + m)
-            r.teacher.append((pos, None if ids is None else ids[sl],
-                              None if probs is None else probs[sl],
-                              None if full is None else full[sl]))
+            r.teacher.append(
+                (
+                    pos,
+                    None if ids is None else ids[sl],
+                    None if probs is None else probs[sl],
+                    None if full is None else full[sl],
+                )
+            )
             start += m

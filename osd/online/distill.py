@@ -11,6 +11,7 @@ An EAGLE draft (``osd.models.eagle``) reads token ``t + 1`` beside the target's 
 ``t``, and its output there scores token ``t + 2``: its batches start one token later, carry
 the stored features, and match position ``t``'s target against draft index ``t - 2``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,10 +26,10 @@ from osd.online.buffer import Example
 class TrainBatch:
     """Padded draft inputs plus the rows of the flattened logits that carry a target."""
 
-    input_ids: torch.Tensor          # [N, T] int64, right-padded with 0
-    attention_mask: torch.Tensor     # [N, T] bool, True on real tokens
-    rows: torch.Tensor               # [M] int64 into the [N * T] flattened positions
-    topk_ids: torch.Tensor | None    # [M, k] int64 (columns of the draft's head)
+    input_ids: torch.Tensor  # [N, T] int64, right-padded with 0
+    attention_mask: torch.Tensor  # [N, T] bool, True on real tokens
+    rows: torch.Tensor  # [M] int64 into the [N * T] flattened positions
+    topk_ids: torch.Tensor | None  # [M, k] int64 (columns of the draft's head)
     topk_probs: torch.Tensor | None  # [M, k] float32
     target_logits: torch.Tensor | None  # [M, V_head] float32
     features: torch.Tensor | None = None  # [N, T, H] an EAGLE draft's input features
@@ -38,9 +39,14 @@ class TrainBatch:
         return int(self.rows.numel())
 
 
-def build_batch(examples: list[Example], max_len: int, device,
-                head_ids: torch.Tensor | None = None, eagle: bool = False,
-                dtype: torch.dtype = torch.float32) -> TrainBatch:
+def build_batch(
+    examples: list[Example],
+    max_len: int,
+    device,
+    head_ids: torch.Tensor | None = None,
+    eagle: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> TrainBatch:
     """Pack ``examples`` (each cut to its newest ``max_len`` tokens) into one batch, the
     targets in the columns of a head restricted to ``head_ids [V_head]`` when given;
     ``eagle``: the batch of an EAGLE draft (features in ``dtype``)."""
@@ -61,11 +67,11 @@ def build_batch(examples: list[Example], max_len: int, device,
     feats = torch.zeros(N, T, examples[0].features.shape[-1], dtype=dtype) if eagle else None
     rows, tk_ids, tk_p, logits = [], [], [], []
     for n, (ex, start, keep) in enumerate(cut):
-        toks = ex.tokens[start + shift:]
-        ids[n, :toks.numel()] = toks
-        mask[n, :toks.numel()] = True
+        toks = ex.tokens[start + shift :]
+        ids[n, : toks.numel()] = toks
+        mask[n, : toks.numel()] = True
         if eagle:
-            feats[n, :toks.numel()] = ex.features[start:start + toks.numel()].to(dtype)
+            feats[n, : toks.numel()] = ex.features[start : start + toks.numel()].to(dtype)
         rows.append(n * T + (ex.positions[keep] - 1 - shift - start))
         if ex.topk_ids is not None:
             tk_ids.append(ex.topk_ids[keep])
@@ -79,7 +85,8 @@ def build_batch(examples: list[Example], max_len: int, device,
     if head_ids is not None:
         tk_ids, tk_p, logits = to_head_vocab(head_ids.cpu(), tk_ids, tk_p, logits)
     return TrainBatch(
-        input_ids=ids.to(**as_dev), attention_mask=mask.to(**as_dev),
+        input_ids=ids.to(**as_dev),
+        attention_mask=mask.to(**as_dev),
         rows=torch.cat(rows).to(**as_dev),
         topk_ids=None if tk_ids is None else tk_ids.to(**as_dev),
         topk_probs=None if tk_p is None else tk_p.to(**as_dev),
@@ -88,8 +95,12 @@ def build_batch(examples: list[Example], max_len: int, device,
     )
 
 
-def to_head_vocab(head_ids: torch.Tensor, topk_ids: torch.Tensor | None,
-                  topk_probs: torch.Tensor | None, logits: torch.Tensor | None):
+def to_head_vocab(
+    head_ids: torch.Tensor,
+    topk_ids: torch.Tensor | None,
+    topk_probs: torch.Tensor | None,
+    logits: torch.Tensor | None,
+):
     """Targets over the vocabulary -> over the columns of a head that keeps ``head_ids``.
 
     Full logits ``[M, V]`` keep their ``head_ids`` columns (softmax renormalises over
@@ -105,21 +116,29 @@ def to_head_vocab(head_ids: torch.Tensor, topk_ids: torch.Tensor | None,
         raise ValueError(f"a head of {head_ids.numel()} tokens is too small for top-{k} targets")
     column = torch.full((int(head_ids.max()) + 1,), -1, dtype=torch.int64)
     column[head_ids] = torch.arange(head_ids.numel())
-    local = torch.where(topk_ids < column.numel(), column[topk_ids.clamp(max=column.numel() - 1)],
-                        torch.full_like(topk_ids, -1))                        # [M, k]
+    local = torch.where(
+        topk_ids < column.numel(),
+        column[topk_ids.clamp(max=column.numel() - 1)],
+        torch.full_like(topk_ids, -1),
+    )  # [M, k]
     absent = local < 0
-    spares = head_ids.numel() - 1 - torch.arange(2 * k)                       # [2k]
-    taken = (spares[None, :, None] == local[:, None, :]).any(-1)              # [M, 2k]
-    free = spares[torch.argsort(taken.to(torch.int8), dim=1, stable=True)]    # free ones first
-    nth = (absent.cumsum(1) - 1).clamp(min=0)                                 # [M, k]
+    spares = head_ids.numel() - 1 - torch.arange(2 * k)  # [2k]
+    taken = (spares[None, :, None] == local[:, None, :]).any(-1)  # [M, 2k]
+    free = spares[torch.argsort(taken.to(torch.int8), dim=1, stable=True)]  # free ones first
+    nth = (absent.cumsum(1) - 1).clamp(min=0)  # [M, k]
     local = torch.where(absent, free.gather(1, nth), local)
     return local, topk_probs.masked_fill(absent, 0.0), None
 
 
 def draft_logits(model, batch: TrainBatch) -> torch.Tensor:
     """The draft's logits ``[M, V_head]`` at the batch's target rows (differentiable)."""
-    return model.forward_train(batch.input_ids, attention_mask=batch.attention_mask,
-                               rows=batch.rows, full_vocab=False, features=batch.features)
+    return model.forward_train(
+        batch.input_ids,
+        attention_mask=batch.attention_mask,
+        rows=batch.rows,
+        full_vocab=False,
+        features=batch.features,
+    )
 
 
 def eagle_pass_logits(model, batch: TrainBatch, passes: int) -> list[torch.Tensor]:
@@ -128,9 +147,14 @@ def eagle_pass_logits(model, batch: TrainBatch, passes: int) -> list[torch.Tenso
     draft reads its own from the second drafted token on."""
     x, out = batch.features, []
     for _ in range(max(1, passes)):
-        logits, g = model.forward_train(batch.input_ids, attention_mask=batch.attention_mask,
-                                        rows=batch.rows, full_vocab=False, features=x,
-                                        return_hidden=True)
+        logits, g = model.forward_train(
+            batch.input_ids,
+            attention_mask=batch.attention_mask,
+            rows=batch.rows,
+            full_vocab=False,
+            features=x,
+            return_hidden=True,
+        )
         out.append(logits)
         x = torch.cat([batch.features[:, :1], g[:, :-1].detach().to(x.dtype)], 1)
     return out
@@ -139,8 +163,14 @@ def eagle_pass_logits(model, batch: TrainBatch, passes: int) -> list[torch.Tenso
 def batch_for(model, examples: list[Example], max_len: int, device) -> TrainBatch:
     """:func:`build_batch` for ``model`` (its head columns; EAGLE inputs for an EAGLE
     draft)."""
-    return build_batch(examples, max_len, device, model.head_ids,
-                       eagle=isinstance(model, EagleLM), dtype=model.dtype)
+    return build_batch(
+        examples,
+        max_len,
+        device,
+        model.head_ids,
+        eagle=isinstance(model, EagleLM),
+        dtype=model.dtype,
+    )
 
 
 def overlap(logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:

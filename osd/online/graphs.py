@@ -16,6 +16,7 @@ first: each holds a private memory pool sized for its bucket, so an unbounded se
 shapes would keep claiming GPU memory. A failed capture raises
 ``osd.online.learner.GraphCaptureError`` with the weights and optimizer state as they were.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -38,7 +39,7 @@ class GraphedTrainStep:
         self.model = model
         self.optim = optim
         self.config = config
-        self.graphs: OrderedDict[tuple, dict] = OrderedDict()   # least recently used first
+        self.graphs: OrderedDict[tuple, dict] = OrderedDict()  # least recently used first
         self.max_graphs = getattr(config, "max_train_graphs", 8)
         self.captures = 0
 
@@ -67,7 +68,7 @@ class GraphedTrainStep:
         s["input_ids"][:n, :t].copy_(batch.input_ids)
         s["attention_mask"][:n, :t].copy_(batch.attention_mask)
         width = s["input_ids"].shape[1]
-        rows = (batch.rows // t) * width + batch.rows % t   # re-index into the padded width
+        rows = (batch.rows // t) * width + batch.rows % t  # re-index into the padded width
         s["rows"].zero_()
         s["rows"][:m].copy_(rows)
         s["row_mask"].zero_()
@@ -82,15 +83,18 @@ class GraphedTrainStep:
             s["target_logits"][:m].copy_(batch.target_logits)
 
     def _body(self, s) -> torch.Tensor:
-        logits = self.model.forward_train(s["input_ids"], attention_mask=s["attention_mask"],
-                                          rows=s["rows"], full_vocab=False)
-        target = ((s["topk_ids"], s["topk_probs"]) if "topk_ids" in s else s["target_logits"])
-        loss = osd_kernels.distill_loss(logits, target, loss=self.config.loss,
-                                        beta=self.config.beta, mask=s["row_mask"])
+        logits = self.model.forward_train(
+            s["input_ids"], attention_mask=s["attention_mask"], rows=s["rows"], full_vocab=False
+        )
+        target = (s["topk_ids"], s["topk_probs"]) if "topk_ids" in s else s["target_logits"]
+        loss = osd_kernels.distill_loss(
+            logits, target, loss=self.config.loss, beta=self.config.beta, mask=s["row_mask"]
+        )
         loss.backward()
         if self.config.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm,
-                                           foreach=True)
+            torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.config.max_grad_norm, foreach=True
+            )
         self.optim.step()
         return loss
 
@@ -112,7 +116,7 @@ class GraphedTrainStep:
             # threads keep running their eager work and replays meanwhile (thread_local).
             with capture_lock, torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 loss = self._body(s)
-        finally:                            # warm-up steps moved the weights: undo them
+        finally:  # warm-up steps moved the weights: undo them
             self.optim.zero_grad(set_to_none=True)
             restore_state(self.model, self.optim, snapshot)
         return {"graph": graph, "static": s, "loss": loss}
@@ -125,13 +129,15 @@ class GraphedTrainStep:
             try:
                 entry = self._capture(key, batch)
             except Exception as e:
-                raise GraphCaptureError(f"capturing the training step for shape bucket "
-                                        f"(rows, tokens, positions) = {key} failed: "
-                                        f"{type(e).__name__}: {e}") from e
+                raise GraphCaptureError(
+                    f"capturing the training step for shape bucket "
+                    f"(rows, tokens, positions) = {key} failed: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
             self.captures += 1
             while len(self.graphs) >= self.max_graphs:
                 _, old = self.graphs.popitem(last=False)
-                old["graph"].reset()        # frees the graph's memory pool now
+                old["graph"].reset()  # frees the graph's memory pool now
             self.graphs[key] = entry
         self.graphs.move_to_end(key)
         self._fill(entry["static"], batch)

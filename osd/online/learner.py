@@ -32,6 +32,7 @@ history keeps counters plus the newest ``history_updates`` records, and after ea
 the C heap's free pages go back to the system (``osd.online.memory``), so memory stays
 bounded however long the engine serves.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -59,13 +60,13 @@ logger = logging.getLogger("osd.online")
 
 # Kinds of learner faults counted in ``LearningHistory.faults`` (always reported, 0 or not).
 FAULT_KINDS = (
-    "update_error",         # an update raised (loss, backward, optimizer step, replay, ...)
+    "update_error",  # an update raised (loss, backward, optimizer step, replay, ...)
     "graph_capture_error",  # capturing the training step in a CUDA graph raised
-    "nonfinite_loss",       # a training step's loss was NaN or infinite
-    "nonfinite_weights",    # the weights after the steps held NaN or infinity
-    "swap_error",           # copying a published update into the serving draft raised
-    "checkpoint_error",     # writing a checkpoint raised (the update itself is kept)
-    "resume_error",         # a checkpoint could not be read at start (an older one is used)
+    "nonfinite_loss",  # a training step's loss was NaN or infinite
+    "nonfinite_weights",  # the weights after the steps held NaN or infinity
+    "swap_error",  # copying a published update into the serving draft raised
+    "checkpoint_error",  # writing a checkpoint raised (the update itself is kept)
+    "resume_error",  # a checkpoint could not be read at start (an older one is used)
 )
 
 
@@ -89,8 +90,10 @@ class GraphCaptureError(RuntimeError):
 def snapshot_state(model: torch.nn.Module, optim: torch.optim.Optimizer):
     """Copies of the model's tensors and the optimizer's per-parameter state tensors."""
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    optim_state = {p: {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
-                   for p, st in optim.state.items()}
+    optim_state = {
+        p: {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
+        for p, st in optim.state.items()
+    }
     return weights, optim_state
 
 
@@ -113,14 +116,14 @@ def restore_state(model: torch.nn.Module, optim: torch.optim.Optimizer, snapshot
 class UpdateRecord:
     """One update attempt, for ``engine.stats``."""
 
-    index: int                 # update attempt number (1-based)
-    requests_seen: int         # finished requests observed when it started
-    loss: float                # mean training loss of its steps (nan if discarded)
+    index: int  # update attempt number (1-based)
+    requests_seen: int  # finished requests observed when it started
+    loss: float  # mean training loss of its steps (nan if discarded)
     alpha_before: float | None  # held-out acceptance of the old weights
-    alpha_after: float | None   # held-out acceptance of the new weights
+    alpha_after: float | None  # held-out acceptance of the new weights
     applied: bool
-    reason: str                # "applied", "guard", "non-finite loss", "non-finite weights",
-                               # "error", "no data"
+    reason: str  # "applied", "guard", "non-finite loss", "non-finite weights",
+    # "error", "no data"
     seconds: float
 
 
@@ -135,12 +138,12 @@ class LearningHistory:
     def __init__(self, max_records: int = 256):
         self.updates_applied = 0
         self.updates_rejected = 0
-        self.attempts = 0                 # update attempts, including "no data" ones
+        self.attempts = 0  # update attempts, including "no data" ones
         self.checkpoints = 0
-        self.update_seconds = 0.0         # total time spent in update attempts
+        self.update_seconds = 0.0  # total time spent in update attempts
         self.faults: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
         self.last_error: str | None = None
-        self.last_error_at: float | None = None   # time.time() of last_error
+        self.last_error_at: float | None = None  # time.time() of last_error
         self.records: deque[UpdateRecord] = deque(maxlen=max_records)
         self._lock = threading.Lock()
 
@@ -179,7 +182,7 @@ class LearningHistory:
                 "faults": dict(self.faults),
                 "last_error": self.last_error,
                 "last_error_at": self.last_error_at,
-                "updates": [dict(r.__dict__) for r in self.records],   # the newest only
+                "updates": [dict(r.__dict__) for r in self.records],  # the newest only
                 "updates_kept": self.records.maxlen,
             }
 
@@ -198,8 +201,13 @@ class OnlineLearner:
             formats. Required when ``draft`` has quantized layers of its own.
     """
 
-    def __init__(self, draft: torch.nn.Module, config: OnlineConfig, name: str = "draft",
-                 master: torch.nn.Module | None = None):
+    def __init__(
+        self,
+        draft: torch.nn.Module,
+        config: OnlineConfig,
+        name: str = "draft",
+        master: torch.nn.Module | None = None,
+    ):
         self.config = config
         self.name = name
         if config.mmap_threshold is not None:
@@ -209,24 +217,30 @@ class OnlineLearner:
         # the learner trains a copy of master and publishes its weights quantized.
         self._quant_layers = own_quant_layers(draft)
         if self._quant_layers and master is None:
-            raise ValueError(f"online learner {name}: the draft keeps quantized layers, which "
-                             f"cannot learn; give the float draft it was quantized from")
+            raise ValueError(
+                f"online learner {name}: the draft keeps quantized layers, which "
+                f"cannot learn; give the float draft it was quantized from"
+            )
         draft = draft if master is None else master
         self.device = next(draft.parameters()).device
         self.autocast = resolve_autocast(config.autocast, self.device)
         if self.autocast == "bfloat16" and self.device.type == "cpu" and not cpu_has_fast_bf16():
-            logger.warning("online learner %s: bf16 autocast on a CPU without native bf16 "
-                           "matmuls is much slower than fp32; OnlineConfig.autocast='auto' "
-                           "picks per CPU", name)
+            logger.warning(
+                "online learner %s: bf16 autocast on a CPU without native bf16 "
+                "matmuls is much slower than fp32; OnlineConfig.autocast='auto' "
+                "picks per CPU",
+                name,
+            )
         # An EAGLE draft's target tensors (embedding, norm, head) stay shared and frozen.
-        shared = list(getattr(draft, "shared_parameters", list)()) + \
-            list(getattr(draft, "shared_modules", list)())
+        shared = list(getattr(draft, "shared_parameters", list)()) + list(
+            getattr(draft, "shared_modules", list)()
+        )
         half = next(draft.parameters()).dtype in (torch.float16, torch.bfloat16)
         self.model = copy.deepcopy(draft, memo={} if half else {id(p): p for p in shared})
         if half:
             # fp32 master weights and optimizer state: AdamW steps on half weights round
             # most updates away. The serving draft gets them cast at each swap.
-            self.model.float()           # its RoPE tables follow the dtype on first use
+            self.model.float()  # its RoPE tables follow the dtype on first use
         self.model.requires_grad_(True)
         for p in getattr(self.model, "shared_parameters", list)():
             p.requires_grad_(False)
@@ -234,11 +248,16 @@ class OnlineLearner:
         use_cuda = self.device.type == "cuda"
         # CUDA: capturable state for the graphed step; CPU: the fused kernel (one pass
         # over each tensor instead of a dozen elementwise ops).
-        self.optim = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
-                                       weight_decay=config.weight_decay, capturable=use_cuda,
-                                       fused=None if use_cuda else True)
-        self.buffer = ReplayBuffer(config.buffer_positions, config.holdout_every,
-                                   config.holdout_requests)
+        self.optim = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            capturable=use_cuda,
+            fused=None if use_cuda else True,
+        )
+        self.buffer = ReplayBuffer(
+            config.buffer_positions, config.holdout_every, config.holdout_requests
+        )
         self.history = LearningHistory(config.history_updates)
         self.requests_seen = 0
         self._since_update_requests = 0
@@ -256,7 +275,7 @@ class OnlineLearner:
         self._unpaused.set()
         self._parked = False
         self._gen = torch.Generator().manual_seed(config.seed)
-        self._snapshot = None               # the state an update in progress rolls back to
+        self._snapshot = None  # the state an update in progress rolls back to
         self._graph_step = None
         # EAGLE batches and autocast steps run eagerly.
         if use_cuda and config.cuda_graphs and not shared and self.autocast is None:
@@ -269,8 +288,9 @@ class OnlineLearner:
             self._resume(config.checkpoint_dir)
         self._thread = None
         if config.background:
-            self._thread = threading.Thread(target=self._loop, name=f"osd-learner-{name}",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._loop, name=f"osd-learner-{name}", daemon=True
+            )
             self._thread.start()
             _running.add(self)
 
@@ -284,8 +304,9 @@ class OnlineLearner:
             self._since_update_requests += 1
             self._since_update_positions += example.num_positions
             every_tok = self.config.update_every_tokens
-            if (self._since_update_requests >= self.config.update_every_requests
-                    or (every_tok is not None and self._since_update_positions >= every_tok)):
+            if self._since_update_requests >= self.config.update_every_requests or (
+                every_tok is not None and self._since_update_positions >= every_tok
+            ):
                 self._since_update_requests = 0
                 self._since_update_positions = 0
                 due = True
@@ -353,7 +374,7 @@ class OnlineLearner:
         """Let a paused background thread go on where it held."""
         with self._lock:
             self._unpaused.set()
-            self._parked = False       # wait() blocks on the resumed work from here on
+            self._parked = False  # wait() blocks on the resumed work from here on
 
     @property
     def paused(self) -> bool:
@@ -428,21 +449,35 @@ class OnlineLearner:
         message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         n = self.history.fault(kind, message)
         if n & (n - 1) == 0:
-            logger.warning("online learner %s: %s #%d: %s", self.name, kind, n, message,
-                           exc_info=n == 1 and not isinstance(error, str))
+            logger.warning(
+                "online learner %s: %s #%d: %s",
+                self.name,
+                kind,
+                n,
+                message,
+                exc_info=n == 1 and not isinstance(error, str),
+            )
 
     def _loss(self, batch) -> torch.Tensor:
-        target = ((batch.topk_ids, batch.topk_probs) if batch.topk_ids is not None
-                  else batch.target_logits)
+        target = (
+            (batch.topk_ids, batch.topk_probs)
+            if batch.topk_ids is not None
+            else batch.target_logits
+        )
         cfg = self.config
-        with (torch.autocast(self.device.type, dtype=getattr(torch, self.autocast))
-              if self.autocast else contextlib.nullcontext()):
+        with (
+            torch.autocast(self.device.type, dtype=getattr(torch, self.autocast))
+            if self.autocast
+            else contextlib.nullcontext()
+        ):
             if batch.features is None:
                 passes = [draft_logits(self.model, batch)]
             else:
                 passes = eagle_pass_logits(self.model, batch, cfg.eagle_passes)
-        return sum(osd_kernels.distill_loss(logits, target, loss=cfg.loss, beta=cfg.beta)
-                   for logits in passes) / len(passes)
+        return sum(
+            osd_kernels.distill_loss(logits, target, loss=cfg.loss, beta=cfg.beta)
+            for logits in passes
+        ) / len(passes)
 
     def _step(self, batch) -> float:
         """One optimizer step -> its loss (nan, with the weights untouched, when the loss
@@ -483,11 +518,20 @@ class OnlineLearner:
                 if self._snapshot is not None:
                     restore_state(self.model, self.optim, self._snapshot)
                 self.model.train()
-            except Exception as e2:    # the next update's snapshot starts from here
+            except Exception as e2:  # the next update's snapshot starts from here
                 self._fault("update_error", e2)
-            return self.history.add(UpdateRecord(index, self.requests_seen, math.nan, None,
-                                                 None, False, "error",
-                                                 time.perf_counter() - t0))
+            return self.history.add(
+                UpdateRecord(
+                    index,
+                    self.requests_seen,
+                    math.nan,
+                    None,
+                    None,
+                    False,
+                    "error",
+                    time.perf_counter() - t0,
+                )
+            )
         finally:
             self._snapshot = None
             if self.config.trim_after_update:
@@ -498,9 +542,18 @@ class OnlineLearner:
         examples = self.buffer.batch(cfg.batch_positions, cfg.replay_fraction, self._gen)
         holdout = self.buffer.holdout()
         if not examples:
-            return self.history.add(UpdateRecord(index, self.requests_seen, math.nan, None,
-                                                 None, False, "no data",
-                                                 time.perf_counter() - t0))
+            return self.history.add(
+                UpdateRecord(
+                    index,
+                    self.requests_seen,
+                    math.nan,
+                    None,
+                    None,
+                    False,
+                    "no data",
+                    time.perf_counter() - t0,
+                )
+            )
         self._snapshot = snapshot = snapshot_state(self.model, self.optim)
         self.model.eval()
         alpha_before = heldout_alpha(self.model, holdout, cfg.max_train_len, self.device)
@@ -511,7 +564,7 @@ class OnlineLearner:
             self._hold()
             losses.append(self._step(batch))
             if not math.isfinite(losses[-1]):
-                break                        # the update is discarded anyway
+                break  # the update is discarded anyway
         self.model.eval()
         reason = "applied"
         alpha_after = None
@@ -522,46 +575,77 @@ class OnlineLearner:
         else:
             self._hold()
             alpha_after = heldout_alpha(self.model, holdout, cfg.max_train_len, self.device)
-            if (alpha_before is not None and alpha_after is not None
-                    and alpha_after < alpha_before - cfg.guard_tolerance):
+            if (
+                alpha_before is not None
+                and alpha_after is not None
+                and alpha_after < alpha_before - cfg.guard_tolerance
+            ):
                 reason = "guard"
         self.model.train()
         mean_loss = sum(losses) / len(losses)
         if reason != "applied":
             restore_state(self.model, self.optim, snapshot)
             if reason != "guard":
-                self._fault(reason.replace("non-finite ", "nonfinite_"),
-                            f"update {index}: {reason} (losses {losses}); rolled back")
-            return self.history.add(UpdateRecord(index, self.requests_seen, mean_loss,
-                                                 alpha_before, alpha_after, False, reason,
-                                                 time.perf_counter() - t0))
+                self._fault(
+                    reason.replace("non-finite ", "nonfinite_"),
+                    f"update {index}: {reason} (losses {losses}); rolled back",
+                )
+            return self.history.add(
+                UpdateRecord(
+                    index,
+                    self.requests_seen,
+                    mean_loss,
+                    alpha_before,
+                    alpha_after,
+                    False,
+                    reason,
+                    time.perf_counter() - t0,
+                )
+            )
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         if self._quant_layers:
             state = quantized_state(state, self._quant_layers)
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
-            ready.record()                  # on the learner's stream, after the clones
+            ready.record()  # on the learner's stream, after the clones
         with self._lock:
             self._pending = (state, ready)
-        rec = self.history.add(UpdateRecord(index, self.requests_seen, mean_loss, alpha_before,
-                                            alpha_after, True, reason,
-                                            time.perf_counter() - t0))
+        rec = self.history.add(
+            UpdateRecord(
+                index,
+                self.requests_seen,
+                mean_loss,
+                alpha_before,
+                alpha_after,
+                True,
+                reason,
+                time.perf_counter() - t0,
+            )
+        )
         if cfg.checkpoint_dir and self.history.updates_applied % cfg.checkpoint_every == 0:
             try:
                 self.checkpoint()
-            except Exception as e:          # the update stands; the next checkpoint retries
+            except Exception as e:  # the update stands; the next checkpoint retries
                 self._fault("checkpoint_error", e)
         return rec
 
     # -- persistence ----------------------------------------------------------------
     def checkpoint(self) -> str:
         """Write the training copy's weights and optimizer state atomically."""
-        meta = {"name": self.name, "requests_seen": self.requests_seen,
-                "updates_applied": self.history.updates_applied,
-                "updates_rejected": self.history.updates_rejected}
-        path = save_checkpoint(self.config.checkpoint_dir, self.history.updates_applied,
-                               self.model.state_dict(), self.optim.state_dict(), meta)
+        meta = {
+            "name": self.name,
+            "requests_seen": self.requests_seen,
+            "updates_applied": self.history.updates_applied,
+            "updates_rejected": self.history.updates_rejected,
+        }
+        path = save_checkpoint(
+            self.config.checkpoint_dir,
+            self.history.updates_applied,
+            self.model.state_dict(),
+            self.optim.state_dict(),
+            meta,
+        )
         with self.history._lock:
             self.history.checkpoints += 1
         return path
@@ -579,8 +663,9 @@ class OnlineLearner:
             return
         missing = set(self.model.state_dict()) - set(state)
         if missing:
-            raise ValueError(f"checkpoint {path!r} does not match the draft: missing "
-                             f"{sorted(missing)[:3]}")
+            raise ValueError(
+                f"checkpoint {path!r} does not match the draft: missing {sorted(missing)[:3]}"
+            )
         with torch.no_grad():
             for k, v in self.model.state_dict().items():
                 v.copy_(state[k])

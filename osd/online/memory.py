@@ -23,6 +23,7 @@ Two remedies, both glibc only (elsewhere they do nothing):
   requests per second in the same measurement. Not done unless asked, nor when the
   ``MALLOC_MMAP_THRESHOLD_`` environment variable already sets it.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -33,10 +34,10 @@ import threading
 
 logger = logging.getLogger("osd.online")
 
-_M_MMAP_THRESHOLD = -3        # mallopt parameter number (glibc malloc.h)
+_M_MMAP_THRESHOLD = -3  # mallopt parameter number (glibc malloc.h)
 _lock = threading.Lock()
 _pinned: int | None = None
-_trim = None                  # glibc's malloc_trim once looked up; False where there is none
+_trim = None  # glibc's malloc_trim once looked up; False where there is none
 
 
 def pin_mmap_threshold(nbytes: int) -> bool:
@@ -53,14 +54,17 @@ def pin_mmap_threshold(nbytes: int) -> bool:
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             mallopt = libc.mallopt
-            libc.gnu_get_libc_version         # glibc only: its mallopt numbering
+            libc.gnu_get_libc_version  # glibc only: its mallopt numbering
         except (OSError, AttributeError):
             return False
         mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         mallopt.restype = ctypes.c_int
         if mallopt(_M_MMAP_THRESHOLD, int(nbytes)) != 1:
-            logger.warning("mallopt(M_MMAP_THRESHOLD, %d) failed; resident memory may creep "
-                           "up while the draft learns", nbytes)
+            logger.warning(
+                "mallopt(M_MMAP_THRESHOLD, %d) failed; resident memory may creep "
+                "up while the draft learns",
+                nbytes,
+            )
             return False
         _pinned = int(nbytes)
         return True
@@ -86,4 +90,3 @@ def release_free_memory() -> bool:
         return False
     _trim(0)
     return True
-

@@ -18,6 +18,7 @@ Two kinds of feedback (``RouterConfig.feedback``):
   distributions; no extra target cost, as in HedgeSpec), so all drafts learn from every
   request (full information) and no exploration is needed.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,32 +30,34 @@ import torch
 
 @dataclass
 class RouterConfig:
-    feedback: str = "score"   # "score" (full information) or "bandit" (chosen draft only)
-    dim: int = 4096           # hashed feature dimension (see prompt_features)
-    memory: int = 2048        # remembered requests (oldest forgotten first; dim * memory
-                              # float32 features: 32 MiB at the defaults)
-    neighbors: int = 16       # most similar remembered requests used per prediction
+    feedback: str = "score"  # "score" (full information) or "bandit" (chosen draft only)
+    dim: int = 4096  # hashed feature dimension (see prompt_features)
+    memory: int = 2048  # remembered requests (oldest forgotten first; dim * memory
+    # float32 features: 32 MiB at the defaults)
+    neighbors: int = 16  # most similar remembered requests used per prediction
     temperature: float = 0.1  # neighbour weight exp((cos - best cos) / temperature)
     prior_weight: float = 0.1  # weight of the prior in the shrunk mean
-    explore: float = 0.2      # exploration bonus (bandit feedback only)
+    explore: float = 0.2  # exploration bonus (bandit feedback only)
     prior_alpha: float = 0.5  # predicted alpha before any data
 
     def __post_init__(self):
         if self.feedback not in ("score", "bandit"):
-            raise ValueError(f"RouterConfig.feedback must be 'score' or 'bandit', got "
-                             f"{self.feedback!r}")
+            raise ValueError(
+                f"RouterConfig.feedback must be 'score' or 'bandit', got {self.feedback!r}"
+            )
         if self.dim < 8:
             raise ValueError(f"RouterConfig.dim must be >= 8, got {self.dim}")
         if not 0.0 < self.prior_alpha <= 1.0:
-            raise ValueError(f"RouterConfig.prior_alpha must be in (0, 1], got "
-                             f"{self.prior_alpha}")
+            raise ValueError(f"RouterConfig.prior_alpha must be in (0, 1], got {self.prior_alpha}")
         if self.memory < 1 or self.neighbors < 1:
-            raise ValueError(f"RouterConfig.memory and neighbors must be >= 1, got "
-                             f"{self.memory}, {self.neighbors}")
+            raise ValueError(
+                f"RouterConfig.memory and neighbors must be >= 1, got "
+                f"{self.memory}, {self.neighbors}"
+            )
 
 
 _MULT1, _MULT2 = 0x9E3779B1, 0x85EBCA77
-_ALPHA_FLOOR = 1e-3       # α below this counts as this in the (log-space) mean
+_ALPHA_FLOOR = 1e-3  # α below this counts as this in the (log-space) mean
 
 
 def prompt_features(tokens, dim: int) -> torch.Tensor:
@@ -91,7 +94,7 @@ class Router:
         cfg = self.config
         self._x = torch.zeros(cfg.memory, cfg.dim, dtype=torch.float32)
         self._y = torch.full((cfg.memory, num_drafts), float("nan"), dtype=torch.float32)
-        self._count = 0                   # requests remembered so far (ring buffer)
+        self._count = 0  # requests remembered so far (ring buffer)
         self._lock = threading.Lock()
         self.choices = [0] * num_drafts
 
@@ -121,7 +124,7 @@ class Router:
         prior = torch.full((self.num_drafts,), math.log(cfg.prior_alpha))
         if w is None:
             return prior.exp(), torch.zeros(self.num_drafts)
-        seen = ~torch.isnan(y)                                   # [k, D]
+        seen = ~torch.isnan(y)  # [k, D]
         wk = w[:, None] * seen
         total = wk.sum(0)
         # Geometric, not arithmetic, mean: a score against top-k target distributions
@@ -131,8 +134,7 @@ class Router:
         # comparison; an arithmetic mean would let requests whose targets are peaked (more
         # mass captured) outweigh the rest.
         logy = torch.log(torch.nan_to_num(y).clamp_min(_ALPHA_FLOOR))
-        mean = (cfg.prior_weight * prior + (wk * logy).sum(0)) / \
-            (cfg.prior_weight + total)
+        mean = (cfg.prior_weight * prior + (wk * logy).sum(0)) / (cfg.prior_weight + total)
         return mean.exp(), seen.sum(0).float()
 
     def choose(self, x: torch.Tensor) -> int:
@@ -159,12 +161,15 @@ class Router:
 
     def update_all(self, x: torch.Tensor, alphas) -> None:
         """Full-information update: the α every draft would have had on this request."""
-        self._remember(x, torch.tensor([float("nan") if a is None else float(a)
-                                        for a in alphas]))
+        self._remember(x, torch.tensor([float("nan") if a is None else float(a) for a in alphas]))
 
     def state_dict(self) -> dict:
-        return {"x": self._x.clone(), "y": self._y.clone(), "count": self._count,
-                "choices": list(self.choices)}
+        return {
+            "x": self._x.clone(),
+            "y": self._y.clone(),
+            "count": self._count,
+            "choices": list(self.choices),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self._x = state["x"].clone()

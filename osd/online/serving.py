@@ -11,6 +11,7 @@ cannot be built is simply not learned from. Per-request statistics are kept for 
 ``OnlineConfig.history_requests`` requests only, next to run totals, so memory stays flat
 however many requests the engine serves.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +33,7 @@ logger = logging.getLogger("osd.online")
 
 # Faults of the manager itself (the learners count theirs, osd.online.learner.FAULT_KINDS).
 MANAGER_FAULT_KINDS = (
-    "route_error",    # choosing a draft raised (the request went to draft 0)
+    "route_error",  # choosing a draft raised (the request went to draft 0)
     "observe_error",  # turning a finished request into training data or router feedback raised
 )
 
@@ -43,30 +44,37 @@ def example_from_request(r, domain: str | None = None) -> Example | None:
         return None
     tokens = torch.tensor(r.prompt + r.generated, dtype=torch.int64)
     pos = torch.cat([t[0] for t in r.teacher])
-    keep = pos < tokens.numel()          # drop positions past a stop / length cut
+    keep = pos < tokens.numel()  # drop positions past a stop / length cut
     if not bool(keep.any()):
         return None
     full = r.teacher[0][3] is not None
     features = None
     if getattr(r, "features", None):
-        features = torch.cat(r.features)[:tokens.numel() - 1]
+        features = torch.cat(r.features)[: tokens.numel() - 1]
         if features.shape[0] < tokens.numel() - 1:
-            return None                  # a feature is missing: no EAGLE example
+            return None  # a feature is missing: no EAGLE example
     return Example(
-        tokens=tokens, positions=pos[keep],
+        tokens=tokens,
+        positions=pos[keep],
         # int32 ids: a third less memory per stored position than int64 (build_batch widens)
         topk_ids=None if full else torch.cat([t[1] for t in r.teacher])[keep].to(torch.int32),
         topk_probs=None if full else torch.cat([t[2] for t in r.teacher])[keep].float(),
         logits=torch.cat([t[3] for t in r.teacher])[keep] if full else None,
-        domain=domain, features=features)
+        domain=domain,
+        features=features,
+    )
 
 
 class OnlineManager:
     """Learners for ``drafts`` (serving models) plus a router when there are several.
     ``masters[i]``: the float draft that ``drafts[i]`` is a quantized copy of (or None)."""
 
-    def __init__(self, drafts: list[torch.nn.Module], config: OnlineConfig,
-                 masters: list[torch.nn.Module | None] | None = None):
+    def __init__(
+        self,
+        drafts: list[torch.nn.Module],
+        config: OnlineConfig,
+        masters: list[torch.nn.Module | None] | None = None,
+    ):
         self.config = config
         self.drafts = drafts
         self.learners = []
@@ -75,7 +83,8 @@ class OnlineManager:
             cfg = config
             if config.checkpoint_dir and len(drafts) > 1:
                 cfg = dataclasses.replace(
-                    config, checkpoint_dir=os.path.join(config.checkpoint_dir, f"draft{i}"))
+                    config, checkpoint_dir=os.path.join(config.checkpoint_dir, f"draft{i}")
+                )
             self.learners.append(OnlineLearner(d, cfg, name=f"draft{i}", master=master))
         self.router = Router(len(drafts), config.router) if len(drafts) > 1 else None
         # (draft, alpha) of the newest requests; the totals below cover all of them.
@@ -86,7 +95,7 @@ class OnlineManager:
         self._routed_counts = [0] * len(drafts)
         self._faults = dict.fromkeys(MANAGER_FAULT_KINDS, 0)
         self._last_error: tuple[float, str] | None = None
-        self._lock = threading.Lock()       # stats may be read from another thread
+        self._lock = threading.Lock()  # stats may be read from another thread
 
     def choose(self, prompt: list[int]) -> int:
         if self.router is None:
@@ -120,8 +129,10 @@ class OnlineManager:
         if self.router is not None:
             x = self.router.features(r.prompt)
             if self.router.config.feedback == "score":
-                scores = [heldout_alpha(m, [ex], self.config.max_train_len,
-                                        next(m.parameters()).device) for m in self.drafts]
+                scores = [
+                    heldout_alpha(m, [ex], self.config.max_train_len, next(m.parameters()).device)
+                    for m in self.drafts
+                ]
                 self.router.update_all(x, scores)
             elif alpha is not None:
                 self.router.update(x, draft, alpha)
@@ -133,7 +144,7 @@ class OnlineManager:
             self._faults[kind] += 1
             n = self._faults[kind]
             self._last_error = (time.time(), f"{kind}: {message}")
-        if n & (n - 1) == 0:              # 1, 2, 4, 8, ...: a persistent fault does not flood
+        if n & (n - 1) == 0:  # 1, 2, 4, 8, ...: a persistent fault does not flood
             logger.warning("online learning: %s #%d: %s", kind, n, message, exc_info=n == 1)
 
     def faults(self) -> dict[str, int]:
@@ -150,9 +161,11 @@ class OnlineManager:
 
     def last_error(self) -> str | None:
         """The newest fault's message (``"kind: Type: text"``), or None."""
-        errors = [(h["last_error_at"], h["last_error"]) for h in
-                  (learner.history.as_dict() for learner in self.learners)
-                  if h["last_error"] is not None]
+        errors = [
+            (h["last_error_at"], h["last_error"])
+            for h in (learner.history.as_dict() for learner in self.learners)
+            if h["last_error"] is not None
+        ]
         with self._lock:
             if self._last_error is not None:
                 errors.append(self._last_error)
@@ -175,8 +188,7 @@ class OnlineManager:
             learner.close()
 
     def checkpoint(self) -> list[str]:
-        return [learner.checkpoint() for learner in self.learners
-                if learner.config.checkpoint_dir]
+        return [learner.checkpoint() for learner in self.learners if learner.config.checkpoint_dir]
 
     def history(self, window: int = 8) -> dict:
         """Learning history: run totals, plus recent windows.
@@ -193,19 +205,21 @@ class OnlineManager:
             recent = list(self.alpha_log)
             total, alpha_sum, alpha_count = self.requests, self._alpha_sum, self._alpha_count
             routed_counts = list(self._routed_counts)
-        first = total - len(recent)                  # request index of recent[0]
+        first = total - len(recent)  # request index of recent[0]
         skip = (-first) % window
         windows = []
         for i in range(skip, len(recent), window):
-            chunk = [a for _, a in recent[i:i + window] if a is not None]
+            chunk = [a for _, a in recent[i : i + window] if a is not None]
             windows.append(sum(chunk) / len(chunk) if chunk else None)
         return {
             "drafts": drafts,
             "requests": total,
             "alpha_mean": alpha_sum / alpha_count if alpha_count else None,
-            "alpha_per_window": windows, "window": window,
+            "alpha_per_window": windows,
+            "window": window,
             "alpha_per_window_start": first + skip,
-            "routed": [d for d, _ in recent], "routed_start": first,
+            "routed": [d for d, _ in recent],
+            "routed_start": first,
             "routed_counts": routed_counts,
             "updates_applied": sum(d["updates_applied"] for d in drafts),
             "updates_rejected": sum(d["updates_rejected"] for d in drafts),

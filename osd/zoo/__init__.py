@@ -13,6 +13,7 @@ Domains (:mod:`osd.zoo.corpus`): ``"prose"`` (docstrings and comments) and ``"co
 (source without them). The target learns both; the draft learns mostly prose, so on the
 ``code`` stream its acceptance starts low and online distillation has room to raise it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,6 +22,7 @@ import random
 from dataclasses import dataclass
 
 from osd.zoo import corpus
+
 # the real chat model (SmolLM2 GGUF); see osd/zoo/chat.py
 from osd.zoo.chat import chat_eagle, chat_pair
 
@@ -107,8 +109,15 @@ class Query:
     start: int
 
 
-def query_records(domain: str = "code", n: int = 200, prompt_tokens: int = 48, seed: int = 0,
-                  *, min_continuation: int = 32, root: str | None = None) -> list[Query]:
+def query_records(
+    domain: str = "code",
+    n: int = 200,
+    prompt_tokens: int = 48,
+    seed: int = 0,
+    *,
+    min_continuation: int = 32,
+    root: str | None = None,
+) -> list[Query]:
     """A deterministic stream of prompts cut from held-out stdlib files of one domain.
 
     Each query picks a held-out document uniformly at random, then a window of
@@ -129,8 +138,10 @@ def query_records(domain: str = "code", n: int = 200, prompt_tokens: int = 48, s
             held-out document is long enough.
     """
     if n < 1 or prompt_tokens < 1 or min_continuation < 0:
-        raise ValueError(f"need n >= 1, prompt_tokens >= 1, min_continuation >= 0; got n={n}, "
-                         f"prompt_tokens={prompt_tokens}, min_continuation={min_continuation}")
+        raise ValueError(
+            f"need n >= 1, prompt_tokens >= 1, min_continuation >= 0; got n={n}, "
+            f"prompt_tokens={prompt_tokens}, min_continuation={min_continuation}"
+        )
     docs = corpus.documents(domain, "heldout", root)
     tok = _backend_tokenizer(default_pair()[0])
     encoded = tok.encode_batch([d.text for d in docs], add_special_tokens=False)
@@ -138,8 +149,9 @@ def query_records(domain: str = "code", n: int = 200, prompt_tokens: int = 48, s
     for i, (doc, enc) in enumerate(zip(docs, encoded)):
         offsets = enc.offsets
         last = len(enc.ids) - prompt_tokens - min_continuation
-        starts = [t for t in range(last + 1)
-                  if offsets[t][0] == 0 or doc.text[offsets[t][0] - 1] == "\n"]
+        starts = [
+            t for t in range(last + 1) if offsets[t][0] == 0 or doc.text[offsets[t][0] - 1] == "\n"
+        ]
         if starts:
             candidates.append((i, starts))
     if not candidates:
@@ -150,18 +162,30 @@ def query_records(domain: str = "code", n: int = 200, prompt_tokens: int = 48, s
     for _ in range(n):
         i, starts = candidates[rng.randrange(len(candidates))]
         start = starts[rng.randrange(len(starts))]
-        ids = encoded[i].ids[start:start + prompt_tokens]
+        ids = encoded[i].ids[start : start + prompt_tokens]
         text = tok.decode(ids, skip_special_tokens=False)
         queries.append(Query(ids=ids, text=text, source=docs[i].path, start=start))
     return queries
 
 
-def query_stream(domain: str = "code", n: int = 200, prompt_tokens: int = 48,
-                 seed: int = 0) -> list[list[int]]:
+def query_stream(
+    domain: str = "code", n: int = 200, prompt_tokens: int = 48, seed: int = 0
+) -> list[list[int]]:
     """The token ids of :func:`query_records` (same arguments): ``n`` lists of
     ``prompt_tokens`` ints."""
     return [q.ids for q in query_records(domain, n, prompt_tokens, seed)]
 
 
-__all__ = ["default_pair", "chat_pair", "chat_eagle", "code_draft", "tokenizer", "query_stream",
-           "query_records", "Query", "cache_dir", "corpus", "WEIGHTS_DIR"]
+__all__ = [
+    "default_pair",
+    "chat_pair",
+    "chat_eagle",
+    "code_draft",
+    "tokenizer",
+    "query_stream",
+    "query_records",
+    "Query",
+    "cache_dir",
+    "corpus",
+    "WEIGHTS_DIR",
+]

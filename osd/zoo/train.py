@@ -11,6 +11,7 @@ so they load with transformers and with ``osd``. Weights may be stored in float1
 halve their size; ``config.json`` keeps ``"dtype": "float32"``, so loaders that follow
 the config (transformers' ``dtype="auto"``) upcast them.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,12 +61,32 @@ class ModelSpec:
 # acceptance on the code stream starts low and has room to rise with online distillation.
 # Code draft: the same shape and schedule on code only, the matching draft for a router to
 # find (with 10% prose it came close to the draft on prose; see docs/zoo.md).
-TARGET = ModelSpec(hidden_size=320, num_layers=6, num_heads=5, intermediate_size=864,
-                   steps=480, batch_size=8, seq_len=TRAIN_CONTEXT, lr=2e-3, warmup=30,
-                   code_fraction=0.7, seed=0)
-DRAFT = ModelSpec(hidden_size=256, num_layers=1, num_heads=4, intermediate_size=768,
-                  steps=220, batch_size=8, seq_len=TRAIN_CONTEXT, lr=3e-3, warmup=20,
-                  code_fraction=0.1, seed=1)
+TARGET = ModelSpec(
+    hidden_size=320,
+    num_layers=6,
+    num_heads=5,
+    intermediate_size=864,
+    steps=480,
+    batch_size=8,
+    seq_len=TRAIN_CONTEXT,
+    lr=2e-3,
+    warmup=30,
+    code_fraction=0.7,
+    seed=0,
+)
+DRAFT = ModelSpec(
+    hidden_size=256,
+    num_layers=1,
+    num_heads=4,
+    intermediate_size=768,
+    steps=220,
+    batch_size=8,
+    seq_len=TRAIN_CONTEXT,
+    lr=3e-3,
+    warmup=20,
+    code_fraction=0.1,
+    seed=1,
+)
 DRAFT_CODE = replace(DRAFT, code_fraction=1.0, seed=2)
 # Checkpoint directory name -> recipe.
 MODELS = {"target": TARGET, "draft": DRAFT, "draft_code": DRAFT_CODE}
@@ -80,19 +101,29 @@ def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE) -> PreTraine
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, PAD],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS,
-                                   pad_token=PAD, model_max_length=MAX_POSITIONS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=EOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=MAX_POSITIONS,
+    )
 
 
-def encode_documents(tokenizer: PreTrainedTokenizerFast,
-                     docs: list[corpus.Document]) -> torch.Tensor:
+def encode_documents(
+    tokenizer: PreTrainedTokenizerFast, docs: list[corpus.Document]
+) -> torch.Tensor:
     """The documents' tokens concatenated, each followed by EOS: int64 ``[N]``."""
-    encoded = tokenizer.backend_tokenizer.encode_batch([d.text for d in docs],
-                                                       add_special_tokens=False)
+    encoded = tokenizer.backend_tokenizer.encode_batch(
+        [d.text for d in docs], add_special_tokens=False
+    )
     flat = []
     for enc in encoded:
         flat.extend(enc.ids)
@@ -103,23 +134,32 @@ def encode_documents(tokenizer: PreTrainedTokenizerFast,
 def llama_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
     """The transformers config of a model of shape ``spec``."""
     return LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_heads,
-        max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
 
-def _sample_batch(streams: dict[str, torch.Tensor], spec: ModelSpec,
-                  gen: torch.Generator) -> torch.Tensor:
+def _sample_batch(
+    streams: dict[str, torch.Tensor], spec: ModelSpec, gen: torch.Generator
+) -> torch.Tensor:
     """``[batch_size, seq_len]`` random windows; each row's domain drawn by code_fraction."""
     rows = []
     pick_code = torch.rand(spec.batch_size, generator=gen) < spec.code_fraction
     for is_code in pick_code.tolist():
         stream = streams["code" if is_code else "prose"]
         start = int(torch.randint(0, stream.numel() - spec.seq_len, (1,), generator=gen))
-        rows.append(stream[start:start + spec.seq_len])
+        rows.append(stream[start : start + spec.seq_len])
     return torch.stack(rows)
 
 
@@ -130,8 +170,9 @@ def _lr_at(step: int, spec: ModelSpec) -> float:
     return spec.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def train_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast,
-                streams: dict[str, torch.Tensor], desc: str) -> tuple[LlamaForCausalLM, dict]:
+def train_model(
+    spec: ModelSpec, tokenizer: PreTrainedTokenizerFast, streams: dict[str, torch.Tensor], desc: str
+) -> tuple[LlamaForCausalLM, dict]:
     """Train a fresh ``LlamaForCausalLM`` of shape ``spec`` on ``streams``.
 
     Args:
@@ -149,9 +190,11 @@ def train_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast,
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=spec.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=spec.lr,
+        betas=(0.9, 0.95),
+    )
     gen = torch.Generator().manual_seed(spec.seed)
     losses = []
     start = time.perf_counter()
@@ -168,14 +211,22 @@ def train_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast,
         losses.append(loss.item())  # host sync once per step, for the progress bar
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
     model.eval()
-    info = {"final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
-            "train_seconds": round(time.perf_counter() - start, 1),
-            "train_tokens": spec.steps * spec.batch_size * spec.seq_len}
+    info = {
+        "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
+        "train_seconds": round(time.perf_counter() - start, 1),
+        "train_tokens": spec.steps * spec.batch_size * spec.seq_len,
+    }
     return model, info
 
 
-def save_checkpoint(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path: str, *,
-                    storage_dtype: torch.dtype = torch.float16, meta: dict | None = None) -> None:
+def save_checkpoint(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    path: str,
+    *,
+    storage_dtype: torch.dtype = torch.float16,
+    meta: dict | None = None,
+) -> None:
     """Write ``model`` and ``tokenizer`` to the directory ``path`` (created or replaced).
 
     The weights go to ``model.safetensors`` in ``storage_dtype`` while ``config.json``
@@ -199,10 +250,15 @@ def _portable_tokenizer_files(path: str, tokenizer: PreTrainedTokenizerFast) -> 
     with open(config_file) as f:
         config = json.load(f)
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    special = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
-               "pad_token": tokenizer.pad_token}
-    for name, data in ((config_file, config),
-                       (os.path.join(path, "special_tokens_map.json"), special)):
+    special = {
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "pad_token": tokenizer.pad_token,
+    }
+    for name, data in (
+        (config_file, config),
+        (os.path.join(path, "special_tokens_map.json"), special),
+    ):
         with open(name, "w") as f:
             json.dump(data, f, indent=2, sort_keys=True)
             f.write("\n")
@@ -214,9 +270,14 @@ def scaled(spec: ModelSpec, scale: float) -> ModelSpec:
     return replace(spec, steps=steps, warmup=max(1, min(spec.warmup, steps // 4)))
 
 
-def build(out_dir: str, *, scale: float = 1.0, root: str | None = None,
-          roles: tuple[str, ...] = tuple(MODELS),
-          specs: dict[str, ModelSpec] | None = None) -> dict[str, str]:
+def build(
+    out_dir: str,
+    *,
+    scale: float = 1.0,
+    root: str | None = None,
+    roles: tuple[str, ...] = tuple(MODELS),
+    specs: dict[str, ModelSpec] | None = None,
+) -> dict[str, str]:
     """Train the tokenizer and the models named in ``roles``; write ``out_dir/<role>``.
 
     The checkpoints are first written to a temporary directory beside ``out_dir`` and
@@ -244,9 +305,12 @@ def build(out_dir: str, *, scale: float = 1.0, root: str | None = None,
     texts = {dom: corpus.documents(dom, "train", root) for dom in corpus.DOMAINS}
     tokenizer = train_tokenizer([d.text for dom in corpus.DOMAINS for d in texts[dom]])
     streams = {dom: encode_documents(tokenizer, texts[dom]) for dom in corpus.DOMAINS}
-    common = {"python": platform.python_version(), "torch": torch.__version__,
-              "corpus_tokens": {dom: int(s.numel()) for dom, s in streams.items()},
-              "threads": torch.get_num_threads()}
+    common = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "corpus_tokens": {dom: int(s.numel()) for dom, s in streams.items()},
+        "threads": torch.get_num_threads(),
+    }
     out_dir = os.path.abspath(out_dir)
     os.makedirs(os.path.dirname(out_dir) or ".", exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".zoo-build-", dir=os.path.dirname(out_dir))

@@ -21,6 +21,7 @@ shapes.
     >>> [w.name for w in evaluation_set(n=2)]
     ['explain', 'summarise', 'multiturn', 'code']
 """
+
 from __future__ import annotations
 
 import importlib
@@ -29,14 +30,39 @@ import random
 from dataclasses import dataclass
 
 # Held-out modules whose docstrings are long enough to summarise (a few hundred words).
-PASSAGE_MODULES = ("json", "heapq", "random", "subprocess", "urllib.parse",
-                   "urllib.request", "socket", "inspect", "xmlrpc.client", "http.server")
+PASSAGE_MODULES = (
+    "json",
+    "heapq",
+    "random",
+    "subprocess",
+    "urllib.parse",
+    "urllib.request",
+    "socket",
+    "inspect",
+    "xmlrpc.client",
+    "http.server",
+)
 # Held-out modules whose public functions are asked about and written.
-FUNCTION_MODULES = ("inspect", "urllib.parse", "urllib.request", "socket", "pickletools",
-                    "random", "heapq", "subprocess", "sysconfig", "linecache", "functools",
-                    "getpass", "json", "glob", "pstats", "email.iterators")
+FUNCTION_MODULES = (
+    "inspect",
+    "urllib.parse",
+    "urllib.request",
+    "socket",
+    "pickletools",
+    "random",
+    "heapq",
+    "subprocess",
+    "sysconfig",
+    "linecache",
+    "functools",
+    "getpass",
+    "json",
+    "glob",
+    "pstats",
+    "email.iterators",
+)
 MAX_PER_MODULE = 6
-PASSAGE_CHARS = 1800          # about 400-500 tokens of the chat models' vocabulary
+PASSAGE_CHARS = 1800  # about 400-500 tokens of the chat models' vocabulary
 
 
 @dataclass(frozen=True)
@@ -72,7 +98,7 @@ def _functions(rng: random.Random) -> list[tuple[str, str, str]]:
                 sig = "(...)"
             found.append((f"{m}.{name}", sig, first))
         rng.shuffle(found)
-        out += found[:MAX_PER_MODULE]          # no module dominates
+        out += found[:MAX_PER_MODULE]  # no module dominates
     rng.shuffle(out)
     return out
 
@@ -85,8 +111,8 @@ def _passages(rng: random.Random) -> list[tuple[str, str]]:
         if len(doc) < 600:
             continue
         cut = doc[:PASSAGE_CHARS]
-        if len(doc) > PASSAGE_CHARS and "\n\n" in cut[PASSAGE_CHARS // 2:]:
-            cut = cut[:cut.rindex("\n\n")]
+        if len(doc) > PASSAGE_CHARS and "\n\n" in cut[PASSAGE_CHARS // 2 :]:
+            cut = cut[: cut.rindex("\n\n")]
         out.append((m, cut.strip()))
     rng.shuffle(out)
     return out
@@ -96,15 +122,17 @@ def _pick(items: list, n: int) -> list:
     return [items[i % len(items)] for i in range(n)]
 
 
-EXPLAIN = ("What does the Python function `{name}` do? Explain it in a short paragraph "
-           "and give one example of its use.",
-           "I found `{name}` in some code I maintain. What is it for, and what does it "
-           "return?",
-           "Explain the arguments of `{name}{sig}` and what happens when they are left at "
-           "their defaults.")
-CODE = ("Write a Python function `{short}{sig}` from scratch, without importing `{module}`. "
-        "It should do this: {doc}",
-        "Write a few pytest unit tests for `{name}{sig}`, whose documentation says: {doc}")
+EXPLAIN = (
+    "What does the Python function `{name}` do? Explain it in a short paragraph "
+    "and give one example of its use.",
+    "I found `{name}` in some code I maintain. What is it for, and what does it return?",
+    "Explain the arguments of `{name}{sig}` and what happens when they are left at their defaults.",
+)
+CODE = (
+    "Write a Python function `{short}{sig}` from scratch, without importing `{module}`. "
+    "It should do this: {doc}",
+    "Write a few pytest unit tests for `{name}{sig}`, whose documentation says: {doc}",
+)
 
 
 def stream(name: str, n: int, seed: int = 0) -> tuple[tuple[dict, ...], ...]:
@@ -113,12 +141,13 @@ def stream(name: str, n: int, seed: int = 0) -> tuple[tuple[dict, ...], ...]:
     rng = random.Random(seed)
     funcs = _functions(rng)
     templates = {"explain": EXPLAIN, "code": CODE}[name]
-    prompts = [(t.format(name=f, sig=sig, doc=doc, short=f.rsplit(".", 1)[1],
-                         module=f.rsplit(".", 1)[0]),)
-               for t in templates for f, sig, doc in funcs]
+    prompts = [
+        (t.format(name=f, sig=sig, doc=doc, short=f.rsplit(".", 1)[1], module=f.rsplit(".", 1)[0]),)
+        for t in templates
+        for f, sig, doc in funcs
+    ]
     if n > len(prompts):
-        raise ValueError(f"the {name} workload has {len(prompts)} distinct prompts, asked "
-                         f"for {n}")
+        raise ValueError(f"the {name} workload has {len(prompts)} distinct prompts, asked for {n}")
     rng.shuffle(prompts)
     return tuple(({"role": "user", "content": c},) for (c,) in prompts[:n])
 
@@ -130,41 +159,67 @@ def evaluation_set(n: int = 8, seed: int = 0) -> list[Workload]:
     rng = random.Random(seed)
     funcs, passages = _functions(rng), _passages(rng)
     explain = tuple(
-        ({"role": "user", "content": f"What does the Python function `{name}` do? Explain it "
-                                     f"in a short paragraph and give one example of its use."},)
-        for name, _, _ in _pick(funcs, n))
-    verbs = ("Summarise the following passage in a few sentences.",
-             "Rewrite the following passage in plain, simple English.",
-             "Summarise the main points of this documentation as a short list.")
+        (
+            {
+                "role": "user",
+                "content": f"What does the Python function `{name}` do? Explain it "
+                f"in a short paragraph and give one example of its use.",
+            },
+        )
+        for name, _, _ in _pick(funcs, n)
+    )
+    verbs = (
+        "Summarise the following passage in a few sentences.",
+        "Rewrite the following passage in plain, simple English.",
+        "Summarise the main points of this documentation as a short list.",
+    )
     summarise = tuple(
         ({"role": "user", "content": f"{verbs[i % len(verbs)]}\n\n{text}"},)
-        for i, (_, text) in enumerate(_pick(passages, n)))
+        for i, (_, text) in enumerate(_pick(passages, n))
+    )
     by_module: dict[str, list] = {}
     for f in funcs:
         by_module.setdefault(f[0].rsplit(".", 1)[0], []).append(f)
-    pairs = [fs[j:j + 2] for fs in by_module.values() for j in range(0, len(fs) - 1, 2)]
+    pairs = [fs[j : j + 2] for fs in by_module.values() for j in range(0, len(fs) - 1, 2)]
     rng.shuffle(pairs)
     multiturn = []
     for a, b in _pick(pairs, n):
-        multiturn.append((
-            {"role": "user", "content": f"I am reading about `{a[0]}`. What is it for?"},
-            {"role": "assistant", "content": f"`{a[0]}{a[1]}`: {a[2]}"},
-            {"role": "user", "content": f"And `{b[0]}`?"},
-            {"role": "assistant", "content": f"`{b[0]}{b[1]}`: {b[2]}"},
-            {"role": "user", "content": f"Can you explain the difference between `{a[0]}` "
-                                        f"and `{b[0]}` and when I would use each?"}))
+        multiturn.append(
+            (
+                {"role": "user", "content": f"I am reading about `{a[0]}`. What is it for?"},
+                {"role": "assistant", "content": f"`{a[0]}{a[1]}`: {a[2]}"},
+                {"role": "user", "content": f"And `{b[0]}`?"},
+                {"role": "assistant", "content": f"`{b[0]}{b[1]}`: {b[2]}"},
+                {
+                    "role": "user",
+                    "content": f"Can you explain the difference between `{a[0]}` "
+                    f"and `{b[0]}` and when I would use each?",
+                },
+            )
+        )
     code = tuple(
-        ({"role": "user", "content": f"Write a Python function `{name.rsplit('.', 1)[1]}"
-                                     f"{sig}` from scratch, without importing "
-                                     f"`{name.rsplit('.', 1)[0]}`. It should do this: {doc}"},)
-        for name, sig, doc in _pick(funcs[::-1], n))
+        (
+            {
+                "role": "user",
+                "content": f"Write a Python function `{name.rsplit('.', 1)[1]}"
+                f"{sig}` from scratch, without importing "
+                f"`{name.rsplit('.', 1)[0]}`. It should do this: {doc}",
+            },
+        )
+        for name, sig, doc in _pick(funcs[::-1], n)
+    )
     return [
-        Workload("explain", "explain what a standard-library function does (new text)",
-                 explain),
-        Workload("summarise", "summarise or rewrite a documentation passage given in the "
-                 "prompt", summarise),
-        Workload("multiturn", "a third turn comparing two functions discussed in the "
-                 "earlier turns", tuple(multiturn)),
+        Workload("explain", "explain what a standard-library function does (new text)", explain),
+        Workload(
+            "summarise",
+            "summarise or rewrite a documentation passage given in the prompt",
+            summarise,
+        ),
+        Workload(
+            "multiturn",
+            "a third turn comparing two functions discussed in the earlier turns",
+            tuple(multiturn),
+        ),
         Workload("code", "write a function from its signature and specification", code),
     ]
 

@@ -6,6 +6,7 @@ the normed output is exactly the norm of the residual the next block adds to. Th
 row sits in registers (``BLOCK >= hidden``, at most ``MAX_HIDDEN`` elements); sums run in
 float32.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -16,8 +17,20 @@ MAX_HIDDEN = 16384
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, out_ptr, hidden, eps, scale,
-                         sx_m, sr_m, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    res_out_ptr,
+    out_ptr,
+    hidden,
+    eps,
+    scale,
+    sx_m,
+    sr_m,
+    HAS_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     m = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -31,8 +44,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, out_ptr, hidden, ep
     hf = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / hidden + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * hidden + offs, (hf * rstd * w).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + m * hidden + offs, (hf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def num_warps_for(block: int) -> int:
@@ -40,13 +52,15 @@ def num_warps_for(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
-def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                        eps: float, scale: float):
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, scale: float
+):
     """Triton ``add_rms_norm``; arguments as ``osd_kernels.add_rms_norm`` (already checked)."""
     hidden = x.shape[-1]
     if hidden > MAX_HIDDEN:
-        raise ValueError(f"the Triton add_rms_norm holds a row of at most {MAX_HIDDEN} "
-                         f"elements, got {hidden}")
+        raise ValueError(
+            f"the Triton add_rms_norm holds a row of at most {MAX_HIDDEN} elements, got {hidden}"
+        )
     xs = x.reshape(-1, hidden)
     rs = residual.reshape(-1, hidden)
     if xs.stride(-1) != 1:
@@ -60,7 +74,18 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
         return res_out, out
     block = triton.next_power_of_2(hidden)
     _add_rms_norm_kernel[(rows,)](
-        xs, rs, weight, res_out, out, hidden, float(eps), float(scale),
-        xs.stride(0), rs.stride(0), HAS_SCALE=scale != 1.0, BLOCK=block,
-        num_warps=num_warps_for(block))
+        xs,
+        rs,
+        weight,
+        res_out,
+        out,
+        hidden,
+        float(eps),
+        float(scale),
+        xs.stride(0),
+        rs.stride(0),
+        HAS_SCALE=scale != 1.0,
+        BLOCK=block,
+        num_warps=num_warps_for(block),
+    )
     return res_out, out

@@ -17,20 +17,41 @@ in flight) meets every row's ``x`` tile; the products accumulate elementwise in
 - Residual epilogue (``HAS_RES``): stores ``residual + scale * y`` (``y`` and ``scale * y``
   rounded first, as the reference's ``residual + y * scale``).
 """
+
 import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 8       # BLOCK_M: rows that share one read of the weight
-BLOCK_N = 8        # weight rows (output columns) per program
-TILE = 8192        # BLOCK_M * BLOCK_N * BLOCK_K elements of the accumulator (4 warps: 64 a thread)
+MAX_ROWS = 8  # BLOCK_M: rows that share one read of the weight
+BLOCK_N = 8  # weight rows (output columns) per program
+TILE = 8192  # BLOCK_M * BLOCK_N * BLOCK_K elements of the accumulator (4 warps: 64 a thread)
 
 
 @triton.jit
-def _decode_gemv_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, out_ptr, M, N, K, eps, scale,
-                        sx_m, sw_n, sr_m, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
-                        GATED: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _decode_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    nw_ptr,
+    res_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    eps,
+    scale,
+    sx_m,
+    sw_n,
+    sr_m,
+    HAS_BIAS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     dtype = out_ptr.dtype.element_ty
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -43,8 +64,8 @@ def _decode_gemv_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, out_ptr, M, N, K, 
     m3 = rm[:, None, None]
     n3 = rn[None, :, None]
     k3 = rk[None, None, :]
-    x_rows = x_ptr + m3.to(tl.int64) * sx_m                       # [BLOCK_M, 1, 1]
-    w_rows = w_ptr + n3.to(tl.int64) * sw_n                       # [1, BLOCK_N, 1]
+    x_rows = x_ptr + m3.to(tl.int64) * sx_m  # [BLOCK_M, 1, 1]
+    w_rows = w_ptr + n3.to(tl.int64) * sw_n  # [1, BLOCK_N, 1]
     if HAS_NORM:
         squares = tl.zeros([BLOCK_M, 1, 1], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -81,8 +102,9 @@ def _decode_gemv_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, out_ptr, M, N, K, 
     if HAS_RES:
         if HAS_SCALE:
             y = (y * scale).to(dtype).to(tl.float32)
-        r = tl.load(res_ptr + rm[:, None].to(tl.int64) * sr_m + rn[None, :], mask=out_mask,
-                    other=0.0)
+        r = tl.load(
+            res_ptr + rm[:, None].to(tl.int64) * sr_m + rn[None, :], mask=out_mask, other=0.0
+        )
         y = r.to(tl.float32) + y
     tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y.to(dtype), mask=out_mask)
 
@@ -96,8 +118,16 @@ def blocks_for(rows: int, K: int, gated: bool) -> tuple[int, int, int]:
     return block_m, BLOCK_N, block_k
 
 
-def decode_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight, eps: float,
-                       residual, scale: float, gated: bool) -> torch.Tensor:
+def decode_gemv_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias,
+    norm_weight,
+    eps: float,
+    residual,
+    scale: float,
+    gated: bool,
+) -> torch.Tensor:
     """Triton ``decode_gemv``; arguments as ``osd_kernels.decode_gemv`` (already checked)."""
     K = x.shape[-1]
     N = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -116,10 +146,28 @@ def decode_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias, norm_weight,
             res = res.contiguous()
     block_m, block_n, block_k = blocks_for(M, K, gated)
     _decode_gemv_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
-        rows, w, rows if bias is None else bias, rows if norm_weight is None else norm_weight,
-        rows if res is None else res, out, M, N, K, float(eps), float(scale),
-        rows.stride(0), w.stride(0), 0 if res is None else res.stride(0),
-        HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, GATED=gated,
-        HAS_RES=res is not None, HAS_SCALE=res is not None and scale != 1.0,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        rows,
+        w,
+        rows if bias is None else bias,
+        rows if norm_weight is None else norm_weight,
+        rows if res is None else res,
+        out,
+        M,
+        N,
+        K,
+        float(eps),
+        float(scale),
+        rows.stride(0),
+        w.stride(0),
+        0 if res is None else res.stride(0),
+        HAS_BIAS=bias is not None,
+        HAS_NORM=norm_weight is not None,
+        GATED=gated,
+        HAS_RES=res is not None,
+        HAS_SCALE=res is not None and scale != 1.0,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
     return out

@@ -14,6 +14,7 @@ write loss 0 and a zero gradient. A program reads back nothing it wrote, so it n
 barrier. Floating point: Triton's approximate ``/`` and ``tl.exp`` on a GPU are fine here
 (a loss and its gradient, compared with tolerances, decide no token).
 """
+
 import math
 
 import torch
@@ -21,7 +22,6 @@ import triton
 import triton.language as tl
 
 from osd_kernels.distill_loss import LOSSES, RKL_LOG_P_FLOOR, TOPK_LEFTOVER_EPS
-
 
 
 @triton.jit
@@ -40,8 +40,7 @@ def _bucket_terms(lp, lq, beta, log_beta, log_1mb, LOSS: tl.constexpr, RKL_FLOOR
         a = lp + log_beta
         b = lq + log_1mb
         hi = tl.maximum(a, b)
-        lm = tl.where(hi == float("-inf"), float("-inf"),
-                      hi + tl.log(1.0 + tl.exp(-tl.abs(a - b))))
+        lm = tl.where(hi == float("-inf"), float("-inf"), hi + tl.log(1.0 + tl.exp(-tl.abs(a - b))))
         kq = tl.where(q > 0, q * (lq - lm), 0.0)
         l = beta * tl.where(p > 0, p * (lp - lm), 0.0) + (1.0 - beta) * kq
         h = (1.0 - beta) * kq
@@ -68,10 +67,25 @@ def _finish_lse(m, s):
 
 
 @triton.jit
-def _distill_full_kernel(z_ptr, t_ptr, mask_ptr, loss_ptr, grad_ptr, vocab,
-                         sz_n, sz_v, st_n, st_v, beta, log_beta, log_1mb,
-                         LOSS: tl.constexpr, RKL_FLOOR: tl.constexpr, HAS_MASK: tl.constexpr,
-                         BLOCK_V: tl.constexpr):
+def _distill_full_kernel(
+    z_ptr,
+    t_ptr,
+    mask_ptr,
+    loss_ptr,
+    grad_ptr,
+    vocab,
+    sz_n,
+    sz_v,
+    st_n,
+    st_v,
+    beta,
+    log_beta,
+    log_1mb,
+    LOSS: tl.constexpr,
+    RKL_FLOOR: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * sz_n
     t_row = t_ptr + row * st_n
@@ -116,17 +130,38 @@ def _distill_full_kernel(z_ptr, t_ptr, mask_ptr, loss_ptr, grad_ptr, vocab,
     else:
         for v0 in range(0, vocab, BLOCK_V):
             offs = v0 + tl.arange(0, BLOCK_V)
-            tl.store(g_row + offs, tl.zeros([BLOCK_V], grad_ptr.dtype.element_ty),
-                     mask=offs < vocab)
+            tl.store(
+                g_row + offs, tl.zeros([BLOCK_V], grad_ptr.dtype.element_ty), mask=offs < vocab
+            )
         tl.store(loss_ptr + row, 0.0)
 
 
 @triton.jit
-def _distill_topk_kernel(z_ptr, ids_ptr, probs_ptr, mask_ptr, loss_ptr, grad_ptr, vocab, topk,
-                         sz_n, sz_v, si_n, si_k, sp_n, sp_k, beta, log_beta, log_1mb,
-                         LOSS: tl.constexpr, RKL_FLOOR: tl.constexpr, HAS_MASK: tl.constexpr,
-                         LEFTOVER_EPS: tl.constexpr, BLOCK_V: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+def _distill_topk_kernel(
+    z_ptr,
+    ids_ptr,
+    probs_ptr,
+    mask_ptr,
+    loss_ptr,
+    grad_ptr,
+    vocab,
+    topk,
+    sz_n,
+    sz_v,
+    si_n,
+    si_k,
+    sp_n,
+    sp_k,
+    beta,
+    log_beta,
+    log_1mb,
+    LOSS: tl.constexpr,
+    RKL_FLOOR: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    LEFTOVER_EPS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * sz_n
     g_row = grad_ptr + row * vocab
@@ -161,8 +196,9 @@ def _distill_topk_kernel(z_ptr, ids_ptr, probs_ptr, mask_ptr, loss_ptr, grad_ptr
         p_oth = 1.0 - tl.sum(probs, 0)
         p_oth = tl.where(p_oth < LEFTOVER_EPS, 0.0, p_oth)
         lp_oth = tl.where(p_oth > 0, tl.log(tl.where(p_oth > 0, p_oth, 1.0)), float("-inf"))
-        l_oth, h_oth = _bucket_terms(lp_oth, lse_oth - lse, beta, log_beta, log_1mb, LOSS,
-                                     RKL_FLOOR)
+        l_oth, h_oth = _bucket_terms(
+            lp_oth, lse_oth - lse, beta, log_beta, log_1mb, LOSS, RKL_FLOOR
+        )
         H = tl.sum(h_top, 0) + h_oth
         lse_oth_safe = tl.where(lse_oth == float("-inf"), 0.0, lse_oth)
         for v0 in range(0, vocab, BLOCK_V):
@@ -180,13 +216,15 @@ def _distill_topk_kernel(z_ptr, ids_ptr, probs_ptr, mask_ptr, loss_ptr, grad_ptr
     else:
         for v0 in range(0, vocab, BLOCK_V):
             offs = v0 + tl.arange(0, BLOCK_V)
-            tl.store(g_row + offs, tl.zeros([BLOCK_V], grad_ptr.dtype.element_ty),
-                     mask=offs < vocab)
+            tl.store(
+                g_row + offs, tl.zeros([BLOCK_V], grad_ptr.dtype.element_ty), mask=offs < vocab
+            )
         tl.store(loss_ptr + row, 0.0)
 
 
-def distill_loss_fwd_bwd_triton(draft_logits, target_logits, topk_ids, topk_probs, mask,
-                                loss: str, beta: float):
+def distill_loss_fwd_bwd_triton(
+    draft_logits, target_logits, topk_ids, topk_probs, mask, loss: str, beta: float
+):
     """Per-row losses ``[N]`` fp32 and gradients ``[N, V]`` (draft dtype); arguments as
     ``torch.ops.osd.distill_loss_fwd_bwd`` (already checked by ``distill_loss``).
 
@@ -208,17 +246,44 @@ def distill_loss_fwd_bwd_triton(draft_logits, target_logits, topk_ids, topk_prob
     if target_logits is not None:
         block_v = min(4096 if on_gpu else 1024, triton.next_power_of_2(V))
         _distill_full_kernel[(N,)](
-            draft_logits, target_logits, mask_arg, loss_rows, grad, V,
-            *draft_logits.stride(), *target_logits.stride(), beta, log_beta, log_1mb,
-            BLOCK_V=block_v, num_warps=8 if on_gpu else 1, **common)
+            draft_logits,
+            target_logits,
+            mask_arg,
+            loss_rows,
+            grad,
+            V,
+            *draft_logits.stride(),
+            *target_logits.stride(),
+            beta,
+            log_beta,
+            log_1mb,
+            BLOCK_V=block_v,
+            num_warps=8 if on_gpu else 1,
+            **common,
+        )
     else:
         K = topk_ids.shape[1]
         block_k = triton.next_power_of_2(K)
         block_v = min(max(64, (8192 if on_gpu else 32768) // block_k), triton.next_power_of_2(V))
         _distill_topk_kernel[(N,)](
-            draft_logits, topk_ids, topk_probs, mask_arg, loss_rows, grad, V, K,
-            *draft_logits.stride(), *topk_ids.stride(), *topk_probs.stride(),
-            beta, log_beta, log_1mb, LEFTOVER_EPS=TOPK_LEFTOVER_EPS, BLOCK_V=block_v,
+            draft_logits,
+            topk_ids,
+            topk_probs,
+            mask_arg,
+            loss_rows,
+            grad,
+            V,
+            K,
+            *draft_logits.stride(),
+            *topk_ids.stride(),
+            *topk_probs.stride(),
+            beta,
+            log_beta,
+            log_1mb,
+            LEFTOVER_EPS=TOPK_LEFTOVER_EPS,
+            BLOCK_V=block_v,
             BLOCK_K=block_k,
-            num_warps=8 if on_gpu else 1, **common)
+            num_warps=8 if on_gpu else 1,
+            **common,
+        )
     return loss_rows, grad

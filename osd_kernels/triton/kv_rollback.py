@@ -7,23 +7,36 @@ no slot is read after a copy has written it, and an element's load and store sha
 layout (the same thread), so no barrier is needed.
 The length update is a second, tiny launch, so it happens after every copy has read it.
 """
+
 import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _kv_rollback_kernel(kv_ptr, lens_ptr, slots_ptr, keep_ptr, num_heads, head_dim,
-                        stride_lk, stride_b, stride_h, stride_s, slots_stride_b,
-                        BLOCK_D: tl.constexpr):
+def _kv_rollback_kernel(
+    kv_ptr,
+    lens_ptr,
+    slots_ptr,
+    keep_ptr,
+    num_heads,
+    head_dim,
+    stride_lk,
+    stride_b,
+    stride_h,
+    stride_s,
+    slots_stride_b,
+    BLOCK_D: tl.constexpr,
+):
     b = tl.program_id(0)
     lkh = tl.program_id(1)
     lk = lkh // num_heads
     h = lkh % num_heads
     n = tl.load(keep_ptr + b)
     base = tl.load(lens_ptr + b).to(tl.int64)
-    row = (kv_ptr + lk.to(tl.int64) * stride_lk + b.to(tl.int64) * stride_b
-           + h.to(tl.int64) * stride_h)
+    row = (
+        kv_ptr + lk.to(tl.int64) * stride_lk + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+    )
     for d0 in range(0, head_dim, BLOCK_D):
         offs = d0 + tl.arange(0, BLOCK_D)
         mask = offs < head_dim
@@ -43,8 +56,12 @@ def _advance_lens_kernel(lens_ptr, keep_ptr, batch, BLOCK: tl.constexpr):
     tl.store(lens_ptr + offs, lens + tl.maximum(keep, 0), mask=mask)
 
 
-def kv_rollback_triton(kv_cache: torch.Tensor, cache_lens: torch.Tensor,
-                       accepted_slots: torch.Tensor, num_keep: torch.Tensor) -> None:
+def kv_rollback_triton(
+    kv_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    accepted_slots: torch.Tensor,
+    num_keep: torch.Tensor,
+) -> None:
     """Triton ``kv_rollback``; arguments as ``osd_kernels.kv_rollback`` (already checked)."""
     if kv_cache.stride(5) != 1 or kv_cache.stride(0) != 2 * kv_cache.stride(1):
         raise ValueError("kv_cache must be contiguous in its last dim with mergeable dims 0, 1")
@@ -54,7 +71,17 @@ def kv_rollback_triton(kv_cache: torch.Tensor, cache_lens: torch.Tensor,
         return
     L, _, _, H, _, D = kv_cache.shape
     _kv_rollback_kernel[(batch, L * 2 * H)](
-        kv_cache, cache_lens, slots, num_keep, H, D,
-        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
-        slots.stride(0), BLOCK_D=min(triton.next_power_of_2(D), 256))
+        kv_cache,
+        cache_lens,
+        slots,
+        num_keep,
+        H,
+        D,
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        kv_cache.stride(4),
+        slots.stride(0),
+        BLOCK_D=min(triton.next_power_of_2(D), 256),
+    )
     _advance_lens_kernel[(1,)](cache_lens, num_keep, batch, BLOCK=triton.next_power_of_2(batch))

@@ -26,6 +26,7 @@ are NumPy's.
 Memory: the output row is filled with -1 by the whole program and then written one token
 at a time by a single thread (Triton's scalar stores), so a barrier separates the two.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -77,8 +78,9 @@ def _top_k_threshold(row_ptr, stride_v, vocab, temperature, top_k, BLOCK_V: tl.c
 
 
 @triton.jit
-def _top_p_key(row_ptr, stride_v, vocab, temperature, kth, row_max, inv_z1, top_p,
-               BLOCK_V: tl.constexpr):
+def _top_p_key(
+    row_ptr, stride_v, vocab, temperature, kth, row_max, inv_z1, top_p, BLOCK_V: tl.constexpr
+):
     """Smallest key T of [0, 1] with mass(p > T) < top_p (p normalised over the top-k set)."""
     lo = tl.zeros((), tl.int32)
     hi = tl.full((), ONE_KEY, tl.int32)
@@ -118,8 +120,9 @@ def _row_stats(row_ptr, stride_v, vocab, temperature, top_k, top_p, BLOCK_V: tl.
     p_key = tl.zeros((), tl.int32)
     z2 = z1
     if top_p < 1.0:
-        p_key = _top_p_key(row_ptr, stride_v, vocab, temperature, kth, row_max, inv_z1, top_p,
-                           BLOCK_V)
+        p_key = _top_p_key(
+            row_ptr, stride_v, vocab, temperature, kth, row_max, inv_z1, top_p, BLOCK_V
+        )
         z2 = tl.zeros((), tl.float32)
         for v0 in range(0, vocab, BLOCK_V):
             offs = v0 + tl.arange(0, BLOCK_V)
@@ -149,12 +152,31 @@ def _warped(s, mask, kth, row_max, inv_z1, p_key):
 
 @triton.jit
 def _rejection_sample_kernel(
-        logits_ptr, stride_lb, stride_lk, stride_lv,
-        draft_ptr, stride_db, stride_dk,
-        q_ptr, stride_qb, stride_qk, stride_qv,
-        num_draft_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, offset_ptr,
-        out_ptr, accepted_ptr, max_draft, vocab,
-        HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    logits_ptr,
+    stride_lb,
+    stride_lk,
+    stride_lv,
+    draft_ptr,
+    stride_db,
+    stride_dk,
+    q_ptr,
+    stride_qb,
+    stride_qk,
+    stride_qv,
+    num_draft_ptr,
+    temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    seed_ptr,
+    offset_ptr,
+    out_ptr,
+    accepted_ptr,
+    max_draft,
+    vocab,
+    HAS_Q: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(num_draft_ptr + b), 0), max_draft)
     temperature = tl.load(temperature_ptr + b)
@@ -179,7 +201,8 @@ def _rejection_sample_kernel(
             if live:
                 row = row0 + i * stride_lk
                 kth, row_max, inv_z1, p_key, z2 = _row_stats(
-                    row, stride_lv, vocab, temperature, top_k, top_p, BLOCK_V)
+                    row, stride_lv, vocab, temperature, top_k, top_p, BLOCK_V
+                )
                 x = tl.load(drafts + i * stride_dk)
                 in_vocab = (x >= 0) & (x < vocab)
                 xs = tl.where(in_vocab, x, 0)
@@ -188,8 +211,11 @@ def _rejection_sample_kernel(
                 log_p = tl.where(e_x > 0.0, (s_x - row_max) - fpmath.log(z2), float("-inf"))
                 q_x = 1.0
                 if HAS_Q:
-                    q_x = tl.load(q_ptr + b * stride_qb + i * stride_qk + xs * stride_qv,
-                                  mask=in_vocab, other=1.0).to(tl.float32)
+                    q_x = tl.load(
+                        q_ptr + b * stride_qb + i * stride_qk + xs * stride_qv,
+                        mask=in_vocab,
+                        other=1.0,
+                    ).to(tl.float32)
                 u = philox_uniform(seed, offset, 2 * i, 0)
                 if fpmath.log(u) + fpmath.log(q_x) < log_p:
                     tl.store(out_row + i, x)
@@ -200,7 +226,8 @@ def _rejection_sample_kernel(
                     x_rej = x
         row = row0 + j * stride_lk
         kth, row_max, inv_z1, p_key, z2 = _row_stats(
-            row, stride_lv, vocab, temperature, top_k, top_p, BLOCK_V)
+            row, stride_lv, vocab, temperature, top_k, top_p, BLOCK_V
+        )
         inv_z2 = fpmath.div(1.0, z2)
         q_row = q_ptr + b * stride_qb + j * stride_qk
         # does the residual have mass? (else the race runs on p itself)
@@ -210,8 +237,17 @@ def _rejection_sample_kernel(
             for v0 in range(0, vocab, BLOCK_V):
                 offs = v0 + tl.arange(0, BLOCK_V)
                 mask = offs < vocab
-                p = _warped(_scaled(row, stride_lv, offs, mask, temperature), mask, kth,
-                            row_max, inv_z1, p_key) * inv_z2
+                p = (
+                    _warped(
+                        _scaled(row, stride_lv, offs, mask, temperature),
+                        mask,
+                        kth,
+                        row_max,
+                        inv_z1,
+                        p_key,
+                    )
+                    * inv_z2
+                )
                 r = _residual(p, offs, mask, q_row, stride_qv, x_rej, HAS_Q)
                 resid_max = tl.maximum(resid_max, tl.max(r))
             use_resid = resid_max > 0.0
@@ -220,8 +256,17 @@ def _rejection_sample_kernel(
         for v0 in range(0, vocab, BLOCK_V):
             offs = v0 + tl.arange(0, BLOCK_V)
             mask = offs < vocab
-            r = _warped(_scaled(row, stride_lv, offs, mask, temperature), mask, kth, row_max,
-                        inv_z1, p_key) * inv_z2
+            r = (
+                _warped(
+                    _scaled(row, stride_lv, offs, mask, temperature),
+                    mask,
+                    kth,
+                    row_max,
+                    inv_z1,
+                    p_key,
+                )
+                * inv_z2
+            )
             if use_resid:
                 r = _residual(r, offs, mask, q_row, stride_qv, x_rej, HAS_Q)
             u = philox_uniform(seed, offset, 2 * j + 1, offs)
@@ -240,8 +285,9 @@ def _rejection_sample_kernel(
                 best_v = tl.zeros((), tl.int64)
                 for v0 in range(0, vocab, BLOCK_V):
                     offs = v0 + tl.arange(0, BLOCK_V)
-                    x = tl.load(row + offs.to(tl.int64) * stride_lv, mask=offs < vocab,
-                                other=float("-inf")).to(tl.float32)
+                    x = tl.load(
+                        row + offs.to(tl.int64) * stride_lv, mask=offs < vocab, other=float("-inf")
+                    ).to(tl.float32)
                     tile_best = tl.max(x)
                     tile_v = v0 + tl.argmax(x, axis=0, tie_break_left=True)
                     better = tile_best > best
@@ -257,8 +303,9 @@ def _rejection_sample_kernel(
     tl.store(accepted_ptr + b, j.to(tl.int32))
 
 
-def rejection_sample_triton(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
-                            draft_probs, params) -> tuple[torch.Tensor, torch.Tensor]:
+def rejection_sample_triton(
+    target_logits: torch.Tensor, draft_token_ids: torch.Tensor, draft_probs, params
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton ``rejection_sample``; arguments as ``osd_kernels.rejection_sample`` with the
     per-row parameters already materialised (``osd_kernels.rejection_sample.RowParams``)."""
     batch, k1, vocab = target_logits.shape
@@ -269,11 +316,27 @@ def rejection_sample_triton(target_logits: torch.Tensor, draft_token_ids: torch.
     has_q = draft_probs is not None
     q = draft_probs if has_q else target_logits
     _rejection_sample_kernel[(batch,)](
-        target_logits, *target_logits.stride(),
-        draft_token_ids, *draft_token_ids.stride(),
-        q, q.stride(0), q.stride(1), q.stride(2),
-        params.num_draft_tokens, params.temperature, params.top_k, params.top_p,
-        params.seed, params.offset, out, accepted, k1 - 1, vocab,
-        HAS_Q=has_q, BLOCK_V=min(triton.next_power_of_2(vocab), 1024),
-        BLOCK_K=triton.next_power_of_2(k1), **fpmath.launch_options(target_logits.device))
+        target_logits,
+        *target_logits.stride(),
+        draft_token_ids,
+        *draft_token_ids.stride(),
+        q,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        params.num_draft_tokens,
+        params.temperature,
+        params.top_k,
+        params.top_p,
+        params.seed,
+        params.offset,
+        out,
+        accepted,
+        k1 - 1,
+        vocab,
+        HAS_Q=has_q,
+        BLOCK_V=min(triton.next_power_of_2(vocab), 1024),
+        BLOCK_K=triton.next_power_of_2(k1),
+        **fpmath.launch_options(target_logits.device),
+    )
     return out, accepted

@@ -5,6 +5,7 @@ columns of the gate half and of the up half of the concatenated projection and s
 ``silu(gate) * up``. SiLU is computed in float32 and rounded to the dtype before the
 product, as the reference rounds ``F.silu(gate)``.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -38,5 +39,6 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = block_for(inter)
     _silu_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
-        rows, out, inter, rows.stride(0), BLOCK=block, num_warps=4)
+        rows, out, inter, rows.stride(0), BLOCK=block, num_warps=4
+    )
     return out

@@ -55,6 +55,7 @@ rows, head dim, mask); a launch during CUDA graph capture, where autotuning's ti
 are not allowed, reuses the config tuned eagerly for its class (or the first one). Under
 the interpreter it runs one fixed small config.
 """
+
 import functools
 import os
 
@@ -63,14 +64,14 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
-MAX_TREE = 64   # a tree mask is one int64 per query; also the causal tile of new keys
+MAX_TREE = 64  # a tree mask is one int64 per query; also the causal tile of new keys
 
 # Split-KV sizing (see split_kv_num_splits).
-DEFAULT_NUM_SMS = 132        # H100 SXM / H200; CPU tensors (interpreter) size for this GPU
-PROGRAMS_PER_SM = 2          # aim for about two split programs per SM
-SPLIT_MIN_KEYS = 256         # a split streams at least this many prefix keys ...
-SPLIT_MIN_KEYS_PER_ROW = 8   # ... and at least 8 per query row (bounds workspace traffic)
-MAX_SPLITS = 63              # num_splits + 1 partials fit one 64-wide combine tile
+DEFAULT_NUM_SMS = 132  # H100 SXM / H200; CPU tensors (interpreter) size for this GPU
+PROGRAMS_PER_SM = 2  # aim for about two split programs per SM
+SPLIT_MIN_KEYS = 256  # a split streams at least this many prefix keys ...
+SPLIT_MIN_KEYS_PER_ROW = 8  # ... and at least 8 per query row (bounds workspace traffic)
+MAX_SPLITS = 63  # num_splits + 1 partials fit one 64-wide combine tile
 # Prefix chunks are multiples of this many keys (a multiple of every BLOCK_N tried), so a
 # split's tiles never straddle two splits and the partition does not depend on the config.
 SPLIT_ALIGN_GPU = 128
@@ -90,33 +91,75 @@ def _dot(a, b, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _prefix_tiles(q, k_base, v_base, lo, hi, m_i, l_i, acc, qk_scale,
-                  sk_s, sk_d, sv_s, sv_d, offs_d, d_ok,
-                  FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr):
+def _prefix_tiles(
+    q,
+    k_base,
+    v_base,
+    lo,
+    hi,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    sk_s,
+    sk_d,
+    sv_s,
+    sv_d,
+    offs_d,
+    d_ok,
+    FP32_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Online softmax of ``q`` over keys ``[lo, hi)``, all visible (only the bound is
     checked). Every tile holds at least one key, so ``m`` becomes finite in the first."""
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
-        k = tl.load(k_base + offs_n[None, :].to(tl.int64) * sk_s + offs_d[:, None] * sk_d,
-                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        k = tl.load(
+            k_base + offs_n[None, :].to(tl.int64) * sk_s + offs_d[:, None] * sk_d,
+            mask=n_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
         s = _dot(q, k, FP32_DOT)
         s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * sv_s + offs_d[None, :] * sv_d,
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(
+            v_base + offs_n[:, None].to(tl.int64) * sv_s + offs_d[None, :] * sv_d,
+            mask=n_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         acc = acc * alpha[:, None] + _dot(p, v, FP32_DOT)
         m_i = m_new
     return m_i, l_i, acc
 
 
 @triton.jit
-def _new_key_tiles(q, k_base, v_base, bits, t, length, t_end, num_q, m_i, l_i, acc, qk_scale,
-                   sk_s, sk_d, sv_s, sv_d, offs_d, d_ok,
-                   HAS_MASK: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_T: tl.constexpr):
+def _new_key_tiles(
+    q,
+    k_base,
+    v_base,
+    bits,
+    t,
+    length,
+    t_end,
+    num_q,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    sk_s,
+    sk_d,
+    sv_s,
+    sv_d,
+    offs_d,
+    d_ok,
+    HAS_MASK: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     """Online softmax over the new keys ``length + [0, t_end)``: bit ``j`` of ``bits`` (one
     int64 per query row) under a tree mask, else causal (``j <= t``). A row may see none
     of them, so ``m`` can stay ``-inf`` (``m_safe`` keeps the exponentials finite)."""
@@ -124,8 +167,11 @@ def _new_key_tiles(q, k_base, v_base, bits, t, length, t_end, num_q, m_i, l_i, a
         offs_t = first + tl.arange(0, BLOCK_T)
         t_ok = offs_t < num_q
         keys = length + offs_t
-        k = tl.load(k_base + keys[None, :].to(tl.int64) * sk_s + offs_d[:, None] * sk_d,
-                    mask=t_ok[None, :] & d_ok[:, None], other=0.0)
+        k = tl.load(
+            k_base + keys[None, :].to(tl.int64) * sk_s + offs_d[:, None] * sk_d,
+            mask=t_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
         if HAS_MASK:
             visible = ((bits[:, None] >> offs_t[None, :].to(tl.int64)) & 1) != 0
         else:
@@ -134,25 +180,54 @@ def _new_key_tiles(q, k_base, v_base, bits, t, length, t_end, num_q, m_i, l_i, a
         s = _dot(q, k, FP32_DOT)
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows that saw nothing yet
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + keys[:, None].to(tl.int64) * sv_s + offs_d[None, :] * sv_d,
-                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(
+            v_base + keys[:, None].to(tl.int64) * sv_s + offs_d[None, :] * sv_d,
+            mask=t_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         acc = acc * alpha[:, None] + _dot(p, v, FP32_DOT)
         m_i = m_new
     return m_i, l_i, acc
 
 
 @triton.jit
-def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lens_ptr, mask_ptr,
-                           num_q, num_kv_heads, group, head_dim, qk_scale,
-                           sq_b, sq_t, sq_h, sq_d, sk_b, sk_h, sk_s, sk_d,
-                           sv_b, sv_h, sv_s, sv_d, sm_b, sm_t,
-                           HAS_MASK: tl.constexpr, FP32_DOT: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _tree_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    lens_ptr,
+    mask_ptr,
+    num_q,
+    num_kv_heads,
+    group,
+    head_dim,
+    qk_scale,
+    sq_b,
+    sq_t,
+    sq_h,
+    sq_d,
+    sk_b,
+    sk_h,
+    sk_s,
+    sk_d,
+    sv_b,
+    sv_h,
+    sv_s,
+    sv_d,
+    sm_b,
+    sm_t,
+    HAS_MASK: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     pid_bh = tl.program_id(0)
     b = pid_bh // num_kv_heads
     hk = pid_bh % num_kv_heads
@@ -164,8 +239,13 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lens_ptr, mask_ptr,
     d_ok = offs_d < head_dim
     b64 = b.to(tl.int64)
 
-    q_ptrs = (q_ptr + b64 * sq_b + t[:, None].to(tl.int64) * sq_t
-              + head[:, None].to(tl.int64) * sq_h + offs_d[None, :] * sq_d)
+    q_ptrs = (
+        q_ptr
+        + b64 * sq_b
+        + t[:, None].to(tl.int64) * sq_t
+        + head[:, None].to(tl.int64) * sq_h
+        + offs_d[None, :] * sq_d
+    )
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     k_base = k_ptr + b64 * sk_b + hk.to(tl.int64) * sk_h
     v_base = v_ptr + b64 * sv_b + hk.to(tl.int64) * sv_h
@@ -176,8 +256,25 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lens_ptr, mask_ptr,
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # Prefix: every key visible, only the tile bound is checked.
-    m_i, l_i, acc = _prefix_tiles(q, k_base, v_base, 0, length, m_i, l_i, acc, qk_scale,
-                                  sk_s, sk_d, sv_s, sv_d, offs_d, d_ok, FP32_DOT, BLOCK_N)
+    m_i, l_i, acc = _prefix_tiles(
+        q,
+        k_base,
+        v_base,
+        0,
+        length,
+        m_i,
+        l_i,
+        acc,
+        qk_scale,
+        sk_s,
+        sk_d,
+        sv_s,
+        sv_d,
+        offs_d,
+        d_ok,
+        FP32_DOT,
+        BLOCK_N,
+    )
 
     # New keys length + [0, T): one tile under a tree mask, causal tiles up to the block's
     # last query otherwise.
@@ -187,24 +284,79 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lens_ptr, mask_ptr,
     else:
         bits = t
         t_end = tl.minimum((tl.program_id(1) * BLOCK_M + BLOCK_M - 1) // group + 1, num_q)
-    m_i, l_i, acc = _new_key_tiles(q, k_base, v_base, bits, t, length, t_end, num_q,
-                                   m_i, l_i, acc, qk_scale, sk_s, sk_d, sv_s, sv_d, offs_d,
-                                   d_ok, HAS_MASK, FP32_DOT, BLOCK_T)
+    m_i, l_i, acc = _new_key_tiles(
+        q,
+        k_base,
+        v_base,
+        bits,
+        t,
+        length,
+        t_end,
+        num_q,
+        m_i,
+        l_i,
+        acc,
+        qk_scale,
+        sk_s,
+        sk_d,
+        sv_s,
+        sv_d,
+        offs_d,
+        d_ok,
+        HAS_MASK,
+        FP32_DOT,
+        BLOCK_T,
+    )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_ptrs = (out_ptr + ((b64 * num_q + t[:, None].to(tl.int64)) * (num_kv_heads * group)
-                         + head[:, None]) * head_dim + offs_d[None, :])
+    o_ptrs = (
+        out_ptr
+        + ((b64 * num_q + t[:, None].to(tl.int64)) * (num_kv_heads * group) + head[:, None])
+        * head_dim
+        + offs_d[None, :]
+    )
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
-def _split_kv_kernel(q_ptr, k_ptr, v_ptr, lens_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
-                     num_q, num_kv_heads, group, head_dim, qk_scale, num_splits, kv_bucket,
-                     sq_b, sq_t, sq_h, sq_d, sk_b, sk_h, sk_s, sk_d,
-                     sv_b, sv_h, sv_s, sv_d, sm_b, sm_t,
-                     HAS_MASK: tl.constexpr, FP32_DOT: tl.constexpr, SPLIT_ALIGN: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _split_kv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    lens_ptr,
+    mask_ptr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    num_q,
+    num_kv_heads,
+    group,
+    head_dim,
+    qk_scale,
+    num_splits,
+    kv_bucket,
+    sq_b,
+    sq_t,
+    sq_h,
+    sq_d,
+    sk_b,
+    sk_h,
+    sk_s,
+    sk_d,
+    sv_b,
+    sv_h,
+    sv_s,
+    sv_d,
+    sm_b,
+    sm_t,
+    HAS_MASK: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Partial ``(acc, m, l)`` of one part (a prefix split, or the new keys when
     ``part == num_splits``) for one block of query rows. ``kv_bucket`` only keys the
     autotuner (a bucket of the keys per split); the kernel does not read it."""
@@ -224,8 +376,13 @@ def _split_kv_kernel(q_ptr, k_ptr, v_ptr, lens_ptr, mask_ptr, acc_ptr, m_ptr, l_
     d_ok = offs_d < head_dim
     b64 = b.to(tl.int64)
 
-    q_ptrs = (q_ptr + b64 * sq_b + t[:, None].to(tl.int64) * sq_t
-              + head[:, None].to(tl.int64) * sq_h + offs_d[None, :] * sq_d)
+    q_ptrs = (
+        q_ptr
+        + b64 * sq_b
+        + t[:, None].to(tl.int64) * sq_t
+        + head[:, None].to(tl.int64) * sq_h
+        + offs_d[None, :] * sq_d
+    )
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     k_base = k_ptr + b64 * sk_b + hk.to(tl.int64) * sk_h
     v_base = v_ptr + b64 * sv_b + hk.to(tl.int64) * sv_h
@@ -238,33 +395,82 @@ def _split_kv_kernel(q_ptr, k_ptr, v_ptr, lens_ptr, mask_ptr, acc_ptr, m_ptr, l_
         chunk = tl.cdiv(tl.cdiv(length, num_splits), SPLIT_ALIGN) * SPLIT_ALIGN
         lo = part * chunk
         hi = tl.minimum(lo + chunk, length)
-        m_i, l_i, acc = _prefix_tiles(q, k_base, v_base, lo, hi, m_i, l_i, acc, qk_scale,
-                                      sk_s, sk_d, sv_s, sv_d, offs_d, d_ok, FP32_DOT, BLOCK_N)
+        m_i, l_i, acc = _prefix_tiles(
+            q,
+            k_base,
+            v_base,
+            lo,
+            hi,
+            m_i,
+            l_i,
+            acc,
+            qk_scale,
+            sk_s,
+            sk_d,
+            sv_s,
+            sv_d,
+            offs_d,
+            d_ok,
+            FP32_DOT,
+            BLOCK_N,
+        )
     else:
         if HAS_MASK:
-            bits = tl.load(mask_ptr + b64 * sm_b + t.to(tl.int64) * sm_t, mask=row_ok,
-                           other=0)
+            bits = tl.load(mask_ptr + b64 * sm_b + t.to(tl.int64) * sm_t, mask=row_ok, other=0)
             t_end = num_q
         else:
             bits = t
             t_end = tl.minimum((block * BLOCK_M + BLOCK_M - 1) // group + 1, num_q)
-        m_i, l_i, acc = _new_key_tiles(q, k_base, v_base, bits, t, length, t_end, num_q,
-                                       m_i, l_i, acc, qk_scale, sk_s, sk_d, sv_s, sv_d,
-                                       offs_d, d_ok, HAS_MASK, FP32_DOT, BLOCK_T)
+        m_i, l_i, acc = _new_key_tiles(
+            q,
+            k_base,
+            v_base,
+            bits,
+            t,
+            length,
+            t_end,
+            num_q,
+            m_i,
+            l_i,
+            acc,
+            qk_scale,
+            sk_s,
+            sk_d,
+            sv_s,
+            sv_d,
+            offs_d,
+            d_ok,
+            HAS_MASK,
+            FP32_DOT,
+            BLOCK_T,
+        )
 
     # Workspace [B * Hkv, num_splits + 1, T * G] (m, l) and [..., D] (acc).
     slot = (bh.to(tl.int64) * (num_splits + 1) + part) * num_rows + rows
     tl.store(m_ptr + slot, m_i, mask=row_ok)
     tl.store(l_ptr + slot, l_i, mask=row_ok)
-    tl.store(acc_ptr + slot[:, None] * head_dim + offs_d[None, :], acc,
-             mask=(row_ok & (l_i > 0))[:, None] & d_ok[None, :])
+    tl.store(
+        acc_ptr + slot[:, None] * head_dim + offs_d[None, :],
+        acc,
+        mask=(row_ok & (l_i > 0))[:, None] & d_ok[None, :],
+    )
 
 
 @triton.jit
-def _split_kv_combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, num_q, num_kv_heads, group,
-                             head_dim, num_parts,
-                             BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-                             BLOCK_D: tl.constexpr):
+def _split_kv_combine_kernel(
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    out_ptr,
+    num_q,
+    num_kv_heads,
+    group,
+    head_dim,
+    num_parts,
+    BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Log-sum-exp merge of the ``num_parts`` partials of ``BLOCK_R`` query rows of one
     (row, KV head), normalised and written to ``out [B, T, Hq, D]`` (contiguous)."""
     num_rows = num_q * group
@@ -279,23 +485,33 @@ def _split_kv_combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, num_q, num_kv_heads
 
     slot = (bh.to(tl.int64) * num_parts + offs_s[:, None]) * num_rows + rows[None, :]
     ok = (offs_s < num_parts)[:, None] & row_ok[None, :]
-    m = tl.load(m_ptr + slot, mask=ok, other=float("-inf"))           # [S, R]
+    m = tl.load(m_ptr + slot, mask=ok, other=float("-inf"))  # [S, R]
     l = tl.load(l_ptr + slot, mask=ok, other=0.0)
     m_max = tl.max(m, 0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)             # rows that saw nothing
-    w = tl.exp2(m - m_safe[None, :])                                   # 0 for an empty part
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)  # rows that saw nothing
+    w = tl.exp2(m - m_safe[None, :])  # 0 for an empty part
     l_sum = tl.sum(l * w, 0)
-    acc = tl.load(acc_ptr + slot[:, :, None] * head_dim + offs_d[None, None, :],
-                  mask=(ok & (l > 0))[:, :, None] & d_ok[None, None, :], other=0.0)
-    acc = tl.sum(acc * w[:, :, None], 0)                               # [R, D]
+    acc = tl.load(
+        acc_ptr + slot[:, :, None] * head_dim + offs_d[None, None, :],
+        mask=(ok & (l > 0))[:, :, None] & d_ok[None, None, :],
+        other=0.0,
+    )
+    acc = tl.sum(acc * w[:, :, None], 0)  # [R, D]
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
 
     b = bh // num_kv_heads
     hk = bh % num_kv_heads
     t = rows // group
     head = hk * group + rows % group
-    o_ptrs = (out_ptr + ((b.to(tl.int64) * num_q + t[:, None].to(tl.int64))
-                         * (num_kv_heads * group) + head[:, None]) * head_dim + offs_d[None, :])
+    o_ptrs = (
+        out_ptr
+        + (
+            (b.to(tl.int64) * num_q + t[:, None].to(tl.int64)) * (num_kv_heads * group)
+            + head[:, None]
+        )
+        * head_dim
+        + offs_d[None, :]
+    )
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -309,7 +525,8 @@ def _bench_quick(kernel_call, quantiles):
 
 _split_kv_tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in SPLIT_CONFIGS],
-    key=["kv_bucket", "BLOCK_M", "BLOCK_D", "HAS_MASK"], do_bench=_bench_quick,
+    key=["kv_bucket", "BLOCK_M", "BLOCK_D", "HAS_MASK"],
+    do_bench=_bench_quick,
 )(_split_kv_kernel)
 
 
@@ -334,9 +551,15 @@ def _block_m(rows: int, on_gpu: bool) -> int:
     return max(16, min(64 if on_gpu else 32, triton.next_power_of_2(rows)))
 
 
-def split_kv_num_splits(batch: int, kv_heads: int, num_queries: int, group: int,
-                        max_kv_len: int, num_sms: int = DEFAULT_NUM_SMS,
-                        block_m: int = 64) -> int:
+def split_kv_num_splits(
+    batch: int,
+    kv_heads: int,
+    num_queries: int,
+    group: int,
+    max_kv_len: int,
+    num_sms: int = DEFAULT_NUM_SMS,
+    block_m: int = 64,
+) -> int:
     """Prefix splits per (row, KV head) for the split-KV path; 1 means the single pass.
 
     From shapes and the host-side bound ``max_kv_len`` (of ``max(lens) + T``) only, so no
@@ -358,8 +581,9 @@ def split_kv_num_splits(batch: int, kv_heads: int, num_queries: int, group: int,
     return splits if splits >= 2 else 1
 
 
-def _split_kv(q, k_cache, v_cache, cache_lens, tree_mask, qk_scale, out, num_splits,
-              prefix_bound, on_gpu):
+def _split_kv(
+    q, k_cache, v_cache, cache_lens, tree_mask, qk_scale, out, num_splits, prefix_bound, on_gpu
+):
     B, T, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     group = Hq // Hkv
@@ -371,16 +595,38 @@ def _split_kv(q, k_cache, v_cache, cache_lens, tree_mask, qk_scale, out, num_spl
     block_d = max(16, triton.next_power_of_2(D))
     mask = tree_mask if tree_mask is not None else cache_lens
     # Autotune key: the keys per split, as a power of two in [128, 8192].
-    kv_bucket = min(max(triton.next_power_of_2(triton.cdiv(max(prefix_bound, 1), num_splits)),
-                        128), 8192)
-    args = (q, k_cache, v_cache, cache_lens, mask, acc, ml[0], ml[1],
-            T, Hkv, group, D, qk_scale, num_splits, kv_bucket,
-            *q.stride(), *k_cache.stride(), *v_cache.stride(),
-            tree_mask.stride(0) if tree_mask is not None else 0,
-            tree_mask.stride(1) if tree_mask is not None else 0)
-    meta = dict(HAS_MASK=tree_mask is not None, FP32_DOT=q.dtype == torch.float32 or not on_gpu,
-                BLOCK_M=block_m, BLOCK_T=max(16, min(MAX_TREE, triton.next_power_of_2(T))),
-                BLOCK_D=block_d)
+    kv_bucket = min(
+        max(triton.next_power_of_2(triton.cdiv(max(prefix_bound, 1), num_splits)), 128), 8192
+    )
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        cache_lens,
+        mask,
+        acc,
+        ml[0],
+        ml[1],
+        T,
+        Hkv,
+        group,
+        D,
+        qk_scale,
+        num_splits,
+        kv_bucket,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        tree_mask.stride(0) if tree_mask is not None else 0,
+        tree_mask.stride(1) if tree_mask is not None else 0,
+    )
+    meta = dict(
+        HAS_MASK=tree_mask is not None,
+        FP32_DOT=q.dtype == torch.float32 or not on_gpu,
+        BLOCK_M=block_m,
+        BLOCK_T=max(16, min(MAX_TREE, triton.next_power_of_2(T))),
+        BLOCK_D=block_d,
+    )
     grid = (B * Hkv * triton.cdiv(rows, block_m), parts)
     if on_gpu and not _interpreting():
         key = (kv_bucket, q.dtype, *meta.values())
@@ -389,27 +635,52 @@ def _split_kv(q, k_cache, v_cache, cache_lens, tree_mask, qk_scale, out, num_spl
             # forbids: take the config tuned eagerly for this shape class (the warm-up
             # before a capture runs it), else the first one.
             block_n, warps, stages = _tuned.get(key, SPLIT_CONFIGS[0])
-            _split_kv_kernel[grid](*args, SPLIT_ALIGN=SPLIT_ALIGN_GPU, BLOCK_N=block_n,
-                                   num_warps=warps, num_stages=stages, **meta)
+            _split_kv_kernel[grid](
+                *args,
+                SPLIT_ALIGN=SPLIT_ALIGN_GPU,
+                BLOCK_N=block_n,
+                num_warps=warps,
+                num_stages=stages,
+                **meta,
+            )
         else:
             _split_kv_tuned[grid](*args, SPLIT_ALIGN=SPLIT_ALIGN_GPU, **meta)
             best = _split_kv_tuned.best_config
             _tuned[key] = (best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
     else:
-        _split_kv_kernel[grid](*args, SPLIT_ALIGN=INTERPRET_BLOCK_N, BLOCK_N=INTERPRET_BLOCK_N,
-                               **meta)
+        _split_kv_kernel[grid](
+            *args, SPLIT_ALIGN=INTERPRET_BLOCK_N, BLOCK_N=INTERPRET_BLOCK_N, **meta
+        )
     block_s = triton.next_power_of_2(parts)
     block_r = max(1, min(triton.next_power_of_2(rows), 8192 // (block_s * block_d)))
     _split_kv_combine_kernel[(B * Hkv * triton.cdiv(rows, block_r),)](
-        acc, ml[0], ml[1], out, T, Hkv, group, D, parts,
-        BLOCK_S=block_s, BLOCK_R=block_r, BLOCK_D=block_d)
+        acc,
+        ml[0],
+        ml[1],
+        out,
+        T,
+        Hkv,
+        group,
+        D,
+        parts,
+        BLOCK_S=block_s,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+    )
     return out
 
 
-def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          cache_lens: torch.Tensor, tree_mask: torch.Tensor | None,
-                          scale: float, *, max_kv_len: int | None = None,
-                          num_splits: int | None = None) -> torch.Tensor:
+def tree_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    scale: float,
+    *,
+    max_kv_len: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
     """Triton ``tree_attention``; arguments as ``osd_kernels.tree_attention`` (already checked).
 
     Reads ``cache_lens`` on the device: no host sync. ``max_kv_len`` (the caller's
@@ -428,16 +699,27 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     on_gpu = q.is_cuda
     bound = k_cache.shape[2] if max_kv_len is None else max_kv_len
     if num_splits is None:
-        num_splits = split_kv_num_splits(B, Hkv, T, group, bound, _num_sms(q.device),
-                                         _block_m(T * group, on_gpu))
+        num_splits = split_kv_num_splits(
+            B, Hkv, T, group, bound, _num_sms(q.device), _block_m(T * group, on_gpu)
+        )
         num_splits = num_splits if num_splits > 1 else 0
     elif num_splits < 0 or num_splits > MAX_SPLITS:
         raise ValueError(f"num_splits must be in 0..{MAX_SPLITS}, got {num_splits}")
     elif num_splits > 0 and T > MAX_TREE:
         raise ValueError(f"the split-KV path takes T <= {MAX_TREE} queries, got T={T}")
     if num_splits > 0:
-        return _split_kv(q, k_cache, v_cache, cache_lens, tree_mask, scale * _LOG2E, out,
-                         num_splits, max(bound - T, 0), on_gpu)
+        return _split_kv(
+            q,
+            k_cache,
+            v_cache,
+            cache_lens,
+            tree_mask,
+            scale * _LOG2E,
+            out,
+            num_splits,
+            max(bound - T, 0),
+            on_gpu,
+        )
 
     block_m = _block_m(T * group, on_gpu)
     block_n = 64 if on_gpu else 32
@@ -445,13 +727,27 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     mask = tree_mask if tree_mask is not None else cache_lens
     grid = (B * Hkv, triton.cdiv(T * group, block_m))
     _tree_attention_kernel[grid](
-        q, k_cache, v_cache, out, cache_lens, mask,
-        T, Hkv, group, D, scale * _LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        cache_lens,
+        mask,
+        T,
+        Hkv,
+        group,
+        D,
+        scale * _LOG2E,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
         tree_mask.stride(0) if tree_mask is not None else 0,
         tree_mask.stride(1) if tree_mask is not None else 0,
-        HAS_MASK=tree_mask is not None, FP32_DOT=q.dtype == torch.float32 or not on_gpu,
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_MASK=tree_mask is not None,
+        FP32_DOT=q.dtype == torch.float32 or not on_gpu,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         BLOCK_T=max(16, min(MAX_TREE, triton.next_power_of_2(T))),
-        BLOCK_D=max(16, triton.next_power_of_2(D)))
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+    )
     return out

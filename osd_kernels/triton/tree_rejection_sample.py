@@ -21,6 +21,7 @@ on both sides: after the reads of the old values by every thread, and before the
 of the new ones. The same holds for the -1 fill of the outputs and the single-thread
 stores of the walk.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -37,8 +38,9 @@ def _row_argmax(row, stride_v, V, BLOCK: tl.constexpr):
     best_i = tl.zeros((), dtype=tl.int64)
     for v0 in range(0, V, BLOCK):
         offs = v0 + tl.arange(0, BLOCK)
-        x = tl.load(row + offs.to(tl.int64) * stride_v, mask=offs < V,
-                    other=float("-inf")).to(tl.float32)
+        x = tl.load(row + offs.to(tl.int64) * stride_v, mask=offs < V, other=float("-inf")).to(
+            tl.float32
+        )
         m = tl.max(x, axis=0)
         i = tl.argmax(x, axis=0).to(tl.int64) + v0
         take = m > best
@@ -53,14 +55,14 @@ def _warp(row, stride_v, V, temperature, top_k, top_p, p_row, r_row, BLOCK: tl.c
     with the row statistics of the chain sampler's kernel. Barriers on both sides: every
     thread has read the old rows before they are overwritten, and the new rows are
     visible to every thread on return."""
-    kth, row_max, inv_z1, p_key, z2 = _row_stats(row, stride_v, V, temperature, top_k, top_p,
-                                                 BLOCK)
+    kth, row_max, inv_z1, p_key, z2 = _row_stats(row, stride_v, V, temperature, top_k, top_p, BLOCK)
     tl.debug_barrier()
     for v0 in range(0, V, BLOCK):
         offs = v0 + tl.arange(0, BLOCK)
         mask = offs < V
-        e = _warped(_scaled(row, stride_v, offs, mask, temperature), mask, kth, row_max,
-                    inv_z1, p_key)
+        e = _warped(
+            _scaled(row, stride_v, offs, mask, temperature), mask, kth, row_max, inv_z1, p_key
+        )
         p = fpmath.div(e, z2)
         tl.store(p_row + offs, p, mask=mask)
         tl.store(r_row + offs, p, mask=mask)
@@ -69,10 +71,35 @@ def _warp(row, stride_v, V, temperature, top_k, top_p, p_row, r_row, BLOCK: tl.c
 
 @triton.jit
 def _tree_rejection_sample_kernel(
-    logits_ptr, sl_b, sl_t, sl_v, tok_ptr, st_b, st_t, par_ptr, sp_b, sp_t,
-    q_ptr, sq_b, sq_t, sq_v, temp_ptr, topk_ptr, topp_ptr, seed_ptr, offset_ptr,
-    nodes_ptr, out_ptr, nacc_ptr, work_ptr, T, V, D,
-    HAS_Q: tl.constexpr, WITHOUT_REPLACEMENT: tl.constexpr, BLOCK: tl.constexpr,
+    logits_ptr,
+    sl_b,
+    sl_t,
+    sl_v,
+    tok_ptr,
+    st_b,
+    st_t,
+    par_ptr,
+    sp_b,
+    sp_t,
+    q_ptr,
+    sq_b,
+    sq_t,
+    sq_v,
+    temp_ptr,
+    topk_ptr,
+    topp_ptr,
+    seed_ptr,
+    offset_ptr,
+    nodes_ptr,
+    out_ptr,
+    nacc_ptr,
+    work_ptr,
+    T,
+    V,
+    D,
+    HAS_Q: tl.constexpr,
+    WITHOUT_REPLACEMENT: tl.constexpr,
+    BLOCK: tl.constexpr,
     T_BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -141,8 +168,9 @@ def _tree_rejection_sample_kernel(
                             for v0 in range(0, V, BLOCK):
                                 offs = v0 + tl.arange(0, BLOCK)
                                 r = tl.load(r_row + offs, mask=offs < V, other=0.0)
-                                q = tl.load(q_row + offs.to(tl.int64) * sq_v, mask=offs < V,
-                                            other=0.0).to(tl.float32)
+                                q = tl.load(
+                                    q_row + offs.to(tl.int64) * sq_v, mask=offs < V, other=0.0
+                                ).to(tl.float32)
                                 r = tl.maximum(r - scale * q, 0.0)
                                 tl.store(r_row + offs, r, mask=offs < V)
                                 acc += r
@@ -163,8 +191,7 @@ def _tree_rejection_sample_kernel(
                     tl.store(nodes_ptr + b * W + depth + 1, zero + c)
                     depth += 1
                     cur = zero + c
-                    _warp(lg + cur * sl_t, sl_v, V, temperature, top_k, top_p, p_row, r_row,
-                          BLOCK)
+                    _warp(lg + cur * sl_t, sl_v, V, temperature, top_k, top_p, p_row, r_row, BLOCK)
                     s = tl.full((), 1.0, tl.float32)
                     z = tl.full((), 1.0, tl.float32)
                     tried = tl.zeros((), dtype=tl.float32)
@@ -198,9 +225,19 @@ def _tree_rejection_sample_kernel(
     tl.store(nacc_ptr + b, depth.to(tl.int32))
 
 
-def tree_rejection_sample_triton(target_logits, node_token_ids, parents, draft_probs,
-                                 temperature, top_k, top_p, seed, offset, max_depth: int,
-                                 without_replacement: bool):
+def tree_rejection_sample_triton(
+    target_logits,
+    node_token_ids,
+    parents,
+    draft_probs,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    offset,
+    max_depth: int,
+    without_replacement: bool,
+):
     """Triton ``tree_rejection_sample``; arguments as ``torch.ops.osd.tree_rejection_sample``
     (already checked by the public wrapper)."""
     B, T, V = target_logits.shape
@@ -214,10 +251,30 @@ def tree_rejection_sample_triton(target_logits, node_token_ids, parents, draft_p
     work = torch.empty(B, 2, V, dtype=torch.float32, device=dev)
     q = draft_probs if draft_probs is not None else target_logits  # unused when HAS_Q=False
     _tree_rejection_sample_kernel[(B,)](
-        target_logits, *target_logits.stride(), node_token_ids, *node_token_ids.stride(),
-        parents, *parents.stride(), q, *q.stride(), temperature, top_k, top_p, seed, offset,
-        nodes, out, num_accepted, work, T, V, max_depth,
-        HAS_Q=draft_probs is not None, WITHOUT_REPLACEMENT=without_replacement,
-        BLOCK=min(triton.next_power_of_2(V), 1024), T_BLOCK=triton.next_power_of_2(T),
-        **fpmath.launch_options(dev))
+        target_logits,
+        *target_logits.stride(),
+        node_token_ids,
+        *node_token_ids.stride(),
+        parents,
+        *parents.stride(),
+        q,
+        *q.stride(),
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        offset,
+        nodes,
+        out,
+        num_accepted,
+        work,
+        T,
+        V,
+        max_depth,
+        HAS_Q=draft_probs is not None,
+        WITHOUT_REPLACEMENT=without_replacement,
+        BLOCK=min(triton.next_power_of_2(V), 1024),
+        T_BLOCK=triton.next_power_of_2(T),
+        **fpmath.launch_options(dev),
+    )
     return nodes, out, num_accepted
