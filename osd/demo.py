@@ -148,12 +148,12 @@ class DemoConfig:
 
 
 def online_recipe(pair: str) -> osd.OnlineConfig:
-    """The online-learning recipe the pair's draft carries in its ``serving.json``
-    (``osd.online.config.draft_online_recipe``), as ``Engine.from_pretrained`` applies it
-    to ``OnlineConfig()``: ``"chat"`` (the chat draft) or ``"builtin"``. The chat recipe
-    is the measured one behind ``OnlineConfig``'s defaults, with each request's newest 128
-    tokens (the demo's answers are 48 tokens long); ``docs/online.md`` has the
-    measurements."""
+    """The online config the demo serves ``pair`` (``"chat"`` or ``"builtin"``) with: the
+    recipe its draft carries in ``serving.json`` (``osd.online.config.draft_online_recipe``)
+    over ``OnlineConfig()``, as ``Engine.from_pretrained`` applies it, so the demo learns
+    as a user's engine would. The chat draft's recipe is the default one fed each request's
+    newest 128 tokens (the demo's prompts are long, its answers short); ``docs/online.md``
+    gives the reasons for each setting."""
     draft = zoo.chat.DRAFT_DIR if pair == "chat" else zoo.default_pair()[1]
     return with_recipe(osd.OnlineConfig(), draft_online_recipe(draft))
 
