@@ -1,13 +1,16 @@
-"""GGUF tokenizers (``osd.models.gguf_tokenizer``): byte-level BPE against the tokenizers
+"""GGUF tokenizers (``osd.models.gguf.tokenizer``): byte-level BPE against the tokenizers
 library, llama.cpp's pre-tokenizer splits, SentencePiece from scores, and chat templates.
 The vocabulary files llama.cpp ships are checked by ``scripts/check_gguf_vocabs.py``
 (docs/gguf.md)."""
+
+import json
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from osd.chat import apply_chat_template
 from osd.models.gguf import write_gguf
+from osd.models.gguf.tokenizer import _bpe_tokenizer
 from osd.models.loading import load_tokenizer
 
 VOCAB = 300
@@ -40,8 +43,6 @@ def trained_bpe() -> Tokenizer:
 
 
 def bpe_metadata(tok: Tokenizer, pre: str = "gpt2") -> dict:
-    import json
-
     model = json.loads(tok.to_str())["model"]
     vocab = sorted(model["vocab"].items(), key=lambda kv: kv[1])
     tokens = [t for t, _ in vocab]
@@ -105,8 +106,6 @@ def test_bpe_tokenizer_matches_the_tokenizers_library(pre, tmp_path):
 def test_bpe_pre_tokenizers_split_as_llama_cpp(pre, pieces):
     """Each pre-tokenizer splits text as llama.cpp's regexes for it do (the real
     vocabularies are checked by scripts/check_gguf_vocabs.py, docs/gguf.md)."""
-    from osd.models.gguf_tokenizer import _bpe_tokenizer
-
     tok = _bpe_tokenizer(bpe_metadata(trained_bpe(), pre))
     got = tok.pre_tokenizer.pre_tokenize_str("abc 12345!! HelloWorld isn't")
     assert [p.replace("Ġ", " ") for p, _ in got] == pieces

@@ -220,7 +220,7 @@ def _flash_causal(
 ) -> torch.Tensor:
     """flash-attn over keys ``[0, lens[b] + T)``; its causal mask is aligned to the end,
     so query ``i`` sees keys ``j <= lens[b] + i``, as the causal tree mask does."""
-    from flash_attn import flash_attn_with_kvcache
+    from flash_attn import flash_attn_with_kvcache  # optional dependency (CUDA only)
 
     B, T = q.shape[:2]
     # flash-attn reads the cache as [B, S, Hkv, D] with any row/head strides.

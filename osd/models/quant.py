@@ -27,8 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from osd.models.gguf import ARCHITECTURES, unpermute_rope_rows
-from osd.models.gguf_blocks import (
+from osd.models.gguf.blocks import (
     BLOCK_LAYOUT,
     GGMLType,
     high_bits,
@@ -38,6 +37,7 @@ from osd.models.gguf_blocks import (
     quantize,
     type_name,
 )
+from osd.models.gguf.convert import ARCHITECTURES, unpermute_rope_rows
 from osd_kernels.quant_linear import BLOCK, dequantize_weight, quant_linear
 
 # Block types a float layer can be quantized to (ggml's reference rounding), by name.
@@ -207,7 +207,7 @@ def _fused(pieces: list[QuantLinear], bias: torch.Tensor | None) -> QuantLinear:
 
 def _k_quant_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
     """K-quant super-blocks (256 weights) -> ``(qweight, scales, mins)``, from
-    :func:`osd.models.gguf_blocks.k_quant_parts` (whose factors reproduce ggml's dequantization
+    :func:`osd.models.gguf.blocks.k_quant_parts` (whose factors reproduce ggml's dequantization
     bit for bit): Q4_K's codes and Q2_K's as 4-bit codes, Q3_K's (-4..3) as 4-bit codes
     plus 4 with a min of ``-4 * scale`` (exact: every term is a multiple of the scale well
     inside float32's precision), Q5_K's and Q6_K's as 8-bit codes. Q4_K and Q5_K have a
@@ -230,7 +230,7 @@ def _k_quant_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
 
 def _iq4_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
     """IQ4_NL / IQ4_XS blocks -> ``(qweight, scales)``: each weight's level (-127..113) as
-    an 8-bit code and a scale per 32 weights, from :func:`osd.models.gguf_blocks.iq4_parts`."""
+    an 8-bit code and a scale per 32 weights, from :func:`osd.models.gguf.blocks.iq4_parts`."""
 
     t = GGMLType[fmt]
     per_block, size = BLOCK_LAYOUT[t]

@@ -1,0 +1,52 @@
+"""A :class:`~osd.models.llama.DecoderLM` from a GGUF file (:func:`load_gguf_model`).
+
+The top of the GGUF package: it imports the model (:mod:`osd.models.llama`), the
+quantized layers (:mod:`osd.models.quant`) and the weight copier
+(:mod:`osd.models.hf_weights`), none of which import it back.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from osd.models.gguf.convert import config_from_gguf, open_gguf_weights
+from osd.models.gguf.format import GGUFFile
+from osd.models.hf_weights import load_hf_state_dict
+from osd.models.llama import DecoderLM
+from osd.models.quant import quantize_gguf_linears
+
+
+def load_gguf_model(
+    path: str | os.PathLike,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    attention_backend: str = "auto",
+    quantized: bool = False,
+) -> DecoderLM:
+    """A :class:`~osd.models.llama.DecoderLM` with the weights of GGUF file ``path``,
+    dequantized to ``dtype`` on ``device``.
+
+    ``quantized``: keep the file's Q4_0 / Q4_1 / Q8_0 linear weights (and output head) as
+    they are stored and compute with them (:mod:`osd.models.quant`; CPU and float32 only):
+    the same outputs as the dequantized model, with 4-bit weights read at 0.75 bytes each
+    instead of 4. The embedding stays float for lookups; other types stay float."""
+    if quantized and (torch.device(device).type != "cpu" or dtype != torch.float32):
+        raise ValueError(
+            f"quantized=True computes with the CPU float32 kernels; got device "
+            f"{str(device)!r}, dtype {dtype} (load dequantized weights there: "
+            f"quantized=False)"
+        )
+    g = GGUFFile(path)
+    config = config_from_gguf(g, attention_backend=attention_backend)
+    keys, get = open_gguf_weights(g, config, device=device, dtype=dtype)
+    model = DecoderLM(config, device=device, dtype=dtype)
+    try:
+        load_hf_state_dict(model, keys, get)
+    except ValueError as exc:
+        raise ValueError(f"GGUF file {str(path)!r}: {exc}") from None
+    if quantized:
+        quantize_gguf_linears(model, g)
+    return model.eval()
