@@ -151,7 +151,9 @@ def _serve(args) -> int:
             file=sys.stderr,
         )
         return 2
-    from osd.server_run import serve
+    # imported here, after the check above: the server needs the serve extra (fastapi,
+    # uvicorn), and the CLI's other commands do not pay for importing it
+    from osd.server.run import serve
 
     args.quantize_draft = _draft_format(args.quantize_draft)
     return serve(args)
