@@ -33,7 +33,8 @@ from torch import nn
 
 from safetensors.torch import load_file, save_file
 
-from osd.models.llama import DecoderLM, RMSNorm
+from osd.models.layers import RMSNorm
+from osd.models.llama import DecoderLM
 from osd.models.loading import HEAD_VOCAB_FILE, read_head_vocab
 from osd.models.quant import QuantLinear
 

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from osd.models.attention import attention
-from osd.models.llama import project
+from osd.models.layers import project
 from osd_kernels._ops import triton_available
 from osd_kernels.add_rms_norm import add_rms_norm
 from osd_kernels.decode_gemv import MAX_ROWS as GEMV_MAX_ROWS

@@ -21,6 +21,12 @@ Forwards:
 
 All accept ``skip_layers`` (a set of layer indices to bypass, for self-speculation).
 
+The layer and its parts (:class:`RMSNorm`, :func:`project`, :class:`MoE`,
+:class:`DecoderLayer`) are in :mod:`osd.models.layers`; RoPE and the position buffers the
+cached forwards read (:class:`~osd.models.rope.PositionBuffers`) in :mod:`osd.models.rope`;
+the fused CUDA layers in :mod:`osd.models.fused_layers`. Their names are importable from
+here too.
+
 A draft may keep only some rows of its output head (:meth:`DecoderLM.restrict_head`, the
 reduced draft vocabulary of EAGLE-3): a small draft's head is most of its cost. Its
 logits still come back over the whole vocabulary, ``-inf`` outside the kept tokens, so
@@ -31,289 +37,30 @@ the kept columns only (``full_vocab=False``).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from osd.cache import KVCache
+import osd.models.fused_layers as fused_layers
 from osd.models.attention import attention, causal_attention, resolve_attention_backend
 from osd.models.config import ModelConfig
+from osd.models.layers import (
+    DecoderLayer,
+    MoE,
+    RMSNorm,
+    gelu_tanh,
+    project,
+    weight_version,
+)
 from osd.models.quant import QuantLinear
-from osd_kernels.decode_linear import PANEL, decode_linear, pack_weight
-from osd_kernels.quant_linear import quant_linear
+from osd.models.rope import PositionBuffers, apply_rope, rope_inv_freq, rope_tables
+from osd_kernels.decode_linear import PANEL, pack_weight
 
 MAX_TREE = 64  # tree_mask is one int64 bitmask per query
 
 
-def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim / 2]`` float32, as transformers computes them.
-
-    ``default``: ``theta^(-2i/d)``; ``linear``: divided by ``factor``; ``llama3``: low
-    frequencies divided by ``factor``, high ones kept, the band between interpolated;
-    ``longrope``: divided by the short factors (``long``: the long ones). ``d`` is the
-    rotated width
-    (``config.rope_dim``: all of a head, or its leading ``rotary_dim`` dims).
-    """
-    dim = config.rope_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    if config.rope_type == "longrope":
-        factors = torch.tensor(
-            config.rope_long_factor if long else config.rope_short_factor, dtype=torch.float32
-        )
-        return 1.0 / (factors * config.rope_theta**exponents)
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    if config.rope_type == "linear":
-        return inv_freq / config.rope_factor
-    if config.rope_type == "llama3":
-        factor, old_len = config.rope_factor, config.rope_original_max_positions
-        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-        return torch.where(medium, smoothed, scaled)
-    return inv_freq
-
-
-def rope_tables(
-    inv_freq: torch.Tensor, n: int, dtype: torch.dtype, device: torch.device, scale: float = 1.0
-):
-    """``cos, sin`` tables ``[n, D]`` for positions ``0..n-1``, in the layout of
-    :func:`apply_rope`: ``cos = [c, c]`` and ``sin = [-s, s]``, times ``scale`` (LongRoPE's
-    attention factor; computed in float32 as transformers does, then cast)."""
-    freqs = torch.arange(n, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    cos, sin = freqs.cos(), freqs.sin()
-    if scale != 1.0:
-        cos, sin = cos * scale, sin * scale
-    return (
-        torch.cat((cos, cos), dim=-1).to(device=device, dtype=dtype),
-        torch.cat((-sin, sin), dim=-1).to(device=device, dtype=dtype),
-    )
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, T, H, D]`` by ``cos, sin [B, T, 1, D]`` from :func:`rope_tables`.
-
-    Half-split convention: ``[x1, x2] -> [x1 c - x2 s, x2 c + x1 s]``, written as
-    ``x * cos + roll(x, D/2) * sin`` with ``sin = [-s, s]``. Tables narrower than ``D``
-    (partial rotary, Phi-4-mini) rotate the leading dims and pass the rest through.
-    """
-    rot = cos.shape[-1]
-    if rot < x.shape[-1]:
-        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
-    return torch.addcmul(x * cos, x.roll(rot // 2, dims=-1), sin)
-
-
-class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)`` (``F.rms_norm``; identical to transformers in
-    fp32, within one rounding in half precision)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.weight.dtype:
-            # Under autocast a half input meets the fp32 weight: normalise in fp32 (what the
-            # unfused mixed-dtype path computes) through the fused kernel.
-            x = x.to(self.weight.dtype)
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-    def fused(self) -> dict:
-        """Keyword arguments that make ``decode_linear`` apply this norm to its input."""
-        return {"norm_weight": self.weight, "eps": self.eps}
-
-
-def _version(t: torch.Tensor) -> int:
-    """``t``'s in-place modification count (-1 for an inference tensor, which keeps none)."""
-    return -1 if t.is_inference() else t._version
-
-
-def project(x: torch.Tensor, layer: nn.Module, norm: RMSNorm | None = None) -> torch.Tensor:
-    """``layer(norm(x))`` for an ``nn.Linear`` or a :class:`~osd.models.quant.QuantLinear`
-    (block-quantized weights), through ``decode_linear`` / ``quant_linear``, which apply
-    the RMSNorm themselves."""
-    kw = {} if norm is None else norm.fused()
-    if isinstance(layer, QuantLinear):
-        # the op itself, not the module's __call__: a few microseconds a call, ~120 calls
-        # a decode step
-        return quant_linear(x, layer.qweight, layer.scales, layer.mins, layer.bias, **kw)
-    w = layer.weight
-    packed = getattr(layer, "osd_packed", None)
-    # a packed copy is used only while it is of this very weight, unchanged since packing
-    if packed is not None and packed[0] is w and packed[1] == _version(w):
-        return decode_linear(x, w, layer.bias, packed=packed[2], **kw)
-    return decode_linear(x, w, layer.bias, **kw)
-
-
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """transformers' ``gelu_pytorch_tanh`` (Gemma's MLP gate)."""
-    return F.gelu(x, approximate="tanh")
-
-
-class MoE(nn.Module):
-    """Routed SwiGLU experts (Mixtral, Qwen-MoE): each token goes to the
-    ``num_experts_per_tok`` experts whose router softmax is highest, weighted by those
-    probabilities (renormalized to sum 1 when ``norm_topk_prob``), plus, with
-    ``shared_expert_intermediate_size``, a shared SwiGLU expert scaled by
-    ``sigmoid(shared_gate(x))`` (Qwen2-MoE).
-
-    Parameters: ``router.weight [E, H]``, ``gate_up [E, 2I, H]`` (each expert's gate rows,
-    then its up rows), ``down [E, H, I]``; the shared expert's ``shared_gate_up``,
-    ``shared_down`` and ``shared_gate`` linears. The forward groups the tokens by expert
-    and runs only the experts that got tokens (one host sync per layer for that list).
-    """
-
-    def __init__(self, c: ModelConfig) -> None:
-        super().__init__()
-        E, H, I = c.num_experts, c.hidden_size, c.moe_intermediate_size
-        self.top_k, self.norm_topk = c.num_experts_per_tok, c.norm_topk_prob
-        self.router = nn.Linear(H, E, bias=False)
-        self.gate_up = nn.Parameter(torch.empty(E, 2 * I, H))
-        self.down = nn.Parameter(torch.empty(E, H, I))
-        shared = c.shared_expert_intermediate_size
-        self.shared_gate_up = nn.Linear(H, 2 * shared, bias=False) if shared else None
-        self.shared_down = nn.Linear(shared, H, bias=False) if shared else None
-        self.shared_gate = nn.Linear(H, 1, bias=False) if shared else None
-
-    def forward(self, x: torch.Tensor, act) -> torch.Tensor:
-        """``x [B, T, H]`` (already normed) -> ``[B, T, H]``."""
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "a mixture-of-experts layer chooses its experts on the host and "
-                "cannot be captured in a CUDA graph: pass cuda_graphs=False"
-            )
-        flat = x.reshape(-1, x.shape[-1])
-        probs = torch.softmax(F.linear(flat, self.router.weight).float(), dim=-1)
-        weight, chosen = probs.topk(self.top_k, dim=-1)  # [N, k]
-        if self.norm_topk:
-            weight = weight / weight.sum(dim=-1, keepdim=True)
-        weight = weight.to(flat.dtype).flatten()
-        order = chosen.flatten().argsort()  # slots by expert
-        counts = torch.bincount(chosen.flatten(), minlength=self.gate_up.shape[0]).tolist()
-        out = torch.zeros_like(flat)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            slots = order[start : start + n]
-            start += n
-            tokens = slots // self.top_k
-            gate, up = F.linear(flat[tokens], self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(act(gate) * up, self.down[e]) * weight[slots, None]
-            out.index_add_(0, tokens, y)
-        if self.shared_gate_up is not None:
-            gate, up = project(flat, self.shared_gate_up).chunk(2, dim=-1)
-            shared = project(act(gate) * up, self.shared_down)
-            out = out + torch.sigmoid(F.linear(flat, self.shared_gate.weight)) * shared
-        return out.view_as(x)
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + SwiGLU(norm(x))``; with
-    ``config.post_norm`` and no pre-norms (OLMo-2) ``x + norm(attn(x))``, then
-    ``x + norm(SwiGLU(x))``; with both (Gemma) ``x + norm(attn(norm(x)))`` and so on.
-
-    The forward is split around attention (:meth:`qkv`, then :meth:`finish`) so that the
-    cached and the training forward share everything but the attention call. Linear layers
-    are called through :func:`project` (``decode_linear``, ``F.linear`` outside its few-row
-    CPU case), which also applies the RMSNorm in front of them, to keep per-token overhead
-    low. Any of them may be a :class:`~osd.models.quant.QuantLinear`.
-    """
-
-    def __init__(self, config: ModelConfig, index: int = 0) -> None:
-        super().__init__()
-        c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.rope = index not in c.nope_layers  # SmolLM3: some layers have no RoPE
-        self.window = (
-            c.sliding_window if c.window_layers is None or index in c.window_layers else None
-        )
-        # Pre-norms: input_norm before attention; before the MLP post_attention_norm, or
-        # pre_feedforward_norm when the block has post-norms too (Gemma). Post-norms
-        # (OLMo-2, Gemma): post_attention_norm on attention's output, post_feedforward_norm
-        # on the MLP's.
-        self.post_norm = c.post_norm
-        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.pre_norm else None
-        self.pre_feedforward_norm = (
-            RMSNorm(c.hidden_size, c.rms_norm_eps) if c.pre_norm and c.post_norm else None
-        )
-        self.post_feedforward_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.post_norm else None
-        self.act = F.silu if c.hidden_act == "silu" else _gelu_tanh
-        # Gemma 3: the sliding-window layers rotate with a RoPE base of their own
-        self.local_rope = self.window is not None and c.rope_local_theta is not None
-        self.softcap = c.attn_logit_softcapping  # Gemma 2; None elsewhere
-        self.wqkv = nn.Linear(
-            c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.qkv_bias
-        )
-        self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
-        self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.moe = MoE(c) if c.is_moe_layer(index) else None
-        if self.moe is None:
-            self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
-            self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
-        self.residual_multiplier = c.residual_multiplier  # Granite; 1 elsewhere
-        # RMSNorms on queries and keys before RoPE: per head [D] (Qwen3) or over the whole
-        # projection [Hq * D] and [Hkv * D] (OLMo-2)
-        self.qk_norm = c.qk_norm
-        full = c.qk_norm == "full"
-        self.q_norm = (
-            None
-            if c.qk_norm == "none"
-            else RMSNorm(c.num_heads * c.head_dim if full else c.head_dim, c.rms_norm_eps)
-        )
-        self.k_norm = (
-            None
-            if c.qk_norm == "none"
-            else RMSNorm(c.num_kv_heads * c.head_dim if full else c.head_dim, c.rms_norm_eps)
-        )
-
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Queries ``[B, T, Hq, D]`` and keys, values ``[B, T, Hkv, D]``, RoPE applied (in
-        layers that have it)."""
-        hq, hkv = self.num_heads, self.num_kv_heads
-        qk, v = self.heads(project(x, self.wqkv, self.input_norm))
-        q, k = (apply_rope(qk, cos, sin) if self.rope else qk).split((hq, hkv), dim=2)
-        return q, k, v
-
-    def heads(self, qkv: torch.Tensor):
-        """The qkv projection ``[B, T, (Hq + 2 Hkv) D]`` -> queries and keys
-        ``[B, T, Hq + Hkv, D]`` (q/k norms applied, no RoPE) and values ``[B, T, Hkv, D]``."""
-        B, T, _ = qkv.shape
-        hq, hkv = self.num_heads, self.num_kv_heads
-        if self.qk_norm == "full":
-            q, k, v = qkv.split((hq * self.head_dim, hkv * self.head_dim, hkv * self.head_dim), -1)
-            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
-        qkv = qkv.view(B, T, hq + 2 * hkv, self.head_dim)
-        qk = qkv[:, :, : hq + hkv]
-        if self.qk_norm == "head":
-            qk = torch.cat((self.q_norm(qk[:, :, :hq]), self.k_norm(qk[:, :, hq:])), dim=2)
-        return qk, qkv[:, :, hq + hkv :]
-
-    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Residual after attention output ``attn [B, T, Hq, D]``, then the gated MLP block
-        (SwiGLU, or GeGLU for Gemma)."""
-        r = self.residual_multiplier
-        out = project(attn.flatten(2), self.wo)
-        if self.post_norm:
-            out = self.post_attention_norm(out)
-        x = x + (out if r == 1.0 else out * r)
-        norm = self.pre_feedforward_norm if self.post_norm else self.post_attention_norm
-        if self.moe is not None:
-            out = self.moe(x if norm is None else norm(x), self.act)
-        else:
-            gate, up = project(x, self.w_gate_up, norm).chunk(2, dim=-1)
-            out = project(self.act(gate) * up, self.w_down)
-        if self.post_norm:
-            out = self.post_feedforward_norm(out)
-        return x + (out if r == 1.0 else out * r)
-
-
-class DecoderLM(nn.Module):
+class DecoderLM(PositionBuffers, nn.Module):
     """A Llama-family causal LM (``LlamaForCausalLM``, ``MistralForCausalLM``,
     ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``GraniteForCausalLM``,
     ``Olmo2ForCausalLM``, ``Phi3ForCausalLM``, ``SmolLM3ForCausalLM``,
@@ -346,26 +93,7 @@ class DecoderLM(nn.Module):
         self.attention_backend = resolve_attention_backend(
             config.attention_backend, self.device, dtype
         )
-        self._inv_freq = rope_inv_freq(config)
-        # the sliding layers' RoPE (Gemma 3), or None
-        self._inv_freq_local = (
-            None
-            if config.rope_local_theta is None
-            else rope_inv_freq(
-                dataclasses.replace(
-                    config, rope_theta=config.rope_local_theta, rope_type="default", rope_factor=1.0
-                )
-            )
-        )
-        # (local, long) -> cos, sin; long: LongRoPE's long factors
-        self._tables: dict[tuple[bool, bool], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._arange = torch.empty(0)
-        # Set once CUDA graphs may have captured forwards that read ``_arange`` and
-        # ``_tables`` (:meth:`pin_buffers`); from then on a forward never replaces them.
-        self._pinned = False
-        # Buffers replaced by :meth:`reserve` after pinning: graphs captured earlier still
-        # read them, so they are kept alive for the model's lifetime.
-        self._retired: list[torch.Tensor] = []
+        self._init_position_buffers()
         # [V_head] int64 vocabulary ids of the head's rows; None: the head covers every id.
         self.register_buffer("head_ids", None)
 
@@ -434,8 +162,8 @@ class DecoderLM(nn.Module):
             ):
                 continue
             old = getattr(module, "osd_packed", None)
-            if old is None or old[0] is not w or old[1] != _version(w):
-                module.osd_packed = (w, _version(w), pack_weight(w))
+            if old is None or old[0] is not w or old[1] != weight_version(w):
+                module.osd_packed = (w, weight_version(w), pack_weight(w))
                 added += w.numel() * w.element_size()
         return added
 
@@ -473,111 +201,6 @@ class DecoderLM(nn.Module):
         )
         self.reserve(cache.capacity, max_batch_size, cache.context)
         return cache
-
-    # -- constant buffers read by cached forwards ----------------------------------
-    # Invariant: a CUDA graph reads ``_arange`` and the RoPE tables at every replay, so no
-    # buffer it captured may be freed. Every cache made by :meth:`new_cache` sizes them for
-    # its capacity and batch before any capture (each forward's ``T`` fits the capacity
-    # and its ``B`` the batch); after :meth:`pin_buffers` a forward that would need a
-    # larger one raises instead of replacing it, and :meth:`reserve` keeps the buffers it
-    # replaces alive.
-
-    def reserve(self, positions: int, rows: int = 1, context: int | None = None) -> None:
-        """Size ``_arange`` for ``max(positions, rows)`` and the RoPE tables (the variant
-        ``context`` selects) for ``positions``. Called by :meth:`new_cache`."""
-        # Growth at least doubles, so a pinned model retires few buffers.
-        n = max(int(positions), int(rows))
-        if self._arange.shape[0] < n or self._arange.device != self.device:
-            self._retire(self._arange)
-            self._arange = torch.arange(max(n, 2 * self._arange.shape[0], 64), device=self.device)
-        for local in (False, True) if self._inv_freq_local is not None else (False,):
-            key = self._rope_key(local, positions if context is None else context)
-            cos, sin = self._tables.get(key, (torch.empty(0), None))
-            if cos.shape[0] < positions or cos.device != self.device or cos.dtype != self.dtype:
-                self._retire(cos, sin)
-                self._tables[key] = self._new_tables(
-                    key, max(int(positions), 2 * cos.shape[0], 256)
-                )
-
-    def pin_buffers(self) -> None:
-        """From now on forwards read the reserved buffers only (CUDA graphs capture them):
-        a forward that would grow one raises a ``RuntimeError`` naming it."""
-        self._pinned = True
-
-    def _retire(self, *tensors) -> None:
-        if self._pinned:
-            self._retired.extend(t for t in tensors if t is not None and t.numel())
-
-    def _grow_error(self, name: str, have: int, need: int) -> RuntimeError:
-        return RuntimeError(
-            f"{type(self).__name__}.{name} holds {have} entries but a forward needs {need}, "
-            f"and CUDA graphs may have captured it (the buffer cannot be replaced): make the "
-            f"model's caches with new_cache() before capturing graphs, sized for the longest "
-            f"sequence and the largest batch"
-        )
-
-    def _iota(self, n: int) -> torch.Tensor:
-        """``arange(n)`` int64 on the model's device, a slice of the reserved buffer."""
-        if self._arange.shape[0] < n or self._arange.device != self.device:
-            if self._pinned:
-                raise self._grow_error("_arange", self._arange.shape[0], n)
-            self.reserve(n)
-        return self._arange[:n]
-
-    def _rope_key(self, local: bool, context: int) -> tuple[bool, bool]:
-        """The table variant: ``(local, long)``, long for LongRoPE past its original context."""
-        c = self.config
-        return local, (
-            c.rope_type == "longrope" and not local and context > c.rope_original_max_positions
-        )
-
-    def _new_tables(self, key: tuple[bool, bool], n: int):
-        local, long = key
-        inv_freq = (
-            self._inv_freq_local
-            if local
-            else rope_inv_freq(self.config, long=True)
-            if long
-            else self._inv_freq
-        )
-        return rope_tables(inv_freq, n, self.dtype, self.device, self.config.rope_attention_factor)
-
-    def _rope_tables(
-        self,
-        positions: torch.Tensor,
-        needed: int,
-        local: bool = False,
-        context: int | None = None,
-        cached: bool = True,
-    ):
-        """``cos, sin [B, T, 1, D]`` at ``positions [B, T]`` (``local``: the sliding layers'
-        RoPE) from tables covering ``needed`` positions. A LongRoPE model uses its long
-        factors when ``context`` (a cache's, default ``needed``) exceeds the original
-        context, as llama.cpp chooses by its context size. Tables too small (or on another
-        device or dtype) grow, unless pinned: then a cached forward raises, and an uncached
-        one (``cached=False``, training) builds a table of its own."""
-        key = self._rope_key(local, needed if context is None else context)
-        cos, sin = self._tables.get(key, (torch.empty(0), None))
-        if cos.shape[0] < needed or cos.device != self.device or cos.dtype != self.dtype:
-            n = max(needed, 2 * cos.shape[0], 256)
-            if not self._pinned:
-                cos, sin = self._tables[key] = self._new_tables(key, n)
-            elif cached:
-                raise self._grow_error(f"RoPE table {key}", cos.shape[0], needed)
-            else:
-                cos, sin = self._new_tables(key, needed)
-        return cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)
-
-    def _layer_ropes(
-        self, positions: torch.Tensor, needed: int, context: int | None = None, cached: bool = True
-    ):
-        """``(global, local)`` RoPE tables at ``positions`` (local None without one)."""
-        local = (
-            None
-            if self._inv_freq_local is None
-            else self._rope_tables(positions, needed, local=True, cached=cached)
-        )
-        return self._rope_tables(positions, needed, context=context, cached=cached), local
 
     def forward(
         self,
@@ -718,8 +341,6 @@ class DecoderLM(nn.Module):
         rows = self._iota(B)[:, None]  # [B, 1]
         max_kv_len = cache.bound + T
         x = self._embed(input_ids, features)
-        from osd.models import fused_layers  # it imports this module
-
         if fused_layers.use_fused(self, x):  # fused kernels on CUDA (osd/models/fused_layers.py)
             return fused_layers.fused_hidden(
                 self, x, cache, ropes, slots, tree_mask, depths, skip_layers, max_kv_len
@@ -857,3 +478,19 @@ def without_layers(model: DecoderLM, skip: frozenset[int]) -> DecoderLM:
         state[name] = value
     sub.load_state_dict(state)
     return sub.requires_grad_(False)
+
+
+__all__ = [
+    "MAX_TREE",
+    "DecoderLM",
+    "DecoderLayer",
+    "MoE",
+    "RMSNorm",
+    "apply_rope",
+    "gelu_tanh",
+    "project",
+    "rope_inv_freq",
+    "rope_tables",
+    "weight_version",
+    "without_layers",
+]
