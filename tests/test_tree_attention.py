@@ -21,6 +21,13 @@ from osd_kernels import (
     tree_attention_reference,
     tree_mask_from_parents,
 )
+from osd_kernels.triton import tree_attention as triton_ta
+from osd_kernels.triton.tree_attention import (
+    MAX_SPLITS,
+    SPLIT_MIN_KEYS,
+    split_kv_num_splits,
+    tree_attention_triton,
+)
 from tests.conftest import backends_for
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -423,8 +430,6 @@ def _split_case(gen, B, T, Hq, Hkv, D, lens, dtype):
 def test_split_kv_matches_reference(case):
     """Split KV against the fp32 reference: ragged prefixes (empty ones too), GQA and MHA,
     head dims 64 and 80, tree masks (with a row that sees no tree key) and causal."""
-    from osd_kernels.triton.tree_attention import tree_attention_triton
-
     B, T, Hq, Hkv, D, lens, tree, split_counts = case
     gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
     q, k, v, lens = _split_case(gen, B, T, Hq, Hkv, D, lens, torch.float32)
@@ -438,8 +443,6 @@ def test_split_kv_matches_reference(case):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_split_kv_half(dtype):
-    from osd_kernels.triton.tree_attention import tree_attention_triton
-
     gen = torch.Generator().manual_seed(11)
     q, k, v, lens = _split_case(gen, 3, 6, 9, 3, 80, [400, 0, 95, 40], dtype)
     for mask in (random_tree_mask(gen, 3, 6), None):
@@ -450,8 +453,6 @@ def test_split_kv_half(dtype):
 def test_split_kv_chain_equals_causal_and_nothing_seen():
     """The new keys run the single pass's tile code: a chain mask equals causal bit for bit;
     an empty prefix with an empty mask row gives zeros."""
-    from osd_kernels.triton.tree_attention import tree_attention_triton
-
     gen = torch.Generator().manual_seed(12)
     q, k, v, lens = _split_case(gen, 2, 7, 4, 2, 16, [0, 90, 3], torch.float32)
     a = tree_attention_triton(q, k, v, lens, None, 0.25, num_splits=3)
@@ -466,8 +467,6 @@ def test_split_kv_chain_equals_causal_and_nothing_seen():
 def test_split_kv_num_splits_heuristic():
     """Host-side choice: single pass for short prefixes, prefill and full GPUs; otherwise
     about two programs per SM, each split at least SPLIT_MIN_KEYS keys."""
-    from osd_kernels.triton.tree_attention import MAX_SPLITS, SPLIT_MIN_KEYS, split_kv_num_splits
-
     assert split_kv_num_splits(1, 8, 8, 4, 300) == 1  # short prefix
     assert split_kv_num_splits(1, 8, 65, 4, 1 << 15) == 1  # T > 64: prefill
     assert split_kv_num_splits(64, 8, 8, 4, 1 << 15) == 1  # B * Hkv fills the GPU
@@ -480,8 +479,6 @@ def test_split_kv_num_splits_heuristic():
 
 
 def test_split_kv_bad_num_splits():
-    from osd_kernels.triton.tree_attention import MAX_SPLITS, tree_attention_triton
-
     q, k = torch.zeros(1, 65, 2, 8), torch.zeros(1, 1, 80, 8)
     lens = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="T <= 64"):
@@ -494,8 +491,6 @@ def test_split_kv_bad_num_splits():
 def test_split_kv_auto_dispatch():
     """``tree_attention(backend="triton")`` takes the split path on its own when the
     heuristic asks for it (here 4 splits of a 1,030-key prefix, one KV head)."""
-    from osd_kernels.triton import tree_attention as triton_ta
-
     gen = torch.Generator().manual_seed(13)
     q, k, v, lens = _split_case(gen, 1, 2, 2, 1, 32, [1030], torch.float32)
     assert triton_ta.split_kv_num_splits(1, 1, 2, 2, 1032) == 4

@@ -3,17 +3,16 @@ and the split-KV combine kernel."""
 
 from __future__ import annotations
 
-import sys
-
 import triton
 
+from osd_kernels.triton.tree_attention import MAX_TREE, SPLIT_ALIGN_GPU, SPLIT_CONFIGS
 from triton_checks.common import FLOATS, Ptr, Spec, load
 
 
 def tree_attention_specs():
     kernel = load("tree_attention._tree_attention_kernel")
-    module = sys.modules[kernel.fn.__module__]
-    max_tree = getattr(module, "MAX_TREE", 64)
+    # The launcher's constants: the tile sizes and autotune configs it launches with.
+    max_tree = MAX_TREE
 
     def spec(dtype, has_mask, T, group, D):
         Hkv, S = 8, 4096
@@ -61,8 +60,8 @@ def tree_attention_specs():
             ),
         )
 
-    split_configs = getattr(module, "SPLIT_CONFIGS", ((64, 4, 2),))
-    split_align = getattr(module, "SPLIT_ALIGN_GPU", 128)
+    split_configs = SPLIT_CONFIGS
+    split_align = SPLIT_ALIGN_GPU
 
     def split(dtype, has_mask, T, group, D, splits, config):
         """_split_kv_kernel as the autotuner launches it with ``config``."""
