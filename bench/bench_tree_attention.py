@@ -37,8 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import BACKENDS, FULL, gbps, provider_device
-from osd_kernels import tree_attention, tree_attention_reference, tree_mask_from_parents
-from osd_kernels.triton.tree_attention import split_kv_num_splits
+from osd_kernels import (
+    tree_attention,
+    tree_attention_reference,
+    tree_mask_from_parents,
+    use_avx512,
+)
+from osd_kernels.triton.tree_attention import split_kv_num_splits, tree_attention_triton
 
 BATCHES = (1, 8, 32) if FULL else (1, 8)
 TREES = (1, 8, 64)
@@ -163,7 +168,6 @@ def test_split_kv_triton(benchmark, B, L, T):
     """Split-KV decode (T = 1, causal) and verify (T = 8, tree) over long prefixes."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from osd_kernels.triton.tree_attention import tree_attention_triton
 
     Hq, Hkv, dim = 32, 8, 128
     kv = _gpu_cache(B, L, Hkv, dim)
@@ -242,8 +246,6 @@ CHAT_CASES = [
 
 @pytest.mark.parametrize("T,L,provider", CHAT_CASES)
 def test_chat_shapes(benchmark, monkeypatch, T, L, provider):
-    from osd_kernels import use_avx512
-
     if provider == "cpp" and not use_avx512():
         pytest.skip("the CPU has no AVX-512 (the cpp-avx2 rows are the kernel here)")
     if provider == "cpp-avx2":
@@ -270,6 +272,7 @@ def test_windowed_attention(benchmark, B, T, softcap):
     window in its mask, or explicit scores when soft-capped) over L = 1024 cached keys and
     a 512-key window, CPU float32, beside the C++ tree kernel's full attention over the same
     keys; reports ``cpp_ms`` and ``ratio`` (best windowed time / best C++ time)."""
+    # The engine package (osd) for this test alone: the rest of the file needs only osd_kernels.
     from osd.models.attention import windowed_attention
 
     L, window = 1024, 512

@@ -47,7 +47,7 @@ def use_avx512() -> bool:
     is set (read per call, as the kernels read them)."""
     if not native_available():
         return False
-    from osd_kernels import _C
+    from osd_kernels import _C  # the optional native build: imports once native_available()
 
     return (
         bool(getattr(_C, "CPU_AVX512", 0))
@@ -63,7 +63,7 @@ def native_has_device(device: torch.device) -> bool:
     if device.type == "cpu":
         return True
     if device.type == "cuda":
-        from osd_kernels import _C
+        from osd_kernels import _C  # the optional native build: imports once native_available()
 
         return bool(getattr(_C, "WITH_CUDA", False))
     return False
