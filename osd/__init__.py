@@ -5,16 +5,16 @@ transformers model; ``Engine.generate(prompts, SamplingParams(...))`` returns on
 ``Output`` per prompt.
 """
 
-from osd import zoo
+from osd import _moved, zoo
 from osd.cache import KVCache
 from osd.async_engine import AsyncEngine
 from osd.engine import Engine
 from osd.request import RequestError
 from osd.models import DecoderLM, EagleLM, ModelConfig, load_eagle, load_model
-from osd.online.config import OnlineConfig
+from osd.online.config import OnlineConfig, OnlineRecipe, OnlineRuntime
 from osd.online.router import RouterConfig
 from osd.sampling import Output, SamplingParams, TokenLogprobs
-from osd.spec import DynamicTree, SpecConfig
+from osd.spec import DynamicTree, PromptLookup, SpecConfig
 
 __all__ = [
     "Engine",
@@ -25,7 +25,10 @@ __all__ = [
     "TokenLogprobs",
     "SpecConfig",
     "DynamicTree",
+    "PromptLookup",
     "OnlineConfig",
+    "OnlineRecipe",
+    "OnlineRuntime",
     "RouterConfig",
     "KVCache",
     "DecoderLM",
@@ -35,3 +38,5 @@ __all__ = [
     "load_eagle",
     "zoo",
 ]
+
+_moved.install()  # old module paths (osd._moved.MOVED) keep importing

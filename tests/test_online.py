@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import osd
+from osd.online import config as online_config
+from osd.online.buffer import Example, ReplayBuffer
 from osd.online.distill import heldout_alpha
 from osd.online.router import Router, RouterConfig
 from tests.test_models import tiny_hf_model
@@ -234,8 +236,6 @@ def test_learner_rejects_bad_configs():
 def test_held_out_requests_retire_into_training():
     """The held-out slice keeps the newest ``holdout_capacity`` held-out requests; an
     older one joins the training set rather than being dropped."""
-    from osd.online.buffer import Example, ReplayBuffer
-
     buf = ReplayBuffer(capacity_positions=1000, holdout_every=2, holdout_capacity=2)
 
     def ex(i):
@@ -259,8 +259,6 @@ def test_held_out_requests_retire_into_training():
 
 
 def test_update_batch_mixes_newest_and_replayed_requests():
-    from osd.online.buffer import Example, ReplayBuffer
-
     buf = ReplayBuffer(capacity_positions=1000, holdout_every=0)
     for i in range(20):  # request i: 10 positions, token i
         buf.add(Example(torch.full((12,), i), torch.arange(1, 11), None, None, torch.zeros(10, 4)))
@@ -370,8 +368,6 @@ def test_half_precision_draft_learns_in_fp32(pair):
 def test_autocast_auto_uses_bf16_only_where_the_cpu_has_it(pair, monkeypatch):
     """``autocast="auto"`` trains in bf16 on a CPU with fast bf16 matmuls and in fp32 on
     one without (there a bf16 step is many times slower); on CUDA it is fp32 (graphs)."""
-    from osd.online import config as online_config
-
     assert online_config.resolve_autocast("float16", "cpu") == "float16"
     assert online_config.resolve_autocast(None, "cpu") is None
     assert online_config.resolve_autocast("auto", "cuda") is None

@@ -59,3 +59,38 @@ def test_the_shipped_drafts_carry_their_recipes():
     assert (b.lr, b.steps_per_update, b.batch_positions, b.prompt_positions) == (5e-4, 8, 1024, 256)
     # the defaults are the chat recipe for general answer lengths
     assert dataclasses.replace(c, max_train_len=256) == osd.OnlineConfig()
+
+
+def test_the_config_is_a_recipe_and_a_runtime():
+    """``OnlineConfig`` is composed of an ``OnlineRecipe`` and an ``OnlineRuntime``; the
+    flat keywords and attributes of either part keep working on the config itself."""
+    cfg = osd.OnlineConfig(
+        recipe=osd.OnlineRecipe(lr=1e-3, max_train_len=64),
+        runtime=osd.OnlineRuntime(background=False),
+    )
+    assert cfg == osd.OnlineConfig(lr=1e-3, max_train_len=64, background=False)
+    assert (cfg.lr, cfg.max_train_len, cfg.background) == (1e-3, 64, False)
+    assert cfg.recipe.lr == 1e-3 and cfg.runtime.background is False
+    # a flat keyword replaces that field of the part given
+    both = osd.OnlineConfig(recipe=cfg.recipe, steps_per_update=2)
+    assert (both.lr, both.steps_per_update, both.background) == (1e-3, 2, True)
+    moved = dataclasses.replace(cfg, checkpoint_dir="ck", lr=2e-3)
+    assert (moved.checkpoint_dir, moved.lr, moved.max_train_len) == ("ck", 2e-3, 64)
+    assert cfg.checkpoint_dir is None and cfg.lr == 1e-3  # the original is unchanged
+    moved.lr = 5e-4  # a checked copy of the recipe; configs may share parts
+    assert moved.recipe.lr == 5e-4 and cfg.recipe.lr == 1e-3
+    with pytest.raises(ValueError, match="OnlineRecipe.lr"):
+        moved.lr = 0
+    with pytest.raises(TypeError, match="lrr"):
+        osd.OnlineConfig(lrr=1)
+    with pytest.raises(TypeError, match="OnlineRecipe"):
+        osd.OnlineConfig(recipe={"lr": 1e-3})
+    with pytest.raises(ValueError, match="OnlineRuntime.history_updates"):
+        osd.OnlineRuntime(history_updates=0)
+    with pytest.raises(ValueError, match="OnlineRecipe.max_train_len"):
+        osd.OnlineConfig(max_train_len=0)
+    names = {f.name for f in dataclasses.fields(osd.OnlineRecipe)}
+    assert not names & {f.name for f in dataclasses.fields(osd.OnlineRuntime)}
+    # what a shipped draft carries is its recipe only
+    recipe = draft_online_recipe(chat.DRAFT_DIR)
+    assert set(recipe) <= names

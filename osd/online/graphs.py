@@ -11,7 +11,7 @@ weights.
 The learner's capture and the serving thread's (``osd.graphs``) take the same process-wide
 lock, so two captures never overlap. CPU training stays eager.
 
-At most ``OnlineConfig.max_train_graphs`` graphs are kept, least recently used dropped
+At most ``OnlineRuntime.max_train_graphs`` graphs are kept, least recently used dropped
 first: each holds a private memory pool sized for its bucket, so an unbounded set of
 shapes would keep claiming GPU memory. A failed capture raises
 ``osd.online.learner.GraphCaptureError`` with the weights and optimizer state as they were.

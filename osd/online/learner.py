@@ -16,9 +16,9 @@ on a private *training copy* of the draft:
 5. every ``checkpoint_every`` kept updates, weights and optimizer state are checkpointed
    atomically to ``checkpoint_dir``.
 
-Updates run in a background thread (``background=True``; on CUDA the thread works on a
-side stream, and the step is captured in a CUDA graph, see ``osd.online.graphs``) so
-serving never waits, unless ``wait_for_update`` asks it to.
+Updates run in a background thread (``background=True``, ``osd.online.update_thread``; on
+CUDA the thread works on a side stream, and the step is captured in a CUDA graph, see
+``osd.online.graphs``) so serving never waits, unless ``wait_for_update`` asks it to.
 
 Learning is an optimisation of serving, never a condition for it: an update that raises
 (in the loss, the backward, the optimizer, a graph capture) is rolled back like a rejected
@@ -27,24 +27,18 @@ one, counted in ``history.faults`` by kind with its message kept in
 A failed capture also turns the learner's CUDA graphs off (eager steps from then on).
 An EAGLE draft (``osd.models.eagle``) trains its own tensors on batches that carry the
 target's stored features; the target's tensors it shares stay shared and frozen, and its
-steps run eagerly. The
-history keeps counters plus the newest ``history_updates`` records, and after each update
-the C heap's free pages go back to the system (``osd.online.memory``), so memory stays
-bounded however long the engine serves.
+steps run eagerly. The history (``osd.online.history``) keeps counters plus the newest
+``history_updates`` records, and after each update the C heap's free pages go back to the
+system (``osd.online.memory``), so memory stays bounded however long the engine serves.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import copy
 import logging
 import math
-import threading
 import time
-import weakref
-from collections import deque
-from dataclasses import dataclass
 
 import torch
 
@@ -54,33 +48,12 @@ from osd.online.buffer import Example, ReplayBuffer
 from osd.online.checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
 from osd.online.config import OnlineConfig, cpu_has_fast_bf16, resolve_autocast
 from osd.online.distill import batch_for, draft_logits, eagle_pass_logits, heldout_alpha
+from osd.online.history import FAULT_KINDS as FAULT_KINDS  # public here too
+from osd.online.history import LearningHistory, UpdateRecord
 from osd.online.memory import pin_mmap_threshold, release_free_memory
+from osd.online.update_thread import UpdateThread
 
 logger = logging.getLogger("osd.online")
-
-# Kinds of learner faults counted in ``LearningHistory.faults`` (always reported, 0 or not).
-FAULT_KINDS = (
-    "update_error",  # an update raised (loss, backward, optimizer step, replay, ...)
-    "graph_capture_error",  # capturing the training step in a CUDA graph raised
-    "nonfinite_loss",  # a training step's loss was NaN or infinite
-    "nonfinite_weights",  # the weights after the steps held NaN or infinity
-    "swap_error",  # copying a published update into the serving draft raised
-    "checkpoint_error",  # writing a checkpoint raised (the update itself is kept)
-    "resume_error",  # a checkpoint could not be read at start (an older one is used)
-)
-
-
-# Learners with a running thread. A process that exits with one still running aborts
-# ("terminate called without an active exception": torch's C++ state is torn down under
-# the thread), so the threads are stopped at exit, each given a bounded time to finish.
-_running: weakref.WeakSet = weakref.WeakSet()
-EXIT_JOIN_S = 30.0
-
-
-@atexit.register
-def _stop_learners_at_exit() -> None:
-    for learner in list(_running):
-        learner._stop(EXIT_JOIN_S)
 
 
 class GraphCaptureError(RuntimeError):
@@ -112,82 +85,7 @@ def restore_state(model: torch.nn.Module, optim: torch.optim.Optimizer, snapshot
                 v.copy_(saved[k]) if k in saved else v.zero_()
 
 
-@dataclass
-class UpdateRecord:
-    """One update attempt, for ``engine.stats``."""
-
-    index: int  # update attempt number (1-based)
-    requests_seen: int  # finished requests observed when it started
-    loss: float  # mean training loss of its steps (nan if discarded)
-    alpha_before: float | None  # held-out acceptance of the old weights
-    alpha_after: float | None  # held-out acceptance of the new weights
-    applied: bool
-    reason: str  # "applied", "guard", "non-finite loss", "non-finite weights",
-    # "error", "no data"
-    seconds: float
-
-
-class LearningHistory:
-    """What the learner did; exposed in ``engine.stats['online']``.
-
-    Counters cover the whole run; ``records`` keeps only the newest ``max_records`` update
-    attempts (a fixed window, so a long-serving engine does not grow). Thread-safe: the
-    learner thread records while the serving thread reports.
-    """
-
-    def __init__(self, max_records: int = 256):
-        self.updates_applied = 0
-        self.updates_rejected = 0
-        self.attempts = 0  # update attempts, including "no data" ones
-        self.checkpoints = 0
-        self.update_seconds = 0.0  # total time spent in update attempts
-        self.faults: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
-        self.last_error: str | None = None
-        self.last_error_at: float | None = None  # time.time() of last_error
-        self.records: deque[UpdateRecord] = deque(maxlen=max_records)
-        self._lock = threading.Lock()
-
-    def next_index(self) -> int:
-        """Number (1-based) of a new update attempt."""
-        with self._lock:
-            self.attempts += 1
-            return self.attempts
-
-    def add(self, rec: UpdateRecord) -> UpdateRecord:
-        with self._lock:
-            self.records.append(rec)
-            self.update_seconds += rec.seconds
-            if rec.applied:
-                self.updates_applied += 1
-            elif rec.reason != "no data":
-                self.updates_rejected += 1
-        return rec
-
-    def fault(self, kind: str, message: str) -> int:
-        """Count a fault of ``kind`` (one of ``FAULT_KINDS``); returns its new count."""
-        with self._lock:
-            self.faults[kind] = self.faults.get(kind, 0) + 1
-            self.last_error = f"{kind}: {message}"
-            self.last_error_at = time.time()
-            return self.faults[kind]
-
-    def as_dict(self) -> dict:
-        with self._lock:
-            return {
-                "updates_applied": self.updates_applied,
-                "updates_rejected": self.updates_rejected,
-                "attempts": self.attempts,
-                "checkpoints": self.checkpoints,
-                "update_seconds": self.update_seconds,
-                "faults": dict(self.faults),
-                "last_error": self.last_error,
-                "last_error_at": self.last_error_at,
-                "updates": [dict(r.__dict__) for r in self.records],  # the newest only
-                "updates_kept": self.records.maxlen,
-            }
-
-
-class OnlineLearner:
+class OnlineLearner(UpdateThread):
     """Online distillation of one serving draft model.
 
     Args:
@@ -210,6 +108,7 @@ class OnlineLearner:
     ):
         self.config = config
         self.name = name
+        self._init_thread()
         if config.mmap_threshold is not None:
             pin_mmap_threshold(config.mmap_threshold)
         self.serving = draft
@@ -227,7 +126,7 @@ class OnlineLearner:
         if self.autocast == "bfloat16" and self.device.type == "cpu" and not cpu_has_fast_bf16():
             logger.warning(
                 "online learner %s: bf16 autocast on a CPU without native bf16 "
-                "matmuls is much slower than fp32; OnlineConfig.autocast='auto' "
+                "matmuls is much slower than fp32; OnlineRecipe.autocast='auto' "
                 "picks per CPU",
                 name,
             )
@@ -265,15 +164,6 @@ class OnlineLearner:
         # A published update: the weights, and on CUDA the event recorded on the learner's
         # stream after they were written (the serving stream waits on it before copying).
         self._pending: tuple[dict[str, torch.Tensor], torch.cuda.Event | None] | None = None
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._due = 0
-        self._busy = False
-        self._closed = False
-        # pause(): the background thread holds at its next step boundary until resume().
-        self._unpaused = threading.Event()
-        self._unpaused.set()
-        self._parked = False
         self._gen = torch.Generator().manual_seed(config.seed)
         self._snapshot = None  # the state an update in progress rolls back to
         self._graph_step = None
@@ -286,13 +176,8 @@ class OnlineLearner:
         self._stream = torch.cuda.Stream(self.device) if use_cuda else None
         if config.checkpoint_dir:
             self._resume(config.checkpoint_dir)
-        self._thread = None
         if config.background:
-            self._thread = threading.Thread(
-                target=self._loop, name=f"osd-learner-{name}", daemon=True
-            )
-            self._thread.start()
-            _running.add(self)
+            self._start_thread(f"osd-learner-{name}")
 
     # -- serving side ---------------------------------------------------------------
     def observe(self, example: Example) -> None:
@@ -349,99 +234,15 @@ class OnlineLearner:
                 release_free_memory()
         return True
 
-    @property
-    def busy(self) -> bool:
-        """True while an update is queued or running."""
-        with self._lock:
-            return bool(self._due or self._busy)
-
-    def wait(self) -> None:
-        """Block until no update is queued or running; while paused, until the background
-        thread holds (the queued work goes on after :meth:`resume`)."""
-        with self._lock:
-            while (self._due or self._busy) and not self._parked:
-                self._wake.wait(timeout=0.05)
-
-    def pause(self) -> None:
-        """Hold the background thread at its next step boundary (before an update, between
-        optimizer steps, before the guard's evaluation) until :meth:`resume`: it then takes
-        no CPU or memory bandwidth from serving. Requests go on being recorded and updates
-        queue. An inline learner (``background=False``) trains only inside serving calls
-        and ignores this."""
-        self._unpaused.clear()
-
-    def resume(self) -> None:
-        """Let a paused background thread go on where it held."""
-        with self._lock:
-            self._unpaused.set()
-            self._parked = False  # wait() blocks on the resumed work from here on
-
-    @property
-    def paused(self) -> bool:
-        return not self._unpaused.is_set()
-
-    def _hold(self) -> None:
-        """In the background thread: block while paused."""
-        if self._unpaused.is_set() or threading.current_thread() is not self._thread:
-            return
-        with self._lock:
-            self._parked = True
-            self._wake.notify_all()
-        self._unpaused.wait()
-        with self._lock:
-            self._parked = False
-
-    def close(self) -> None:
-        """Stop the background thread (pending work is finished first; a paused learner
-        is resumed for it)."""
-        if self._thread is None:
-            return
-        self.resume()
-        self.wait()
-        self._stop(None)
-
-    def _stop(self, timeout: float | None) -> None:
-        """Let the thread finish what is queued, then end it (waiting at most ``timeout``
-        seconds, None: as long as it takes)."""
-        thread = self._thread
-        if thread is None:
-            return
-        self.resume()
-        with self._lock:
-            self._closed = True
-            self._wake.notify_all()
-        thread.join(timeout)
-        if not thread.is_alive():
-            self._thread = None
-            _running.discard(self)
-
     # -- training side --------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._due and not self._closed:
-                    self._wake.wait()
-                if self._closed and not self._due:
-                    return
-            self._hold()
-            with self._lock:
-                self._due = 0
-                self._busy = True
-            try:
-                if self._stream is not None:
-                    with torch.cuda.stream(self._stream):
-                        self._update()
-                    self._stream.synchronize()
-                else:
-                    self._update()
-            except Exception as e:
-                # _update handles its own failures; this catches the stream's. The thread
-                # must survive either way, or wait() would block on a dead learner.
-                self._fault("update_error", e)
-            finally:
-                with self._lock:
-                    self._busy = False
-                    self._wake.notify_all()
+    def _run_update(self) -> None:
+        """One update in the background thread; on CUDA on the learner's side stream."""
+        if self._stream is None:
+            self._update()
+            return
+        with torch.cuda.stream(self._stream):
+            self._update()
+        self._stream.synchronize()
 
     def _fault(self, kind: str, error: BaseException | str) -> None:
         """Count a fault and log it (the first of each kind with its traceback, then at

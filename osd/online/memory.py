@@ -12,12 +12,12 @@ the learner keeps (replay buffer, optimizer state) has reached its bound.
 
 Two remedies, both glibc only (elsewhere they do nothing):
 
-- :func:`release_free_memory` (``OnlineConfig.trim_after_update``, the default): after
+- :func:`release_free_memory` (``OnlineRuntime.trim_after_update``, the default): after
   each update, ``malloc_trim(0)`` hands the free pages inside every heap back to the
   system. Within an update the heap is reused as before; the next update faults its
   working set in once. Measured on the built-in pair: flat memory at no measurable cost
   in throughput (``docs/soak.md``).
-- :func:`pin_mmap_threshold` (``OnlineConfig.mmap_threshold``): fixing the threshold turns
+- :func:`pin_mmap_threshold` (``OnlineRuntime.mmap_threshold``): fixing the threshold turns
   the dynamic adjustment off, so every large block is mapped and unmapped again. Memory
   stays flat too, but each large allocation then pays its page faults: about 28% fewer
   requests per second in the same measurement. Not done unless asked, nor when the

@@ -8,7 +8,7 @@ into a training example, feed the draft that served it, and update the router).
 Whatever goes wrong in learning or routing is counted (:meth:`OnlineManager.faults`) and
 never reaches serving: a request whose routing fails goes to draft 0, one whose example
 cannot be built is simply not learned from. Per-request statistics are kept for the newest
-``OnlineConfig.history_requests`` requests only, next to run totals, so memory stays flat
+``OnlineRuntime.history_requests`` requests only, next to run totals, so memory stays flat
 however many requests the engine serves.
 """
 
@@ -26,12 +26,13 @@ import torch
 from osd.online.buffer import Example
 from osd.online.config import OnlineConfig
 from osd.online.distill import heldout_alpha
-from osd.online.learner import FAULT_KINDS, OnlineLearner
+from osd.online.history import FAULT_KINDS
+from osd.online.learner import OnlineLearner
 from osd.online.router import Router
 
 logger = logging.getLogger("osd.online")
 
-# Faults of the manager itself (the learners count theirs, osd.online.learner.FAULT_KINDS).
+# Faults of the manager itself (the learners count theirs, osd.online.history.FAULT_KINDS).
 MANAGER_FAULT_KINDS = (
     "route_error",  # choosing a draft raised (the request went to draft 0)
     "observe_error",  # turning a finished request into training data or router feedback raised
