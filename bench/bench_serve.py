@@ -48,6 +48,9 @@ server's ``/metrics`` (differences over the configuration): tokens per target fo
 ``osd:target_forwards_total`` stays 0) and the draft acceptance rate of ``spec``. From
 ``/proc``: each server's CPU seconds (user + system) per configuration.
 
+The servers (``osd serve`` child processes) and the streaming clients are
+``bench/serve_load.py``; this file measures, summarizes and reports.
+
 Run as a script (prints a line per configuration and a markdown table, writes JSON; with
 ``--plot``, a PNG of tokens/s and p50 ITL against N):
 
@@ -55,10 +58,10 @@ Run as a script (prints a line per configuration and a markdown table, writes JS
         [--max-tokens 32] [--rounds 3] [--json results/bench_serve.json] \\
         [--plot results/bench_serve.png]
 
-``--tcp-nodelay`` starts both servers through ``NODELAY_WRAPPER``, which sets TCP_NODELAY on
-their listening socket. ``osd serve`` sets it itself (``osd/server_run.py``), so for it the
-flag changes nothing; without TCP_NODELAY the first event of a stream on a reused
-connection waits for the client's delayed ACK.
+``--tcp-nodelay`` starts both servers through ``bench.serve_load.NODELAY_WRAPPER``, which
+sets TCP_NODELAY on their listening socket. ``osd serve`` sets it itself
+(``osd/server/run.py``), so for it the flag changes nothing; without TCP_NODELAY the first
+event of a stream on a reused connection waits for the client's delayed ACK.
 
 Under pytest (``make bench``, ``pytest bench/bench_serve.py``): a short load (4 clients,
 8 requests of 16 tokens) on each server, one timed round each; skipped when fastapi,
@@ -69,34 +72,39 @@ uvicorn, openai or httpx is missing. ``OSD_BENCH_THREADS`` sets the servers' tor
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib.util
 import json
 import os
 import platform
 import random
-import re
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 
-MODEL = "osd-zoo"
-K = 4
+from osd import zoo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # run as a script: the repository root, for `bench.serve_load`
+    sys.path.insert(0, ROOT)
+
+from bench.serve_load import (  # noqa: E402
+    K,
+    SERVERS,
+    SPEC_FLAGS,
+    THREADS,
+    ServeProcess,
+    run_load,
+    start_servers,
+)
+
 CLIENTS = (1, 4, 16)
 REQUESTS = 48
 MAX_TOKENS = 32
 ROUNDS = 3
 PROMPT_MIN, PROMPT_MAX = 32, 64
 PROMPT_SEED = 0
-THREADS = int(os.environ.get("OSD_BENCH_THREADS", "1"))
-SERVERS = ("plain", "spec")
 NEEDS = ("fastapi", "uvicorn", "openai", "httpx")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def missing_modules() -> list[str]:
@@ -109,211 +117,10 @@ def missing_modules() -> list[str]:
 def make_prompts(n: int, seed: int = PROMPT_SEED, domain: str = "code") -> list[str]:
     """``n`` prompt texts: stdlib queries of ``domain`` (``osd.zoo.query_records``) cut to
     32..64 tokens, the lengths drawn with ``seed``."""
-    from osd import zoo
-
     tok = zoo.tokenizer()
     rng = random.Random(f"bench_serve/{seed}")
     records = zoo.query_records(domain, n=n, prompt_tokens=PROMPT_MAX, seed=seed)
     return [tok.decode(r.ids[: rng.randint(PROMPT_MIN, PROMPT_MAX)]) for r in records]
-
-
-# ---- Servers ----
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` and its threads (Linux ``/proc``)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-# ``--tcp-nodelay``: run ``osd serve`` with TCP_NODELAY set on its listening socket (the
-# accepted connections inherit it). Without it, on a reused keep-alive connection Nagle's
-# algorithm holds the first event of a stream until the client's delayed ACK (about 40 ms),
-# and the events queued behind it arrive in one burst. ``osd serve`` sets TCP_NODELAY
-# itself, so the wrapper only matters for a server that does not.
-NODELAY_WRAPPER = (
-    "import socket, sys\n"
-    "_bind = socket.socket.bind\n"
-    "def bind(self, addr):\n"
-    "    if self.type == socket.SOCK_STREAM and self.family in (socket.AF_INET, socket.AF_INET6):\n"
-    "        self.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n"
-    "    return _bind(self, addr)\n"
-    "socket.socket.bind = bind\n"
-    "from osd import cli\n"
-    "sys.exit(cli.main(sys.argv[1:]))\n"
-)
-
-
-# Extra `osd serve` flags of the speculative server (--auto-k sets ["--auto-k"]).
-SPEC_FLAGS: list[str] = []
-
-
-class ServeProcess:
-    """``osd serve`` on the built-in pair as a child process on a free port."""
-
-    def __init__(self, name: str, threads: int = THREADS, k: int = K, nodelay: bool = False):
-        from osd import zoo
-
-        target, draft = zoo.default_pair()
-        self.name = name
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        launcher = ["-c", NODELAY_WRAPPER] if nodelay else ["-m", "osd.cli"]
-        self.cmd = [
-            sys.executable,
-            *launcher,
-            "serve",
-            "--target",
-            target,
-            "--model-name",
-            MODEL,
-            "--port",
-            str(self.port),
-            "--threads",
-            str(threads),
-            "--log-level",
-            "warning",
-        ]
-        if name == "spec":
-            self.cmd += ["--draft", draft, "-k", str(k), *SPEC_FLAGS]
-        self.log = tempfile.NamedTemporaryFile(
-            "w+", prefix=f"bench_serve_{name}_", suffix=".log", delete=False
-        )
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        import httpx
-
-        deadline = time.time() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"osd serve ({self.name}) exited with status "
-                    f"{self.proc.returncode}:\n{self.output()}"
-                )
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(
-                    f"osd serve ({self.name}) not up after {timeout:.0f} s:\n{self.output()}"
-                )
-            time.sleep(0.2)
-
-    def output(self) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()[-4000:]
-
-    def cpu_seconds(self) -> float | None:
-        return _cpu_seconds(self.proc.pid)
-
-    def metrics(self) -> dict:
-        """``/metrics`` samples without labels, as {name: value}."""
-        import httpx
-
-        out = {}
-        for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():
-            m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*) (\S+)$", line)
-            if m:
-                out[m.group(1)] = float(m.group(2))
-        return out
-
-    def stop(self) -> int | None:
-        """Ctrl-C (uvicorn's clean shutdown), then kill after 20 s; the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-        return self.proc.returncode
-
-
-def start_servers(names=SERVERS, threads: int = THREADS, nodelay: bool = False) -> dict:
-    """The servers ``names``, started together and waited for."""
-    servers = {n: ServeProcess(n, threads, nodelay=nodelay) for n in names}
-    try:
-        for s in servers.values():
-            s.wait_ready()
-    except BaseException:
-        for s in servers.values():
-            s.stop()
-        raise
-    return servers
-
-
-# ---- Clients ----
-
-
-async def _one(client, prompt: str, max_tokens: int) -> dict:
-    """One streamed completion: send time, (arrival time, token count) per chunk with
-    tokens, the token ids, finish reason and usage."""
-    t0 = time.perf_counter()
-    stream = await client.completions.create(
-        model=MODEL,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"return_token_ids": True},
-    )
-    chunks, ids, finish, usage = [], [], None, None
-    async for chunk in stream:
-        t = time.perf_counter()
-        if chunk.usage is not None:
-            usage = chunk.usage.completion_tokens
-        for c in chunk.choices:
-            new = getattr(c, "token_ids", None) or []
-            if new:
-                chunks.append((t, len(new)))
-                ids.extend(new)
-            finish = c.finish_reason or finish
-    t_end = time.perf_counter()
-    return dict(
-        t0=t0, t_end=t_end, chunks=chunks, ids=ids, ntok=len(ids), finish=finish, usage=usage
-    )
-
-
-async def _load(url: str, prompts: list[str], clients: int, max_tokens: int) -> tuple:
-    """``clients`` concurrent clients over ``prompts`` (client j sends prompts j, j + N,
-    ... one after another); (wall seconds, results in prompt order)."""
-    import httpx
-    import openai
-
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(300.0)) as http:
-        client = openai.AsyncOpenAI(
-            base_url=url + "/v1", api_key="unused", max_retries=0, http_client=http
-        )
-        results: list = [None] * len(prompts)
-
-        async def worker(j: int):
-            for i in range(j, len(prompts), clients):
-                results[i] = await _one(client, prompts[i], max_tokens)
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(j) for j in range(min(clients, len(prompts)))))
-        return time.perf_counter() - t0, results
-
-
-def run_load(url: str, prompts: list[str], clients: int, max_tokens: int) -> tuple:
-    return asyncio.run(_load(url, prompts, clients, max_tokens))
 
 
 # ---- Statistics ----
@@ -583,10 +390,11 @@ def markdown(out: dict) -> str:
 
 
 def plot(out: dict, path: str) -> None:
+    # only --plot needs matplotlib (slow to import); the backend is chosen before pyplot
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use (see above)
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for name, color in (("plain", "tab:gray"), ("spec", "tab:blue")):
@@ -642,7 +450,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--tcp-nodelay",
         action="store_true",
-        help="start the servers with TCP_NODELAY on their listening socket (see NODELAY_WRAPPER)",
+        help="start the servers with TCP_NODELAY on their listening socket "
+        "(see bench.serve_load.NODELAY_WRAPPER)",
     )
     p.add_argument(
         "--auto-k",

@@ -1,16 +1,15 @@
 """``osd serve``: the OpenAI-compatible server, in-process on a free port with the built-in
-pair, driven by the official ``openai`` client (and raw ``httpx`` for malformed input).
+pair, driven by the official ``openai`` client (and raw ``httpx`` where it helps).
 
 Greedy outputs served to 8 concurrent clients equal ``osd.Engine.generate`` token for
-token; a stream closed mid-way is aborted in the engine; bad requests get OpenAI-style
-4xx errors and the server keeps serving; ``/metrics`` parses as Prometheus text.
+token; completions, chat, logprobs, ``n``, batched prompts, ``echo``, penalties and stop
+strings are the engine's; a stream closed mid-way is aborted in the engine; ``/metrics``
+parses as Prometheus text. Bad requests are ``tests/test_server_errors.py``, the command
+line ``tests/test_server_cli.py``, hostile clients ``tests/test_server_hostile.py`` and
+``tests/test_server_limits.py``.
 """
 
 import math
-import re
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -22,63 +21,19 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import osd  # noqa: E402
-from osd import cli, zoo  # noqa: E402
+from osd import zoo  # noqa: E402
 from osd.chat import apply_chat_template  # noqa: E402
 from osd.server import build_app  # noqa: E402
-
-MODEL = "osd-zoo"
-MAX_SEQ_LEN = 256
-# The built-in tokenizer ships no chat template; the chat tests install this one.
-TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
+from tests.server_harness import (  # noqa: E402
+    MAX_SEQ_LEN,
+    MODEL,
+    NEW,
+    PROMPTS,
+    TEMPLATE,
+    Server,
+    metrics,
+    spec_engine,
 )
-PROMPTS = [
-    "def __init__(self, name):\n    self.name = name\n",
-    "import os\nimport sys\n\n",
-    "    for i in range(len(items)):\n",
-    "class Error(Exception):\n",
-    "    return self._data[key]\n",
-    "if __name__ == '__main__':\n",
-    '    def close(self):\n        """Close the file.',
-    "    # Return the number of bytes",
-]
-NEW = 16
-
-
-def _free_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
-class Server:
-    """uvicorn in a background thread serving ``app`` on 127.0.0.1:port."""
-
-    def __init__(self, app):
-        sock = _free_socket()
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
-        )
-        self.thread.start()
-        deadline = time.time() + 30
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "the server did not come up"
-            time.sleep(0.05)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -94,15 +49,7 @@ def setup():
     long_ref = ref_engine.generate([PROMPTS[0]], osd.SamplingParams(64))[0]
 
     # The prefix cache on: the greedy outputs below must still equal plain decoding's.
-    engine = osd.Engine.from_pretrained(
-        target,
-        draft=draft,
-        max_batch_size=4,
-        max_seq_len=MAX_SEQ_LEN,
-        spec=osd.SpecConfig(num_draft_tokens=3),
-        prefix_cache=4096,
-    )
-    engine.tokenizer.chat_template = TEMPLATE
+    engine = spec_engine(4, prefix_cache=4096)
     ae = osd.AsyncEngine(engine)
     server = Server(build_app(ae, MODEL))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
@@ -122,27 +69,7 @@ def setup():
 
 
 def _metrics(setup) -> dict:
-    """``/metrics`` as {sample name with labels: value}; parsed by prometheus_client when
-    installed, else by a line regex."""
-    text = httpx.get(setup["server"].url + "/metrics", timeout=10).text
-    out = {}
-    try:
-        from prometheus_client.parser import text_string_to_metric_families
-    except ImportError:
-        line = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
-        for raw in text.splitlines():
-            if raw.startswith("#") or not raw:
-                continue
-            m = line.match(raw)
-            assert m, f"not a Prometheus sample line: {raw!r}"
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-        return out
-    for fam in text_string_to_metric_families(text):
-        assert fam.type in ("counter", "gauge"), (fam.name, fam.type)
-        for s in fam.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return out
+    return metrics(setup["server"].url)
 
 
 def test_models_and_health(setup):
@@ -518,101 +445,6 @@ def test_closed_stream_is_aborted(setup):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == setup["reference"][0].text
 
 
-BAD = [
-    ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
-    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-    ({"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
-    ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens must be an integer"),
-    ({"prompt": list(range(5, 5 + MAX_SEQ_LEN)), "max_tokens": 1}, 400, "maximum context"),
-    ({"prompt": [1, 2, 3], "max_tokens": MAX_SEQ_LEN}, 400, "maximum context"),
-    ({"prompt": [1, 2, 10**6]}, 400, "vocabulary"),
-    ({"prompt": ""}, 400, "prompt is empty"),
-    ({"max_tokens": 3}, 400, "prompt is required"),
-    ({"prompt": ["a"] * 65}, 400, "at most 64 prompts"),
-    ({"prompt": ["a", ""]}, 400, "prompt is empty"),
-    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
-    ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
-    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
-    ({"prompt": "x", "n": 17}, 400, "n must be an integer in [1, 16]"),
-    ({"prompt": "x", "n": 0}, 400, "n must be an integer in [1, 16]"),
-    ({"prompt": "x", "stop": [3]}, 400, "stop must be"),
-    ({"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
-    ({"prompt": "x", "logprobs": 21}, 400, "logprobs must be in [0, 20]"),
-    ({"prompt": "x", "logprobs": True}, 400, "logprobs must be an integer"),
-    ({"prompt": "x", "top_logprobs": 2}, 400, "top_logprobs is a chat field"),
-    (
-        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
-        400,
-        "top_logprobs needs logprobs: true",
-    ),
-    (
-        {"messages": [{"role": "user", "content": "hi"}], "logprobs": 3},
-        400,
-        "logprobs must be a boolean",
-    ),
-    (
-        {"messages": [{"role": "user", "content": "hi"}], "echo": True},
-        400,
-        "echo must be a boolean, and only for completions",
-    ),
-    ({"prompt": "x", "max_tokens": 0}, 400, "0 only with echo"),
-    ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
-    ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty must be > 0"),
-    ({"prompt": "x", "frequency_penalty": "a"}, 400, "frequency_penalty must be a finite"),
-    ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias keys must be token ids"),
-    ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens must be in"),
-    ({"prompt": "x", "ignore_eos": "yes"}, 400, "ignore_eos must be a boolean"),
-    ({"prompt": "x", "logit_bias": {"5": 200}}, 400, "must be in [-100, 100]"),
-    ({"prompt": "x", "logit_bias": {"1000000": 1}}, 400, "outside the vocabulary"),
-    ({"prompt": "x", "stream": True, "temperature": -1}, 400, "temperature"),
-    ("[1, 2", 400, "not valid JSON"),
-    ("[1, 2]", 400, "JSON object"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
-    ({"messages": []}, 400, "messages is required"),
-    ({"prompt": "x", "draft": 7}, 400, "unknown draft 7"),
-    ({"prompt": "x", "draft": "big"}, 400, "draft must be an integer"),
-]
-
-
-@pytest.mark.parametrize("body,status,match", BAD, ids=[m for _, _, m in BAD])
-def test_bad_requests_are_openai_errors(setup, body, status, match):
-    url = setup["server"].url
-    path = (
-        "/v1/chat/completions"
-        if isinstance(body, dict) and "messages" in body
-        else "/v1/completions"
-    )
-    if isinstance(body, dict):
-        body = {"model": MODEL, **body} if "model" not in body else body
-        r = httpx.post(url + path, json=body, timeout=30)
-    else:
-        r = httpx.post(
-            url + path, content=body, headers={"content-type": "application/json"}, timeout=30
-        )
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert match in err["message"], err
-    assert err["type"] == "invalid_request_error" and set(err) == {
-        "message",
-        "type",
-        "param",
-        "code",
-    }
-    # The server keeps serving.
-    ok = httpx.post(
-        url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=30
-    )
-    assert ok.status_code == 200
-
-
-def test_bad_request_through_the_client(setup):
-    with pytest.raises(openai.BadRequestError) as exc:
-        setup["client"].completions.create(model=MODEL, prompt="x", max_tokens=2, n=30)
-    assert exc.value.status_code == 400 and "n must be an integer" in exc.value.message
-    with pytest.raises(openai.NotFoundError):
-        setup["client"].completions.create(model="nope", prompt="x", max_tokens=2)
-
-
 def test_metrics(setup):
     m = _metrics(setup)
     for name in (
@@ -642,82 +474,3 @@ def test_metrics(setup):
     assert math.isclose(m["osd:spec_decode_acceptance_rate"], accepted / drafted)
     assert m['osd:request_success_total{finished_reason="length"}'] > 0
     assert m['osd:api_errors_total{status="400",type="invalid_request_error"}'] > 0
-
-
-def test_cli_serve_help_and_errors(capsys, monkeypatch):
-    with pytest.raises(SystemExit):
-        cli.main(["serve", "--help"])
-    out = capsys.readouterr().out
-    assert "--max-batch-size" in out and "--online" in out and "--port" in out
-
-    target, draft = zoo.default_pair()
-    with _free_socket() as busy:
-        busy.listen()
-        rc = cli.main(["serve", "--target", target, "--port", str(busy.getsockname()[1])])
-    err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("error: cannot listen") and "Traceback" not in err
-
-    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if not installed
-    assert cli.main(["serve", "--target", target]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "pip install osd[serve]" in err
-
-
-def test_cli_serve_end_to_end():
-    """``osd serve`` as a process: up (its speculation settings printed), one completion,
-    then a clean Ctrl-C."""
-    target, draft = zoo.default_pair()
-    with _free_socket() as s:
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "osd.cli",
-            "serve",
-            "--target",
-            target,
-            "--draft",
-            draft,
-            "--port",
-            str(port),
-            "--max-seq-len",
-            "128",
-            "--log-level",
-            "warning",
-            "--threads",
-            "1",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30
-        )
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.time() < deadline, "osd serve did not come up"
-            time.sleep(0.2)
-        assert client.models.list().data[0].id == "target"
-        r = client.completions.create(
-            model="target", prompt=PROMPTS[0], max_tokens=4, temperature=0
-        )
-        assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
-    finally:
-        proc.send_signal(2)  # SIGINT: uvicorn shuts down
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    out = proc.stdout.read()
-    assert proc.returncode == 0, out
-    assert "osd serve: speculation num_draft_tokens=4; draft in float" in out  # its settings
