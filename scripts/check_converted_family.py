@@ -29,6 +29,11 @@ import sys
 import tempfile
 
 import torch
+import transformers as tf
+
+import osd
+from osd import zoo
+from osd.models.loading import load_model, load_tokenizer
 
 FAMILIES = (
     "granite",
@@ -48,8 +53,6 @@ NEW_TOKENS = 24
 
 def hf_model(family: str, vocab: int, ids: dict):
     """A random transformers model of ``family`` (hidden 128, 4 heads / 2 KV heads)."""
-    import transformers as tf
-
     common = dict(
         vocab_size=vocab,
         hidden_size=128,
@@ -182,6 +185,7 @@ def convert(llama_cpp: str, src: str, out: str, family: str) -> None:
     sys.path[:0] = [os.path.join(llama_cpp, "gguf-py"), llama_cpp]
     try:
         if family == "gemma2":
+            # llama.cpp's converter package: importable only once sys.path holds its sources
             import conversion.gemma as gemma
 
             gemma.Gemma2Model.set_vocab = lambda self: self._set_vocab_gpt2()
@@ -193,11 +197,7 @@ def convert(llama_cpp: str, src: str, out: str, family: str) -> None:
 
 
 def check(family: str, llama_cpp: str, workdir: str) -> str:
-    import llama_cpp as lc
-
-    import osd
-    from osd import zoo
-    from osd.models.loading import load_model, load_tokenizer
+    import llama_cpp as lc  # optional dependency (the bench extra)
 
     tok = load_tokenizer(zoo.chat_pair()[0])
     ids = dict(

@@ -30,6 +30,8 @@ import sysconfig
 import tempfile
 import warnings
 
+from osd.models.gguf import GGUFFile, tokenizer_from_gguf, write_gguf
+
 PASSAGES = 200
 
 
@@ -59,8 +61,6 @@ def llama_cpp_test_texts(path: str) -> list[tuple[str, list[int]]]:
 
 def check(path: str, passages: list[str]) -> str:
     """One markdown table row for the vocabulary file ``path``."""
-    from osd.models.gguf import GGUFFile, tokenizer_from_gguf
-
     name = os.path.basename(path)[len("ggml-vocab-") : -len(".gguf")]
     g = GGUFFile(path)
     kind = g.metadata.get("tokenizer.ggml.model")
@@ -75,7 +75,7 @@ def check(path: str, passages: list[str]) -> str:
     own = sum(tok.encode(t, add_special_tokens=False) == ids for t, ids in tests)
     own_cell = f"{own}/{len(tests)}" if tests else "(no test texts)"
     try:
-        import llama_cpp
+        import llama_cpp  # optional dependency: the row says when it is absent
     except ImportError:
         return f"| {name} | {kind} | {pre} | {own_cell} | (llama-cpp-python absent) | |"
     ref = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
@@ -125,8 +125,6 @@ def main() -> None:
 
 def without_space_prefix(path: str, directory: str) -> str:
     """A copy of vocabulary file ``path`` with ``tokenizer.ggml.add_space_prefix`` false."""
-    from osd.models.gguf import GGUFFile, write_gguf
-
     meta = dict(GGUFFile(path).metadata)
     meta["tokenizer.ggml.add_space_prefix"] = False
     out = os.path.join(directory, "ggml-vocab-llama-spm-no-space-prefix.gguf")

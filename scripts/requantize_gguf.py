@@ -23,18 +23,18 @@ import ctypes
 import os
 import sys
 
+import torch
+
+import osd
+from osd.chat import apply_chat_template
 from osd.models.gguf import GGUFFile, type_name
+from osd.models.quant import QuantLinear
+from osd.zoo import chat, humaneval
 
 
 def check(path: str, prompts: int = 3, new_tokens: int = 64) -> None:
     """The ``--check`` report for GGUF file ``path`` (see the module docstring)."""
-    import llama_cpp
-    import torch
-
-    import osd
-    from osd.chat import apply_chat_template
-    from osd.models.quant import QuantLinear
-    from osd.zoo import humaneval
+    import llama_cpp  # optional dependency (the bench extra); main() checks it is there
 
     torch.set_num_threads(2)
     plain = osd.Engine.from_pretrained(path, max_batch_size=1, max_seq_len=1024)
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     if not args.out and not args.check:
         parser.error("--out is required (or --check FILE)")
     try:
-        import llama_cpp
+        import llama_cpp  # optional dependency (the bench extra)
     except ImportError:
         print(
             "error: llama-cpp-python is not installed (pip install -e '.[bench]')", file=sys.stderr
@@ -108,8 +108,6 @@ def main(argv=None) -> int:
         return 0
     source = args.source
     if source is None:
-        from osd.zoo import chat
-
         source = chat.fetch_target()
     ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{args.ftype.upper()}", None)
     if ftype is None:

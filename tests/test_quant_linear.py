@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import osd_kernels
-from osd.models.gguf import GGMLType, dequantize, quantize
+from osd.models.gguf import BLOCK_LAYOUT, GGMLType, dequantize, quantize
 from osd.models.quant import QuantLinear
+from tests.test_gguf_blocks import random_blocks
 
 FUSED_MAX_ROWS = 64  # kFusedMaxRows in csrc/cpu/quant_linear.cpp: more rows take the GEMM
 SHAPES = [
@@ -113,9 +114,6 @@ FILE_ONLY = [*K_TYPES, GGMLType.IQ4_NL, GGMLType.IQ4_XS]  # random blocks, not q
 def test_gguf_blocks_dequantize_like_the_file_reader(t):
     """Every block type a file keeps quantized holds exactly the file reader's weights, and
     the kernel computes on exactly them (random blocks for the types osd only reads)."""
-    from osd.models.gguf import BLOCK_LAYOUT
-    from tests.test_gguf import random_blocks
-
     K = 512 if t in FILE_ONLY else 96
     if t in FILE_ONLY:
         n = 37 * K // BLOCK_LAYOUT[t][0]

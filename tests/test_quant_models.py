@@ -15,9 +15,11 @@ from torch import nn
 
 import osd
 from osd.models.eagle import EagleLM, save_eagle
+from osd.models.gguf import BLOCK_LAYOUT, write_gguf
 from osd.models.loading import load_model
 from osd.models.quant import QuantLinear, quantize_linears, quantize_weight
 from tests.test_gguf import T, VOCAB, tiny_hf_model, to_gguf
+from tests.test_gguf_blocks import random_blocks
 from tests.test_speculative import prompts_of
 
 QTYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1]
@@ -74,9 +76,6 @@ def k_quant_gguf(path, linear_type, v_type=None, seed: int = 0):
     2 KV heads, SwiGLU 512, vocab 300) whose linear weights and head are random
     ``linear_type`` blocks (``v_type`` for ``attn_v``, as Q4_K_M files keep some in Q6_K),
     scaled to keep activations moderate; embedding and norms float32."""
-    from osd.models.gguf import BLOCK_LAYOUT, write_gguf
-    from tests.test_gguf import random_blocks
-
     rng = np.random.default_rng(seed)
     H, F, V = 256, 512, VOCAB
     meta = {
