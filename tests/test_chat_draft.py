@@ -1,5 +1,5 @@
 """The shipped draft of the chat pair (``osd/zoo/weights/chat_draft``, built by
-``scripts/build_chat_draft.py``): it loads with osd and transformers, shares the
+``osd draft build``): it loads with osd and transformers, shares the
 SmolLM2-135M-Instruct vocabulary, and greedy speculative decoding with it reproduces
 plain greedy decoding; the same for its EAGLE draft (``osd/zoo/weights/chat_eagle``).
 Skipped when the GGUF target is not cached."""
@@ -9,18 +9,17 @@ import os
 
 import pytest
 import torch
+from safetensors import safe_open
+from transformers import LlamaForCausalLM
 
 import osd
 from osd.models.loading import load_model
+from osd.models.quant import QuantLinear
+from osd.spec import draft_serving_defaults
 from osd.zoo import chat as zoo_chat
 
-DRAFT_DIR = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    "osd",
-    "zoo",
-    "weights",
-    "chat_draft",
-)
+# Where osd.zoo finds the chat draft (the source checkout's, unless $OSD_ZOO_WEIGHTS says).
+DRAFT_DIR = zoo_chat.DRAFT_DIR
 
 needs_target = pytest.mark.skipif(
     zoo_chat.cached_target() is None, reason="SmolLM2 GGUF not cached; run osd.zoo.chat_pair() once"
@@ -30,8 +29,6 @@ needs_target = pytest.mark.skipif(
 def test_checkpoint_files():
     """config.json (Llama, tied, the target's vocabulary), fp16 safetensors under 40 MB
     without a separate LM head, and the build record."""
-    from safetensors import safe_open
-
     with open(os.path.join(DRAFT_DIR, "config.json")) as f:
         config = json.load(f)
     assert config["architectures"] == ["LlamaForCausalLM"]
@@ -50,8 +47,6 @@ def test_osd_matches_transformers():
     """osd's cacheless forward of the draft equals transformers' on the same checkpoint:
     everywhere with the full head, at the kept tokens (``-inf`` elsewhere) with the
     shipped reduced head (``head_vocab.json``, which transformers ignores)."""
-    from transformers import LlamaForCausalLM
-
     ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]])
     hf = LlamaForCausalLM.from_pretrained(DRAFT_DIR, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -104,8 +99,6 @@ def test_eagle_checkpoint_files():
     """The shipped EAGLE draft: its config names the chat target's shape, fp16 weights of
     its own tensors only (the target's embedding, norm and head are not stored), under
     40 MB, with the standalone draft's head vocabulary."""
-    from safetensors import safe_open
-
     path = zoo_chat.chat_eagle()
     assert path is not None
     with open(os.path.join(path, "config.json")) as f:
@@ -163,9 +156,6 @@ def test_shipped_drafts_serve_with_their_recommended_settings():
     """Both shipped drafts carry ``serving.json`` (prompt lookup in front, the draft in
     Q8_0): ``from_pretrained(target, draft=...)`` alone serves them that way, and greedy
     chat answers still equal plain greedy decoding."""
-    from osd.models.quant import QuantLinear
-    from osd.spec import draft_serving_defaults
-
     target = zoo_chat.cached_target()
     kw = dict(max_batch_size=2, max_seq_len=256)
     plain = osd.Engine.from_pretrained(target, quantized=False, **kw)

@@ -1,14 +1,18 @@
-"""The built-in model pair (osd.zoo): checkpoints, tokenizer, corpus split, query streams."""
+"""The built-in model pair (osd.zoo): checkpoints, tokenizer, corpus split, query streams,
+and where the zoo's weights are found (osd.zoo.locate)."""
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
 from safetensors import safe_open
+from transformers import AutoTokenizer, LlamaForCausalLM
 
+import osd
 from osd import zoo
-from osd.zoo import corpus
+from osd.zoo import corpus, locate, train
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +22,6 @@ def pair():
 
 @pytest.fixture(scope="module")
 def models(pair):
-    from transformers import LlamaForCausalLM
-
     return tuple(LlamaForCausalLM.from_pretrained(p).eval() for p in pair)
 
 
@@ -40,8 +42,6 @@ def test_pair_loads_with_transformers_in_float32(pair, models):
 
 
 def test_pair_loads_with_osd_and_matches_transformers(pair, models):
-    import osd
-
     ids = torch.randint(
         0, models[0].config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(0)
     )
@@ -54,8 +54,6 @@ def test_pair_loads_with_osd_and_matches_transformers(pair, models):
 
 
 def test_shared_tokenizer(pair, models):
-    from transformers import AutoTokenizer
-
     files = [open(os.path.join(p, "tokenizer.json"), "rb").read() for p in pair]
     assert files[0] == files[1]
     tok = zoo.tokenizer()
@@ -163,8 +161,6 @@ def test_target_greedy_code_continuations_are_not_degenerate(models):
 
 
 def test_code_draft_matches_the_code_domain(pair, models):
-    from transformers import LlamaForCausalLM
-
     target, draft = models
     code_draft = LlamaForCausalLM.from_pretrained(zoo.code_draft()).eval()
     assert code_draft.config.hidden_size == draft.config.hidden_size
@@ -173,10 +169,6 @@ def test_code_draft_matches_the_code_domain(pair, models):
 
 
 def test_train_and_save_round_trip(tmp_path):
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
-    from osd.zoo import train
-
     tok = zoo.tokenizer()
     spec = train.ModelSpec(
         hidden_size=32,
@@ -205,3 +197,66 @@ def test_train_and_save_round_trip(tmp_path):
     assert AutoTokenizer.from_pretrained(tmp_path).get_vocab() == tok.get_vocab()
     assert json.loads((tmp_path / "zoo.json").read_text()) == {"role": "test"}
     assert train.scaled(train.TARGET, 0.01).steps == 5
+
+
+@pytest.fixture
+def zoo_places(tmp_path, monkeypatch):
+    """Three empty search places: ``$OSD_ZOO_WEIGHTS``, a stand-in for the source
+    checkout's weights, and the zoo cache."""
+    places = {n: tmp_path / n for n in ("env", "checkout", "cache")}
+    for p in places.values():
+        p.mkdir()
+    monkeypatch.setenv(locate.ENV, str(places["env"]))
+    monkeypatch.setattr(locate, "SOURCE_DIR", str(places["checkout"]))
+    monkeypatch.setenv("OSD_ZOO_CACHE", str(places["cache"]))
+    return places
+
+
+def _copy_model(name: str, dest) -> None:
+    shutil.copytree(os.path.join(zoo.WEIGHTS_DIR, name), dest / name)
+
+
+def test_weights_are_found_in_order_env_checkout_cache(zoo_places):
+    assert locate.search_dirs() == [str(zoo_places[n]) for n in ("env", "checkout", "cache")]
+    _copy_model("draft_code", zoo_places["cache"])
+    assert zoo.code_draft() == str(zoo_places["cache"] / "draft_code")
+    _copy_model("draft_code", zoo_places["checkout"])
+    assert zoo.code_draft() == str(zoo_places["checkout"] / "draft_code")
+    _copy_model("draft_code", zoo_places["env"])
+    assert zoo.code_draft() == str(zoo_places["env"] / "draft_code")
+    # a directory missing a file it needs does not count
+    os.remove(zoo_places["env"] / "draft_code" / "tokenizer.json")
+    assert zoo.code_draft() == str(zoo_places["checkout"] / "draft_code")
+
+
+def test_the_pair_comes_from_one_place(zoo_places):
+    """The target and draft share a tokenizer: both come from the first place holding both."""
+    _copy_model("target", zoo_places["env"])
+    _copy_model("target", zoo_places["cache"])
+    _copy_model("draft", zoo_places["cache"])
+    assert zoo.default_pair() == tuple(str(zoo_places["cache"] / n) for n in ("target", "draft"))
+
+
+def test_missing_weights_name_the_places_and_how_to_get_them(zoo_places, monkeypatch):
+    with pytest.raises(zoo.ZooWeightsNotFound) as err:
+        zoo.default_pair()
+    msg = str(err.value)
+    assert isinstance(err.value, FileNotFoundError)
+    assert "target, draft" in msg
+    for place in zoo_places.values():
+        assert str(place) in msg
+    assert "python -m osd.zoo.train" in msg and locate.ENV in msg
+    with pytest.raises(zoo.ZooWeightsNotFound, match="osd draft build"):
+        locate.require("chat_draft")
+    # the chat drafts are optional: None, and the demo's error says where it looked
+    assert zoo.chat_eagle() is None
+    assert zoo.chat.DRAFT_DIR == str(zoo_places["checkout"] / "chat_draft")
+    monkeypatch.delenv(locate.ENV)
+    assert locate.search_dirs() == [str(zoo_places[n]) for n in ("checkout", "cache")]
+    with pytest.raises(ValueError, match="unknown zoo models"):
+        locate.find("nonsense")
+
+
+def test_chat_drafts_are_found_like_the_pair(zoo_places):
+    _copy_model("chat_eagle", zoo_places["cache"])
+    assert zoo.chat_eagle() == zoo.chat.EAGLE_DIR == str(zoo_places["cache"] / "chat_eagle")

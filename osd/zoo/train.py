@@ -14,6 +14,7 @@ the config (transformers' ``dtype="auto"``) upcast them.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -29,7 +30,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from osd.zoo import corpus
+from osd.zoo import corpus, locate
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -331,3 +332,37 @@ def build(
     built = {name: os.path.join(out_dir, name) for name in roles}
     print(f"zoo: wrote {', '.join(built.values())}", file=sys.stderr)
     return built
+
+
+def main(argv=None) -> int:
+    """``python -m osd.zoo.train``: train the built-in pair into the zoo cache, where
+    ``osd.zoo.default_pair`` finds it when neither ``$OSD_ZOO_WEIGHTS`` nor a source
+    checkout has it (``scripts/build_zoo.py`` is the same build into the checkout)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m osd.zoo.train",
+        description="Train the built-in pair (tokenizer, target, draft, draft_code) on the "
+        "running Python's standard library.",
+    )
+    parser.add_argument(
+        "--out",
+        default=locate.cache_dir(),
+        help="zoo directory; each model goes to OUT/<name> (default %(default)s)",
+    )
+    parser.add_argument(
+        "--only",
+        choices=tuple(MODELS),
+        default=None,
+        help=f"train one model only (default: all of {', '.join(MODELS)})",
+    )
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiply every training step count (1.0)"
+    )
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (2)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    build(args.out, scale=args.scale, roles=(args.only,) if args.only else tuple(MODELS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
