@@ -643,6 +643,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     e.add_argument("--json", default=None, help="also write the rows here")
     e.set_defaults(func=_draft_eval)
+    # `osd draft build`: its options, help and run live in osd.draft_build.cli, imported
+    # here as every command's own modules are (it loads only argparse and the recipe)
+    from osd.draft_build import cli as draft_build
+
+    db = dr.add_parser("build", **draft_build.PARSER_KWARGS)
+    draft_build.add_arguments(db)
+    db.set_defaults(func=draft_build.run)
 
     b = sub.add_parser(
         "bench",

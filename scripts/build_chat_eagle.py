@@ -6,10 +6,10 @@ features (``osd.models.eagle``), trained on the target's own answers.
 
 Stages (a progress bar each):
 
-1. Teacher data: ``scripts/build_chat_draft.py``'s (chat requests made from the standard
+1. Teacher data: ``osd draft build``'s (chat requests made from the standard
    library's text, answered by the target through osd), which keeps the target's features
    (last layer before the final norm) at every position with its top-32 distributions,
-   plus a second and a third set (``chat_draft_data.TEACHER_SETS``: other functions,
+   plus a second and a third set (``osd.draft_build.recipe.TEACHER_SETS``: other functions,
    and half or two thirds of the code requests ask to implement a function from its
    signature and docstring). Each is cached in ``~/.cache/osd/chat_draft``; when absent it
    is generated here (7 to 10 minutes each on the 2-core machine).
@@ -40,21 +40,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import osd  # noqa: E402
-from osd.online.config import cpu_has_fast_bf16  # noqa: E402
-from build_chat_draft import split_heldout, write_checkpoint_dir  # noqa: E402
-from chat_draft_data import (
-    TEACHER_SETS,
-    DataRecipe,
-    Example,
-    _bar,
-    _log,  # noqa: E402
-    load_teacher_set,
-)
+from osd.draft_build.common import log, progress_bar, split_heldout, write_checkpoint_dir  # noqa: E402
+from osd.draft_build.data import Example, load_teacher_set  # noqa: E402
+from osd.draft_build.recipe import TEACHER_SETS, DataRecipe  # noqa: E402
 from osd.models.eagle import EagleLM, eagle_loss, save_eagle  # noqa: E402
 from osd.models.loading import read_head_vocab  # noqa: E402
+from osd.online.config import cpu_has_fast_bf16  # noqa: E402
 from osd.online.distill import to_head_vocab  # noqa: E402
 from osd.zoo import chat as zoo_chat  # noqa: E402
 
@@ -197,7 +191,7 @@ def train(model: EagleLM, examples: list[Example], recipe: EagleRecipe, deadline
     planned = cap
     step, t_start = 0, time.monotonic()
     t_mark, step_mark = t_start, 0
-    bar = _bar(planned, "EAGLE training", "step")
+    bar = progress_bar(planned, "EAGLE training", "step")
     losses = []
     model.train()
     while step < planned:
@@ -269,7 +263,7 @@ def build(args) -> int:
     target_path = zoo_chat.fetch_target()
     train_set, heldout = split_heldout(examples, RECIPE.heldout_fraction, RECIPE.seed)
     positions = sum(e.tokens.numel() - e.start for e in train_set)
-    _log(
+    log(
         f"training on {len(train_set)} examples ({positions} scored positions), "
         f"{len(heldout)} held out"
     )
@@ -283,10 +277,10 @@ def build(args) -> int:
     )
     model.init_draft(generator=torch.Generator().manual_seed(RECIPE.seed))
     before = evaluate(model, heldout, RECIPE)
-    _log(f"initial draft: held-out agreement {before}")
+    log(f"initial draft: held-out agreement {before}")
     info = train(model, train_set, RECIPE, wall0 + 60.0 * args.minutes - 60.0)
     final = evaluate(model, heldout, RECIPE)
-    _log(f"trained: {info}; held-out agreement {final}")
+    log(f"trained: {info}; held-out agreement {final}")
     meta = {
         "target": zoo_chat.FILENAME,
         "target_sha256": zoo_chat.SHA256,
@@ -302,7 +296,7 @@ def build(args) -> int:
         "command": "python scripts/build_chat_eagle.py " + " ".join(sys.argv[1:]),
     }
     write_checkpoint_dir(args.out, lambda tmp: save_eagle(model, tmp, meta))
-    _log(f"wrote {os.path.abspath(args.out)} in {time.monotonic() - wall0:.0f} s")
+    log(f"wrote {os.path.abspath(args.out)} in {time.monotonic() - wall0:.0f} s")
     return 0
 
 
@@ -334,7 +328,7 @@ def main(argv=None) -> int:
         type=int,
         choices=(1, 2, 3),
         default=3,
-        help="teacher sets trained on: the first (build_chat_draft.py's), "
+        help="teacher sets trained on: the first (osd draft build's), "
         "the first two, or all three (default)",
     )
     parser.add_argument(

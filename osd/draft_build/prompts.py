@@ -1,9 +1,8 @@
-"""The chat prompts ``scripts/build_chat_draft.py`` distils the chat draft on, and the
-held-out ones it is measured on: requests about standard-library functions (explain,
-write, summarize, test, comment, improve, implement from a signature and docstring),
-general programming concepts and topics, and a few HumanEval-style tasks written for the
-script. Imported by that script (run from
-``scripts/``)."""
+"""The chat prompts ``osd draft build`` distils the chat draft on, and the held-out ones
+``osd draft build --measure`` measures it on: requests about standard-library functions
+(explain, write, summarize, test, comment, improve, implement from a signature and
+docstring), general programming concepts and topics, and a few HumanEval-style tasks
+written for the build."""
 
 from __future__ import annotations
 

@@ -1,20 +1,22 @@
-"""``scripts/build_chat_draft.py --measure`` and ``--shapes``: the chat draft's cost and
-speed next to plain decoding (side by side), and the cost of candidate draft shapes.
-Imported by that script (run from ``scripts/``)."""
+"""``osd draft build --measure`` and ``--shapes``: the chat draft's cost and speed next to
+plain decoding (side by side), and the cost of candidate draft shapes."""
 
 from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 
 import torch
 
 import osd
-from build_chat_draft import DRAFT, _bar, _log
-from chat_draft_prompts import eval_prompts
 from osd.chat import apply_chat_template
+from osd.draft_build.cli import command_line
+from osd.draft_build.common import log, progress_bar
+from osd.draft_build.prompts import eval_prompts
+from osd.draft_build.recipe import DRAFT
+from osd.models.config import ModelConfig
+from osd.models.llama import DecoderLM
 from osd.models.loading import load_tokenizer
 from osd.zoo import chat as zoo_chat
 
@@ -72,9 +74,6 @@ def time_shapes(args) -> int:
     """Single one-token decode forwards (osd, fp32, batch 1, after a 64-token prompt) of
     randomly initialised drafts of each shape in :data:`SHAPES`, interleaved with the
     target's: best and median ms, and c = draft / target."""
-    from osd.models.config import ModelConfig
-    from osd.models.llama import DecoderLM
-
     target = osd.load_model(zoo_chat.fetch_target())
     models = {"target": target}
     for layers, hidden, heads, kv, mlp in SHAPES:
@@ -157,7 +156,7 @@ def measure(args) -> int:
     )
     names = list(engines)
     costs = _forward_costs(target, draft, prompts[0], reps=args.cost_reps)
-    _log(f"forward costs: {json.dumps(costs)}")
+    log(f"forward costs: {json.dumps(costs)}")
     # Warm-up: one short generation each.
     for e in engines.values():
         e.generate([prompts[0]], osd.SamplingParams(max_new_tokens=8))
@@ -167,7 +166,7 @@ def measure(args) -> int:
     per_prompt = []
     plain_out = {}
     mismatches = 0
-    bar = _bar(len(prompts) * len(names), "measure", "run")
+    bar = progress_bar(len(prompts) * len(names), "measure", "run")
     for i, p in enumerate(prompts):
         order = names[i % len(names) :] + names[: i % len(names)]  # rotate the order
         row = {}
@@ -221,7 +220,7 @@ def measure(args) -> int:
         "results": results,
         "outputs_differ_from_plain": mismatches,
         "per_prompt": per_prompt,
-        "command": "python scripts/build_chat_draft.py " + " ".join(sys.argv[1:]),
+        "command": command_line(args),
     }
     print("| decoding | tokens/s | vs plain | greedy acceptance | tau |")
     print("|---|---|---|---|---|")

@@ -1,9 +1,10 @@
 """The chat draft's teacher data: chat requests answered by the target through osd, with
-its top-k distributions (and features) at every position (stage 2 of
-``build_chat_draft.py``; the EAGLE draft's build reads the same sets).
+its top-k distributions (and features) at every position (the second stage of
+``osd draft build``; the EAGLE draft's build reads the same sets).
 
-Each set (:class:`DataRecipe`) is cached in ``$OSD_CACHE/chat_draft`` under a key of its
-recipe and the target's hash, so a build that finds it skips the generation.
+Each set (:class:`osd.draft_build.recipe.DataRecipe`) is cached in ``$OSD_CACHE/chat_draft``
+under a key of its recipe and the target's hash, so a build that finds it skips the
+generation.
 """
 
 from __future__ import annotations
@@ -12,113 +13,18 @@ import collections
 import hashlib
 import json
 import os
-import statistics
-import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
 import osd
 from osd.chat import apply_chat_template
+from osd.draft_build.common import ThreadTuner, cache_dir, log, progress_bar
+from osd.draft_build.prompts import Prompt, training_prompts
+from osd.draft_build.recipe import DataRecipe
 from osd.models.loading import load_tokenizer
 from osd.zoo import chat as zoo_chat
-
-from chat_draft_prompts import Prompt, training_prompts
-
-try:
-    from tqdm.auto import tqdm
-except ImportError:  # pragma: no cover - tqdm comes with transformers
-    tqdm = None
-
-
-@dataclass(frozen=True)
-class DataRecipe:
-    """How the teacher data is made."""
-
-    prompts: int = 1100  # chat requests (the generation stage may stop earlier)
-    max_new_tokens: int = 128  # response length cap
-    max_prompt_tokens: int = 320  # longer prompts are skipped
-    batch_size: int = 32  # target rows decoded together (> 16: GEMM, not decode_linear)
-    prefill_group: int = 8  # most prompts prefilled at once (their logits: 8 x T x V)
-    teacher_dtype: str = "bfloat16"  # the target's dtype while answering (1.6-1.8x faster here)
-    topk: int = 32  # target probabilities kept per position
-    sampled_fraction: float = 0.25  # share of prompts answered at temperature 0.7
-    temperature: float = 0.7
-    seed: int = 0
-    features: bool = True  # keep the target's features too (the EAGLE draft's data)
-    kinds: tuple[str, ...] = ("explain", "write", "summarize", "test", "improve", "comment")
-    #                                 requests about stdlib functions, in turn (the keys of
-    #                                 chat_draft_prompts.CODE_TEMPLATES)
-
-
-DATA = DataRecipe()
-# The second and third teacher sets (``--data-sets``; the EAGLE draft trains on all three):
-# other stdlib functions (seeds 1 and 2), half and two thirds of the code requests asking
-# for a function's body from its signature and docstring.
-EXTRA_DATA = replace(
-    DATA, seed=1, kinds=("complete", "write", "complete", "explain", "complete", "test")
-)
-MORE_DATA = replace(
-    DATA, seed=2, kinds=("complete", "write", "complete", "test", "complete", "explain")
-)
-TEACHER_SETS = (DATA, EXTRA_DATA, MORE_DATA)
-
-
-def _log(msg: str) -> None:
-    print(f"[build_chat_draft] {msg}", file=sys.stderr, flush=True)
-
-
-def _bar(total, desc, unit):
-    if tqdm is None:
-        return None
-    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, mininterval=2.0)
-
-
-class ThreadTuner:
-    """Keeps torch's CPU thread count at whichever of 1 and ``max_threads`` runs the work
-    faster now.
-
-    On a shared machine, an OpenMP team larger than the free cores can run many times
-    slower than one thread (measured here: a batch-1 target decode step took 36 ms with
-    one thread and 730 ms with two while another process held a core), and the load
-    changes during a build. After every ``every`` seconds the other setting runs one
-    trial step and is kept if its pace (seconds per unit of work) beats the median pace
-    of the current setting's recent steps.
-    """
-
-    def __init__(self, max_threads: int, every: float = 90.0) -> None:
-        self.options = sorted({1, max(1, max_threads)})
-        self.current = self.options[-1]
-        self.every = every
-        self.paces: list[float] = []
-        self.trial_of: int | None = None  # the setting a trial step would replace
-        self.last_trial = time.monotonic() - every + 5.0  # first trial after 5 s
-        self.switches = 0
-        torch.set_num_threads(self.current)
-
-    def record(self, seconds: float, work: float) -> None:
-        """Report one step of ``work`` units (rows, positions) that took ``seconds``."""
-        pace = seconds / max(work, 1e-9)
-        if self.trial_of is not None:
-            if pace < statistics.median(self.paces):
-                self.paces, self.switches = [pace], self.switches + 1
-            else:
-                self.current = self.trial_of
-                torch.set_num_threads(self.current)
-            self.trial_of = None
-            self.last_trial = time.monotonic()
-            return
-        self.paces = (self.paces + [pace])[-5:]
-        if len(self.options) > 1 and time.monotonic() - self.last_trial > self.every:
-            self.trial_of = self.current
-            self.current = self.options[0] if self.current == self.options[-1] else self.options[-1]
-            torch.set_num_threads(self.current)
-
-
-def cache_dir() -> str:
-    """``$OSD_CACHE/chat_draft`` (default ``~/.cache/osd/chat_draft``): the teacher data."""
-    return os.path.join(os.path.dirname(zoo_chat.cache_dir()), "chat_draft")
 
 
 # ------------------------------------------------------------------------ teacher data
@@ -176,7 +82,7 @@ def teacher_data(
     ones = torch.ones(B, dtype=torch.int32)
     done: dict[int, Example] = {}
     stopped = False
-    bar = _bar(len(prompts), "teacher answers", "prompt")
+    bar = progress_bar(len(prompts), "teacher answers", "prompt")
     new_tokens = 0
     t0 = time.monotonic()
 
@@ -303,7 +209,7 @@ def make_data(target_path: str, recipe: DataRecipe, deadline: float, threads: in
     ids = apply_chat_template(tokenizer, [[{"role": "user", "content": p.text}] for p in meta])
     keep = [i for i, x in enumerate(ids) if len(x) <= recipe.max_prompt_tokens]
     meta, ids = [meta[i] for i in keep], [ids[i] for i in keep]
-    _log(
+    log(
         f"{len(ids)} prompts ({sum(map(len, ids))} tokens; {recipe.prompts - len(keep)} "
         f"longer than {recipe.max_prompt_tokens} tokens skipped), system prefix {start} tokens"
     )
@@ -312,12 +218,12 @@ def make_data(target_path: str, recipe: DataRecipe, deadline: float, threads: in
     examples, stopped = teacher_data(model, ids, meta, start, recipe, deadline, tuner)
     seconds = time.perf_counter() - t0
     response = sum(e.tokens.numel() - e.prompt_len for e in examples)
-    _log(
+    log(
         f"teacher answered {len(examples)} prompts in {seconds:.0f} s ({response} response "
         f"tokens, {response / seconds:.1f} tokens/s)"
         + (" -- stopped at the time budget" if stopped else "")
     )
-    # Plain dicts of tensors, so the cache loads without this script's classes.
+    # Plain dicts of tensors, so the cache loads without these classes.
     return {
         "examples": [dict(vars(e)) for e in examples],
         "recipe": asdict(recipe),
@@ -333,11 +239,11 @@ def make_data(target_path: str, recipe: DataRecipe, deadline: float, threads: in
 def load_teacher_set(recipe: DataRecipe, seconds: float, threads: int) -> dict:
     """The cached teacher data of ``recipe``, generated first (within ``seconds``) when
     not cached."""
-    data_file = _data_file(recipe)
+    data_file = teacher_file(recipe)
     if os.path.isfile(data_file):
-        _log(f"teacher data {data_file}")
+        log(f"teacher data {data_file}")
         return torch.load(data_file, weights_only=True)
-    _log(f"no cached teacher data at {data_file}: generating it")
+    log(f"no cached teacher data at {data_file}: generating it")
     data = make_data(zoo_chat.fetch_target(), recipe, time.monotonic() + seconds, threads)
     os.makedirs(cache_dir(), exist_ok=True)
     torch.save(data, data_file + ".part")
@@ -345,6 +251,6 @@ def load_teacher_set(recipe: DataRecipe, seconds: float, threads: int) -> dict:
     return data
 
 
-def _data_file(recipe: DataRecipe) -> str:
+def teacher_file(recipe: DataRecipe) -> str:
     key = hashlib.sha1(json.dumps([asdict(recipe), zoo_chat.SHA256]).encode()).hexdigest()[:12]
     return os.path.join(cache_dir(), f"teacher-{key}.pt")
