@@ -5,7 +5,7 @@ transformers model; ``Engine.generate(prompts, SamplingParams(...))`` returns on
 ``Output`` per prompt.
 """
 
-from osd import zoo
+from osd import _moved, zoo
 from osd.cache import KVCache
 from osd.async_engine import AsyncEngine
 from osd.engine import Engine
@@ -14,7 +14,7 @@ from osd.models import DecoderLM, EagleLM, ModelConfig, load_eagle, load_model
 from osd.online.config import OnlineConfig, OnlineRecipe, OnlineRuntime
 from osd.online.router import RouterConfig
 from osd.sampling import Output, SamplingParams, TokenLogprobs
-from osd.spec import DynamicTree, SpecConfig
+from osd.spec import DynamicTree, PromptLookup, SpecConfig
 
 __all__ = [
     "Engine",
@@ -25,6 +25,7 @@ __all__ = [
     "TokenLogprobs",
     "SpecConfig",
     "DynamicTree",
+    "PromptLookup",
     "OnlineConfig",
     "OnlineRecipe",
     "OnlineRuntime",
@@ -37,3 +38,5 @@ __all__ = [
     "load_eagle",
     "zoo",
 ]
+
+_moved.install()  # old module paths (osd._moved.MOVED) keep importing

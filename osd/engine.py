@@ -14,7 +14,7 @@ advances every lane:
    one piece per step (the running rows keep decoding in between), and its last piece
    is prefilled into a lane row reserved for it, where its K/V were copied;
 2. every running row advances by one **decode step** (one token each) or, with a draft
-   (or ``spec``), one **speculative step** (``osd.speculative``): the drafter proposes a
+   (or ``spec``), one **speculative step** (``osd.spec_decode.step``): the drafter proposes a
    chain or a tree, the target verifies it in one forward, the rejection sampler decides,
    and both caches roll back in place;
 3. finished (or aborted) requests **retire**: the last running row moves into the hole
@@ -46,12 +46,12 @@ import threading
 import torch
 
 from osd.chat import apply_chat_template
-from osd.drafter_factory import make_drafters
-from osd.drafters import PENDING_WIDTH
+from osd.spec_decode.factory import make_drafters
+from osd.spec_decode.model_drafter import PENDING_WIDTH
 from osd.graphs import StepGraphs
 from osd.lanes import Lane
 from osd.loader import load_for_engine
-from osd.lookup_history import LookupHistory
+from osd.spec_decode.lookup_history import LookupHistory
 from osd.models.eagle import EagleLM
 from osd.models.llama import DecoderLM
 from osd.models.quant import serving_drafts
@@ -65,7 +65,7 @@ from osd.request import RequestError, RequestState, encode_prompts, stop_prefix_
 from osd.sampling import Output, SamplingParams, TokenLogprobs, request_seed
 from osd.scoring import score_tokens
 from osd.spec import SpecConfig
-from osd.speculative import Speculator
+from osd.spec_decode.step import Speculator
 from osd.stats import SpecStats
 from osd.tree import StaticTree
 
@@ -154,7 +154,7 @@ class Engine(Scheduler, ModelRunner):
             raise TypeError(f"online must be an osd.OnlineConfig, got {type(online).__name__}")
         if spec is None and drafts:
             spec = SpecConfig()
-        if spec is not None and spec.prompt_lookup and spec.drafter == "model" and not drafts:
+        if spec is not None and spec.lookup and spec.drafter == "model" and not drafts:
             spec = spec.lookup_alone()  # prompt lookup without a draft model: "ngram"
         if spec is not None and spec.drafter == "model" and not drafts:
             raise ValueError("SpecConfig(drafter='model') needs a draft model: pass draft=...")
@@ -191,10 +191,9 @@ class Engine(Scheduler, ModelRunner):
         self._headroom = 0 if spec is None else _spec_width(spec) + 2
         # Finished requests' tokens, searched by prompt lookup after each request's own
         # (shared by every lane's lookup).
+        lk = None if spec is None else spec.lookup
         self.lookup_history = (
-            LookupHistory(spec.lookup_history, spec.ngram_min, spec.ngram_max)
-            if spec is not None and spec.lookup_history
-            else None
+            LookupHistory(lk.history, lk.ngram_min, lk.ngram_max) if lk and lk.history else None
         )
         # One lane (target cache rows) per drafter, so requests of every draft are served
         # in the same steps; plain decoding has one lane without a speculator.
@@ -646,11 +645,12 @@ class Engine(Scheduler, ModelRunner):
 
 def _spec_width(spec: SpecConfig) -> int:
     """Most tokens one verify forward feeds per row (root included)."""
-    chain = max(spec.num_draft_tokens, spec.lookup_tokens) + 1
-    if spec.lookup_tree_below:  # lookup's branch and the model's, below one root
+    lk = spec.lookup if spec.drafter != "ngram" else None  # lookup in front of a model
+    chain = max(spec.num_draft_tokens, lk.tokens if lk else 0) + 1
+    if lk and lk.tree_below:  # lookup's branch and the model's, below one root
         return chain + spec.num_draft_tokens
     if spec.tree is None:
         return chain
     tree = spec.tree.num_nodes if isinstance(spec.tree, StaticTree) else spec.tree.max_nodes + 1
     # With prompt lookup, a step whose rows all match verifies a chain instead of the tree.
-    return max(tree, chain) if spec.prompt_lookup else tree
+    return max(tree, chain) if lk else tree

@@ -29,7 +29,7 @@ class Lane:
     cache: KVCache
     next_tokens: torch.Tensor  # [max_batch_size] int64, each row's last token
     stage_cache: KVCache  # one row: a long prompt prefilled piece by piece
-    speculator: object = None  # osd.speculative.Speculator, or None (plain)
+    speculator: object = None  # osd.spec_decode.step.Speculator, or None (plain)
     active: list[RequestState] = dataclasses.field(default_factory=list)
     waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
     staging: RequestState | None = None  # the long prompt in stage_cache (a row reserved)

@@ -349,7 +349,7 @@ class BatchParams:
 
 # The plain sampler's Philox key is the request's seed XOR this constant, so its draws are
 # independent of the speculative sampler's (keyed on the seed itself) and the draft's
-# (``osd.drafters.DRAFT_KEY``), which all use the same request seed.
+# (``osd.spec_decode.model_drafter.DRAFT_KEY``), which all use the same request seed.
 PLAIN_KEY = 0x2545F4914F6CDD1D
 SEED_MASK = (1 << 63) - 1
 

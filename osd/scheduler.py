@@ -20,7 +20,7 @@ from osd.isolation import mark_lane, recover, resumed_prompts
 from osd.lanes import Lane
 from osd.request import RequestState
 from osd.sampling import BatchParams
-from osd.speculative import Speculator
+from osd.spec_decode.step import Speculator
 
 
 class Scheduler:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass, fields
@@ -35,100 +36,144 @@ class DynamicTree:
             )
 
 
+@dataclass(frozen=True)
+class PromptLookup:
+    """Prompt lookup: drafts are what followed the latest earlier occurrence of the
+    context's suffix (longest suffix first, ``ngram_max`` down to ``ngram_min`` tokens), in
+    the row's own prompt and output and, with ``history``, in the newest ``history`` tokens
+    of the engine's finished requests (:class:`osd.spec_decode.lookup_history.LookupHistory`):
+    traffic that repeats across requests (a task asked again, an answer template) is then
+    drafted from earlier answers.
+
+    Alone (``SpecConfig(drafter="ngram")``) it is the drafter. In front of a draft model
+    (``SpecConfig(lookup=PromptLookup())``) it drafts a step when every row has a match
+    (those continuations, up to ``tokens`` or ``num_draft_tokens``, verified as a chain;
+    the draft model does not run and catches up on the next step it drafts); otherwise the
+    draft model drafts, and in a chain the rows that do have a match verify their
+    continuation instead (unless ``adaptive``). Lookup is nearly free and, where text
+    repeats (code, edits, retrieval), long and accurate; the draft model covers the rest.
+
+    ``tree_below=m`` (in front of a draft model) lets a match draft alone only when it is
+    at least ``m`` tokens long. Unless every row has such a match, the draft model drafts a
+    greedy chain of ``num_draft_tokens`` and the step verifies a tree per row: a row with a
+    long match its lookup chain, any other row the model's chain beside its lookup
+    continuation (up to ``max(num_draft_tokens, tokens)`` drafts; none without a match),
+    two branches of one tree. A one-token match is often wrong where the model is right,
+    and one verify forward tries both. ``m = ngram_max + 1`` puts every match beside the
+    model. A row's drafts depend on its own context only.
+    """
+
+    ngram_min: int = 1  # shortest suffix matched
+    ngram_max: int = 3  # longest suffix matched
+    history: int = 0  # also search this many tokens of finished requests (0: off)
+    tokens: int = 0  # in front of a model: most drafts of a step whose rows all match
+    #                  (0: num_draft_tokens)
+    tree_below: int = 0  # in front of a model: shorter matches verify beside the model's
+    #                      chain in one tree (0: off)
+
+    def __post_init__(self):
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"prompt lookup needs 1 <= ngram_min <= ngram_max, got "
+                f"{self.ngram_min}, {self.ngram_max}"
+            )
+        if self.history < 0:
+            raise ValueError(f"prompt lookup history must be >= 0, got {self.history}")
+        if not 0 <= self.tokens < MAX_TREE_NODES:
+            raise ValueError(
+                f"prompt lookup tokens (SpecConfig.lookup_tokens) must be in "
+                f"0..{MAX_TREE_NODES - 1}, got {self.tokens}"
+            )
+        if not 0 <= self.tree_below <= self.ngram_max + 1:
+            raise ValueError(
+                f"prompt lookup tree_below (SpecConfig.lookup_tree_below) must be in "
+                f"0..ngram_max + 1 = {self.ngram_max + 1}, got {self.tree_below}"
+            )
+
+
+# The flat spellings of the prompt-lookup settings that SpecConfig also accepts (and reads
+# back): keyword -> PromptLookup field.
+LOOKUP_KEYWORDS = {
+    "ngram_min": "ngram_min",
+    "ngram_max": "ngram_max",
+    "lookup_history": "history",
+    "lookup_tokens": "tokens",
+    "lookup_tree_below": "tree_below",
+}
+
+
 @dataclass
 class SpecConfig:
     """How drafts are proposed and verified.
+
+    ``drafter`` names who drafts: ``"model"`` (a separate draft model, or an EAGLE draft),
+    ``"self"`` (the target with ``skip_layers`` bypassed) or ``"ngram"`` (prompt lookup
+    alone, configured by ``lookup``). ``lookup=PromptLookup(...)`` puts prompt lookup in
+    front of a model or self drafter: the two compose (:class:`PromptLookup`).
 
     ``tree=None`` drafts a chain of ``num_draft_tokens``; a list of child-rank paths gives
     a static tree (e.g. ``[(0,), (1,), (0, 0)]``); a :class:`DynamicTree` grows one per
     step. Trees use the draft's top-ranked children (deterministic), verified with the
     multi-draft rule, which is lossless for sampling too.
 
-    ``prompt_lookup=True`` (with a draft model or self-speculation) first looks the
-    context's suffix up in the row's own prompt and output, as the ``"ngram"`` drafter
-    does; when every row of the step has a match, those continuations (up to
-    ``num_draft_tokens``) are the drafts, verified as a chain, and the draft model does not
-    run (its cache catches up on the next step it drafts). Otherwise the draft model
-    drafts: a chain, in which the rows that do have a match verify their continuation
-    instead (unless ``adaptive``), or the ``tree`` when one is set. Lookup is nearly free
-    and, where text repeats (code, edits, retrieval), long and accurate; the draft model
-    covers the rest. ``lookup_tokens`` lets those lookup steps verify longer continuations
-    than the draft model's chains: their drafts cost no draft forward, only verify rows.
-
-    ``lookup_tree_below=m`` (with ``prompt_lookup``) lets a match draft alone only when it
-    is at least ``m`` tokens long. Unless every row has such a match, the draft model
-    drafts a greedy chain of ``num_draft_tokens`` and the step verifies a tree per row:
-    a row with a long match its lookup chain, any other row the model's chain beside its
-    lookup continuation (up to ``max(num_draft_tokens, lookup_tokens)`` drafts, as a
-    lookup step's; none without a match), two branches of one tree. A one-token match is
-    often wrong where the model is right, and one verify forward tries both.
-    ``m = ngram_max + 1`` puts every match beside the model. A row's drafts depend on its
-    own context only, as without trees.
-
-    ``lookup_history=n`` (with ``prompt_lookup`` or the ``"ngram"`` drafter) also looks the
-    suffix up in the newest ``n`` tokens of the engine's finished requests (their outputs,
-    :class:`osd.lookup_history.LookupHistory`), at each suffix length after the request's
-    own text: traffic that repeats across requests (a task asked again, an answer
-    template) is then drafted from earlier answers.
-
     ``auto_k=True`` (chains) lets each step choose its chain length among a few values from
     0 to ``num_draft_tokens`` by the goodput measured at the step's batch size (tokens
-    emitted per second of step time, ``osd.speculative.DraftLengthController``): where
-    drafting does not pay (a weak draft, a large batch whose verify forward is compute
-    bound) the steps become plain decoding through the verify path. The output stays the
-    target's (greedy: token for token; sampled: in distribution), but sampled tokens for a
-    fixed seed then depend on the batch a request ran in, since the chain lengths do.
+    emitted per second of step time, ``osd.spec_decode.policies.DraftLengthController``):
+    where drafting does not pay (a weak draft, a large batch whose verify forward is
+    compute bound) the steps become plain decoding through the verify path. The output
+    stays the target's (greedy: token for token; sampled: in distribution), but sampled
+    tokens for a fixed seed then depend on the batch a request ran in, since the chain
+    lengths do. ``adaptive=True`` stops a row's chain when the draft is unsure
+    (``osd.spec_decode.policies.AdaptiveStopper``).
+
+    The flat keywords ``prompt_lookup``, ``ngram_min``, ``ngram_max``, ``lookup_history``,
+    ``lookup_tokens`` and ``lookup_tree_below`` are accepted as another spelling of
+    ``lookup`` (and read back as attributes), so ``SpecConfig(prompt_lookup=True,
+    lookup_tokens=8)`` equals ``SpecConfig(lookup=PromptLookup(tokens=8))``.
     """
 
     num_draft_tokens: int = 4  # k: chain length / most drafts per step
     tree: object = None  # None | list of rank paths | DynamicTree
     drafter: str = "model"  # "model" (separate draft), "self" (layer skip), "ngram"
     skip_layers: tuple[int, ...] | None = None  # self: target layers skipped (default: odd ones)
-    ngram_max: int = 3  # ngram: longest suffix matched in the context
-    ngram_min: int = 1  # ngram: shortest suffix matched
-    prompt_lookup: bool = False  # model/self: prompt lookup first (a chain); the draft
-    #                                      model (chain or tree) where some row has no match
-    lookup_history: int = 0  # lookup also in this many tokens of finished
-    #                                      requests (0: only the request's own text)
-    lookup_tokens: int = 0  # prompt lookup: most drafts of a step whose rows all
-    #                                      match (0: num_draft_tokens)
-    lookup_tree_below: int = 0  # prompt lookup: matches shorter than this verify
-    #                                      beside the model's chain, in one tree (0: off)
+    lookup: PromptLookup | None = None  # prompt lookup: the ngram drafter's settings, or
+    #                                     in front of the model drafter (None: off)
     adaptive: bool = False  # stop drafting a row when the draft is unsure
     adaptive_floor: float = 0.35  # adaptive: stop when P(reach and accept) < floor
     adaptive_init_threshold: float = 0.3  # adaptive: confidence threshold before calibration
-    auto_k: bool = False  # chain length per step from measured goodput per
-    #                                      batch size, 0 (plain decoding) when drafts do not pay
+    auto_k: bool = False  # chain length per step from measured goodput per batch size, 0
+    #                       (plain decoding) when drafts do not pay
     exact_alpha: bool = True  # report 1 - TV(p, q) (one softmax per drafted row)
     cuda_graphs: bool = True  # capture draft and verify forwards on CUDA
-
     def lookup_alone(self) -> "SpecConfig":
         """This config's prompt lookup without a draft model: the ``"ngram"`` drafter with
         the same n-gram sizes and history, drafting up to ``max(num_draft_tokens,
-        lookup_tokens)`` tokens. What ``prompt_lookup=True`` means when no draft is given."""
+        lookup.tokens)`` tokens. What a lookup in front of a model means when no draft
+        model is given."""
+        lk = self.lookup or PromptLookup()
         return dataclasses.replace(
             self,
             drafter="ngram",
-            prompt_lookup=False,
+            lookup=PromptLookup(lk.ngram_min, lk.ngram_max, lk.history),
             tree=None,
-            lookup_tokens=0,
-            lookup_tree_below=0,
             adaptive=False,
-            num_draft_tokens=max(self.num_draft_tokens, self.lookup_tokens),
+            num_draft_tokens=max(self.num_draft_tokens, lk.tokens),
         )
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:
             raise ValueError(f"SpecConfig.drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if isinstance(self.lookup, dict):  # from a JSON settings file
+            self.lookup = PromptLookup(**self.lookup)
+        if self.lookup is not None and not isinstance(self.lookup, PromptLookup):
+            raise TypeError(
+                f"SpecConfig.lookup must be a PromptLookup or None, got {type(self.lookup)}"
+            )
+        self._fold_flat_lookup(*self.__dict__.pop("_flat_lookup", (None, {})))
         if not 1 <= self.num_draft_tokens < MAX_TREE_NODES:
             raise ValueError(
                 f"SpecConfig.num_draft_tokens must be in 1..{MAX_TREE_NODES - 1}, "
                 f"got {self.num_draft_tokens}"
-            )
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(
-                f"SpecConfig needs 1 <= ngram_min <= ngram_max, got "
-                f"{self.ngram_min}, {self.ngram_max}"
             )
         if not 0.0 < self.adaptive_floor < 1.0:
             raise ValueError(
@@ -136,54 +181,34 @@ class SpecConfig:
             )
         if self.tree is not None and not isinstance(self.tree, (DynamicTree, StaticTree)):
             self.tree = StaticTree.from_paths(self.tree)
-        if self.tree is not None and self.drafter == "ngram":
-            raise ValueError("the ngram drafter proposes a chain; use tree=None")
-        if self.prompt_lookup and self.drafter == "ngram":
-            raise ValueError(
-                "SpecConfig(prompt_lookup=True) adds prompt lookup to a model "
-                "drafter; drafter='ngram' already is prompt lookup"
-            )
-        if not 0 <= self.lookup_tokens < MAX_TREE_NODES:
-            raise ValueError(
-                f"SpecConfig.lookup_tokens must be in 0..{MAX_TREE_NODES - 1}, "
-                f"got {self.lookup_tokens}"
-            )
-        if self.lookup_tokens and not self.prompt_lookup:
-            raise ValueError(
-                "SpecConfig.lookup_tokens sets prompt lookup's chain length: set "
-                "prompt_lookup=True (the ngram drafter's is num_draft_tokens)"
-            )
-        if not 0 <= self.lookup_tree_below <= self.ngram_max + 1:
-            raise ValueError(
-                f"SpecConfig.lookup_tree_below must be in 0..ngram_max + 1 = "
-                f"{self.ngram_max + 1}, got {self.lookup_tree_below}"
-            )
-        if self.lookup_tree_below and not self.prompt_lookup:
-            raise ValueError(
-                "SpecConfig.lookup_tree_below puts prompt lookup beside the draft "
-                "model: set prompt_lookup=True"
-            )
-        if self.lookup_tree_below and (self.tree is not None or self.adaptive):
+        if self.drafter == "ngram":
+            if self.lookup is None:
+                self.lookup = PromptLookup()
+            if self.tree is not None:
+                raise ValueError("the ngram drafter proposes a chain; use tree=None")
+            if self.lookup.tokens or self.lookup.tree_below:
+                raise ValueError(
+                    "prompt lookup's tokens and tree_below (lookup_tokens, "
+                    "lookup_tree_below) shape lookup in front of a draft model; the ngram "
+                    "drafter's chain length is num_draft_tokens"
+                )
+        lk = self.lookup
+        if lk is not None and lk.tree_below and (self.tree is not None or self.adaptive):
             raise ValueError(
                 "SpecConfig.lookup_tree_below builds its own tree from the model's "
                 "chain: it does not combine with tree= or adaptive=True"
             )
-        if self.lookup_tree_below and (
-            1 + max(self.num_draft_tokens, self.lookup_tokens) + self.num_draft_tokens
+        if (
+            lk is not None
+            and lk.tree_below
+            and 1 + max(self.num_draft_tokens, lk.tokens) + self.num_draft_tokens
             > MAX_TREE_NODES
         ):
             raise ValueError(
                 f"SpecConfig.lookup_tree_below verifies up to 1 + "
                 f"max(num_draft_tokens, lookup_tokens) + num_draft_tokens nodes, "
                 f"at most {MAX_TREE_NODES}: got num_draft_tokens="
-                f"{self.num_draft_tokens}, lookup_tokens={self.lookup_tokens}"
-            )
-        if self.lookup_history < 0:
-            raise ValueError(f"SpecConfig.lookup_history must be >= 0, got {self.lookup_history}")
-        if self.lookup_history and not (self.prompt_lookup or self.drafter == "ngram"):
-            raise ValueError(
-                "SpecConfig.lookup_history extends prompt lookup: set "
-                "prompt_lookup=True (or drafter='ngram')"
+                f"{self.num_draft_tokens}, lookup_tokens={lk.tokens}"
             )
         if self.auto_k and (self.tree is not None or self.adaptive):
             raise ValueError(
@@ -191,9 +216,68 @@ class SpecConfig:
                 "not combine with trees or adaptive=True"
             )
 
+    def _fold_flat_lookup(self, prompt_lookup: bool | None, flat: dict) -> None:
+        """Merge the flat keywords into ``lookup``: ``prompt_lookup`` switches lookup in
+        front of a model drafter on or off; the others set :class:`PromptLookup` fields."""
+        given = {LOOKUP_KEYWORDS[k]: v for k, v in flat.items() if v is not None}
+        if prompt_lookup and self.drafter == "ngram":
+            raise ValueError(
+                "SpecConfig(prompt_lookup=True) adds prompt lookup to a model "
+                "drafter; drafter='ngram' already is prompt lookup"
+            )
+        if prompt_lookup is False and self.drafter != "ngram":
+            self.lookup = None
+        on = self.lookup is not None or bool(prompt_lookup) or self.drafter == "ngram"
+        if not on:
+            for key, name in (
+                ("lookup_tokens", "tokens"),
+                ("lookup_tree_below", "tree_below"),
+                ("lookup_history", "history"),
+            ):
+                if given.get(name):
+                    raise ValueError(
+                        f"SpecConfig.{key} shapes prompt lookup: set prompt_lookup=True "
+                        f"(or lookup=PromptLookup(...), or drafter='ngram')"
+                    )
+            return  # n-gram sizes without lookup have nothing to configure
+        self.lookup = dataclasses.replace(self.lookup or PromptLookup(), **given)
+
     @property
     def is_tree(self) -> bool:
         return self.tree is not None
+
+
+class _LookupAttribute:
+    """Reads a flat prompt-lookup keyword back from ``SpecConfig.lookup`` (on the class:
+    the default value)."""
+
+    def __init__(self, name: str | None):
+        self.name = name  # PromptLookup field; None: "prompt_lookup"
+
+    def __get__(self, obj, cls=None):
+        if self.name is None:
+            return False if obj is None else obj.lookup is not None and obj.drafter != "ngram"
+        lookup = PromptLookup() if obj is None or obj.lookup is None else obj.lookup
+        return getattr(lookup, self.name)
+
+
+def _accept_flat_lookup(init):
+    """``SpecConfig.__init__`` that also takes the flat prompt-lookup keywords. They are
+    not dataclass fields, so ``dataclasses.replace`` and ``fields`` see ``lookup`` only."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, prompt_lookup: bool | None = None, **kwargs):
+        flat = {k: kwargs.pop(k) for k in LOOKUP_KEYWORDS if k in kwargs}
+        self._flat_lookup = (prompt_lookup, flat)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+SpecConfig.__init__ = _accept_flat_lookup(SpecConfig.__init__)
+SpecConfig.prompt_lookup = _LookupAttribute(None)
+for _key, _name in LOOKUP_KEYWORDS.items():
+    setattr(SpecConfig, _key, _LookupAttribute(_name))
 
 
 def describe(spec: SpecConfig) -> str:

@@ -5,7 +5,7 @@ output is still the target's."""
 import pytest
 
 import osd
-from osd.speculative import DraftLengthController
+from osd.spec_decode.step import DraftLengthController
 from tests.test_models import tiny_hf_model
 from tests.test_speculative import perturbed, prompts_of
 

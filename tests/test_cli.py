@@ -119,7 +119,7 @@ def test_generate_takes_the_drafts_recommended_settings(
         ),
         (
             ["generate", "--target", "TARGET", "--draft", "DRAFT", "--lookup-tokens", "8", "hi"],
-            "lookup_tokens sets prompt lookup's chain length",
+            "lookup_tokens shapes prompt lookup",
         ),
         (["generate", "--target", "TARGET", "--temperature", "-1", "hi"], "temperature"),
         (

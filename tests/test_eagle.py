@@ -1,4 +1,4 @@
-"""The EAGLE draft (``osd.models.eagle``, ``osd.drafters.EagleDrafter``): it drafts from
+"""The EAGLE draft (``osd.models.eagle``, ``osd.spec_decode.model_drafter.EagleDrafter``): it drafts from
 the target's features, and speculative decoding with it stays lossless (greedy equal to
 plain, sampled joint equal to the target's); the drafter's root distribution at every step
 equals a teacher-forced forward over the committed sequence (the feature plumbing through
@@ -10,7 +10,7 @@ import torch
 
 import osd
 from osd.demo import DemoConfig, draft_cost_ratio
-from osd.eagle_drafter import EagleDrafter
+from osd.spec_decode.eagle_drafter import EagleDrafter
 from osd.models.eagle import (
     EagleLM,
     eagle_loss,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import osd
-from osd.drafters import sample_draft
+from osd.spec_decode.model_drafter import sample_draft
 from osd.graphs import StepGraphs, batch_bucket
 from osd_kernels.warp import warp_probs
 from tests.test_models import tiny_hf_model

@@ -63,7 +63,7 @@ def test_logits_are_the_full_heads_at_kept_tokens(pair):
 def test_draft_warps_only_the_kept_columns(pair, params):
     """The drafter warps a restricted head's own columns: the distribution warping the
     whole row gives (the other tokens have probability 0)."""
-    from osd.drafters import ModelDrafter
+    from osd.spec_decode.model_drafter import ModelDrafter
     from osd_kernels.warp import warp_probs
 
     ids = _kept(VOCAB, 50, seed=3)
@@ -154,7 +154,7 @@ def test_alpha_is_exact_over_the_kept_columns(pair, spec, params):
         if getattr(prop, "draft_logits", None) is not None:  # a lookup tree
             nodes = [0] + prop.draft_nodes[0, :-1].tolist()
             p, q = dist(v.logits[0, nodes]), dist(prop.draft_logits[0])
-        elif prop.source == "model":
+        elif prop.origin is None and prop.logits is not None:  # the draft model's chain
             k = v.drafted[0]
             p, q = dist(v.logits[0, :k]), dist(prop.logits[0, :k])
         else:

@@ -5,8 +5,8 @@ output stays the target's while a repeated request is drafted from the earlier a
 import pytest
 
 import osd
-from osd.prompt_lookup import NGramDrafter
-from osd.lookup_history import LookupHistory
+from osd.spec_decode.lookup_drafter import NGramDrafter
+from osd.spec_decode.lookup_history import LookupHistory
 from tests.test_models import tiny_hf_model
 from tests.test_speculative import perturbed, prompts_of
 

@@ -64,7 +64,7 @@ def test_cpp_matches_torch(n):
 def test_draft_sampler_noise_is_the_same_on_every_path(monkeypatch):
     """``sample_draft`` takes its CPU noise from the C++ generator: the same tokens as the
     PyTorch generator's."""
-    from osd import drafters
+    from osd.spec_decode import model_drafter as drafters
 
     g = torch.Generator().manual_seed(3)
     q = torch.softmax(torch.randn(SEEDS.shape[0], 1001, generator=g), -1)

@@ -8,11 +8,12 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import osd
-from osd.drafters import ChainProposal, ModelDrafter, TreeProposal
-from osd.prompt_lookup import lookup_tree
+from osd.spec_decode.model_drafter import ChainProposal, ModelDrafter, TreeProposal
+from osd.spec_decode.proposals import FROM_LOOKUP, FROM_MODEL
+from osd.spec_decode.lookup_drafter import lookup_tree
 from osd.tree import depths_from_parents, mask_from_parents
 from osd.spec import DynamicTree
-from osd.speculative import AdaptiveStopper
+from osd.spec_decode.policies import AdaptiveStopper
 from osd_kernels.warp import warp_probs
 from tests.conftest import slow_case
 from tests.test_models import VOCAB, tiny_hf_model
@@ -427,8 +428,13 @@ def test_prompt_lookup_rows_beside_model_rows(llama_pair, plain):
     verdicts = record_verdicts(eng)
     outs = eng.generate(prompts, osd.SamplingParams(40))
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
-    mixed = [v.proposal.lookup_rows for v in verdicts if v.proposal.source == "mixed"]
-    assert mixed and all(any(rows) and not all(rows) for rows in mixed)
+    # a chain whose rows with a match verify lookup's drafts, the others the model's
+    mixed = [
+        v.proposal.origin.tolist()
+        for v in verdicts
+        if v.proposal.origin is not None and v.proposal.logits is not None
+    ]
+    assert mixed and all(set(rows) == {FROM_LOOKUP, FROM_MODEL} for rows in mixed)
     assert outs[0].stats["lookup_steps"] > 0
 
 
@@ -488,12 +494,19 @@ def test_lookup_tree_beside_the_model(llama_pair, plain, k, below):
         outs += eng.generate(prompts, osd.SamplingParams(40))
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref] * 2
         trees = [v for v in verdicts if isinstance(v.proposal, TreeProposal)]
-        assert trees and all(v.proposal.source == "mixed" for v in trees)
-        assert any(any(v.proposal.lookup_rows) for v in trees)
+        assert trees and all(v.proposal.origin is not None for v in trees)
+        lookup_rows = [[bool(o & FROM_LOOKUP) for o in v.proposal.origin.tolist()] for v in trees]
+        assert any(any(rows) for rows in lookup_rows)
         # a batched tree step whose rows hold a lookup branch beside rows without one
-        assert any(any(v.proposal.lookup_rows) and not all(v.proposal.lookup_rows) for v in trees)
+        assert any(any(rows) and not all(rows) for rows in lookup_rows)
         assert eng.stats["alpha"] is not None
-        sources |= {getattr(v.proposal, "source", None) for v in verdicts}
+        sources |= {
+            "lookup"
+            for v in verdicts
+            if isinstance(v.proposal, ChainProposal)
+            and v.proposal.origin is not None
+            and set(v.proposal.origin.tolist()) == {FROM_LOOKUP}
+        }
     assert eng.stats["alpha"] == pytest.approx(1.0, abs=1e-4)
     assert ("lookup" in sources) == (below == 2)  # 2-token matches draft alone
     # beside the model, a match's branch runs as far as a lookup step's (lookup_tokens)
@@ -514,8 +527,8 @@ def test_lookup_tree_layout():
     assert prop.parents.tolist() == [[-1, 0, 1, 2, 2, 0], [-1, 0, 1, 2, 0, 0], [-1, 0, 1, 2, 3, 4]]
     assert prop.depths.tolist() == [[0, 1, 2, 3, 3, 1], [0, 1, 2, 3, 1, 1], [0, 1, 2, 3, 4, 5]]
     assert prop.draft_nodes.tolist() == [[1, 2, 4], [1, 2, 3], [0, 0, 0]]
-    assert prop.max_depth == 5 and prop.lookup_rows == [True, False, True]
-    assert prop.model_rows == [True, True, False]
+    assert prop.max_depth == 5
+    assert prop.origin.tolist() == [FROM_LOOKUP | FROM_MODEL, FROM_MODEL, FROM_LOOKUP]
     assert torch.equal(prop.mask, mask_from_parents(prop.parents))
     assert torch.equal(prop.depths, depths_from_parents(prop.parents))
     # a 63-draft lookup chain: the last node's ancestor bit is bit 63 (int64's sign bit)
@@ -554,7 +567,9 @@ def test_lookup_steps_verify_longer_chains(llama_pair, plain, tree):
     steps = [
         (v.proposal.max_drafted, max(v.emitted))
         for v in verdicts
-        if getattr(v.proposal, "source", None) == "lookup"
+        if isinstance(v.proposal, ChainProposal)
+        and v.proposal.origin is not None
+        and set(v.proposal.origin.tolist()) == {FROM_LOOKUP}
     ]
     assert max(width for width, _ in steps) == 12
     assert max(emitted for _, emitted in steps) == 13

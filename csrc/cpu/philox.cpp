@@ -1,6 +1,6 @@
 // philox_uniform: the C++ side of the shared counter-based generator (kernels/philox.h),
 // exposed so tests can compare it word for word with the PyTorch and Triton versions, and
-// the draft's sampling noise on the CPU (osd.drafters.sample_draft).
+// the draft's sampling noise on the CPU (osd.spec_decode.model_drafter.sample_draft).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

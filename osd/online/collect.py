@@ -20,7 +20,7 @@ from osd.online.buffer import compress_target
 
 
 class TeacherCollector:
-    """Listener of a ``osd.speculative.Speculator`` for online learning.
+    """Listener of a ``osd.spec_decode.step.Speculator`` for online learning.
 
     Args:
         topk: target probabilities kept per position (None: full logits).

@@ -1,48 +1,20 @@
-"""Drafters: who proposes the tokens the target verifies.
+"""The draft-model drafter: a draft model (or the target with layers skipped) and its own
+KV cache, drafting chains and trees (the protocol: ``osd.spec_decode.proposals``).
 
-Every drafter has one protocol, which is all the speculative step (``osd.speculative``)
-uses:
+With ``skip_layers`` and the target's own weights it is *self-speculation* (the target
+with some layers skipped, as in Draft & Verify / LayerSkip). The other drafters:
+``lookup_drafter`` (prompt lookup alone, or in front of this one) and ``eagle_drafter``
+(an EAGLE draft, which drafts from the target's features).
 
-- ``prefill(prompts, start_row, first_tokens, hidden=None)``, ``move_row(src, dst)``,
-  ``reset()``: mirror the engine's cache rows;
-- ``propose(active, roots, params, seed, offset, k=..., tree=..., stopper=...)``: a
-  :class:`ChainProposal` (``k`` tokens per row) or a :class:`TreeProposal` (``tree``);
-- ``after_verify(emitted, committed_lens, bound)``: the verdict (an :class:`Emitted`:
-  ``tokens[:, :lengths]`` emitted per row) so the drafter can catch up;
-  ``catch_up(emitted)`` after a step it did not draft for (a chain length of 0);
-- ``model`` (the draft model, or None), ``use_graphs(graphs)`` and ``needs_hidden``:
-  when True, the target's features (last layer before the final norm) are passed as
-  ``hidden``: ``[n, T, H]`` of the prompts to ``prefill``, ``[B, T, H]`` of the verify
-  forward in ``Emitted.hidden``.
-
-:class:`Drafter` states the protocol as a ``typing.Protocol``.
-
-The drafters:
-
-- :class:`ModelDrafter` runs a draft model with its own KV cache. With
-  ``skip_layers`` and the target's own weights it is *self-speculation* (the target with
-  some layers skipped, as in Draft & Verify / LayerSkip).
-- ``osd.prompt_lookup.NGramDrafter`` is prompt lookup: it proposes the continuation of
-  the latest earlier occurrence of the context's suffix. Its proposals are point masses
-  (one-hot q).
-- ``osd.prompt_lookup.LookupDrafter`` puts prompt lookup in front of a model drafter:
-  lookup when every row has a match (no draft forward), the model otherwise, or both in
-  one tree.
-- ``osd.eagle_drafter.EagleDrafter`` runs an EAGLE draft (``osd.models.eagle``), which
-  drafts from the target's features.
-
-Draft-cache invariant (model drafters): the cache holds the K/V of the committed tokens
-``seq[:lens[b]]``; the tokens after that (the accepted drafts and the newly emitted token
-of the last step) are *pending* and are fed by the first forward of the next step, which
-also yields the distribution at the root (the last committed token). Chain and tree drafts
-are written past that point and simply dropped afterwards (``reset_to``), so the draft
-cache needs no compaction.
+Draft-cache invariant: the cache holds the K/V of the committed tokens ``seq[:lens[b]]``;
+the tokens after that (the accepted drafts and the newly emitted token of the last step)
+are *pending* and are fed by the first forward of the next step, which also yields the
+distribution at the root (the last committed token). Chain and tree drafts are written
+past that point and simply dropped afterwards (``reset_to``), so the draft cache needs no
+compaction.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -50,6 +22,13 @@ from osd.graphs import StepGraphs, batch_bucket
 from osd.models.llama import DecoderLM
 from osd.sampling import BatchParams, SamplingParams
 from osd.spec import DynamicTree
+from osd.spec_decode.proposals import (
+    PENDING_WIDTH,
+    ChainProposal,
+    Drafter,
+    Emitted,
+    TreeProposal,
+)
 from osd.tree import StaticTree, depths_from_parents, mask_from_parents
 from osd_kernels._ops import native_available
 from osd_kernels.philox import philox_uniform_rows
@@ -72,93 +51,6 @@ def sample_draft(
     else:
         u = philox_uniform_rows(seed ^ DRAFT_KEY, offset, position, q.shape[-1])
     return (q / -torch.log(u)).argmax(-1)
-
-
-@dataclass
-class ChainProposal:
-    """A chain of drafts per row."""
-
-    tokens: torch.Tensor  # [B, k] int64, k >= 0 (past num_drafted: padding)
-    probs: torch.Tensor | None  # [B, k, V] warped q the tokens were drawn from
-    logits: torch.Tensor | None  # [B, k, V] raw draft logits (statistics)
-    num_drafted: torch.Tensor | None  # [B] int32, None = k for every row
-    max_drafted: int  # host-side max of num_drafted (k if None)
-    source: str = "model"  # "model" (draft model), "lookup" (prompt lookup for
-    #                                     every row) or "mixed" (lookup where a row matched)
-    lookup_rows: list[bool] | None = None  # "mixed": the rows whose drafts are lookup's
-
-
-@dataclass
-class TreeProposal:
-    """A token tree per row; node 0 is the root (the last committed token)."""
-
-    tokens: torch.Tensor  # [B, T] int64
-    parents: torch.Tensor  # [B, T] int32
-    depths: torch.Tensor  # [B, T] int64
-    mask: torch.Tensor  # [B, T] int64 ancestor bitmask
-    max_depth: int
-    # A lookup tree (:func:`lookup_tree`): the draft model's chain inside it, for α.
-    draft_nodes: torch.Tensor | None = None  # [B, k] int64: the node of each drafted token
-    draft_logits: torch.Tensor | None = None  # [B, k, V] the draft's raw logits there
-    lookup_rows: list[bool] | None = None  # the rows with a lookup branch
-    model_rows: list[bool] | None = None  # the rows with the model's branch
-    source: str = "model"  # "model" (the draft's tree) or "mixed" (lookup)
-
-
-# Columns of a model drafter's pending-token buffer: one step's tokens (a tree of up to
-# MAX_TREE_NODES = 64) or PENDING_LIMIT queued ones, plus slack and a scratch column. A
-# drafter's cache holds this many positions past the target's, since pending tokens are
-# fed before drafting.
-PENDING_WIDTH = 72
-
-
-@dataclass
-class Emitted:
-    """What one verify step emitted, for a drafter to catch up on."""
-
-    B: int  # the step's rows, 0 .. B-1
-    tokens: torch.Tensor  # [B, W] int64: row b emitted tokens[b, :lengths[b]]
-    lengths: torch.Tensor  # [B] int64
-    max_len: int  # host-side max of lengths
-    hidden: torch.Tensor | None = None  # [B, W, H] the target's features (needs_hidden)
-
-
-class Drafter(Protocol):
-    """What the speculative step (``osd.speculative``) asks of a drafter."""
-
-    model: object  # the draft DecoderLM, or None (prompt lookup)
-    needs_hidden: bool  # wants the target's features in prefill / Emitted
-
-    def prefill(
-        self,
-        prompts: list[list[int]],
-        start_row: int,
-        first_tokens: torch.Tensor,
-        hidden: torch.Tensor | None = None,
-    ) -> None: ...
-
-    def move_row(self, src: int, dst: int) -> None: ...
-
-    def reset(self) -> None: ...
-
-    def use_graphs(self, graphs: StepGraphs | None) -> None: ...
-
-    def propose(
-        self,
-        active: list,
-        roots: torch.Tensor,
-        params: BatchParams,
-        seed: torch.Tensor,
-        offset: torch.Tensor,
-        *,
-        k: int = 0,
-        tree=None,
-        stopper=None,
-    ) -> ChainProposal | TreeProposal: ...
-
-    def after_verify(self, emitted: Emitted, committed_lens: torch.Tensor, bound: int) -> None: ...
-
-    def catch_up(self, emitted: Emitted) -> None: ...
 
 
 class ModelDrafter:
@@ -605,11 +497,14 @@ def mask_with_roots(parents: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def __getattr__(name: str):
-    # EagleDrafter lives in osd/eagle_drafter.py (it subclasses ModelDrafter); the old
-    # name stays importable from here.
-    if name == "EagleDrafter":
-        from osd.eagle_drafter import EagleDrafter
-
-        return EagleDrafter
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = [
+    "DRAFT_KEY",
+    "ChainProposal",
+    "Drafter",
+    "Emitted",
+    "ModelDrafter",
+    "PENDING_WIDTH",
+    "TreeProposal",
+    "mask_with_roots",
+    "sample_draft",
+]

@@ -1,16 +1,24 @@
-"""Prompt lookup as a drafter (``osd.drafters`` has the protocol): :class:`NGramDrafter`
-alone, :class:`LookupDrafter` in front of a model drafter, and the proposals they build
-from a row's matches (:func:`lookup_tree`, :func:`overlay_lookup`)."""
+"""Prompt lookup as a drafter (``osd.spec_decode.proposals`` has the protocol):
+:class:`NGramDrafter` alone, :class:`LookupDrafter` in front of a model drafter, and the
+proposals they build from a row's matches (:func:`lookup_tree`, :func:`overlay_lookup`)."""
 
 from __future__ import annotations
 
 import torch
 
-from osd.drafters import ChainProposal, Emitted, ModelDrafter, TreeProposal
 from osd.graphs import StepGraphs
-from osd.lookup_history import LookupHistory
 from osd.models.llama import DecoderLM
 from osd.sampling import SamplingParams
+from osd.spec_decode.lookup_history import LookupHistory
+from osd.spec_decode.model_drafter import ModelDrafter
+from osd.spec_decode.proposals import (
+    FROM_LOOKUP,
+    FROM_MODEL,
+    ChainProposal,
+    Emitted,
+    TreeProposal,
+    origin_rows,
+)
 
 # A lookup tree's model branch is drafted greedily (point masses) whatever the sampling.
 GREEDY = SamplingParams(1)
@@ -20,7 +28,7 @@ class NGramDrafter:
     """Prompt lookup: propose what followed the latest earlier match of the context's
     suffix (longest suffix first, ``ngram_max`` down to ``ngram_min`` tokens), in the
     row's own text and then, at each length, in the engine's ``history`` of finished
-    requests (:class:`~osd.lookup_history.LookupHistory`) when it has one. It keeps no
+    requests (:class:`~osd.spec_decode.lookup_history.LookupHistory`) when it has one. It keeps no
     per-row state: the row bookkeeping of the protocol does nothing."""
 
     has_model = False
@@ -86,7 +94,7 @@ class NGramDrafter:
             None,
             num.to(device),
             max_drafted,
-            source="lookup",
+            origin=origin_rows([FROM_LOOKUP if c else 0 for c in conts], device),
         )
 
     def lookup(self, hist: list[int], k: int) -> list[int]:
@@ -252,9 +260,9 @@ def lookup_tree(
         max(k, max(len(c) for c in conts)),
         draft_nodes=torch.tensor(all_nodes, dtype=torch.int64).to(dev),
         draft_logits=chain.logits,
-        lookup_rows=[bool(c) for c in conts],
-        model_rows=list(model_rows),
-        source="mixed",
+        origin=origin_rows(
+            [FROM_LOOKUP * bool(c) | FROM_MODEL * bool(m) for c, m in zip(conts, model_rows)], dev
+        ),
     )
 
 
@@ -284,4 +292,5 @@ def overlay_lookup(prop: ChainProposal, conts: list[list[int]]) -> ChainProposal
         if probs is not None:
             probs[b, :n] = 0
             probs[b, torch.arange(n, device=device), cont] = 1
-    return ChainProposal(tokens, probs, prop.logits, num, width, source="mixed", lookup_rows=rows)
+    origin = origin_rows([FROM_LOOKUP if r else FROM_MODEL for r in rows], device)
+    return ChainProposal(tokens, probs, prop.logits, num, width, origin=origin)

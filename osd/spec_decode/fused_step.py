@@ -24,9 +24,9 @@ import logging
 
 import torch
 
-from osd.drafters import ChainProposal, ModelDrafter
 from osd.graphs import batch_bucket
-from osd.sampling import nonfinite_rows
+from osd.spec_decode.model_drafter import ChainProposal, ModelDrafter
+from osd.spec_decode.readback import pack_readback
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +52,10 @@ def fusable(speculator, active, params, k: int) -> bool:
 def fused_chain_step(speculator, B: int, params, sampling: dict, k: int):
     """Replay (capturing first) the fused step for rows ``0 .. B-1``.
 
-    Returns ``(proposal, logits [B, k + 1, V], packed [B, 2 + a + k + 1])``, ``packed``
-    holding per row the accepted count, the non-finite flag, the α sum when measured
-    (``a`` = 1, else 0) and the ``k + 1`` sampled tokens, as float64; or None when the
-    capture failed (the step then takes the separate-graph path, and so does every later
+    Returns ``(proposal, logits [B, k + 1, V], packed, column names)``, ``packed`` the
+    step's read-back (``osd.spec_decode.step.pack_readback``: per row the accepted count,
+    the non-finite flag, the listeners' columns and the ``k + 1`` sampled tokens); or None
+    when the capture failed (the step then takes the separate-graph path, and so does every later
     one of this speculator)."""
     sp = speculator
     d, cache, model = sp.drafter, sp.cache, sp.engine.model
@@ -84,14 +84,11 @@ def fused_chain_step(speculator, B: int, params, sampling: dict, k: int):
             lens_before = cache.lens[:Bb].clone()
             logits = model(torch.cat([sp.next_tokens[:Bb, None], tokens], 1), cache)
             prop = ChainProposal(tokens, probs, raw, None, k)
-            out, n, _ = sp._sample(logits, prop, {x: s[x] for x in ("seed", "offset", *names)})
+            out, n, _ = sp.sample(logits, prop, {x: s[x] for x in ("seed", "offset", *names)})
             keep = (n + 1).to(torch.int32)
             cache.commit(keep, P)
-            alpha = sp._alpha_rows(prop, logits, params)
-            cols = [n[:, None], nonfinite_rows(logits)[:, None]]
-            if alpha is not None:
-                cols.append(alpha[:, None])
-            packed = torch.cat([c.double() for c in cols] + [out.double()], 1)
+            columns = sp.device_columns(prop, logits, params)
+            packed, sp._fused_columns[key] = pack_readback(n, logits, columns, out)
             sp.next_tokens[:Bb] = out.gather(1, n[:, None].long())[:, 0]
             # the draft's side of the verdict (ModelDrafter.set_pending, on the device)
             dcache.lens[:Bb] = (lens_before + 1).to(torch.int32)
@@ -123,9 +120,10 @@ def fused_chain_step(speculator, B: int, params, sampling: dict, k: int):
         return restore
 
     target_bound = cache.bound
+    key = ("fused-chain", id(sp), Bb, k, warp)
     try:
         packed, tokens, probs, raw, logits = sp.graphs.run(
-            ("fused-chain", id(sp), Bb, k, warp),
+            key,
             build,
             fill,
             state=(cache.lens, dcache.lens, d._pending, d._pending_len, sp.next_tokens),
@@ -143,4 +141,4 @@ def fused_chain_step(speculator, B: int, params, sampling: dict, k: int):
     cache.bound = min(target_bound + P, cache.capacity)
     dcache.set_bound(min(cache.bound + 1, dcache.capacity))
     prop = ChainProposal(tokens[:B], None if probs is None else probs[:B], raw[:B], None, k)
-    return prop, logits[:B], packed[:B]
+    return prop, logits[:B], packed[:B], sp._fused_columns[key]

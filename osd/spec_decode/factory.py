@@ -1,14 +1,14 @@
 """The drafters a :class:`~osd.SpecConfig` asks for, composed: prompt lookup in front of a
-model drafter is a :class:`~osd.prompt_lookup.LookupDrafter` around it."""
+model drafter is a :class:`~osd.spec_decode.lookup_drafter.LookupDrafter` around it."""
 
 from __future__ import annotations
 
-from osd.drafters import ModelDrafter
-from osd.eagle_drafter import EagleDrafter
-from osd.lookup_history import LookupHistory
 from osd.models.eagle import EagleLM
 from osd.models.llama import DecoderLM, without_layers
-from osd.prompt_lookup import LookupDrafter, NGramDrafter
+from osd.spec_decode.eagle_drafter import EagleDrafter
+from osd.spec_decode.lookup_drafter import LookupDrafter, NGramDrafter
+from osd.spec_decode.lookup_history import LookupHistory
+from osd.spec_decode.model_drafter import ModelDrafter
 
 
 def make_drafters(
@@ -23,13 +23,14 @@ def make_drafters(
 ) -> list:
     """The drafters of ``spec`` (``osd.SpecConfig``) for ``target``: one per draft model
     (an EAGLE draft gets an :class:`EagleDrafter`), or the n-gram drafter, or the target's
-    own layers (self-speculation), each behind prompt lookup when ``spec.prompt_lookup``;
+    own layers (self-speculation), each behind prompt lookup when ``spec.lookup`` is set;
     caches of ``capacity`` slots for sequences of up to ``context`` tokens. Self-speculation
     drafts with the target's own layers, except when the draft learns online
     (``learning``): then with a copy of the layers it uses, so training never writes the
     target's weights."""
+    lk = spec.lookup
     if spec.drafter == "ngram":
-        return [NGramDrafter(spec.ngram_min, spec.ngram_max, history)]
+        return [NGramDrafter(lk.ngram_min, lk.ngram_max, history)]
     if spec.drafter == "self":
         n = target.config.num_layers
         skip = (
@@ -55,13 +56,10 @@ def make_drafters(
             else ModelDrafter(d, max_batch_size, capacity, context=context)
             for d in drafts
         ]
-    if spec.prompt_lookup:
+    if lk is not None:  # prompt lookup in front of each model drafter
         drafters = [
             LookupDrafter(
-                d,
-                NGramDrafter(spec.ngram_min, spec.ngram_max, history),
-                spec.lookup_tokens,
-                spec.lookup_tree_below,
+                d, NGramDrafter(lk.ngram_min, lk.ngram_max, history), lk.tokens, lk.tree_below
             )
             for d in drafters
         ]

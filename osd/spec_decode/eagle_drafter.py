@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from osd.drafters import Emitted, ModelDrafter, mask_with_roots
 from osd.graphs import StepGraphs
 from osd.models.llama import DecoderLM
+from osd.spec_decode.model_drafter import Emitted, ModelDrafter, mask_with_roots
 
 
 class EagleDrafter(ModelDrafter):

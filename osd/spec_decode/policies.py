@@ -1,0 +1,165 @@
+"""The step's adaptive policies: how long a row's chain runs (:class:`AdaptiveStopper`,
+``SpecConfig.adaptive``) and how long each step's chains are (:class:`DraftLengthController`,
+``SpecConfig.auto_k``)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class AdaptiveStopper:
+    """Adaptive draft length: a row stops drafting when the next token is unlikely to be
+    accepted together with every draft before it.
+
+    Confidence is the draft's probability of the token it proposes. Acceptance is
+    calibrated per confidence bin from the verdicts seen so far (a position counts as
+    tested when every earlier draft of its step was accepted), with a prior that trusts
+    confidences above ``init_threshold``. Each drafted token multiplies a running product
+    by its bin's calibrated P(accept | confidence) plus an exploration bonus
+    ``EXPLORE / sqrt(tested + prior weight)`` (capped at 1), which shrinks as the bin is
+    tested; a row keeps drafting while the product, its estimated chance of getting this
+    far, is at least ``floor``. Without the bonus a bin whose prior is below the floor would
+    never be drafted, hence never tested: a draft that is accepted more often than its
+    confidence suggests would be stopped for good.
+    """
+
+    BINS = 10
+    PRIOR_WEIGHT = 4.0
+    EXPLORE = 0.7
+
+    def __init__(self, floor: float, init_threshold: float):
+        self.floor = floor
+        centers = (torch.arange(self.BINS, dtype=torch.float64) + 0.5) / self.BINS
+        self.prior = (centers >= init_threshold).double()
+        self.tested = torch.zeros(self.BINS, dtype=torch.float64)
+        self.accepted = torch.zeros(self.BINS, dtype=torch.float64)
+        self._conf: list[torch.Tensor] = []
+        self._reach = torch.ones(0, dtype=torch.float64)  # [B] running product of scores
+
+    def _bin(self, conf: torch.Tensor) -> torch.Tensor:
+        # Deliberate host sync (adaptive mode only): the calibration table is on the host.
+        return (conf.double() * self.BINS).long().clamp(0, self.BINS - 1).cpu()
+
+    def rates(self) -> torch.Tensor:
+        """Calibrated P(accept) per confidence bin."""
+        w = self.PRIOR_WEIGHT
+        return (self.accepted + w * self.prior) / (self.tested + w)
+
+    def scores(self) -> torch.Tensor:
+        """:meth:`rates` plus the exploration bonus: what ``floor`` is compared with."""
+        return self.rates() + self.EXPLORE / (self.tested + self.PRIOR_WEIGHT).sqrt()
+
+    def keep_going(self, logits, tokens, q, active):
+        probs = q if q is not None else torch.softmax(logits.float(), -1)
+        conf = probs.gather(1, tokens[:, None])[:, 0]
+        if active is None:
+            self._conf = []
+            self._reach = torch.ones(conf.shape[0], dtype=torch.float64)
+        self._conf.append(conf)
+        self._reach = self._reach * self.scores().clamp(max=1.0)[self._bin(conf)]
+        go = (self._reach >= self.floor).to(conf.device)
+        return go if active is None else active & go
+
+    def observe(self, num_drafted: list[int], num_accepted: list[int]) -> None:
+        """Learn from one step's verdicts (host lists, already synced)."""
+        if not self._conf:
+            return
+        conf = torch.stack(self._conf, 1).cpu()  # [B, steps drafted]
+        for b, (d, a) in enumerate(zip(num_drafted, num_accepted)):
+            for i in range(min(d, a + 1)):  # positions 0..a were tested
+                j = int(self._bin(conf[b, i]))
+                self.tested[j] += 1
+                self.accepted[j] += float(i < a)
+        self._conf = []
+
+
+class DraftLengthController:
+    """Chooses each step's chain length from measured goodput, per batch-size bucket.
+
+    The arms are a few chain lengths from 0 (plain decoding through the verify path) to
+    ``k_max``. An arm's goodput is the tokens a step emitted per second of its wall time
+    (which includes the step's host sync, so it is device time on a GPU), as an
+    exponential moving average per batch bucket (1, 2, 4, ...). A step takes the best arm,
+    except an exploring step, which re-measures the best arm's neighbour (the next shorter
+    or longer chain) measured longest ago, so that a change in acceptance or in cost is
+    noticed; goodput is unimodal in the chain length, so the best arm moves one neighbour
+    at a time, and a neighbour costs less to try than the longest chain. Exploring steps
+    come ``explore_every`` steps apart; each one that leaves the best arm as it was doubles
+    the spacing, up to ``explore_max`` (default ``8 * explore_every``), and one that
+    changes it resets the spacing: where one arm clearly wins (plain decoding against a
+    useless draft) the slower arms cost little. The first measurement of an arm in a bucket
+    is dropped: it pays one-time costs (CUDA graph capture, allocator growth).
+    """
+
+    def __init__(
+        self,
+        k_max: int,
+        explore_every: int = 16,
+        decay: float = 0.7,
+        explore_max: int | None = None,
+    ):
+        self.arms = sorted({k for k in (k_max, 0, 1, 2, k_max // 2) if 0 <= k <= k_max})
+        self.explore_every = explore_every
+        self.explore_max = explore_max or 8 * explore_every
+        self.decay = decay
+        self.goodput: dict[int, dict[int, float]] = {}  # bucket -> arm -> tokens/s
+        self._seen: dict[int, dict[int, int]] = {}  # bucket -> arm -> measurements
+        self._when: dict[int, dict[int, int]] = {}  # bucket -> arm -> last step
+        self._steps: dict[int, int] = {}
+        self._spacing: dict[int, int] = {}  # bucket -> steps between explorations
+        self._explored: dict[int, int] = {}  # bucket -> step of the last one
+        self._probe: dict[int, tuple[int, int]] = {}  # bucket -> (arm explored, best then)
+        self.chosen: dict[int, dict[int, int]] = {}  # bucket -> arm -> steps
+
+    @staticmethod
+    def bucket(B: int) -> int:
+        return 1 << (B - 1).bit_length()
+
+    def choose(self, B: int) -> int:
+        b = self.bucket(B)
+        good = self.goodput.setdefault(b, {})
+        step = self._steps[b] = self._steps.get(b, 0) + 1
+        untried = [k for k in reversed(self.arms) if k not in good]
+        if untried:
+            k = untried[0]
+            self._explored[b] = step
+        elif step - self._explored[b] >= self._spacing.setdefault(b, self.explore_every):
+            when, best = self._when[b], max(good, key=good.get)
+            i = self.arms.index(best)
+            k = min(
+                self.arms[max(0, i - 1) : i] + self.arms[i + 1 : i + 2],
+                key=lambda a: when.get(a, -1),
+            )
+            self._explored[b] = step
+            self._probe[b] = (k, best)
+        else:
+            k = max(good, key=good.get)
+        counts = self.chosen.setdefault(b, {})
+        counts[k] = counts.get(k, 0) + 1
+        return k
+
+    def observe(self, B: int, k: int, tokens: int, seconds: float) -> None:
+        b = self.bucket(B)
+        seen = self._seen.setdefault(b, {})
+        seen[k] = seen.get(k, 0) + 1
+        self._when.setdefault(b, {})[k] = self._steps.get(b, 0)
+        good = self.goodput.setdefault(b, {})
+        if seen[k] > 1 and seconds > 0:
+            rate = tokens / seconds
+            good[k] = rate if k not in good else self.decay * good[k] + (1 - self.decay) * rate
+        probe = self._probe.pop(b, None)
+        if probe is not None and probe[0] == k:
+            same = max(good, key=good.get) == probe[1]
+            self._spacing[b] = (
+                min(2 * self._spacing[b], self.explore_max) if same else self.explore_every
+            )
+
+    def summary(self) -> dict:
+        """Per batch bucket: goodput (tokens/s) per arm and how often each arm ran."""
+        return {
+            b: {
+                "goodput": {k: round(v, 2) for k, v in sorted(self.goodput[b].items())},
+                "steps": dict(sorted(self.chosen.get(b, {}).items())),
+            }
+            for b in sorted(self.goodput)
+        }
