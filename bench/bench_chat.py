@@ -48,7 +48,10 @@ import pytest
 import torch
 
 import osd
+from osd import zoo
+from osd.chat import apply_chat_template
 from osd.demo import draft_cost_ratio, online_recipe
+from osd.zoo import humaneval
 
 NEW_TOKENS = int(os.environ.get("OSD_BENCH_CHAT_TOKENS", "128"))
 NUM_PROMPTS = int(os.environ.get("OSD_BENCH_CHAT_PROMPTS", "16"))
@@ -95,10 +98,6 @@ EAGLE_TREE_SPEC = dict(TREE_SPEC, num_draft_tokens=4)  # the EAGLE draft's longe
 @pytest.fixture(scope="module")
 def setup():
     torch.set_num_threads(int(os.environ.get("OSD_BENCH_THREADS", "2")))
-    from osd import zoo
-    from osd.chat import apply_chat_template
-    from osd.zoo import humaneval
-
     try:
         target, draft = zoo.chat_pair()
     except Exception as exc:  # pragma: no cover - offline machines
@@ -106,7 +105,7 @@ def setup():
     target = os.environ.get("OSD_BENCH_CHAT_TARGET", target)  # another file of the model
     draft = os.environ.get("OSD_BENCH_CHAT_DRAFT", draft)  # benchmark another draft
     if draft is None:
-        pytest.skip("the chat pair has no draft")
+        pytest.skip(zoo.locate.missing_message("chat_draft"))
     convs = humaneval.conversations(NUM_PROMPTS + WARMUP, seed=11)
     plain = osd.Engine.from_pretrained(target, max_batch_size=1, max_seq_len=1024, quantized=False)
     prompts = apply_chat_template(plain.tokenizer, convs)
@@ -122,6 +121,7 @@ def setup():
 
 
 def _hf(path):
+    # transformers loads only for its assisted-generation row
     from transformers import LlamaConfig, LlamaForCausalLM
 
     m = osd.load_model(path, head_vocab=False)  # transformers holds the full head
@@ -185,11 +185,8 @@ def _hf_names(name, t, c):
 def _draft_of(setup, provider):
     if not provider.startswith(("osd-eagle", "osd-quant-eagle")):
         return setup["draft"]
-    if setup["eagle"] is None:  # it ships in the repository: its absence is a broken install
-        pytest.fail(
-            "osd/zoo/weights/chat_eagle is missing: reinstall osd, or rebuild it with "
-            "scripts/build_chat_eagle.py"
-        )
+    if setup["eagle"] is None:  # the repository keeps it: its absence is a broken setup
+        pytest.fail(zoo.locate.missing_message("chat_eagle"))
     return setup["eagle"]
 
 

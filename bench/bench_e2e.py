@@ -383,10 +383,12 @@ def markdown_table(rows: dict[str, dict]) -> str:
 def plot(rows: dict[str, dict], path: str) -> None:
     """Horizontal bars of tokens/s per provider, labelled with the ratio over transformers
     assisted generation."""
+    # matplotlib loads only when a plot is drawn (it is slow to import), and its Agg
+    # backend must be chosen before pyplot is imported
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"), see above
 
     names = [n for n in PROVIDERS if n in rows]
     tps = [rows[n]["tokens_per_s"] for n in names]

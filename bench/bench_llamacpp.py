@@ -53,6 +53,9 @@ import torch
 
 import osd
 from bench import llamacpp
+from osd import zoo
+from osd.chat import apply_chat_template
+from osd.zoo.workloads import evaluation_set
 
 NEW_TOKENS = int(os.environ.get("OSD_BENCH_LLAMACPP_TOKENS", "128"))
 NUM_PROMPTS = int(os.environ.get("OSD_BENCH_LLAMACPP_PROMPTS", "4"))
@@ -88,19 +91,12 @@ def setup():
                 f"OSD_BENCH_LLAMACPP_MODES: unknown mode {m!r}; one of {sorted(llamacpp.MODES)}"
             )
     try:
-        from osd.zoo.workloads import evaluation_set
-    except ImportError as exc:  # pragma: no cover - the module is new
-        pytest.skip(f"osd.zoo.workloads.evaluation_set is not available: {exc}")
-    from osd import zoo
-    from osd.chat import apply_chat_template
-
-    try:
         target, draft = zoo.chat_pair()
     except Exception as exc:  # pragma: no cover - offline machines
         pytest.skip(f"the chat target is not available: {exc}")
     target = os.environ.get("OSD_BENCH_CHAT_TARGET", target)
     if draft is None:
-        pytest.skip("the chat pair has no draft (osd/zoo/weights/chat_draft is missing)")
+        pytest.skip(zoo.locate.missing_message("chat_draft"))
     before = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     kw = dict(max_batch_size=1, max_seq_len=MAX_SEQ_LEN)

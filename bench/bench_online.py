@@ -30,13 +30,19 @@ CPU fp32, k = 4.
         --benchmark-json=results/bench_online.json
 """
 
+import contextlib
 import os
 import time
 
 import torch
 
 import osd
+import osd_kernels
 from osd import zoo
+from osd.online.buffer import Example
+from osd.online.config import cpu_has_fast_bf16
+from osd.online.distill import batch_for, draft_logits
+from osd.zoo import chat as zoo_chat
 
 FULL = os.environ.get("OSD_BENCH_FULL", "0") == "1"
 N = 160 if FULL else 64
@@ -100,12 +106,6 @@ def test_learning_overhead(benchmark):
 
 
 def test_training_step_autocast(benchmark):
-    import contextlib
-
-    import osd_kernels
-    from osd.online.config import cpu_has_fast_bf16
-    from osd.zoo import chat as zoo_chat
-
     torch.set_num_threads(1)
     model = osd.load_model(zoo_chat.DRAFT_DIR).requires_grad_(True)
     gen = torch.Generator().manual_seed(0)
@@ -143,11 +143,6 @@ def test_training_step_autocast(benchmark):
 
 
 def test_training_step_context(benchmark):
-    import osd_kernels
-    from osd.online.buffer import Example
-    from osd.online.distill import batch_for, draft_logits
-    from osd.zoo import chat as zoo_chat
-
     torch.set_num_threads(1)
     model = osd.load_model(zoo_chat.DRAFT_DIR).requires_grad_(True)
     gen = torch.Generator().manual_seed(0)
@@ -197,10 +192,12 @@ def test_training_step_context(benchmark):
 
 
 def test_alpha_over_requests(benchmark):
+    # matplotlib loads only when a plot is drawn (it is slow to import), and its Agg
+    # backend must be chosen before pyplot is imported
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"), see above
 
     prompts = zoo.query_stream("code", n=N, prompt_tokens=48, seed=4)
     static = _engine()

@@ -29,6 +29,7 @@ import torch
 import osd
 from osd.chat import apply_chat_template
 from osd import zoo
+from osd.zoo import humaneval
 
 N_STREAM = 48
 TURNS = 6
@@ -78,8 +79,6 @@ def _report(benchmark, name: str, row: dict) -> None:
 
 
 def test_humaneval_stream(benchmark, engines):
-    from osd.zoo import humaneval
-
     plain, cached = engines
     convs = humaneval.conversations(N_STREAM, seed=0)
     prompts = apply_chat_template(plain.tokenizer, convs)
@@ -91,8 +90,6 @@ def test_humaneval_stream(benchmark, engines):
 
 
 def test_multi_turn(benchmark, engines):
-    from osd.zoo import humaneval
-
     plain, cached = engines
     tasks = humaneval.tasks()[:TURNS]
     conv, prompts = [], []

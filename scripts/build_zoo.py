@@ -22,6 +22,7 @@ import sys
 import time
 
 import torch
+from transformers import LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -58,8 +59,6 @@ def _score(draft, served) -> tuple[float, float, int]:
 
 
 def check_alpha(args) -> None:
-    from transformers import LlamaForCausalLM
-
     base = args.out or os.path.dirname(zoo.default_pair()[0])
     target_dir, draft_dir = os.path.join(base, "target"), os.path.join(base, args.draft)
     target = LlamaForCausalLM.from_pretrained(target_dir).eval()

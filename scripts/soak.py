@@ -135,10 +135,11 @@ class LocalTarget:
     """Serves through an in-process ``osd.Engine`` learning online."""
 
     def __init__(self, args):
+        # torch and osd load only for a local engine: --server mode runs without them
         import torch
 
-        import osd
-        from osd import zoo
+        import osd  # (see above)
+        from osd import zoo  # (see above)
 
         torch.set_num_threads(args.threads)
         self.torch = torch

@@ -1,11 +1,16 @@
 """The evaluation set (``osd.zoo.workloads``), the per-workload evaluator (``osd.evaluate``)
 and prompt lookup asked for without a draft model."""
 
+import importlib
+import os
+
 import pytest
 
 import osd
 from osd.evaluate import analytic_speedup, evaluate, table
-from osd.zoo.workloads import evaluation_set
+from osd.evaluate_online import online_stream
+from osd.zoo import corpus, workloads
+from osd.zoo.workloads import evaluation_set, stream
 from tests.test_models import VOCAB, tiny_hf_model
 from tests.test_speculative import perturbed
 
@@ -28,11 +33,6 @@ def test_evaluation_set_has_four_different_workloads():
 def test_workloads_use_held_out_modules_only():
     """No shipped draft trained on the evaluation set's text: every module it reads lies
     in the corpus's held-out split."""
-    import importlib
-    import os
-
-    from osd.zoo import corpus, workloads
-
     root = corpus.stdlib_root()
     for m in set(workloads.PASSAGE_MODULES) | set(workloads.FUNCTION_MODULES):
         path = os.path.relpath(importlib.import_module(m).__file__, root).replace(os.sep, "/")
@@ -83,9 +83,6 @@ def test_prompt_lookup_without_a_draft_is_lookup_alone():
 
 
 def test_online_stream_compares_the_online_and_the_static_draft():
-    from osd.evaluate_online import online_stream
-    from osd.zoo.workloads import stream
-
     target = tiny_hf_model("llama", seed=31)
     draft = perturbed(target, 0.3, seed=32)
     convs = stream("explain", 8)
@@ -108,8 +105,6 @@ def test_online_stream_compares_the_online_and_the_static_draft():
 
 
 def test_streams_have_distinct_prompts():
-    from osd.zoo.workloads import stream
-
     for name in ("explain", "code"):
         prompts = stream(name, 120)
         assert len({p[0]["content"] for p in prompts}) == 120
