@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
-import operator
 import threading
 
 import torch
@@ -48,13 +46,12 @@ import torch
 from osd.chat import apply_chat_template
 from osd.spec_decode.factory import make_drafters
 from osd.spec_decode.model_drafter import PENDING_WIDTH
+from osd.engine_setup import check_sizes, resolve_drafts, spec_width
 from osd.graphs import StepGraphs
 from osd.lanes import Lane
 from osd.loader import load_for_engine
 from osd.spec_decode.lookup_history import LookupHistory
-from osd.models.eagle import EagleLM
 from osd.models.llama import DecoderLM
-from osd.models.quant import serving_drafts
 from osd.online.collect import TeacherCollector
 from osd.online.config import OnlineConfig
 from osd.online.serving import OnlineManager
@@ -67,7 +64,6 @@ from osd.scoring import score_tokens
 from osd.spec import SpecConfig
 from osd.spec_decode.step import Speculator
 from osd.stats import SpecStats
-from osd.tree import StaticTree
 
 
 class Engine(Scheduler, ModelRunner):
@@ -120,63 +116,12 @@ class Engine(Scheduler, ModelRunner):
         quantize_draft: str | None = None,
         pack_weights: bool = True,
     ) -> None:
-        max_batch_size = operator.index(max_batch_size)
-        prefix_cache = operator.index(prefix_cache)
-        if prefix_cache < 0:
-            raise ValueError(f"prefix_cache must be >= 0 tokens, got {prefix_cache}")
-        max_seq_len = operator.index(max_seq_len)
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
-        drafts = (
-            [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) else [draft]
+        max_batch_size, max_seq_len, prefix_cache = check_sizes(
+            max_batch_size, max_seq_len, prefix_cache
         )
-        for i, d in enumerate(drafts):
-            if not isinstance(d, DecoderLM):
-                raise TypeError(f"draft {i} must be an osd DecoderLM, got {type(d).__name__}")
-            if d.vocab_size != model.vocab_size:
-                raise ValueError(
-                    f"draft vocabulary size {d.vocab_size} differs from the "
-                    f"target vocabulary size {model.vocab_size}"
-                )
-            if d.device != model.device:
-                raise ValueError(f"draft is on {d.device} but the target is on {model.device}")
-        if prefill_chunk is not None:
-            prefill_chunk = operator.index(prefill_chunk)
-            if prefill_chunk < 1:
-                raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-            for m in [model] + drafts:
-                m.config = dataclasses.replace(m.config, prefill_chunk=prefill_chunk)
-        if spec is not None and not isinstance(spec, SpecConfig):
-            raise TypeError(f"spec must be an osd.SpecConfig, got {type(spec).__name__}")
-        if online is not None and not isinstance(online, OnlineConfig):
-            raise TypeError(f"online must be an osd.OnlineConfig, got {type(online).__name__}")
-        if spec is None and drafts:
-            spec = SpecConfig()
-        if spec is not None and spec.lookup and spec.drafter == "model" and not drafts:
-            spec = spec.lookup_alone()  # prompt lookup without a draft model: "ngram"
-        if spec is not None and spec.drafter == "model" and not drafts:
-            raise ValueError("SpecConfig(drafter='model') needs a draft model: pass draft=...")
-        if spec is not None and spec.drafter != "model" and drafts:
-            raise ValueError(
-                f"SpecConfig(drafter={spec.drafter!r}) uses no draft model, but draft=... was given"
-            )
-        if online is not None and (spec is None or spec.drafter == "ngram"):
-            raise ValueError(
-                "online learning needs a model drafter (a draft or SpecConfig(drafter='self'))"
-            )
-        masters = (
-            drafts if online is not None and quantize_draft is not None else [None] * len(drafts)
-        )  # the float drafts of quantized serving copies
-        drafts = serving_drafts(drafts, quantize_draft, model.device, online is not None)
-        for i, d in enumerate(drafts):
-            if isinstance(d, EagleLM) and d.embed_tokens.weight is not model.embed_tokens.weight:
-                raise ValueError(
-                    f"EAGLE draft {i} was not built for this target (it must "
-                    f"share the target's embedding: "
-                    f"EagleLM.from_target(target) or load_eagle(path, target))"
-                )
+        drafts, masters, spec = resolve_drafts(
+            model, draft, spec, online, prefill_chunk, quantize_draft
+        )
         if pack_weights:
             model.pack_weights()
         self.model = model
@@ -188,7 +133,7 @@ class Engine(Scheduler, ModelRunner):
         self.device = model.device
         self.spec = spec
         # Speculative steps write up to a whole tree past a row's length: room for it.
-        self._headroom = 0 if spec is None else _spec_width(spec) + 2
+        self._headroom = 0 if spec is None else spec_width(spec) + 2
         # Finished requests' tokens, searched by prompt lookup after each request's own
         # (shared by every lane's lookup).
         lk = None if spec is None else spec.lookup
@@ -641,16 +586,3 @@ class Engine(Scheduler, ModelRunner):
             error=r.error,
             logprobs=None if r.logprobs is None else list(r.logprobs),
         )
-
-
-def _spec_width(spec: SpecConfig) -> int:
-    """Most tokens one verify forward feeds per row (root included)."""
-    lk = spec.lookup if spec.drafter != "ngram" else None  # lookup in front of a model
-    chain = max(spec.num_draft_tokens, lk.tokens if lk else 0) + 1
-    if lk and lk.tree_below:  # lookup's branch and the model's, below one root
-        return chain + spec.num_draft_tokens
-    if spec.tree is None:
-        return chain
-    tree = spec.tree.num_nodes if isinstance(spec.tree, StaticTree) else spec.tree.max_nodes + 1
-    # With prompt lookup, a step whose rows all match verifies a chain instead of the tree.
-    return max(tree, chain) if lk else tree

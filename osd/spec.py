@@ -78,15 +78,17 @@ class PromptLookup:
                 f"{self.ngram_min}, {self.ngram_max}"
             )
         if self.history < 0:
-            raise ValueError(f"prompt lookup history must be >= 0, got {self.history}")
+            raise ValueError(
+                f"SpecConfig.lookup_history (PromptLookup.history) must be >= 0, got {self.history}"
+            )
         if not 0 <= self.tokens < MAX_TREE_NODES:
             raise ValueError(
-                f"prompt lookup tokens (SpecConfig.lookup_tokens) must be in "
+                f"SpecConfig.lookup_tokens (PromptLookup.tokens) must be in "
                 f"0..{MAX_TREE_NODES - 1}, got {self.tokens}"
             )
         if not 0 <= self.tree_below <= self.ngram_max + 1:
             raise ValueError(
-                f"prompt lookup tree_below (SpecConfig.lookup_tree_below) must be in "
+                f"SpecConfig.lookup_tree_below (PromptLookup.tree_below) must be in "
                 f"0..ngram_max + 1 = {self.ngram_max + 1}, got {self.tree_below}"
             )
 
@@ -145,6 +147,7 @@ class SpecConfig:
     #                       (plain decoding) when drafts do not pay
     exact_alpha: bool = True  # report 1 - TV(p, q) (one softmax per drafted row)
     cuda_graphs: bool = True  # capture draft and verify forwards on CUDA
+
     def lookup_alone(self) -> "SpecConfig":
         """This config's prompt lookup without a draft model: the ``"ngram"`` drafter with
         the same n-gram sizes and history, drafting up to ``max(num_draft_tokens,
@@ -201,8 +204,7 @@ class SpecConfig:
         if (
             lk is not None
             and lk.tree_below
-            and 1 + max(self.num_draft_tokens, lk.tokens) + self.num_draft_tokens
-            > MAX_TREE_NODES
+            and 1 + max(self.num_draft_tokens, lk.tokens) + self.num_draft_tokens > MAX_TREE_NODES
         ):
             raise ValueError(
                 f"SpecConfig.lookup_tree_below verifies up to 1 + "
@@ -239,7 +241,8 @@ class SpecConfig:
                         f"SpecConfig.{key} shapes prompt lookup: set prompt_lookup=True "
                         f"(or lookup=PromptLookup(...), or drafter='ngram')"
                     )
-            return  # n-gram sizes without lookup have nothing to configure
+            PromptLookup(**given)  # n-gram sizes without lookup: checked, nothing to configure
+            return
         self.lookup = dataclasses.replace(self.lookup or PromptLookup(), **given)
 
     @property

@@ -214,17 +214,29 @@ def test_unknown_device(engine, expected, hf):
         (dict(drafter="ngram", prompt_lookup=True), "drafter='ngram' already is prompt lookup"),
         (dict(drafter="eagle"), "SpecConfig.drafter must be one of"),
         (dict(ngram_min=3, ngram_max=2), "1 <= ngram_min <= ngram_max"),
-        (dict(lookup_history=-5, prompt_lookup=True), "lookup_history must be >= 0"),
-        (dict(lookup_history=1000), "lookup_history extends prompt lookup"),
-        (dict(lookup_tokens=-1, prompt_lookup=True), "lookup_tokens must be in 0..63"),
-        (dict(lookup_tokens=64, prompt_lookup=True), "lookup_tokens must be in 0..63"),
-        (dict(lookup_tokens=8), "lookup_tokens sets prompt lookup's chain length"),
+        (
+            dict(lookup_history=-5, prompt_lookup=True),
+            "lookup_history \\(PromptLookup.history\\) must be >= 0",
+        ),
+        (dict(lookup_history=1000), "lookup_history shapes prompt lookup"),
+        (
+            dict(lookup_tokens=-1, prompt_lookup=True),
+            "lookup_tokens \\(PromptLookup.tokens\\) must be in 0..63",
+        ),
+        (
+            dict(lookup_tokens=64, prompt_lookup=True),
+            "lookup_tokens \\(PromptLookup.tokens\\) must be",
+        ),
+        (dict(lookup_tokens=8), "lookup_tokens shapes prompt lookup"),
         (
             dict(lookup_tree_below=5, prompt_lookup=True),
-            "lookup_tree_below must be in 0..ngram_max",
+            "lookup_tree_below \\(PromptLookup.tree_below\\) must be in 0..ngram_max",
         ),
-        (dict(lookup_tree_below=-1, prompt_lookup=True), "lookup_tree_below must be in"),
-        (dict(lookup_tree_below=3), "lookup_tree_below puts prompt lookup beside the draft"),
+        (
+            dict(lookup_tree_below=-1, prompt_lookup=True),
+            "lookup_tree_below \\(PromptLookup.tree_below\\) must be in",
+        ),
+        (dict(lookup_tree_below=3), "lookup_tree_below shapes prompt lookup"),
         (dict(lookup_tree_below=3, prompt_lookup=True, adaptive=True), "does not combine"),
         (dict(lookup_tree_below=3, prompt_lookup=True, tree=[(0,), (1,)]), "does not combine"),
         (
