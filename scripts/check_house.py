@@ -3,9 +3,9 @@
 1. No source file over ``MAX_LINES`` lines (Python, C++, CUDA; tests and benches included).
 2. No import cycle between ``osd`` / ``osd_kernels`` modules through module-level imports
    (imports under ``if TYPE_CHECKING:`` are for annotations only and do not count).
-3. An import inside a function carries a comment saying why (on the import's lines or on
-   the line just above it): optional dependencies, heavy modules kept off the import path,
-   tests that skip without a package.
+3. An import inside a function carries a comment saying why (on the import's lines, or
+   just above the run of import statements it belongs to): optional dependencies, heavy
+   modules kept off the import path, tests that skip without a package.
 
 Usage: ``python scripts/check_house.py [paths...]``; prints each breach and exits 1 if any.
 """
@@ -136,21 +136,36 @@ def import_cycles(files: list[Path]) -> list[str]:
 
 
 def uncommented_function_imports(files: list[Path]) -> list[str]:
+    """Imports inside functions without a comment on their lines or above their group (the
+    run of import statements they belong to, blank lines between them allowed)."""
     out = []
     for p in files:
         if p.suffix != ".py" or not p.exists():
             continue
         src = p.read_text()
         lines = src.splitlines()
-        for node in ast.walk(ast.parse(src)):
+        tree = ast.parse(src)
+        import_lines: set[int] = set()  # 1-based lines of any import statement
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                import_lines.update(range(node.lineno, node.end_lineno + 1))
+        for node in ast.walk(tree):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             for sub in ast.walk(node):
                 if not isinstance(sub, (ast.Import, ast.ImportFrom)):
                     continue
-                seg = lines[sub.lineno - 1 : sub.end_lineno]
-                above = lines[sub.lineno - 2].strip() if sub.lineno > 1 else ""
-                if not any("#" in line for line in seg) and not above.startswith("#"):
+                ok = any("#" in line for line in lines[sub.lineno - 1 : sub.end_lineno])
+                i = sub.lineno - 1  # walk up the group: other imports and blank lines
+                while not ok and i >= 1:
+                    text = lines[i - 1]
+                    if i in import_lines or not text.strip():
+                        ok = i in import_lines and "#" in text
+                        i -= 1
+                        continue
+                    ok = text.strip().startswith("#")
+                    break
+                if not ok:
                     out.append(
                         f"{p.relative_to(ROOT)}:{sub.lineno}: import inside a function "
                         f"without a comment saying why: {lines[sub.lineno - 1].strip()}"
