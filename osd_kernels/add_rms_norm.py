@@ -83,6 +83,7 @@ def add_rms_norm(
     _check(x, residual, weight, eps)
     if resolve_backend(backend, x.device) != "triton":
         return add_rms_norm_reference(x, residual, weight, eps, scale)
+    # imported on first use so that `import osd_kernels` does not import triton
     from osd_kernels.triton.add_rms_norm import add_rms_norm_triton
 
     return add_rms_norm_triton(x, residual, weight, eps, scale)

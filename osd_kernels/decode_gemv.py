@@ -132,6 +132,7 @@ def decode_gemv(
             scale=scale,
             gated=gated,
         )
+    # imported on first use so that `import osd_kernels` does not import triton
     from osd_kernels.triton.decode_gemv import decode_gemv_triton
 
     return decode_gemv_triton(x, weight, bias, norm_weight, eps, residual, scale, gated)

@@ -227,6 +227,8 @@ class _FusedDistillLoss(torch.autograd.Function):
                 draft_logits, target_logits, topk_ids, topk_probs, mask, loss, beta, chunk_size
             )
         elif impl == "triton":
+            # imported on first use: `import osd_kernels` must not import triton,
+            # and the Triton module imports this one's loss constants
             from osd_kernels.triton.distill_loss import distill_loss_fwd_bwd_triton
 
             loss_rows, grad = distill_loss_fwd_bwd_triton(

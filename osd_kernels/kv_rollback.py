@@ -103,6 +103,7 @@ def kv_rollback(
     if impl == "reference":
         kv_rollback_reference(kv_cache, cache_lens, accepted_slots, num_keep)
     elif impl == "triton":
+        # imported on first use so that `import osd_kernels` does not import triton
         from osd_kernels.triton.kv_rollback import kv_rollback_triton
 
         kv_rollback_triton(kv_cache, cache_lens, accepted_slots, num_keep)

@@ -144,6 +144,7 @@ def rope_kv_write(
     _check(q, k, v, cos, sin, kv, slots)
     if resolve_backend(backend, q.device) != "triton":
         return rope_kv_write_reference(q, k, v, cos, sin, kv, slots)
+    # imported on first use so that `import osd_kernels` does not import triton
     from osd_kernels.triton.rope_kv_write import rope_kv_write_triton
 
     return rope_kv_write_triton(q, k, v, cos, sin, kv, slots)

@@ -49,6 +49,7 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
         raise TypeError(f"gate_up must be one of {DTYPES}, got {gate_up.dtype}")
     if resolve_backend(backend, gate_up.device) != "triton":
         return silu_mul_reference(gate_up)
+    # imported on first use so that `import osd_kernels` does not import triton
     from osd_kernels.triton.silu_mul import silu_mul_triton
 
     return silu_mul_triton(gate_up)

@@ -260,6 +260,7 @@ def tree_attention(
             q, k_cache, v_cache, cache_lens, tree_mask, scale=scale, max_kv_len=max_kv_len
         )
     if impl == "triton":
+        # imported on first use so that `import osd_kernels` does not import triton
         from osd_kernels.triton.tree_attention import tree_attention_triton
 
         return tree_attention_triton(
