@@ -25,6 +25,8 @@ MOVED = {
     "osd.server_metrics": "osd.server.metrics",
     "osd.server_requests": "osd.server.requests",
     "osd.server_run": "osd.server.run",
+    "osd.models.gguf_blocks": "osd.models.gguf.blocks",
+    "osd.models.gguf_tokenizer": "osd.models.gguf.tokenizer",
 }
 
 
