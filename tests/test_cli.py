@@ -6,7 +6,11 @@ import shutil
 
 import pytest
 
+import osd
 from osd import cli, zoo
+from osd.demo import DemoConfig, _command, run_demo
+from osd.models.quant import QuantLinear
+from tests.test_gguf import T, tiny_hf_model, to_gguf
 
 
 @pytest.mark.parametrize(
@@ -63,9 +67,6 @@ def test_generate_takes_the_drafts_recommended_settings(
     """Without speculation flags ``osd generate`` serves a draft with the settings its
     ``serving.json`` recommends; a flag builds the spec from the flags instead, and
     ``--quantize-draft none`` keeps the draft in float32."""
-    import osd
-    from osd.models.quant import QuantLinear
-
     target, draft = zoo.default_pair()
     mine = tmp_path / "draft"
     shutil.copytree(draft, mine)
@@ -179,8 +180,6 @@ def test_generate_stops_at_a_stop_string(capsys):
 
 
 def test_generate_quantized_gguf_equals_dequantized(tmp_path, capsys):
-    from tests.test_gguf import T, tiny_hf_model, to_gguf
-
     path = str(to_gguf(tiny_hf_model("llama", seed=60), tmp_path / "m.gguf", T.Q4_1))
     outs = []
     for extra in ([], ["--quantized"]):
@@ -231,8 +230,6 @@ def test_demo_builtin_writes_the_report(tmp_path):
 def test_demo_with_a_lookup_history(tmp_path):
     """The static pass's lookup history starts with the answers served before its
     requests, as the online pass had them; the report says so, and names lookup_tokens."""
-    from osd.demo import DemoConfig, run_demo
-
     cfg = DemoConfig(
         pair="builtin",
         requests=6,
@@ -258,8 +255,6 @@ def test_demo_with_a_lookup_history(tmp_path):
 def test_demo_command_names_the_options_that_differ():
     """The report's command reproduces the run: the pair's defaults are left out, every
     other option is named (the CLI parses it back to the same DemoConfig)."""
-    from osd.demo import DemoConfig, _command
-
     assert _command(DemoConfig()) == "osd demo --pair chat"
     cfg = DemoConfig(
         max_new_tokens=128,
@@ -302,8 +297,6 @@ def test_demo_command_names_the_options_that_differ():
 def test_demo_serves_a_quantized_draft_that_learns(tmp_path):
     """``quantize_draft``: the chat pair serves its draft in Q8_0 by default ("none":
     float32); the demo's online pass learns through it and the report says so."""
-    from osd.demo import DemoConfig, run_demo
-
     assert DemoConfig(pair="chat").quantize_draft == "Q8_0"
     assert DemoConfig(pair="chat", quantize_draft="none").quantize_draft is None
     assert DemoConfig(pair="builtin").quantize_draft is None

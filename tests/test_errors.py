@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import osd
 from osd.models import load_model
@@ -115,8 +115,6 @@ def test_unsupported_architecture(engine, expected, checkpoint, tmp_path):
 
 
 def test_draft_vocabulary_differs(engine, expected, hf):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     draft = LlamaForCausalLM(
         LlamaConfig(
             vocab_size=97,

@@ -15,9 +15,14 @@ import pytest
 import torch
 
 import osd
+import osd.online.learner as learner_mod
+from osd.models import DecoderLM, ModelConfig
+from osd.online.checkpoint import latest_checkpoint
 from osd.online.config import OnlineConfig
 from osd.online.graphs import GraphedTrainStep
 from osd.online.learner import OnlineLearner
+from osd.online.memory import release_free_memory
+from osd.sampling import nonfinite_rows
 from tests.test_models import tiny_hf_model
 from tests.test_online import _engine as online_engine
 from tests.test_speculative import perturbed, prompts_of
@@ -183,8 +188,6 @@ def test_history_stays_bounded(pair, plain):
 def test_heap_is_trimmed_after_each_update(pair, plain, monkeypatch):
     """The learner hands the C heap's free pages back after every update, failed or not,
     and after each swap of a published update into the serving draft."""
-    import osd.online.learner as learner_mod
-
     calls = []
     monkeypatch.setattr(learner_mod, "release_free_memory", lambda: calls.append(1) or True)
     eng = _engine(pair)
@@ -195,8 +198,6 @@ def test_heap_is_trimmed_after_each_update(pair, plain, monkeypatch):
     attempts, applied = hist["drafts"][0]["attempts"], hist["updates_applied"]
     assert attempts >= 1 and applied >= 1
     assert attempts < len(calls) <= attempts + applied
-    from osd.online.memory import release_free_memory
-
     assert release_free_memory() in (True, False)  # False only without glibc
 
 
@@ -262,8 +263,6 @@ WRITER = textwrap.dedent("""
 
 
 def _resume(ckpt_dir):
-    from osd.models import DecoderLM, ModelConfig
-
     cfg = ModelConfig(
         "LlamaForCausalLM",
         vocab_size=4096,
@@ -309,8 +308,6 @@ def test_killed_at_random_moments_of_checkpoint_writes_resumes_whole(tmp_path):
 
 
 def test_unreadable_newest_checkpoint_falls_back_to_an_older_one(tmp_path, pair):
-    from osd.online.checkpoint import latest_checkpoint
-
     draft = osd.load_model(pair[1])
     cfg = OnlineConfig(background=False, checkpoint_dir=str(tmp_path / "ck"))
     learner = OnlineLearner(draft, cfg)
@@ -333,8 +330,6 @@ def test_unreadable_newest_checkpoint_falls_back_to_an_older_one(tmp_path, pair)
 def test_nonfinite_rows_flags_exactly_the_rows_with_nan_or_inf():
     """The per-row check the engine runs on every step's logits: NaN, +inf and -inf are
     each flagged, huge finite values (whose sum would overflow) are not."""
-    from osd.sampling import nonfinite_rows
-
     logits = torch.randn(6, 3, 50)
     logits[1, 2, 7] = float("nan")
     logits[2, 0, 0] = float("inf")

@@ -12,6 +12,8 @@ max up to 2.3x, on logits of spread 2.4). The interpreter rounds float32 to bflo
 toward zero where a GPU rounds to nearest, which biases its errors.
 """
 
+import importlib
+
 import pytest
 import torch
 
@@ -58,8 +60,6 @@ def _run(model, mode, monkeypatch):
 def _spy_on_kernels(monkeypatch) -> dict:
     """Count the calls of the Triton kernels' entry points (imported by the ops at
     each call, so patched here)."""
-    import importlib
-
     calls = {}
     for op in ("add_rms_norm", "silu_mul", "rope_kv_write", "decode_gemv"):
         module = importlib.import_module(f"osd_kernels.triton.{op}")

@@ -4,6 +4,8 @@
 import pytest
 import torch
 from scipy.stats import chisquare
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 import osd
 from osd.models import load_model
@@ -179,9 +181,6 @@ def test_request_seeds_are_mixed():
 
 
 def test_string_prompts_with_checkpoint_tokenizer(tmp_path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(VOCAB - 2)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -199,9 +198,6 @@ def test_string_prompts_with_checkpoint_tokenizer(tmp_path):
 
 
 def test_chat_formats_with_the_template(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(VOCAB - 2)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -12,6 +12,8 @@ import osd
 from osd.models.loading import HEAD_VOCAB_FILE, load_model
 from osd.online.distill import to_head_vocab
 from osd.spec import DynamicTree
+from osd.spec_decode.model_drafter import ModelDrafter
+from osd_kernels.warp import warp_probs
 from tests.test_models import VOCAB, tiny_hf_model
 from tests.test_speculative import (
     V_SMALL,
@@ -19,6 +21,7 @@ from tests.test_speculative import (
     assert_joint_follows_target,
     perturbed,
     prompts_of,
+    record_verdicts,
     serve_in_batches,
 )
 
@@ -63,9 +66,6 @@ def test_logits_are_the_full_heads_at_kept_tokens(pair):
 def test_draft_warps_only_the_kept_columns(pair, params):
     """The drafter warps a restricted head's own columns: the distribution warping the
     whole row gives (the other tokens have probability 0)."""
-    from osd.spec_decode.model_drafter import ModelDrafter
-    from osd_kernels.warp import warp_probs
-
     ids = _kept(VOCAB, 50, seed=3)
     cut = load_model(pair[1]).restrict_head(ids)
     drafter = ModelDrafter(cut, 2, 32)
@@ -129,9 +129,6 @@ def test_alpha_is_exact_over_the_kept_columns(pair, spec, params):
     target's (warped when sampling) distribution and q the draft's over the whole
     vocabulary, recomputed here from each step's logits: summing over the head's own
     columns loses nothing."""
-    from osd_kernels.warp import warp_probs
-    from tests.test_speculative import record_verdicts
-
     draft = load_model(pair[1]).restrict_head(_kept(VOCAB, VOCAB // 2, seed=6))
     eng = _engine(pair[0], [draft], spec=osd.SpecConfig(**spec), max_batch_size=1)
     verdicts = record_verdicts(eng)

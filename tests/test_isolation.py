@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import osd
+from osd.models.eagle import EagleLM
+from osd.models.loading import load_model
 from tests.test_models import tiny_hf_model
 from tests.test_speculative import perturbed, prompts_of
 
@@ -117,9 +119,6 @@ def test_a_poisoned_request_fails_alone_in_engine_generate(pair, spec, after):
 def test_an_eagle_lane_resumes_from_the_targets_features(pair):
     """An EAGLE draft drafts from the target's features: a resumed row's come from the
     prefill of its context (staged when long). Greedy output stays the target's alone."""
-    from osd.models.eagle import EagleLM
-    from osd.models.loading import load_model
-
     target = load_model(pair[0])
     draft = EagleLM.from_target(target, num_layers=1)
     draft.init_draft(std=0.3, generator=torch.Generator().manual_seed(5))

@@ -7,6 +7,10 @@ import torch
 
 import osd
 from osd import zoo
+from osd.online.buffer import Example
+from osd.online.distill import heldout_alpha
+from osd.scoring import draft_alphas
+from tests.test_eagle import _eagle
 from tests.test_models import tiny_hf_model
 from tests.test_speculative import TREE, perturbed, prompts_of
 
@@ -123,11 +127,6 @@ def test_draft_alphas_equal_transformers_teacher_forced(target):
     p and q transformers' softmax on the whole sequence; a reduced head puts no mass
     outside its rows; the target as its own draft scores 1; an EAGLE draft scores what the
     online learner's held-out scoring gives the same answer."""
-    from osd.online.buffer import Example
-    from osd.online.distill import heldout_alpha
-    from osd.scoring import draft_alphas
-    from tests.test_eagle import _eagle
-
     hf_draft = perturbed(target, 0.4, seed=36)
     eng = osd.Engine.from_pretrained(
         target,

@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+from osd.spec_decode import model_drafter as drafters
 from osd_kernels import philox as P
 from osd_kernels._ops import native_available
 from osd_kernels.triton.philox import philox4x32_10, philox_uniform
@@ -64,8 +65,6 @@ def test_cpp_matches_torch(n):
 def test_draft_sampler_noise_is_the_same_on_every_path(monkeypatch):
     """``sample_draft`` takes its CPU noise from the C++ generator: the same tokens as the
     PyTorch generator's."""
-    from osd.spec_decode import model_drafter as drafters
-
     g = torch.Generator().manual_seed(3)
     q = torch.softmax(torch.randn(SEEDS.shape[0], 1001, generator=g), -1)
     fast = drafters.sample_draft(q, SEEDS, OFFSETS, 2)

@@ -1,6 +1,8 @@
 """Stop strings (``SamplingParams.stop``): the engine ends a request at the token that
 completes one, plain and speculative alike, and cuts its text before it."""
 
+import asyncio
+
 import pytest
 
 import osd
@@ -82,8 +84,6 @@ def test_bad_stop_strings_raise_and_the_engine_serves_on(pair):
 def test_async_snapshots_are_prefixes_of_the_final_text(pair):
     """``AsyncEngine`` snapshots hold back a tail that may still become a stop string, so
     each snapshot's text is a prefix of the final (cut) text."""
-    import asyncio
-
     _, spec, free = pair
     s = _stop_in(free[2].text, 0.7)
     ae = osd.AsyncEngine(spec)
