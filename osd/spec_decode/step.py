@@ -105,8 +105,8 @@ class Speculator:
         self.next_tokens = next_tokens
         self.spec = spec
         self.drafter = drafter
-        self.stats = SpecStats()
-        self.listeners = [StepStatistics(self.stats, drafter, spec.exact_alpha), *listeners]
+        self.statistics = StepStatistics(SpecStats(), drafter, spec.exact_alpha)
+        self.listeners = [self.statistics, *listeners]
         self.prompt_positions = max(
             (getattr(x, "prompt_positions", 0) for x in self.listeners), default=0
         )
@@ -118,6 +118,16 @@ class Speculator:
         self.k_control = DraftLengthController(spec.num_draft_tokens) if spec.auto_k else None
         self.graphs: StepGraphs | None = None  # CUDA graphs of the forwards (use_graphs)
         self._fused_columns: dict = {}  # fused graph key -> its read-back column names
+
+    @property
+    def stats(self) -> SpecStats:
+        """This speculator's totals (kept by its statistics listener; assignable, as
+        ``Engine.reset_stats`` does)."""
+        return self.statistics.stats
+
+    @stats.setter
+    def stats(self, value: SpecStats) -> None:
+        self.statistics.stats = value
 
     # -- row bookkeeping (mirrors the engine's cache rows) ---------------------------
     def prefill(
