@@ -391,6 +391,7 @@ def tree_rejection_sample(
         without_replacement,
     )
     if impl == "triton":
+        # imported on first use so that `import osd_kernels` does not import triton
         from osd_kernels.triton.tree_rejection_sample import tree_rejection_sample_triton
 
         return tree_rejection_sample_triton(*args)
