@@ -25,6 +25,9 @@ MOVED = {
     "osd.server_metrics": "osd.server.metrics",
     "osd.server_requests": "osd.server.requests",
     "osd.server_run": "osd.server.run",
+    "osd.demo_report": "osd.demo.report",
+    "osd.demo_serve": "osd.demo.serve",
+    "osd.demo_workloads": "osd.demo.workloads",
     "osd.models.gguf_blocks": "osd.models.gguf.blocks",
     "osd.models.gguf_tokenizer": "osd.models.gguf.tokenizer",
 }

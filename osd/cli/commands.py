@@ -37,7 +37,7 @@ def _demo(args) -> int:
     run_demo(cfg)
     if args.pair == "chat" and args.workload_prompts:
         # imported here, as every command's own modules are: `osd --help` stays fast
-        from osd.demo_workloads import workloads_report
+        from osd.demo.workloads import workloads_report
         from osd.zoo import chat
 
         target, draft = chat.chat_pair()

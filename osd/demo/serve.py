@@ -9,7 +9,7 @@ import torch
 from tqdm import tqdm
 
 import osd
-from osd.demo_report import _fmt, _mean, _shared_speedup, _tps
+from osd.demo.report import _fmt, _mean, _shared_speedup, _tps
 from osd.models.eagle import is_eagle_checkpoint
 from osd.scoring import draft_alphas
 

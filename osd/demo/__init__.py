@@ -43,8 +43,8 @@ from osd.chat import apply_chat_template
 
 # The serving loop and the report live beside this module; their names stay importable
 # from osd.demo.
-from osd.demo_report import _report, _tps
-from osd.demo_serve import _serve, _side_by_side, draft_cost_ratio
+from osd.demo.report import _report, _tps
+from osd.demo.serve import _serve, _side_by_side, draft_cost_ratio
 from osd.models.loading import load_tokenizer
 from osd.models.quant import FORMATS as QUANT_FORMATS
 from osd.online.config import draft_online_recipe, with_recipe
