@@ -1,12 +1,17 @@
 // rejection_sample: the C++ CPU kernel (shared checks: rejection_sample_checks.h).
 // Semantics, randomness layout and the derivation: kernels/rejection_sample.h.
 //
-// One sequence per task (at::parallel_for over the batch). Each visited row is converted
-// once into a float scratch row s = logits / temperature; (max, sum exp) come from two
-// vectorisable passes, the accept test needs only the draft token's log-probability, and
-// only the one rejected or bonus row runs the exponential race. Rows after the first
-// rejection are never read. The top-k and top-p thresholds come from the radix selection
-// the CUDA kernel uses, with serial histograms (cpu/warp_cpu.h, kernels/radix_select.h).
+// One sequence per task (at::parallel_for over the batch). Greedy, temperature-only and
+// top-k <= kSplitTopKMax sequences take the split-vocabulary path
+// (cpu/rejection_sample_split.cpp, the logic the CUDA kernels share through
+// kernels/chunk_stats.h); the others (top-p without top-k, larger top-k, a top-k tail the
+// chunk records cannot resolve) take the one-row path below. There each visited row is
+// converted once into a float scratch row s = logits / temperature; (max, sum exp) come
+// from two vectorisable passes, the accept test needs only the draft token's
+// log-probability, and only the one rejected or bonus row runs the exponential race. Rows
+// after the first rejection are never read. The top-k and top-p thresholds come from the
+// radix selection the CUDA kernel uses, with serial histograms (cpu/warp_cpu.h,
+// kernels/radix_select.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,10 +19,12 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <vector>
 
-#include "cpu/cephes.h"
+#include "cpu/rejection_sample_split.h"
+#include "cpu/sample_vec.h"
 #include "cpu/warp_cpu.h"
 #include "kernels/philox.h"
 #include "kernels/rejection_sample.h"
@@ -27,71 +34,6 @@ namespace osd {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// exp(x) in float for x <= 0 (the callers pass s - max), Cephes expf polynomial, within
-// 1 ulp, written without float comparisons so the compiler vectorises the loops that
-// call it. Below -104 (and for -inf) the result is exactly 0.
-inline float fast_exp(float x) {
-  // n = round(x / ln 2) by the 1.5 * 2^23 trick; its integer value sits in the low bits
-  const float shifted = x * 1.44269504088896341f + 12582912.0f;
-  const float n = shifted - 12582912.0f;
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  const float y = exp_poly(r) * (r * r) + r + 1.0f;
-  const int32_t ni = std::bit_cast<int32_t>(shifted) - 0x4B400000;
-  const int32_t n1 = ni >> 1;
-  const int32_t n2 = ni - n1;
-  const float s1 = std::bit_cast<float>((n1 + 127) << 23);
-  const float s2 = std::bit_cast<float>((n2 + 127) << 23);
-  // zero below -104 (where the scale factors are no longer valid), by the sign of x + 104
-  const int32_t keep = ~(std::bit_cast<int32_t>(x + 104.0f) >> 31);
-  return std::bit_cast<float>(std::bit_cast<int32_t>(y * s1 * s2) & keep);
-}
-
-// e[v] = exp(s[v] - max); returns sum e.
-OSD_VECTOR_CLONES float exp_and_sum(const float* s, float max, int64_t n, float* e) {
-  for (int64_t v = 0; v < n; ++v) e[v] = fast_exp(s[v] - max);
-  return row_sum(e, n);
-}
-
-// d[v] = residual_mass(p[v], d[v]) = max(0, p - q), zeroing the non-positive differences
-// by their sign bit so the loop vectorises.
-OSD_VECTOR_CLONES void residual_row(const float* p, float* d, int64_t n) {
-  for (int64_t v = 0; v < n; ++v) {
-    const int32_t diff = std::bit_cast<int32_t>(p[v] - d[v]);
-    d[v] = std::bit_cast<float>(diff & ~(diff >> 31));
-  }
-}
-
-// Uniforms u(seed, offset, stream, v) for v in [0, 4 * nblocks), four per Philox call.
-// The rounds are spelled out on plain integers so the compiler vectorises across blocks.
-OSD_VECTOR_CLONES
-void philox_row(uint64_t seed, uint64_t offset, uint32_t stream, int64_t nblocks, float* u) {
-  const uint32_t o0 = static_cast<uint32_t>(offset), o1 = static_cast<uint32_t>(offset >> 32);
-  const uint32_t s0 = static_cast<uint32_t>(seed), s1 = static_cast<uint32_t>(seed >> 32);
-  for (int64_t blk = 0; blk < nblocks; ++blk) {
-    uint32_t c0 = static_cast<uint32_t>(blk), c1 = stream, c2 = o0, c3 = o1;
-    uint32_t k0 = s0, k1 = s1;
-    for (int r = 0; r < 10; ++r) {
-      const uint64_t pa = static_cast<uint64_t>(kPhiloxMulA) * c0;
-      const uint64_t pb = static_cast<uint64_t>(kPhiloxMulB) * c2;
-      c0 = static_cast<uint32_t>(pb >> 32) ^ c1 ^ k0;
-      c1 = static_cast<uint32_t>(pb);
-      c2 = static_cast<uint32_t>(pa >> 32) ^ c3 ^ k1;
-      c3 = static_cast<uint32_t>(pa);
-      k0 += kPhiloxWeylA;
-      k1 += kPhiloxWeylB;
-    }
-    u[4 * blk + 0] = philox_to_uniform(c0);
-    u[4 * blk + 1] = philox_to_uniform(c1);
-    u[4 * blk + 2] = philox_to_uniform(c2);
-    u[4 * blk + 3] = philox_to_uniform(c3);
-  }
-}
-
-// Exponential-race keys in place: u[v] <- r[v] / -log(u[v]).
-OSD_VECTOR_CLONES void race_keys(const float* r, float* u, int64_t n) {
-  for (int64_t v = 0; v < n; ++v) u[v] = r[v] / -log_pos(u[v]);
-}
 
 // Per-thread rows of V floats, allocated on first use: greedy rows over float32 logits
 // with a contiguous vocab read the logits in place and need none.
@@ -159,7 +101,7 @@ int64_t race_row(const RejectionSampleArgs& a, const RowSampling& rs, int64_t b,
   }
   float* u = w.t.data();
   const int64_t nblocks = (V + 3) / 4;
-  philox_row(rs.seed, rs.offset, philox_stream(static_cast<uint32_t>(j), kPhiloxSample),
+  philox_row(rs.seed, rs.offset, philox_stream(static_cast<uint32_t>(j), kPhiloxSample), 0,
              nblocks, u);
   race_keys(r, u, V);
   // r >= 0 and some r > 0, so the first maximal key has r > 0
@@ -226,9 +168,15 @@ void sample_sequence(const RejectionSampleArgs& a, int64_t b, Scratch& w) {
 }  // namespace
 
 void rejection_sample_cpu(const RejectionSampleArgs& a) {
+  // OSD_SAMPLER_ONE_ROW=1 sends every sequence down the one-row path (tests compare the
+  // two); read per call.
+  const bool split = std::getenv("OSD_SAMPLER_ONE_ROW") == nullptr;
   at::parallel_for(0, a.batch, 1, [&](int64_t begin, int64_t end) {
     Scratch w(a.vocab);
-    for (int64_t b = begin; b < end; ++b) sample_sequence(a, b, w);
+    thread_local SplitScratch scratch;
+    for (int64_t b = begin; b < end; ++b) {
+      if (!split || !rejection_sample_split_sequence(a, b, scratch)) sample_sequence(a, b, w);
+    }
   });
 }
 

@@ -148,11 +148,14 @@ OSD_HD uint32_t top_k_logit_floor(uint32_t kth_key, float t) {
 
 // Serial selection over items v < n: item(v, key, weight) sets the item's key and its
 // weight (1 for counts, radix_mass(p) for masses). Returns the selected key (0 when the
-// items hold less than target). The first two levels read every item; the second keeps
-// the (key, weight) of the items in range, and the levels after it read only those: the
-// same histograms from two passes over the row instead of one per level.
+// items hold less than target) and, through `above` when given, the weight of the keys
+// above the selected one's range (for a selection over every significant digit: the keys
+// greater than it). The first two levels read every item; the second keeps the (key,
+// weight) of the items in range, and the levels after it read only those: the same
+// histograms from two passes over the row instead of one per level.
 template <typename Item>
-inline uint32_t radix_select_serial(int64_t n, int levels, uint64_t target, Item item) {
+inline uint32_t radix_select_serial(int64_t n, int levels, uint64_t target, Item item,
+                                    uint64_t* above = nullptr) {
   RadixState s = radix_init();
   uint64_t hist[kRadixBins];
   thread_local std::vector<uint32_t> kept_keys;
@@ -187,6 +190,7 @@ inline uint32_t radix_select_serial(int64_t n, int levels, uint64_t target, Item
     if (d < 0) return 0;
     radix_descend(s, static_cast<uint32_t>(d), greater);
   }
+  if (above != nullptr) *above = s.above;
   return radix_result(s, levels);
 }
 
