@@ -1,5 +1,6 @@
 """Speculative decoding is lossless: greedy output equals the target alone token for token
-(fp32), and sampled output follows the target's warped distribution exactly."""
+(fp32), and sampled output follows the target's warped distribution exactly. Prompt lookup
+beside a draft model is tested in ``tests/test_prompt_lookup.py``, with the helpers here."""
 
 import copy
 import pytest
@@ -8,10 +9,6 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import osd
-from osd.spec_decode.model_drafter import ChainProposal, ModelDrafter, TreeProposal
-from osd.spec_decode.proposals import FROM_LOOKUP, FROM_MODEL
-from osd.spec_decode.lookup_drafter import lookup_tree
-from osd.tree import depths_from_parents, mask_from_parents
 from osd.spec import DynamicTree
 from osd.spec_decode.policies import AdaptiveStopper
 from osd_kernels.warp import warp_probs
@@ -42,6 +39,24 @@ def serve_in_batches(eng, prompts, params, size: int = 4) -> list:
     return [
         o for i in range(0, len(prompts), size) for o in eng.generate(prompts[i : i + size], params)
     ]
+
+
+def record_verdicts(eng) -> list:
+    """The verdicts of ``eng``'s speculative steps from now on, appended as they come."""
+    verdicts = []
+
+    class Spy:
+        def before_step(self):
+            pass
+
+        def on_prefill(self, *args):
+            pass
+
+        def on_verdict(self, v):
+            verdicts.append(v)
+
+    eng.speculators[0].listeners.append(Spy())
+    return verdicts
 
 
 @pytest.fixture(scope="module")
@@ -346,260 +361,6 @@ def test_sampled_joint_follows_target(spec, params, mode):
     if spec.get("prompt_lookup"):
         # rows with a match verified lookup drafts beside rows the draft model drafted
         assert sum(o.stats["lookup_steps"] for o in outs) > 0
-
-
-def test_steps_where_no_row_drafts(llama_pair, plain):
-    """Prompt lookup on prompts without repeats: whole steps draft nothing (a plain
-    one-token verify) and the output is still the target's."""
-    target, _ = llama_pair
-    prompts = [list(range(10, 30)), list(range(40, 47))]
-    ref = plain.generate(prompts, osd.SamplingParams(12))
-    eng = osd.Engine.from_pretrained(
-        target, spec=osd.SpecConfig(drafter="ngram"), max_batch_size=2, max_seq_len=96
-    )
-    outs = eng.generate(prompts, osd.SamplingParams(12))
-    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
-
-
-def test_prompt_lookup_with_a_model_draft(llama_pair, plain):
-    """prompt_lookup: steps where every row has a match are drafted by lookup alone, the
-    others by the draft model; output equals the target's, and a perfect draft is still
-    accepted in full after lookup steps (its cache caught up on the skipped tokens)."""
-    target, draft = llama_pair
-    prompts = [prompts_of([7], seed=81)[0] * 5, prompts_of([9], seed=82)[0] * 3]
-    ref = plain.generate(prompts, osd.SamplingParams(40))
-    for d in (draft, target):
-        eng = osd.Engine.from_pretrained(
-            target,
-            draft=d,
-            spec=osd.SpecConfig(num_draft_tokens=4, prompt_lookup=True),
-            max_batch_size=2,
-            max_seq_len=96,
-        )
-        outs = [eng.generate([p], osd.SamplingParams(40))[0] for p in prompts]
-        outs += eng.generate(prompts, osd.SamplingParams(40))
-        assert [o.token_ids for o in outs] == [r.token_ids for r in ref] * 2
-        st = eng.stats
-        assert 0 < st["lookup_steps"] < st["target_forwards"]
-        assert sum(o.stats["lookup_steps"] for o in outs[:2]) > 0
-        # tokens per sequence per verify step, the batched run's two rows counted apart
-        assert st["target_forwards"] < st["sequence_steps"]
-        assert 1 <= st["mean_accepted_length"] <= 5
-    # Perfect draft: the draft model's own steps accept everything (α is over them only).
-    assert st["alpha"] == pytest.approx(1.0, abs=1e-4)
-
-
-def record_verdicts(eng) -> list:
-    """The verdicts of ``eng``'s speculative steps from now on, appended as they come."""
-    verdicts = []
-
-    class Spy:
-        def before_step(self):
-            pass
-
-        def on_prefill(self, *args):
-            pass
-
-        def on_verdict(self, v):
-            verdicts.append(v)
-
-    eng.speculators[0].listeners.append(Spy())
-    return verdicts
-
-
-def test_prompt_lookup_rows_beside_model_rows(llama_pair, plain):
-    """In a batch where some rows have a lookup match and others do not, the matched rows
-    verify their lookup continuation while the draft model drafts the rest; the output
-    equals the target's, and the draft's cache stays in step for both kinds of row."""
-    target, draft = llama_pair
-    prompts = [
-        prompts_of([7], seed=81)[0] * 5,
-        list(range(40, 60)),
-        prompts_of([5], seed=85)[0] * 4,
-    ]
-    ref = plain.generate(prompts, osd.SamplingParams(40))
-    eng = osd.Engine.from_pretrained(
-        target,
-        draft=draft,
-        spec=osd.SpecConfig(num_draft_tokens=4, prompt_lookup=True, ngram_min=2),
-        max_batch_size=3,
-        max_seq_len=96,
-    )
-    verdicts = record_verdicts(eng)
-    outs = eng.generate(prompts, osd.SamplingParams(40))
-    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
-    # a chain whose rows with a match verify lookup's drafts, the others the model's
-    mixed = [
-        v.proposal.origin.tolist()
-        for v in verdicts
-        if v.proposal.origin is not None and v.proposal.logits is not None
-    ]
-    assert mixed and all(set(rows) == {FROM_LOOKUP, FROM_MODEL} for rows in mixed)
-    assert outs[0].stats["lookup_steps"] > 0
-
-
-@pytest.mark.parametrize(
-    "tree", [[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)], osd.DynamicTree(topk=2, depth=3, max_nodes=5)]
-)
-def test_prompt_lookup_in_front_of_a_tree(llama_pair, plain, tree):
-    """prompt_lookup with a tree: matched steps verify the lookup chain (k = 6, wider than
-    the tree), the others the draft's tree; greedy output equals the target's, alone and
-    in a ragged batch, and the draft's cache catches up across both kinds of step."""
-    target, draft = llama_pair
-    prompts = [prompts_of([7], seed=83)[0] * 5, prompts_of([9], seed=84)[0] * 3]
-    ref = plain.generate(prompts, osd.SamplingParams(40))
-    eng = osd.Engine.from_pretrained(
-        target,
-        draft=draft,
-        spec=osd.SpecConfig(num_draft_tokens=6, prompt_lookup=True, tree=tree),
-        max_batch_size=2,
-        max_seq_len=112,
-    )
-    outs = [eng.generate([p], osd.SamplingParams(40))[0] for p in prompts]
-    outs += eng.generate(prompts, osd.SamplingParams(40))
-    assert [o.token_ids for o in outs] == [r.token_ids for r in ref] * 2
-    st = eng.stats
-    assert 0 < st["lookup_steps"] < st["target_forwards"]
-
-
-@pytest.mark.parametrize("k,below", [(3, 2), (4, 4), (1, 2)])
-def test_lookup_tree_beside_the_model(llama_pair, plain, k, below):
-    """lookup_tree_below: steps with a short match (or a row without one) verify lookup's
-    continuation and the draft model's chain as two branches of one tree, rows of a batch
-    padded to one width; matches of ``below`` or more tokens in every row still draft
-    alone (none are when ``below`` passes ``ngram_max``); a branch of lookup runs up to
-    ``lookup_tokens``, past k. Greedy output equals the target's, alone and in a ragged
-    batch; α is measured
-    along the model's branch (1 for a perfect draft, whose branch is then always taken)."""
-    target, draft = llama_pair
-    prompts = [
-        prompts_of([7], seed=81)[0] * 5,
-        list(range(40, 60)),
-        prompts_of([5], seed=85)[0] * 4,
-    ]
-    ref = plain.generate(prompts, osd.SamplingParams(40))
-    sources = set()
-    for d in (draft, target):
-        eng = osd.Engine.from_pretrained(
-            target,
-            draft=d,
-            spec=osd.SpecConfig(
-                num_draft_tokens=k, prompt_lookup=True, lookup_tokens=6, lookup_tree_below=below
-            ),
-            max_batch_size=3,
-            max_seq_len=112,
-        )
-        verdicts = record_verdicts(eng)
-        outs = [eng.generate([p], osd.SamplingParams(40))[0] for p in prompts]
-        outs += eng.generate(prompts, osd.SamplingParams(40))
-        assert [o.token_ids for o in outs] == [r.token_ids for r in ref] * 2
-        trees = [v for v in verdicts if isinstance(v.proposal, TreeProposal)]
-        assert trees and all(v.proposal.origin is not None for v in trees)
-        lookup_rows = [[bool(o & FROM_LOOKUP) for o in v.proposal.origin.tolist()] for v in trees]
-        assert any(any(rows) for rows in lookup_rows)
-        # a batched tree step whose rows hold a lookup branch beside rows without one
-        assert any(any(rows) and not all(rows) for rows in lookup_rows)
-        assert eng.stats["alpha"] is not None
-        sources |= {
-            "lookup"
-            for v in verdicts
-            if isinstance(v.proposal, ChainProposal)
-            and v.proposal.origin is not None
-            and set(v.proposal.origin.tolist()) == {FROM_LOOKUP}
-        }
-    assert eng.stats["alpha"] == pytest.approx(1.0, abs=1e-4)
-    assert ("lookup" in sources) == (below == 2)  # 2-token matches draft alone
-    # beside the model, a match's branch runs as far as a lookup step's (lookup_tokens)
-    assert any(v.proposal.max_depth > k for v in trees)
-
-
-def test_lookup_tree_layout():
-    """lookup_tree: the lookup branch first, the model's chain sharing its common prefix
-    (rows without the model's branch verify the lookup chain alone), narrower rows padded
-    with children of the root repeating node 1's token."""
-    chain = ChainProposal(
-        torch.tensor([[5, 6, 9], [7, 8, 9], [1, 1, 1]]), None, torch.zeros(3, 3, 11), None, 3
-    )
-    prop = lookup_tree(
-        torch.tensor([1, 2, 3]), chain, [[5, 6, 7], [], [4, 4, 4, 4, 4]], [True, True, False]
-    )
-    assert prop.tokens.tolist() == [[1, 5, 6, 7, 9, 5], [2, 7, 8, 9, 7, 7], [3, 4, 4, 4, 4, 4]]
-    assert prop.parents.tolist() == [[-1, 0, 1, 2, 2, 0], [-1, 0, 1, 2, 0, 0], [-1, 0, 1, 2, 3, 4]]
-    assert prop.depths.tolist() == [[0, 1, 2, 3, 3, 1], [0, 1, 2, 3, 1, 1], [0, 1, 2, 3, 4, 5]]
-    assert prop.draft_nodes.tolist() == [[1, 2, 4], [1, 2, 3], [0, 0, 0]]
-    assert prop.max_depth == 5
-    assert prop.origin.tolist() == [FROM_LOOKUP | FROM_MODEL, FROM_MODEL, FROM_LOOKUP]
-    assert torch.equal(prop.mask, mask_from_parents(prop.parents))
-    assert torch.equal(prop.depths, depths_from_parents(prop.parents))
-    # a 63-draft lookup chain: the last node's ancestor bit is bit 63 (int64's sign bit)
-    wide = lookup_tree(
-        torch.tensor([1, 2]),
-        ChainProposal(chain.tokens[:2], None, chain.logits[:2], None, 3),
-        [list(range(63)), [5]],
-        [False, True],
-    )
-    assert wide.tokens.shape == (2, 64)
-    assert torch.equal(wide.mask, mask_from_parents(wide.parents))
-
-
-@pytest.mark.parametrize("tree", [None, osd.DynamicTree(topk=2, depth=2, max_nodes=4)])
-def test_lookup_steps_verify_longer_chains(llama_pair, plain, tree):
-    """lookup_tokens: a step whose rows all match verifies up to lookup_tokens drafts (12,
-    past k = 3 and past the tree). Asked again, the requests are looked up in the history
-    of their first answers, so steps accept up to 13 tokens at once; every output equals
-    the target's, alone and in a batch."""
-    target, draft = llama_pair
-    prompts = [prompts_of([7], seed=86)[0] * 3, prompts_of([9], seed=87)[0] * 2]
-    ref = plain.generate(prompts, osd.SamplingParams(40))
-    eng = osd.Engine.from_pretrained(
-        target,
-        draft=draft,
-        spec=osd.SpecConfig(
-            num_draft_tokens=3, prompt_lookup=True, lookup_tokens=12, lookup_history=1024, tree=tree
-        ),
-        max_batch_size=2,
-        max_seq_len=96,
-    )
-    verdicts = record_verdicts(eng)
-    outs = [eng.generate([p], osd.SamplingParams(40))[0] for p in prompts]
-    outs += eng.generate(prompts, osd.SamplingParams(40))
-    assert [o.token_ids for o in outs] == [r.token_ids for r in ref] * 2
-    steps = [
-        (v.proposal.max_drafted, max(v.emitted))
-        for v in verdicts
-        if isinstance(v.proposal, ChainProposal)
-        and v.proposal.origin is not None
-        and set(v.proposal.origin.tolist()) == {FROM_LOOKUP}
-    ]
-    assert max(width for width, _ in steps) == 12
-    assert max(emitted for _, emitted in steps) == 13
-
-
-@pytest.mark.parametrize("limit", [6, ModelDrafter.PENDING_LIMIT])
-def test_draft_cache_catches_up_after_lookup_steps(llama_pair, monkeypatch, limit):
-    """Tokens queued over several skipped steps (fed early once past the pending limit)
-    leave the draft cache as if the draft had read them: its next root logits equal a
-    cacheless forward over the whole sequence."""
-    monkeypatch.setattr(ModelDrafter, "PENDING_LIMIT", limit)
-    model = osd.Engine.from_pretrained(llama_pair[1], max_batch_size=2).model
-    prompts = prompts_of([9, 5], seed=91)
-    chunks = [prompts_of([3, 5], seed=92), prompts_of([5, 1], seed=93), prompts_of([2, 4], seed=94)]
-    drafter = ModelDrafter(model, max_batch_size=2, capacity=64)
-    first = torch.tensor([7, 8])
-    drafter.prefill(prompts, 0, first)
-    seqs = [p + [int(t)] for p, t in zip(prompts, first)]
-    for pair in chunks:
-        width = max(len(c) for c in pair)
-        tokens = torch.full((2, width), -1, dtype=torch.int64)
-        for b, c in enumerate(pair):
-            tokens[b, : len(c)] = torch.tensor(c)
-            seqs[b] += c
-        drafter.queue(2, tokens, torch.tensor([len(c) for c in pair]), width)
-    root = drafter._root(2)
-    for b, seq in enumerate(seqs):
-        with torch.no_grad():
-            want = model.forward_train(torch.tensor([seq]))[0, -1]
-        torch.testing.assert_close(root[b], want, atol=1e-4, rtol=1e-4)
 
 
 # -- adaptive draft length: the stopper learns from verdicts ---------------------------
