@@ -4,12 +4,16 @@ Each row has a prefix of L cached keys and T tree queries under a random tree ma
 counts the K and V cache rows read once: ``2 * B * Hkv * (L + T) * D * bytes``.
 
 Providers: ``reference`` (SDPA with a boolean mask) and ``cpp`` on CPU (float32);
-``triton`` on GPU (bfloat16), skipped without one. Every provider's output is checked
-against the reference before it is timed.
+``triton`` and ``flashinfer`` on GPU (bfloat16), skipped without one. ``flashinfer`` is
+FlashInfer's paged prefill with the tree as a custom mask (``bench.flashinfer_providers``;
+skipped, naming what is missing, without the ``flashinfer-python`` package or a GPU), its
+plan made once outside the timed call. Every provider's output is checked against the
+reference before it is timed.
 
 GPU goal: at T = 64, L = 4096 the Triton tree kernel within 1.3x of a plain
 decode attention (SDPA, one query per row, no mask) over L + 64 keys;
-``test_gpu_goal_triton`` reports ``decode_ms`` and ``ratio`` (skipped without a GPU).
+``test_gpu_goal_triton`` reports ``decode_ms`` and ``ratio`` (skipped without a GPU);
+``test_gpu_goal_flashinfer`` reports the same for FlashInfer on the same case.
 
 Default sweep: B in {1, 8}, T in {1, 8, 64}, L = 1024, Hq/Hkv = 8/2, D = 64.
 ``test_windowed_attention``: the sliding-window / soft-capped path beside the C++ kernel.
@@ -26,6 +30,8 @@ Split KV (``test_split_kv_triton``, GPU only): the Triton path as dispatched (sp
 ``splits``, ``tree_ms`` (the path as dispatched), ``single_ms`` (the single-pass kernel,
 ``num_splits=0``), ``roofline_frac`` (K/V bytes read / ``H200_HBM_BYTES_PER_S`` / time)
 and, for T = 8, ``ratio`` to a T = 1 decode over the same prefix (goal 1.3).
+``test_long_prefix_flashinfer``: FlashInfer on the same cases (``tree_ms``,
+``roofline_frac``), beside it.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_tree_attention.py
 """
@@ -37,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import BACKENDS, FULL, gbps, provider_device
+from bench.flashinfer_providers import FlashInferTreeAttention, flashinfer_device
 from osd_kernels import (
     tree_attention,
     tree_attention_reference,
@@ -49,7 +56,7 @@ BATCHES = (1, 8, 32) if FULL else (1, 8)
 TREES = (1, 8, 64)
 PREFIXES = (1024, 4096) if FULL else (1024,)
 HQ, HKV, D = 8, 2, 64
-PROVIDERS = ("reference", "cpp", "triton")
+PROVIDERS = ("reference", "cpp", "triton", "flashinfer")
 
 
 def _case(B, T, L, Hq, Hkv, dim, dtype, device):
@@ -70,13 +77,18 @@ CASES = [(B, T, L, p) for p in PROVIDERS for L in PREFIXES for T in TREES for B 
 
 @pytest.mark.parametrize("B,T,L,provider", CASES)
 def test_tree_attention(benchmark, B, T, L, provider):
-    device, dtype = provider_device(provider)
+    fi = provider == "flashinfer"
+    device, dtype = flashinfer_device() if fi else provider_device(provider)
     on_gpu = device == "cuda"
     q, k, v, lens, mask = _case(B, T, L, HQ, HKV, D, dtype, device)
-    backend = BACKENDS[provider]
+    attend = FlashInferTreeAttention(q, k, v, lens, mask) if fi else None
+    backend = BACKENDS.get(provider)
 
     def run():
-        out = tree_attention(q, k, v, lens, mask, max_kv_len=L + T, backend=backend)
+        if fi:
+            out = attend(q)
+        else:
+            out = tree_attention(q, k, v, lens, mask, max_kv_len=L + T, backend=backend)
         if on_gpu:
             torch.cuda.synchronize()
         return out
@@ -138,6 +150,41 @@ def test_gpu_goal_triton(benchmark, B):
         decode_ms=decode_ms,
         ratio=tree_ms / decode_ms,
         goal=1.3,
+    )
+
+
+@pytest.mark.parametrize("B", (1, 8))
+def test_gpu_goal_flashinfer(benchmark, B):
+    """``test_gpu_goal_triton``'s case (T = 64, L = 4096, 32 / 8 heads, D = 128) through
+    FlashInfer's paged prefill with the tree as a custom mask, against the same decode."""
+    flashinfer_device()
+    T, L, Hq, Hkv, dim = 64, 4096, 32, 8, 128
+    q, k, v, lens, mask = _case(B, T, L, Hq, Hkv, dim, torch.bfloat16, "cuda")
+    attend = FlashInferTreeAttention(q, k, v, lens, mask)
+    want = tree_attention_reference(q.float(), k.float(), v.float(), lens, mask)
+    torch.testing.assert_close(attend(q).float(), want, rtol=2e-2, atol=2e-2)
+    q1 = q[:, :1].transpose(1, 2)
+    decode_ms = _cuda_ms(
+        lambda: F.scaled_dot_product_attention(
+            q1, k[:B, :, : L + T], v[:B, :, : L + T], enable_gqa=True
+        )
+    )
+    tree_ms = _cuda_ms(lambda: attend(q))
+
+    def run():
+        out = attend(q)
+        torch.cuda.synchronize()
+        return out
+
+    benchmark.pedantic(run, rounds=20, warmup_rounds=2)
+    benchmark.extra_info.update(
+        provider="flashinfer",
+        B=B,
+        T=T,
+        L=L,
+        tree_ms=tree_ms,
+        decode_ms=decode_ms,
+        ratio=tree_ms / decode_ms,
     )
 
 
@@ -231,6 +278,50 @@ def test_split_kv_triton(benchmark, B, L, T):
         f"(single pass {single_ms * 1e3:.1f} us), {roofline_ms / tree_ms:.0%} of the "
         f"{H200_HBM_BYTES_PER_S / 1e12:.1f} TB/s roofline ({roofline_ms * 1e3:.1f} us)"
         + (f", {info['ratio']:.2f}x a T=1 decode" if T > 1 else "")
+    )
+
+
+@pytest.mark.parametrize("B,L,T", SPLIT_CASES)
+def test_long_prefix_flashinfer(benchmark, B, L, T):
+    """``test_split_kv_triton``'s cases through FlashInfer: causal decode (T = 1) and a
+    tree verify (T = 8, custom mask) over the same cache, time and fraction of the
+    roofline."""
+    flashinfer_device()
+    Hq, Hkv, dim = 32, 8, 128
+    kv = _gpu_cache(B, L, Hkv, dim)
+    k, v = kv[0], kv[1]
+    gen = torch.Generator("cuda").manual_seed(T)
+    q = torch.randn(B, T, Hq, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    mask = None
+    if T > 1:
+        parents = torch.stack(
+            [torch.full((B,), -1)] + [torch.randint(0, i, (B,)) for i in range(1, T)], 1
+        )
+        mask = tree_mask_from_parents(parents).cuda()
+    attend = FlashInferTreeAttention(q, k, v, lens, mask)
+    want = tree_attention_reference(q.float(), k.float(), v.float(), lens, mask, max_kv_len=L + T)
+    torch.testing.assert_close(attend(q).float(), want, rtol=2e-2, atol=2e-2)
+    del want
+
+    def run():
+        out = attend(q)
+        torch.cuda.synchronize()
+        return out
+
+    tree_ms = _cuda_ms(lambda: attend(q))
+    benchmark.pedantic(run, rounds=20, warmup_rounds=2)
+    roofline_ms = 2 * B * Hkv * (L + T) * dim * k.element_size() / H200_HBM_BYTES_PER_S * 1e3
+    benchmark.extra_info.update(
+        provider="flashinfer",
+        B=B,
+        T=T,
+        L=L,
+        Hq=Hq,
+        Hkv=Hkv,
+        D=dim,
+        tree_ms=tree_ms,
+        roofline_frac=roofline_ms / tree_ms,
     )
 
 

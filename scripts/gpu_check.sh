@@ -10,7 +10,10 @@
 #      vs plain at batch 1, 8, 64);
 #   5. graphed top-k / top-p steps against eager ones at batch 1, 4, 64 and 4,096, with
 #      CUDA_LAUNCH_BLOCKING=1, so a failure names its op;
-#   6. the GPU microbenchmarks (triton and cuda providers, auto_k with a useless draft);
+#   6. the GPU microbenchmarks (triton and cuda providers, auto_k with a useless draft),
+#      then the flashinfer provider beside them (bench/flashinfer_providers.py; skipped
+#      where flashinfer-python is not installed) with its own cap and JSON, since its
+#      kernels JIT-compile on first use; its rc is reported but does not fail the check;
 #   7. the rest of the suite with the GPU present, in whatever time is left;
 #   8. a summary table of the stages.
 # Each stage gets at most its own cap and never more than the time left, so the whole call
@@ -20,7 +23,7 @@
 # stage; a device-side assert fails the rest of its worker's tests too, so read the first
 # failure of each worker). It uses the machine's own python (PYTHON, default python3) and
 # installs nothing, since a GPU box may have no network. Results land in ${OUT:-out}/
-# (7 files; JSON under /tmp/osd_gpu_check).
+# (8 files; JSON under /tmp/osd_gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -84,6 +87,11 @@ timeout "$(cap 75)" $PY -m pytest -q -p no:cacheprovider bench -k "cuda or trito
     --benchmark-json="$JSON/gpu_bench.json" 2>&1 | tail -n 30
 bench_rc=${PIPESTATUS[0]}
 $PY scripts/bench_table.py "$JSON/gpu_bench.json" > "$OUTDIR/gpu_bench.md" 2>&1 || true
+echo "== FlashInfer beside them (skipped without flashinfer-python)"
+timeout "$(cap 90)" $PY -m pytest -q -rs -p no:cacheprovider bench -k flashinfer \
+    --benchmark-json="$JSON/flashinfer_bench.json" 2>&1 | tail -n 15
+fi_rc=${PIPESTATUS[0]}
+$PY scripts/bench_table.py "$JSON/flashinfer_bench.json" > "$OUTDIR/flashinfer_bench.md" 2>&1 || true
 
 echo "== the rest of the suite (with a GPU present), in the time left"
 timeout -s INT "$(cap 300)" "${PYTEST[@]}" -k "not ($GPU_TESTS)" tests 2>&1 \
@@ -100,6 +108,7 @@ echo "== results ($(( $(date +%s) - START )) s of a ${BUDGET} s budget)"
   echo "| speed goals table | $goals_rc | $OUTDIR/gpu_goals.md |"
   echo "| graphed top-k / top-p vs eager | $probe_rc | $(summary "$OUTDIR/gpu_probe.log") |"
   echo "| GPU benchmarks | $bench_rc | $OUTDIR/gpu_bench.md |"
+  echo "| FlashInfer benchmarks (not in the exit status) | $fi_rc | $OUTDIR/flashinfer_bench.md |"
   echo "| rest of the suite | $rest_rc | $(summary "$OUTDIR/gpu_tests_rest.log") |"
 } | tee "$OUTDIR/gpu_summary.md"
 exit $(( build_rc != 0 || first_rc != 0 || triton_rc != 0 || goals_rc != 0 || probe_rc != 0 || bench_rc != 0 || rest_rc != 0 ))
