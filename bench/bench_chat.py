@@ -49,7 +49,7 @@ import torch
 
 import osd
 from osd import zoo
-from osd.chat import apply_chat_template
+from osd.chat_template import apply_chat_template
 from osd.demo import draft_cost_ratio, online_recipe
 from osd.zoo import humaneval
 

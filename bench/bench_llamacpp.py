@@ -54,7 +54,7 @@ import torch
 import osd
 from bench import llamacpp
 from osd import zoo
-from osd.chat import apply_chat_template
+from osd.chat_template import apply_chat_template
 from osd.zoo.workloads import evaluation_set
 
 NEW_TOKENS = int(os.environ.get("OSD_BENCH_LLAMACPP_TOKENS", "128"))

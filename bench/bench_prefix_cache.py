@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import osd
-from osd.chat import apply_chat_template
+from osd.chat_template import apply_chat_template
 from osd import zoo
 from osd.zoo import humaneval
 

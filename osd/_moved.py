@@ -25,6 +25,8 @@ MOVED = {
     "osd.server_metrics": "osd.server.metrics",
     "osd.server_requests": "osd.server.requests",
     "osd.server_run": "osd.server.run",
+    "osd.chat": "osd.chat_template",
+    "osd.online.graphs": "osd.online.train_graphs",
     "osd.demo_report": "osd.demo.report",
     "osd.demo_serve": "osd.demo.serve",
     "osd.demo_workloads": "osd.demo.workloads",

@@ -26,7 +26,7 @@ import logging
 import threading
 import uuid
 
-from osd.chat import apply_chat_template
+from osd.chat_template import apply_chat_template
 from osd.engine import Engine
 from osd.request import RequestError, RequestState
 from osd.sampling import Output, SamplingParams

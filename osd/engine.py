@@ -43,7 +43,7 @@ import threading
 
 import torch
 
-from osd.chat import apply_chat_template
+from osd.chat_template import apply_chat_template
 from osd.spec_decode.factory import make_drafters
 from osd.spec_decode.model_drafter import PENDING_WIDTH
 from osd.engine_setup import check_sizes, resolve_drafts, spec_width

@@ -27,7 +27,7 @@ import sys
 import time
 
 import osd
-from osd.chat import apply_chat_template
+from osd.chat_template import apply_chat_template
 from osd.spec import describe
 from osd.zoo.workloads import evaluation_set
 

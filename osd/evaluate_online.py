@@ -18,7 +18,7 @@ import sys
 import time
 
 import osd
-from osd.chat import apply_chat_template
+from osd.chat_template import apply_chat_template
 
 
 def _serve(engine, ids, params):

@@ -66,7 +66,7 @@ import torch
 WARMUP_RUNS = 2
 
 # PyTorch supports one CUDA graph capture per process at a time: every capture in osd
-# (serving steps here, the learner's training step in ``osd.online.graphs``) holds this.
+# (serving steps here, the learner's training step in ``osd.online.train_graphs``) holds this.
 capture_lock = threading.Lock()
 
 

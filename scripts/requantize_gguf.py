@@ -26,7 +26,7 @@ import sys
 import torch
 
 import osd
-from osd.chat import apply_chat_template
+from osd.chat_template import apply_chat_template
 from osd.models.gguf import GGUFFile, type_name
 from osd.models.quant import QuantLinear
 from osd.zoo import chat, humaneval

@@ -1,5 +1,5 @@
-"""The EAGLE draft (``osd.models.eagle``, ``osd.spec_decode.model_drafter.EagleDrafter``): it drafts from
-the target's features, and speculative decoding with it stays lossless (greedy equal to
+"""The EAGLE draft (``osd.models.eagle``, ``osd.spec_decode.eagle_drafter.EagleDrafter``): it
+drafts from the target's features, and speculative decoding with it stays lossless (greedy equal to
 plain, sampled joint equal to the target's); the drafter's root distribution at every step
 equals a teacher-forced forward over the committed sequence (the feature plumbing through
 prefill, staged long prompts, verify, prompt lookup and row moves); it trains with

@@ -19,7 +19,7 @@ import osd.online.learner as learner_mod
 from osd.models import DecoderLM, ModelConfig
 from osd.online.checkpoint import latest_checkpoint
 from osd.online.config import OnlineConfig
-from osd.online.graphs import GraphedTrainStep
+from osd.online.train_graphs import GraphedTrainStep
 from osd.online.learner import OnlineLearner
 from osd.online.memory import release_free_memory
 from osd.sampling import nonfinite_rows

@@ -49,7 +49,7 @@ from osd.models import gguf
 from osd.models.gguf import GGMLType, GGUFFile, quantize, write_gguf
 from osd.models.loading import load_model, load_tokenizer
 from osd.zoo import chat as zoo_chat
-from osd.chat import apply_chat_template
+from osd.chat_template import apply_chat_template
 from osd.models.quant import QuantLinear
 from tests.test_gguf_blocks import ref_dequantize
 from tests.test_gguf_tokenizer import bpe_metadata, trained_bpe

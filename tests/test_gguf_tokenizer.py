@@ -8,7 +8,7 @@ import json
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from osd.chat import apply_chat_template
+from osd.chat_template import apply_chat_template
 from osd.models.gguf import write_gguf
 from osd.models.gguf.tokenizer import _bpe_tokenizer
 from osd.models.loading import load_tokenizer

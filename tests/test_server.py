@@ -22,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 
 import osd  # noqa: E402
 from osd import zoo  # noqa: E402
-from osd.chat import apply_chat_template  # noqa: E402
+from osd.chat_template import apply_chat_template  # noqa: E402
 from osd.server import build_app  # noqa: E402
 from tests.server_harness import (  # noqa: E402
     MAX_SEQ_LEN,

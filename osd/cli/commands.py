@@ -105,7 +105,7 @@ def _generate(args) -> int:
     if engine.tokenizer is None:
         prompt = [int(t) for t in prompt.split()]
     elif getattr(engine.tokenizer, "chat_template", None) and not args.raw:
-        from osd.chat import apply_chat_template  # lazy: a command imports its own modules
+        from osd.chat_template import apply_chat_template  # lazy: a command imports its own modules
 
         prompt = apply_chat_template(engine.tokenizer, [[{"role": "user", "content": prompt}]])[0]
     tokens = []

@@ -39,7 +39,7 @@ import torch
 
 import osd
 from osd import zoo
-from osd.chat import apply_chat_template
+from osd.chat_template import apply_chat_template
 
 # The serving loop and the report live beside this module; their names stay importable
 # from osd.demo.

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import osd
-from osd.chat import apply_chat_template
+from osd.chat_template import apply_chat_template
 from osd.draft_build.common import ThreadTuner, cache_dir, log, progress_bar
 from osd.draft_build.prompts import Prompt, training_prompts
 from osd.draft_build.recipe import DataRecipe

@@ -10,7 +10,7 @@ import time
 import torch
 
 import osd
-from osd.chat import apply_chat_template
+from osd.chat_template import apply_chat_template
 from osd.draft_build.cli import command_line
 from osd.draft_build.common import log, progress_bar
 from osd.draft_build.prompts import eval_prompts

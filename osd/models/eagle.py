@@ -13,8 +13,8 @@ drafts feed the predicted feature back in: ``(g_{i+1}, x_{i+2}) -> g_{i+2}``.
 ``fc([embed(x); feature_norm(f)])`` instead of ``embed(x)``; it shares the target's
 embedding, final norm and output head (kept frozen), so a checkpoint stores only
 ``feature_norm``, ``fc`` and the layers. It needs ``features=`` in every forward; the
-drafter ``osd.spec_decode.eagle_drafter.EagleDrafter`` supplies the target's features from prefill and
-verify forwards.
+drafter ``osd.spec_decode.eagle_drafter.EagleDrafter`` supplies the target's features from
+prefill and verify forwards.
 
 Checkpoint directory (:func:`save_eagle`, :func:`load_eagle`): ``config.json``
 (``"architectures": ["OsdEagleDraft"]`` with the layer shape and the target's hidden and

@@ -18,7 +18,7 @@ on a private *training copy* of the draft:
 
 Updates run in a background thread (``background=True``, ``osd.online.update_thread``; on
 CUDA the thread works on a side stream, and the step is captured in a CUDA graph, see
-``osd.online.graphs``) so serving never waits, unless ``wait_for_update`` asks it to.
+``osd.online.train_graphs``) so serving never waits, unless ``wait_for_update`` asks it to.
 
 Learning is an optimisation of serving, never a condition for it: an update that raises
 (in the loss, the backward, the optimizer, a graph capture) is rolled back like a rejected
@@ -57,7 +57,7 @@ logger = logging.getLogger("osd.online")
 
 
 class GraphCaptureError(RuntimeError):
-    """Capturing the training step in a CUDA graph failed (``osd.online.graphs``)."""
+    """Capturing the training step in a CUDA graph failed (``osd.online.train_graphs``)."""
 
 
 def snapshot_state(model: torch.nn.Module, optim: torch.optim.Optimizer):
@@ -170,7 +170,7 @@ class OnlineLearner(UpdateThread):
         # EAGLE batches and autocast steps run eagerly.
         if use_cuda and config.cuda_graphs and not shared and self.autocast is None:
             # imported on CUDA only: the captured step is GPU code
-            from osd.online.graphs import GraphedTrainStep
+            from osd.online.train_graphs import GraphedTrainStep
 
             self._graph_step = GraphedTrainStep(self.model, self.optim, config)
         self._stream = torch.cuda.Stream(self.device) if use_cuda else None

@@ -7,7 +7,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 
-from osd.chat import apply_chat_template
+from osd.chat_template import apply_chat_template
 from osd.sampling import (
     INT32_MAX,
     INT64_MAX,
