@@ -369,6 +369,7 @@ def rejection_sample(
             target_logits, draft_token_ids, draft_probs, **params._asdict()
         )
     if impl == "triton":
+        # imported on first use so that `import osd_kernels` does not import triton
         from osd_kernels.triton.rejection_sample import rejection_sample_triton
 
         return rejection_sample_triton(target_logits, draft_token_ids, draft_probs, params)

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 from scipy.stats import chisquare
 
-from osd_kernels import rejection_sample, rejection_sample_reference
+from osd_kernels import rejection_sample, rejection_sample_reference, warp
 from osd_kernels.triton import fpmath
 from osd_kernels.warp import warp_probs
 from tests.conftest import slow_case
@@ -515,8 +515,6 @@ def test_top_p_from_candidates_equals_the_full_sort():
     """On the CPU ``warp_probs`` decides top-p from the largest probabilities only; its
     kept set equals the whole sorted row's, ties and exact-cumsum thresholds included,
     and rows no candidate count covers fall back to the sort."""
-    from osd_kernels import warp
-
     g = torch.Generator().manual_seed(11)
     fallbacks = 0
     for trial in range(240):
