@@ -4,12 +4,22 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <cstdlib>
 #include <optional>
 
 #include "checks.h"
 #include "kernels/rejection_sample.h"
 
 namespace osd {
+
+// Whether sequences take the split-vocabulary path (kernels/chunk_stats.h) where it applies.
+// OSD_SAMPLER_SPLIT=1: on every device; 0: never (the one-row path); unset: on the CPU,
+// not on CUDA (its split kernels have not run on a GPU yet). Read per call.
+inline bool sampler_split(bool cuda) {
+  const char* v = std::getenv("OSD_SAMPLER_SPLIT");
+  if (v == nullptr || *v == '\0') return !cuda;
+  return v[0] == '1';
+}
 
 // Checks rejection_sample's arguments, allocates its outputs (out [B, K+1] int64, accepted
 // [B] int32, on the device of target_logits) and points the kernel arguments at them.

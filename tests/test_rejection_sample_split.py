@@ -1,9 +1,10 @@
-"""rejection_sample's split-vocabulary path (``csrc/kernels/chunk_stats.h``; the C++ kernel
-takes it for greedy, temperature-only and top-k <= 128 sequences) against the reference and
-against the one-row path (``OSD_SAMPLER_ONE_ROW=1``): vocabularies around and below the
-chunk size, ties within and across chunks, top-k at and past the path's limit and at or
-past V, tiny top-p, the tail groups the chunk records keep or cannot resolve; chi-square
-of the emitted tokens where kept tie groups span chunks."""
+"""rejection_sample's split-vocabulary path (``csrc/kernels/chunk_stats.h``; greedy,
+temperature-only and top-k <= 128 sequences take it, on CUDA when ``OSD_SAMPLER_SPLIT=1``)
+against the reference and against the one-row path (``OSD_SAMPLER_SPLIT=0``):
+vocabularies around and below the chunk size, ties within and across chunks, top-k at
+and past the path's limit and at or past V, tiny top-p, the tail groups the chunk records
+keep or cannot resolve; chi-square of the emitted tokens where kept tie groups span
+chunks, and at V = 128,256 on CUDA."""
 
 import pytest
 import torch
@@ -13,6 +14,13 @@ from osd_kernels import rejection_sample, rejection_sample_reference
 from osd_kernels.warp import warp_probs
 
 SPLIT_TOP_K_MAX = 128
+
+
+@pytest.fixture(autouse=True)
+def split_path(monkeypatch):
+    """The split path on every device (CUDA takes it only when asked, until it has run on
+    a GPU)."""
+    monkeypatch.setenv("OSD_SAMPLER_SPLIT", "1")
 
 
 def chunk_size(V: int) -> int:
@@ -48,13 +56,24 @@ def _case(gen, B, K, V, dtype, kind, params, with_q):
     return logits, drafts, q.to(dtype) if with_q else None, kw
 
 
-def _same(logits, drafts, q, kw, monkeypatch=None):
+def _to(device, logits, drafts, q, kw):
+    def move(t):
+        return t.to(device) if torch.is_tensor(t) else t
+
+    return move(logits), move(drafts), move(q), {k: move(v) for k, v in kw.items()}
+
+
+def _same(logits, drafts, q, kw, monkeypatch=None, device="cpu"):
+    """The native kernel on ``device`` equals the reference (and, on CPU with
+    ``monkeypatch``, the one-row path) token for token."""
     ref = rejection_sample_reference(logits, drafts, q, **kw)
-    out = rejection_sample(logits, drafts, q, backend="native", **kw)
+    dl, dd, dq, dkw = _to(device, logits, drafts, q, kw)
+    out = rejection_sample(dl, dd, dq, backend="native", **dkw)
+    out = (out[0].cpu(), out[1].cpu())
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]), (out, ref)
-    if monkeypatch is not None:
+    if monkeypatch is not None and device == "cpu":
         with monkeypatch.context() as m:
-            m.setenv("OSD_SAMPLER_ONE_ROW", "1")
+            m.setenv("OSD_SAMPLER_SPLIT", "0")
             one = rejection_sample(logits, drafts, q, backend="native", **kw)
         assert torch.equal(one[0], out[0]) and torch.equal(one[1], out[1])
 
@@ -80,7 +99,7 @@ def _params(V):
 
 @pytest.mark.parametrize("V", [2, 111, 256, 257, 1000, 5000, 12289, 32003], ids=lambda v: f"V{v}")
 @pytest.mark.parametrize("kind", ["randn", "ties", "plateau"])
-def test_split_matches_reference(V, kind, monkeypatch):
+def test_split_matches_reference(V, kind, monkeypatch, device):
     """Every parameter set on vocabularies below one chunk, at it, one past it, ending in
     a one-element chunk (12,289) or a partial one; float32 and half precision."""
     gen = torch.Generator().manual_seed(V * 7 + len(kind))
@@ -89,7 +108,7 @@ def test_split_matches_reference(V, kind, monkeypatch):
         for i, params in enumerate(_params(V)):
             with_q = (i + len(kind)) % 2 == 0
             case = _case(gen, B, K, V, dtype, kind, params, with_q)
-            _same(*case, monkeypatch if dtype == torch.bfloat16 else None)
+            _same(*case, monkeypatch if dtype == torch.bfloat16 else None, device)
 
 
 def test_flat_rows_and_greedy_ties_across_chunks():
@@ -146,24 +165,24 @@ def test_tail_groups_of_scaled_ties(layout):
     assert chisquare(counts[kept].numpy()).pvalue > 1e-3
 
 
-def _first_token_counts(logits_row, q_row, drafts, params, backend="native"):
+def _first_token_counts(logits_row, q_row, drafts, params, device):
     n = drafts.shape[0]
     V = logits_row.shape[-1]
-    logits = logits_row.expand(n, 2, V)
-    q = None if q_row is None else q_row.expand(n, 1, V)
+    logits = logits_row.to(device).expand(n, 2, V)
+    q = None if q_row is None else q_row.to(device).expand(n, 1, V)
     t, tk, tp = params
     out, _ = rejection_sample(
         logits,
-        drafts,
+        drafts.to(device),
         q,
         temperature=t,
         top_k=tk,
         top_p=tp,
-        seed=torch.arange(n),
+        seed=torch.arange(n, device=device),
         offset=3,
-        backend=backend,
+        backend="native",
     )
-    return torch.bincount(out[:, 0], minlength=V).double()
+    return torch.bincount(out[:, 0].cpu(), minlength=V).double()
 
 
 def _assert_follows(counts, p):
@@ -200,7 +219,7 @@ def _tie_group_target(V: int) -> torch.Tensor:
         ("randn", (0.8, 40, 0.85)),
     ],
 )
-def test_first_token_follows_warped_target(target, params, draft):
+def test_first_token_follows_warped_target(target, params, draft, device):
     """The first emitted token over 20,000 rows follows the warped target (chi-square,
     p > 1e-3) on a 4-chunk vocabulary: drafts drawn from a q that puts most of its mass
     on the kept tie group (so drafts inside the tail group are rejected and the residual
@@ -219,13 +238,15 @@ def test_first_token_follows_warped_target(target, params, draft):
     q = q / q.sum()
     drafts = torch.multinomial(q, n, replacement=True, generator=gen)[:, None]
     logits = torch.stack([row, torch.randn(V, generator=gen)])
-    counts = _first_token_counts(logits, q[None] if draft == "probs" else None, drafts, params)
+    counts = _first_token_counts(
+        logits, q[None] if draft == "probs" else None, drafts, params, device
+    )
     t, tk, tp = params
     p0 = warp_probs(row[None], t, tk, tp)[0]
     _assert_follows(counts, p0)
 
 
-def test_tie_group_rows_match_reference_and_one_row(monkeypatch):
+def test_tie_group_rows_match_reference_and_one_row(monkeypatch, device):
     """The tie-group target with one-hot and q drafts inside the group, token for token."""
     V, n = 1024, 400
     row = _tie_group_target(V)
@@ -240,4 +261,42 @@ def test_tie_group_rows_match_reference_and_one_row(monkeypatch):
         t, tk, tp = params
         kw = dict(temperature=t, top_k=tk, top_p=tp, seed=torch.arange(n))
         for qq in (None, q):
-            _same(logits, drafts, qq, kw, monkeypatch)
+            _same(logits, drafts, qq, kw, monkeypatch, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("B", [1, 64])
+def test_cuda_split_equals_cpu_at_128k(B):
+    """The CUDA split kernels against the C++ kernel (which shares their decisions) at
+    V = 128,256, K = 4, bfloat16, every mode, token for token."""
+    V, K = 128_256, 4
+    gen = torch.Generator().manual_seed(B)
+    for params in [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 50, 0.9), (0.8, 128, 1.0)]:
+        for with_q in (False, True):
+            logits, drafts, q, kw = _case(gen, B, K, V, torch.bfloat16, "randn", params, with_q)
+            want = rejection_sample(logits, drafts, q, backend="native", **kw)
+            dl, dd, dq, dkw = _to("cuda", logits, drafts, q, kw)
+            got = rejection_sample(dl, dd, dq, backend="native", **dkw)
+            assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("params", [(1.0, 0, 1.0), (0.8, 50, 0.9)], ids=["plain", "warped"])
+@pytest.mark.parametrize("draft", ["one-hot", "probs"])
+def test_first_token_at_128k_on_cuda(params, draft):
+    """The CUDA split kernels' first emitted token over 100,000 rows at V = 128,256
+    (bfloat16-valued logits) follows the warped target."""
+    V, n = 128_256, 100_000
+    gen = torch.Generator().manual_seed(V)
+    row = (torch.randn(V, generator=gen) * 2).bfloat16().float()
+    row[:40] += 6.0
+    q = torch.softmax(row + torch.randn(V, generator=gen), -1)
+    drafts = torch.multinomial(q, n, replacement=True, generator=gen)[:, None]
+    logits = torch.stack([row, torch.randn(V, generator=gen)]).bfloat16()
+    counts = _first_token_counts(
+        logits, q[None] if draft == "probs" else None, drafts, params, "cuda"
+    )
+    t, tk, tp = params
+    _assert_follows(counts, warp_probs(row[None], t, tk, tp)[0])

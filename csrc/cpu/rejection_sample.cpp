@@ -4,7 +4,8 @@
 // One sequence per task (at::parallel_for over the batch). Greedy, temperature-only and
 // top-k <= kSplitTopKMax sequences take the split-vocabulary path
 // (cpu/rejection_sample_split.cpp, the logic the CUDA kernels share through
-// kernels/chunk_stats.h); the others (top-p without top-k, larger top-k, a top-k tail the
+// kernels/chunk_stats.h; OSD_SAMPLER_SPLIT=0 turns it off: sampler_split in
+// rejection_sample_checks.h); the others (top-p without top-k, larger top-k, a top-k tail the
 // chunk records cannot resolve) take the one-row path below. There each visited row is
 // converted once into a float scratch row s = logits / temperature; (max, sum exp) come
 // from two vectorisable passes, the accept test needs only the draft token's
@@ -19,7 +20,6 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
-#include <cstdlib>
 #include <limits>
 #include <vector>
 
@@ -167,10 +167,7 @@ void sample_sequence(const RejectionSampleArgs& a, int64_t b, Scratch& w) {
 
 }  // namespace
 
-void rejection_sample_cpu(const RejectionSampleArgs& a) {
-  // OSD_SAMPLER_ONE_ROW=1 sends every sequence down the one-row path (tests compare the
-  // two); read per call.
-  const bool split = std::getenv("OSD_SAMPLER_ONE_ROW") == nullptr;
+void rejection_sample_cpu(const RejectionSampleArgs& a, bool split) {
   at::parallel_for(0, a.batch, 1, [&](int64_t begin, int64_t end) {
     Scratch w(a.vocab);
     thread_local SplitScratch scratch;
@@ -193,7 +190,7 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu_op(
   const auto a = make_rejection_sample_args(logits, draft_ids, draft_probs, num_draft,
                                             temperature, top_k, top_p, seed, offset, out,
                                             accepted);
-  rejection_sample_cpu(a);
+  rejection_sample_cpu(a, sampler_split(false));
   return {out, accepted};
 }
 

@@ -1,6 +1,7 @@
 // Block-wide helpers shared by the CUDA sampling kernels: reductions (each thread combines
 // the per-warp partials in the same order, so every thread gets the same result), the row
-// loop with 128-bit loads, and the block-parallel radix selection of kernels/radix_select.h.
+// loop with 128-bit loads, the block-parallel radix selection of kernels/radix_select.h,
+// and the pieces of a last-block merge (an atomic counter, records read past L1).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -175,6 +176,87 @@ __device__ uint32_t block_radix_select(int levels, uint64_t target, RadixShared&
     radix_descend(s, static_cast<uint32_t>(digit), greater);
   }
   return radix_result(s, levels);
+}
+
+// ---- records shared between blocks -------------------------------------------------------
+
+// A record written by another block, read past L1 (the block that merges after the others
+// counted themselves done on an atomic counter).
+template <typename T>
+__device__ __forceinline__ T load_cg(const T* p) {
+  static_assert(sizeof(T) % 4 == 0, "records are made of 32-bit words");
+  uint32_t w[sizeof(T) / 4];
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(p);
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(T) / 4); ++i) w[i] = __ldcg(src + i);
+  T x;
+  memcpy(&x, w, sizeof(T));
+  return x;
+}
+
+// Whether this block is the last of `target` to reach `counter`, the same on every thread
+// (`flag`: one int of shared memory). Every thread's global writes before the call are
+// visible to the last block after it.
+__device__ __forceinline__ bool last_to_arrive(int32_t* counter, int32_t target, int32_t* flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) *flag = atomicAdd(counter, 1) == target - 1;
+  __syncthreads();
+  const bool last = *flag != 0;
+  if (last) __threadfence();
+  return last;
+}
+
+template <typename T>
+__device__ __forceinline__ T shfl_xor_words(const T& x, int o) {
+  static_assert(sizeof(T) % 4 == 0, "shuffled as 32-bit words");
+  uint32_t w[sizeof(T) / 4];
+  memcpy(w, &x, sizeof(T));
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(T) / 4); ++i) {
+    w[i] = __shfl_xor_sync(0xffffffffu, w[i], o);
+  }
+  T y;
+  memcpy(&y, w, sizeof(T));
+  return y;
+}
+
+// op (commutative) over a block of kWarps full warps for any record of 32-bit words; every
+// thread gets the same result (warp partials combined in order). slots: kWarps * sizeof(T)
+// bytes of shared memory, 16-byte aligned.
+template <int kWarps, typename T, typename Op>
+__device__ __forceinline__ T block_allreduce(T x, Op op, void* slots) {
+  for (int o = 16; o > 0; o >>= 1) x = op(x, shfl_xor_words(x, o));
+  T* part = static_cast<T*>(slots);
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = x;
+  __syncthreads();
+  T r = part[0];
+  for (int w = 1; w < kWarps; ++w) r = op(r, part[w]);
+  return r;
+}
+
+// Exclusive prefix sum of x over the threads in order, and the block total (partials:
+// kWarps words of shared memory).
+template <int kWarps>
+__device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t x, uint32_t& total,
+                                                         uint32_t* partials) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  uint32_t incl = x;
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  __syncthreads();
+  if (lane == 31) partials[warp] = incl;
+  __syncthreads();
+  uint32_t before = 0;
+  total = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    if (w < warp) before += partials[w];
+    total += partials[w];
+  }
+  return before + incl - x;
 }
 
 }  // namespace osd

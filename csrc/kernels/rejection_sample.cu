@@ -1,5 +1,8 @@
-// CUDA kernel for rejection_sample. Semantics, randomness and derivation:
-// kernels/rejection_sample.h.
+// CUDA kernel for rejection_sample: the one-block-per-sequence path. Semantics, randomness
+// and derivation: kernels/rejection_sample.h. rejection_sample_cuda runs the
+// split-vocabulary kernels first (kernels/rejection_sample_split.cu) and this kernel for
+// the sequences they leave: top-p without top-k, top-k > kSplitTopKMax, and top-k tails the
+// chunk records cannot resolve (kSeqLegacy); with no workspace, for every sequence.
 //
 // Grid: one block per sequence (kThreads threads). The block walks the draft positions in
 // order and stops at the first rejection, so rows after it are never read. For a visited
@@ -23,6 +26,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/block_reduce.cuh"
+#include "kernels/chunk_stats.h"
 #include "kernels/rejection_sample.h"
 #include "kernels/rejection_sample_cuda.h"
 
@@ -167,6 +171,10 @@ __global__ void __launch_bounds__(kThreads) rejection_sample_kernel(RejectionSam
   __shared__ Shared sh;
   const int64_t b = blockIdx.x;
   const RowSampling rs = row_sampling(a, b);
+  if (a.workspace != nullptr && split_mode(rs) != SplitMode::kLegacy) {
+    const SplitLayout l = split_layout(a.batch, a.num_draft_max + 1, a.vocab);
+    if (a.counters[l.state + b] != kSeqLegacy) return;  // done by the split path
+  }
   const int64_t V = a.vocab;
   const int64_t K1 = a.num_draft_max + 1;
   int64_t* out = a.out_tokens + b * K1;
@@ -277,6 +285,10 @@ __global__ void __launch_bounds__(kThreads) rejection_sample_kernel(RejectionSam
 
 cudaError_t rejection_sample_cuda(const RejectionSampleArgs& a, cudaStream_t stream) {
   if (a.batch == 0) return cudaSuccess;
+  if (a.workspace != nullptr) {
+    const cudaError_t err = rejection_sample_split_cuda(a, stream);
+    if (err != cudaSuccess) return err;
+  }
   const dim3 grid(static_cast<unsigned>(a.batch));
   switch (a.logits_dtype) {
     case DType::kFloat16:

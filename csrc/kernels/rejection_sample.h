@@ -53,10 +53,15 @@ struct RejectionSampleArgs {
   int64_t batch;
   int64_t num_draft_max;       // K
   int64_t vocab;               // V
+  // CUDA split-vocabulary path (kernels/rejection_sample_cuda.h: split_layout); nullptr
+  // elsewhere. counters must be zero when the kernels start.
+  void* workspace;
+  int32_t* counters;
 };
 
-// CPU kernel (parallel over the batch). Defined in csrc/cpu/rejection_sample.cpp.
-void rejection_sample_cpu(const RejectionSampleArgs& args);
+// CPU kernel (parallel over the batch); split: whether sequences take the split-vocabulary
+// path where it applies (kernels/chunk_stats.h). Defined in csrc/cpu/rejection_sample.cpp.
+void rejection_sample_cpu(const RejectionSampleArgs& args, bool split = true);
 
 // ---- element loads ----------------------------------------------------------------
 
