@@ -9,8 +9,11 @@ normalised rate, not memory traffic.
 Modes: ``greedy`` (temperature 0), ``probs`` (draft probabilities, temperature 1),
 ``onehot`` (no draft probabilities, temperature 1) and ``warped`` (draft probabilities,
 temperature 0.8, top-k 50, top-p 0.9). Providers: ``reference`` and ``cpp`` on CPU
-(float32); ``triton`` and ``cuda`` on GPU (bfloat16 logits), skipped without one. Every
-provider's output is checked to equal the reference before it is timed.
+(float32; ``cpp`` takes the split-vocabulary path where it applies, ``cpp-onerow`` the
+one-row path: ``OSD_SAMPLER_SPLIT=0``); ``triton``, ``cuda`` (the one-block-per-sequence
+kernel, CUDA's default until the split kernels have run on a GPU) and ``cuda-split``
+(``OSD_SAMPLER_SPLIT=1``) on GPU (bfloat16 logits), skipped without one. Every provider's
+output is checked to equal the reference before it is timed.
 
 Default sweep: B in {1, 8}, K = 5, V = 32000. ``OSD_BENCH_FULL=1``: B in {1, 8, 64},
 K in {4, 5, 8}, V in {32000, 128256}. ``OSD_BENCH_THREADS`` sets torch's CPU thread count
@@ -39,7 +42,9 @@ BATCHES = (1, 8, 64) if FULL else (1, 8)
 DRAFTS = (4, 5, 8) if FULL else (5,)
 VOCABS = (32000, 128256) if FULL else (32000,)
 MODES = ("greedy", "probs", "onehot", "warped")
-PROVIDERS = ("reference", "cpp", "triton", "cuda")
+PROVIDERS = ("reference", "cpp", "cpp-onerow", "triton", "cuda", "cuda-split")
+# providers that are another's kernel with the split-vocabulary path switched on or off
+SPLIT_SWITCH = {"cpp-onerow": ("cpp", "0"), "cuda-split": ("cuda", "1")}
 SAMPLING = {
     "greedy": dict(),
     "probs": dict(temperature=1.0),
@@ -72,10 +77,13 @@ CASES = [
 
 
 @pytest.mark.parametrize("B,K,V,mode,provider", CASES)
-def test_rejection_sample(benchmark, B, K, V, mode, provider):
-    device, dtype = provider_device(provider)
+def test_rejection_sample(benchmark, monkeypatch, B, K, V, mode, provider):
+    base, split = SPLIT_SWITCH.get(provider, (provider, None))
+    if split is not None:
+        monkeypatch.setenv("OSD_SAMPLER_SPLIT", split)
+    device, dtype = provider_device(base)
     logits, drafts, draft, kw = _chain(B, K, V, mode, dtype, device)
-    backend = BACKENDS[provider]
+    backend = BACKENDS[base]
 
     def run():
         out = rejection_sample(logits, drafts, draft, backend=backend, **kw)

@@ -314,7 +314,8 @@ bool topk_races(const RejectionSampleArgs& a, const RowSampling& rs, int64_t b, 
   return group;
 }
 
-// The residual max(0, p - q) race of row j over the whole row (the GPU's second pass).
+// The residual max(0, p - q) race of row j over the whole row (the GPU's second pass); a
+// plain row reads its exponentials from plain_row's w.e.
 Best residual_pass(const RejectionSampleArgs& a, const RowSampling& rs, int64_t b, int64_t j,
                    const float* l, const Geometry& g, const RowWarp& warp, bool plain,
                    SplitScratch& w) {
@@ -337,8 +338,10 @@ Best residual_pass(const RejectionSampleArgs& a, const RowSampling& rs, int64_t 
     float* p = w.p.data();
     float* d = w.d.data();
     float* keys = w.u.data();
-    exp2_and_sum(l + v0, warp.max, warp.c, n, p);
-    for (int64_t v = 0; v < n; ++v) p[v] *= inv_z;
+    // p from the chunk-relative exponentials plain_row kept for this row
+    const float scale = chunk_scale(w.chunks[k], warp.max, warp.c);
+    if (!(scale > 0.0f)) continue;
+    scale_row(w.e.data() + v0, scale * inv_z, n, p);
     load_row_any(a.draft_probs, a.draft_probs_dtype, q_base + v0 * a.draft_probs_stride_v,
                  a.draft_probs_stride_v, n, 1.0f, d);
     residual_row(p, d, n);

@@ -57,6 +57,10 @@ OSD_VECTOR_CLONES float exp2_and_sum(const float* l, float max, float c, int64_t
   return row_sum(e, n);
 }
 
+OSD_VECTOR_CLONES void scale_row(const float* x, float f, int64_t n, float* y) {
+  for (int64_t v = 0; v < n; ++v) y[v] = x[v] * f;
+}
+
 // Non-positive differences are zeroed by their sign bit so the loop vectorises.
 OSD_VECTOR_CLONES void residual_row(const float* p, float* d, int64_t n) {
   for (int64_t v = 0; v < n; ++v) {

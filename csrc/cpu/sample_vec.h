@@ -15,6 +15,9 @@ float exp_and_sum(const float* s, float max, int64_t n, float* e);
 // below 2^-150); returns sum e. max must be finite.
 float exp2_and_sum(const float* l, float max, float c, int64_t n, float* e);
 
+// y[v] = x[v] * f.
+void scale_row(const float* x, float f, int64_t n, float* y);
+
 // d[v] = max(0, p[v] - d[v]).
 void residual_row(const float* p, float* d, int64_t n);
 
