@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,6 +35,16 @@ from osd.models.config import ModelConfig
 from osd.models.llama import DecoderLM
 
 HBM_BYTES_PER_S = 4.8e12
+# the native chain sampler with its split-vocabulary kernels switched on (OSD_SAMPLER_SPLIT=1;
+# off by default on CUDA until they have run on a GPU), and its goals (mode, batch, µs)
+SPLIT = "native-split"
+SAMPLER_GOALS = [
+    ("T0.8 top-k 50 top-p 0.9", 1, 40),
+    ("T0.8 top-k 50 top-p 0.9", 64, 150),
+    ("draft probs", 1, 25),
+    ("greedy", 1, 15),
+    ("greedy", 64, 35),
+]
 
 
 def _time_us(fn, reps: int, device) -> float:
@@ -79,13 +90,19 @@ def samplers(dev, V: int, reps: int, backends: list[str]) -> list[dict]:
             per_row = {k: torch.full((B,), v, device=dev) for k, v in kw.items()}
             read = logits.numel() * 2 + (probs.numel() * 2 if probs is not None else 0)
             for backend in backends:
+                kernel = "native" if backend == SPLIT else backend
+                before = os.environ.get("OSD_SAMPLER_SPLIT")
+                os.environ["OSD_SAMPLER_SPLIT"] = "1" if backend == SPLIT else "0"
                 chain = _time_us(
                     lambda: osd_kernels.rejection_sample(
-                        logits, drafts, probs, seed=seed, offset=offset, backend=backend, **per_row
+                        logits, drafts, probs, seed=seed, offset=offset, backend=kernel, **per_row
                     ),
                     reps,
                     dev,
                 )
+                os.environ.pop("OSD_SAMPLER_SPLIT")
+                if before is not None:
+                    os.environ["OSD_SAMPLER_SPLIT"] = before
                 tree = (
                     _time_us(
                         lambda: osd_kernels.tree_rejection_sample(
@@ -102,7 +119,7 @@ def samplers(dev, V: int, reps: int, backends: list[str]) -> list[dict]:
                         reps,
                         dev,
                     )
-                    if probs is None
+                    if probs is None and backend != SPLIT
                     else None
                 )
                 rows.append(
@@ -261,7 +278,7 @@ def main(argv=None) -> int:
         tcfg = ModelConfig("LlamaForCausalLM", 32000, 2048, 5632, 22, 32, 4, 64)
         dcfg = ModelConfig("LlamaForCausalLM", 32000, 512, 1408, 2, 8, 2, 64)
         batches = (1, 8, 64)
-    backends = ["native", "triton"] if dev.type == "cuda" else ["native"]
+    backends = ["native", SPLIT, "triton"] if dev.type == "cuda" else ["native", SPLIT]
     res = {
         "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -329,6 +346,13 @@ def report(res: dict) -> str:
         f"| plain decode, batch 1, fused decode layer | >= 60% of the HBM roofline | "
         f"{d['plain_fused_b1_fraction']:.0%} |",
     ]
+    for mode, B, goal in SAMPLER_GOALS:
+        for r in res["samplers"]:
+            if (r["mode"], r["B"], r["backend"]) == (mode, B, SPLIT):
+                lines.append(
+                    f"| chain sampler {mode}, batch {B} ({SPLIT}) | <= {goal} µs | "
+                    f"{r['chain_us']:.1f} µs |"
+                )
     for r in d["batches"]:
         lines.append(
             f"| random draft, auto_k / plain, batch {r['B']} | >= 0.97x | "
