@@ -334,7 +334,15 @@ def rejection_sample(
         generator: a CPU ``torch.Generator`` used to draw ``seed`` when it is None
             (``torch.randint(2**63 - 1, (B,), generator=generator)``; the global generator
             if None too); ``offset`` defaults to 0.
-        backend: ``auto`` | ``reference`` | ``native`` | ``triton``.
+        backend: ``auto`` | ``reference`` | ``native`` | ``triton``. ``auto`` takes the
+            native kernel on CPU and, when the extension was built with CUDA, on CUDA; the
+            Triton kernel (one program per sequence, not the split-vocabulary design) only
+            on CUDA without a native build, where the reference would sync the host.
+            ``native`` takes the split-vocabulary path for greedy, temperature-only and
+            top-k <= 128 sequences (``csrc/kernels/chunk_stats.h``) and the
+            one-row-per-sequence path for the others; ``OSD_SAMPLER_SPLIT=1`` / ``0``
+            forces it on / off, and on CUDA it is off unless set (its kernels have not run
+            on a GPU yet).
 
     Returns:
         ``output_token_ids [B, K+1]`` int64: the accepted drafts, then exactly one
@@ -363,6 +371,7 @@ def rejection_sample(
     )
     _check_values(target_logits, draft_token_ids, params)
     device = target_logits.device
+    # Triton only as the fallback of a CUDA device the native build lacks
     impl = resolve_backend(backend, device, prefer_triton_on_gpu=not native_has_device(device))
     if impl == "reference":
         return rejection_sample_reference(
