@@ -12,8 +12,11 @@ temperature 0.8, top-k 50, top-p 0.9). Providers: ``reference`` and ``cpp`` on C
 (float32; ``cpp`` takes the split-vocabulary path where it applies, ``cpp-onerow`` the
 one-row path: ``OSD_SAMPLER_SPLIT=0``); ``triton``, ``cuda`` (the one-block-per-sequence
 kernel, CUDA's default until the split kernels have run on a GPU) and ``cuda-split``
-(``OSD_SAMPLER_SPLIT=1``) on GPU (bfloat16 logits), skipped without one. Every provider's
-output is checked to equal the reference before it is timed.
+(``OSD_SAMPLER_SPLIT=1``) on GPU (bfloat16 logits), skipped without one; ``flashinfer`` on
+GPU (``bench.flashinfer_providers``: FlashInfer's softmax, top-k / top-p renorm and
+``chain_speculative_sampling``). Every provider's output is checked to equal the reference
+before it is timed (FlashInfer's sampled output for its form only: its random stream is
+not our Philox stream).
 
 Default sweep: B in {1, 8}, K = 5, V = 32000. ``OSD_BENCH_FULL=1``: B in {1, 8, 64},
 K in {4, 5, 8}, V in {32000, 128256}. ``OSD_BENCH_THREADS`` sets torch's CPU thread count
@@ -36,13 +39,18 @@ from bench.common import (
     tensor_bytes,
     to_device,
 )
+from bench.flashinfer_providers import (
+    assert_chain_output,
+    flashinfer_device,
+    flashinfer_rejection_sample,
+)
 from osd_kernels import rejection_sample, rejection_sample_reference
 
 BATCHES = (1, 8, 64) if FULL else (1, 8)
 DRAFTS = (4, 5, 8) if FULL else (5,)
 VOCABS = (32000, 128256) if FULL else (32000,)
 MODES = ("greedy", "probs", "onehot", "warped")
-PROVIDERS = ("reference", "cpp", "cpp-onerow", "triton", "cuda", "cuda-split")
+PROVIDERS = ("reference", "cpp", "cpp-onerow", "triton", "cuda", "cuda-split", "flashinfer")
 # providers that are another's kernel with the split-vocabulary path switched on or off
 SPLIT_SWITCH = {"cpp-onerow": ("cpp", "0"), "cuda-split": ("cuda", "1")}
 SAMPLING = {
@@ -81,12 +89,14 @@ def test_rejection_sample(benchmark, monkeypatch, B, K, V, mode, provider):
     base, split = SPLIT_SWITCH.get(provider, (provider, None))
     if split is not None:
         monkeypatch.setenv("OSD_SAMPLER_SPLIT", split)
-    device, dtype = provider_device(base)
+    fi = provider == "flashinfer"
+    device, dtype = flashinfer_device() if fi else provider_device(base)
     logits, drafts, draft, kw = _chain(B, K, V, mode, dtype, device)
-    backend = BACKENDS[base]
+    backend = BACKENDS.get(base)
+    sample = flashinfer_rejection_sample if fi else rejection_sample
 
     def run():
-        out = rejection_sample(logits, drafts, draft, backend=backend, **kw)
+        out = sample(logits, drafts, draft, backend=backend, **kw)
         if device == "cuda":
             torch.cuda.synchronize()
         return out
@@ -94,7 +104,10 @@ def test_rejection_sample(benchmark, monkeypatch, B, K, V, mode, provider):
     want = rejection_sample_reference(
         *to_device((logits, drafts, draft), "cpu"), **to_device(kw, "cpu")
     )
-    assert_same(run(), want, provider)
+    if fi:  # FlashInfer's random stream differs: tokens are equal only when greedy
+        assert_chain_output(run(), want, drafts, greedy=mode == "greedy")
+    else:
+        assert_same(run(), want, provider)
     benchmark.pedantic(run, rounds=3 if provider == "reference" else 10, warmup_rounds=1)
     benchmark.extra_info.update(
         provider=provider,
