@@ -16,7 +16,7 @@ import osd
 from osd.draft_build.cli import command_line
 from osd.draft_build.common import ThreadTuner, cache_dir, log, progress_bar, split_heldout
 from osd.draft_build.data import Example, load_teacher_set, make_data, teacher_file
-from osd.draft_build.recipe import DATA, DRAFT, TEACHER_SETS, TRAIN, DataRecipe
+from osd.draft_build.recipe import DATA, DRAFT, HEAD_VOCAB, TEACHER_SETS, TRAIN, DataRecipe
 from osd.draft_build.train import evaluate, init_draft, save_draft, train_draft
 from osd.models.loading import HEAD_VOCAB_FILE, load_tokenizer
 from osd.zoo import chat as zoo_chat
@@ -69,13 +69,14 @@ def build_head_vocab_only(args) -> int:
     data_file = teacher_file(DATA)
     if os.path.isfile(data_file):
         examples = [Example(**e) for e in torch.load(data_file, weights_only=True)["examples"]]
-    ids = head_vocab(tokenizer, args.head_vocab, examples) if args.head_vocab else None
+    size = HEAD_VOCAB if args.head_vocab is None else args.head_vocab
+    ids = head_vocab(tokenizer, size, examples) if size else None
     write_head_vocab(args.out, ids)
     meta_file = os.path.join(args.out, "build.json")
     if os.path.isfile(meta_file):
         with open(meta_file) as f:
             meta = json.load(f)
-        meta["head_vocab"] = args.head_vocab
+        meta["head_vocab"] = size
         meta["head_vocab_command"] = command_line(args)
         with open(meta_file, "w") as f:
             json.dump(meta, f, indent=2, sort_keys=True)
@@ -93,6 +94,7 @@ def build(args) -> int:
     the budget, the checkpoint and its head vocabulary at ``--out``."""
     wall0 = time.monotonic()
     deadline = wall0 + 60.0 * args.minutes
+    head_size = HEAD_VOCAB if args.head_vocab is None else args.head_vocab
     data_recipe = DataRecipe(prompts=args.prompts) if args.prompts else DATA
     target_path = zoo_chat.fetch_target()
     data_file = teacher_file(data_recipe)
@@ -164,16 +166,14 @@ def build(args) -> int:
         "minutes_budget": args.minutes,
         "data_share": args.data_share,
         "max_threads": args.threads,
-        "head_vocab": args.head_vocab,
+        "head_vocab": head_size,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "command": command_line(args),
     }
     save_draft(model, args.out, meta)
-    if args.head_vocab:
-        write_head_vocab(
-            args.out, head_vocab(load_tokenizer(target_path), args.head_vocab, examples)
-        )
+    if head_size:
+        write_head_vocab(args.out, head_vocab(load_tokenizer(target_path), head_size, examples))
     log(
         f"wrote {args.out} in {wall:.0f} s: final loss {info['final_loss']}, held-out "
         f"overlap {final['overlap']}, greedy agreement {final['agree']}"

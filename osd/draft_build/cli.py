@@ -13,11 +13,16 @@ import sys
 from osd.draft_build.recipe import DATA, HEAD_VOCAB
 from osd.zoo import locate
 
-DESCRIPTION = "Build the chat pair's draft (SmolLM2-135M-Instruct) by distillation, or measure it."
+DESCRIPTION = (
+    "Build a draft by distillation from its target: the chat pair's (SmolLM2-135M-Instruct), "
+    "or with --target one for any model osd loads; or measure the chat pair's."
+)
 
 EPILOG = """\
 examples:
-  osd draft build                  # teacher data + training, into --out
+  osd draft build --target model.gguf --minutes 30   # a draft for your own target
+  osd draft build --target ./hf-checkpoint-dir --out ./my-draft
+  osd draft build                  # the chat pair's draft: teacher data + training
   osd draft build --reuse-data     # train again on the cached teacher data
   osd draft build --minutes 4 --prompts 48 --out /tmp/d   # a smoke build
   osd draft build --measure        # c, alpha, tau, tokens/s of the draft at --out
@@ -57,6 +62,19 @@ stages (a progress bar each):
      never proposes the rare tokens and verification stays exact. --head-vocab-only
      writes this file into an existing draft (--head-vocab 0 removes it).
 
+--target PATH (a GGUF file or a Hugging Face checkpoint directory that
+osd.Engine.from_pretrained loads) builds a draft for that target instead, within
+--minutes in all (docs/chat_draft.md, "A draft for your own target"): a shape chosen from
+the target's config (osd.draft_build.shape), teacher answers from the target on prompts
+made from the standard library (in its chat template when it has one, else plain text),
+a reduced head vocabulary when the vocabulary is large, training, and a short
+measurement on this machine whose fastest speculation settings go into the draft's
+serving.json. Progress lines show each stage's ETA. The work is kept in OUT/.build: run
+the same command again after an interruption and it continues (the time of every run
+counts against --minutes); --fresh starts over, --reuse-data trains again on the saved
+teacher data. --out defaults to ~/.cache/osd/drafts/<target name>. Then:
+osd draft eval --target PATH --draft OUT.
+
 --measure loads the target and the draft once and, on held-out chat prompts, reports
 the draft cost c, greedy acceptance and tokens per step, and tokens/s of plain against
 speculative decoding, timed side by side with the order rotated per prompt
@@ -65,7 +83,7 @@ speculative decoding, timed side by side with the order rotated per prompt
 
 # What `osd draft build`'s subparser is made with (osd/cli.py).
 PARSER_KWARGS = dict(
-    help="build the chat pair's draft by distillation from its target (or measure it)",
+    help="build a draft by distillation from its target (the chat pair's, or --target's)",
     description=DESCRIPTION,
     epilog=EPILOG,
     formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -115,10 +133,17 @@ def _share(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``osd draft build``."""
     parser.add_argument(
+        "--target",
+        default=None,
+        help="build a draft for this target instead (a .gguf file or a checkpoint "
+        "directory that osd.Engine.from_pretrained loads)",
+    )
+    parser.add_argument(
         "--out",
         default=default_out(),
         help="the draft's checkpoint directory: written by the build, read by --measure "
-        "and --head-vocab-only (default %(default)s)",
+        "and --head-vocab-only (default %(default)s; with --target "
+        "~/.cache/osd/drafts/<target name>)",
     )
     parser.add_argument(
         "--minutes",
@@ -141,7 +166,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reuse-data",
         action="store_true",
-        help="train on the cached teacher data of the same recipe if present",
+        help="train on the cached teacher data of the same recipe if present (with "
+        "--target: on the teacher data saved at --out, with a new budget)",
+    )
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="with --target: discard the build saved at --out and start over",
     )
     parser.add_argument(
         "--data-sets",
@@ -161,8 +192,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--head-vocab",
         type=_at_least(int, 0),
-        default=HEAD_VOCAB,
-        help="rows the draft's output head keeps (default %(default)s; 0: all)",
+        default=None,
+        help=f"rows the draft's output head keeps (0: all; default {HEAD_VOCAB}, with "
+        "--target chosen from its vocabulary size)",
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
@@ -230,6 +262,10 @@ def command_line(args: argparse.Namespace) -> str:
     return " ".join(parts)
 
 
+# Modes of the chat pair's build that --target does not have.
+TARGET_EXCLUDES = ("measure", "shapes", "head_vocab_only")
+
+
 def run(args: argparse.Namespace) -> int:
     """Build (or measure) as ``args`` say; 0 on success."""
     # The build's modules (torch, transformers, the teacher data) load only when the
@@ -239,6 +275,24 @@ def run(args: argparse.Namespace) -> int:
     from osd.draft_build import build, measure  # (see above) transformers, the kernels
 
     torch.set_num_threads(args.threads)
+    if args.target is not None:
+        # the --target build's modules: the chat pair's stay unloaded
+        from osd.draft_build import target_build
+
+        clash = [f"--{m.replace('_', '-')}" for m in TARGET_EXCLUDES if getattr(args, m)]
+        if clash:
+            print(
+                f"osd draft build: error: --target does not combine with {', '.join(clash)} "
+                "(measure a built draft with osd draft eval --target PATH --draft DIR)",
+                file=sys.stderr,
+            )
+            return 2
+        if not os.path.exists(args.target):
+            print(f"osd draft build: error: no target at {args.target}", file=sys.stderr)
+            return 2
+        if args.out == default_out():
+            args.out = target_build.default_out(args.target)
+        return target_build.build_for_target(args)
     if args.shapes:
         return measure.time_shapes(args)
     if args.measure:

@@ -1,6 +1,6 @@
-"""What every stage of the draft builds shares: logging, progress bars, the thread-count
-tuner, the teacher-data cache directory and the checkpoint writer (also used by
-``scripts/build_chat_eagle.py``)."""
+"""What every stage of the draft builds shares: logging, progress bars and status lines,
+the thread-count tuner, the teacher-data cache directory and the checkpoint writer (also
+used by ``scripts/build_chat_eagle.py``)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,78 @@ def progress_bar(total, desc, unit):
     if tqdm is None:
         return None
     return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, mininterval=2.0)
+
+
+def clock(seconds: float) -> str:
+    """``m:ss`` (``h:mm:ss`` from an hour)."""
+    s = max(0, int(round(seconds)))
+    return (
+        f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+    )
+
+
+class Progress:
+    """Status lines of one stage with its ETA: on a terminal one line rewritten in place,
+    elsewhere (logs, pipes) a line every ``every`` seconds.
+
+    The ETA is the sooner of the work's pace (what is left of ``total`` at the rate so
+    far) and the stage's ``deadline`` (``time.monotonic()``); ``build_end`` is when the
+    whole build's budget ends."""
+
+    def __init__(
+        self,
+        stage: str,
+        total: float,
+        unit: str,
+        deadline: float,
+        build_end: float,
+        every: float | None = None,
+        stream=None,
+    ) -> None:
+        self.stage, self.total, self.unit = stage, total, unit
+        self.deadline, self.build_end = deadline, build_end
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every = every if every is not None else (2.0 if self.tty else 20.0)
+        self.t0 = time.monotonic()
+        self.done0: float | None = None  # work already done when the stage (re)started
+        self.last = -1e9
+        self.line = ""
+
+    def line_for(self, done: float, extra: str = "", now: float | None = None) -> str:
+        now = time.monotonic() if now is None else now
+        if self.done0 is None:
+            self.done0 = done
+        rate = (done - self.done0) / max(now - self.t0, 1e-9)
+        left = self.deadline - now
+        if rate > 0 and self.total > done:
+            left = min(left, (self.total - done) / rate)
+        elif done >= self.total:
+            left = 0.0
+        parts = [f"{self.stage}: {done:.0f}/{self.total:.0f} {self.unit}"]
+        if extra:
+            parts.append(extra)
+        parts.append(f"stage ETA {clock(left)}")
+        parts.append(f"build ends in {clock(self.build_end - now)} at the latest")
+        return "[osd draft build] " + " | ".join(parts)
+
+    def update(self, done: float, extra: str = "", force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last < self.every:
+            return
+        self.last = now
+        self.line = self.line_for(done, extra, now)
+        if self.tty:
+            print("\r" + self.line.ljust(120)[: max(120, len(self.line))], end="", file=self.stream)
+            self.stream.flush()
+        else:
+            print(self.line, file=self.stream, flush=True)
+
+    def close(self, done: float, extra: str = "") -> None:
+        """The stage's last line (and the terminal's line break)."""
+        self.update(done, extra, force=True)
+        if self.tty:
+            print(file=self.stream, flush=True)
 
 
 class ThreadTuner:

@@ -64,12 +64,17 @@ def teacher_data(
     recipe: DataRecipe,
     deadline: float,
     tuner: ThreadTuner,
+    on_example=None,
+    bar: bool = True,
 ) -> tuple[list[Example], bool]:
     """Answer ``prompts`` with the target ``model`` (osd ``DecoderLM``), continuous batching.
 
     Rows that finish (EOS or ``max_new_tokens``) leave the batch and waiting prompts are
     prefilled into the free rows. Past ``deadline`` (``time.monotonic()``) no new prompt
     starts; rows in flight finish. Returns ``(examples in prompt order, stopped early)``.
+    ``on_example(i, example, new_tokens)``, when given, sees each example as it finishes
+    (``i``: its index in ``prompts``; ``new_tokens``: tokens generated so far), so a
+    caller can save them as they come; ``bar=False`` leaves out the tqdm bar.
     """
     B, k = recipe.batch_size, recipe.topk
     eos = set(model.config.eos_token_ids)
@@ -82,7 +87,7 @@ def teacher_data(
     ones = torch.ones(B, dtype=torch.int32)
     done: dict[int, Example] = {}
     stopped = False
-    bar = progress_bar(len(prompts), "teacher answers", "prompt")
+    bar = progress_bar(len(prompts), "teacher answers", "prompt") if bar else None
     new_tokens = 0
     t0 = time.monotonic()
 
@@ -127,7 +132,7 @@ def teacher_data(
                         "ids": [tk_ids],
                         "probs": [tk_p],
                         "cached": L,
-                        "feats": [hidden[b, :L].to(torch.float16)],
+                        "feats": [hidden[b, :L].to(torch.float16)] if recipe.features else [],
                     }
                 )
             last = logits[torch.arange(len(new)), lengths.long() - 1]
@@ -147,7 +152,8 @@ def teacher_data(
                 r["cached"] += 1
                 r["ids"].append(tk_ids[b : b + 1])
                 r["probs"].append(tk_p[b : b + 1])
-                r["feats"].append(hidden[b, :1].to(torch.float16))
+                if recipe.features:
+                    r["feats"].append(hidden[b, :1].to(torch.float16))
             tokens = sample(logits, active)
             next_tok[:n] = tokens
             first = 0
@@ -172,6 +178,8 @@ def teacher_data(
                 )
                 assert done[i].topk_ids.shape[0] == toks.numel() - start
                 assert not recipe.features or done[i].features.shape[0] == toks.numel() - 1
+                if on_example is not None:
+                    on_example(i, done[i], new_tokens)
                 last = len(active) - 1
                 if b != last:
                     cache.move_row(last, b)

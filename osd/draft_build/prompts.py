@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import os
 import random
+import re
 import textwrap
 from dataclasses import dataclass
 
@@ -43,29 +44,57 @@ def stdlib_functions(
         except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
             continue
         module = rel[:-3].replace("/", ".").removesuffix(".__init__")
+        segments, text_lines = _split_lines(source), source.splitlines()
         for node in ast.walk(tree):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
-            seg = ast.get_source_segment(source, node)
+            seg = _segment(segments, node)
             if seg is None:
                 continue
             code = textwrap.dedent(" " * node.col_offset + seg)
-            lines = code.count("\n") + 1
-            if min_lines <= lines <= max_lines and len(code) <= max_chars:
+            n_lines = code.count("\n") + 1
+            if min_lines <= n_lines <= max_lines and len(code) <= max_chars:
                 found.append(
                     Function(
-                        module, node.name, code, ast.get_docstring(node), _skeleton(source, node)
+                        module,
+                        node.name,
+                        code,
+                        ast.get_docstring(node),
+                        _skeleton(text_lines, node),
                     )
                 )
     return found
 
 
-def _skeleton(source: str, node: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
-    """The function's def line(s) and docstring, dedented; None without a docstring or
-    without a body after it."""
+# A source line with its end: the parser's line breaks are \r\n, \r and \n (not form feed).
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
+
+
+def _split_lines(source: str) -> list[str]:
+    """``source``'s lines with their ends, split as ``ast.get_source_segment`` splits them."""
+    return _LINE.findall(source)
+
+
+def _segment(lines: list[str], node: ast.AST) -> str | None:
+    """``ast.get_source_segment(source, node)`` from ``source``'s :func:`_split_lines`:
+    the same text, without splitting the whole file again for every node (which made
+    scanning the standard library take minutes)."""
+    if getattr(node, "end_lineno", None) is None or getattr(node, "end_col_offset", None) is None:
+        return None
+    first, last = node.lineno - 1, node.end_lineno - 1
+    if first == last:
+        return lines[first].encode()[node.col_offset : node.end_col_offset].decode()
+    head = lines[first].encode()[node.col_offset :].decode()
+    tail = lines[last].encode()[: node.end_col_offset].decode()
+    return "".join([head, *lines[first + 1 : last], tail])
+
+
+def _skeleton(text_lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
+    """The function's def line(s) and docstring (``text_lines``: the source's
+    ``splitlines()``), dedented; None without a docstring or without a body after it."""
     if ast.get_docstring(node) is None or len(node.body) < 2:
         return None
-    lines = source.splitlines()[node.lineno - 1 : node.body[0].end_lineno]
+    lines = text_lines[node.lineno - 1 : node.body[0].end_lineno]
     return textwrap.dedent("\n".join(lines)) + "\n"
 
 

@@ -37,7 +37,7 @@ def llama_config(shape: DraftShape, target_config) -> LlamaConfig:
         rope_theta=shape.rope_theta,
         tie_word_embeddings=True,
         bos_token_id=target_config.bos_token_id,
-        eos_token_id=list(target_config.eos_token_ids)[0],
+        eos_token_id=next(iter(target_config.eos_token_ids), None),
         pad_token_id=2,
         architectures=["LlamaForCausalLM"],
     )
