@@ -1,0 +1,381 @@
+"""Where a CPU decode step's time goes: the chat target at batch 1, step by step.
+
+The chat pair (``osd.zoo.chat_pair()``: the SmolLM2-135M-Instruct GGUF, its weights kept
+quantized on the CPU as ``Engine.from_pretrained`` does by default, and its draft) at
+batch 1, greedy, ``--threads`` torch threads (default 2), in three configurations:
+
+- ``plain``: ``Engine.from_pretrained(target)``, one token per step;
+- ``draft``: the draft model with the settings its ``serving.json`` recommends beside a
+  float target (``"spec"``: a chain of 3 with prompt-lookup trees, the draft in Q8_0);
+- ``lookup``: ``Engine.from_pretrained(target, draft=draft)`` as a user gets it beside a
+  quantized target: the draft's ``"quantized_target"`` settings, prompt lookup alone.
+
+One step is one ``Engine.step()`` after the prompt's (the prefill step is left out),
+timed between the yields of ``Engine.stream``. Per configuration it reports the wall per
+step (median and mean over every step of ``--prompts`` chat prompts of the evaluation set's
+"explain" workload, ``--tokens`` new tokens each), then a second pass under
+``torch.profiler`` (CPU, ``record_shapes`` off) gives the time inside torch ops, summed
+by op name (self time, so nested ops are not counted twice); the rest of the step, wall
+minus op time, is Python and bookkeeping (scheduling, sampling-parameter tensors, the
+step's read-back, appending tokens). The profiler slows each op call by a few µs, so the
+op time it reports is an upper bound and the Python time a lower bound.
+
+Memory traffic: a decode step reads every weight of the target once (the quantized
+layers' blocks and scales, the output head, the norms; one row of the embedding) and the
+cache's K/V up to the current length. The machine's read bandwidth is measured here
+(``torch.sum`` over ``--bw-mib`` MiB, best of several; a copy's read + write beside it),
+and their ratio is the plain decode roofline in tokens/s.
+
+    .venv/bin/python scripts/profile_step.py [--json out.json] [--py-spy]
+    .venv/bin/python scripts/profile_step.py --compare /tmp/osd_before [--rounds 4]
+
+``--py-spy`` samples one more pass of each configuration with py-spy (when installed) and
+lists the osd functions the step's Python time is spent in. ``--compare TREE`` times the
+steps of this tree against another checkout of the project (a ``git worktree`` or
+``git archive`` of an older commit, with the built ``osd_kernels/_C*.so`` copied in),
+each in a subprocess, alternating the two trees round by round, and prints the µs per
+step each one takes and the difference; greedy outputs must agree token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+
+import torch
+
+import osd
+from osd.chat_template import apply_chat_template
+from osd.models.quant import QuantLinear
+from osd.spec import draft_serving_defaults
+from osd.zoo import chat_pair
+from osd.zoo.workloads import evaluation_set
+
+CONFIGS = ("plain", "draft", "lookup")
+TOP_OPS = 15
+
+
+def build_engine(name: str, target: str, draft: str) -> osd.Engine:
+    """The engine of configuration ``name`` (see the module docstring), batch 1."""
+    if name == "plain":
+        return osd.Engine.from_pretrained(target, max_batch_size=1)
+    if name == "draft":
+        spec = draft_serving_defaults(draft)[0]
+        return osd.Engine.from_pretrained(target, draft=draft, spec=spec, max_batch_size=1)
+    if name == "lookup":
+        return osd.Engine.from_pretrained(target, draft=draft, max_batch_size=1)
+    raise ValueError(f"unknown configuration {name!r} (one of {', '.join(CONFIGS)})")
+
+
+def prompts_of(engine: osd.Engine, n: int) -> list[list[int]]:
+    """Token ids of the first ``n`` prompts of the evaluation set's "explain" workload."""
+    explain = next(w for w in evaluation_set(n=n) if w.name == "explain")
+    return apply_chat_template(engine.tokenizer, [list(p) for p in explain.prompts])
+
+
+def run_steps(engine: osd.Engine, ids: list[int], tokens: int, profiler=None):
+    """Generate ``tokens`` greedy tokens from ``ids``; returns the wall of every step after
+    the prefill step, the tokens each emitted, and the output ids. ``profiler`` (a
+    ``torch.profiler.profile``) is started after the prefill step and stopped at the end."""
+    params = osd.SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    out, walls, emitted = [], [], []
+    steps = engine.stream(ids, params)
+    out += next(steps)  # the prefill step (and the first decode step with it)
+    if profiler is not None:
+        profiler.start()
+    t0 = time.perf_counter()
+    for new in steps:
+        t1 = time.perf_counter()
+        walls.append(t1 - t0)
+        emitted.append(len(new))
+        out += new
+        t0 = time.perf_counter()
+    if profiler is not None:
+        profiler.stop()
+    return walls, emitted, out
+
+
+def timed_pass(engine, prompts, tokens) -> dict:
+    """Every step's wall and emitted tokens over ``prompts``, and a digest of the outputs."""
+    walls, emitted, digest = [], [], hashlib.sha256()
+    for ids in prompts:
+        w, e, out = run_steps(engine, ids, tokens)
+        walls += w
+        emitted += e
+        digest.update(json.dumps(out).encode())
+    return {"walls": walls, "emitted": emitted, "digest": digest.hexdigest()[:16]}
+
+
+def profiled_pass(engine, prompts, tokens) -> tuple[dict, int, float]:
+    """``({op name: (calls, self µs)}, steps, profiled wall s)`` summed over ``prompts``."""
+    ops: dict[str, list] = {}
+    steps, wall = 0, 0.0
+    for ids in prompts:
+        prof = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False
+        )
+        w, _, _ = run_steps(engine, ids, tokens, profiler=prof)
+        steps += len(w)
+        wall += sum(w)
+        for evt in prof.key_averages():
+            entry = ops.setdefault(evt.key, [0, 0.0])
+            entry[0] += evt.count
+            entry[1] += evt.self_cpu_time_total
+    return {k: tuple(v) for k, v in ops.items()}, steps, wall
+
+
+def weight_bytes(model) -> dict:
+    """Bytes a decode step reads from the target's weights: every quantized layer (blocks,
+    scales, mins, bias), every other parameter except the input embedding (of which one
+    row is read), and that row."""
+    quant = sum(
+        sum(
+            t.numel() * t.element_size()
+            for t in (m.qweight, m.scales, m.mins, m.bias)
+            if t is not None
+        )
+        for m in model.modules()
+        if isinstance(m, QuantLinear)
+    )
+    embed = model.embed_tokens.weight
+    seen = {id(embed)}
+    other = 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            other += p.numel() * p.element_size()
+    row = embed.shape[1] * embed.element_size()
+    return {"quantized": quant, "float": other, "embedding_row": row, "total": quant + other + row}
+
+
+def kv_bytes_per_position(model) -> int:
+    """Bytes of K and V one cached position holds over all layers (float32 cache)."""
+    c = model.config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+
+
+def bandwidth(mib: int, reps: int = 7) -> dict:
+    """The machine's memory bandwidth through torch: ``sum`` of a ``mib`` MiB float32 tensor
+    (bytes read per second) and ``copy_`` into another (bytes read + written), best of
+    ``reps``."""
+    n = mib * 2**20 // 4
+    a = torch.ones(n)
+    b = torch.empty_like(a)
+    best_sum = best_copy = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a.sum()
+        t1 = time.perf_counter()
+        b.copy_(a)
+        t2 = time.perf_counter()
+        best_sum, best_copy = min(best_sum, t1 - t0), min(best_copy, t2 - t1)
+    nbytes = n * 4
+    return {
+        "read_gbs": nbytes / best_sum / 1e9,
+        "copy_gbs": 2 * nbytes / best_copy / 1e9,
+        "mib": mib,
+    }
+
+
+def summarise(name: str, timed: dict, ops: dict, op_steps: int, op_wall: float) -> dict:
+    walls, emitted = timed["walls"], timed["emitted"]
+    mean_us = statistics.fmean(walls) * 1e6
+    op_us = {k: (calls / op_steps, us / op_steps) for k, (calls, us) in ops.items()}
+    total_op_us = sum(us for _, us in op_us.values())
+    top = sorted(op_us.items(), key=lambda kv: -kv[1][1])[:TOP_OPS]
+    return {
+        "config": name,
+        "steps": len(walls),
+        "median_us": statistics.median(walls) * 1e6,
+        "mean_us": mean_us,
+        "tokens_per_step": sum(emitted) / len(walls),
+        "us_per_token": sum(walls) / sum(emitted) * 1e6,
+        "tokens_per_s": sum(emitted) / sum(walls),
+        "profiled_mean_us": op_wall / op_steps * 1e6,
+        "op_us": total_op_us,
+        "op_calls": sum(c for c, _ in op_us.values()),
+        "python_us": mean_us - total_op_us,
+        "top_ops": [{"op": k, "calls": c, "us": us} for k, (c, us) in top],
+        "digest": timed["digest"],
+    }
+
+
+def pyspy_summary(name: str, args) -> list[tuple[str, float]] | None:
+    """py-spy samples of the steps of ``name``: the share of step samples whose deepest
+    osd / osd_kernels frame is each function (what Python spends the step in, the torch
+    calls it makes included). None when py-spy is not installed."""
+    exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(exe):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "raw.txt")
+        child = [sys.executable, __file__, "--only", name, "--timing-only", "--json", os.devnull]
+        child += ["--tokens", str(args.tokens), "--prompts", str(args.prompts)]
+        child += ["--threads", str(args.threads)]
+        cmd = [exe, "record", "-r", "500", "-f", "raw", "-o", raw, "--", *child]
+        subprocess.run(cmd, check=True, capture_output=True)
+        counts: Counter = Counter()
+        total = 0
+        with open(raw) as f:
+            for line in f:
+                stack, _, n = line.rstrip().rpartition(" ")
+                frames = stack.split(";")
+                if not any(fr.startswith("Scheduler.step ") for fr in frames):
+                    continue
+                total += int(n)
+                ours = [fr for fr in frames if "osd/" in fr or "osd_kernels/" in fr]
+                counts[ours[-1].split(" (")[0] if ours else "(other)"] += int(n)
+    return [(k, v / total) for k, v in counts.most_common(TOP_OPS)] if total else []
+
+
+def profile(args) -> dict:
+    torch.set_num_threads(args.threads)
+    target, draft = chat_pair()
+    report = {"threads": args.threads, "tokens": args.tokens, "prompts": args.prompts}
+    report["osd_path"] = os.path.dirname(osd.__file__)
+    if not args.timing_only:
+        report["bandwidth"] = bandwidth(args.bw_mib)
+    report["configs"] = {}
+    for name in args.only or CONFIGS:
+        engine = build_engine(name, target, draft)
+        prompts = prompts_of(engine, args.prompts)
+        if name == "plain" and not args.timing_only:
+            report["weights"] = weight_bytes(engine.model)
+            report["kv_bytes_per_position"] = kv_bytes_per_position(engine.model)
+            report["mean_context"] = statistics.fmean(len(p) for p in prompts) + args.tokens / 2
+        run_steps(engine, prompts[0], min(args.tokens, 32))  # warm-up
+        timed = timed_pass(engine, prompts, args.tokens)
+        if args.timing_only:
+            report["configs"][name] = timed
+            continue
+        ops, op_steps, op_wall = profiled_pass(engine, prompts, args.tokens)
+        row = summarise(name, timed, ops, op_steps, op_wall)
+        if args.py_spy:
+            row["py_spy"] = pyspy_summary(name, args)
+        report["configs"][name] = row
+        del engine
+    return report
+
+
+def print_report(report: dict) -> None:
+    rows = report["configs"]
+    print(
+        f"\nchat target Q4_1 kept quantized, batch 1, {report['threads']} threads, greedy, "
+        f"{report['prompts']} prompts x {report['tokens']} new tokens"
+    )
+    print(
+        "| config | µs/step (median) | µs/step (mean) | tokens/step | tokens/s | ops µs/step "
+        "| op calls/step | Python µs/step | Python share |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows.values():
+        print(
+            f"| {r['config']} | {r['median_us']:.0f} | {r['mean_us']:.0f} | "
+            f"{r['tokens_per_step']:.2f} | {r['tokens_per_s']:.1f} | {r['op_us']:.0f} | "
+            f"{r['op_calls']:.0f} | {r['python_us']:.0f} | {r['python_us'] / r['mean_us']:.0%} |"
+        )
+    for r in rows.values():
+        print(
+            f"\n{r['config']}: top {TOP_OPS} ops by self time (profiled step "
+            f"{r['profiled_mean_us']:.0f} µs)"
+        )
+        print("| op | calls/step | µs/step | share of step |")
+        print("|---|---|---|---|")
+        for o in r["top_ops"]:
+            print(
+                f"| `{o['op']}` | {o['calls']:.1f} | {o['us']:.0f} | {o['us'] / r['mean_us']:.1%} |"
+            )
+        if r.get("py_spy"):
+            print(f"\n{r['config']}: py-spy, share of step samples by the deepest osd frame")
+            for fn, share in r["py_spy"]:
+                print(f"  {share:6.1%}  {fn}")
+    if "bandwidth" in report:
+        bw, w = report["bandwidth"], report["weights"]
+        kv = report["kv_bytes_per_position"] * report["mean_context"]
+        per_token = w["total"] + kv
+        roof = bw["read_gbs"] * 1e9 / per_token
+        plain = rows.get("plain")
+        print(
+            f"\nmemory: read {bw['read_gbs']:.1f} GB/s (sum), copy {bw['copy_gbs']:.1f} GB/s "
+            f"(read + write); a decode step reads {w['total'] / 1e6:.1f} MB of weights "
+            f"(quantized {w['quantized'] / 1e6:.1f}, float {w['float'] / 1e6:.2f}) + "
+            f"{kv / 1e6:.1f} MB of K/V at the mean context of {report['mean_context']:.0f}: "
+            f"roofline {roof:.0f} tokens/s"
+            + (f", plain decode at {plain['tokens_per_s'] / roof:.0%} of it" if plain else "")
+        )
+
+
+def compare(args) -> None:
+    """Time this tree's steps against ``args.compare``'s, alternating, and print both."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"before": os.path.abspath(args.compare), "after": here}
+    walls: dict = {t: {c: [] for c in args.only or CONFIGS} for t in trees}
+    rounds: dict = {t: {c: [] for c in args.only or CONFIGS} for t in trees}
+    digests: dict = {}
+    for i in range(args.rounds):
+        order = list(trees) if i % 2 == 0 else list(trees)[::-1]
+        for tree in order:
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                cmd = [sys.executable, os.path.abspath(__file__), "--timing-only"]
+                cmd += ["--json", out.name, "--tokens", str(args.tokens)]
+                cmd += ["--prompts", str(args.prompts), "--threads", str(args.threads)]
+                cmd += [x for c in args.only or () for x in ("--only", c)]
+                env = {**os.environ, "PYTHONPATH": trees[tree]}
+                subprocess.run(cmd, check=True, cwd=trees[tree], env=env)
+                got = json.load(open(out.name))
+            assert got["osd_path"].startswith(trees[tree]), (got["osd_path"], trees[tree])
+            for c, r in got["configs"].items():
+                walls[tree][c] += r["walls"]
+                rounds[tree][c].append(statistics.fmean(r["walls"]) * 1e6)
+                digests.setdefault(c, set()).add(r["digest"])
+            print(f"round {i + 1}/{args.rounds}: {tree} done", file=sys.stderr)
+    print(
+        f"\nbefore: {trees['before']}\nafter: {trees['after']}\n{args.rounds} rounds, "
+        f"{args.prompts} prompts x {args.tokens} tokens, {args.threads} threads"
+    )
+    print(
+        "| config | before µs/step (median) | after µs/step (median) | saved µs/step "
+        "| saved, paired rounds (median of mean differences) | outputs equal |"
+    )
+    print("|---|---|---|---|---|---|")
+    for c in walls["after"]:
+        b, a = (statistics.median(walls[t][c]) * 1e6 for t in ("before", "after"))
+        paired = statistics.median(x - y for x, y in zip(rounds["before"][c], rounds["after"][c]))
+        print(f"| {c} | {b:.0f} | {a:.0f} | {b - a:.0f} | {paired:.0f} | {len(digests[c]) == 1} |")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
+    p.add_argument("--prompts", type=int, default=2, help="explain prompts to run")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--only", action="append", choices=CONFIGS, help="run only these configs")
+    p.add_argument("--bw-mib", type=int, default=512, help="MiB of the bandwidth test")
+    p.add_argument("--json", help="write the report here")
+    p.add_argument("--py-spy", action="store_true", help="add a py-spy summary per config")
+    p.add_argument("--timing-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--compare", help="another checkout to time against, interleaved")
+    p.add_argument("--rounds", type=int, default=4, help="--compare: rounds per tree")
+    args = p.parse_args(argv)
+    if args.compare:
+        compare(args)
+        return
+    report = profile(args)
+    if not args.timing_only:
+        print_report(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
