@@ -123,7 +123,9 @@ class ModelRunner:
             if wants_penalties(active)
             else logits
         )
-        tokens = sample_tokens(step[:, 0], params, *self._sampling_keys(active))
+        # greedy rows draw nothing: sample_tokens takes the argmax without Philox keys
+        keys = (None, None) if params.greedy else self._sampling_keys(active)
+        tokens = sample_tokens(step[:, 0], params, *keys)
         lane.next_tokens[:B] = tokens
         self._record(active, tokens, bad, logits[:, 0])
         # The forward counts as "verify" (a one-token verify): the target's forward time.

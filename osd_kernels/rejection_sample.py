@@ -90,25 +90,55 @@ def check_sampling_values(params: RowParams) -> None:
         raise ValueError(f"top_p must lie in (0, 1] (1 = off), got {tp}")
 
 
+# (value, batch, dtype, device) -> a [batch] tensor of value: see _shared_full
+_SHARED: dict = {}
+
+
+def _shared_full(value, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.full((batch,), value)``, one tensor per key for every call that asks: the
+    kernels only read their per-row parameters, and a decode step would otherwise build
+    the same few ``[B]`` tensors again each time. CPU only (a tensor made while a CUDA
+    graph is captured would hold nothing until the graph replays); nothing is kept while
+    torch.compile traces (fake tensors)."""
+    key = (value, batch, dtype, device)
+    t = _SHARED.get(key)
+    if t is None:
+        t = torch.full((batch,), value, dtype=dtype, device=device)
+        if type(t) is torch.Tensor and not torch.compiler.is_compiling():
+            if len(_SHARED) >= 256:
+                _SHARED.clear()
+            _SHARED[key] = t
+    return t
+
+
 def _per_row(
-    name: str, value, batch: int, default, dtype: torch.dtype, device, kinds: tuple
+    name: str,
+    value,
+    batch: int,
+    default,
+    dtype: torch.dtype,
+    device,
+    kinds: tuple,
+    shared: bool = False,
 ) -> torch.Tensor:
     if value is None:
-        return torch.full((batch,), default, dtype=dtype, device=device)
-    if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+        value = default
+    elif isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
         raise TypeError(f"{name} must be a [B] tensor or a number, got {type(value).__name__}")
     if not torch.is_tensor(value):
         if not isinstance(value, kinds):
             raise TypeError(
                 f"{name} must be {'an integer' if kinds == (int,) else 'a number'}, got {value!r}"
             )
+        if shared and device.type == "cpu":
+            return _shared_full(value, batch, dtype, device)
         return torch.full((batch,), value, dtype=dtype, device=device)
     if value.shape != (batch,):
         raise ValueError(f"{name} must have shape [B={batch}], got {tuple(value.shape)}")
     check_on_device(name, value, device)
     if kinds == (int,) and value.is_floating_point():
         raise TypeError(f"{name} must be an integer tensor, got {value.dtype}")
-    return value.to(dtype)
+    return value if value.dtype == dtype else value.to(dtype)
 
 
 def sampling_params(
@@ -122,8 +152,11 @@ def sampling_params(
     seed=None,
     offset=None,
     generator=None,
+    shared: bool = False,
 ) -> RowParams:
-    """Materialise the per-row parameters (defaults, seeds drawn from ``generator``)."""
+    """Materialise the per-row parameters (defaults, seeds drawn from ``generator``).
+    ``shared``: a default or a number becomes a CPU tensor shared with every other call
+    that asks for the same one (the caller must not write to it)."""
     batch, k = draft_token_ids.shape
     device = target_logits.device
     if generator is not None:
@@ -139,10 +172,14 @@ def sampling_params(
         and num_draft_tokens.dtype not in (torch.int32, torch.int64)
     ):
         raise TypeError(f"num_draft_tokens must be int32 (or int64), got {num_draft_tokens.dtype}")
-    n = _per_row("num_draft_tokens", num_draft_tokens, batch, k, torch.int32, device, (int,))
-    t = _per_row("temperature", temperature, batch, 0.0, torch.float32, device, (int, float))
-    tk = _per_row("top_k", top_k, batch, 0, torch.int32, device, (int,))
-    tp = _per_row("top_p", top_p, batch, 1.0, torch.float32, device, (int, float))
+    n = _per_row(
+        "num_draft_tokens", num_draft_tokens, batch, k, torch.int32, device, (int,), shared
+    )
+    t = _per_row(
+        "temperature", temperature, batch, 0.0, torch.float32, device, (int, float), shared
+    )
+    tk = _per_row("top_k", top_k, batch, 0, torch.int32, device, (int,), shared)
+    tp = _per_row("top_p", top_p, batch, 1.0, torch.float32, device, (int, float), shared)
     if seed is None:
         # a fresh random key per row, drawn on the host (the generator is a CPU one) and
         # copied to the device
@@ -192,8 +229,12 @@ def _check_tensors(target_logits, draft_token_ids, draft_probs) -> None:
         check_on_device("draft_probs", draft_probs, target_logits.device)
 
 
-def _check_values(target_logits, draft_token_ids, params: RowParams) -> None:
-    """Range checks, on CPU only: on CUDA they would need a host sync (kernels clamp)."""
+def _check_values(
+    target_logits, draft_token_ids, params: RowParams, counts: bool = True, sampling: bool = True
+) -> None:
+    """Range checks, on CPU only: on CUDA they would need a host sync (kernels clamp).
+    ``counts`` / ``sampling`` False: ``num_draft_tokens`` / the sampling parameters are
+    the defaults, valid by construction, and go unchecked."""
     if target_logits.device.type != "cpu":
         return
     _, k1, vocab = target_logits.shape
@@ -201,10 +242,12 @@ def _check_values(target_logits, draft_token_ids, params: RowParams) -> None:
         low, high = (int(v) for v in torch.aminmax(draft_token_ids))
         if low < 0 or high >= vocab:
             raise ValueError(f"draft_token_ids must lie in [0, V={vocab})")
-    n = params.num_draft_tokens.tolist()
-    if any(x < 0 or x > k1 - 1 for x in n):
-        raise ValueError(f"num_draft_tokens must lie in [0, K={k1 - 1}], got {n}")
-    check_sampling_values(params)
+    if counts:
+        n = params.num_draft_tokens.tolist()
+        if any(x < 0 or x > k1 - 1 for x in n):
+            raise ValueError(f"num_draft_tokens must lie in [0, K={k1 - 1}], got {n}")
+    if sampling:
+        check_sampling_values(params)
 
 
 def _race(resid: torch.Tensor, params: RowParams, position: torch.Tensor) -> torch.Tensor:
@@ -368,8 +411,16 @@ def rejection_sample(
         seed=seed,
         offset=offset,
         generator=generator,
+        shared=True,  # the kernels below only read the per-row tensors
     )
-    _check_values(target_logits, draft_token_ids, params)
+    given = (temperature, top_k, top_p)
+    _check_values(
+        target_logits,
+        draft_token_ids,
+        params,
+        counts=num_draft_tokens is not None,
+        sampling=any(v is not None for v in given),
+    )
     device = target_logits.device
     # Triton only as the fallback of a CUDA device the native build lacks
     impl = resolve_backend(backend, device, prefer_triton_on_gpu=not native_has_device(device))

@@ -47,9 +47,29 @@ def to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
     """``torch.tensor(values)`` on ``device`` without blocking the host: on CUDA through
     pinned memory and a non-blocking copy (ordered on the current stream)."""
     t = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if kind == "cpu":
+        return t
+    if kind == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+# (batch, temperature, top_k, top_p) -> the [B] tensors of BatchParams.per_row, on the
+# CPU: a batch keeps its setting step after step and the samplers only read them.
+_UNIFORM_ROWS: dict = {}
+
+
+def _per_row(params: BatchParams, batch: int, device: torch.device) -> dict:
+    if params.uniform is None or device.type != "cpu":
+        return params.per_row(batch, device)
+    key = (batch, params.temperature, params.top_k, params.top_p)
+    rows = _UNIFORM_ROWS.get(key)
+    if rows is None:
+        if len(_UNIFORM_ROWS) >= 64:
+            _UNIFORM_ROWS.clear()
+        rows = _UNIFORM_ROWS[key] = params.per_row(batch, device)
+    return rows
 
 
 @dataclasses.dataclass
@@ -358,10 +378,12 @@ class Speculator:
         record_logprobs(active, logits.reshape(-1, logits.shape[-1]), rows)
 
     def _sampling_tensors(self, active, params: BatchParams) -> dict:
+        """``seed`` and ``offset`` ``[B]`` (the rows' Philox keys and step counters) and,
+        unless every row is greedy, their ``temperature``, ``top_k``, ``top_p``."""
         dev = self.engine.device
         seed, offset = to_device(
             [[r.seed for r in active], [r.spec_steps for r in active]], torch.int64, dev
-        )
+        ).unbind(0)
         if params.greedy:
             return {"seed": seed, "offset": offset}
-        return {**params.per_row(len(active), dev), "seed": seed, "offset": offset}
+        return {**_per_row(params, len(active), dev), "seed": seed, "offset": offset}
