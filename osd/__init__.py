@@ -5,7 +5,17 @@ transformers model; ``Engine.generate(prompts, SamplingParams(...))`` returns on
 ``Output`` per prompt.
 """
 
-from osd import _moved, zoo
+import os
+
+# PyTorch's OpenMP runtime (libgomp) keeps the threads of a parallel region spinning after
+# it ends. A decode step runs hundreds of short regions; on a CPU shared with anything else
+# (a server's event loop, another process) a team member that lost its core stalls every
+# region, and decoding falls to a few tokens/s (bench/bench_wait_policy.py). Sleeping
+# threads degrade gracefully. libgomp reads this when torch loads, so it applies when osd is
+# imported first; an explicit OMP_WAIT_POLICY is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from osd import _moved, zoo  # after the OpenMP setting: this loads torch
 from osd.cache import KVCache
 from osd.async_engine import AsyncEngine
 from osd.engine import Engine

@@ -1,6 +1,9 @@
 """Safe to embed: several threads share one engine, and an error in one call leaves the
 engine serving the next call exactly as before."""
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -103,3 +106,16 @@ def test_engine_serves_correctly_after_errors(pair, monkeypatch):
     next(stream)
     del stream
     assert [o.token_ids for o in eng.generate(prompts, sp)] == ref
+
+
+@pytest.mark.parametrize("preset", [None, "ACTIVE"])
+def test_openmp_threads_sleep_between_regions_unless_told(preset):
+    """``import osd`` (before torch) sets ``OMP_WAIT_POLICY=PASSIVE`` for libgomp, which
+    reads it when torch loads; a policy the user set is kept."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if preset:
+        env["OMP_WAIT_POLICY"] = preset
+    code = "import os, osd, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == (preset or "PASSIVE")
