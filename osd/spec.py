@@ -283,12 +283,25 @@ for _key, _name in LOOKUP_KEYWORDS.items():
     setattr(SpecConfig, _key, _LookupAttribute(_name))
 
 
+def _short(value) -> str:
+    """``repr`` of a setting; a :class:`PromptLookup` names only its non-default fields."""
+    if not isinstance(value, PromptLookup):
+        return repr(value)
+    base = PromptLookup()
+    parts = [
+        f"{f.name}={getattr(value, f.name)!r}"
+        for f in fields(PromptLookup)
+        if getattr(value, f.name) != getattr(base, f.name)
+    ]
+    return f"PromptLookup({', '.join(parts)})"
+
+
 def describe(spec: SpecConfig) -> str:
     """``spec``'s fields that differ from the defaults, ``"name=value, ..."`` (the chain of
     4 of a plain ``SpecConfig()`` reads ``num_draft_tokens=4``)."""
     default = SpecConfig()
     changed = [
-        f"{f.name}={getattr(spec, f.name)!r}"
+        f"{f.name}={_short(getattr(spec, f.name))}"
         for f in fields(SpecConfig)
         if getattr(spec, f.name) != getattr(default, f.name)
     ]
