@@ -62,6 +62,8 @@ from osd.zoo.workloads import evaluation_set
 
 CONFIGS = ("plain", "draft", "lookup")
 TOP_OPS = 15
+STEP = "osd_step"  # the profiler range of one engine step
+TRIM = 0.2  # the slowest fifth of the steps is left out of the means
 
 
 def build_engine(name: str, target: str, draft: str) -> osd.Engine:
@@ -85,23 +87,36 @@ def prompts_of(engine: osd.Engine, n: int) -> list[list[int]]:
 def run_steps(engine: osd.Engine, ids: list[int], tokens: int, profiler=None):
     """Generate ``tokens`` greedy tokens from ``ids``; returns the wall of every step after
     the prefill step, the tokens each emitted, and the output ids. ``profiler`` (a
-    ``torch.profiler.profile``) is started after the prefill step and stopped at the end."""
+    ``torch.profiler.profile``) is started after the prefill step and stopped at the end;
+    each step runs inside a ``record_function(STEP)`` range then."""
     params = osd.SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     out, walls, emitted = [], [], []
     steps = engine.stream(ids, params)
     out += next(steps)  # the prefill step (and the first decode step with it)
     if profiler is not None:
         profiler.start()
-    t0 = time.perf_counter()
-    for new in steps:
-        t1 = time.perf_counter()
-        walls.append(t1 - t0)
+    while True:
+        t0 = time.perf_counter()
+        if profiler is None:
+            new = next(steps, None)
+        else:
+            with torch.profiler.record_function(STEP):
+                new = next(steps, None)
+        if new is None:
+            break
+        walls.append(time.perf_counter() - t0)
         emitted.append(len(new))
         out += new
-        t0 = time.perf_counter()
     if profiler is not None:
         profiler.stop()
     return walls, emitted, out
+
+
+def kept(values: list[float]) -> list[int]:
+    """Indices of ``values`` without the slowest ``TRIM`` of them (the machine is shared:
+    a step that waited for a core says nothing about the code)."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    return order[: max(1, round(len(values) * (1 - TRIM)))]
 
 
 def timed_pass(engine, prompts, tokens) -> dict:
@@ -115,22 +130,42 @@ def timed_pass(engine, prompts, tokens) -> dict:
     return {"walls": walls, "emitted": emitted, "digest": digest.hexdigest()[:16]}
 
 
-def profiled_pass(engine, prompts, tokens) -> tuple[dict, int, float]:
-    """``({op name: (calls, self µs)}, steps, profiled wall s)`` summed over ``prompts``."""
-    ops: dict[str, list] = {}
-    steps, wall = 0, 0.0
+def profiled_steps(engine, prompts, tokens) -> list[tuple[float, Counter, Counter]]:
+    """Per step under the profiler: ``(wall µs, {op: self µs}, {op: calls})``, every op
+    the step ran (nested ones included, each with its self time)."""
+    steps = []
     for ids in prompts:
         prof = torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False
         )
-        w, _, _ = run_steps(engine, ids, tokens, profiler=prof)
-        steps += len(w)
-        wall += sum(w)
-        for evt in prof.key_averages():
-            entry = ops.setdefault(evt.key, [0, 0.0])
-            entry[0] += evt.count
-            entry[1] += evt.self_cpu_time_total
-    return {k: tuple(v) for k, v in ops.items()}, steps, wall
+        run_steps(engine, ids, tokens, profiler=prof)
+        for evt in prof.events():
+            if evt.name != STEP:
+                continue
+            us, calls = Counter(), Counter()
+            todo = list(evt.cpu_children)
+            while todo:
+                op = todo.pop()
+                us[op.key] += op.self_cpu_time_total
+                calls[op.key] += 1
+                todo += op.cpu_children
+            steps.append((evt.cpu_time_total, us, calls))
+    return steps
+
+
+def host_only(engine: osd.Engine) -> None:
+    """Replace the target's cached forward (decode and verify; prefill keeps the real one)
+    by fixed random logits of the asked shape: what is left of a step is the host's work
+    and the sampler's, and the draft model's forwards in the ``draft`` configuration."""
+    model, g, fixed = engine.model, torch.Generator().manual_seed(0), {}
+
+    def forward(input_ids, cache, **kwargs):
+        shape = (*input_ids.shape, model.vocab_size)
+        if shape not in fixed:
+            fixed[shape] = torch.randn(shape, generator=g)
+        return fixed[shape]
+
+    model.forward = forward
 
 
 def weight_bytes(model) -> dict:
@@ -186,25 +221,32 @@ def bandwidth(mib: int, reps: int = 7) -> dict:
     }
 
 
-def summarise(name: str, timed: dict, ops: dict, op_steps: int, op_wall: float) -> dict:
+def summarise(name: str, timed: dict, steps: list) -> dict:
+    """The report row of a configuration: trimmed means (see :func:`kept`) of the timed
+    pass's walls and of the profiled pass's op times."""
     walls, emitted = timed["walls"], timed["emitted"]
-    mean_us = statistics.fmean(walls) * 1e6
-    op_us = {k: (calls / op_steps, us / op_steps) for k, (calls, us) in ops.items()}
-    total_op_us = sum(us for _, us in op_us.values())
-    top = sorted(op_us.items(), key=lambda kv: -kv[1][1])[:TOP_OPS]
+    keep = kept(walls)
+    mean_us = statistics.fmean(walls[i] for i in keep) * 1e6
+    quiet = [steps[i] for i in kept([w for w, _, _ in steps])]
+    us, calls = Counter(), Counter()
+    for _, u, c in quiet:
+        us.update(u)
+        calls.update(c)
+    n = len(quiet)
+    op_us = sum(us.values()) / n
+    top = [{"op": k, "calls": calls[k] / n, "us": v / n} for k, v in us.most_common(TOP_OPS)]
     return {
         "config": name,
         "steps": len(walls),
         "median_us": statistics.median(walls) * 1e6,
         "mean_us": mean_us,
         "tokens_per_step": sum(emitted) / len(walls),
-        "us_per_token": sum(walls) / sum(emitted) * 1e6,
-        "tokens_per_s": sum(emitted) / sum(walls),
-        "profiled_mean_us": op_wall / op_steps * 1e6,
-        "op_us": total_op_us,
-        "op_calls": sum(c for c, _ in op_us.values()),
-        "python_us": mean_us - total_op_us,
-        "top_ops": [{"op": k, "calls": c, "us": us} for k, (c, us) in top],
+        "tokens_per_s": sum(emitted[i] for i in keep) / sum(walls[i] for i in keep),
+        "profiled_mean_us": statistics.fmean(w for w, _, _ in quiet),
+        "op_us": op_us,
+        "op_calls": sum(calls.values()) / n,
+        "python_us": mean_us - op_us,
+        "top_ops": top,
         "digest": timed["digest"],
     }
 
@@ -220,7 +262,7 @@ def pyspy_summary(name: str, args) -> list[tuple[str, float]] | None:
         raw = os.path.join(tmp, "raw.txt")
         child = [sys.executable, __file__, "--only", name, "--timing-only", "--json", os.devnull]
         child += ["--tokens", str(args.tokens), "--prompts", str(args.prompts)]
-        child += ["--threads", str(args.threads)]
+        child += ["--threads", str(args.threads)] + (["--host-only"] if args.host_only else [])
         cmd = [exe, "record", "-r", "500", "-f", "raw", "-o", raw, "--", *child]
         subprocess.run(cmd, check=True, capture_output=True)
         counts: Counter = Counter()
@@ -241,6 +283,7 @@ def profile(args) -> dict:
     torch.set_num_threads(args.threads)
     target, draft = chat_pair()
     report = {"threads": args.threads, "tokens": args.tokens, "prompts": args.prompts}
+    report["host_only"] = args.host_only
     report["osd_path"] = os.path.dirname(osd.__file__)
     if not args.timing_only:
         report["bandwidth"] = bandwidth(args.bw_mib)
@@ -252,13 +295,14 @@ def profile(args) -> dict:
             report["weights"] = weight_bytes(engine.model)
             report["kv_bytes_per_position"] = kv_bytes_per_position(engine.model)
             report["mean_context"] = statistics.fmean(len(p) for p in prompts) + args.tokens / 2
+        if args.host_only:
+            host_only(engine)
         run_steps(engine, prompts[0], min(args.tokens, 32))  # warm-up
         timed = timed_pass(engine, prompts, args.tokens)
         if args.timing_only:
             report["configs"][name] = timed
             continue
-        ops, op_steps, op_wall = profiled_pass(engine, prompts, args.tokens)
-        row = summarise(name, timed, ops, op_steps, op_wall)
+        row = summarise(name, timed, profiled_steps(engine, prompts, args.tokens))
         if args.py_spy:
             row["py_spy"] = pyspy_summary(name, args)
         report["configs"][name] = row
@@ -271,6 +315,8 @@ def print_report(report: dict) -> None:
     print(
         f"\nchat target Q4_1 kept quantized, batch 1, {report['threads']} threads, greedy, "
         f"{report['prompts']} prompts x {report['tokens']} new tokens"
+        + (", the target's forward replaced by fixed logits" if report["host_only"] else "")
+        + f"; means without the slowest {TRIM:.0%} of the steps"
     )
     print(
         "| config | µs/step (median) | µs/step (mean) | tokens/step | tokens/s | ops µs/step "
@@ -303,7 +349,7 @@ def print_report(report: dict) -> None:
         kv = report["kv_bytes_per_position"] * report["mean_context"]
         per_token = w["total"] + kv
         roof = bw["read_gbs"] * 1e9 / per_token
-        plain = rows.get("plain")
+        plain = None if report["host_only"] else rows.get("plain")
         print(
             f"\nmemory: read {bw['read_gbs']:.1f} GB/s (sum), copy {bw['copy_gbs']:.1f} GB/s "
             f"(read + write); a decode step reads {w['total'] / 1e6:.1f} MB of weights "
@@ -318,39 +364,49 @@ def compare(args) -> None:
     """Time this tree's steps against ``args.compare``'s, alternating, and print both."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     trees = {"before": os.path.abspath(args.compare), "after": here}
-    walls: dict = {t: {c: [] for c in args.only or CONFIGS} for t in trees}
-    rounds: dict = {t: {c: [] for c in args.only or CONFIGS} for t in trees}
+    configs = args.only or CONFIGS
+    rounds: dict = {t: {c: [] for c in configs} for t in trees}
     digests: dict = {}
     for i in range(args.rounds):
-        order = list(trees) if i % 2 == 0 else list(trees)[::-1]
-        for tree in order:
+        for tree in list(trees) if i % 2 == 0 else list(trees)[::-1]:
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 cmd = [sys.executable, os.path.abspath(__file__), "--timing-only"]
                 cmd += ["--json", out.name, "--tokens", str(args.tokens)]
                 cmd += ["--prompts", str(args.prompts), "--threads", str(args.threads)]
-                cmd += [x for c in args.only or () for x in ("--only", c)]
+                cmd += [x for c in configs for x in ("--only", c)]
+                cmd += ["--host-only"] if args.host_only else []
                 env = {**os.environ, "PYTHONPATH": trees[tree]}
                 subprocess.run(cmd, check=True, cwd=trees[tree], env=env)
-                got = json.load(open(out.name))
+                with open(out.name) as f:
+                    got = json.load(f)
             assert got["osd_path"].startswith(trees[tree]), (got["osd_path"], trees[tree])
             for c, r in got["configs"].items():
-                walls[tree][c] += r["walls"]
-                rounds[tree][c].append(statistics.fmean(r["walls"]) * 1e6)
+                walls = r["walls"]
+                rounds[tree][c].append(statistics.fmean(walls[j] for j in kept(walls)) * 1e6)
                 digests.setdefault(c, set()).add(r["digest"])
             print(f"round {i + 1}/{args.rounds}: {tree} done", file=sys.stderr)
     print(
-        f"\nbefore: {trees['before']}\nafter: {trees['after']}\n{args.rounds} rounds, "
-        f"{args.prompts} prompts x {args.tokens} tokens, {args.threads} threads"
+        f"\nbefore: {trees['before']}\nafter: {trees['after']}\n{args.rounds} rounds per tree, "
+        f"alternating; {args.prompts} prompts x {args.tokens} tokens, {args.threads} threads"
+        + (
+            ", the target's forward replaced by fixed logits (--host-only)"
+            if args.host_only
+            else ""
+        )
     )
     print(
-        "| config | before µs/step (median) | after µs/step (median) | saved µs/step "
-        "| saved, paired rounds (median of mean differences) | outputs equal |"
+        "| config | before µs/step | after µs/step | saved µs/step (median of the rounds' "
+        "differences) | rounds where after was faster | outputs equal |"
     )
     print("|---|---|---|---|---|---|")
-    for c in walls["after"]:
-        b, a = (statistics.median(walls[t][c]) * 1e6 for t in ("before", "after"))
-        paired = statistics.median(x - y for x, y in zip(rounds["before"][c], rounds["after"][c]))
-        print(f"| {c} | {b:.0f} | {a:.0f} | {b - a:.0f} | {paired:.0f} | {len(digests[c]) == 1} |")
+    for c in configs:
+        b, a = rounds["before"][c], rounds["after"][c]
+        diffs = [x - y for x, y in zip(b, a)]
+        print(
+            f"| {c} | {statistics.median(b):.0f} | {statistics.median(a):.0f} | "
+            f"{statistics.median(diffs):.0f} | {sum(d > 0 for d in diffs)}/{len(diffs)} | "
+            f"{len(digests[c]) == 1} |"
+        )
 
 
 def main(argv=None) -> None:
@@ -365,6 +421,9 @@ def main(argv=None) -> None:
     p.add_argument("--timing-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compare", help="another checkout to time against, interleaved")
     p.add_argument("--rounds", type=int, default=4, help="--compare: rounds per tree")
+    p.add_argument(
+        "--host-only", action="store_true", help="replace the target's forward by fixed logits"
+    )
     args = p.parse_args(argv)
     if args.compare:
         compare(args)
