@@ -2,8 +2,9 @@
 of ``osd draft build --target``): a few speculation shapes timed against plain decoding,
 the fastest written to the draft's ``serving.json``.
 
-The target is loaded as ``osd.Engine.from_pretrained`` loads it by default (a GGUF file on
-the CPU keeps its quantized weights), batch 1, greedy. Each round runs one held-out prompt
+A GGUF target is measured twice, as ``osd.Engine.from_pretrained`` loads it by default (on
+the CPU it keeps its quantized weights: the ``quantized_target`` settings) and in float32
+(``quantized=False``: the plain settings); batch 1, greedy. Each round runs one held-out prompt
 through plain decoding and every candidate, in a rotated order, so that a busy machine
 slows them alike; a candidate's score is the median over rounds of plain time over its
 time. Rounds go on until the stage's deadline; fewer candidates are tried when a round
@@ -15,9 +16,11 @@ from __future__ import annotations
 import statistics
 import time
 
+import torch
+
 import osd
 from osd.draft_build.common import Progress, log
-from osd.models.loading import is_gguf_source, load_model
+from osd.models.loading import load_model
 from osd.spec import SpecConfig
 
 # (name, SpecConfig fields, block format of the served draft), most likely useful first.
@@ -53,27 +56,48 @@ def measure_serving(
     build_end: float,
     new_tokens: int = NEW_TOKENS,
     candidates=CANDIDATES,
+    max_threads: int = 2,
+    quantized: bool = False,
 ) -> dict:
     """Time plain decoding and ``candidates`` on ``prompts`` (token ids) until
-    ``deadline``; returns ``{"rows", "best", "serving", "rounds", ...}`` where
-    ``serving`` is the ``serving.json`` content of the fastest candidate."""
-    quantized = is_gguf_source(target_path)
+    ``deadline``, beside the target loaded with ``quantized`` (a GGUF file's block
+    weights kept); returns ``{"rows", "best", "choice", "rounds", ...}`` where
+    ``choice`` is the fastest candidate's ``{"spec", "quantize_draft"}``."""
     target = load_model(target_path, quantized=quantized)
     draft = load_model(draft_dir)
     seq = max(map(len, prompts)) + new_tokens + 32
     warm = osd.SamplingParams(max_new_tokens=8)
     plain = _engine(target, draft, None, None, seq)
     plain.generate([prompts[0]], warm)
+    # On a shared machine a team of threads larger than the free cores can run many times
+    # slower than one thread, and the sync-heavy speculative steps suffer most: the
+    # measurement runs with whichever of 1 and max_threads decodes faster now.
+    paces = {}
+    for n in sorted({1, max(1, max_threads)}):
+        torch.set_num_threads(n)
+        t = time.perf_counter()
+        plain.generate([prompts[0]], warm)
+        paces[n] = time.perf_counter() - t
+    threads = min(paces, key=paces.get)
+    torch.set_num_threads(threads)
+    t = time.perf_counter()
+    plain.generate([prompts[0]], osd.SamplingParams(max_new_tokens=1))
+    t_prefill = time.perf_counter() - t
     t = time.perf_counter()
     plain.generate([prompts[0]], warm)
-    per_token = (time.perf_counter() - t) / 8  # prefill included: an overestimate
+    per_token = max(time.perf_counter() - t - t_prefill, 1e-4) / 7
     # As many candidates as let two rounds fit (a speculative answer taking up to 1.5
     # plain ones, warm-ups included), at least one; on a slow target, shorter answers.
     left = deadline - time.monotonic()
+
+    def two_rounds(n: int, tokens: int) -> float:
+        answer_s = t_prefill + per_token * tokens
+        return (1 + 1.5 * n) * (2 * answer_s + t_prefill + 8 * per_token)
+
     n = len(candidates)
-    while n > 1 and per_token * (2 * new_tokens + 12) * (1 + 1.5 * n) > left:
+    while n > 1 and two_rounds(n, new_tokens) > left:
         n -= 1
-    while new_tokens > 16 and per_token * (2 * new_tokens + 12) * (1 + 1.5 * n) > left:
+    while new_tokens > 16 and two_rounds(n, new_tokens) > left:
         new_tokens //= 2
     params = osd.SamplingParams(max_new_tokens=new_tokens)
     engines = {"plain": plain}
@@ -138,28 +162,25 @@ def measure_serving(
             }
         )
     best = max(rows[1:], key=lambda row: row["speedup"])
-    choice = {"spec": best["spec"], "quantize_draft": best["quantize_draft"]}
-    serving = dict(choice)
-    if quantized:
-        # measured beside the quantized target (what from_pretrained loads by default); the
-        # same settings stand for a float target, which was not measured
-        serving["quantized_target"] = dict(choice)
-    if best["speedup"] < 1.0:
-        log(f"warning: no candidate beat plain decoding here (best {best['speedup']:.2f}x)")
+    kind = "quantized" if quantized else "float"
+    log(f"serving measurement beside the {kind} target, {threads} thread(s):")
     for row in rows:
         log(
             f"  {row['name']}: {row['tokens_per_s']} tokens/s, {row['speedup']:.2f}x plain, "
             f"accepted {row['accepted']}, tokens per forward {row['tokens_per_forward']}"
         )
-    log(f"serving settings: {best['name']} ({best['speedup']:.2f}x plain over {rounds} prompts)")
+    log(f"fastest: {best['name']} ({best['speedup']:.2f}x plain over {rounds} prompts)")
+    if best["speedup"] < 1.0:
+        log(f"warning: no candidate beat plain decoding here (best {best['speedup']:.2f}x)")
     for e in engines.values():
         e.close()
     return {
         "rows": rows,
         "best": best["name"],
-        "serving": serving,
+        "choice": {"spec": best["spec"], "quantize_draft": best["quantize_draft"]},
         "rounds": rounds,
         "new_tokens": new_tokens,
         "quantized_target": quantized,
+        "threads": threads,
         "outputs_differing_from_plain": differ,
     }
