@@ -35,9 +35,11 @@ TORCH_LIBRARY(osd, m) {
         "float eps=1e-6) -> Tensor");
 
   // decode_linear with W block-quantized: W[n, k] = q * scales[n, k / 32] + mins[n, k / 32],
-  // codes in qweight (uint8 [N, K / 2]: 4-bit, GGUF nibble order; int8 [N, K]: 8-bit).
+  // codes in qweight (uint8 [N, K / 2]: 4-bit, GGUF nibble order; int8 [N, K]: 8-bit); or,
+  // with ggml_type != 0, qweight holds GGUF blocks of that type as stored (uint8 [N, bytes a
+  // row]; scales and mins unused).
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, "
-        "Tensor? norm_weight=None, float eps=1e-6) -> Tensor");
+        "Tensor? norm_weight=None, float eps=1e-6, int ggml_type=0) -> Tensor");
 
   // Distillation loss per row (fkl/rkl/jsd/tvd) and its gradient w.r.t. the draft logits.
   m.def(

@@ -26,6 +26,15 @@ Past 64 rows (prefill pieces, large batches) the kernel dequantizes 256 weight r
 time into a float32 tile and multiplies by it with a GEMM (``at::mm``), never holding the
 whole float32 matrix; those results agree with the reference to float32 rounding.
 
+**GGUF blocks as stored** (``ggml_type`` != 0, one of :data:`STORED_TYPES`): ``qweight``
+holds a GGUF tensor's bytes, uint8 ``[N, K / U * B]`` (blocks of ``U`` = 32 weights, or
+K-quant super-blocks of 256, in ``B`` bytes), and ``scales`` / ``mins`` are not read (an
+empty tensor, None). The kernel (``csrc/cpu/quant_linear_blocks.cpp``) decodes each block
+in registers into 8-bit codes and float32 factors that reproduce ggml's dequantization
+exactly, so these too give ``decode_linear`` on :func:`dequantize_blocks`' matrix bit for
+bit, reading the file's bytes per weight (0.5625 for Q4_K, 0.82 for Q6_K, 0.6875 for
+Q5_0, 1.0625 for Q8_0) instead of the float32 factors' extra 0.125 to 0.5.
+
 The reference is ``F.linear`` on the dequantized matrix. ``auto`` uses the kernel for
 float32 CPU inputs outside autograd, and the reference otherwise (training, CUDA, half
 precision): it dequantizes the whole matrix per call.
@@ -39,6 +48,64 @@ import torch.nn.functional as F
 from osd_kernels._ops import native_available, resolve_backend
 
 BLOCK = 32  # weights per block of codes (one or two groups of scale and min)
+
+# ggml type id -> (weights, bytes) a block, for the GGUF block types the kernel reads as
+# stored: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K.
+STORED_TYPES = {2: (32, 18), 3: (32, 20), 6: (32, 22), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
+
+
+def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 field at byte ``at`` of every block row of ``b``, float32 ``[n, 1]``."""
+    return b[:, at : at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(b: torch.Tensor) -> torch.Tensor:
+    """``[n, 16]`` bytes -> ``[n, 32]`` codes: low nibbles are weights 0..15, high 16..31."""
+    return torch.cat([b & 0xF, b >> 4], dim=1).float()
+
+
+def _q4k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins, float32 ``[n, 8]`` each."""
+    lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([lo & 63, (hi & 0xF) | ((lo >> 6) << 4)], dim=1)
+    mn = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=1)
+    return sc.float(), mn.float()
+
+
+def dequantize_blocks(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """The float32 weight ``[N, K]`` of GGUF blocks ``[N, K / U * B]`` of ``ggml_type``
+    (one of :data:`STORED_TYPES`), as ggml's ``dequantize_row_*`` computes it (the same
+    float32 operations as ``osd.models.gguf.blocks.dequantize``)."""
+    weights, size = STORED_TYPES[int(ggml_type)]
+    N = blocks.shape[0]
+    b = blocks.reshape(-1, size)
+    n = b.shape[0]
+    if ggml_type == 8:  # Q8_0
+        w = _f16(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()
+    elif ggml_type == 2:  # Q4_0
+        w = (_nibbles(b[:, 2:]) - 8) * _f16(b, 0)
+    elif ggml_type == 3:  # Q4_1
+        w = _nibbles(b[:, 4:]) * _f16(b, 0) + _f16(b, 2)
+    elif ggml_type == 6:  # Q5_0: fifth bit of weight j is bit j of a little-endian u32
+        shifts = torch.arange(8, device=b.device, dtype=torch.uint8)
+        high = ((b[:, 2:6].unsqueeze(-1) >> shifts) & 1).reshape(n, 32).float()
+        w = (_nibbles(b[:, 6:]) + 16 * high - 16) * _f16(b, 0)
+    elif ggml_type == 12:  # Q4_K: sub-block j, the low (j even) / high nibbles of 32 bytes
+        sc, mn = _q4k_scales(b[:, 4:16])
+        qs = b[:, 16:].reshape(n, 4, 1, 32)
+        q = torch.cat([qs & 0xF, qs >> 4], dim=2).reshape(n, 8, 32).float()
+        w = q * (_f16(b, 0) * sc).unsqueeze(-1) + (-(_f16(b, 2) * mn)).unsqueeze(-1)
+    else:  # Q6_K
+        ql = b[:, :128].reshape(n, 2, 2, 32)  # [half, first / second 32 bytes, 32]
+        qh = b[:, 128:192].reshape(n, 2, 32)
+        low = torch.stack(
+            [ql[:, :, 0] & 0xF, ql[:, :, 1] & 0xF, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], dim=2
+        )
+        high = torch.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2)
+        q = ((low | (high << 4)).float() - 32).reshape(n, 16, 16)
+        scale = _f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()
+        w = q * scale.unsqueeze(-1)
+    return w.reshape(N, -1)
 
 
 def dequantize_weight(
@@ -67,12 +134,19 @@ def quant_linear_reference(
     *,
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    ggml_type: int = 0,
 ) -> torch.Tensor:
-    """``F.linear(x, dequantize_weight(qweight, scales, mins), bias)``, after
-    ``F.rms_norm(x, (K,), norm_weight, eps)`` when ``norm_weight`` is given."""
+    """``F.linear(x, W, bias)`` with ``W = dequantize_weight(qweight, scales, mins)`` (or
+    ``dequantize_blocks(qweight, ggml_type)``), after ``F.rms_norm(x, (K,), norm_weight,
+    eps)`` when ``norm_weight`` is given."""
     if norm_weight is not None:
         x = F.rms_norm(x, norm_weight.shape, norm_weight, eps)
-    return F.linear(x, dequantize_weight(qweight, scales, mins).to(x.dtype), bias)
+    w = (
+        dequantize_blocks(qweight, ggml_type)
+        if ggml_type
+        else dequantize_weight(qweight, scales, mins)
+    )
+    return F.linear(x, w.to(x.dtype), bias)
 
 
 def _check(
@@ -83,30 +157,47 @@ def _check(
     bias: torch.Tensor | None,
     norm_weight: torch.Tensor | None,
     eps: float,
+    ggml_type: int = 0,
 ) -> None:
-    if qweight.dim() != 2 or qweight.dtype not in (torch.uint8, torch.int8):
-        raise ValueError(
-            f"qweight must be uint8 [N, K / 2] (4-bit) or int8 [N, K] (8-bit), "
-            f"got {qweight.dtype} {tuple(qweight.shape)}"
-        )
-    N = qweight.shape[0]
-    K = qweight.shape[1] * (2 if qweight.dtype == torch.uint8 else 1)
-    if K % BLOCK:
-        raise ValueError(f"quant_linear needs K to be a multiple of {BLOCK}, got {K}")
-    if x.dim() < 1 or x.shape[-1] != K:
-        raise ValueError(f"x must be [..., K={K}], got {tuple(x.shape)}")
+    N = qweight.shape[0] if qweight.dim() == 2 else -1
+    if ggml_type:
+        if int(ggml_type) not in STORED_TYPES:
+            raise ValueError(
+                f"ggml_type must be 0 (codes and factors) or one of {sorted(STORED_TYPES)}, "
+                f"got {ggml_type}"
+            )
+        weights, size = STORED_TYPES[int(ggml_type)]
+        K = x.shape[-1] if x.dim() >= 1 else -1
+        if K % weights or qweight.dtype != torch.uint8 or qweight.shape != (N, K // weights * size):
+            raise ValueError(
+                f"x must be [..., K] and qweight uint8 blocks [N, K / {weights} * {size}] of "
+                f"ggml_type {ggml_type}, got x {tuple(x.shape)}, qweight {qweight.dtype} "
+                f"{tuple(qweight.shape)}"
+            )
+        scales = mins = None
+    else:
+        if qweight.dim() != 2 or qweight.dtype not in (torch.uint8, torch.int8):
+            raise ValueError(
+                f"qweight must be uint8 [N, K / 2] (4-bit) or int8 [N, K] (8-bit), "
+                f"got {qweight.dtype} {tuple(qweight.shape)}"
+            )
+        K = qweight.shape[1] * (2 if qweight.dtype == torch.uint8 else 1)
+        if K % BLOCK:
+            raise ValueError(f"quant_linear needs K to be a multiple of {BLOCK}, got {K}")
+        if x.dim() < 1 or x.shape[-1] != K:
+            raise ValueError(f"x must be [..., K={K}], got {tuple(x.shape)}")
+        groups = scales.shape[-1] if scales.dim() == 2 else -1
+        if groups not in (K // BLOCK, 2 * K // BLOCK):
+            groups = K // BLOCK
+        for name, t in (("scales", scales), ("mins", mins)):
+            if t is not None and (t.shape != (N, groups) or t.dtype != torch.float32):
+                raise ValueError(
+                    f"{name} must be float32 [N={N}, K / 32={K // BLOCK}] or [N, "
+                    f"K / 16={2 * K // BLOCK}] (mins like scales), got {t.dtype} "
+                    f"{tuple(t.shape)}"
+                )
     if not x.dtype.is_floating_point:
         raise TypeError(f"x must be a float tensor, got {x.dtype}")
-    groups = scales.shape[-1] if scales.dim() == 2 else -1
-    if groups not in (K // BLOCK, 2 * K // BLOCK):
-        groups = K // BLOCK
-    for name, t in (("scales", scales), ("mins", mins)):
-        if t is not None and (t.shape != (N, groups) or t.dtype != torch.float32):
-            raise ValueError(
-                f"{name} must be float32 [N={N}, K / 32={K // BLOCK}] or [N, "
-                f"K / 16={2 * K // BLOCK}] (mins like scales), got {t.dtype} "
-                f"{tuple(t.shape)}"
-            )
     if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be {x.dtype} [N={N}], got {bias.dtype} {tuple(bias.shape)}")
     if norm_weight is not None and (norm_weight.shape != (K,) or norm_weight.dtype != x.dtype):
@@ -134,20 +225,25 @@ def quant_linear(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     backend: str = "auto",
+    ggml_type: int = 0,
 ) -> torch.Tensor:
     """``rms_norm(x) @ W.T + bias`` with ``W`` block-quantized (no norm without
     ``norm_weight``).
 
     Args:
         x: ``[..., K]`` float (``M`` rows in all); ``K`` a multiple of 32.
-        qweight: uint8 ``[N, K / 2]`` 4-bit codes or int8 ``[N, K]`` 8-bit codes.
-        scales: float32 ``[N, K / G]``, ``G`` (weights per scale) 32 or 16.
+        qweight: uint8 ``[N, K / 2]`` 4-bit codes or int8 ``[N, K]`` 8-bit codes; with
+            ``ggml_type``, uint8 GGUF blocks ``[N, K / U * B]`` as stored.
+        scales: float32 ``[N, K / G]``, ``G`` (weights per scale) 32 or 16; not read with
+            ``ggml_type`` (an empty tensor).
         mins: float32 like ``scales``, or None (zero).
         bias: ``[N]`` or None.
         norm_weight: ``[K]`` or None: the RMSNorm applied to each row of ``x`` first.
         eps: the RMSNorm epsilon.
         backend: ``auto`` (the C++ kernel for float32 CPU inputs outside autograd, else
             the reference) | ``reference`` | ``native`` (the C++ kernel; float32 CPU only).
+        ggml_type: 0 (codes and factors), or the GGUF block type of ``qweight`` (one of
+            :data:`STORED_TYPES`).
 
     Returns:
         ``[..., N]``.
@@ -165,17 +261,24 @@ def quant_linear(
             )
         ):
             return quant_linear_reference(
-                x, qweight, scales, mins, bias, norm_weight=norm_weight, eps=eps
+                x,
+                qweight,
+                scales,
+                mins,
+                bias,
+                norm_weight=norm_weight,
+                eps=eps,
+                ggml_type=ggml_type,
             )
         y = torch.ops.osd.quant_linear(
-            x.reshape(-1, x.shape[-1]), qweight, scales, mins, bias, norm_weight, eps
+            x.reshape(-1, x.shape[-1]), qweight, scales, mins, bias, norm_weight, eps, ggml_type
         )
         return y.view(*x.shape[:-1], qweight.shape[0])
     impl = resolve_backend(backend, x.device, has_triton=False)
-    _check(x, qweight, scales, mins, bias, norm_weight, eps)
+    _check(x, qweight, scales, mins, bias, norm_weight, eps, ggml_type)
     if impl == "reference" or x.device.type != "cpu":
         return quant_linear_reference(
-            x, qweight, scales, mins, bias, norm_weight=norm_weight, eps=eps
+            x, qweight, scales, mins, bias, norm_weight=norm_weight, eps=eps, ggml_type=ggml_type
         )
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] > 0 and rows.stride(-1) != 1:
@@ -188,6 +291,7 @@ def quant_linear(
         bias,
         norm_weight,
         eps,
+        ggml_type,
     )
     return y.reshape(*x.shape[:-1], qweight.shape[0])
 
@@ -195,5 +299,5 @@ def quant_linear(
 if native_available():
 
     @torch.library.register_fake("osd::quant_linear")
-    def _quant_linear_fake(x, qweight, scales, mins, bias, norm_weight=None, eps=1e-6):
+    def _quant_linear_fake(x, qweight, scales, mins, bias, norm_weight=None, eps=1e-6, ggml_type=0):
         return x.new_empty((x.shape[0], qweight.shape[0]))

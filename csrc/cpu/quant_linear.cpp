@@ -17,6 +17,8 @@
 // weights and equals decode_linear on them bit for bit (AVX-512 and AVX2 agree as well).
 // Past kFusedMaxRows rows (prefill) the weights are dequantized a tile at a time and
 // multiplied by a GEMM, which then sets the summation order.
+// With ggml_type != 0 the weight is a GGUF tensor's blocks as stored, which
+// cpu/quant_linear_blocks.cpp multiplies by.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -26,6 +28,7 @@
 
 #include "checks.h"
 #include "cpu/linear_rows.h"
+#include "cpu/quant_linear_blocks_op.h"
 
 namespace osd {
 namespace {
@@ -341,11 +344,16 @@ void all_rows_fused(const QuantArgs& q, const linear_rows::Args& a, int64_t n_be
 at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
                             const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                             const std::optional<at::Tensor>& bias,
-                            const std::optional<at::Tensor>& norm_weight, double eps) {
+                            const std::optional<at::Tensor>& norm_weight, double eps,
+                            int64_t ggml_type) {
   OSD_CHECK(x.device().is_cpu(), "quant_linear CPU kernel got a ", x.device(), " tensor");
   check_dtype(x, at::kFloat, "x");
   OSD_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows, got ",
             x.sizes(), " strides ", x.strides());
+  // GGUF blocks as stored (cpu/quant_linear_blocks.cpp); scales and mins are not read
+  if (ggml_type != 0) {
+    return quant_linear_blocks_cpu(x, qweight, ggml_type, bias, norm_weight, eps);
+  }
   const int64_t K = x.size(1);
   OSD_CHECK(K % kBlock == 0, "quant_linear needs K to be a multiple of ", kBlock, ", got ", K);
   OSD_CHECK(qweight.dim() == 2 && qweight.is_contiguous(),

@@ -50,7 +50,9 @@ def project(x: torch.Tensor, layer: nn.Module, norm: RMSNorm | None = None) -> t
     if isinstance(layer, QuantLinear):
         # the op itself, not the module's __call__: a few microseconds a call, ~120 calls
         # a decode step
-        return quant_linear(x, layer.qweight, layer.scales, layer.mins, layer.bias, **kw)
+        return quant_linear(
+            x, layer.qweight, layer.scales, layer.mins, layer.bias, ggml_type=layer.ggml_type, **kw
+        )
     w = layer.weight
     packed = getattr(layer, "osd_packed", None)
     # a packed copy is used only while it is of this very weight, unchanged since packing

@@ -2,8 +2,10 @@
 and from files Q5_0, Q5_1, the K-quants Q2_K to Q6_K, IQ4_NL and IQ4_XS).
 
 On a CPU a decode or verify forward is bound by reading the weights: a GGUF checkpoint's
-4-bit weights read 0.75 bytes each where their float32 copy reads 4. A
-:class:`QuantLinear` keeps the codes and computes with ``osd_kernels.quant_linear``,
+4-bit weights read 0.5625 to 0.75 bytes each where their float32 copy reads 4. A
+:class:`QuantLinear` keeps the file's blocks as stored (:data:`STORED_FORMATS`: Q4_0,
+Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), or re-expressed as 4- or 8-bit codes with float32 factors
+(the other types), and computes with ``osd_kernels.quant_linear``,
 whose few-row kernel gives bit for bit what ``decode_linear`` gives on the dequantized
 float32 matrix (so decode and verify forwards of up to 16 tokens match the dequantized
 model exactly); longer inputs (prefill) go through dequantized tiles and a GEMM, equal to
@@ -38,7 +40,13 @@ from osd.models.gguf.blocks import (
     type_name,
 )
 from osd.models.gguf.convert import ARCHITECTURES, unpermute_rope_rows
-from osd_kernels.quant_linear import BLOCK, dequantize_weight, quant_linear
+from osd_kernels.quant_linear import (
+    BLOCK,
+    STORED_TYPES,
+    dequantize_blocks,
+    dequantize_weight,
+    quant_linear,
+)
 
 # Block types a float layer can be quantized to (ggml's reference rounding), by name.
 FORMATS = ("Q4_0", "Q4_1", "Q8_0")
@@ -56,14 +64,23 @@ GGUF_FORMATS = FORMATS + (
     "IQ4_NL",
     "IQ4_XS",
 )
+# GGUF block types a QuantLinear holds as the file's bytes (the kernel decodes them in
+# registers): the K-quants of Q*_K_M files, the 32-weight types they fall back to, and the
+# legacy 4- and 8-bit types. The others are re-expressed as codes with float32 factors.
+STORED_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
+# 32-weight types whose blocks are also exact Q8_0 blocks (the same fp16 scale, the signed
+# code as int8): a fused projection of their mix is held as Q8_0 blocks.
+_AS_Q8_0 = ("Q4_0", "Q5_0", "Q8_0")
 
 
 class QuantLinear(nn.Module):
     """``y = x W^T + b`` with ``W [N, K]`` block-quantized (see ``osd_kernels.quant_linear``).
 
-    Buffers: ``qweight`` (uint8 ``[N, K / 2]`` or int8 ``[N, K]``), ``scales`` and ``mins``
-    (float32 ``[N, K / G]``, ``G`` = 32 or 16; ``mins`` may be None), ``bias`` (``[N]`` or
-    None). Not trainable: the weights are fixed (a target model's, or a shared output head).
+    Buffers: ``qweight`` (uint8 ``[N, K / 2]`` or int8 ``[N, K]`` codes; with ``ggml_type``
+    a GGUF type's blocks as stored, uint8 ``[N, bytes a row]``), ``scales`` and ``mins``
+    (float32 ``[N, K / G]``, ``G`` = 32 or 16; ``mins`` may be None; ``scales`` ``[N, 0]``
+    and ``mins`` None with ``ggml_type``), ``bias`` (``[N]`` or None). Not trainable: the
+    weights are fixed (a target model's, or a shared output head).
     """
 
     def __init__(
@@ -73,6 +90,7 @@ class QuantLinear(nn.Module):
         mins: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
         fmt: str = "",
+        ggml_type: int = 0,
     ) -> None:
         super().__init__()
         self.register_buffer("qweight", qweight)
@@ -80,6 +98,12 @@ class QuantLinear(nn.Module):
         self.register_buffer("mins", mins)
         self.register_buffer("bias", bias)
         self.fmt = fmt
+        self.ggml_type = int(ggml_type)
+        if self.ggml_type:
+            weights, size = STORED_TYPES[self.ggml_type]
+            self._in_features = qweight.shape[1] // size * weights
+        else:
+            self._in_features = qweight.shape[1] * (2 if qweight.dtype == torch.uint8 else 1)
 
     @property
     def out_features(self) -> int:
@@ -87,18 +111,27 @@ class QuantLinear(nn.Module):
 
     @property
     def in_features(self) -> int:
-        return self.qweight.shape[1] * (2 if self.qweight.dtype == torch.uint8 else 1)
+        return self._in_features
 
     def forward(
         self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6
     ) -> torch.Tensor:
         """``[..., K] -> [..., N]``, after the RMSNorm of ``norm_weight`` when given."""
         return quant_linear(
-            x, self.qweight, self.scales, self.mins, self.bias, norm_weight=norm_weight, eps=eps
+            x,
+            self.qweight,
+            self.scales,
+            self.mins,
+            self.bias,
+            norm_weight=norm_weight,
+            eps=eps,
+            ggml_type=self.ggml_type,
         )
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight ``[N, K]``."""
+        if self.ggml_type:
+            return dequantize_blocks(self.qweight, self.ggml_type)
         return dequantize_weight(self.qweight, self.scales, self.mins)
 
     def select_rows(self, ids: torch.Tensor) -> "QuantLinear":
@@ -108,18 +141,38 @@ class QuantLinear(nn.Module):
             return None if t is None else t.index_select(0, ids.to(t.device))
 
         return QuantLinear(
-            pick(self.qweight), pick(self.scales), pick(self.mins), pick(self.bias), self.fmt
+            pick(self.qweight),
+            pick(self.scales),
+            pick(self.mins),
+            pick(self.bias),
+            self.fmt,
+            self.ggml_type,
         )
 
     @classmethod
     def from_gguf_blocks(
-        cls, raw: torch.Tensor, fmt: str, shape: tuple[int, int], bias: torch.Tensor | None = None
+        cls,
+        raw: torch.Tensor,
+        fmt: str,
+        shape: tuple[int, int],
+        bias: torch.Tensor | None = None,
+        stored: bool | None = None,
     ) -> "QuantLinear":
         """A layer from one GGUF tensor's stored bytes (``raw`` uint8, ``shape = (N, K)``
-        in torch order) of block type ``fmt`` (one of :data:`GGUF_FORMATS`)."""
+        in torch order) of block type ``fmt`` (one of :data:`GGUF_FORMATS`), holding them as
+        stored when ``stored`` (default: ``fmt`` in :data:`STORED_FORMATS`), else as codes
+        and float32 factors."""
         if fmt not in GGUF_FORMATS:
             raise ValueError(f"QuantLinear holds {', '.join(GGUF_FORMATS)} weights, not {fmt}")
         N, K = shape
+        if fmt in STORED_FORMATS if stored is None else stored:
+            t = int(GGMLType[fmt])
+            weights, size = STORED_TYPES[t]
+            if K % weights:
+                unit = "super-blocks" if weights == 256 else "blocks"
+                raise ValueError(f"{fmt} rows hold whole {unit} of {weights} weights, got K = {K}")
+            blocks = raw.reshape(N, K // weights * size).contiguous()
+            return cls(blocks, blocks.new_empty((N, 0), dtype=torch.float32), None, bias, fmt, t)
         if fmt.endswith("_K"):
             return cls(*_k_quant_codes(raw, fmt, N, K), bias, fmt)
         if fmt.startswith("IQ4"):
@@ -173,13 +226,32 @@ class QuantLinear(nn.Module):
 
 def _fused(pieces: list[QuantLinear], bias: torch.Tensor | None) -> QuantLinear:
     """One layer of ``pieces`` stacked along the output rows (a fused projection whose
-    parts a file stores apart, maybe in different types). Parts are widened to the widest
-    part's form first, exactly: 4-bit codes to 8-bit ones when another part has 8-bit
-    codes, a scale (and min) per 32 weights repeated per 16 when another part has groups
-    of 16, zero mins where another part has mins."""
+    parts a file stores apart, maybe in different types). Parts held as stored blocks of one
+    type are stacked as they are; parts of Q4_0, Q5_0 and Q8_0 as Q8_0 blocks (exactly:
+    :func:`_as_q8_0`). Otherwise every part is held as codes and factors, widened to the
+    widest part's form first, exactly: 4-bit codes to 8-bit ones when another part has
+    8-bit codes, a scale (and min) per 32 weights repeated per 16 when another part has
+    groups of 16, zero mins where another part has mins."""
     if len(pieces) == 1:
         p = pieces[0]
-        return QuantLinear(p.qweight, p.scales, p.mins, bias, p.fmt)
+        return QuantLinear(p.qweight, p.scales, p.mins, bias, p.fmt, p.ggml_type)
+    fmts = "+".join(dict.fromkeys(p.fmt for p in pieces))
+    if all(p.ggml_type for p in pieces):
+        if len({p.ggml_type for p in pieces}) > 1 and all(p.fmt in _AS_Q8_0 for p in pieces):
+            pieces = [_as_q8_0(p) for p in pieces]
+        if len({p.ggml_type for p in pieces}) == 1:
+            q = torch.cat([p.qweight for p in pieces])
+            t = pieces[0].ggml_type
+            return QuantLinear(
+                q, q.new_empty((q.shape[0], 0), dtype=torch.float32), None, bias, fmts, t
+            )
+    K = pieces[0].in_features
+    pieces = [
+        QuantLinear.from_gguf_blocks(p.qweight, p.fmt, (p.out_features, K), stored=False)
+        if p.ggml_type
+        else p
+        for p in pieces
+    ]
     K = pieces[0].in_features
     wide = any(p.qweight.dtype == torch.int8 for p in pieces)
     groups = max(p.scales.shape[1] for p in pieces)
@@ -195,7 +267,6 @@ def _fused(pieces: list[QuantLinear], bias: torch.Tensor | None) -> QuantLinear:
         scales.append(p.scales.repeat_interleave(repeat, dim=1))
         m = torch.zeros_like(p.scales) if p.mins is None else p.mins
         mins.append(m.repeat_interleave(repeat, dim=1))
-    fmts = "+".join(dict.fromkeys(p.fmt for p in pieces))
     return QuantLinear(
         torch.cat(qs),
         torch.cat(scales).contiguous(),
@@ -203,6 +274,24 @@ def _fused(pieces: list[QuantLinear], bias: torch.Tensor | None) -> QuantLinear:
         bias,
         fmts,
     )
+
+
+def _as_q8_0(p: QuantLinear) -> QuantLinear:
+    """A layer of Q4_0 / Q5_0 / Q8_0 blocks as stored, as Q8_0 blocks of the same weights:
+    the fp16 scale as it is and each weight's signed code (``q - 8``, ``q - 16``) as an
+    int8, so that ``code * scale`` is the same product."""
+    t = GGMLType[p.fmt]
+    if t == GGMLType.Q8_0:
+        return p
+    N = p.out_features
+    weights, size = STORED_TYPES[int(t)]
+    b = p.qweight.reshape(-1, size)
+    if t == GGMLType.Q4_0:
+        q = nibbles(b[:, 2:]).to(torch.int16) - 8
+    else:  # Q5_0
+        q = (nibbles(b[:, 6:]) | (high_bits(b[:, 2:6]) << 4)).to(torch.int16) - 16
+    blocks = torch.cat([b[:, :2], q.to(torch.int8).view(torch.uint8)], dim=1).reshape(N, -1)
+    return QuantLinear(blocks, p.scales, None, None, p.fmt, int(GGMLType.Q8_0))
 
 
 def _k_quant_codes(raw: torch.Tensor, fmt: str, N: int, K: int):
@@ -407,4 +496,11 @@ def quantize_gguf_linears(model, g) -> int:
     return swapped
 
 
-__all__ = ["QuantLinear", "FORMATS", "GGUF_FORMATS", "quantize_linears", "quantize_gguf_linears"]
+__all__ = [
+    "QuantLinear",
+    "FORMATS",
+    "GGUF_FORMATS",
+    "STORED_FORMATS",
+    "quantize_linears",
+    "quantize_gguf_linears",
+]

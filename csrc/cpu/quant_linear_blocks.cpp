@@ -1,0 +1,438 @@
+// quant_linear on GGUF blocks as stored (ggml_type != 0: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K,
+// Q6_K): y = x W^T + b for few rows, W [N, K] held as the file's bytes, [N, K / U * B]
+// (U weights in B bytes a unit: a block of 32 or a K-quant super-block of 256).
+//
+// Each unit of a weight row is decoded in registers (cpu/quant_linear_blocks.h: 8-bit
+// codes of 32 weights at a time, float32 factors per 16 or 32 weights) and multiplied into
+// every row's running sums at once, in decode_linear's order (k ascending, 8 lanes a
+// running sum, the same final reduction), so the result equals decode_linear on the
+// dequantized matrix bit for bit: the codes times the factors are exactly the reference
+// dequantizer's weights. The AVX-512 path (with VBMI's byte permutations) holds two weight
+// rows per register, row n in the even lanes and row n + 1 in the odd ones, each lane
+// doing what the AVX2 path's lane does (the inputs are read with every element twice, from
+// a copy made once per call). The portable path dequantizes a few weight rows into a
+// buffer and runs decode_linear's portable loop. Past kFusedMaxRows rows (prefill)
+// 256-row tiles are dequantized and multiplied by a GEMM, which then sets the summation
+// order.
+#include "cpu/quant_linear_blocks_op.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
+#include <algorithm>
+#include <vector>
+
+#include "checks.h"
+#include "cpu/linear_rows.h"
+#include "cpu/quant_linear_blocks.h"
+#include "cpu/row_dispatch.h"
+
+namespace osd {
+namespace {
+
+using namespace gguf_blocks;
+
+constexpr int64_t kGroupRows = 12;  // weight rows the portable path dequantizes at a time
+constexpr int64_t kFusedMaxRows = 64;
+constexpr int64_t kTileRows = 256;
+// With several passes over the rows of x, weight rows go tile by tile (this many bytes of
+// blocks), so a tile read from memory by the first pass is still cached for the others.
+constexpr int64_t kPassTileBytes = 64 * 1024;
+
+struct Raw {
+  const uint8_t* w;   // [N, row_bytes]
+  int64_t row_bytes;  // units * F::kBytes
+  int64_t units;      // K / F::kWeights
+};
+
+// Weight rows [n, n + rows) into out [rows, K] (portable; exactly the reference weights).
+template <class F>
+void dequant_portable(const Raw& q, int64_t n, int64_t rows, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = q.w + (n + r) * q.row_bytes;
+    for (int64_t u = 0; u < q.units; ++u) {
+      F::dequant(row + u * F::kBytes, out + (r * q.units + u) * F::kWeights);
+    }
+  }
+}
+
+#if defined(__x86_64__)
+// The 8 codes of step s (weights 8s..8s+7) of a sub-block's 32, as float32.
+OSD_BLK_AVX2 inline __m256 step8(__m256i c, int s) {
+  const __m128i half = s < 2 ? _mm256_castsi256_si128(c) : _mm256_extracti128_si256(c, 1);
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32((s & 1) ? _mm_srli_si128(half, 8) : half));
+}
+
+template <class F>
+OSD_BLK_AVX2 void dequant_avx2(const Raw& q, int64_t n, int64_t rows, float* out) {
+  constexpr int64_t kFactors = F::kWeights / F::kGroup;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = q.w + (n + r) * q.row_bytes;
+    for (int64_t u = 0; u < q.units; ++u) {
+      const uint8_t* unit = row + u * F::kBytes;
+      float sc[kFactors], mn[kFactors];
+      F::factors(unit, sc, mn);
+      float* o = out + (r * q.units + u) * F::kWeights;
+      for (int j = 0; j < F::kWeights / 32; ++j) {
+        const __m256i c = F::codes(unit, j);
+        for (int s = 0; s < 4; ++s) {
+          const int g = (32 * j + 8 * s) / F::kGroup;
+          const __m256 w =
+              _mm256_fmadd_ps(step8(c, s), _mm256_set1_ps(sc[g]), _mm256_set1_ps(mn[g]));
+          _mm256_storeu_ps(o + 32 * j + 8 * s, w);
+        }
+      }
+    }
+  }
+}
+
+// Prefetch of unit u of the NB weight rows from `ahead` on (linear_rows::kPrefetchBlocks
+// blocks of rows ahead), a cache line per 64 bytes of the unit.
+template <class F, int NB>
+OSD_BLK_AVX2 inline void prefetch_unit(const Raw& q, const uint8_t* ahead, int64_t u) {
+  for (int j = 0; j < NB; ++j) {
+    const char* p = reinterpret_cast<const char*>(ahead + j * q.row_bytes + u * F::kBytes);
+    for (int64_t b = 0; b < F::kBytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  }
+}
+
+// M rows of x (ldx apart) times weight rows [n0, n0 + NB): one 8-lane running sum per
+// (row, weight row), as decode_linear's AVX2 loop.
+template <class F, int M, int NB>
+OSD_BLK_AVX2 void block_avx2(const Raw& q, const linear_rows::Args& a, const float* x, float* y,
+                             int64_t n0, int64_t N) {
+  constexpr int64_t kFactors = F::kWeights / F::kGroup;
+  __m256 acc[M][NB];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
+  const uint8_t* row0 = q.w + n0 * q.row_bytes;
+  const uint8_t* ahead =
+      q.w + std::min<int64_t>(n0 + linear_rows::kPrefetchBlocks * NB, N - NB) * q.row_bytes;
+  for (int64_t u = 0; u < q.units; ++u) {
+    prefetch_unit<F, NB>(q, ahead, u);
+    alignas(32) float sc[NB][kFactors], mn_[NB][kFactors];
+    for (int j = 0; j < NB; ++j) {
+      F::factors(row0 + j * q.row_bytes + u * F::kBytes, sc[j], mn_[j]);
+    }
+#pragma GCC unroll 8
+    for (int sub = 0; sub < F::kWeights / 32; ++sub) {
+      __m256i c[NB];
+      __m256 d[NB][2], mn[NB][2];  // factors of weights 0..15 and 16..31 of the sub-block
+      for (int j = 0; j < NB; ++j) {
+        c[j] = F::codes(row0 + j * q.row_bytes + u * F::kBytes, sub);
+        for (int h = 0; h < 2; ++h) {
+          d[j][h] = _mm256_set1_ps(sc[j][(32 * sub + 16 * h) / F::kGroup]);
+          mn[j][h] = _mm256_set1_ps(mn_[j][(32 * sub + 16 * h) / F::kGroup]);
+        }
+      }
+      for (int s = 0; s < 4; ++s) {
+        const int64_t k = u * F::kWeights + 32 * sub + 8 * s;
+        __m256 w[NB];
+        for (int j = 0; j < NB; ++j) {
+          w[j] = _mm256_fmadd_ps(step8(c[j], s), d[j][s / 2], mn[j][s / 2]);
+        }
+        for (int m = 0; m < M; ++m) {
+          const __m256 xv = _mm256_loadu_ps(x + m * a.ldx + k);
+          for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_fmadd_ps(xv, w[j], acc[m][j]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int j = 0; j < NB; ++j) {
+      const float s = linear_rows::hsum8(acc[m][j]);
+      y[m * a.ldy + n0 + j] = s + (a.bias != nullptr ? a.bias[n0 + j] : 0.0f);
+    }
+  }
+}
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+// The factors of a unit of two weight rows, (row n's, row n + 1's) in every (even, odd)
+// lane pair: in registers for the formats with one factor a unit, else interleaved in
+// memory by vector stores (a narrower load of what one wider store wrote forwards from it).
+template <class F>
+struct PairFactors {
+  static constexpr int kF = F::kWeights / F::kGroup;
+  alignas(64) float sc[2 * kF], mn[2 * kF];
+  __m512 d, m;
+
+  // the fp16 at byte `at` of both rows' units, as a pair
+  OSD_BLK_VBMI static __m512 pair_f16(const uint8_t* u0, const uint8_t* u1, int at) {
+    uint16_t lo, hi;
+    std::memcpy(&lo, u0 + at, 2);
+    std::memcpy(&hi, u1 + at, 2);
+    const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(lo | (hi << 16))));
+    return _mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_castps_pd(both)));
+  }
+  OSD_BLK_VBMI static void interleave(const float* a, const float* b, float* out) {
+    const __m512i idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    for (int i = 0; i < kF; i += 8) {
+      const __m512 lo = _mm512_castps256_ps512(_mm256_loadu_ps(a + i));
+      const __m512 hi = _mm512_castps256_ps512(_mm256_loadu_ps(b + i));
+      _mm512_store_ps(out + 2 * i, _mm512_permutex2var_ps(lo, idx, hi));
+    }
+  }
+  OSD_BLK_VBMI void load(const uint8_t* u0, const uint8_t* u1) {
+    if constexpr (kF == 1) {
+      d = pair_f16(u0, u1, 0);
+      m = F::kMinAt >= 0 ? pair_f16(u0, u1, F::kMinAt)
+                         : _mm512_mul_ps(_mm512_set1_ps(-F::kOffset), d);
+    } else {
+      alignas(32) float s0[kF], m0[kF], s1[kF], m1[kF];
+      F::factors(u0, s0, m0);
+      F::factors(u1, s1, m1);
+      interleave(s0, s1, sc);
+      interleave(m0, m1, mn);
+    }
+  }
+  OSD_BLK_VBMI __m512 scale(int g) const { return kF == 1 ? d : at(sc + 2 * g); }
+  OSD_BLK_VBMI __m512 min(int g) const { return kF == 1 ? m : at(mn + 2 * g); }
+  OSD_BLK_VBMI static __m512 at(const float* p) {
+    double both;
+    std::memcpy(&both, p, sizeof(both));
+    return _mm512_castpd_ps(_mm512_set1_pd(both));
+  }
+};
+
+// The codes of a sub-block of two weight rows, one register [row n's 32 | row n + 1's 32];
+// step(s): those of weights 8s..8s+7 as 16 int32 lanes, row n in the even lanes and row
+// n + 1 in the odd ones, by a byte permutation that also zero-extends.
+struct PairCodes {
+  __m512i c;
+  OSD_BLK_VBMI inline void set(__m256i a, __m256i b) {
+    c = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+  }
+  OSD_BLK_VBMI inline __m512i step(int s) const {
+    // dword 2l: byte 8s + l (row n), dword 2l + 1: byte 32 + 8s + l (row n + 1)
+    alignas(64) static const uint8_t kIdx[4][64] = {
+#define OSD_PAIR_STEP(s)                                                                     \
+  {8 * s + 0, 0, 0, 0, 32 + 8 * s, 0, 0, 0, 8 * s + 1, 0, 0, 0, 33 + 8 * s, 0, 0, 0,           \
+   8 * s + 2, 0, 0, 0, 34 + 8 * s, 0, 0, 0, 8 * s + 3, 0, 0, 0, 35 + 8 * s, 0, 0, 0,           \
+   8 * s + 4, 0, 0, 0, 36 + 8 * s, 0, 0, 0, 8 * s + 5, 0, 0, 0, 37 + 8 * s, 0, 0, 0,           \
+   8 * s + 6, 0, 0, 0, 38 + 8 * s, 0, 0, 0, 8 * s + 7, 0, 0, 0, 39 + 8 * s, 0, 0, 0}
+        OSD_PAIR_STEP(0), OSD_PAIR_STEP(1), OSD_PAIR_STEP(2), OSD_PAIR_STEP(3)};
+#undef OSD_PAIR_STEP
+    const __m512i idx = _mm512_load_si512(kIdx[s]);
+    return _mm512_maskz_permutexvar_epi8(0x1111111111111111ULL, idx, c);
+  }
+};
+
+// M rows of x2 (each element twice, 2K apart) times weight rows [n0, n0 + 2 NP): NP
+// registers of two weight rows each (even lanes: row n0 + 2p, odd: n0 + 2p + 1).
+template <class F, int M, int NP>
+OSD_BLK_VBMI void block_512(const Raw& q, const linear_rows::Args& a, const float* x2, float* y,
+                            int64_t n0, int64_t N) {
+  constexpr int NB = 2 * NP;
+  const int64_t ldx2 = 2 * a.K;
+  __m512 acc[M][NP];
+  for (int m = 0; m < M; ++m)
+    for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  const uint8_t* row0 = q.w + n0 * q.row_bytes;
+  const uint8_t* ahead =
+      q.w + std::min<int64_t>(n0 + linear_rows::kPrefetchBlocks * NB, N - NB) * q.row_bytes;
+  for (int64_t u = 0; u < q.units; ++u) {
+    prefetch_unit<F, NB>(q, ahead, u);
+    PairFactors<F> f[NP];
+    for (int p = 0; p < NP; ++p) {
+      const uint8_t* r = row0 + 2 * p * q.row_bytes + u * F::kBytes;
+      f[p].load(r, r + q.row_bytes);
+    }
+#pragma GCC unroll 8
+    for (int sub = 0; sub < F::kWeights / 32; ++sub) {
+      PairCodes codes[NP];
+      __m512 d[NP][2], mn[NP][2];  // factors of weights 0..15 and 16..31 of the sub-block
+      for (int p = 0; p < NP; ++p) {
+        const uint8_t* r = row0 + 2 * p * q.row_bytes + u * F::kBytes;
+        codes[p].set(F::codes(r, sub), F::codes(r + q.row_bytes, sub));
+        for (int h = 0; h < 2; ++h) {
+          d[p][h] = f[p].scale((32 * sub + 16 * h) / F::kGroup);
+          mn[p][h] = f[p].min((32 * sub + 16 * h) / F::kGroup);
+        }
+      }
+      for (int s = 0; s < 4; ++s) {
+        const int64_t k = u * F::kWeights + 32 * sub + 8 * s;
+        __m512 w[NP];
+        for (int p = 0; p < NP; ++p) {
+          w[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(codes[p].step(s)), d[p][s / 2],
+                                 mn[p][s / 2]);
+        }
+        for (int m = 0; m < M; ++m) {
+          const __m512 xv = _mm512_loadu_ps(x2 + m * ldx2 + 2 * k);
+          for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_fmadd_ps(xv, w[p], acc[m][p]);
+        }
+      }
+    }
+  }
+  const __m512i split = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int m = 0; m < M; ++m) {
+    for (int p = 0; p < NP; ++p) {
+      const __m512 v = _mm512_permutexvar_ps(split, acc[m][p]);
+      for (int half = 0; half < 2; ++half) {
+        const __m256 h = half == 0 ? _mm512_castps512_ps256(v) : _mm512_extractf32x8_ps(v, 1);
+        const int64_t n = n0 + 2 * p + half;
+        y[m * a.ldy + n] = linear_rows::hsum8(h) + (a.bias != nullptr ? a.bias[n] : 0.0f);
+      }
+    }
+  }
+}
+
+#pragma GCC diagnostic pop
+
+// One pass of M rows (x, x2, y at its first row) over weight rows [n_begin, n_end).
+template <class F, int M>
+void pass_512(const Raw& q, const linear_rows::Args& a, const float* x, const float* x2,
+              float* y, int64_t n_begin, int64_t n_end, int64_t N) {
+  // registers (of 32): M * NP sums, NP codes, 2 or 4 NP factors (groups of 32 or 16), NP
+  // weights, x, 4 permutations; more weight rows a block, more running sums in flight
+  constexpr int NP = M <= 2 ? (F::kGroup == 16 ? 3 : 4) : (M <= 6 ? 2 : 1);
+  int64_t n = n_begin;
+  for (; n + 2 * NP <= n_end; n += 2 * NP) block_512<F, M, NP>(q, a, x2, y, n, N);
+  for (; n + 2 <= n_end; n += 2) block_512<F, M, 1>(q, a, x2, y, n, N);
+  for (; n < n_end; ++n) block_avx2<F, M, 1>(q, a, x, y, n, N);
+}
+
+template <class F, int M>
+OSD_BLK_AVX2 void pass_avx2(const Raw& q, const linear_rows::Args& a, const float* x, float* y,
+                            int64_t n_begin, int64_t n_end, int64_t N) {
+  constexpr int NB = M <= 2 ? 2 : 1;  // M * NB sums, NB codes, 2 NB factors, w, x of 16
+  int64_t n = n_begin;
+  for (; n + NB <= n_end; n += NB) block_avx2<F, M, NB>(q, a, x, y, n, N);
+  for (; n < n_end; ++n) block_avx2<F, M, 1>(q, a, x, y, n, N);
+}
+#endif
+
+// Every row of x over weight rows [n_begin, n_end), in passes of at most kMaxPass rows
+// (tile by tile over the weight rows when there are several). A row's result does not
+// depend on the others.
+template <class F>
+void all_rows(const Raw& q, const linear_rows::Args& a, const float* x2, int64_t n_begin,
+              int64_t n_end, int64_t N, bool avx2, bool avx512) {
+  const int64_t passes = (a.M + linear_rows::kMaxPass - 1) / linear_rows::kMaxPass;
+  const int64_t per_pass = (a.M + passes - 1) / passes;
+  const int64_t tile = passes == 1 ? n_end - n_begin
+                                   : std::max<int64_t>(16, kPassTileBytes / q.row_bytes);
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += tile) {
+    const int64_t n1 = std::min(n0 + tile, n_end);
+    for (int64_t row = 0; row < a.M; row += per_pass) {
+      const int rows = static_cast<int>(std::min<int64_t>(per_pass, a.M - row));
+      const float* x = a.x + row * a.ldx;
+      float* y = a.y + row * a.ldy;
+#if defined(__x86_64__)
+      if (avx2) {
+        with_rows<linear_rows::kMaxPass>(rows, [&](auto mr) {
+          constexpr int M = decltype(mr)::value;
+          const float* x2r = avx512 ? x2 + row * 2 * a.K : nullptr;
+          if (avx512) return pass_512<F, M>(q, a, x, x2r, y, n0, n1, N);
+          pass_avx2<F, M>(q, a, x, y, n0, n1, N);
+        });
+        continue;
+      }
+#endif
+      (void)avx2, (void)avx512, (void)x2;
+      thread_local std::vector<float> buffer;
+      buffer.resize(static_cast<size_t>(kGroupRows * a.K));
+      for (int64_t n = n0; n < n1; n += kGroupRows) {
+        const int64_t g = std::min(kGroupRows, n1 - n);
+        dequant_portable<F>(q, n, g, buffer.data());
+        linear_rows::Args b = a;  // these rows of x, the group's rows of W, bias and y
+        b.x = x;
+        b.M = rows;
+        b.w = buffer.data();
+        b.N = g;
+        b.bias = a.bias != nullptr ? a.bias + n : nullptr;
+        b.y = y + n;
+        linear_rows::all_rows(b, 0, g, false);
+      }
+    }
+  }
+}
+
+template <class F>
+at::Tensor run(const at::Tensor& x, const Raw& q, int64_t N, linear_rows::Args a,
+               const std::optional<at::Tensor>& bias) {
+  at::Tensor y = at::empty({a.M, N}, x.options());
+  a.y = y.data_ptr<float>();
+  a.ldy = N;
+  if (a.M == 0 || N == 0) return y;
+  const bool avx2 = use_avx2_fma() && __builtin_cpu_supports("f16c");
+  if (a.M > kFusedMaxRows) {
+    at::Tensor rows = at::from_blob(const_cast<float*>(a.x), {a.M, a.K}, {a.ldx, 1}, x.options());
+    at::Tensor tile = at::empty({std::min(kTileRows, N), a.K}, x.options());
+    float* tile_ptr = tile.data_ptr<float>();
+    for (int64_t n0 = 0; n0 < N; n0 += kTileRows) {
+      const int64_t g = std::min(kTileRows, N - n0);
+      at::parallel_for(0, g, 16, [&](int64_t begin, int64_t end) {
+#if defined(__x86_64__)
+        if (avx2) return dequant_avx2<F>(q, n0 + begin, end - begin, tile_ptr + begin * a.K);
+#endif
+        dequant_portable<F>(q, n0 + begin, end - begin, tile_ptr + begin * a.K);
+      });
+      at::Tensor out = y.narrow(1, n0, g);
+      at::mm_out(out, rows, tile.narrow(0, 0, g).t());
+    }
+    if (bias.has_value()) y.add_(*bias);
+    return y;
+  }
+  // the AVX-512 path permutes bytes (VBMI: Ice Lake, Zen 4 and later); AVX2 otherwise
+  const bool avx512 = avx2 && use_avx512() && __builtin_cpu_supports("avx512vbmi");
+  // the AVX-512 path's inputs, each element twice (64-byte aligned: its loads never split
+  // a cache line)
+  at::Tensor x2_t;
+  float* x2 = nullptr;
+  if (avx512) {
+    x2_t = at::empty({a.M, 2 * a.K}, x.options());
+    x2 = x2_t.data_ptr<float>();
+    for (int64_t m = 0; m < a.M; ++m)
+      for (int64_t k = 0; k < a.K; ++k)
+        x2[(m * a.K + k) * 2] = x2[(m * a.K + k) * 2 + 1] = a.x[m * a.ldx + k];
+  }
+  at::parallel_for(0, N, 4 * kGroupRows, [&](int64_t n_begin, int64_t n_end) {
+    all_rows<F>(q, a, x2, n_begin, n_end, N, avx2, avx512);
+  });
+  return y;
+}
+
+}  // namespace
+
+bool quant_blocks_supported(int64_t ggml_type) {
+  return with_format(ggml_type, [](auto) {});
+}
+
+at::Tensor quant_linear_blocks_cpu(const at::Tensor& x, const at::Tensor& blocks,
+                                   int64_t ggml_type, const std::optional<at::Tensor>& bias,
+                                   const std::optional<at::Tensor>& norm_weight, double eps) {
+  const int64_t K = x.size(1);
+  int64_t weights = 0, bytes = 0;
+  OSD_CHECK(with_format(ggml_type,
+                        [&](auto f) {
+                          weights = decltype(f)::kWeights;
+                          bytes = decltype(f)::kBytes;
+                        }),
+            "quant_linear reads GGUF blocks of types 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 8 (Q8_0), "
+            "12 (Q4_K) and 14 (Q6_K), got ggml_type ", ggml_type);
+  OSD_CHECK(K % weights == 0, "ggml_type ", ggml_type, " holds rows of whole blocks of ", weights,
+            " weights, got K = ", K);
+  check_same_device(x, blocks, "x", "qweight");
+  OSD_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+                blocks.size(1) == K / weights * bytes,
+            "qweight of ggml_type ", ggml_type, " must be contiguous uint8 blocks [N, ",
+            K / weights * bytes, "], got ", blocks.scalar_type(), " ", blocks.sizes());
+  const int64_t N = blocks.size(0);
+  linear_rows::Args a;
+  a.M = x.size(0);
+  a.K = K;
+  a.ldx = x.stride(0);
+  a.x = x.data_ptr<float>();
+  a.bias = linear_rows::bias_data(bias, x, N);
+  const at::Tensor normed = linear_rows::apply_norm(a, x, norm_weight, eps);
+  const Raw q{blocks.data_ptr<uint8_t>(), blocks.size(1), K / weights};
+  at::Tensor y;
+  with_format(ggml_type, [&](auto f) { y = run<decltype(f)>(x, q, N, a, bias); });
+  return y;
+}
+
+}  // namespace osd
