@@ -260,6 +260,15 @@ def test_build_state_budget_and_identity(tmp_path):
     budget = target_build.Budget(2.0, again["spent_seconds"])
     assert budget.total == 120.0 and 29.0 < budget.spent() < 31.0
     assert budget.end - time.monotonic() == pytest.approx(90.0, abs=1.0)
+    # a killed run's time counts through the heartbeat's file
+    (out / ".build" / "clock.json").write_text('{"spent_seconds": 50.0}')
+    assert target_build.load_state(str(out / ".build"))["spent_seconds"] == 50.0
+    with target_build.Heartbeat(str(out / ".build"), budget, every=0.01):
+        time.sleep(0.1)
+    beat = json.loads((out / ".build" / "clock.json").read_text())["spent_seconds"]
+    assert 29.0 < beat < 40.0
+    with pytest.raises(KeyboardInterrupt):
+        target_build._terminate(15, None)
     target.write_bytes(b"y" * 11)  # another target at the same path
     with pytest.raises(SystemExit, match="another target"):
         target_build.start_state(args, str(out), str(out / ".build"))
@@ -279,6 +288,10 @@ def test_build_state_budget_and_identity(tmp_path):
         os.path.join("osd", "drafts", "SmolLM2.Q4_1")
     )
     assert target_build.measure_reserve(90) == 15.0 and target_build.measure_reserve(1800) == 216.0
+    assert (
+        target_build.measure_reserve(480, 2) == 115.2
+        and target_build.measure_reserve(1800, 2) == 240
+    )
 
 
 def test_command_line_and_refusals(capsys):

@@ -24,6 +24,8 @@ import json
 import os
 import platform
 import shutil
+import signal
+import threading
 import time
 from dataclasses import asdict, replace
 
@@ -58,6 +60,7 @@ from osd.zoo import locate
 
 WORK_DIR = ".build"
 STATE_FILE = "state.json"
+CLOCK_FILE = "clock.json"
 FORMAT = 1
 # The files a build writes into --out (--fresh removes these and the work directory only).
 DRAFT_FILES = ("config.json", "model.safetensors", "head_vocab.json", SERVING_FILE, "build.json")
@@ -109,17 +112,57 @@ class Budget:
         return time.monotonic() - self.start
 
 
-def measure_reserve(total_seconds: float) -> float:
-    """Seconds kept for the serving measurement: 12% of the budget, 15 s to 4 minutes."""
-    return min(240.0, max(15.0, 0.12 * total_seconds))
+def measure_reserve(total_seconds: float, measurements: int = 1) -> float:
+    """Seconds kept for the serving measurement: 12% of the budget per measurement (a
+    GGUF target has two), 15 s to 4 minutes."""
+    return min(240.0, max(15.0, 0.12 * total_seconds * measurements))
 
 
 def load_state(work: str) -> dict | None:
+    """The saved state, its ``spent_seconds`` at least the heartbeat's (a killed run
+    never wrote its last state)."""
     file = os.path.join(work, STATE_FILE)
     if not os.path.isfile(file):
         return None
     with open(file) as f:
-        return json.load(f)
+        state = json.load(f)
+    beat = os.path.join(work, CLOCK_FILE)
+    if os.path.isfile(beat):
+        try:
+            with open(beat) as f:
+                spent = float(json.load(f)["spent_seconds"])
+        except (OSError, ValueError, KeyError, TypeError):
+            spent = 0.0
+        state["spent_seconds"] = max(state["spent_seconds"], spent)
+    return state
+
+
+class Heartbeat:
+    """Writes the build's spent time to ``CLOCK_FILE`` every ``every`` seconds from a
+    daemon thread (the only writer of that file), so a run that is killed still counts."""
+
+    def __init__(self, work: str, budget: "Budget", every: float = 15.0) -> None:
+        self.file = os.path.join(work, CLOCK_FILE)
+        self.budget, self.every = budget, every
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop_event.wait(self.every):
+            save_json(self.file, {"spent_seconds": round(self.budget.spent(), 1)})
+
+    def __enter__(self) -> "Heartbeat":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_event.set()
+        self.thread.join()
+
+
+def _terminate(signum, frame):
+    # SIGTERM ends the build as Ctrl-C does: answers and the training checkpoint saved
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def save_state(work: str, state: dict) -> None:
@@ -164,6 +207,8 @@ def start_state(args, out: str, work: str) -> dict | None:
     if args.reuse_data and state["stage"] != "data":
         if os.path.isfile(os.path.join(work, "train.pt")):
             os.remove(os.path.join(work, "train.pt"))
+        if os.path.isfile(os.path.join(work, CLOCK_FILE)):
+            os.remove(os.path.join(work, CLOCK_FILE))
         state.update(stage="train", spent_seconds=0.0)
         log("--reuse-data: training again on the saved teacher data, with a new budget")
     elif state["stage"] == "done":
@@ -184,16 +229,22 @@ def build_for_target(args) -> int:
         {"command": command_line(args), "started_at_spent_s": round(budget.spent())}
     )
     save_state(work, state)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main else None
     try:
-        return _stages(args, out, work, state, budget)
+        with Heartbeat(work, budget):
+            return _stages(args, out, work, state, budget)
     finally:
         state["spent_seconds"] = round(budget.spent(), 1)
         save_state(work, state)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _stages(args, out: str, work: str, state: dict, budget: Budget) -> int:
     target_path = os.path.abspath(args.target)
-    reserve = measure_reserve(budget.total)
+    gguf = is_gguf_source(target_path)
+    reserve = measure_reserve(budget.total, 2 if gguf else 1)
     log(
         f"draft for {target_path} into {out}: {clock(budget.total)} budget, "
         f"{clock(budget.spent())} spent by earlier runs, stage {state['stage']}"
@@ -339,7 +390,6 @@ def _stages(args, out: str, work: str, state: dict, budget: Budget) -> int:
     target = None
 
     prompts_m = measure_prompts(tokenizer, MEASURE_PROMPTS)
-    gguf = is_gguf_source(target_path)
     # A GGUF target: first as from_pretrained loads it by default (quantized), then in
     # float32, each in half the time left.
     runs = [True, False] if gguf else [False]

@@ -23,12 +23,14 @@ from osd.draft_build.common import Progress, log
 from osd.models.loading import load_model
 from osd.spec import SpecConfig
 
-# (name, SpecConfig fields, block format of the served draft), most likely useful first.
+# (name, SpecConfig fields, block format of the served draft), in the order they are
+# given up when time is short: the middle chain, prompt lookup alone (free: the draft must
+# beat it to be served), the chain's neighbours, then lookup in front, Q8_0, the longest.
 CANDIDATES = (
     ("chain k=3", {"num_draft_tokens": 3}, None),
+    ("prompt lookup alone k=4", {"drafter": "ngram", "num_draft_tokens": 4}, None),
     ("chain k=2", {"num_draft_tokens": 2}, None),
     ("chain k=4", {"num_draft_tokens": 4}, None),
-    ("prompt lookup alone k=4", {"drafter": "ngram", "num_draft_tokens": 4}, None),
     (
         "chain k=3 + prompt lookup",
         {"num_draft_tokens": 3, "prompt_lookup": True, "lookup_tokens": 8, "lookup_tree_below": 3},
