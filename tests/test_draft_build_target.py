@@ -289,7 +289,7 @@ def test_build_state_budget_and_identity(tmp_path):
     )
     assert target_build.measure_reserve(90) == 15.0 and target_build.measure_reserve(1800) == 216.0
     assert (
-        target_build.measure_reserve(480, 2) == 115.2
+        target_build.measure_reserve(480, 2) == pytest.approx(115.2)
         and target_build.measure_reserve(1800, 2) == 240
     )
 
