@@ -1,0 +1,202 @@
+"""The servers and clients of ``bench/bench_serve_llamacpp.py``: ``osd serve`` and
+``llama-server`` on the chat target, and streaming chat clients that load them.
+
+- :class:`OsdServe` runs ``osd serve`` as a user does (no ``--target``: the chat pair,
+  its GGUF cached) with extra flags (``--no-draft``), on a free port;
+- :func:`llama_server` runs ``llama-server`` on the same GGUF with ``-np`` slots of
+  ``slot_ctx`` tokens each (``bench.llamacpp.Server``: ``--poll 0``, ``-t``/``-tb``
+  threads);
+- :func:`llama_prompt_ids` asks a ``llama-server`` for the token ids its chat endpoint
+  builds from a conversation (``/apply-template`` then ``/tokenize``), to check that both
+  servers prefill the same ids;
+- :func:`run_load` runs N concurrent streaming clients over a list of conversations
+  against ``/v1/chat/completions`` and returns the wall time and, per request, when it
+  was sent, when its first text arrived, when it ended, its text and the usage counts.
+
+The request body is the same for both servers (neither sends ``model``: ``osd serve``
+takes a missing model, ``llama-server`` ignores it). ``ignore_eos`` and ``cache_prompt``
+are extensions: ``osd serve`` reads ``ignore_eos`` and ignores ``cache_prompt``;
+``llama-server`` reads both (``cache_prompt: false``: every request prefills its whole
+prompt, as ``osd serve`` does without ``--prefix-cache``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from bench import llamacpp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` and its threads (Linux ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _wait_health(url: str, proc: subprocess.Popen, what: str, log, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {proc.returncode}:\n{log()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            raise RuntimeError(f"{what} not up after {timeout:.0f} s:\n{log()}")
+        time.sleep(0.2)
+
+
+class OsdServe:
+    """``osd serve --threads THREADS [flags]`` as a child process on a free port. Without
+    ``--target`` it serves the chat pair when the chat GGUF is cached (the caller checks)."""
+
+    def __init__(self, flags=(), threads: int = 2, timeout: float = 300.0):
+        self.port = llamacpp.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "osd.cli", "serve", "--port", str(self.port),
+                    "--threads", str(threads), "--log-level", "warning", *flags]  # fmt: skip
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="osd_serve_", suffix=".log")
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT
+        )
+        try:
+            _wait_health(self.url, self.proc, "osd serve", self.output, timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name, errors="replace") as f:
+            return f.read()[-4000:]
+
+    def close(self) -> None:
+        """Ctrl-C (uvicorn's clean shutdown), then kill after 20 s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+def llama_server(bins, model: str, slots: int, threads: int, slot_ctx: int) -> llamacpp.Server:
+    """``llama-server -np SLOTS -c SLOTS*SLOT_CTX --poll 0 -t THREADS -tb THREADS`` on
+    ``model``; checks through ``/props`` that it runs ``slots`` slots."""
+    srv = llamacpp.Server(
+        bins, model, threads=threads, ctx=slots * slot_ctx, extra=["-np", str(slots)]
+    )
+    srv.url = f"http://127.0.0.1:{srv.port}"
+    srv.pid = srv.proc.pid
+    got = httpx.get(srv.url + "/props", timeout=10).json().get("total_slots")
+    if got != slots:
+        srv.close()
+        raise RuntimeError(f"llama-server runs {got} slots, not {slots}: {' '.join(srv.cmd)}")
+    return srv
+
+
+def llama_prompt_ids(url: str, messages: list[dict]) -> list[int]:
+    """The token ids ``llama-server`` at ``url`` prefills for ``messages`` on its chat
+    endpoint: its chat template's text, tokenized with special tokens parsed."""
+    text = httpx.post(url + "/apply-template", json={"messages": messages}, timeout=30).json()
+    body = {"content": text["prompt"], "add_special": True, "parse_special": True}
+    return httpx.post(url + "/tokenize", json=body, timeout=30).json()["tokens"]
+
+
+def chat_body(messages: list[dict], max_tokens: int) -> dict:
+    """The request both servers get: greedy, ``max_tokens`` new tokens with EOS ignored,
+    streamed with a final usage chunk, no prompt caching."""
+    return {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "cache_prompt": False,
+    }
+
+
+async def _one(http: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed chat completion: send time, first-text time, end time, text, the
+    number of chunks with text, finish reason and usage."""
+    t0 = time.perf_counter()
+    t_first, parts, finish, usage, chunks = None, [], None, None, 0
+    async with http.stream(
+        "POST", url + "/v1/chat/completions", json=chat_body(messages, max_tokens)
+    ) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"{url}: status {resp.status_code}: {(await resp.aread())[:500]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data.strip() == "[DONE]":
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                raise RuntimeError(f"{url}: error event {obj['error']}")
+            if obj.get("usage"):
+                usage = obj["usage"]
+            for c in obj.get("choices") or ():
+                text = (c.get("delta") or {}).get("content")
+                if text:
+                    if t_first is None:
+                        t_first = time.perf_counter()
+                    parts.append(text)
+                    chunks += 1
+                finish = c.get("finish_reason") or finish
+    return dict(
+        t0=t0,
+        t_first=t_first,
+        t_end=time.perf_counter(),
+        text="".join(parts),
+        chunks=chunks,
+        finish=finish,
+        completion_tokens=(usage or {}).get("completion_tokens"),
+        prompt_tokens=(usage or {}).get("prompt_tokens"),
+    )
+
+
+async def _load(url: str, convs: list, clients: int, max_tokens: int) -> tuple:
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0)) as http:
+        results: list = [None] * len(convs)
+
+        async def worker(j: int):
+            for i in range(j, len(convs), clients):
+                results[i] = await _one(http, url, convs[i], max_tokens)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(j) for j in range(min(clients, len(convs)))))
+        return time.perf_counter() - t0, results
+
+
+def run_load(url: str, convs: list, clients: int, max_tokens: int) -> tuple:
+    """``clients`` concurrent streaming clients over the conversations ``convs`` (client
+    j sends conversations j, j + N, ... one after another); ``(wall seconds, results in
+    conversation order)``."""
+    return asyncio.run(_load(url, convs, clients, max_tokens))
