@@ -1,6 +1,6 @@
-"""Building the chat pair's draft by distillation from its target: ``osd draft build``.
+"""Building drafts by distillation from their target: ``osd draft build``.
 
-Modules, in the build's order:
+The chat pair's draft (SmolLM2-135M-Instruct), in the build's order:
 
 - :mod:`osd.draft_build.recipe`: the draft's shape, the training recipe and the teacher
   data's recipes (plain dataclasses);
@@ -9,10 +9,22 @@ Modules, in the build's order:
   distributions), cached per recipe;
 - :mod:`osd.draft_build.train`: the draft's initialisation and training;
 - :mod:`osd.draft_build.build`: the stages put together, and the head vocabulary;
-- :mod:`osd.draft_build.measure`: ``--measure`` and ``--shapes``;
-- :mod:`osd.draft_build.cli`: the command's options and entry point;
-- :mod:`osd.draft_build.common`: logging, progress bars, the thread tuner, the cache
-  directory and the checkpoint writer.
+- :mod:`osd.draft_build.measure`: ``--measure`` and ``--shapes``.
+
+A draft for any target (``--target PATH``, ``docs/own_draft.md``):
+
+- :mod:`osd.draft_build.shape`: the draft's shape and head vocabulary size from the
+  target's config;
+- :mod:`osd.draft_build.target_data`: its prompts (chat template or plain text), the
+  teacher's answers saved in shards, the head vocabulary from them;
+- :mod:`osd.draft_build.target_train`: training over the head vocabulary, checkpointed;
+- :mod:`osd.draft_build.tune`: the serving settings measured on this machine;
+- :mod:`osd.draft_build.target_build`: the stages put together, the budget across runs
+  and the build's saved state.
+
+Both: :mod:`osd.draft_build.cli` (the command's options and entry point) and
+:mod:`osd.draft_build.common` (logging, progress bars and status lines, the thread tuner,
+the cache directory and the checkpoint writer).
 
 Nothing is imported here, so ``osd draft build --help`` loads only the recipe.
 """

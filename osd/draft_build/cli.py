@@ -64,16 +64,16 @@ stages (a progress bar each):
 
 --target PATH (a GGUF file or a Hugging Face checkpoint directory that
 osd.Engine.from_pretrained loads) builds a draft for that target instead, within
---minutes in all (docs/chat_draft.md, "A draft for your own target"): a shape chosen from
-the target's config (osd.draft_build.shape), teacher answers from the target on prompts
-made from the standard library (in its chat template when it has one, else plain text),
-a reduced head vocabulary when the vocabulary is large, training, and a short
-measurement on this machine whose fastest speculation settings go into the draft's
-serving.json. Progress lines show each stage's ETA. The work is kept in OUT/.build: run
-the same command again after an interruption and it continues (the time of every run
-counts against --minutes); --fresh starts over, --reuse-data trains again on the saved
-teacher data. --out defaults to ~/.cache/osd/drafts/<target name>. Then:
-osd draft eval --target PATH --draft OUT.
+--minutes in all (docs/own_draft.md): a shape chosen from the target's config
+(osd.draft_build.shape), teacher answers from the target on prompts made from the
+standard library (in its chat template when it has one, else plain text), a reduced head
+vocabulary when the vocabulary is large, training, and a short measurement on this
+machine whose fastest speculation settings go into the draft's serving.json. Progress
+lines show each stage's ETA. The work is kept in OUT/.build: run the same command again
+after an interruption and it continues (the time of every run counts against
+--minutes); --fresh starts over, --reuse-data trains again on the saved teacher data.
+--out defaults to ~/.cache/osd/drafts/<target name>. Then: osd draft eval --target PATH
+--draft OUT.
 
 --measure loads the target and the draft once and, on held-out chat prompts, reports
 the draft cost c, greedy acceptance and tokens per step, and tokens/s of plain against
