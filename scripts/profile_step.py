@@ -39,21 +39,22 @@ step each one takes and the difference; greedy outputs must agree token for toke
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
-import os
-import shutil
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from collections import Counter
+import osd  # first: sets OMP_WAIT_POLICY=PASSIVE before torch loads libgomp
 
-import torch
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
 
-import osd
+import torch  # noqa: E402
+
 from osd.chat_template import apply_chat_template
 from osd.models.quant import QuantLinear
 from osd.spec import draft_serving_defaults
@@ -284,6 +285,7 @@ def profile(args) -> dict:
     target, draft = chat_pair()
     report = {"threads": args.threads, "tokens": args.tokens, "prompts": args.prompts}
     report["host_only"] = args.host_only
+    report["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
     report["osd_path"] = os.path.dirname(osd.__file__)
     if not args.timing_only:
         report["bandwidth"] = bandwidth(args.bw_mib)
@@ -316,7 +318,8 @@ def print_report(report: dict) -> None:
         f"\nchat target Q4_1 kept quantized, batch 1, {report['threads']} threads, greedy, "
         f"{report['prompts']} prompts x {report['tokens']} new tokens"
         + (", the target's forward replaced by fixed logits" if report["host_only"] else "")
-        + f"; means without the slowest {TRIM:.0%} of the steps"
+        + f"; means without the slowest {TRIM:.0%} of the steps; "
+        f"OMP_WAIT_POLICY={report['omp_wait_policy']}"
     )
     print(
         "| config | µs/step (median) | µs/step (mean) | tokens/step | tokens/s | ops µs/step "
