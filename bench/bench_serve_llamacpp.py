@@ -33,15 +33,19 @@ is checked again.
 
 A configuration is a provider and a number N of concurrent clients; client j sends
 conversations j, j + N, ... one after another. A round runs every configuration once,
-N = 1 first; within each N the providers take turns, and the order rotates by one
-provider each round. Measured on the client: **tokens/s** = completion tokens
-(``usage``) of all requests / wall time from the first request sent to the last stream
-done (median over rounds, min–max beside it); **TTFT** = from sending a request to its
-first chunk with text (p50 over every request of every round); **CPU ms/token** = the
-provider process's user + system CPU seconds (``/proc``) per
-generated token. The ratio columns pair rows of the same round, then take the median over
-rounds: ``osd serve`` ÷ its in-process engine at 1 client, and osd ÷ ``llama-server``
-(``-np 8``, and the faster ``llama-server`` row at that N).
+N = 1 first. At N = 1 the providers take turns conversation by conversation (every
+provider answers conversation i before any answers i + 1), so a burst of load from the
+other work on the machine hits them alike; at N = 8 they take turns load by load. The
+order rotates with the round (and the conversation). Measured on the client:
+**tokens/s** = completion tokens (``usage``) of all requests / wall time (N = 8: from the
+first request sent to the last stream done; N = 1: the requests' walls added up), the
+median over rounds with min–max beside it; **TTFT** = from sending a request to its first
+chunk with text (p50 over every request of every round); **CPU ms/token** = the
+provider process's user + system CPU seconds (``/proc``) per generated token, and beside
+it this process's (the streaming clients'; 0 in-process). The ratio columns pair rows of
+the same round, then take the median over rounds: ``osd serve`` ÷ its in-process engine
+at 1 client, and osd ÷ ``llama-server`` (``-np 8``, and the faster ``llama-server`` row at
+that N).
 
 Run as a script (prints a line per configuration and a markdown table, writes JSON):
 
@@ -226,22 +230,56 @@ def check_prompt_ids(providers: dict, convs: list, tokenizer) -> None:
 
 
 def measure(prov, convs: list, clients: int, max_tokens: int) -> dict:
+    """One load: wall time, tokens, TTFTs, results, and the CPU seconds of the provider's
+    process and of this one (the clients)."""
     cpu0 = chat_load.cpu_seconds(prov.pid)
     if hasattr(prov, "run"):
-        wall, results = prov.run(convs, max_tokens)
+        (wall, results), client_cpu = prov.run(convs, max_tokens), 0.0
     else:
-        wall, results = chat_load.run_load(prov.url, convs, clients, max_tokens)
+        wall, results, client_cpu = chat_load.run_load(prov.url, convs, clients, max_tokens)
     cpu1 = chat_load.cpu_seconds(prov.pid)
-    tokens = sum(r["completion_tokens"] or 0 for r in results)
     return dict(
         wall_s=wall,
-        tokens=tokens,
-        tokens_per_s=tokens / wall,
+        tokens=sum(r["completion_tokens"] or 0 for r in results),
         ttft=[r["t_first"] - r["t0"] for r in results if r["t_first"] is not None],
         results=results,
         cpu_s=None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
+        client_cpu_s=client_cpu,
         loadavg=os.getloadavg()[0],
     )
+
+
+def merge(parts: list[dict]) -> dict:
+    """One run from loads run one after another (their walls add up)."""
+    cpu = [p["cpu_s"] for p in parts]
+    return dict(
+        wall_s=sum(p["wall_s"] for p in parts),
+        tokens=sum(p["tokens"] for p in parts),
+        ttft=[t for p in parts for t in p["ttft"]],
+        results=[r for p in parts for r in p["results"]],
+        cpu_s=None if None in cpu else sum(cpu),
+        client_cpu_s=sum(p["client_cpu_s"] for p in parts),
+        loadavg=sum(p["loadavg"] for p in parts) / len(parts),
+    )
+
+
+def one_round(providers: dict, convs: list, n: int, rnd: int, max_tokens: int) -> dict:
+    """Every provider at ``n`` clients once: ``{name: run}``. At one client the providers
+    take turns conversation by conversation (a burst of load from elsewhere hits them
+    alike), at more clients load by load; the order rotates with the round and the
+    conversation."""
+    names = providers_at(n, providers)
+    if n > 1:
+        k = rnd % len(names)
+        return {
+            name: measure(providers[name], convs, n, max_tokens) for name in names[k:] + names[:k]
+        }
+    parts: dict = {name: [] for name in names}
+    for i, conv in enumerate(convs):
+        k = (rnd + i) % len(names)
+        for name in names[k:] + names[:k]:
+            parts[name].append(measure(providers[name], [conv], 1, max_tokens))
+    return {name: merge(ps) for name, ps in parts.items()}
 
 
 def bench(
@@ -269,10 +307,8 @@ def bench(
             measure(prov, warm, 1, 8)
         for rnd in range(rounds):
             for n in clients:
-                names = providers_at(n, providers)
-                k = rnd % len(names)
-                for name in names[k:] + names[:k]:
-                    run = measure(providers[name], convs, n, max_tokens)
+                for name, run in one_round(providers, convs, n, rnd, max_tokens).items():
+                    run["tokens_per_s"] = run["tokens"] / run["wall_s"]
                     runs.setdefault((name, n), []).append(run)
                     for i, r in enumerate(run["results"]):
                         if (
@@ -299,8 +335,13 @@ def bench(
     rows = summarize(runs, clients)
     texts = same_text(runs)
     for r in runs.values():
-        for run in r:
-            run.pop("results")
+        for run in r:  # per request, in conversation order: [TTFT, wall] in seconds
+            run["requests"] = [
+                [None if x["t_first"] is None else round(x["t_first"] - x["t0"], 4),
+                 round(x["t_end"] - x["t0"], 4)]
+                for x in run.pop("results")
+            ]  # fmt: skip
+            run.pop("ttft")
     return dict(
         command=(
             f"bench/bench_serve_llamacpp.py --clients {' '.join(map(str, clients))} "
@@ -333,6 +374,7 @@ def bench(
         duration_s=time.time() - t_start,
         problems=problems,
         same_text_as_in_process=texts,
+        runs={f"{name} / N={n}": rs for (name, n), rs in runs.items()},
         rows=rows,
     )
 
@@ -371,6 +413,9 @@ def summarize(runs: dict, clients) -> list[dict]:
                 cpu_ms_per_token=(
                     1e3 * sum(cpu) / sum(r["tokens"] for r in rs) if len(cpu) == len(rs) else None
                 ),
+                client_cpu_ms_per_token=(
+                    1e3 * sum(r["client_cpu_s"] for r in rs) / sum(r["tokens"] for r in rs)
+                ),
                 loadavg_1m=[r["loadavg"] for r in rs],
             )
             ref = REFERENCE.get(name)
@@ -406,15 +451,17 @@ def _f(v, fmt: str, suffix: str = "") -> str:
 
 def markdown(out: dict) -> str:
     lines = [
-        "| clients | provider | tokens/s (min–max) | TTFT p50 (ms) | CPU ms/token "
-        "| ÷ in-process | ÷ llama-server -np 8 | ÷ fastest llama-server |",
+        "| clients | provider | tokens/s (min–max) | TTFT p50 (ms) "
+        "| CPU ms/token (server / client) | ÷ in-process | ÷ llama-server -np 8 "
+        "| ÷ fastest llama-server |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in out["rows"]:
         lines.append(
             f"| {r['clients']} | {r['provider']} | {r['tokens_per_s']:.1f} "
             f"({r['tokens_per_s_min']:.1f}–{r['tokens_per_s_max']:.1f}) | "
-            f"{_f(r['ttft_p50_ms'], '.0f')} | {_f(r['cpu_ms_per_token'], '.1f')} | "
+            f"{_f(r['ttft_p50_ms'], '.0f')} | {_f(r['cpu_ms_per_token'], '.1f')} / "
+            f"{r['client_cpu_ms_per_token']:.1f} | "
             f"{_f(r.get('vs_in_process'), '.2f', 'x')} | {_f(r.get('vs_llama_np8'), '.2f', 'x')} | "
             f"{_f(r.get('vs_llama_best'), '.2f', 'x')} |"
         )

@@ -88,7 +88,13 @@ class Generation:
             raise APIError(
                 503, "the request was aborted by the engine (shutting down?)", type="server_error"
             )
-        text = self._decode(ids, finish)
+        # Mid-stream without stop strings the snapshot's text is this decode already
+        # (Engine.output: the same ids, special tokens skipped): one decode per step,
+        # not two (each decodes every id so far).
+        if finish is None and not self.req.stop and out.text is not None:
+            text = out.text
+        else:
+            text = self._decode(ids, finish)
         if finish == "length":  # bytes of a character the length cut off: not text
             text = text.rstrip("\ufffd")
         hits = (
