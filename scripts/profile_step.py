@@ -11,20 +11,33 @@ batch 1, greedy, ``--threads`` torch threads (default 2), in three configuration
   quantized target: the draft's ``"quantized_target"`` settings, prompt lookup alone.
 
 One step is one ``Engine.step()`` after the prompt's (the prefill step is left out),
-timed between the yields of ``Engine.stream``. Per configuration it reports the wall per
-step (median and mean over every step of ``--prompts`` chat prompts of the evaluation set's
-"explain" workload, ``--tokens`` new tokens each), then a second pass under
-``torch.profiler`` (CPU, ``record_shapes`` off) gives the time inside torch ops, summed
-by op name (self time, so nested ops are not counted twice); the rest of the step, wall
-minus op time, is Python and bookkeeping (scheduling, sampling-parameter tensors, the
-step's read-back, appending tokens). The profiler slows each op call by a few µs, so the
-op time it reports is an upper bound and the Python time a lower bound.
+timed between the yields of ``Engine.stream``, over ``--prompts`` chat prompts of the
+evaluation set's "explain" workload, ``--tokens`` new tokens each. Each prompt runs in
+three modes, alternating, ``--rounds`` times:
+
+- ``real``: the engine as it is;
+- ``no-weights``: the target's quantized layers (projections and output head) return
+  without reading a weight;
+- ``no-forward``: the target's whole cached forward returns at once.
+
+In both stand-in modes the target's logits are one-hot on the token the real run produced
+after each position, so every greedy step accepts and emits exactly what it did for real
+(the outputs are checked equal). So ``real - no-weights`` is the time of the weight
+kernels (the GEMVs), ``no-weights - no-forward`` the rest of the target's forward (the
+layers' Python, the small ops around the GEMVs, attention, the K/V writes), and
+``no-forward`` what the step does outside the target's forward (scheduling, the drafter,
+the sampler, the read-back, appending tokens, and the stand-in's own one-hot logits). The
+means leave out the slowest ``TRIM`` of the steps: on a shared machine a step that waited
+for a core says nothing about the code. A ``torch.profiler`` pass (CPU, ``record_shapes``
+off) of the real mode then lists the op calls per step and the top ops by self time;
+the profiler slows every op call, parallel ones most, so its times are inflated (the
+table gives its own profiled step time beside them).
 
 Memory traffic: a decode step reads every weight of the target once (the quantized
-layers' blocks and scales, the output head, the norms; one row of the embedding) and the
-cache's K/V up to the current length. The machine's read bandwidth is measured here
-(``torch.sum`` over ``--bw-mib`` MiB, best of several; a copy's read + write beside it),
-and their ratio is the plain decode roofline in tokens/s.
+layers' blocks as stored, the norms; one row of the embedding) and the cache's K/V up to
+the current length. The machine's read bandwidth is measured here (``torch.sum`` over
+``--bw-mib`` MiB, best of several; a copy's read + write beside it); bytes over bandwidth
+is the plain decode roofline, and the weight bytes over the GEMVs' time their bandwidth.
 
     .venv/bin/python scripts/profile_step.py [--json out.json] [--py-spy]
     .venv/bin/python scripts/profile_step.py --compare /tmp/osd_before [--rounds 4]
@@ -34,7 +47,8 @@ lists the osd functions the step's Python time is spent in. ``--compare TREE`` t
 steps of this tree against another checkout of the project (a ``git worktree`` or
 ``git archive`` of an older commit, with the built ``osd_kernels/_C*.so`` copied in),
 each in a subprocess, alternating the two trees round by round, and prints the µs per
-step each one takes and the difference; greedy outputs must agree token for token.
+step each one takes, real and without the target's forward, and the differences; the
+outputs must agree token for token.
 """
 
 from __future__ import annotations
@@ -60,8 +74,10 @@ from osd.models.quant import QuantLinear
 from osd.spec import draft_serving_defaults
 from osd.zoo import chat_pair
 from osd.zoo.workloads import evaluation_set
+from osd_kernels.quant_linear import quant_linear as real_quant_linear
 
 CONFIGS = ("plain", "draft", "lookup")
+MODES = ("real", "no-weights", "no-forward")
 TOP_OPS = 15
 STEP = "osd_step"  # the profiler range of one engine step
 TRIM = 0.2  # the slowest fifth of the steps is left out of the means
@@ -85,50 +101,136 @@ def prompts_of(engine: osd.Engine, n: int) -> list[list[int]]:
     return apply_chat_template(engine.tokenizer, [list(p) for p in explain.prompts])
 
 
-def run_steps(engine: osd.Engine, ids: list[int], tokens: int, profiler=None):
+class StandIns:
+    """The stand-in modes of one engine's target (see the module docstring). ``mode`` is
+    ``"real"`` between steps and during the prefill step; :meth:`replay` sets the real
+    sequence whose next tokens the stand-in logits pick."""
+
+    def __init__(self, engine: osd.Engine) -> None:
+        self.model = model = engine.model
+        self.mode = "real"
+        self.next_ids = torch.zeros(1, dtype=torch.int64)
+        self.positions = None  # [B, T] of the forward running now
+        self.widths = {
+            id(m.qweight): m.out_features for m in model.modules() if isinstance(m, QuantLinear)
+        }
+        self.head = id(model.lm_head.qweight) if isinstance(model.lm_head, QuantLinear) else None
+        real_forward = model.forward
+
+        def forward(input_ids, cache, *args, **kwargs):
+            B, T = input_ids.shape
+            depths = kwargs.get("depths")
+            offsets = torch.arange(T) if depths is None else depths
+            self.positions = cache.lens[:B, None].long() + offsets
+            if self.mode == "no-forward":
+                return self.logits()
+            return real_forward(input_ids, cache, *args, **kwargs)
+
+        model.forward = forward
+        # the layers call the op directly: every osd module's binding of it is replaced
+        for name, module in list(sys.modules.items()):
+            if name.startswith(("osd.", "osd_kernels.")):
+                if getattr(module, "quant_linear", None) is real_quant_linear:
+                    module.quant_linear = _quant_linear_stand_in
+        _STAND_INS.append(self)
+
+    def replay(self, sequence: list[int]) -> None:
+        """The real run's tokens (prompt and output): position ``p``'s logits pick
+        ``sequence[p + 1]``."""
+        self.next_ids = torch.tensor(sequence[1:] + [0], dtype=torch.int64)
+
+    def logits(self) -> torch.Tensor:
+        """``[B, T, V]`` one-hot logits on the real next token of each position."""
+        pos = self.positions.clamp(max=len(self.next_ids) - 1)
+        out = torch.zeros(*pos.shape, self.model.vocab_size)
+        return out.scatter_(-1, self.next_ids[pos][..., None], 1.0)
+
+    def answer(self, x: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor | None:
+        """A quantized layer's output in the ``no-weights`` mode, None otherwise."""
+        if self.mode != "no-weights" or id(qweight) not in self.widths:
+            return None
+        if id(qweight) == self.head:
+            return self.logits().view(*x.shape[:-1], -1)
+        return x.new_zeros(*x.shape[:-1], self.widths[id(qweight)])
+
+
+_STAND_INS: list[StandIns] = []
+
+
+def _quant_linear_stand_in(x, qweight, *args, **kwargs):
+    for s in _STAND_INS:
+        out = s.answer(x, qweight)
+        if out is not None:
+            return out
+    return real_quant_linear(x, qweight, *args, **kwargs)
+
+
+def run_steps(engine, ids: list[int], tokens: int, stand_ins=None, mode="real", profiler=None):
     """Generate ``tokens`` greedy tokens from ``ids``; returns the wall of every step after
-    the prefill step, the tokens each emitted, and the output ids. ``profiler`` (a
-    ``torch.profiler.profile``) is started after the prefill step and stopped at the end;
-    each step runs inside a ``record_function(STEP)`` range then."""
+    the prefill step, the tokens each emitted, and the output ids. ``mode`` holds from the
+    second step on; ``profiler`` (a ``torch.profiler.profile``) is started then and
+    stopped at the end, each step inside a ``record_function(STEP)`` range."""
     params = osd.SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     out, walls, emitted = [], [], []
     steps = engine.stream(ids, params)
     out += next(steps)  # the prefill step (and the first decode step with it)
+    if stand_ins is not None:
+        stand_ins.mode = mode
     if profiler is not None:
         profiler.start()
-    while True:
-        t0 = time.perf_counter()
-        if profiler is None:
-            new = next(steps, None)
-        else:
-            with torch.profiler.record_function(STEP):
+    try:
+        while True:
+            t0 = time.perf_counter()
+            if profiler is None:
                 new = next(steps, None)
-        if new is None:
-            break
-        walls.append(time.perf_counter() - t0)
-        emitted.append(len(new))
-        out += new
+            else:
+                with torch.profiler.record_function(STEP):
+                    new = next(steps, None)
+            if new is None:
+                break
+            walls.append(time.perf_counter() - t0)
+            emitted.append(len(new))
+            out += new
+    finally:
+        if stand_ins is not None:
+            stand_ins.mode = "real"
     if profiler is not None:
         profiler.stop()
     return walls, emitted, out
 
 
 def kept(values: list[float]) -> list[int]:
-    """Indices of ``values`` without the slowest ``TRIM`` of them (the machine is shared:
-    a step that waited for a core says nothing about the code)."""
+    """Indices of ``values`` without the slowest ``TRIM`` of them."""
     order = sorted(range(len(values)), key=values.__getitem__)
     return order[: max(1, round(len(values) * (1 - TRIM)))]
 
 
-def timed_pass(engine, prompts, tokens) -> dict:
-    """Every step's wall and emitted tokens over ``prompts``, and a digest of the outputs."""
-    walls, emitted, digest = [], [], hashlib.sha256()
-    for ids in prompts:
-        w, e, out = run_steps(engine, ids, tokens)
-        walls += w
-        emitted += e
-        digest.update(json.dumps(out).encode())
-    return {"walls": walls, "emitted": emitted, "digest": digest.hexdigest()[:16]}
+def trimmed_us(walls: list[float]) -> float:
+    return statistics.fmean(walls[i] for i in kept(walls)) * 1e6
+
+
+def timed_modes(engine, stand_ins, prompts, tokens: int, rounds: int) -> dict:
+    """``{mode: {"walls", "emitted"}}`` over ``rounds`` x ``prompts``, the modes alternating
+    prompt by prompt, and ``"digest"`` of the real outputs; raises if a stand-in mode
+    emitted other tokens than the real one."""
+    got = {m: {"walls": [], "emitted": []} for m in MODES}
+    digest = hashlib.sha256()
+    for r in range(rounds):
+        for ids in prompts:
+            # the real run first (the stand-ins replay it), then the other two in turn
+            for mode in MODES if r % 2 == 0 else (MODES[0], *MODES[:0:-1]):
+                w, e, out = run_steps(engine, ids, tokens, stand_ins, mode)
+                if mode == "real":
+                    real = out
+                    stand_ins.replay(ids + out)
+                    if r == 0:
+                        digest.update(json.dumps(out).encode())
+                elif out != real:
+                    raise RuntimeError(f"the {mode} mode emitted other tokens than the real run")
+                got[mode]["walls"] += w
+                got[mode]["emitted"] += e
+    got["digest"] = digest.hexdigest()[:16]
+    return got
 
 
 def profiled_steps(engine, prompts, tokens) -> list[tuple[float, Counter, Counter]]:
@@ -154,31 +256,12 @@ def profiled_steps(engine, prompts, tokens) -> list[tuple[float, Counter, Counte
     return steps
 
 
-def host_only(engine: osd.Engine) -> None:
-    """Replace the target's cached forward (decode and verify; prefill keeps the real one)
-    by fixed random logits of the asked shape: what is left of a step is the host's work
-    and the sampler's, and the draft model's forwards in the ``draft`` configuration."""
-    model, g, fixed = engine.model, torch.Generator().manual_seed(0), {}
-
-    def forward(input_ids, cache, **kwargs):
-        shape = (*input_ids.shape, model.vocab_size)
-        if shape not in fixed:
-            fixed[shape] = torch.randn(shape, generator=g)
-        return fixed[shape]
-
-    model.forward = forward
-
-
 def weight_bytes(model) -> dict:
-    """Bytes a decode step reads from the target's weights: every quantized layer (blocks,
-    scales, mins, bias), every other parameter except the input embedding (of which one
-    row is read), and that row."""
+    """Bytes a decode step reads from the target's weights: every quantized layer (all
+    its buffers), every other parameter except the input embedding (of which one row is
+    read), and that row."""
     quant = sum(
-        sum(
-            t.numel() * t.element_size()
-            for t in (m.qweight, m.scales, m.mins, m.bias)
-            if t is not None
-        )
+        sum(b.numel() * b.element_size() for b in m.buffers(recurse=False))
         for m in model.modules()
         if isinstance(m, QuantLinear)
     )
@@ -193,13 +276,13 @@ def weight_bytes(model) -> dict:
     return {"quantized": quant, "float": other, "embedding_row": row, "total": quant + other + row}
 
 
-def kv_bytes_per_position(model) -> int:
-    """Bytes of K and V one cached position holds over all layers (float32 cache)."""
-    c = model.config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+def kv_bytes_per_position(engine) -> int:
+    """Bytes of K and V one cached position holds over all layers."""
+    c, kv = engine.model.config, engine.lanes[0].cache.kv
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * kv.element_size()
 
 
-def bandwidth(mib: int, reps: int = 7) -> dict:
+def bandwidth(mib: int, reps: int = 9) -> dict:
     """The machine's memory bandwidth through torch: ``sum`` of a ``mib`` MiB float32 tensor
     (bytes read per second) and ``copy_`` into another (bytes read + written), best of
     ``reps``."""
@@ -223,39 +306,42 @@ def bandwidth(mib: int, reps: int = 7) -> dict:
 
 
 def summarise(name: str, timed: dict, steps: list) -> dict:
-    """The report row of a configuration: trimmed means (see :func:`kept`) of the timed
-    pass's walls and of the profiled pass's op times."""
-    walls, emitted = timed["walls"], timed["emitted"]
+    """The report row of a configuration: trimmed means (see :func:`kept`) of each mode's
+    walls and of the profiled pass's op times."""
+    real = timed["real"]
+    walls, emitted = real["walls"], real["emitted"]
     keep = kept(walls)
-    mean_us = statistics.fmean(walls[i] for i in keep) * 1e6
+    us = {m: trimmed_us(timed[m]["walls"]) for m in MODES}
     quiet = [steps[i] for i in kept([w for w, _, _ in steps])]
-    us, calls = Counter(), Counter()
+    op_us, calls = Counter(), Counter()
     for _, u, c in quiet:
-        us.update(u)
+        op_us.update(u)
         calls.update(c)
     n = len(quiet)
-    op_us = sum(us.values()) / n
-    top = [{"op": k, "calls": calls[k] / n, "us": v / n} for k, v in us.most_common(TOP_OPS)]
     return {
         "config": name,
         "steps": len(walls),
         "median_us": statistics.median(walls) * 1e6,
-        "mean_us": mean_us,
+        "us": us,
         "tokens_per_step": sum(emitted) / len(walls),
         "tokens_per_s": sum(emitted[i] for i in keep) / sum(walls[i] for i in keep),
-        "profiled_mean_us": statistics.fmean(w for w, _, _ in quiet),
-        "op_us": op_us,
+        "gemv_us": us["real"] - us["no-weights"],
+        "forward_rest_us": us["no-weights"] - us["no-forward"],
+        "outside_us": us["no-forward"],
+        "profiled_us": statistics.fmean(w for w, _, _ in quiet),
+        "profiled_op_us": sum(op_us.values()) / n,
         "op_calls": sum(calls.values()) / n,
-        "python_us": mean_us - op_us,
-        "top_ops": top,
+        "top_ops": [
+            {"op": k, "calls": calls[k] / n, "us": v / n} for k, v in op_us.most_common(TOP_OPS)
+        ],
         "digest": timed["digest"],
     }
 
 
 def pyspy_summary(name: str, args) -> list[tuple[str, float]] | None:
-    """py-spy samples of the steps of ``name``: the share of step samples whose deepest
-    osd / osd_kernels frame is each function (what Python spends the step in, the torch
-    calls it makes included). None when py-spy is not installed."""
+    """py-spy samples of the real steps of ``name``: the share of step samples whose
+    deepest osd / osd_kernels frame is each function (what Python spends the step in, the
+    torch calls it makes included). None when py-spy is not installed."""
     exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     if not os.path.exists(exe):
         return None
@@ -263,7 +349,7 @@ def pyspy_summary(name: str, args) -> list[tuple[str, float]] | None:
         raw = os.path.join(tmp, "raw.txt")
         child = [sys.executable, __file__, "--only", name, "--timing-only", "--json", os.devnull]
         child += ["--tokens", str(args.tokens), "--prompts", str(args.prompts)]
-        child += ["--threads", str(args.threads)] + (["--host-only"] if args.host_only else [])
+        child += ["--threads", str(args.threads), "--rounds", "1"]
         cmd = [exe, "record", "-r", "500", "-f", "raw", "-o", raw, "--", *child]
         subprocess.run(cmd, check=True, capture_output=True)
         counts: Counter = Counter()
@@ -284,23 +370,23 @@ def profile(args) -> dict:
     torch.set_num_threads(args.threads)
     target, draft = chat_pair()
     report = {"threads": args.threads, "tokens": args.tokens, "prompts": args.prompts}
-    report["host_only"] = args.host_only
-    report["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+    report["rounds"] = args.rounds
     report["osd_path"] = os.path.dirname(osd.__file__)
+    report["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+    report["load_before"] = os.getloadavg()[0]
     if not args.timing_only:
         report["bandwidth"] = bandwidth(args.bw_mib)
     report["configs"] = {}
     for name in args.only or CONFIGS:
         engine = build_engine(name, target, draft)
+        stand_ins = StandIns(engine)
         prompts = prompts_of(engine, args.prompts)
         if name == "plain" and not args.timing_only:
             report["weights"] = weight_bytes(engine.model)
-            report["kv_bytes_per_position"] = kv_bytes_per_position(engine.model)
+            report["kv_bytes_per_position"] = kv_bytes_per_position(engine)
             report["mean_context"] = statistics.fmean(len(p) for p in prompts) + args.tokens / 2
-        if args.host_only:
-            host_only(engine)
         run_steps(engine, prompts[0], min(args.tokens, 32))  # warm-up
-        timed = timed_pass(engine, prompts, args.tokens)
+        timed = timed_modes(engine, stand_ins, prompts, args.tokens, args.rounds)
         if args.timing_only:
             report["configs"][name] = timed
             continue
@@ -308,7 +394,9 @@ def profile(args) -> dict:
         if args.py_spy:
             row["py_spy"] = pyspy_summary(name, args)
         report["configs"][name] = row
-        del engine
+        _STAND_INS.remove(stand_ins)
+        del engine, stand_ins
+    report["load_after"] = os.getloadavg()[0]
     return report
 
 
@@ -316,33 +404,35 @@ def print_report(report: dict) -> None:
     rows = report["configs"]
     print(
         f"\nchat target Q4_1 kept quantized, batch 1, {report['threads']} threads, greedy, "
-        f"{report['prompts']} prompts x {report['tokens']} new tokens"
-        + (", the target's forward replaced by fixed logits" if report["host_only"] else "")
-        + f"; means without the slowest {TRIM:.0%} of the steps; "
-        f"OMP_WAIT_POLICY={report['omp_wait_policy']}"
+        f"{report['prompts']} prompts x {report['tokens']} new tokens x {report['rounds']} "
+        f"rounds; means without the slowest {TRIM:.0%} of the steps; OMP_WAIT_POLICY="
+        f"{report['omp_wait_policy']}; load average {report['load_before']:.1f} before, "
+        f"{report['load_after']:.1f} after"
     )
     print(
-        "| config | µs/step (median) | µs/step (mean) | tokens/step | tokens/s | ops µs/step "
-        "| op calls/step | Python µs/step | Python share |"
+        "| config | µs/step (median) | µs/step (mean) | tokens/step | tokens/s | weight GEMVs "
+        "| rest of the target's forward | outside the target's forward | op calls/step |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows.values():
+        total = r["us"]["real"]
+        parts = [r["gemv_us"], r["forward_rest_us"], r["outside_us"]]
         print(
-            f"| {r['config']} | {r['median_us']:.0f} | {r['mean_us']:.0f} | "
-            f"{r['tokens_per_step']:.2f} | {r['tokens_per_s']:.1f} | {r['op_us']:.0f} | "
-            f"{r['op_calls']:.0f} | {r['python_us']:.0f} | {r['python_us'] / r['mean_us']:.0%} |"
+            f"| {r['config']} | {r['median_us']:.0f} | {total:.0f} | "
+            f"{r['tokens_per_step']:.2f} | {r['tokens_per_s']:.1f} | "
+            + " | ".join(f"{p:.0f} ({p / total:.0%})" for p in parts)
+            + f" | {r['op_calls']:.0f} |"
         )
     for r in rows.values():
         print(
-            f"\n{r['config']}: top {TOP_OPS} ops by self time (profiled step "
-            f"{r['profiled_mean_us']:.0f} µs)"
+            f"\n{r['config']}: top {TOP_OPS} ops by self time under the profiler (profiled "
+            f"step {r['profiled_us']:.0f} µs, {r['profiled_op_us']:.0f} of it in ops)"
         )
-        print("| op | calls/step | µs/step | share of step |")
+        print("| op | calls/step | µs/step | share of the profiled step |")
         print("|---|---|---|---|")
         for o in r["top_ops"]:
-            print(
-                f"| `{o['op']}` | {o['calls']:.1f} | {o['us']:.0f} | {o['us'] / r['mean_us']:.1%} |"
-            )
+            share = o["us"] / r["profiled_us"]
+            print(f"| `{o['op']}` | {o['calls']:.1f} | {o['us']:.0f} | {share:.1%} |")
         if r.get("py_spy"):
             print(f"\n{r['config']}: py-spy, share of step samples by the deepest osd frame")
             for fn, share in r["py_spy"]:
@@ -350,17 +440,20 @@ def print_report(report: dict) -> None:
     if "bandwidth" in report:
         bw, w = report["bandwidth"], report["weights"]
         kv = report["kv_bytes_per_position"] * report["mean_context"]
-        per_token = w["total"] + kv
-        roof = bw["read_gbs"] * 1e9 / per_token
-        plain = None if report["host_only"] else rows.get("plain")
+        roof = bw["read_gbs"] * 1e9 / (w["total"] + kv)
         print(
             f"\nmemory: read {bw['read_gbs']:.1f} GB/s (sum), copy {bw['copy_gbs']:.1f} GB/s "
             f"(read + write); a decode step reads {w['total'] / 1e6:.1f} MB of weights "
             f"(quantized {w['quantized'] / 1e6:.1f}, float {w['float'] / 1e6:.2f}) + "
             f"{kv / 1e6:.1f} MB of K/V at the mean context of {report['mean_context']:.0f}: "
             f"roofline {roof:.0f} tokens/s"
-            + (f", plain decode at {plain['tokens_per_s'] / roof:.0%} of it" if plain else "")
         )
+        plain = rows.get("plain")
+        if plain:
+            print(
+                f"plain decode at {plain['tokens_per_s'] / roof:.0%} of it; its weight GEMVs "
+                f"read {w['quantized'] / plain['gemv_us'] / 1e3:.1f} GB/s"
+            )
 
 
 def compare(args) -> None:
@@ -368,48 +461,43 @@ def compare(args) -> None:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     trees = {"before": os.path.abspath(args.compare), "after": here}
     configs = args.only or CONFIGS
-    rounds: dict = {t: {c: [] for c in configs} for t in trees}
+    rounds: dict = {t: {(c, m): [] for c in configs for m in MODES} for t in trees}
     digests: dict = {}
     for i in range(args.rounds):
         for tree in list(trees) if i % 2 == 0 else list(trees)[::-1]:
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 cmd = [sys.executable, os.path.abspath(__file__), "--timing-only"]
-                cmd += ["--json", out.name, "--tokens", str(args.tokens)]
+                cmd += ["--json", out.name, "--tokens", str(args.tokens), "--rounds", "1"]
                 cmd += ["--prompts", str(args.prompts), "--threads", str(args.threads)]
                 cmd += [x for c in configs for x in ("--only", c)]
-                cmd += ["--host-only"] if args.host_only else []
                 env = {**os.environ, "PYTHONPATH": trees[tree]}
                 subprocess.run(cmd, check=True, cwd=trees[tree], env=env)
                 with open(out.name) as f:
                     got = json.load(f)
             assert got["osd_path"].startswith(trees[tree]), (got["osd_path"], trees[tree])
             for c, r in got["configs"].items():
-                walls = r["walls"]
-                rounds[tree][c].append(statistics.fmean(walls[j] for j in kept(walls)) * 1e6)
+                for m in MODES:
+                    rounds[tree][c, m].append(trimmed_us(r[m]["walls"]))
                 digests.setdefault(c, set()).add(r["digest"])
             print(f"round {i + 1}/{args.rounds}: {tree} done", file=sys.stderr)
     print(
         f"\nbefore: {trees['before']}\nafter: {trees['after']}\n{args.rounds} rounds per tree, "
         f"alternating; {args.prompts} prompts x {args.tokens} tokens, {args.threads} threads"
-        + (
-            ", the target's forward replaced by fixed logits (--host-only)"
-            if args.host_only
-            else ""
-        )
     )
     print(
-        "| config | before µs/step | after µs/step | saved µs/step (median of the rounds' "
-        "differences) | rounds where after was faster | outputs equal |"
+        "| config | mode | before µs/step | after µs/step | saved µs/step (median of the "
+        "rounds' differences) | rounds where after was faster | outputs equal |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for c in configs:
-        b, a = rounds["before"][c], rounds["after"][c]
-        diffs = [x - y for x, y in zip(b, a)]
-        print(
-            f"| {c} | {statistics.median(b):.0f} | {statistics.median(a):.0f} | "
-            f"{statistics.median(diffs):.0f} | {sum(d > 0 for d in diffs)}/{len(diffs)} | "
-            f"{len(digests[c]) == 1} |"
-        )
+        for m in ("real", "no-forward"):
+            b, a = rounds["before"][c, m], rounds["after"][c, m]
+            diffs = [x - y for x, y in zip(b, a)]
+            print(
+                f"| {c} | {m} | {statistics.median(b):.0f} | {statistics.median(a):.0f} | "
+                f"{statistics.median(diffs):.0f} | {sum(d > 0 for d in diffs)}/{len(diffs)} | "
+                f"{len(digests[c]) == 1} |"
+            )
 
 
 def main(argv=None) -> None:
@@ -417,16 +505,15 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
     p.add_argument("--prompts", type=int, default=2, help="explain prompts to run")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--rounds", type=int, default=2, help="rounds of every mode (--compare: per tree)"
+    )
     p.add_argument("--only", action="append", choices=CONFIGS, help="run only these configs")
     p.add_argument("--bw-mib", type=int, default=512, help="MiB of the bandwidth test")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--py-spy", action="store_true", help="add a py-spy summary per config")
     p.add_argument("--timing-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compare", help="another checkout to time against, interleaved")
-    p.add_argument("--rounds", type=int, default=4, help="--compare: rounds per tree")
-    p.add_argument(
-        "--host-only", action="store_true", help="replace the target's forward by fixed logits"
-    )
     args = p.parse_args(argv)
     if args.compare:
         compare(args)
