@@ -18,14 +18,17 @@ three modes, alternating, ``--rounds`` times:
 - ``real``: the engine as it is;
 - ``no-weights``: the target's quantized layers (projections and output head) return
   without reading a weight;
+- ``no-kernels``: the same, and the target's attention returns zeros without reading the
+  cache;
 - ``no-forward``: the target's whole cached forward returns at once.
 
 In both stand-in modes the target's logits are one-hot on the token the real run produced
 after each position, so every greedy step accepts and emits exactly what it did for real
 (the outputs are checked equal). So ``real - no-weights`` is the time of the weight
-kernels (the GEMVs), ``no-weights - no-forward`` the rest of the target's forward (the
-layers' Python, the small ops around the GEMVs, attention, the K/V writes), and
-``no-forward`` what the step does outside the target's forward (scheduling, the drafter,
+kernels (the GEMVs), ``no-weights - no-kernels`` attention's, ``no-kernels - no-forward``
+the rest of the target's forward (the layers' Python and the small ops around the
+kernels: norms' glue, RoPE, the K/V writes, residual adds, SiLU), and ``no-forward`` what
+the step does outside the target's forward (scheduling, the drafter,
 the sampler, the read-back, appending tokens, and the stand-in's own one-hot logits). The
 means leave out the slowest ``TRIM`` of the steps: on a shared machine a step that waited
 for a core says nothing about the code. A ``torch.profiler`` pass (CPU, ``record_shapes``
@@ -70,6 +73,7 @@ from collections import Counter  # noqa: E402
 import torch  # noqa: E402
 
 from osd.chat_template import apply_chat_template
+from osd.models.attention import attention as real_attention
 from osd.models.quant import QuantLinear
 from osd.spec import draft_serving_defaults
 from osd.zoo import chat_pair
@@ -77,7 +81,7 @@ from osd.zoo.workloads import evaluation_set
 from osd_kernels.quant_linear import quant_linear as real_quant_linear
 
 CONFIGS = ("plain", "draft", "lookup")
-MODES = ("real", "no-weights", "no-forward")
+MODES = ("real", "no-weights", "no-kernels", "no-forward")
 TOP_OPS = 15
 STEP = "osd_step"  # the profiler range of one engine step
 TRIM = 0.2  # the slowest fifth of the steps is left out of the means
@@ -115,6 +119,7 @@ class StandIns:
             id(m.qweight): m.out_features for m in model.modules() if isinstance(m, QuantLinear)
         }
         self.head = id(model.lm_head.qweight) if isinstance(model.lm_head, QuantLinear) else None
+        self.kv = engine.lanes[0].cache.kv.untyped_storage().data_ptr()
         real_forward = model.forward
 
         def forward(input_ids, cache, *args, **kwargs):
@@ -127,11 +132,13 @@ class StandIns:
             return real_forward(input_ids, cache, *args, **kwargs)
 
         model.forward = forward
-        # the layers call the op directly: every osd module's binding of it is replaced
+        # every osd module's binding of the two is replaced (the layers call them directly)
         for name, module in list(sys.modules.items()):
             if name.startswith(("osd.", "osd_kernels.")):
                 if getattr(module, "quant_linear", None) is real_quant_linear:
                     module.quant_linear = _quant_linear_stand_in
+                if getattr(module, "attention", None) is real_attention:
+                    module.attention = _attention_stand_in
         _STAND_INS.append(self)
 
     def replay(self, sequence: list[int]) -> None:
@@ -147,7 +154,7 @@ class StandIns:
 
     def answer(self, x: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor | None:
         """A quantized layer's output in the ``no-weights`` mode, None otherwise."""
-        if self.mode != "no-weights" or id(qweight) not in self.widths:
+        if self.mode not in ("no-weights", "no-kernels") or id(qweight) not in self.widths:
             return None
         if id(qweight) == self.head:
             return self.logits().view(*x.shape[:-1], -1)
@@ -163,6 +170,13 @@ def _quant_linear_stand_in(x, qweight, *args, **kwargs):
         if out is not None:
             return out
     return real_quant_linear(x, qweight, *args, **kwargs)
+
+
+def _attention_stand_in(q, k_cache, *args, **kwargs):
+    ptr = k_cache.untyped_storage().data_ptr()
+    if any(s.mode == "no-kernels" and s.kv == ptr for s in _STAND_INS):
+        return torch.zeros_like(q)
+    return real_attention(q, k_cache, *args, **kwargs)
 
 
 def run_steps(engine, ids: list[int], tokens: int, stand_ins=None, mode="real", profiler=None):
@@ -326,7 +340,8 @@ def summarise(name: str, timed: dict, steps: list) -> dict:
         "tokens_per_step": sum(emitted) / len(walls),
         "tokens_per_s": sum(emitted[i] for i in keep) / sum(walls[i] for i in keep),
         "gemv_us": us["real"] - us["no-weights"],
-        "forward_rest_us": us["no-weights"] - us["no-forward"],
+        "attention_us": us["no-weights"] - us["no-kernels"],
+        "forward_rest_us": us["no-kernels"] - us["no-forward"],
         "outside_us": us["no-forward"],
         "profiled_us": statistics.fmean(w for w, _, _ in quiet),
         "profiled_op_us": sum(op_us.values()) / n,
@@ -411,12 +426,13 @@ def print_report(report: dict) -> None:
     )
     print(
         "| config | µs/step (median) | µs/step (mean) | tokens/step | tokens/s | weight GEMVs "
-        "| rest of the target's forward | outside the target's forward | op calls/step |"
+        "| attention | rest of the target's forward | outside the target's forward "
+        "| op calls/step |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows.values():
         total = r["us"]["real"]
-        parts = [r["gemv_us"], r["forward_rest_us"], r["outside_us"]]
+        parts = [r["gemv_us"], r["attention_us"], r["forward_rest_us"], r["outside_us"]]
         print(
             f"| {r['config']} | {r['median_us']:.0f} | {total:.0f} | "
             f"{r['tokens_per_step']:.2f} | {r['tokens_per_s']:.1f} | "
