@@ -20,8 +20,13 @@ both servers read), so every provider generates the same number of tokens. Provi
   chat pair and its draft's settings, ``--max-batch-size`` 8); ``osd serve --no-draft``:
   the target alone (kept quantized, the CPU default);
 - ``llama-server -np 8``: ``llama-server -np 8 -c 8*2048 --poll 0 -t THREADS -tb
-  THREADS`` (``bench.llamacpp``); ``llama-server -np 1`` (one slot, ``-c 2048``) at one
-  client too, since a one-slot server is what a single user would start.
+  THREADS`` (``bench.llamacpp``), with ``OMP_WAIT_POLICY=PASSIVE`` in its environment as
+  the osd processes have it (``import osd`` sets it); ``llama-server -np 1`` (one slot,
+  ``-c 2048``) too at one client, the server a single user would start. This llama.cpp is
+  built with OpenMP, and its threads meet at an OpenMP barrier after every graph node, so
+  libgomp's wait policy matters to it as to torch: on a busy CPU the spinning default is
+  many times slower. ``--llama-user-env`` adds ``llama-server -np 8, no
+  OMP_WAIT_POLICY``, started without the variable, as a user's shell starts it.
 
 Both servers take the same body on ``/v1/chat/completions`` (``bench.chat_load.chat_body``:
 the messages, ``max_tokens``, ``temperature: 0``, ``stream: true`` with a usage chunk,
@@ -44,18 +49,18 @@ chunk with text (p50 over every request of every round); **CPU ms/token** = the
 provider process's user + system CPU seconds (``/proc``) per generated token, and beside
 it this process's (the streaming clients'; 0 in-process). The ratio columns pair rows of
 the same round, then take the median over rounds: ``osd serve`` ÷ its in-process engine
-at 1 client, and osd ÷ ``llama-server`` (``-np 8``, and the faster ``llama-server`` row at
-that N).
+at 1 client, and osd ÷ ``llama-server`` (``-np 8``, and the fastest ``llama-server`` row
+of the round at that N).
 
 Run as a script (prints a line per configuration and a markdown table, writes JSON):
 
     .venv/bin/python bench/bench_serve_llamacpp.py --rounds 3 \\
         --json results/bench_serve_llamacpp.json
 
-Under pytest (``make bench``): one quick round (``PROMPTS`` 2, 32 tokens, no
-``-np 1`` row) printing the same table; skipped, with the reason, when ``llama-server``
-is not built (``make llamacpp``), the chat GGUF is not cached or its draft is missing,
-or the serve extra is not installed.
+Under pytest (``make bench``): one quick round (``PROMPTS`` 2, 32 tokens, no ``-np 1``
+row) printing the same table; skipped, with
+the reason, when ``llama-server`` is not built (``make llamacpp``), the chat GGUF is not
+cached or its draft is missing, or the serve extra is not installed.
 """
 
 from __future__ import annotations
@@ -101,6 +106,8 @@ SERVE = "osd serve"
 SERVE_PLAIN = "osd serve --no-draft"
 LLAMA8 = "llama-server -np 8"
 LLAMA1 = "llama-server -np 1"
+LLAMA8U = "llama-server -np 8, no OMP_WAIT_POLICY"
+LLAMAS = (LLAMA8, LLAMA1, LLAMA8U)
 # provider -> its in-process reference (the serve / in-process ratio at 1 client)
 REFERENCE = {SERVE: INPROC, SERVE_PLAIN: INPROC_PLAIN}
 OSD_ROWS = (INPROC, INPROC_PLAIN, SERVE, SERVE_PLAIN)
@@ -186,19 +193,25 @@ class InProcess:
         self.log.close()
 
 
-def start_providers(clients, threads: int, llama_np1: bool, log=print) -> dict:
+def start_providers(
+    clients, threads: int, llama_np1: bool, llama_user_env: bool, log=print
+) -> dict:
     """Every provider, started and ready: ``{name: object}`` with ``pid`` and either
     ``url`` (a server) or ``run`` (in-process)."""
     target, draft = zoo.chat_pair()
     bins = llamacpp.find_binaries()
+    llamas = [(LLAMA8, 8, "PASSIVE")]
+    if llama_np1 and 1 in clients:
+        llamas.append((LLAMA1, 1, "PASSIVE"))
+    if llama_user_env:
+        llamas.append((LLAMA8U, 8, None))
     out: dict = {}
     try:
-        log(f"starting {SERVE}, {SERVE_PLAIN}, {LLAMA8}" + (f", {LLAMA1}" if llama_np1 else ""))
+        log(f"starting {SERVE}, {SERVE_PLAIN}, " + ", ".join(n for n, _, _ in llamas))
         out[SERVE] = chat_load.OsdServe([], threads)
         out[SERVE_PLAIN] = chat_load.OsdServe(["--no-draft"], threads)
-        out[LLAMA8] = chat_load.llama_server(bins, target, 8, threads, SLOT_CTX)
-        if llama_np1 and 1 in clients:
-            out[LLAMA1] = chat_load.llama_server(bins, target, 1, threads, SLOT_CTX)
+        for name, slots, policy in llamas:
+            out[name] = chat_load.llama_server(bins, target, slots, threads, SLOT_CTX, policy)
         if 1 in clients:
             log(f"loading {INPROC} and {INPROC_PLAIN}")
             out[INPROC] = InProcess(target, draft, threads)
@@ -289,6 +302,7 @@ def bench(
     rounds: int = ROUNDS,
     threads: int = THREADS,
     llama_np1: bool = True,
+    llama_user_env: bool = False,
     log=print,
 ) -> dict:
     """The whole interleaved run; a JSON-able dict with one row per (provider, N)."""
@@ -296,7 +310,7 @@ def bench(
     t_start = time.time()
     convs = [list(c) for w in evaluation_set(n=prompts) for c in w.prompts]
     warm = [list(evaluation_set(n=1, seed=12345)[0].prompts[0])]
-    providers = start_providers(clients, threads, llama_np1, log)
+    providers = start_providers(clients, threads, llama_np1, llama_user_env, log)
     runs: dict = {}
     problems: list[str] = []
     try:
@@ -346,10 +360,15 @@ def bench(
         command=(
             f"bench/bench_serve_llamacpp.py --clients {' '.join(map(str, clients))} "
             f"--prompts {prompts} --max-tokens {max_tokens} --rounds {rounds} "
-            f"--threads {threads}" + ("" if llama_np1 else " --no-llama-np1")
+            f"--threads {threads}"
+            + ("" if llama_np1 else " --no-llama-np1")
+            + (" --llama-user-env" if llama_user_env else "")
         ),
         providers={
-            name: getattr(p, "cmd", None) or f"osd.Engine.from_pretrained ({name})"
+            name: dict(
+                cmd=p.cmd,
+                omp_wait_policy=getattr(p, "omp_wait_policy", os.environ.get("OMP_WAIT_POLICY")),
+            )
             for name, p in providers.items()
         },
         exit_status=status,
@@ -393,7 +412,7 @@ def summarize(runs: dict, clients) -> list[dict]:
     per token and the ratio columns."""
     rows = []
     for n in clients:
-        llama = [runs[k] for k in ((LLAMA8, n), (LLAMA1, n)) if k in runs]
+        llama = [runs[(name, n)] for name in LLAMAS if (name, n) in runs]
         # per round, the faster llama-server at this N
         best = [max(rs, key=lambda r: r["tokens_per_s"]) for rs in zip(*llama)] if llama else []
         for (name, m), rs in runs.items():
@@ -496,6 +515,12 @@ def main(argv=None) -> int:
     p.add_argument(
         "--no-llama-np1", action="store_true", help="leave out the one-slot llama-server row"
     )
+    p.add_argument(
+        "--llama-user-env",
+        action="store_true",
+        help="add a llama-server -np 8 started without OMP_WAIT_POLICY (libgomp's "
+        "spinning default; many times slower on a busy CPU)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     why = missing_reason()
@@ -516,6 +541,7 @@ def main(argv=None) -> int:
         args.rounds,
         args.threads,
         llama_np1=not args.no_llama_np1,
+        llama_user_env=args.llama_user_env,
         log=lambda s: print(s, flush=True),
     )
     print()
@@ -531,7 +557,9 @@ def main(argv=None) -> int:
 
 # ---- pytest-benchmark: one quick round ----
 
-QUICK = dict(clients=CLIENTS, prompts=2, max_tokens=32, rounds=1, llama_np1=False)
+QUICK = dict(
+    clients=CLIENTS, prompts=2, max_tokens=32, rounds=1, llama_np1=False, llama_user_env=False
+)
 
 
 def test_serve_vs_llamacpp(benchmark, capsys):

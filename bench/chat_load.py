@@ -5,7 +5,7 @@
   its GGUF cached) with extra flags (``--no-draft``), on a free port;
 - :func:`llama_server` runs ``llama-server`` on the same GGUF with ``-np`` slots of
   ``slot_ctx`` tokens each (``bench.llamacpp.Server``: ``--poll 0``, ``-t``/``-tb``
-  threads);
+  threads), with or without ``OMP_WAIT_POLICY`` in its environment;
 - :func:`llama_prompt_ids` asks a ``llama-server`` for the token ids its chat endpoint
   builds from a conversation (``/apply-template`` then ``/tokenize``), to check that both
   servers prefill the same ids;
@@ -103,14 +103,34 @@ class OsdServe:
         self.log.close()
 
 
-def llama_server(bins, model: str, slots: int, threads: int, slot_ctx: int) -> llamacpp.Server:
+def llama_server(
+    bins, model: str, slots: int, threads: int, slot_ctx: int, omp_wait_policy: str | None = None
+) -> llamacpp.Server:
     """``llama-server -np SLOTS -c SLOTS*SLOT_CTX --poll 0 -t THREADS -tb THREADS`` on
-    ``model``; checks through ``/props`` that it runs ``slots`` slots."""
-    srv = llamacpp.Server(
-        bins, model, threads=threads, ctx=slots * slot_ctx, extra=["-np", str(slots)]
-    )
+    ``model``; checks through ``/props`` that it runs ``slots`` slots.
+
+    This llama.cpp is built with OpenMP (``GGML_OPENMP``): its threads meet at
+    ``#pragma omp barrier`` after every graph node, so libgomp's ``OMP_WAIT_POLICY``
+    decides whether they spin or sleep there. ``omp_wait_policy`` None starts the server
+    without the variable (libgomp's default, what a user's shell gives it; ``import osd``
+    has set it to PASSIVE in this process), else with this value."""
+    saved = os.environ.get("OMP_WAIT_POLICY")
+    if omp_wait_policy is None:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    else:
+        os.environ["OMP_WAIT_POLICY"] = omp_wait_policy
+    try:  # the child takes this process's environment when it starts
+        srv = llamacpp.Server(
+            bins, model, threads=threads, ctx=slots * slot_ctx, extra=["-np", str(slots)]
+        )
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_WAIT_POLICY", None)
+        else:
+            os.environ["OMP_WAIT_POLICY"] = saved
     srv.url = f"http://127.0.0.1:{srv.port}"
     srv.pid = srv.proc.pid
+    srv.omp_wait_policy = omp_wait_policy
     got = httpx.get(srv.url + "/props", timeout=10).json().get("total_slots")
     if got != slots:
         srv.close()
