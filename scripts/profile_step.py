@@ -223,16 +223,17 @@ def trimmed_us(walls: list[float]) -> float:
     return statistics.fmean(walls[i] for i in kept(walls)) * 1e6
 
 
-def timed_modes(engine, stand_ins, prompts, tokens: int, rounds: int) -> dict:
-    """``{mode: {"walls", "emitted"}}`` over ``rounds`` x ``prompts``, the modes alternating
-    prompt by prompt, and ``"digest"`` of the real outputs; raises if a stand-in mode
-    emitted other tokens than the real one."""
-    got = {m: {"walls": [], "emitted": []} for m in MODES}
+def timed_modes(engine, stand_ins, prompts, tokens: int, rounds: int, modes=MODES) -> dict:
+    """``{mode: {"walls", "emitted"}}`` over ``rounds`` x ``prompts``, the ``modes``
+    alternating prompt by prompt, and ``"digest"`` of the real outputs; raises if a
+    stand-in mode emitted other tokens than the real one."""
+    others = [m for m in MODES if m in modes and m != "real"]
+    got = {m: {"walls": [], "emitted": []} for m in ["real", *others]}
     digest = hashlib.sha256()
     for r in range(rounds):
         for ids in prompts:
-            # the real run first (the stand-ins replay it), then the other two in turn
-            for mode in MODES if r % 2 == 0 else (MODES[0], *MODES[:0:-1]):
+            # the real run first (the stand-ins replay it), then the others in turn
+            for mode in ["real", *(others if r % 2 == 0 else others[::-1])]:
                 w, e, out = run_steps(engine, ids, tokens, stand_ins, mode)
                 if mode == "real":
                     real = out
@@ -364,7 +365,7 @@ def pyspy_summary(name: str, args) -> list[tuple[str, float]] | None:
         raw = os.path.join(tmp, "raw.txt")
         child = [sys.executable, __file__, "--only", name, "--timing-only", "--json", os.devnull]
         child += ["--tokens", str(args.tokens), "--prompts", str(args.prompts)]
-        child += ["--threads", str(args.threads), "--rounds", "1"]
+        child += ["--threads", str(args.threads), "--rounds", "1", "--modes", "real"]
         cmd = [exe, "record", "-r", "500", "-f", "raw", "-o", raw, "--", *child]
         subprocess.run(cmd, check=True, capture_output=True)
         counts: Counter = Counter()
@@ -401,7 +402,7 @@ def profile(args) -> dict:
             report["kv_bytes_per_position"] = kv_bytes_per_position(engine)
             report["mean_context"] = statistics.fmean(len(p) for p in prompts) + args.tokens / 2
         run_steps(engine, prompts[0], min(args.tokens, 32))  # warm-up
-        timed = timed_modes(engine, stand_ins, prompts, args.tokens, args.rounds)
+        timed = timed_modes(engine, stand_ins, prompts, args.tokens, args.rounds, args.modes)
         if args.timing_only:
             report["configs"][name] = timed
             continue
@@ -477,7 +478,8 @@ def compare(args) -> None:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     trees = {"before": os.path.abspath(args.compare), "after": here}
     configs = args.only or CONFIGS
-    rounds: dict = {t: {(c, m): [] for c in configs for m in MODES} for t in trees}
+    modes = ("real", "no-forward")
+    rounds: dict = {t: {(c, m): [] for c in configs for m in modes} for t in trees}
     digests: dict = {}
     for i in range(args.rounds):
         for tree in list(trees) if i % 2 == 0 else list(trees)[::-1]:
@@ -485,14 +487,14 @@ def compare(args) -> None:
                 cmd = [sys.executable, os.path.abspath(__file__), "--timing-only"]
                 cmd += ["--json", out.name, "--tokens", str(args.tokens), "--rounds", "1"]
                 cmd += ["--prompts", str(args.prompts), "--threads", str(args.threads)]
-                cmd += [x for c in configs for x in ("--only", c)]
+                cmd += [x for c in configs for x in ("--only", c)] + ["--modes", *modes]
                 env = {**os.environ, "PYTHONPATH": trees[tree]}
                 subprocess.run(cmd, check=True, cwd=trees[tree], env=env)
                 with open(out.name) as f:
                     got = json.load(f)
             assert got["osd_path"].startswith(trees[tree]), (got["osd_path"], trees[tree])
             for c, r in got["configs"].items():
-                for m in MODES:
+                for m in modes:
                     rounds[tree][c, m].append(trimmed_us(r[m]["walls"]))
                 digests.setdefault(c, set()).add(r["digest"])
             print(f"round {i + 1}/{args.rounds}: {tree} done", file=sys.stderr)
@@ -506,7 +508,7 @@ def compare(args) -> None:
     )
     print("|---|---|---|---|---|---|---|")
     for c in configs:
-        for m in ("real", "no-forward"):
+        for m in modes:
             b, a = rounds["before"][c, m], rounds["after"][c, m]
             diffs = [x - y for x, y in zip(b, a)]
             print(
@@ -529,6 +531,7 @@ def main(argv=None) -> None:
     p.add_argument("--json", help="write the report here")
     p.add_argument("--py-spy", action="store_true", help="add a py-spy summary per config")
     p.add_argument("--timing-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--modes", nargs="+", choices=MODES, default=MODES, help=argparse.SUPPRESS)
     p.add_argument("--compare", help="another checkout to time against, interleaved")
     args = p.parse_args(argv)
     if args.compare:
