@@ -1,6 +1,8 @@
 """``quant_linear`` (4-bit Q4_1 and 8-bit Q8_0 weights, and the K-quants' forms with a scale
 per 16 weights: 8-bit Q6_K, 4-bit Q2_K / Q3_K) against ``decode_linear`` on the same
-weights dequantized to float32, at decode and verify sizes, side by side.
+weights dequantized to float32, at decode and verify sizes, side by side; and
+(``test_quant_linear_blocks``) GGUF blocks read as stored (``ggml_type``: Q4_K, Q6_K,
+Q5_0, Q8_0, Q4_1) against the same weights as codes with float32 factors.
 
 Weight shapes of the chat target (SmolLM2-135M: hidden 576, MLP 1536, vocabulary 49,152;
 ``osd.zoo.chat_pair``); M rows (1 = decode at batch 1, 3 and 5 = verifies of k = 2 and 4,
@@ -19,7 +21,10 @@ import time
 import pytest
 import torch
 
+from osd.models.gguf import GGMLType
+from osd.models.quant import QuantLinear
 from osd_kernels import decode_linear, dequantize_weight, quant_linear
+from tests.test_quant_linear_blocks import _blocks
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
 
@@ -82,4 +87,74 @@ def test_quant_linear(benchmark, shape, rows):
         float32_us=round(best["float32"] / CALLS * 1e6, 2),
         quant_us=round(ours / CALLS * 1e6, 2),
         speedup=round(best["float32"] / ours, 2),
+    )
+
+
+BLOCK_SHAPES = {  # name: (N, K, GGUF type), the chat target's shapes in its Q*_K_M files
+    "chat-down-q4k": (576, 1536, "Q4_K"),
+    "chat-down-q6k": (576, 1536, "Q6_K"),
+    "chat-gate-up-q5_0": (3072, 576, "Q5_0"),
+    "chat-gate-up-q4_1": (3072, 576, "Q4_1"),
+    "chat-gate-up-q8_0": (3072, 576, "Q8_0"),
+    "chat-lm-head-q8_0": (49152, 576, "Q8_0"),
+}
+
+
+@pytest.mark.parametrize("rows", (1, 5, 11))
+@pytest.mark.parametrize("shape", list(BLOCK_SHAPES))
+def test_quant_linear_blocks(benchmark, shape, rows):
+    """The file's blocks as stored (``ggml_type``) against the same weights as codes with
+    float32 factors (``QuantLinear.from_gguf_blocks(..., stored=False)``), each round of
+    the stored form preceded by one timed round of the codes form; outputs bit-equal."""
+    n, k, fmt = BLOCK_SHAPES[shape]
+    t = GGMLType[fmt]
+    raw = _blocks(t, n, k, seed=n + rows, scale=0.01)
+    stored = QuantLinear.from_gguf_blocks(raw.reshape(-1), fmt, (n, k), stored=True)
+    codes = QuantLinear.from_gguf_blocks(raw.reshape(-1), fmt, (n, k), stored=False)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(stored(x), codes(x))
+
+    def nbytes(layer):
+        return sum(b.numel() * b.element_size() for b in layer.buffers() if b is not None)
+
+    copies = max(1, -(-2 * COLD_BYTES // nbytes(codes)))
+    stores = [stored] + [
+        QuantLinear(stored.qweight.clone(), stored.scales, None, None, fmt, int(t))
+        for _ in range(copies - 1)
+    ]
+    codes_copies = [codes] + [
+        QuantLinear(
+            codes.qweight.clone(),
+            codes.scales.clone(),
+            None if codes.mins is None else codes.mins.clone(),
+            None,
+            fmt,
+        )
+        for _ in range(copies - 1)
+    ]
+    best = {"codes": float("inf")}
+
+    def codes_round():
+        start = time.perf_counter()
+        for i in range(CALLS):
+            codes_copies[i % copies](x)
+        best["codes"] = min(best["codes"], time.perf_counter() - start)
+
+    def blocks():
+        for i in range(CALLS):
+            stores[i % copies](x)
+
+    benchmark.pedantic(blocks, setup=codes_round, rounds=8, iterations=1, warmup_rounds=1)
+    ours = benchmark.stats.stats.min
+    benchmark.extra_info.update(
+        N=n,
+        K=k,
+        M=rows,
+        format=fmt,
+        threads=torch.get_num_threads(),
+        bytes_stored=nbytes(stored),
+        bytes_codes=nbytes(codes),
+        codes_us=round(best["codes"] / CALLS * 1e6, 2),
+        stored_us=round(ours / CALLS * 1e6, 2),
+        speedup=round(best["codes"] / ours, 2),
     )

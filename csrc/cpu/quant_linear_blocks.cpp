@@ -8,12 +8,11 @@
 // running sum, the same final reduction), so the result equals decode_linear on the
 // dequantized matrix bit for bit: the codes times the factors are exactly the reference
 // dequantizer's weights. The AVX-512 path (with VBMI's byte permutations) holds two weight
-// rows per register, row n in the even lanes and row n + 1 in the odd ones, each lane
-// doing what the AVX2 path's lane does (the inputs are read with every element twice, from
-// a copy made once per call). The portable path dequantizes a few weight rows into a
-// buffer and runs decode_linear's portable loop. Past kFusedMaxRows rows (prefill)
-// 256-row tiles are dequantized and multiplied by a GEMM, which then sets the summation
-// order.
+// rows per register, row n in lanes 0..7 and row n + 1 in lanes 8..15, each half doing
+// what the AVX2 path's register does for its row. The portable path dequantizes a few
+// weight rows into a buffer and runs decode_linear's portable loop. Past kFusedMaxRows
+// rows (prefill) 256-row tiles are dequantized and multiplied by a GEMM, which then sets
+// the summation order.
 #include "cpu/quant_linear_blocks_op.h"
 
 #include <ATen/Parallel.h>
@@ -151,83 +150,90 @@ OSD_BLK_AVX2 void block_avx2(const Raw& q, const linear_rows::Args& a, const flo
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
-// The factors of a unit of two weight rows, (row n's, row n + 1's) in every (even, odd)
-// lane pair: in registers for the formats with one factor a unit, else interleaved in
-// memory by vector stores (a narrower load of what one wider store wrote forwards from it).
+// The factors of a unit of two weight rows, each one as a register of row n's factor in
+// lanes 0..7 and row n + 1's in lanes 8..15, picked from registers built once a unit.
 template <class F>
 struct PairFactors {
   static constexpr int kF = F::kWeights / F::kGroup;
-  alignas(64) float sc[2 * kF], mn[2 * kF];
-  __m512 d, m;
+  static constexpr int kRegs = (kF + 7) / 8;
+  __m512 sc[kRegs], mn[kRegs];  // [row n's factors 8i..8i+7 | row n + 1's] (kF = 1: 0, 0)
 
-  // the fp16 at byte `at` of both rows' units, as a pair
+  // the fp16 at byte `at` of both rows' units: [row n's, row n + 1's, 0, 0]
   OSD_BLK_VBMI static __m512 pair_f16(const uint8_t* u0, const uint8_t* u1, int at) {
     uint16_t lo, hi;
     std::memcpy(&lo, u0 + at, 2);
     std::memcpy(&hi, u1 + at, 2);
-    const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(lo | (hi << 16))));
-    return _mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_castps_pd(both)));
+    return _mm512_castps128_ps512(
+        _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(lo | (hi << 16)))));
   }
-  OSD_BLK_VBMI static void interleave(const float* a, const float* b, float* out) {
-    const __m512i idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    for (int i = 0; i < kF; i += 8) {
-      const __m512 lo = _mm512_castps256_ps512(_mm256_loadu_ps(a + i));
-      const __m512 hi = _mm512_castps256_ps512(_mm256_loadu_ps(b + i));
-      _mm512_store_ps(out + 2 * i, _mm512_permutex2var_ps(lo, idx, hi));
-    }
+  OSD_BLK_VBMI static __m512 halves(const float* a, const float* b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
   }
   OSD_BLK_VBMI void load(const uint8_t* u0, const uint8_t* u1) {
     if constexpr (kF == 1) {
-      d = pair_f16(u0, u1, 0);
-      m = F::kMinAt >= 0 ? pair_f16(u0, u1, F::kMinAt)
-                         : _mm512_mul_ps(_mm512_set1_ps(-F::kOffset), d);
+      sc[0] = pair_f16(u0, u1, 0);
+      mn[0] = F::kMinAt >= 0 ? pair_f16(u0, u1, F::kMinAt)
+                             : _mm512_mul_ps(_mm512_set1_ps(-F::kOffset), sc[0]);
     } else {
       alignas(32) float s0[kF], m0[kF], s1[kF], m1[kF];
       F::factors(u0, s0, m0);
       F::factors(u1, s1, m1);
-      interleave(s0, s1, sc);
-      interleave(m0, m1, mn);
+      for (int i = 0; i < kRegs; ++i) {
+        sc[i] = halves(s0 + 8 * i, s1 + 8 * i);
+        mn[i] = halves(m0 + 8 * i, m1 + 8 * i);
+      }
     }
   }
-  OSD_BLK_VBMI __m512 scale(int g) const { return kF == 1 ? d : at(sc + 2 * g); }
-  OSD_BLK_VBMI __m512 min(int g) const { return kF == 1 ? m : at(mn + 2 * g); }
-  OSD_BLK_VBMI static __m512 at(const float* p) {
-    double both;
-    std::memcpy(&both, p, sizeof(both));
-    return _mm512_castpd_ps(_mm512_set1_pd(both));
+  // factor g of both rows, each in its half of the lanes
+  OSD_BLK_VBMI static __m512 pick(const __m512* r, int g) {
+    const int i = kF == 1 ? 0 : g % 8, j = kF == 1 ? 1 : 8 + g % 8;
+    const __m512i idx = _mm512_setr_epi32(i, i, i, i, i, i, i, i, j, j, j, j, j, j, j, j);
+    return _mm512_permutexvar_ps(idx, r[kF == 1 ? 0 : g / 8]);
   }
+  OSD_BLK_VBMI __m512 scale(int g) const { return pick(sc, g); }
+  OSD_BLK_VBMI __m512 min(int g) const { return pick(mn, g); }
 };
 
-// The codes of a sub-block of two weight rows, one register [row n's 32 | row n + 1's 32];
-// step(s): those of weights 8s..8s+7 as 16 int32 lanes, row n in the even lanes and row
-// n + 1 in the odd ones, by a byte permutation that also zero-extends.
+// The codes of a sub-block of two weight rows in one register, as F::kPairLayout says;
+// step(s): those of weights 8s..8s+7 as 16 int32 lanes, row n's in lanes 0..7 and row
+// n + 1's in lanes 8..15, by a byte permutation that also zero-extends.
+template <class F>
 struct PairCodes {
   __m512i c;
-  OSD_BLK_VBMI inline void set(__m256i a, __m256i b) {
-    c = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+  OSD_BLK_VBMI inline void set(const uint8_t* u0, const uint8_t* u1, int sub) {
+    if constexpr (F::kPairLayout == 1) {
+      c = F::pair_codes(u0, u1, sub);
+    } else {
+      c = _mm512_inserti64x4(_mm512_castsi256_si512(F::codes(u0, sub)), F::codes(u1, sub), 1);
+    }
   }
   OSD_BLK_VBMI inline __m512i step(int s) const {
-    // dword 2l: byte 8s + l (row n), dword 2l + 1: byte 32 + 8s + l (row n + 1)
+    // dword l: row n's weight 8s + l, dword 8 + l: row n + 1's; the byte holding it is
+    // at(row, 8s + l): layout 0: 32 row + w; layout 1: 16 row + w, plus 16 for w >= 16
     alignas(64) static const uint8_t kIdx[4][64] = {
+#define OSD_AT(r, w) (F::kPairLayout == 0 ? 32 * (r) + (w) : 16 * (r) + (w) + ((w) >= 16 ? 16 : 0))
 #define OSD_PAIR_STEP(s)                                                                     \
-  {8 * s + 0, 0, 0, 0, 32 + 8 * s, 0, 0, 0, 8 * s + 1, 0, 0, 0, 33 + 8 * s, 0, 0, 0,           \
-   8 * s + 2, 0, 0, 0, 34 + 8 * s, 0, 0, 0, 8 * s + 3, 0, 0, 0, 35 + 8 * s, 0, 0, 0,           \
-   8 * s + 4, 0, 0, 0, 36 + 8 * s, 0, 0, 0, 8 * s + 5, 0, 0, 0, 37 + 8 * s, 0, 0, 0,           \
-   8 * s + 6, 0, 0, 0, 38 + 8 * s, 0, 0, 0, 8 * s + 7, 0, 0, 0, 39 + 8 * s, 0, 0, 0}
+  {OSD_AT(0, 8 * s + 0), 0, 0, 0, OSD_AT(0, 8 * s + 1), 0, 0, 0, OSD_AT(0, 8 * s + 2), 0, 0, 0, \
+   OSD_AT(0, 8 * s + 3), 0, 0, 0, OSD_AT(0, 8 * s + 4), 0, 0, 0, OSD_AT(0, 8 * s + 5), 0, 0, 0, \
+   OSD_AT(0, 8 * s + 6), 0, 0, 0, OSD_AT(0, 8 * s + 7), 0, 0, 0, OSD_AT(1, 8 * s + 0), 0, 0, 0, \
+   OSD_AT(1, 8 * s + 1), 0, 0, 0, OSD_AT(1, 8 * s + 2), 0, 0, 0, OSD_AT(1, 8 * s + 3), 0, 0, 0, \
+   OSD_AT(1, 8 * s + 4), 0, 0, 0, OSD_AT(1, 8 * s + 5), 0, 0, 0, OSD_AT(1, 8 * s + 6), 0, 0, 0, \
+   OSD_AT(1, 8 * s + 7), 0, 0, 0}
         OSD_PAIR_STEP(0), OSD_PAIR_STEP(1), OSD_PAIR_STEP(2), OSD_PAIR_STEP(3)};
 #undef OSD_PAIR_STEP
+#undef OSD_AT
     const __m512i idx = _mm512_load_si512(kIdx[s]);
     return _mm512_maskz_permutexvar_epi8(0x1111111111111111ULL, idx, c);
   }
 };
 
-// M rows of x2 (each element twice, 2K apart) times weight rows [n0, n0 + 2 NP): NP
-// registers of two weight rows each (even lanes: row n0 + 2p, odd: n0 + 2p + 1).
+// M rows of x (ldx apart) times weight rows [n0, n0 + 2 NP): NP registers of two weight
+// rows each (lanes 0..7: row n0 + 2p, 8..15: n0 + 2p + 1), each input step broadcast to
+// both halves.
 template <class F, int M, int NP>
-OSD_BLK_VBMI void block_512(const Raw& q, const linear_rows::Args& a, const float* x2, float* y,
+OSD_BLK_VBMI void block_512(const Raw& q, const linear_rows::Args& a, const float* x, float* y,
                             int64_t n0, int64_t N) {
   constexpr int NB = 2 * NP;
-  const int64_t ldx2 = 2 * a.K;
   __m512 acc[M][NP];
   for (int m = 0; m < M; ++m)
     for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
@@ -243,11 +249,11 @@ OSD_BLK_VBMI void block_512(const Raw& q, const linear_rows::Args& a, const floa
     }
 #pragma GCC unroll 8
     for (int sub = 0; sub < F::kWeights / 32; ++sub) {
-      PairCodes codes[NP];
+      PairCodes<F> codes[NP];
       __m512 d[NP][2], mn[NP][2];  // factors of weights 0..15 and 16..31 of the sub-block
       for (int p = 0; p < NP; ++p) {
         const uint8_t* r = row0 + 2 * p * q.row_bytes + u * F::kBytes;
-        codes[p].set(F::codes(r, sub), F::codes(r + q.row_bytes, sub));
+        codes[p].set(r, r + q.row_bytes, sub);
         for (int h = 0; h < 2; ++h) {
           d[p][h] = f[p].scale((32 * sub + 16 * h) / F::kGroup);
           mn[p][h] = f[p].min((32 * sub + 16 * h) / F::kGroup);
@@ -261,18 +267,17 @@ OSD_BLK_VBMI void block_512(const Raw& q, const linear_rows::Args& a, const floa
                                  mn[p][s / 2]);
         }
         for (int m = 0; m < M; ++m) {
-          const __m512 xv = _mm512_loadu_ps(x2 + m * ldx2 + 2 * k);
+          const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + m * a.ldx + k));
           for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_fmadd_ps(xv, w[p], acc[m][p]);
         }
       }
     }
   }
-  const __m512i split = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   for (int m = 0; m < M; ++m) {
     for (int p = 0; p < NP; ++p) {
-      const __m512 v = _mm512_permutexvar_ps(split, acc[m][p]);
       for (int half = 0; half < 2; ++half) {
-        const __m256 h = half == 0 ? _mm512_castps512_ps256(v) : _mm512_extractf32x8_ps(v, 1);
+        const __m256 h = half == 0 ? _mm512_castps512_ps256(acc[m][p])
+                                   : _mm512_extractf32x8_ps(acc[m][p], 1);
         const int64_t n = n0 + 2 * p + half;
         y[m * a.ldy + n] = linear_rows::hsum8(h) + (a.bias != nullptr ? a.bias[n] : 0.0f);
       }
@@ -282,16 +287,16 @@ OSD_BLK_VBMI void block_512(const Raw& q, const linear_rows::Args& a, const floa
 
 #pragma GCC diagnostic pop
 
-// One pass of M rows (x, x2, y at its first row) over weight rows [n_begin, n_end).
+// One pass of M rows (x, y at its first row) over weight rows [n_begin, n_end).
 template <class F, int M>
-void pass_512(const Raw& q, const linear_rows::Args& a, const float* x, const float* x2,
-              float* y, int64_t n_begin, int64_t n_end, int64_t N) {
+void pass_512(const Raw& q, const linear_rows::Args& a, const float* x, float* y,
+              int64_t n_begin, int64_t n_end, int64_t N) {
   // registers (of 32): M * NP sums, NP codes, 2 or 4 NP factors (groups of 32 or 16), NP
   // weights, x, 4 permutations; more weight rows a block, more running sums in flight
   constexpr int NP = M <= 2 ? (F::kGroup == 16 ? 3 : 4) : (M <= 6 ? 2 : 1);
   int64_t n = n_begin;
-  for (; n + 2 * NP <= n_end; n += 2 * NP) block_512<F, M, NP>(q, a, x2, y, n, N);
-  for (; n + 2 <= n_end; n += 2) block_512<F, M, 1>(q, a, x2, y, n, N);
+  for (; n + 2 * NP <= n_end; n += 2 * NP) block_512<F, M, NP>(q, a, x, y, n, N);
+  for (; n + 2 <= n_end; n += 2) block_512<F, M, 1>(q, a, x, y, n, N);
   for (; n < n_end; ++n) block_avx2<F, M, 1>(q, a, x, y, n, N);
 }
 
@@ -309,8 +314,8 @@ OSD_BLK_AVX2 void pass_avx2(const Raw& q, const linear_rows::Args& a, const floa
 // (tile by tile over the weight rows when there are several). A row's result does not
 // depend on the others.
 template <class F>
-void all_rows(const Raw& q, const linear_rows::Args& a, const float* x2, int64_t n_begin,
-              int64_t n_end, int64_t N, bool avx2, bool avx512) {
+void all_rows(const Raw& q, const linear_rows::Args& a, int64_t n_begin, int64_t n_end,
+              int64_t N, bool avx2, bool avx512) {
   const int64_t passes = (a.M + linear_rows::kMaxPass - 1) / linear_rows::kMaxPass;
   const int64_t per_pass = (a.M + passes - 1) / passes;
   const int64_t tile = passes == 1 ? n_end - n_begin
@@ -325,14 +330,13 @@ void all_rows(const Raw& q, const linear_rows::Args& a, const float* x2, int64_t
       if (avx2) {
         with_rows<linear_rows::kMaxPass>(rows, [&](auto mr) {
           constexpr int M = decltype(mr)::value;
-          const float* x2r = avx512 ? x2 + row * 2 * a.K : nullptr;
-          if (avx512) return pass_512<F, M>(q, a, x, x2r, y, n0, n1, N);
+          if (avx512) return pass_512<F, M>(q, a, x, y, n0, n1, N);
           pass_avx2<F, M>(q, a, x, y, n0, n1, N);
         });
         continue;
       }
 #endif
-      (void)avx2, (void)avx512, (void)x2;
+      (void)avx2, (void)avx512;
       thread_local std::vector<float> buffer;
       buffer.resize(static_cast<size_t>(kGroupRows * a.K));
       for (int64_t n = n0; n < n1; n += kGroupRows) {
@@ -379,19 +383,8 @@ at::Tensor run(const at::Tensor& x, const Raw& q, int64_t N, linear_rows::Args a
   }
   // the AVX-512 path permutes bytes (VBMI: Ice Lake, Zen 4 and later); AVX2 otherwise
   const bool avx512 = avx2 && use_avx512() && __builtin_cpu_supports("avx512vbmi");
-  // the AVX-512 path's inputs, each element twice (64-byte aligned: its loads never split
-  // a cache line)
-  at::Tensor x2_t;
-  float* x2 = nullptr;
-  if (avx512) {
-    x2_t = at::empty({a.M, 2 * a.K}, x.options());
-    x2 = x2_t.data_ptr<float>();
-    for (int64_t m = 0; m < a.M; ++m)
-      for (int64_t k = 0; k < a.K; ++k)
-        x2[(m * a.K + k) * 2] = x2[(m * a.K + k) * 2 + 1] = a.x[m * a.ldx + k];
-  }
   at::parallel_for(0, N, 4 * kGroupRows, [&](int64_t n_begin, int64_t n_end) {
-    all_rows<F>(q, a, x2, n_begin, n_end, N, avx2, avx512);
+    all_rows<F>(q, a, n_begin, n_end, N, avx2, avx512);
   });
   return y;
 }

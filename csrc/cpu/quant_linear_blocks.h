@@ -14,7 +14,9 @@
 // own arithmetic) compute exactly the dequantizer's weights.
 //
 // Per format F: F::kType (the ggml type id), F::kWeights and F::kBytes (per unit),
-// F::kGroup (G: weights per factor, 32 or 16), and
+// F::kGroup (G: weights per factor, 32 or 16), F::kPairLayout (how the AVX-512 path holds
+// two rows' codes of a sub-block: 0, [row n's 32 | row n + 1's 32] from codes(); 1, the
+// nibble formats' pair_codes(u0, u1, j), see nibble_pairs), and
 //   codes(unit, j)          (AVX2) the 32 codes of sub-block j (weights 32j..32j+31) as the
 //                           bytes of a __m256i, in weight order;
 //   factors(unit, sc, mn)   (AVX2) the unit's kWeights / G scales and mins, float32;
@@ -59,17 +61,31 @@ OSD_BLK_AVX2 inline __m256i nibbles_16(const uint8_t* p) {  // lows then highs o
   const __m128i low4 = _mm_set1_epi8(0x0F);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), _mm_and_si128(raw, low4));
 }
+
+// The pair form of two rows' 32-weight blocks of nibbles (kPairLayout 1): [row n's weights
+// 0..15 | row n + 1's 0..15 | row n's 16..31 | row n + 1's 16..31], a byte each.
+OSD_BLK_VBMI inline __m512i nibble_pairs(const uint8_t* q0, const uint8_t* q1) {
+  const __m256i both = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(q1),
+                                           reinterpret_cast<const __m128i*>(q0));
+  const __m512i z =
+      _mm512_inserti64x4(_mm512_castsi256_si512(both), _mm256_srli_epi16(both, 4), 1);
+  return _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
+}
 #endif
 
 // Q4_0: fp16 d, 16 bytes of nibbles (byte j: weights j and j + 16); w = (q - 8) d.
 struct Q4_0 {
   static constexpr int64_t kType = kQ4_0, kWeights = 32, kBytes = 18;
   static constexpr int64_t kGroup = 32;  // weights per factor
+  static constexpr int kPairLayout = 1;
   // the fp16 scale is at byte 0; the min: the fp16 at kMinAt, or -kOffset * scale
   static constexpr int kMinAt = -1;
   static constexpr float kOffset = 8.0f;
   #if defined(__x86_64__)
   OSD_BLK_AVX2 static __m256i codes(const uint8_t* u, int) { return nibbles_16(u + 2); }
+  OSD_BLK_VBMI static __m512i pair_codes(const uint8_t* u0, const uint8_t* u1, int) {
+    return nibble_pairs(u0 + 2, u1 + 2);
+  }
   OSD_BLK_AVX2 static void factors(const uint8_t* u, float* sc, float* mn) {
     sc[0] = half_at_f16c(u);
     mn[0] = -8.0f * sc[0];
@@ -88,11 +104,15 @@ struct Q4_0 {
 struct Q4_1 {
   static constexpr int64_t kType = kQ4_1, kWeights = 32, kBytes = 20;
   static constexpr int64_t kGroup = 32;  // weights per factor
+  static constexpr int kPairLayout = 1;
   // the fp16 scale is at byte 0; the min: the fp16 at kMinAt, or -kOffset * scale
   static constexpr int kMinAt = 2;
   static constexpr float kOffset = 0.0f;
   #if defined(__x86_64__)
   OSD_BLK_AVX2 static __m256i codes(const uint8_t* u, int) { return nibbles_16(u + 4); }
+  OSD_BLK_VBMI static __m512i pair_codes(const uint8_t* u0, const uint8_t* u1, int) {
+    return nibble_pairs(u0 + 4, u1 + 4);
+  }
   OSD_BLK_AVX2 static void factors(const uint8_t* u, float* sc, float* mn) {
     sc[0] = half_at_f16c(u);
     mn[0] = half_at_f16c(u + 2);
@@ -111,6 +131,7 @@ struct Q4_1 {
 struct Q5_0 {
   static constexpr int64_t kType = kQ5_0, kWeights = 32, kBytes = 22;
   static constexpr int64_t kGroup = 32;  // weights per factor
+  static constexpr int kPairLayout = 1;
   // the fp16 scale is at byte 0; the min: the fp16 at kMinAt, or -kOffset * scale
   static constexpr int kMinAt = -1;
   static constexpr float kOffset = 16.0f;
@@ -127,6 +148,22 @@ struct Q5_0 {
     const __m256i high = _mm256_and_si256(
         _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
     return _mm256_or_si256(nibbles_16(u + 6), high);
+  }
+  OSD_BLK_VBMI static __m512i pair_codes(const uint8_t* u0, const uint8_t* u1, int) {
+    // the fifth bits of both rows in every qword, each byte of the pair form picking the
+    // byte of them that holds its weight's bit (see nibble_pairs for the order)
+    uint32_t h0, h1;
+    std::memcpy(&h0, u0 + 2, 4);
+    std::memcpy(&h1, u1 + 2, 4);
+    const __m512i bits = _mm512_set1_epi64(static_cast<int64_t>(h0 | (uint64_t{h1} << 32)));
+    const __m512i pick = _mm512_set_epi64(0x0707070707070707, 0x0606060606060606,
+                                          0x0303030303030303, 0x0202020202020202,
+                                          0x0505050505050505, 0x0404040404040404,
+                                          0x0101010101010101, 0);
+    const __m512i bit = _mm512_set1_epi64(static_cast<int64_t>(0x8040201008040201ULL));
+    const __mmask64 set = _mm512_test_epi8_mask(_mm512_shuffle_epi8(bits, pick), bit);
+    const __m512i low = nibble_pairs(u0 + 6, u1 + 6);
+    return _mm512_mask_add_epi8(low, set, low, _mm512_set1_epi8(16));
   }
   OSD_BLK_AVX2 static void factors(const uint8_t* u, float* sc, float* mn) {
     sc[0] = half_at_f16c(u);
@@ -150,6 +187,7 @@ struct Q5_0 {
 struct Q8_0 {
   static constexpr int64_t kType = kQ8_0, kWeights = 32, kBytes = 34;
   static constexpr int64_t kGroup = 32;  // weights per factor
+  static constexpr int kPairLayout = 0;
   // the fp16 scale is at byte 0; the min: the fp16 at kMinAt, or -kOffset * scale
   static constexpr int kMinAt = -1;
   static constexpr float kOffset = 128.0f;
@@ -175,6 +213,7 @@ struct Q8_0 {
 struct Q4_K {
   static constexpr int64_t kType = kQ4_K, kWeights = 256, kBytes = 144;
   static constexpr int64_t kGroup = 32;  // weights per factor
+  static constexpr int kPairLayout = 0;
     // ggml's get_scale_min_k4
   static void scale_min(const uint8_t* s, int j, int* sc, int* m) {
     if (j < 4) {
@@ -230,6 +269,7 @@ struct Q4_K {
 struct Q6_K {
   static constexpr int64_t kType = kQ6_K, kWeights = 256, kBytes = 210;
   static constexpr int64_t kGroup = 16;  // weights per factor
+  static constexpr int kPairLayout = 0;
   #if defined(__x86_64__)
   OSD_BLK_AVX2 static __m256i codes(const uint8_t* u, int j) {
     const int h = j / 4, i = j % 4;
