@@ -71,8 +71,6 @@ import json
 import os
 import platform
 import sys
-import subprocess
-import tempfile
 import time
 
 import pytest
@@ -81,7 +79,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ == "__main__":  # run as a script: the repository root, for `bench.*`
     sys.path.insert(0, ROOT)
 
-from bench import inprocess_worker, llamacpp  # noqa: E402
+from bench import llamacpp  # noqa: E402
 from osd import zoo  # noqa: E402
 from osd.chat_template import apply_chat_template  # noqa: E402
 from osd.models.loading import load_tokenizer  # noqa: E402
@@ -144,55 +142,6 @@ def percentile(xs: list[float], q: float) -> float | None:
 # ---- Providers ----
 
 
-class InProcess:
-    """An ``osd.Engine`` answering one conversation at a time in a worker process of its
-    own (``bench/inprocess_worker.py``: ``import osd`` first, as a user's script)."""
-
-    def __init__(self, target: str, draft: str | None, threads: int, timeout: float = 300.0):
-        self.cmd = [sys.executable, "-m", "bench.inprocess_worker", target, draft or "-",
-                    str(threads)]  # fmt: skip
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="osd_inprocess_", suffix=".log")
-        self.proc = subprocess.Popen(
-            self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-            text=True, cwd=ROOT,
-        )  # fmt: skip
-        self.pid = self.proc.pid
-        try:
-            self._read()
-        except BaseException:
-            self.close()
-            raise
-
-    def _read(self) -> dict:
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                self.log.flush()
-                with open(self.log.name, errors="replace") as f:
-                    tail = f.read()[-4000:]
-                raise RuntimeError(f"the in-process worker ended ({self.proc.poll()}):\n{tail}")
-            if line.startswith(inprocess_worker.PREFIX):
-                return json.loads(line[len(inprocess_worker.PREFIX) :])
-
-    def run(self, convs: list, max_tokens: int) -> tuple:
-        """``(wall seconds, results)`` as :func:`bench.chat_load.run_load` gives them."""
-        self.proc.stdin.write(json.dumps({"convs": convs, "max_tokens": max_tokens}) + "\n")
-        self.proc.stdin.flush()
-        out = self._read()
-        return out["wall_s"], out["results"]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write("\n")
-                self.proc.stdin.flush()
-                self.proc.wait(30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-
-
 def start_providers(
     clients, threads: int, llama_np1: bool, llama_user_env: bool, log=print
 ) -> dict:
@@ -214,8 +163,8 @@ def start_providers(
             out[name] = chat_load.llama_server(bins, target, slots, threads, SLOT_CTX, policy)
         if 1 in clients:
             log(f"loading {INPROC} and {INPROC_PLAIN}")
-            out[INPROC] = InProcess(target, draft, threads)
-            out[INPROC_PLAIN] = InProcess(target, None, threads)
+            out[INPROC] = chat_load.InProcess(target, draft, threads)
+            out[INPROC_PLAIN] = chat_load.InProcess(target, None, threads)
     except BaseException:
         for p in out.values():
             p.close()
@@ -246,11 +195,19 @@ def measure(prov, convs: list, clients: int, max_tokens: int) -> dict:
     """One load: wall time, tokens, TTFTs, results, and the CPU seconds of the provider's
     process and of this one (the clients)."""
     cpu0 = chat_load.cpu_seconds(prov.pid)
+    e0 = prov.engine_wall_s() if hasattr(prov, "engine_wall_s") else None
     if hasattr(prov, "run"):
         (wall, results), client_cpu = prov.run(convs, max_tokens), 0.0
     else:
         wall, results, client_cpu = chat_load.run_load(prov.url, convs, clients, max_tokens)
     cpu1 = chat_load.cpu_seconds(prov.pid)
+    e1 = prov.engine_wall_s() if e0 is not None else None
+    if e0 is not None and e1 is not None:
+        engine_s = e1 - e0
+    elif all(r.get("server_s") is not None for r in results):
+        engine_s = sum(r["server_s"] for r in results)  # llama-server's own timings
+    else:
+        engine_s = None
     return dict(
         wall_s=wall,
         tokens=sum(r["completion_tokens"] or 0 for r in results),
@@ -258,6 +215,7 @@ def measure(prov, convs: list, clients: int, max_tokens: int) -> dict:
         results=results,
         cpu_s=None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
         client_cpu_s=client_cpu,
+        engine_s=engine_s,
         loadavg=os.getloadavg()[0],
     )
 
@@ -272,6 +230,9 @@ def merge(parts: list[dict]) -> dict:
         results=[r for p in parts for r in p["results"]],
         cpu_s=None if None in cpu else sum(cpu),
         client_cpu_s=sum(p["client_cpu_s"] for p in parts),
+        engine_s=None
+        if any(p["engine_s"] is None for p in parts)
+        else sum(p["engine_s"] for p in parts),
         loadavg=sum(p["loadavg"] for p in parts) / len(parts),
     )
 
@@ -437,6 +398,13 @@ def summarize(runs: dict, clients) -> list[dict]:
                 ),
                 loadavg_1m=[r["loadavg"] for r in rs],
             )
+            eng = [r["engine_s"] for r in rs]
+            if None not in eng and (n == 1 or name in OSD_ROWS):
+                tokens = sum(r["tokens"] for r in rs)
+                row["step_ms_per_token"] = 1e3 * sum(eng) / tokens
+                row["outside_ms_per_token"] = (
+                    1e3 * (sum(r["wall_s"] for r in rs) - sum(eng)) / tokens
+                )
             ref = REFERENCE.get(name)
             if n == 1 and ref and (ref, 1) in runs:
                 row["vs_in_process"] = _median_ratio(rs, runs[(ref, 1)])
@@ -471,16 +439,21 @@ def _f(v, fmt: str, suffix: str = "") -> str:
 def markdown(out: dict) -> str:
     lines = [
         "| clients | provider | tokens/s (min–max) | TTFT p50 (ms) "
-        "| CPU ms/token (server / client) | ÷ in-process | ÷ llama-server -np 8 "
-        "| ÷ fastest llama-server |",
-        "|---|---|---|---|---|---|---|---|",
+        "| CPU ms/token (server / client) | wall ms/token in steps + outside "
+        "| ÷ in-process | ÷ llama-server -np 8 | ÷ fastest llama-server |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in out["rows"]:
+        steps = (
+            f"{r['step_ms_per_token']:.1f} + {r['outside_ms_per_token']:.1f}"
+            if "step_ms_per_token" in r
+            else "–"
+        )
         lines.append(
             f"| {r['clients']} | {r['provider']} | {r['tokens_per_s']:.1f} "
             f"({r['tokens_per_s_min']:.1f}–{r['tokens_per_s_max']:.1f}) | "
             f"{_f(r['ttft_p50_ms'], '.0f')} | {_f(r['cpu_ms_per_token'], '.1f')} / "
-            f"{r['client_cpu_ms_per_token']:.1f} | "
+            f"{r['client_cpu_ms_per_token']:.1f} | {steps} | "
             f"{_f(r.get('vs_in_process'), '.2f', 'x')} | {_f(r.get('vs_llama_np8'), '.2f', 'x')} | "
             f"{_f(r.get('vs_llama_best'), '.2f', 'x')} |"
         )

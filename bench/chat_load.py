@@ -3,6 +3,8 @@
 
 - :class:`OsdServe` runs ``osd serve`` as a user does (no ``--target``: the chat pair,
   its GGUF cached) with extra flags (``--no-draft``), on a free port;
+- :class:`InProcess` drives an ``osd.Engine`` in a worker process of its own
+  (``bench/inprocess_worker.py``), one conversation at a time;
 - :func:`llama_server` runs ``llama-server`` on the same GGUF with ``-np`` slots of
   ``slot_ctx`` tokens each (``bench.llamacpp.Server``: ``--poll 0``, ``-t``/``-tb``
   threads), with or without ``OMP_WAIT_POLICY`` in its environment;
@@ -36,6 +38,7 @@ import httpx
 from bench import llamacpp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PREFIX = "OSDBENCH "  # marks the protocol lines of bench/inprocess_worker.py
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -86,6 +89,20 @@ class OsdServe:
     def pid(self) -> int:
         return self.proc.pid
 
+    def engine_wall_s(self) -> float | None:
+        """Wall seconds the engine has spent in its steps so far (``/metrics``: generated
+        tokens over tokens per second of step time)."""
+        vals = {}
+        for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("osd:generation_tokens_total", "osd:engine_tokens_per_second"):
+                try:
+                    vals[name] = float(value)
+                except ValueError:
+                    return None
+        tps = vals.get("osd:engine_tokens_per_second")
+        return vals.get("osd:generation_tokens_total", 0.0) / tps if tps else 0.0
+
     def output(self) -> str:
         self.log.flush()
         with open(self.log.name, errors="replace") as f:
@@ -98,6 +115,60 @@ class OsdServe:
             try:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+class InProcess:
+    """An ``osd.Engine`` answering one conversation at a time in a worker process of its
+    own (``bench/inprocess_worker.py``: ``import osd`` first, as a user's script)."""
+
+    def __init__(self, target: str, draft: str | None, threads: int, timeout: float = 300.0):
+        self.cmd = [sys.executable, "-m", "bench.inprocess_worker", target, draft or "-",
+                    str(threads)]  # fmt: skip
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="osd_inprocess_", suffix=".log")
+        self.proc = subprocess.Popen(
+            self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+            text=True, cwd=ROOT,
+        )  # fmt: skip
+        self.pid = self.proc.pid
+        try:
+            self._engine_wall = self._read()["engine_wall_s"]
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                self.log.flush()
+                with open(self.log.name, errors="replace") as f:
+                    tail = f.read()[-4000:]
+                raise RuntimeError(f"the in-process worker ended ({self.proc.poll()}):\n{tail}")
+            if line.startswith(PREFIX):
+                return json.loads(line[len(PREFIX) :])
+
+    def run(self, convs: list, max_tokens: int) -> tuple:
+        """``(wall seconds, results)`` as :func:`bench.chat_load.run_load` gives them."""
+        self.proc.stdin.write(json.dumps({"convs": convs, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        out = self._read()
+        self._engine_wall = out["engine_wall_s"]
+        return out["wall_s"], out["results"]
+
+    def engine_wall_s(self) -> float:
+        """The engine's step time so far (as of the last answer)."""
+        return self._engine_wall
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("\n")
+                self.proc.stdin.flush()
+                self.proc.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait(10)
         self.log.close()
@@ -162,9 +233,10 @@ def chat_body(messages: list[dict], max_tokens: int) -> dict:
 
 async def _one(http: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int) -> dict:
     """One streamed chat completion: send time, first-text time, end time, text, the
-    number of chunks with text, finish reason and usage."""
+    number of chunks with text, finish reason, usage, and (``llama-server``) the
+    server's own prefill + decode seconds."""
     t0 = time.perf_counter()
-    t_first, parts, finish, usage, chunks = None, [], None, None, 0
+    t_first, parts, finish, usage, chunks, timings = None, [], None, None, 0, None
     async with http.stream(
         "POST", url + "/v1/chat/completions", json=chat_body(messages, max_tokens)
     ) as resp:
@@ -181,6 +253,8 @@ async def _one(http: httpx.AsyncClient, url: str, messages: list[dict], max_toke
                 raise RuntimeError(f"{url}: error event {obj['error']}")
             if obj.get("usage"):
                 usage = obj["usage"]
+            if obj.get("timings"):  # llama-server's own prefill and decode times
+                timings = obj["timings"]
             for c in obj.get("choices") or ():
                 text = (c.get("delta") or {}).get("content")
                 if text:
@@ -198,6 +272,9 @@ async def _one(http: httpx.AsyncClient, url: str, messages: list[dict], max_toke
         finish=finish,
         completion_tokens=(usage or {}).get("completion_tokens"),
         prompt_tokens=(usage or {}).get("prompt_tokens"),
+        server_s=None
+        if timings is None
+        else (timings.get("prompt_ms", 0.0) + timings.get("predicted_ms", 0.0)) / 1e3,
     )
 
 

@@ -9,11 +9,12 @@ times over and would make the reference row meaningless.
 
     python -m bench.inprocess_worker TARGET DRAFT|- THREADS
 
-Protocol, one JSON object per line prefixed with ``OSDBENCH``: the worker writes
-``{"ready": true}`` once loaded; then for each ``{"convs": [...], "max_tokens": N}`` read
-from stdin it writes ``{"wall_s": ..., "results": [...]}`` (the fields of
-``bench.chat_load.run_load``'s results; times from ``time.perf_counter`` in this
-process). An empty line or end of input ends it.
+Protocol, one JSON object per line prefixed with ``bench.chat_load.PREFIX``: the worker
+writes ``{"ready": true}`` once loaded; then for each ``{"convs": [...], "max_tokens": N}``
+read from stdin it writes ``{"wall_s": ..., "results": [...], "engine_wall_s": ...}``
+(the fields of ``bench.chat_load.run_load``'s results; times from ``time.perf_counter``
+in this process; the engine's step time so far, ``Engine.stats["wall_s"]``). An empty
+line or end of input ends it.
 """
 
 import osd  # first: sets OMP_WAIT_POLICY before torch loads libgomp
@@ -24,9 +25,8 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
+from bench.chat_load import PREFIX  # noqa: E402
 from osd.chat_template import apply_chat_template  # noqa: E402
-
-PREFIX = "OSDBENCH "
 
 
 def run(eng: osd.Engine, convs: list, max_tokens: int) -> dict:
@@ -57,14 +57,15 @@ def run(eng: osd.Engine, convs: list, max_tokens: int) -> dict:
                 prompt_tokens=len(ids),
             )  # fmt: skip
         )
-    return dict(wall_s=time.perf_counter() - t_start, results=results)
+    wall = time.perf_counter() - t_start
+    return dict(wall_s=wall, results=results, engine_wall_s=eng.stats["wall_s"])
 
 
 def main(argv) -> int:
     target, draft, threads = argv[0], argv[1], int(argv[2])
     torch.set_num_threads(threads)
     eng = osd.Engine.from_pretrained(target, draft=None if draft == "-" else draft)
-    print(PREFIX + json.dumps({"ready": True}), flush=True)
+    print(PREFIX + json.dumps({"ready": True, "engine_wall_s": eng.stats["wall_s"]}), flush=True)
     for line in sys.stdin:
         if not line.strip():
             break
