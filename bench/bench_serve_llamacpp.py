@@ -20,13 +20,15 @@ both servers read), so every provider generates the same number of tokens. Provi
   chat pair and its draft's settings, ``--max-batch-size`` 8); ``osd serve --no-draft``:
   the target alone (kept quantized, the CPU default);
 - ``llama-server -np 8``: ``llama-server -np 8 -c 8*2048 --poll 0 -t THREADS -tb
-  THREADS`` (``bench.llamacpp``), with ``OMP_WAIT_POLICY=PASSIVE`` in its environment as
-  the osd processes have it (``import osd`` sets it); ``llama-server -np 1`` (one slot,
-  ``-c 2048``) too at one client, the server a single user would start. This llama.cpp is
-  built with OpenMP, and its threads meet at an OpenMP barrier after every graph node, so
-  libgomp's wait policy matters to it as to torch: on a busy CPU the spinning default is
-  many times slower. ``--llama-user-env`` adds ``llama-server -np 8, no
-  OMP_WAIT_POLICY``, started without the variable, as a user's shell starts it.
+  THREADS`` (``bench.llamacpp``) started without ``OMP_WAIT_POLICY`` in its environment,
+  as a user's shell starts it; ``llama-server -np 1`` (one slot, ``-c 2048``) too at one
+  client, the server a single user would start. This llama.cpp is built with OpenMP and
+  its threads meet at an OpenMP barrier after every graph node, so libgomp's wait policy
+  matters to it as to torch: its spinning default is the faster on an idle CPU and many
+  times slower on a busy one. ``llama-server -np 8, PASSIVE`` is the same server with
+  ``OMP_WAIT_POLICY=PASSIVE``, what ``import osd`` gives the osd processes
+  (``--no-llama-passive`` leaves it out). The last ratio column takes the fastest
+  ``llama-server`` of each round.
 
 Both servers take the same body on ``/v1/chat/completions`` (``bench.chat_load.chat_body``:
 the messages, ``max_tokens``, ``temperature: 0``, ``stream: true`` with a usage chunk,
@@ -49,8 +51,8 @@ chunk with text (p50 over every request of every round); **CPU ms/token** = the
 provider process's user + system CPU seconds (``/proc``) per generated token, and beside
 it this process's (the streaming clients'; 0 in-process). The ratio columns pair rows of
 the same round, then take the median over rounds: ``osd serve`` ÷ its in-process engine
-at 1 client, and osd ÷ ``llama-server`` (``-np 8``, and the fastest ``llama-server`` row
-of the round at that N).
+at 1 client, and osd ÷ ``llama-server`` (``-np 8`` as a user starts it, and the fastest
+``llama-server`` row of the round at that N).
 
 Run as a script (prints a line per configuration and a markdown table, writes JSON):
 
@@ -104,8 +106,8 @@ SERVE = "osd serve"
 SERVE_PLAIN = "osd serve --no-draft"
 LLAMA8 = "llama-server -np 8"
 LLAMA1 = "llama-server -np 1"
-LLAMA8U = "llama-server -np 8, no OMP_WAIT_POLICY"
-LLAMAS = (LLAMA8, LLAMA1, LLAMA8U)
+LLAMA8P = "llama-server -np 8, PASSIVE"
+LLAMAS = (LLAMA8, LLAMA1, LLAMA8P)
 # provider -> its in-process reference (the serve / in-process ratio at 1 client)
 REFERENCE = {SERVE: INPROC, SERVE_PLAIN: INPROC_PLAIN}
 OSD_ROWS = (INPROC, INPROC_PLAIN, SERVE, SERVE_PLAIN)
@@ -142,18 +144,16 @@ def percentile(xs: list[float], q: float) -> float | None:
 # ---- Providers ----
 
 
-def start_providers(
-    clients, threads: int, llama_np1: bool, llama_user_env: bool, log=print
-) -> dict:
+def start_providers(clients, threads: int, llama_np1: bool, llama_passive: bool, log=print) -> dict:
     """Every provider, started and ready: ``{name: object}`` with ``pid`` and either
     ``url`` (a server) or ``run`` (in-process)."""
     target, draft = zoo.chat_pair()
     bins = llamacpp.find_binaries()
-    llamas = [(LLAMA8, 8, "PASSIVE")]
+    llamas = [(LLAMA8, 8, None)]
     if llama_np1 and 1 in clients:
-        llamas.append((LLAMA1, 1, "PASSIVE"))
-    if llama_user_env:
-        llamas.append((LLAMA8U, 8, None))
+        llamas.append((LLAMA1, 1, None))
+    if llama_passive:
+        llamas.append((LLAMA8P, 8, "PASSIVE"))
     out: dict = {}
     try:
         log(f"starting {SERVE}, {SERVE_PLAIN}, " + ", ".join(n for n, _, _ in llamas))
@@ -263,7 +263,7 @@ def bench(
     rounds: int = ROUNDS,
     threads: int = THREADS,
     llama_np1: bool = True,
-    llama_user_env: bool = False,
+    llama_passive: bool = True,
     log=print,
 ) -> dict:
     """The whole interleaved run; a JSON-able dict with one row per (provider, N)."""
@@ -271,7 +271,7 @@ def bench(
     t_start = time.time()
     convs = [list(c) for w in evaluation_set(n=prompts) for c in w.prompts]
     warm = [list(evaluation_set(n=1, seed=12345)[0].prompts[0])]
-    providers = start_providers(clients, threads, llama_np1, llama_user_env, log)
+    providers = start_providers(clients, threads, llama_np1, llama_passive, log)
     runs: dict = {}
     problems: list[str] = []
     try:
@@ -323,7 +323,7 @@ def bench(
             f"--prompts {prompts} --max-tokens {max_tokens} --rounds {rounds} "
             f"--threads {threads}"
             + ("" if llama_np1 else " --no-llama-np1")
-            + (" --llama-user-env" if llama_user_env else "")
+            + ("" if llama_passive else " --no-llama-passive")
         ),
         providers={
             name: dict(
@@ -489,10 +489,9 @@ def main(argv=None) -> int:
         "--no-llama-np1", action="store_true", help="leave out the one-slot llama-server row"
     )
     p.add_argument(
-        "--llama-user-env",
+        "--no-llama-passive",
         action="store_true",
-        help="add a llama-server -np 8 started without OMP_WAIT_POLICY (libgomp's "
-        "spinning default; many times slower on a busy CPU)",
+        help="leave out the llama-server -np 8 started with OMP_WAIT_POLICY=PASSIVE",
     )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -514,7 +513,7 @@ def main(argv=None) -> int:
         args.rounds,
         args.threads,
         llama_np1=not args.no_llama_np1,
-        llama_user_env=args.llama_user_env,
+        llama_passive=not args.no_llama_passive,
         log=lambda s: print(s, flush=True),
     )
     print()
@@ -531,7 +530,7 @@ def main(argv=None) -> int:
 # ---- pytest-benchmark: one quick round ----
 
 QUICK = dict(
-    clients=CLIENTS, prompts=2, max_tokens=32, rounds=1, llama_np1=False, llama_user_env=False
+    clients=CLIENTS, prompts=2, max_tokens=32, rounds=1, llama_np1=False, llama_passive=True
 )
 
 
