@@ -48,4 +48,17 @@ TORCH_LIBRARY(osd, m) {
 
   // Philox uniforms u(seed[b], offset[b], stream, i) for i < num: [B, num] float32.
   m.def("philox_uniform(Tensor seed, Tensor offset, int stream, int num) -> Tensor");
+
+  // Fused decode-layer glue (osd/models/fused_layers.py; CPU: cpu/fused_layer_ops.cpp).
+  // h = residual + scale * x and y = rms_norm(h) * weight: returns (h, y).
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, float scale) "
+        "-> (Tensor, Tensor)");
+  // RoPE on q and k, k and v written into one layer's cache at [row, slots[b, t]]; returns
+  // the rotated q. The _qkv form reads q, k and v from the qkv projection [B(*)T, ...].
+  m.def("rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor? cos, Tensor? sin, "
+        "Tensor(a!) kv, Tensor slots) -> Tensor");
+  m.def("rope_kv_write_qkv(Tensor qkv, int num_heads, Tensor? cos, Tensor? sin, "
+        "Tensor(a!) kv, Tensor slots) -> Tensor");
+  // silu(gate) * up of gate_up = [gate, up] along the last dim.
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
 }

@@ -11,9 +11,15 @@ values of one dtype, computed in float32, rounded once); ``y`` is the norm of th
 ``h`` computed in float32, within a rounding of ``F.rms_norm`` in half precision and to
 float32 rounding in float32 (the sum of squares runs in another order).
 
-Backends: ``reference`` (PyTorch, product code: the CPU path), ``triton`` (on CPU tensors
-under ``TRITON_INTERPRET=1``); ``auto`` is Triton on CUDA and the reference elsewhere. This
-op has no native kernel.
+The native kernel (``csrc/cpu/fused_layer_ops.cpp``, float32 CPU) computes ``h`` as the
+reference does and the norm as the unfused CPU forward does, inside ``decode_linear`` and
+``quant_linear`` (the sum of squares in double, in order): its ``y`` equals what those
+ops feed their GEMV for ``h`` bit for bit, and ``F.rms_norm``'s within a rounding of the
+inverse norm (a few float32 ulps).
+
+Backends: ``reference`` (PyTorch), ``native`` (the C++ kernel; float32 CPU tensors only),
+``triton`` (on CPU tensors under ``TRITON_INTERPRET=1``); ``auto`` is Triton on CUDA, the
+native kernel for float32 CPU tensors outside autograd, and the reference otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from osd_kernels._ops import resolve_backend
+from osd_kernels._ops import native_available, resolve_backend
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -73,17 +79,36 @@ def add_rms_norm(
         weight: ``[H]`` the RMSNorm weight, same dtype.
         eps: the RMSNorm epsilon.
         scale: the residual multiplier applied to ``x`` (Granite; 1 elsewhere).
-        backend: ``auto`` | ``reference`` | ``triton``.
+        backend: ``auto`` | ``reference`` | ``native`` | ``triton``.
 
     Returns:
         ``(h, y)``, both new tensors shaped like ``x``: the new residual and its norm.
     """
-    if backend == "native":
-        raise ValueError("add_rms_norm has no native kernel (backends: auto, reference, triton)")
     _check(x, residual, weight, eps)
-    if resolve_backend(backend, x.device) != "triton":
+    impl = resolve_backend(backend, x.device)
+    if impl == "native":
+        grad = torch.is_grad_enabled() and (
+            x.requires_grad or residual.requires_grad or weight.requires_grad
+        )
+        if x.device.type == "cpu" and x.dtype == torch.float32:
+            if backend == "native" or not grad:
+                h, y = torch.ops.osd.add_rms_norm(x, residual, weight.contiguous(), eps, scale)
+                return h, y
+        elif backend == "native":
+            raise ValueError(
+                f"the native add_rms_norm kernel takes float32 CPU tensors, got "
+                f"{x.dtype} on {x.device}"
+            )
+    if impl != "triton":
         return add_rms_norm_reference(x, residual, weight, eps, scale)
     # imported on first use so that `import osd_kernels` does not import triton
     from osd_kernels.triton.add_rms_norm import add_rms_norm_triton
 
     return add_rms_norm_triton(x, residual, weight, eps, scale)
+
+
+if native_available():
+
+    @torch.library.register_fake("osd::add_rms_norm")
+    def _add_rms_norm_fake(x, residual, weight, eps, scale):
+        return x.new_empty(x.shape), x.new_empty(x.shape)

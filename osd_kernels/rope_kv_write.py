@@ -21,16 +21,23 @@ Rounding: ``x * cos`` is rounded to the dtype before the sum, as the reference r
 the rest is summed in float32 and rounded once (the reference's ``addcmul``).
 Values are copied exactly.
 
-Backends: ``reference`` (PyTorch, product code: the CPU path), ``triton`` (on CPU tensors
-under ``TRITON_INTERPRET=1``); ``auto`` is Triton on CUDA and the reference elsewhere. This
-op has no native kernel.
+The native kernel (``csrc/cpu/fused_layer_ops.cpp``, float32 CPU) rounds as the reference
+does (``x * cos``, then one fused multiply-add, as ATen's ``addcmul``): its queries and
+cache entries equal the reference's bit for bit. :func:`rope_kv_write_qkv` is the same op
+on the qkv projection as it comes out of a GEMV, ``[B, T, (Hq + 2 Hkv) D]`` or its ``B T``
+rows, so that a cached forward needs no views to split it (the fused CPU layers).
+
+Backends: ``reference`` (PyTorch), ``native`` (the C++ kernel; float32 CPU tensors only),
+``triton`` (on CPU tensors under ``TRITON_INTERPRET=1``); ``auto`` is Triton on CUDA, the
+native kernel for float32 CPU tensors, and the reference otherwise (the op has no
+backward: the cache write is not differentiable).
 """
 
 from __future__ import annotations
 
 import torch
 
-from osd_kernels._ops import resolve_backend
+from osd_kernels._ops import native_available, resolve_backend
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -133,18 +140,100 @@ def rope_kv_write(
             ``<= D``), or both None for a layer without RoPE.
         kv: ``[2, B_max, Hkv, S, D]``, one layer of the cache, last dim contiguous. Mutated.
         slots: ``[B, T]`` int64 cache slots, ``0 <= slots < S``, distinct within a row.
-        backend: ``auto`` | ``reference`` | ``triton``.
+        backend: ``auto`` | ``reference`` | ``native`` | ``triton``.
 
     Returns:
-        The rotated queries ``[B, T, Hq, D]`` (a new tensor from Triton; the reference
-        returns ``q`` itself when there is no RoPE).
+        The rotated queries ``[B, T, Hq, D]`` (a new contiguous tensor from the kernels; the
+        reference returns ``q`` itself when there is no RoPE).
     """
-    if backend == "native":
-        raise ValueError("rope_kv_write has no native kernel (backends: auto, reference, triton)")
     _check(q, k, v, cos, sin, kv, slots)
-    if resolve_backend(backend, q.device) != "triton":
+    impl = resolve_backend(backend, q.device)
+    if impl == "native" and _native_ok(q, kv, backend, "rope_kv_write"):
+        # the kernel reads rows with a contiguous last dim (views of a projection are)
+        q, k, v, cos, sin = (
+            t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, cos, sin)
+        )
+        return torch.ops.osd.rope_kv_write(q, k, v, cos, sin, kv, slots)
+    if impl != "triton":
         return rope_kv_write_reference(q, k, v, cos, sin, kv, slots)
     # imported on first use so that `import osd_kernels` does not import triton
     from osd_kernels.triton.rope_kv_write import rope_kv_write_triton
 
     return rope_kv_write_triton(q, k, v, cos, sin, kv, slots)
+
+
+def _native_ok(x: torch.Tensor, kv: torch.Tensor, backend: str, name: str) -> bool:
+    """Whether the C++ kernel takes these tensors (float32 CPU, a cache whose last dim is
+    contiguous); an explicit ``native`` that it does not take is an error."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and kv.stride(-1) == 1:
+        return True
+    if backend == "native":
+        raise ValueError(
+            f"the native {name} kernel takes float32 CPU tensors and a cache with a "
+            f"contiguous last dim, got {x.dtype} on {x.device}, kv strides {kv.stride()}"
+        )
+    return False
+
+
+def rope_kv_write_qkv(
+    qkv: torch.Tensor,
+    num_heads: int,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """:func:`rope_kv_write` on the qkv projection: ``q``, ``k`` and ``v`` are its first
+    ``num_heads`` heads, the next ``Hkv`` and the last ``Hkv`` (``Hkv`` and ``D`` those of
+    ``kv``, ``B`` and ``T`` those of ``slots``).
+
+    Args:
+        qkv: ``[B, T, (Hq + 2 Hkv) D]``, or ``[B * T, (Hq + 2 Hkv) D]`` with row ``b T + t``
+            token ``t`` of row ``b``; float32/float16/bfloat16.
+        num_heads: ``Hq``.
+        cos, sin, kv, slots, backend: as :func:`rope_kv_write`.
+
+    Returns:
+        The rotated queries ``[B, T, Hq, D]``.
+    """
+    if kv.dim() != 5 or slots.dim() != 2 or qkv.dim() not in (2, 3):
+        raise ValueError(
+            f"qkv must be [B, T, W] or [B * T, W], kv [2, B_max, Hkv, S, D] and slots "
+            f"[B, T], got {tuple(qkv.shape)}, {tuple(kv.shape)}, {tuple(slots.shape)}"
+        )
+    (B, T), Hkv, D = slots.shape, kv.shape[2], kv.shape[4]
+    width = (num_heads + 2 * Hkv) * D
+    if qkv.shape[-1] != width or qkv.numel() != B * T * width or num_heads <= 0:
+        raise ValueError(
+            f"qkv must hold B * T = {B * T} rows of (Hq + 2 Hkv) D = {width} with Hq = "
+            f"{num_heads}, got {tuple(qkv.shape)}"
+        )
+    impl = resolve_backend(backend, qkv.device)
+    if impl == "native" and _native_ok(qkv, kv, backend, "rope_kv_write_qkv"):
+        _check_tables(qkv, cos, sin, kv, slots, B, T, D)
+        if qkv.stride(-1) != 1:
+            qkv = qkv.contiguous()
+        cos, sin = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+        return torch.ops.osd.rope_kv_write_qkv(qkv, num_heads, cos, sin, kv, slots)
+    heads = qkv.reshape(B, T, num_heads + 2 * Hkv, D)
+    q, k, v = heads.split((num_heads, Hkv, Hkv), dim=2)
+    return rope_kv_write(q, k, v, cos, sin, kv, slots, backend=backend)
+
+
+def _check_tables(qkv, cos, sin, kv, slots, B, T, D) -> None:
+    """:func:`_check`'s tests of everything but the query, key and value views."""
+    heads = qkv.new_empty(()).expand(B, T, kv.shape[2], D)  # stands in for q, k and v
+    _check(heads, heads, heads, cos, sin, kv, slots)
+
+
+if native_available():
+
+    @torch.library.register_fake("osd::rope_kv_write")
+    def _rope_kv_write_fake(q, k, v, cos, sin, kv, slots):
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake("osd::rope_kv_write_qkv")
+    def _rope_kv_write_qkv_fake(qkv, num_heads, cos, sin, kv, slots):
+        return qkv.new_empty((slots.shape[0], slots.shape[1], num_heads, kv.shape[4]))
