@@ -3,6 +3,8 @@ forced on CPU tensors with the Triton kernels under the interpreter, against the
 forward of the same model: prefill, decode steps and a tree verify (tree mask, positions
 from depths), logits and the whole KV cache. The decode steps (3 rows) take the
 ``decode_gemv`` layers, the other forwards the ``add_rms_norm`` / ``silu_mul`` layers.
+``cpu`` (the default) and ``auto`` take the C++ kernels for CPU forwards of few rows,
+float32 and quantized projections: those results equal the unfused forward's bit for bit.
 
 float32: logits and cache within 1e-4 (the models' test tolerance; the fused path rounds
 where the unfused one does, sums run in other orders). bfloat16: both forwards are
@@ -18,6 +20,8 @@ import pytest
 import torch
 
 from osd.models import fused_layers, load_model
+from osd.models.quant import quantize_linears
+from osd_kernels import native_available
 from tests.test_models import VOCAB, _tree, tiny_hf_model
 
 # Llama (tied head), biases on every projection, Qwen3's per-head q/k norms and head width
@@ -143,19 +147,81 @@ def test_other_layers_keep_the_unfused_forward(family, monkeypatch):
 
 
 def test_switch(monkeypatch):
-    """auto: CUDA only; off and on as named; grad mode and a foreign dtype keep the unfused
-    path; an unknown mode raises."""
+    """cpu (the default) and auto: CPU float32 forwards of at most CPU_MAX_ROWS rows with
+    the native build (auto: CUDA too); off and on as named; grad mode and a foreign dtype
+    keep the unfused path; an unknown mode raises."""
     model = load_model(tiny_hf_model("llama"))
     x = torch.zeros(1, 1, model.config.hidden_size)
+    wide = torch.zeros(1, fused_layers.CPU_MAX_ROWS + 1, model.config.hidden_size)
+    modes = (("auto", native_available()), ("cpu", native_available()), ("off", False))
     with torch.no_grad():
-        for mode, expected in (("auto", False), ("off", False), ("on", True)):
+        for mode, expected in (*modes, ("on", True)):
             monkeypatch.setattr(fused_layers, "FUSED_LAYERS", mode)
             assert fused_layers.use_fused(model, x) is expected
+        assert fused_layers.use_fused(model, wide)  # "on": any number of rows
         assert not fused_layers.use_fused(model, x.bfloat16())
+        for mode in ("auto", "cpu"):
+            monkeypatch.setattr(fused_layers, "FUSED_LAYERS", mode)
+            assert not fused_layers.use_fused(model, wide)
     assert not fused_layers.use_fused(model, x)  # grad enabled
     monkeypatch.setattr(fused_layers, "FUSED_LAYERS", "yes")
     with torch.no_grad(), pytest.raises(ValueError, match="FUSED_LAYERS"):
         fused_layers.use_fused(model, x)
+
+
+def _spy_on_cpu_layers(monkeypatch) -> list:
+    """The row counts of the forwards that take the C++ layers."""
+    rows, real = [], fused_layers._cpu_layers
+
+    def spy(model, x, *args):
+        rows.append(x.shape[0] * x.shape[1])
+        return real(model, x, *args)
+
+    monkeypatch.setattr(fused_layers, "_cpu_layers", spy)
+    return rows
+
+
+@pytest.mark.skipif(not native_available(), reason="osd_kernels._C is not built")
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "Q8_0"])
+@pytest.mark.parametrize("max_rows", [16, 64])
+@pytest.mark.parametrize("family", FUSABLE)
+def test_cpu_native_forward_equals_unfused(family, max_rows, quantized, monkeypatch):
+    """``cpu`` (as ``auto``) on CPU: the prefill pieces (15 and 12 rows) and the decode
+    steps (3) through the C++ layers, with a limit of 64 rows the tree verify (18) too;
+    logits and cache bit for bit."""
+    model = load_model(tiny_hf_model(family))
+    if quantized:
+        quantize_linears(model, "Q8_0")
+    ref, ref_kv = _run(model, "off", monkeypatch)
+    ref_kv = ref_kv.clone()
+    monkeypatch.setattr(fused_layers, "CPU_MAX_ROWS", max_rows)
+    rows = _spy_on_cpu_layers(monkeypatch)
+    got, got_kv = _run(model, "cpu", monkeypatch)
+    assert rows == [15, 12, 3, 3, 3] + ([18] if max_rows == 64 else [])
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    assert torch.equal(got_kv, ref_kv)
+
+
+@pytest.mark.skipif(not native_available(), reason="osd_kernels._C is not built")
+def test_cpu_native_skip_layers_and_cache_views(monkeypatch):
+    """Skipped layers keep their cache untouched; a cache of other rows (``rows``: another
+    tensor) gets views of its own."""
+    model = load_model(tiny_hf_model("llama"))
+    skip = frozenset({0})
+    ids = torch.randint(0, VOCAB, (2, 1), generator=torch.Generator().manual_seed(8))
+    results = []
+    for mode in ("off", "cpu"):
+        monkeypatch.setattr(fused_layers, "FUSED_LAYERS", mode)
+        cache = model.new_cache(4, 16)
+        with torch.no_grad():
+            first = model(ids, cache, skip_layers=skip)
+            part = cache.rows(2, 2)
+            second = model(ids, part)
+        results.append((first, second, cache.kv.clone()))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert results[1][2][0, :, :2].abs().max() == 0  # layer 0 of rows 0-1 never written
 
 
 def test_fused_forward_bf16(monkeypatch):

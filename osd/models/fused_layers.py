@@ -3,9 +3,9 @@
 Per layer, the unfused cached forward launches an RMSNorm, the qkv projection, RoPE as
 several elementwise kernels, a stack and an ``index_put`` for the KV write, attention, the
 output projection, a residual add, a second RMSNorm, the gate-up projection, SiLU, a
-multiply, the down projection and a second add. Here three ops replace the glue between
-the projections and attention (``osd_kernels``: Triton on CUDA), and for few rows a fourth
-takes the projections too:
+multiply, the down projection and a second add, with views and slices between them. Here
+three ops replace the glue between the projections and attention (``osd_kernels``: Triton
+on CUDA, C++ on CPU), and on CUDA for few rows a fourth takes the projections too:
 
 - ``rope_kv_write``: RoPE on q and k and the K/V write at ``[row, slot]`` in one kernel;
 - ``add_rms_norm``: each residual add and the RMSNorm after it (the post-attention norm,
@@ -16,44 +16,65 @@ The residual stream therefore runs one block behind: after layer ``i`` the MLP o
 still pending, added by layer ``i + 1``'s ``add_rms_norm`` (or by a plain add after the
 last layer, since the caller wants the hidden state before the final norm).
 
-A forward of at most ``decode_gemv.MAX_ROWS`` (8) rows in all (decode, a short verify)
-whose projections are plain ``nn.Linear`` runs its projections through ``decode_gemv``
-instead, which takes the norms and adds into the projections: the qkv projection with the
-input norm in front, ``wo`` adding into the residual, the gate-up projection with the
-post-attention norm in front and SiLU x up behind, ``w_down`` adding into the residual. A
-layer is then five kernels and attention, and the residual is never pending.
+On CUDA, a forward of at most ``decode_gemv.MAX_ROWS`` (8) rows in all (decode, a short
+verify) whose projections are plain ``nn.Linear`` runs its projections through
+``decode_gemv`` instead, which takes the norms and adds into the projections: the qkv
+projection with the input norm in front, ``wo`` adding into the residual, the gate-up
+projection with the post-attention norm in front and SiLU x up behind, ``w_down`` adding
+into the residual. A layer is then five kernels and attention, and the residual is never
+pending.
 
-:data:`FUSED_LAYERS` is the switch: ``"auto"`` fuses on CUDA only, ``"off"`` never (the
-default until these kernels have run on a GPU: ``docs/gpu.md``; ``make gpu-check``
-measures ``auto`` against it), ``"on"`` on any device with the ops' Triton backend (CPU
-tensors need ``TRITON_INTERPRET=1``: that is how the tests run this path, kernels
-included, without a GPU). The environment variable ``OSD_FUSED_LAYERS`` sets its initial
-value. Models outside the fused layer's shape keep the unfused forward: a layer
-must be pre-norm only (no post-norms: OLMo-2, Gemma), dense (no mixture of experts) and
+On CPU, a float32 forward of at most :data:`CPU_MAX_ROWS` (16) rows in all (decode,
+verify, short prefill pieces) runs the C++ ops on ``[B T, hidden]`` rows: per layer the
+four projections (``layers.project_rows``: ``decode_linear``, or ``quant_linear`` for
+block-quantized :class:`~osd.models.quant.QuantLinear` weights, called as torch ops with
+the first layer's input norm fused in), ``rope_kv_write_qkv`` on the qkv projection as it
+comes, attention over per-layer views of the cache made once per cache, two
+``add_rms_norm`` and a ``silu_mul``: nine op calls and a view a layer, where the unfused
+forward makes about 85 (``docs/benchmarks.md``, where a CPU step's time goes). Each C++
+kernel rounds as the unfused forward's ops do, so this path gives its logits and cache
+bit for bit.
+
+:data:`FUSED_LAYERS` is the switch: ``"cpu"`` (the default) fuses on CPU only, ``"auto"``
+on CPU and on CUDA (the CUDA path is off by default until these kernels have run on a
+GPU: ``docs/gpu.md``; ``make gpu-check`` measures ``auto`` against the default), ``"off"``
+never, ``"on"`` on any device with the ops' Triton backend (CPU tensors need
+``TRITON_INTERPRET=1``: that is how the tests run the CUDA path, kernels included,
+without a GPU). The environment variable ``OSD_FUSED_LAYERS`` sets its initial value.
+Models outside the fused layer's shape keep the unfused forward: a layer must be
+pre-norm only (no post-norms: OLMo-2, Gemma), dense (no mixture of experts) and
 SiLU-gated (no GeGLU); the forward must run outside autograd (the kernels have no
-backward) in the model's own dtype. Results equal the unfused forward's within rounding
-(the kernels round where the unfused ops do; ``osd_kernels.add_rms_norm`` and friends).
+backward) in the model's own dtype, and on CPU in float32 with the native build (other
+dtypes and larger forwards keep the unfused one). On CUDA results equal the unfused
+forward's within rounding (the kernels round where the unfused ops do;
+``osd_kernels.add_rms_norm`` and friends).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from osd.models.attention import attention
-from osd.models.layers import project
-from osd_kernels._ops import triton_available
+from osd.models.layers import project, project_rows
+from osd_kernels._ops import native_available, triton_available
 from osd_kernels.add_rms_norm import add_rms_norm
 from osd_kernels.decode_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from osd_kernels.decode_gemv import decode_gemv
 from osd_kernels.rope_kv_write import rope_kv_write
 from osd_kernels.silu_mul import silu_mul
 
-MODES = ("auto", "on", "off")
-FUSED_LAYERS = os.environ.get("OSD_FUSED_LAYERS", "off")
+MODES = ("auto", "cpu", "on", "off")
+FUSED_LAYERS = os.environ.get("OSD_FUSED_LAYERS", "cpu")
+# The CPU path ("cpu", "auto"): forwards of at most this many rows in all (decode, verify,
+# short prefill pieces); larger ones keep the unfused forward, whose op calls are few per
+# token there.
+CPU_MAX_ROWS = 16
 
 
 def _layer_fusable(layer) -> bool:
@@ -65,6 +86,27 @@ def _layer_fusable(layer) -> bool:
     )
 
 
+# model -> whether every layer fits the fused layer (the layers of a model do not change)
+_FUSABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fusable(model) -> bool:
+    fusable = _FUSABLE.get(model)
+    if fusable is None:
+        fusable = _FUSABLE[model] = all(_layer_fusable(layer) for layer in model.layers)
+    return fusable
+
+
+def _cpu_native(x: torch.Tensor) -> bool:
+    """Whether ``x [B, T, hidden]`` fits the C++ layers (with ``cpu`` and ``auto``)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.shape[0] * x.shape[1] <= CPU_MAX_ROWS
+        and native_available()
+    )
+
+
 def use_fused(model, x: torch.Tensor) -> bool:
     """Whether ``model``'s cached forward on ``x`` (the embedded input) takes this path."""
     mode = FUSED_LAYERS
@@ -72,11 +114,15 @@ def use_fused(model, x: torch.Tensor) -> bool:
         raise ValueError(
             f"osd.models.fused_layers.FUSED_LAYERS must be one of {MODES}, got {mode!r}"
         )
-    if mode == "off" or (mode == "auto" and (x.device.type != "cuda" or not triton_available())):
+    if mode == "off" or torch.is_grad_enabled() or x.dtype != model.dtype:
         return False
-    if torch.is_grad_enabled() or x.dtype != model.dtype:
-        return False
-    return all(_layer_fusable(layer) for layer in model.layers)
+    if mode != "on":  # auto, cpu: the C++ layers on CPU; auto: Triton on CUDA too
+        if x.device.type == "cpu":
+            if not _cpu_native(x):
+                return False
+        elif mode == "cpu" or x.device.type != "cuda" or not triton_available():
+            return False
+    return _fusable(model)
 
 
 def fused_hidden(
@@ -93,8 +139,10 @@ def fused_hidden(
     """The layers of ``DecoderLM._hidden`` (same arguments: ``x [B, T, hidden]`` embedded,
     ``ropes`` the (global, local) ``cos, sin [B, T, 1, R]`` at each token's position,
     ``slots [B, T]`` the K/V slots); returns the last layer's output ``[B, T, hidden]``."""
-    backend = "triton" if FUSED_LAYERS == "on" else "auto"  # auto: Triton on CUDA
     layers = [(i, layer) for i, layer in enumerate(model.layers) if i not in skip_layers]
+    if FUSED_LAYERS != "on" and x.device.type == "cpu":
+        return _cpu_layers(model, x, layers, cache, ropes, slots, tree_mask, depths, max_kv_len)
+    backend = "triton" if FUSED_LAYERS == "on" else "auto"  # Triton on CUDA
     if x.shape[0] * x.shape[1] <= GEMV_MAX_ROWS and all(
         type(getattr(layer, name)) is nn.Linear and getattr(layer, name).weight.dtype == x.dtype
         for _, layer in layers
@@ -219,3 +267,88 @@ def _gemv_layers(
             mlp, layer.w_down.weight, layer.w_down.bias, residual=x, scale=r, backend=backend
         )
     return x
+
+
+@functools.lru_cache(maxsize=None)
+def _native_ops():
+    """The C++ ops' overloads, looked up once (a decode step makes ~150 calls)."""
+    ops = torch.ops.osd
+    return (
+        ops.add_rms_norm.default,
+        ops.rope_kv_write_qkv.default,
+        ops.rope_kv_write.default,
+        ops.silu_mul.default,
+    )
+
+
+def _cache_views(cache) -> list:
+    """Per layer ``(kv, k, v)``: ``cache.kv[i]`` ``[2, B_max, Hkv, S, D]`` and its K and V
+    halves, made once per cache tensor and kept on the cache (views die with it)."""
+    views = getattr(cache, "_fused_views", None)
+    if views is None or views[0] is not cache.kv:
+        kv = cache.kv
+        views = (kv, [(kv[i], kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])])
+        cache._fused_views = views
+    return views[1]
+
+
+def _cpu_layers(
+    model,
+    x: torch.Tensor,
+    layers,
+    cache,
+    ropes,
+    slots: torch.Tensor,
+    tree_mask,
+    depths,
+    max_kv_len: int,
+) -> torch.Tensor:
+    """The layers of a CPU forward of few rows through the C++ ops, on ``[B T, hidden]``
+    rows throughout: per layer the four projections (``project_rows``: ``decode_linear`` /
+    ``quant_linear``, the first layer's input norm fused in), ``rope_kv_write_qkv`` on the
+    qkv projection as it comes, attention over views of the cache made once, and
+    ``add_rms_norm`` / ``silu_mul`` between them. Each rounds as the unfused forward does,
+    so the results are its own bit for bit."""
+    add_norm, rope_qkv, rope, silu = _native_ops()
+    views = _cache_views(cache)
+    tables = [(None, None) if r is None else (r[0].squeeze(2), r[1].squeeze(2)) for r in ropes]
+    lens, scale_qk, backend = cache.lens, model.scale, model.attention_backend
+    B, T, H = x.shape
+    residual, pending, scale = x.view(B * T, H), None, 1.0  # pending: the last MLP output
+    for index, layer in layers:
+        norm = layer.input_norm
+        if pending is None:
+            qkv = project_rows(residual, layer.wqkv, norm)
+        else:
+            residual, normed = add_norm(pending, residual, norm.weight, norm.eps, scale)
+            qkv = project_rows(normed, layer.wqkv)
+        kv, k_cache, v_cache = views[index]
+        cos, sin = tables[layer.local_rope] if layer.rope else (None, None)
+        hq = layer.num_heads
+        if layer.qk_norm == "none":
+            q = rope_qkv(qkv, hq, cos, sin, kv, slots)
+        else:
+            qk, v = layer.heads(qkv.view(B, T, -1))
+            q = rope(qk[:, :, :hq], qk[:, :, hq:], v, cos, sin, kv, slots)
+        out = attention(
+            q,
+            k_cache,
+            v_cache,
+            lens,
+            tree_mask,
+            scale=scale_qk,
+            max_kv_len=max_kv_len,
+            backend=backend,
+            window=layer.window,
+            depths=depths,
+            softcap=layer.softcap,
+        )
+        scale = layer.residual_multiplier
+        norm = layer.post_attention_norm
+        residual, normed = add_norm(
+            project_rows(out.view(B * T, -1), layer.wo), residual, norm.weight, norm.eps, scale
+        )
+        pending = project_rows(silu(project_rows(normed, layer.w_gate_up)), layer.w_down)
+    if pending is not None:
+        residual = residual + (pending if scale == 1.0 else pending * scale)
+    return residual.view(B, T, H)

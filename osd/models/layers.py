@@ -12,6 +12,7 @@ from torch import nn
 from osd.models.config import ModelConfig
 from osd.models.quant import QuantLinear
 from osd.models.rope import apply_rope
+from osd_kernels.decode_linear import MAX_ROWS as DECODE_MAX_ROWS
 from osd_kernels.decode_linear import decode_linear
 from osd_kernels.quant_linear import quant_linear
 
@@ -59,6 +60,33 @@ def project(x: torch.Tensor, layer: nn.Module, norm: RMSNorm | None = None) -> t
     if packed is not None and packed[0] is w and packed[1] == weight_version(w):
         return decode_linear(x, w, layer.bias, packed=packed[2], **kw)
     return decode_linear(x, w, layer.bias, **kw)
+
+
+def project_rows(x: torch.Tensor, layer: nn.Module, norm: RMSNorm | None = None) -> torch.Tensor:
+    """:func:`project` for rows ``x [M, K]`` (float32, CPU, last dim contiguous, outside
+    autograd, with the native build: the caller's guarantee) straight through the C++
+    op, without the op's Python entry point and its reshapes (the fused CPU layers call it
+    four times a layer). Same arguments to the same kernels as :func:`project`, so the
+    same results bit for bit; keep the two in step."""
+    norm_weight, eps = (None, 1e-6) if norm is None else (norm.weight, norm.eps)
+    if isinstance(layer, QuantLinear):
+        return torch.ops.osd.quant_linear(
+            x,
+            layer.qweight,
+            layer.scales,
+            layer.mins,
+            layer.bias,
+            norm_weight,
+            eps,
+            layer.ggml_type,
+        )
+    w = layer.weight
+    if x.shape[0] > DECODE_MAX_ROWS or not w.is_contiguous() or w.dtype != torch.float32:
+        return project(x, layer, norm)  # decode_linear's auto would take F.linear
+    packed = getattr(layer, "osd_packed", None)
+    if packed is not None and packed[0] is w and packed[1] == weight_version(w):
+        w = packed[2]
+    return torch.ops.osd.decode_linear(x, w, layer.bias, norm_weight, eps)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,8 @@ All accept ``skip_layers`` (a set of layer indices to bypass, for self-speculati
 The layer and its parts (:class:`RMSNorm`, :func:`project`, :class:`MoE`,
 :class:`DecoderLayer`) are in :mod:`osd.models.layers`; RoPE and the position buffers the
 cached forwards read (:class:`~osd.models.rope.PositionBuffers`) in :mod:`osd.models.rope`;
-the fused CUDA layers in :mod:`osd.models.fused_layers`. Their names are importable from
-here too.
+the fused layers (CUDA, and CPU forwards of few rows) in :mod:`osd.models.fused_layers`.
+Their names are importable from here too.
 
 A draft may keep only some rows of its output head (:meth:`DecoderLM.restrict_head`, the
 reduced draft vocabulary of EAGLE-3): a small draft's head is most of its cost. Its
@@ -338,13 +338,14 @@ class DecoderLM(PositionBuffers, nn.Module):
         slots = lens + self._iota(T)  # [B, T] K/V slots
         positions = slots if depths is None else lens + depths
         ropes = self._layer_ropes(positions, cache.capacity, cache.context)
-        rows = self._iota(B)[:, None]  # [B, 1]
         max_kv_len = cache.bound + T
         x = self._embed(input_ids, features)
-        if fused_layers.use_fused(self, x):  # fused kernels on CUDA (osd/models/fused_layers.py)
+        # the fused layers (osd/models/fused_layers.py): Triton on CUDA, C++ for few CPU rows
+        if fused_layers.use_fused(self, x):
             return fused_layers.fused_hidden(
                 self, x, cache, ropes, slots, tree_mask, depths, skip_layers, max_kv_len
             )
+        rows = self._iota(B)[:, None]  # [B, 1]
         for index, layer in enumerate(self.layers):
             if index in skip_layers:
                 continue
