@@ -13,7 +13,7 @@ both servers read), so every provider generates the same number of tokens. Provi
   ``Engine.run`` (what ``Engine.generate`` runs; the first step that yields a token gives
   the TTFT), in a worker process of its own that imports osd first, as a user's script
   does (``bench/inprocess_worker.py``; in this process torch may already be loaded, and
-  libgomp would then spin instead of ``import osd``'s ``OMP_WAIT_POLICY=PASSIVE``);
+  libgomp would then spin long instead of ``import osd``'s ``GOMP_SPINCOUNT=1000``);
   ``osd in-process --no-draft``: the target alone. 1 client only: the reference of
   ``osd serve`` at one client;
 - ``osd serve``: ``osd serve --threads THREADS`` as a user runs it (no ``--target``: the
@@ -25,8 +25,8 @@ both servers read), so every provider generates the same number of tokens. Provi
   client, the server a single user would start. This llama.cpp is built with OpenMP and
   its threads meet at an OpenMP barrier after every graph node, so libgomp's wait policy
   matters to it as to torch: its spinning default is the faster on an idle CPU and many
-  times slower on a busy one. ``llama-server -np 8, PASSIVE`` is the same server with
-  ``OMP_WAIT_POLICY=PASSIVE``, what ``import osd`` gives the osd processes
+  times slower on a busy one. ``llama-server -np 8, spin=1000`` is the same server with
+  ``GOMP_SPINCOUNT=1000``, what ``import osd`` gives the osd processes
   (``--no-llama-passive`` leaves it out). The last ratio column takes the fastest
   ``llama-server`` of each round.
 
@@ -106,7 +106,7 @@ SERVE = "osd serve"
 SERVE_PLAIN = "osd serve --no-draft"
 LLAMA8 = "llama-server -np 8"
 LLAMA1 = "llama-server -np 1"
-LLAMA8P = "llama-server -np 8, PASSIVE"
+LLAMA8P = "llama-server -np 8, spin=1000"
 LLAMAS = (LLAMA8, LLAMA1, LLAMA8P)
 # provider -> its in-process reference (the serve / in-process ratio at 1 client)
 REFERENCE = {SERVE: INPROC, SERVE_PLAIN: INPROC_PLAIN}
@@ -153,7 +153,7 @@ def start_providers(clients, threads: int, llama_np1: bool, llama_passive: bool,
     if llama_np1 and 1 in clients:
         llamas.append((LLAMA1, 1, None))
     if llama_passive:
-        llamas.append((LLAMA8P, 8, "PASSIVE"))
+        llamas.append((LLAMA8P, 8, "spin=1000"))
     out: dict = {}
     try:
         log(f"starting {SERVE}, {SERVE_PLAIN}, " + ", ".join(n for n, _, _ in llamas))
@@ -340,6 +340,7 @@ def bench(
             loadavg_start=load0,
             loadavg_end=list(os.getloadavg()),
             omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+            gomp_spincount=os.environ.get("GOMP_SPINCOUNT"),
         ),
         params=dict(
             conversations=len(convs),
@@ -491,7 +492,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--no-llama-passive",
         action="store_true",
-        help="leave out the llama-server -np 8 started with OMP_WAIT_POLICY=PASSIVE",
+        help="leave out the llama-server -np 8 started with GOMP_SPINCOUNT=1000",
     )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)

@@ -1,17 +1,21 @@
 """How decoding holds up when the CPU is shared: OpenMP's wait policy under load.
 
 PyTorch's OpenMP runtime (libgomp) keeps the threads of a parallel region spinning after it
-ends, waiting for the next one, unless ``OMP_WAIT_POLICY=PASSIVE`` puts them to sleep. A
-decode step runs hundreds of short parallel regions. When other work shares the cores (a
-server's event loop, another process), a team member that lost its core stalls each region
-until the scheduler runs it again, and spinning members take the cores the others need.
+ends, waiting for the next one (300,000 rounds by default), unless ``OMP_WAIT_POLICY=PASSIVE``
+puts them to sleep at once or ``GOMP_SPINCOUNT`` bounds the spinning. A decode step runs
+hundreds of short parallel regions a few microseconds apart: sleeping threads pay a wake-up
+at each, while long-spinning ones, when other work shares the cores (a server's event loop,
+another process), take the cores the others need, and a team member that lost its core
+stalls each region until the scheduler runs it again. ``import osd`` sets
+``GOMP_SPINCOUNT=1000`` (``spin=1000`` here).
 
 Each measurement is a fresh process (libgomp reads the policy when torch loads) decoding
 the same prompts greedily at batch 1 with 2 threads: plain and speculative (the chat pair
 when cached, else the built-in pair), with ``--load`` busy processes beside it. Policies
-alternate round by round so that both see the same machine.
+(``--policies``: ACTIVE, PASSIVE, spin=N) alternate, their order reversed every round, so
+that all see the same machine.
 
-    .venv/bin/python bench/bench_wait_policy.py --load 0 2 --rounds 3
+    .venv/bin/python bench/bench_wait_policy.py --load 0 2 --rounds 2 --tokens 64
 
 Under ``make bench`` one short round runs on the built-in pair.
 """
@@ -26,7 +30,9 @@ import subprocess
 import sys
 import time
 
-POLICIES = ("ACTIVE", "PASSIVE")
+# OMP_WAIT_POLICY values, or "spin=N": the policy left unset and GOMP_SPINCOUNT=N (spin N
+# rounds after a region, then sleep: what ``import osd`` sets)
+POLICIES = ("ACTIVE", "PASSIVE", "spin=1000")
 
 CHILD = r"""
 import json, sys, time, torch, osd
@@ -61,7 +67,13 @@ def _spin() -> None:
 
 def measure(policy: str, pair: str, tokens: int) -> dict:
     """Tokens/s of plain and speculative decoding in a fresh process under ``policy``."""
-    env = dict(os.environ, OMP_WAIT_POLICY=policy)
+    env = dict(os.environ)
+    env.pop("OMP_WAIT_POLICY", None)
+    env.pop("GOMP_SPINCOUNT", None)
+    if policy.startswith("spin="):
+        env["GOMP_SPINCOUNT"] = policy.split("=", 1)[1]
+    else:
+        env["OMP_WAIT_POLICY"] = policy
     out = subprocess.run(
         [sys.executable, "-c", CHILD, pair, str(tokens)],
         env=env,
@@ -72,16 +84,18 @@ def measure(policy: str, pair: str, tokens: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run(loads: list[int], rounds: int, pair: str, tokens: int) -> list[dict]:
+def run(
+    loads: list[int], rounds: int, pair: str, tokens: int, policies: tuple = POLICIES
+) -> list[dict]:
     rows = []
     for load in loads:
         spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(load)]
         for p in spinners:
             p.start()
         try:
-            got = {p: [] for p in POLICIES}
+            got = {p: [] for p in policies}
             for r in range(rounds):
-                for policy in POLICIES if r % 2 == 0 else POLICIES[::-1]:
+                for policy in policies if r % 2 == 0 else policies[::-1]:
                     got[policy].append(measure(policy, pair, tokens))
                     print(f"[wait_policy] load {load} round {r + 1}/{rounds} {policy}", flush=True)
         finally:
@@ -102,7 +116,7 @@ def run(loads: list[int], rounds: int, pair: str, tokens: int) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| busy processes beside | OMP_WAIT_POLICY | plain tokens/s | speculative tokens/s |",
+        "| busy processes beside | threads wait | plain tokens/s | speculative tokens/s |",
         "|---|---|---|---|",
     ]
     for r in rows:
@@ -122,8 +136,9 @@ def main() -> None:
     ap.add_argument("--pair", choices=("chat", "builtin"), default="chat")
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), help="ACTIVE, PASSIVE, spin=N")
     args = ap.parse_args()
-    rows = run(args.load, args.rounds, args.pair, args.tokens)
+    rows = run(args.load, args.rounds, args.pair, args.tokens, tuple(args.policies))
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -181,24 +181,30 @@ def llama_server(
     ``model``; checks through ``/props`` that it runs ``slots`` slots.
 
     This llama.cpp is built with OpenMP (``GGML_OPENMP``): its threads meet at
-    ``#pragma omp barrier`` after every graph node, so libgomp's ``OMP_WAIT_POLICY``
-    decides whether they spin or sleep there. ``omp_wait_policy`` None starts the server
-    without the variable (libgomp's default, what a user's shell gives it; ``import osd``
-    has set it to PASSIVE in this process), else with this value."""
-    saved = os.environ.get("OMP_WAIT_POLICY")
-    if omp_wait_policy is None:
-        os.environ.pop("OMP_WAIT_POLICY", None)
-    else:
+    ``#pragma omp barrier`` after every graph node, so libgomp's wait policy decides
+    whether they spin or sleep there. ``omp_wait_policy`` None starts the server without
+    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` (libgomp's default, what a user's shell
+    gives it; ``import osd`` has set ``GOMP_SPINCOUNT`` in this process), ``"spin=N"``
+    with ``GOMP_SPINCOUNT=N`` alone (what ``import osd`` gives osd), else with
+    ``OMP_WAIT_POLICY`` set to this value."""
+    names = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    saved = {k: os.environ.get(k) for k in names}
+    for k in names:
+        os.environ.pop(k, None)
+    if omp_wait_policy is not None and omp_wait_policy.startswith("spin="):
+        os.environ["GOMP_SPINCOUNT"] = omp_wait_policy.split("=", 1)[1]
+    elif omp_wait_policy is not None:
         os.environ["OMP_WAIT_POLICY"] = omp_wait_policy
     try:  # the child takes this process's environment when it starts
         srv = llamacpp.Server(
             bins, model, threads=threads, ctx=slots * slot_ctx, extra=["-np", str(slots)]
         )
     finally:
-        if saved is None:
-            os.environ.pop("OMP_WAIT_POLICY", None)
-        else:
-            os.environ["OMP_WAIT_POLICY"] = saved
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     srv.url = f"http://127.0.0.1:{srv.port}"
     srv.pid = srv.proc.pid
     srv.omp_wait_policy = omp_wait_policy

@@ -2,10 +2,10 @@
 process of its own, driven as a user's script drives it (``import osd`` first, then
 ``Engine.from_pretrained`` and one conversation at a time).
 
-A process of its own because ``import osd`` sets ``OMP_WAIT_POLICY=PASSIVE`` only for
-an OpenMP runtime not yet loaded: in a pytest process (``bench/conftest.py`` imports
-torch first) libgomp's threads would spin, which on a shared CPU slows decoding many
-times over and would make the reference row meaningless.
+A process of its own because ``import osd`` sets libgomp's spin count
+(``GOMP_SPINCOUNT=1000``) only for an OpenMP runtime not yet loaded: in a pytest process
+(``bench/conftest.py`` imports torch first) libgomp's threads would spin long, which on a
+shared CPU slows decoding many times over and would make the reference row meaningless.
 
     python -m bench.inprocess_worker TARGET DRAFT|- THREADS
 
@@ -17,7 +17,7 @@ in this process; the engine's step time so far, ``Engine.stats["wall_s"]``). An 
 line or end of input ends it.
 """
 
-import osd  # first: sets OMP_WAIT_POLICY before torch loads libgomp
+import osd  # first: sets GOMP_SPINCOUNT before torch loads libgomp
 
 import json  # noqa: E402
 import sys  # noqa: E402

@@ -56,7 +56,7 @@ outputs must agree token for token.
 
 from __future__ import annotations
 
-import osd  # first: sets OMP_WAIT_POLICY=PASSIVE before torch loads libgomp
+import osd  # first: sets GOMP_SPINCOUNT before torch loads libgomp
 
 import argparse  # noqa: E402
 import hashlib  # noqa: E402
@@ -389,6 +389,7 @@ def profile(args) -> dict:
     report["rounds"] = args.rounds
     report["osd_path"] = os.path.dirname(osd.__file__)
     report["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+    report["gomp_spincount"] = os.environ.get("GOMP_SPINCOUNT")
     report["load_before"] = os.getloadavg()[0]
     if not args.timing_only:
         report["bandwidth"] = bandwidth(args.bw_mib)
@@ -422,7 +423,8 @@ def print_report(report: dict) -> None:
         f"\nchat target Q4_1 kept quantized, batch 1, {report['threads']} threads, greedy, "
         f"{report['prompts']} prompts x {report['tokens']} new tokens x {report['rounds']} "
         f"rounds; means without the slowest {TRIM:.0%} of the steps; OMP_WAIT_POLICY="
-        f"{report['omp_wait_policy']}; load average {report['load_before']:.1f} before, "
+        f"{report['omp_wait_policy']}, GOMP_SPINCOUNT={report['gomp_spincount']}; "
+        f"load average {report['load_before']:.1f} before, "
         f"{report['load_after']:.1f} after"
     )
     print(

@@ -108,14 +108,24 @@ def test_engine_serves_correctly_after_errors(pair, monkeypatch):
     assert [o.token_ids for o in eng.generate(prompts, sp)] == ref
 
 
-@pytest.mark.parametrize("preset", [None, "ACTIVE"])
-def test_openmp_threads_sleep_between_regions_unless_told(preset):
-    """``import osd`` (before torch) sets ``OMP_WAIT_POLICY=PASSIVE`` for libgomp, which
-    reads it when torch loads; a policy the user set is kept."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if preset:
-        env["OMP_WAIT_POLICY"] = preset
-    code = "import os, osd, torch; print(os.environ['OMP_WAIT_POLICY'])"
+@pytest.mark.parametrize(
+    "preset,want",
+    [
+        ({}, "None 1000"),
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, "PASSIVE None"),
+        ({"GOMP_SPINCOUNT": "50"}, "None 50"),
+    ],
+)
+def test_openmp_threads_spin_briefly_then_sleep_unless_told(preset, want):
+    """``import osd`` (before torch) leaves libgomp's wait policy unset and sets
+    ``GOMP_SPINCOUNT=1000`` (spin briefly, then sleep), which libgomp reads when torch
+    loads; a policy or spin count the user set is kept."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(preset)
+    code = (
+        "import os, osd, torch; "
+        "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == (preset or "PASSIVE")
+    assert out.stdout.strip() == want
