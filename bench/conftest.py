@@ -5,8 +5,10 @@ A file named on the command line is collected by pytest itself; this hook adds t
 ``bench_*.py`` files found when a directory is given (``pytest bench``).
 """
 
-import pytest
-import torch
+import osd  # noqa: F401  first: its libgomp setting applies only before torch loads
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from bench.common import THREADS
 

@@ -32,6 +32,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+import osd
+
 VERSION = os.environ.get("LLAMACPP_PY_VERSION", "0.3.36")
 BINARIES = ("llama-server", "llama-bench", "llama-quantize")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -198,8 +200,11 @@ class Server:
         self._log = tempfile.NamedTemporaryFile(
             prefix=f"llama-server-{mode}-", suffix=".log", delete=False
         )
+        # llama.cpp as a user's shell starts it: without the libgomp setting `import osd`
+        # put in this process's environment
+        env = {k: v for k, v in os.environ.items() if k not in osd._openmp.SET}
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
         )
         self._conn: http.client.HTTPConnection | None = None
         try:

@@ -1,0 +1,18 @@
+"""libgomp's wait settings for osd's processes, set before torch loads (``osd/__init__.py``
+imports this first)."""
+
+import os
+
+# PyTorch's OpenMP runtime (libgomp) decides what a parallel region's threads do after it
+# ends. A decode step runs hundreds of short regions a few microseconds apart. Threads that
+# sleep at once (OMP_WAIT_POLICY=PASSIVE) pay a wake-up at every region, about half the
+# speed on an idle CPU; threads that spin long (libgomp's default, 300,000 rounds) hold
+# the cores when anything else wants them, and a member that lost its core stalls every
+# region. osd lets them spin 1,000 rounds and then sleep (GOMP_SPINCOUNT, with the policy
+# unset): enough to bridge the gaps inside a step, short enough to leave a shared core
+# (bench/bench_wait_policy.py). libgomp reads these when torch loads, so they apply when osd
+# is imported first; an OMP_WAIT_POLICY or GOMP_SPINCOUNT the user set is kept.
+SET: tuple[str, ...] = ()  # what this sets (benchmarks start peers without it)
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "1000"
+    SET = ("GOMP_SPINCOUNT",)
