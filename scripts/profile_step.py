@@ -74,6 +74,7 @@ import torch  # noqa: E402
 
 from osd.chat_template import apply_chat_template
 from osd.models.attention import attention as real_attention
+from osd.models.layers import project_rows as real_project_rows
 from osd.models.quant import QuantLinear
 from osd.spec import draft_serving_defaults
 from osd.zoo import chat_pair
@@ -137,6 +138,8 @@ class StandIns:
             if name.startswith(("osd.", "osd_kernels.")):
                 if getattr(module, "quant_linear", None) is real_quant_linear:
                     module.quant_linear = _quant_linear_stand_in
+                if getattr(module, "project_rows", None) is real_project_rows:
+                    module.project_rows = _project_rows_stand_in  # the fused CPU layers
                 if getattr(module, "attention", None) is real_attention:
                     module.attention = _attention_stand_in
         _STAND_INS.append(self)
@@ -170,6 +173,15 @@ def _quant_linear_stand_in(x, qweight, *args, **kwargs):
         if out is not None:
             return out
     return real_quant_linear(x, qweight, *args, **kwargs)
+
+
+def _project_rows_stand_in(x, layer, *args, **kwargs):
+    if isinstance(layer, QuantLinear):
+        for s in _STAND_INS:
+            out = s.answer(x, layer.qweight)
+            if out is not None:
+                return out
+    return real_project_rows(x, layer, *args, **kwargs)
 
 
 def _attention_stand_in(q, k_cache, *args, **kwargs):
