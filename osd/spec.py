@@ -36,6 +36,12 @@ class DynamicTree:
             )
 
 
+# PromptLookup.min_reach by the target's device: the share of a step that one more verify
+# row costs. Measured on a 2-core CPU at batch 1 (docs/benchmarks.md); on a GPU a verify
+# row costs little at small batches, and the value there has not been measured yet.
+MIN_REACH = {"cpu": 0.2, "cuda": 0.05}
+
+
 @dataclass(frozen=True)
 class PromptLookup:
     """Prompt lookup: drafts are what followed the latest earlier occurrence of the
@@ -61,6 +67,13 @@ class PromptLookup:
     two branches of one tree. A one-token match is often wrong where the model is right,
     and one verify forward tries both. ``m = ngram_max + 1`` puts every match beside the
     model. A row's drafts depend on its own context only.
+
+    Alone, a row drafts its continuation only as far as its request's record of earlier
+    lookup drafts makes each position worth a verify row (``min_reach``: the chance of
+    reaching and accepting the last drafted position, :mod:`osd.spec_decode.lookup_lengths`):
+    on text that does not repeat most continuations are wrong, and drafting all of them
+    would make a CPU step dearer than it gains. ``None`` takes :data:`MIN_REACH` for the
+    target's device.
     """
 
     ngram_min: int = 1  # shortest suffix matched
@@ -70,6 +83,9 @@ class PromptLookup:
     #                  (0: num_draft_tokens)
     tree_below: int = 0  # in front of a model: shorter matches verify beside the model's
     #                      chain in one tree (0: off)
+    min_reach: float | None = None  # alone: draft a continuation only up to the last
+    # position whose chance of acceptance, by the request's record, is at least this (0:
+    # all of it; None: MIN_REACH for the target's device)
 
     def __post_init__(self):
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -86,6 +102,8 @@ class PromptLookup:
                 f"SpecConfig.lookup_tokens (PromptLookup.tokens) must be in "
                 f"0..{MAX_TREE_NODES - 1}, got {self.tokens}"
             )
+        if self.min_reach is not None and not 0.0 <= self.min_reach < 1.0:
+            raise ValueError(f"PromptLookup.min_reach must be in [0, 1), got {self.min_reach}")
         if not 0 <= self.tree_below <= self.ngram_max + 1:
             raise ValueError(
                 f"SpecConfig.lookup_tree_below (PromptLookup.tree_below) must be in "

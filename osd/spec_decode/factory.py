@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from osd.models.eagle import EagleLM
 from osd.models.llama import DecoderLM, without_layers
+from osd.spec import MIN_REACH
 from osd.spec_decode.eagle_drafter import EagleDrafter
 from osd.spec_decode.lookup_drafter import LookupDrafter, NGramDrafter
 from osd.spec_decode.lookup_history import LookupHistory
@@ -30,7 +31,10 @@ def make_drafters(
     target's weights."""
     lk = spec.lookup
     if spec.drafter == "ngram":
-        return [NGramDrafter(lk.ngram_min, lk.ngram_max, history)]
+        reach = lk.min_reach
+        if reach is None:
+            reach = MIN_REACH.get(next(target.parameters()).device.type, MIN_REACH["cuda"])
+        return [NGramDrafter(lk.ngram_min, lk.ngram_max, history, reach)]
     if spec.drafter == "self":
         n = target.config.num_layers
         skip = (

@@ -10,6 +10,7 @@ from osd.graphs import StepGraphs
 from osd.models.llama import DecoderLM
 from osd.sampling import SamplingParams
 from osd.spec_decode.lookup_history import LookupHistory
+from osd.spec_decode.lookup_lengths import LookupRecord
 from osd.spec_decode.model_drafter import ModelDrafter
 from osd.spec_decode.proposals import (
     FROM_LOOKUP,
@@ -28,17 +29,27 @@ class NGramDrafter:
     """Prompt lookup: propose what followed the latest earlier match of the context's
     suffix (longest suffix first, ``ngram_max`` down to ``ngram_min`` tokens), in the
     row's own text and then, at each length, in the engine's ``history`` of finished
-    requests (:class:`~osd.spec_decode.lookup_history.LookupHistory`) when it has one. It keeps no
-    per-row state: the row bookkeeping of the protocol does nothing."""
+    requests (:class:`~osd.spec_decode.lookup_history.LookupHistory`) when it has one. With
+    ``min_reach > 0`` a row drafts only as much of its continuation as its request's record
+    of earlier lookup drafts says is likely to be accepted
+    (:mod:`osd.spec_decode.lookup_lengths`); that record lives on the request, so the
+    drafter keeps no per-row state: the row bookkeeping of the protocol does nothing."""
 
     has_model = False
     needs_hidden = False
     model = None
 
-    def __init__(self, ngram_min: int, ngram_max: int, history: LookupHistory | None = None):
+    def __init__(
+        self,
+        ngram_min: int,
+        ngram_max: int,
+        history: LookupHistory | None = None,
+        min_reach: float = 0.0,
+    ):
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
         self.history = history
+        self.min_reach = min_reach
 
     def prefill(self, prompts, start_row: int, first_tokens: torch.Tensor, hidden=None) -> None:
         pass
@@ -64,7 +75,19 @@ class NGramDrafter:
         """Up to ``k`` drafts per row from each request's prompt and output."""
         if tree is not None:
             raise ValueError("prompt lookup drafts chains, not trees")
-        return self.propose_chain([r.prompt + r.generated for r in active], k, roots.device)
+        histories = [r.prompt + r.generated for r in active]
+        if self.min_reach <= 0.0:
+            return self.propose_chain(histories, k, roots.device)
+        conts = []
+        for r, hist, (n, cont) in zip(active, histories, self.matches(histories, k)):
+            record = r.lookup_record
+            if record is None:
+                record = r.lookup_record = LookupRecord()
+            record.settle(hist)
+            cont = cont[: record.length(n, len(cont), self.min_reach)]
+            record.propose(n, cont, len(hist))
+            conts.append(cont)
+        return self.chain(conts, k, roots.device)
 
     def propose_chain(self, histories: list[list[int]], k: int, device) -> ChainProposal:
         """Up to ``k`` drafts per row from ``histories`` (each row's prompt + output)."""

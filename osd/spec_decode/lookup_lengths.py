@@ -1,0 +1,81 @@
+"""How many of a prompt-lookup continuation to draft: each request's own record of how
+its lookup drafts fared.
+
+A continuation's first tokens are right far more often than its later ones, and a match
+of one token is wrong far more often than a match of three; on text that does not repeat
+(new explanations, code written afresh) most drafts are wrong. Each drafted token costs a
+row of the verify forward, which on a CPU at batch 1 is compute bound past a few rows (a
+step verifying 4 drafts costs about 1.5 plain steps there), so drafting all of every
+continuation can make speculation slower than plain decoding.
+
+:class:`LookupRecord` keeps, per request, per matched suffix length ``n`` and draft
+position ``i``, how often position ``i`` was reached (every draft before it accepted)
+and how often it was then accepted, with a prior of ``PRIOR_ACCEPTED`` in ``PRIOR_REACHED``.
+A continuation is drafted up to the last position whose estimated chance of being reached
+and accepted, the product of the positions' rates, is at least ``min_reach``: the share of
+a step that one more verify row costs, below which the row costs more than it is expected
+to give. The outcome of a step's drafts is read from the request's tokens at its next
+proposal (the emitted tokens start with the accepted drafts; a rejected one-hot draft is
+never resampled, so the first differing token marks the rejection), without a device
+read. The record is the request's own, so its drafts still depend on its own context only.
+"""
+
+from __future__ import annotations
+
+PRIOR_ACCEPTED = 2.0
+PRIOR_REACHED = 3.0
+
+
+class LookupRecord:
+    """One request's record of its lookup drafts (see the module docstring)."""
+
+    __slots__ = ("reached", "accepted", "pending")
+
+    def __init__(self) -> None:
+        self.reached: dict[int, list[float]] = {}  # suffix length -> per draft position
+        self.accepted: dict[int, list[float]] = {}
+        self.pending: tuple[int, list[int], int] | None = None  # (n, drafts, tokens then)
+
+    def _rows(self, n: int, length: int) -> tuple[list[float], list[float]]:
+        reached = self.reached.setdefault(n, [])
+        accepted = self.accepted.setdefault(n, [])
+        while len(reached) < length:
+            reached.append(PRIOR_REACHED)
+            accepted.append(PRIOR_ACCEPTED)
+        return reached, accepted
+
+    def settle(self, tokens: list[int]) -> None:
+        """Count the pending drafts' outcome from the request's ``tokens`` (prompt and
+        output) as they are now; nothing while the step has not emitted yet."""
+        if self.pending is None:
+            return
+        n, drafts, before = self.pending
+        if len(tokens) <= before:
+            return
+        self.pending = None
+        emitted = tokens[before : before + len(drafts)]
+        accepted = 0
+        while accepted < len(emitted) and emitted[accepted] == drafts[accepted]:
+            accepted += 1
+        reached, acc = self._rows(n, len(drafts))
+        for i in range(min(accepted + 1, len(drafts))):
+            reached[i] += 1.0
+            if i < accepted:
+                acc[i] += 1.0
+
+    def length(self, n: int, available: int, min_reach: float) -> int:
+        """How many of ``available`` continuation tokens of an ``n``-token match to draft."""
+        if min_reach <= 0.0:
+            return available
+        reached, acc = self._rows(n, available)
+        chance, length = 1.0, 0
+        for i in range(available):
+            chance *= acc[i] / reached[i]
+            if chance < min_reach:
+                break
+            length = i + 1
+        return length
+
+    def propose(self, n: int, drafts: list[int], tokens_now: int) -> None:
+        """Note the drafts of this step (``tokens_now``: the request's tokens before it)."""
+        self.pending = (n, drafts, tokens_now) if drafts else None
