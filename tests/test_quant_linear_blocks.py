@@ -2,7 +2,8 @@
 Q6_K): ``dequantize_blocks`` against the file reader's dequantizer, bit for bit; the C++
 kernel against decode_linear on those weights, bit for bit on each ISA path (AVX-512 with
 VBMI, AVX2, portable), on random blocks and odd shapes; the GEMM path past 64 rows to
-float rounding; rows independent of each other; QuantLinear holding the file's blocks and
+float rounding (tiles per thread, strided rows, bias, norm, inference mode); rows
+independent of each other; QuantLinear holding the file's blocks and
 stacking fused projections; bad input; opcheck."""
 
 import numpy as np
@@ -93,6 +94,42 @@ def test_isa_paths_agree_and_prefill_rows_round_alike(monkeypatch, t):
     got = osd_kernels.quant_linear(x, raw, e, backend="native", ggml_type=int(t))
     want = x @ dequantize_blocks(raw, int(t)).T
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_prefill_tiles_are_the_gemm_on_dequantized_weights(monkeypatch, t, isa):
+    """Past the few-row kernels each thread dequantizes tiles of weight rows and multiplies
+    them: several tiles a thread and a short last one (n), x rows a stride apart, bias and
+    norm, inference mode (the GEMMs run on the worker threads), one thread and two."""
+    _isa(monkeypatch, isa)
+    weights = STORED_TYPES[int(t)][0]
+    k, n, m = 2 * max(weights, 256), 1101, FUSED_MAX_ROWS + 7
+    raw = _blocks(t, n, k, seed=int(t) + 50, scale=0.05)
+    w = dequantize_blocks(raw, int(t))
+    g = torch.Generator().manual_seed(int(t))
+    wide = torch.randn(m, k + 5, generator=g)
+    x = wide[:, 3 : 3 + k]  # rows k + 5 apart
+    b, norm = torch.randn(n, generator=g), torch.rand(k, generator=g) + 0.5
+    e = torch.empty(n, 0)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            with torch.inference_mode():
+                got = osd_kernels.quant_linear(
+                    x, raw, e, None, b, backend="native", ggml_type=int(t)
+                )
+                normed = osd_kernels.quant_linear(
+                    x, raw, e, None, None, norm_weight=norm, backend="native", ggml_type=int(t)
+                )
+            want = x @ w.T + b
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+            xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm
+            want = xn @ w.T
+            torch.testing.assert_close(normed, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])

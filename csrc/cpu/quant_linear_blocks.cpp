@@ -11,15 +11,18 @@
 // rows per register, row n in lanes 0..7 and row n + 1 in lanes 8..15, each half doing
 // what the AVX2 path's register does for its row. The portable path dequantizes a few
 // weight rows into a buffer and runs decode_linear's portable loop. Past kFusedMaxRows
-// rows (prefill) 256-row tiles are dequantized and multiplied by a GEMM, which then sets
-// the summation order.
+// rows (prefill) each thread dequantizes tiles of weight rows into its own buffer and
+// multiplies them by a single-threaded GEMM, which then sets the summation order.
 #include "cpu/quant_linear_blocks_op.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "checks.h"
@@ -34,7 +37,10 @@ using namespace gguf_blocks;
 
 constexpr int64_t kGroupRows = 12;  // weight rows the portable path dequantizes at a time
 constexpr int64_t kFusedMaxRows = 64;
-constexpr int64_t kTileRows = 256;
+// Prefill tiles: about this many float32 weights (1 MiB) a tile, so that a thread's tile
+// and the rows of x it multiplies mostly stay in its L2 between the dequantizer's writes
+// and the GEMM's reads.
+constexpr int64_t kPrefillTileWeights = 256 * 1024;
 // With several passes over the rows of x, weight rows go tile by tile (this many bytes of
 // blocks), so a tile read from memory by the first pass is still cached for the others.
 constexpr int64_t kPassTileBytes = 64 * 1024;
@@ -85,6 +91,37 @@ OSD_BLK_AVX2 void dequant_avx2(const Raw& q, int64_t n, int64_t rows, float* out
     }
   }
 }
+
+// Weight rows [n, n + rows) into out [rows, K], 16 weights a store: the AVX2 path's codes
+// and factors, so the same weights.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+template <class F>
+OSD_BLK_512 void dequant_512(const Raw& q, int64_t n, int64_t rows, float* out) {
+  constexpr int64_t kFactors = F::kWeights / F::kGroup;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = q.w + (n + r) * q.row_bytes;
+    for (int64_t u = 0; u < q.units; ++u) {
+      const uint8_t* unit = row + u * F::kBytes;
+      alignas(32) float sc[kFactors], mn[kFactors];
+      F::factors(unit, sc, mn);
+      float* o = out + (r * q.units + u) * F::kWeights;
+#pragma GCC unroll 8
+      for (int j = 0; j < F::kWeights / 32; ++j) {
+        const __m256i c = F::codes(unit, j);
+        for (int h = 0; h < 2; ++h) {
+          const __m128i b = h == 0 ? _mm256_castsi256_si128(c) : _mm256_extracti128_si256(c, 1);
+          const int g = (32 * j + 16 * h) / F::kGroup;
+          const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)),
+                                           _mm512_set1_ps(sc[g]), _mm512_set1_ps(mn[g]));
+          _mm512_storeu_ps(o + 32 * j + 16 * h, w);
+        }
+      }
+    }
+  }
+}
+#pragma GCC diagnostic pop
 
 // Prefetch of unit u of the NB weight rows from `ahead` on (linear_rows::kPrefetchBlocks
 // blocks of rows ahead), a cache line per 64 bytes of the unit.
@@ -355,30 +392,87 @@ void all_rows(const Raw& q, const linear_rows::Args& a, int64_t n_begin, int64_t
   }
 }
 
+// oneDNN's matmul on plain tensors (mkldnn::_linear_pointwise, registered where libtorch
+// is built with oneDNN), or none: it picks its kernels by the CPU's ISA (AVX-512 where
+// there is), where the BLAS behind at::mm may not.
+const c10::OperatorHandle* onednn_linear() {
+  static const std::optional<c10::OperatorHandle> op =
+      c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""});
+  return op.has_value() ? &*op : nullptr;
+}
+
+// Past kFusedMaxRows rows: y = x W^T + b by tiles of weight rows, each thread dequantizing
+// its tiles into its own buffer and multiplying each by a single-threaded GEMM (oneDNN's,
+// else at::mm) while the tile is in its cache. The GEMM sets the summation order (float
+// rounding of the reference).
 template <class F>
-at::Tensor run(const at::Tensor& x, const Raw& q, int64_t N, linear_rows::Args a,
-               const std::optional<at::Tensor>& bias) {
+void prefill(const Raw& q, const linear_rows::Args& a, int64_t N, bool avx2, bool avx512) {
+  const int64_t K = a.K;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  // tiles of about kPrefillTileWeights weights, a whole number of them per thread
+  int64_t tiles = std::max<int64_t>(1, (N * K + kPrefillTileWeights - 1) / kPrefillTileWeights);
+  tiles = (tiles + threads - 1) / threads * threads;
+  const int64_t per = std::min(N, ((N + tiles - 1) / tiles + 7) / 8 * 8);
+  tiles = (N + per - 1) / per;
+  const at::TensorOptions opts = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor xs = at::from_blob(const_cast<float*>(a.x), {a.M, K}, {a.ldx, 1}, opts);
+  if (a.ldx != K) xs = xs.contiguous();  // once, not per tile
+  const c10::OperatorHandle* dnnl = onednn_linear();
+  // the caller's dispatch state (inference mode, ...) for the GEMMs the worker threads run
+  const at::ThreadLocalState state;
+  at::parallel_for(0, tiles, 1, [&](int64_t t_begin, int64_t t_end) {
+    const at::ThreadLocalStateGuard guard(state);
+    thread_local std::vector<float> buffer;
+    if (buffer.size() < static_cast<size_t>(per * K)) buffer.resize(static_cast<size_t>(per * K));
+    float* w = buffer.data();
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const int64_t n0 = t * per, g = std::min(per, N - n0);
+#if defined(__x86_64__)
+      if (avx512) {
+        dequant_512<F>(q, n0, g, w);
+      } else if (avx2) {
+        dequant_avx2<F>(q, n0, g, w);
+      } else {
+        dequant_portable<F>(q, n0, g, w);
+      }
+#else
+      (void)avx2, (void)avx512;
+      dequant_portable<F>(q, n0, g, w);
+#endif
+      const at::Tensor wt = at::from_blob(w, {g, K}, opts);
+      if (dnnl != nullptr) {
+        std::vector<c10::IValue> stack{xs, wt, std::optional<at::Tensor>(), std::string("none"),
+                                       c10::List<std::optional<c10::Scalar>>(),
+                                       std::optional<std::string>()};
+        dnnl->callBoxed(stack);
+        const at::Tensor r = stack[0].toTensor().contiguous();  // [M, g]
+        const float* rp = r.data_ptr<float>();
+        for (int64_t m = 0; m < a.M; ++m) {
+          std::memcpy(a.y + m * a.ldy + n0, rp + m * g, static_cast<size_t>(g) * sizeof(float));
+        }
+      } else {
+        at::Tensor out = at::from_blob(a.y + n0, {a.M, g}, {a.ldy, 1}, opts);
+        at::mm_out(out, xs, wt.t());
+      }
+      if (a.bias != nullptr) {
+        for (int64_t m = 0; m < a.M; ++m) {
+          float* y = a.y + m * a.ldy + n0;
+          for (int64_t j = 0; j < g; ++j) y[j] += a.bias[n0 + j];
+        }
+      }
+    }
+  });
+}
+
+template <class F>
+at::Tensor run(const at::Tensor& x, const Raw& q, int64_t N, linear_rows::Args a) {
   at::Tensor y = at::empty({a.M, N}, x.options());
   a.y = y.data_ptr<float>();
   a.ldy = N;
   if (a.M == 0 || N == 0) return y;
   const bool avx2 = use_avx2_fma() && __builtin_cpu_supports("f16c");
   if (a.M > kFusedMaxRows) {
-    at::Tensor rows = at::from_blob(const_cast<float*>(a.x), {a.M, a.K}, {a.ldx, 1}, x.options());
-    at::Tensor tile = at::empty({std::min(kTileRows, N), a.K}, x.options());
-    float* tile_ptr = tile.data_ptr<float>();
-    for (int64_t n0 = 0; n0 < N; n0 += kTileRows) {
-      const int64_t g = std::min(kTileRows, N - n0);
-      at::parallel_for(0, g, 16, [&](int64_t begin, int64_t end) {
-#if defined(__x86_64__)
-        if (avx2) return dequant_avx2<F>(q, n0 + begin, end - begin, tile_ptr + begin * a.K);
-#endif
-        dequant_portable<F>(q, n0 + begin, end - begin, tile_ptr + begin * a.K);
-      });
-      at::Tensor out = y.narrow(1, n0, g);
-      at::mm_out(out, rows, tile.narrow(0, 0, g).t());
-    }
-    if (bias.has_value()) y.add_(*bias);
+    prefill<F>(q, a, N, avx2, avx2 && use_avx512());
     return y;
   }
   // the AVX-512 path permutes bytes (VBMI: Ice Lake, Zen 4 and later); AVX2 otherwise
@@ -424,7 +518,7 @@ at::Tensor quant_linear_blocks_cpu(const at::Tensor& x, const at::Tensor& blocks
   const at::Tensor normed = linear_rows::apply_norm(a, x, norm_weight, eps);
   const Raw q{blocks.data_ptr<uint8_t>(), blocks.size(1), K / weights};
   at::Tensor y;
-  with_format(ggml_type, [&](auto f) { y = run<decltype(f)>(x, q, N, a, bias); });
+  with_format(ggml_type, [&](auto f) { y = run<decltype(f)>(x, q, N, a); });
   return y;
 }
 

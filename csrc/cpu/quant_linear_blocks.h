@@ -36,6 +36,9 @@
 #define OSD_BLK_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define OSD_BLK_VBMI \
   __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,avx512vbmi,avx2,fma,f16c")))
+// AVX-512 without VBMI (the prefill dequantizer widens bytes 16 at a time, permutes none)
+#define OSD_BLK_512 \
+  __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,avx2,fma,f16c")))
 #endif
 
 namespace osd {
