@@ -21,13 +21,13 @@
 // cpu/quant_linear_blocks.cpp multiplies by.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
 #include <torch/library.h>
 #include <optional>
 #include <vector>
 
 #include "checks.h"
 #include "cpu/linear_rows.h"
+#include "cpu/quant_linear_blocks.h"
 #include "cpu/quant_linear_blocks_op.h"
 
 namespace osd {
@@ -36,10 +36,10 @@ namespace {
 constexpr int64_t kBlock = 32;  // weights per block of codes (one or two scales, mins)
 constexpr int64_t kGroup = 12;  // weight rows dequantized at a time (a multiple of 1..4)
 // Up to this many rows the fused passes run (each pass of up to 12 rows dequantizes W
-// again, in registers); more rows (prefill pieces, large batches) dequantize kTileRows
-// weight rows at a time into a cache-sized float32 tile and multiply by it with at::mm.
+// again, in registers); more rows (prefill pieces, large batches) go to
+// gemm_dequantized_tiles (cpu/quant_linear_blocks.h): cache-sized float32 tiles of weight
+// rows, each multiplied by a GEMM on the thread that dequantized it.
 constexpr int64_t kFusedMaxRows = 64;
-constexpr int64_t kTileRows = 256;
 
 struct QuantArgs {
   const uint8_t* q;      // [N, K / 2] (4-bit) or [N, K] (8-bit) codes
@@ -400,27 +400,19 @@ at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
   at::Tensor y = at::empty({a.M, N}, x.options());
   float* y_ptr = y.data_ptr<float>();
   a.ldy = N;
-  if (a.M > kFusedMaxRows && N > 0) {
+  if (a.M > kFusedMaxRows) {
     const bool avx2 = use_avx2_fma();
-    const at::Tensor rows = normed.defined() ? normed : x;
-    at::Tensor tile = at::empty({std::min(kTileRows, N), K}, x.options());
-    float* tile_ptr = tile.data_ptr<float>();
-    for (int64_t n0 = 0; n0 < N; n0 += kTileRows) {
-      const int64_t g = std::min(kTileRows, N - n0);
-      at::parallel_for(0, g, 16, [&](int64_t begin, int64_t end) {
+    gemm_dequantized_tiles(a.x, a.ldx, a.M, K, N, bias_ptr, y_ptr, N,
+                           [&](int64_t n0, int64_t g, float* out) {
 #if defined(__x86_64__)
-        if (avx2) {
-          float* out = tile_ptr + begin * K;
-          if (bits == 4) return dequant_avx2<4>(q, n0 + begin, end - begin, out);
-          return dequant_avx2<8>(q, n0 + begin, end - begin, out);
-        }
+                             if (avx2) {
+                               if (bits == 4) return dequant_avx2<4>(q, n0, g, out);
+                               return dequant_avx2<8>(q, n0, g, out);
+                             }
 #endif
-        dequant_portable(q, n0 + begin, end - begin, tile_ptr + begin * K);
-      });
-      at::Tensor out = y.narrow(1, n0, g);
-      at::mm_out(out, rows, tile.narrow(0, 0, g).t());
-    }
-    if (bias.has_value()) y.add_(*bias);
+                             (void)avx2;
+                             dequant_portable(q, n0, g, out);
+                           });
     return y;
   }
   if (a.M > 0 && N > 0) {

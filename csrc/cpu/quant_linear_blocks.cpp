@@ -392,76 +392,19 @@ void all_rows(const Raw& q, const linear_rows::Args& a, int64_t n_begin, int64_t
   }
 }
 
-// oneDNN's matmul on plain tensors (mkldnn::_linear_pointwise, registered where libtorch
-// is built with oneDNN), or none: it picks its kernels by the CPU's ISA (AVX-512 where
-// there is), where the BLAS behind at::mm may not.
-const c10::OperatorHandle* onednn_linear() {
-  static const std::optional<c10::OperatorHandle> op =
-      c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""});
-  return op.has_value() ? &*op : nullptr;
-}
-
-// Past kFusedMaxRows rows: y = x W^T + b by tiles of weight rows, each thread dequantizing
-// its tiles into its own buffer and multiplying each by a single-threaded GEMM (oneDNN's,
-// else at::mm) while the tile is in its cache. The GEMM sets the summation order (float
-// rounding of the reference).
+// Past kFusedMaxRows rows: the weight rows dequantized by tiles (the ISA's dequantizer;
+// the AVX-512 one only widens, it needs no VBMI) and multiplied per thread.
 template <class F>
 void prefill(const Raw& q, const linear_rows::Args& a, int64_t N, bool avx2, bool avx512) {
-  const int64_t K = a.K;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  // tiles of about kPrefillTileWeights weights, a whole number of them per thread
-  int64_t tiles = std::max<int64_t>(1, (N * K + kPrefillTileWeights - 1) / kPrefillTileWeights);
-  tiles = (tiles + threads - 1) / threads * threads;
-  const int64_t per = std::min(N, ((N + tiles - 1) / tiles + 7) / 8 * 8);
-  tiles = (N + per - 1) / per;
-  const at::TensorOptions opts = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor xs = at::from_blob(const_cast<float*>(a.x), {a.M, K}, {a.ldx, 1}, opts);
-  if (a.ldx != K) xs = xs.contiguous();  // once, not per tile
-  const c10::OperatorHandle* dnnl = onednn_linear();
-  // the caller's dispatch state (inference mode, ...) for the GEMMs the worker threads run
-  const at::ThreadLocalState state;
-  at::parallel_for(0, tiles, 1, [&](int64_t t_begin, int64_t t_end) {
-    const at::ThreadLocalStateGuard guard(state);
-    thread_local std::vector<float> buffer;
-    if (buffer.size() < static_cast<size_t>(per * K)) buffer.resize(static_cast<size_t>(per * K));
-    float* w = buffer.data();
-    for (int64_t t = t_begin; t < t_end; ++t) {
-      const int64_t n0 = t * per, g = std::min(per, N - n0);
+  gemm_dequantized_tiles(a.x, a.ldx, a.M, a.K, N, a.bias, a.y, a.ldy,
+                         [&](int64_t n0, int64_t g, float* w) {
 #if defined(__x86_64__)
-      if (avx512) {
-        dequant_512<F>(q, n0, g, w);
-      } else if (avx2) {
-        dequant_avx2<F>(q, n0, g, w);
-      } else {
-        dequant_portable<F>(q, n0, g, w);
-      }
-#else
-      (void)avx2, (void)avx512;
-      dequant_portable<F>(q, n0, g, w);
+                           if (avx512) return dequant_512<F>(q, n0, g, w);
+                           if (avx2) return dequant_avx2<F>(q, n0, g, w);
 #endif
-      const at::Tensor wt = at::from_blob(w, {g, K}, opts);
-      if (dnnl != nullptr) {
-        std::vector<c10::IValue> stack{xs, wt, std::optional<at::Tensor>(), std::string("none"),
-                                       c10::List<std::optional<c10::Scalar>>(),
-                                       std::optional<std::string>()};
-        dnnl->callBoxed(stack);
-        const at::Tensor r = stack[0].toTensor().contiguous();  // [M, g]
-        const float* rp = r.data_ptr<float>();
-        for (int64_t m = 0; m < a.M; ++m) {
-          std::memcpy(a.y + m * a.ldy + n0, rp + m * g, static_cast<size_t>(g) * sizeof(float));
-        }
-      } else {
-        at::Tensor out = at::from_blob(a.y + n0, {a.M, g}, {a.ldy, 1}, opts);
-        at::mm_out(out, xs, wt.t());
-      }
-      if (a.bias != nullptr) {
-        for (int64_t m = 0; m < a.M; ++m) {
-          float* y = a.y + m * a.ldy + n0;
-          for (int64_t j = 0; j < g; ++j) y[j] += a.bias[n0 + j];
-        }
-      }
-    }
-  });
+                           (void)avx2, (void)avx512;
+                           dequant_portable<F>(q, n0, g, w);
+                         });
 }
 
 template <class F>
@@ -484,6 +427,64 @@ at::Tensor run(const at::Tensor& x, const Raw& q, int64_t N, linear_rows::Args a
 }
 
 }  // namespace
+
+// oneDNN's matmul on plain tensors (mkldnn::_linear_pointwise, registered where libtorch
+// is built with oneDNN), or none: it picks its kernels by the CPU's ISA (AVX-512 where
+// there is), where the BLAS behind at::mm may not.
+static const c10::OperatorHandle* onednn_linear() {
+  static const std::optional<c10::OperatorHandle> op =
+      c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""});
+  return op.has_value() ? &*op : nullptr;
+}
+
+void gemm_dequantized_tiles(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t N,
+                            const float* bias, float* y, int64_t ldy,
+                            const std::function<void(int64_t, int64_t, float*)>& dequant) {
+  if (M == 0 || N == 0) return;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  // tiles of about kPrefillTileWeights weights, a whole number of them per thread
+  int64_t tiles = std::max<int64_t>(1, (N * K + kPrefillTileWeights - 1) / kPrefillTileWeights);
+  tiles = (tiles + threads - 1) / threads * threads;
+  const int64_t per = std::min(N, ((N + tiles - 1) / tiles + 7) / 8 * 8);
+  tiles = (N + per - 1) / per;
+  const at::TensorOptions opts = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor xs = at::from_blob(const_cast<float*>(x), {M, K}, {ldx, 1}, opts);
+  if (ldx != K) xs = xs.contiguous();  // once, not per tile
+  const c10::OperatorHandle* dnnl = onednn_linear();
+  // the caller's dispatch state (inference mode, ...) for the GEMMs the worker threads run
+  const at::ThreadLocalState state;
+  at::parallel_for(0, tiles, 1, [&](int64_t t_begin, int64_t t_end) {
+    const at::ThreadLocalStateGuard guard(state);
+    thread_local std::vector<float> buffer;
+    if (buffer.size() < static_cast<size_t>(per * K)) buffer.resize(static_cast<size_t>(per * K));
+    float* w = buffer.data();
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const int64_t n0 = t * per, g = std::min(per, N - n0);
+      dequant(n0, g, w);
+      const at::Tensor wt = at::from_blob(w, {g, K}, opts);
+      if (dnnl != nullptr) {
+        std::vector<c10::IValue> stack{xs, wt, std::optional<at::Tensor>(), std::string("none"),
+                                       c10::List<std::optional<c10::Scalar>>(),
+                                       std::optional<std::string>()};
+        dnnl->callBoxed(stack);
+        const at::Tensor r = stack[0].toTensor().contiguous();  // [M, g]
+        const float* rp = r.data_ptr<float>();
+        for (int64_t m = 0; m < M; ++m) {
+          std::memcpy(y + m * ldy + n0, rp + m * g, static_cast<size_t>(g) * sizeof(float));
+        }
+      } else {
+        at::Tensor out = at::from_blob(y + n0, {M, g}, {ldy, 1}, opts);
+        at::mm_out(out, xs, wt.t());
+      }
+      if (bias != nullptr) {
+        for (int64_t m = 0; m < M; ++m) {
+          float* row = y + m * ldy + n0;
+          for (int64_t j = 0; j < g; ++j) row[j] += bias[n0 + j];
+        }
+      }
+    }
+  });
+}
 
 bool quant_blocks_supported(int64_t ggml_type) {
   return with_format(ggml_type, [](auto) {});

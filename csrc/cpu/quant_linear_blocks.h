@@ -27,6 +27,7 @@
 #include <c10/util/Half.h>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 
 #include "cpu/fast_math.h"
 
@@ -331,4 +332,13 @@ inline bool with_format(int64_t type, Fn&& f) {
 }
 
 }  // namespace gguf_blocks
+
+// y[m, n] = x[m] . W[n] + bias[n] (bias may be null) for M rows of x (ldx apart) into y
+// (ldy apart), W [N, K] float32 made a tile of weight rows at a time by dequant(n0, rows,
+// out [rows, K]): each thread dequantizes its tiles into its own buffer and multiplies
+// them by a single-threaded GEMM while they are cached (quant_linear_blocks.cpp). The
+// GEMM sets the summation order: F.linear on the dequantized W to float rounding.
+void gemm_dequantized_tiles(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t N,
+                            const float* bias, float* y, int64_t ldy,
+                            const std::function<void(int64_t, int64_t, float*)>& dequant);
 }  // namespace osd
