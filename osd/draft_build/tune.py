@@ -28,7 +28,7 @@ from osd.spec import SpecConfig
 # beat it to be served), the chain's neighbours, then lookup in front, Q8_0, the longest.
 CANDIDATES = (
     ("chain k=3", {"num_draft_tokens": 3}, None),
-    ("prompt lookup alone k=4", {"drafter": "ngram", "num_draft_tokens": 4}, None),
+    ("prompt lookup alone k=6", {"drafter": "ngram", "num_draft_tokens": 6}, None),
     ("chain k=2", {"num_draft_tokens": 2}, None),
     ("chain k=4", {"num_draft_tokens": 4}, None),
     (
