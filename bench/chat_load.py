@@ -184,14 +184,15 @@ def llama_server(
     ``#pragma omp barrier`` after every graph node, so libgomp's wait policy decides
     whether they spin or sleep there. ``omp_wait_policy`` None starts the server without
     ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` (libgomp's default, what a user's shell
-    gives it; ``import osd`` has set ``GOMP_SPINCOUNT`` in this process), ``"spin=N"``
-    with ``GOMP_SPINCOUNT=N`` alone (what ``import osd`` gives osd), else with
-    ``OMP_WAIT_POLICY`` set to this value."""
+    gives it; ``import osd`` has set both in this process), ``"spin=N"`` with
+    ``OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=N`` (what ``import osd`` gives osd with N =
+    1000), else with ``OMP_WAIT_POLICY`` set to this value."""
     names = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
     saved = {k: os.environ.get(k) for k in names}
     for k in names:
         os.environ.pop(k, None)
     if omp_wait_policy is not None and omp_wait_policy.startswith("spin="):
+        os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
         os.environ["GOMP_SPINCOUNT"] = omp_wait_policy.split("=", 1)[1]
     elif omp_wait_policy is not None:
         os.environ["OMP_WAIT_POLICY"] = omp_wait_policy
