@@ -73,7 +73,9 @@ class PromptLookup:
     reaching and accepting the last drafted position, :mod:`osd.spec_decode.lookup_lengths`):
     on text that does not repeat most continuations are wrong, and drafting all of them
     would make a CPU step dearer than it gains. ``None`` takes :data:`MIN_REACH` for the
-    target's device.
+    target's device. In a batch the bar rises with the batch size (each draft adds a row
+    to a forward the whole batch waits for), so those drafts also depend on the batch
+    size (the output does not; a fixed seed's samples can).
     """
 
     ngram_min: int = 1  # shortest suffix matched

@@ -68,3 +68,12 @@ def test_cut_drafts_keep_greedy_output(reach):
     params = osd.SamplingParams(40, ignore_eos=True)
     want = [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.token_ids for o in lookup.generate(prompts, params)] == want
+
+
+def test_the_bar_rises_with_the_batch():
+    from osd.spec_decode.lookup_lengths import MAX_REACH, batch_reach
+
+    assert batch_reach(0.2, 1) == 0.2
+    assert batch_reach(0.2, 3) == pytest.approx(0.6)
+    assert batch_reach(0.2, 8) == MAX_REACH
+    assert batch_reach(0.0, 8) == 0.0

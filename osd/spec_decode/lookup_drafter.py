@@ -10,7 +10,7 @@ from osd.graphs import StepGraphs
 from osd.models.llama import DecoderLM
 from osd.sampling import SamplingParams
 from osd.spec_decode.lookup_history import LookupHistory
-from osd.spec_decode.lookup_lengths import LookupRecord
+from osd.spec_decode.lookup_lengths import EXPLORE_EVERY, LookupRecord, batch_reach
 from osd.spec_decode.model_drafter import ModelDrafter
 from osd.spec_decode.proposals import (
     FROM_LOOKUP,
@@ -79,12 +79,16 @@ class NGramDrafter:
         if self.min_reach <= 0.0:
             return self.propose_chain(histories, k, roots.device)
         conts = []
+        batched = batch_reach(self.min_reach, len(active))
         for r, hist, (n, cont) in zip(active, histories, self.matches(histories, k)):
             record = r.lookup_record
             if record is None:
                 record = r.lookup_record = LookupRecord()
             record.settle(hist)
-            cont = cont[: record.length(n, len(cont), self.min_reach)]
+            length = record.length(n, len(cont), batched)
+            if r.spec_steps % EXPLORE_EVERY == 0:  # one position past the bar's length
+                length = min(length + 1, len(cont))
+            cont = cont[:length]
             record.propose(n, cont, len(hist))
             conts.append(cont)
         return self.chain(conts, k, roots.device)

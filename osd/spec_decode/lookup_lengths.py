@@ -17,13 +17,31 @@ a step that one more verify row costs, below which the row costs more than it is
 to give. The outcome of a step's drafts is read from the request's tokens at its next
 proposal (the emitted tokens start with the accepted drafts; a rejected one-hot draft is
 never resampled, so the first differing token marks the rejection), without a device
-read. The record is the request's own, so its drafts still depend on its own context only.
+read. The record is the request's own.
+
+In a batch the bar rises (:func:`batch_reach`): each draft then costs a row of a forward
+that the whole batch waits for. A request's drafts then depend on the size of the batch it
+runs in (its output does not: greedy tokens stay the target's, sampled ones its
+distribution, but a fixed seed's samples can differ between batch sizes, as with
+``auto_k``). So that a record keeps learning under a bar its prior does not clear, every
+``EXPLORE_EVERY``-th step of a request drafts one position past the bar's length.
 """
 
 from __future__ import annotations
 
 PRIOR_ACCEPTED = 2.0
 PRIOR_REACHED = 3.0
+MAX_REACH = 0.9  # the bar never rises past this
+EXPLORE_EVERY = 16  # a request's every 16th step drafts one position past the bar
+
+
+def batch_reach(min_reach: float, batch: int) -> float:
+    """The bar for a step of ``batch`` rows: ``min_reach`` scaled by the batch, at most
+    ``MAX_REACH``. A drafted token adds a verify row to the step of every row in the
+    batch; once the step's rows make its forward compute bound, a row costs about a
+    ``batch``-th of the step that ``batch`` tokens share, so a draft pays only when it is
+    ``batch`` times as likely to be accepted as it must be alone."""
+    return min(MAX_REACH, min_reach * batch) if min_reach > 0.0 else 0.0
 
 
 class LookupRecord:
