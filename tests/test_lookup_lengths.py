@@ -8,7 +8,13 @@ import torch
 
 import osd
 from osd.spec import MIN_REACH, PromptLookup
-from osd.spec_decode.lookup_lengths import PRIOR_ACCEPTED, PRIOR_REACHED, LookupRecord
+from osd.spec_decode.lookup_lengths import (
+    MAX_REACH,
+    PRIOR_ACCEPTED,
+    PRIOR_REACHED,
+    LookupRecord,
+    batch_reach,
+)
 
 
 def test_prior_sets_the_first_lengths():
@@ -71,8 +77,6 @@ def test_cut_drafts_keep_greedy_output(reach):
 
 
 def test_the_bar_rises_with_the_batch():
-    from osd.spec_decode.lookup_lengths import MAX_REACH, batch_reach
-
     assert batch_reach(0.2, 1) == 0.2
     assert batch_reach(0.2, 3) == pytest.approx(0.6)
     assert batch_reach(0.2, 8) == MAX_REACH
