@@ -158,3 +158,34 @@ def test_quant_linear_blocks(benchmark, shape, rows):
         stored_us=round(ours / CALLS * 1e6, 2),
         speedup=round(best["codes"] / ours, 2),
     )
+
+
+# One decode step's projections of the chat target's 30 layers (qkv, wo, gate-up, down:
+# N, K), all in one block format: GB/s of weights read per format shows whether a format's
+# kernel streams at the memory's speed or is bound by decoding its codes.
+STEP_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q5_0", "Q8_0"])
+def test_step_gemvs_per_format(benchmark, fmt, rows):
+    """The 120 projections of a decode step (``rows`` 1) or a verify of k = 4 (5), each
+    weight read from memory once (66-113 MB, past the caches), on the file's blocks."""
+    t = GGMLType[fmt]
+    weights = [_blocks(t, n, k, seed=i, scale=0.05) for i, (n, k) in enumerate(STEP_SHAPES)]
+    xs = {k: torch.randn(rows, k) for k in (576, 1536)}
+    empty = torch.empty(0)
+
+    def step():
+        for w, (_, k) in zip(weights, STEP_SHAPES):
+            quant_linear(xs[k], w, empty, ggml_type=int(t))
+
+    benchmark.pedantic(step, rounds=5, iterations=1, warmup_rounds=1)
+    total = sum(w.numel() for w in weights)
+    benchmark.extra_info.update(
+        format=fmt,
+        M=rows,
+        threads=torch.get_num_threads(),
+        megabytes=round(total / 1e6, 1),
+        gb_per_s=round(total / benchmark.stats.stats.min / 1e9, 1),
+    )
