@@ -5,8 +5,11 @@ target's greedy output token for token."""
 
 import pytest
 import torch
+from scipy.stats import chisquare
 
 import osd
+from osd.models.config import ModelConfig
+from osd.models.llama import DecoderLM
 from osd.spec import MIN_REACH, PromptLookup
 from osd.spec_decode.lookup_lengths import (
     MAX_REACH,
@@ -81,3 +84,47 @@ def test_the_bar_rises_with_the_batch():
     assert batch_reach(0.2, 3) == pytest.approx(0.6)
     assert batch_reach(0.2, 8) == MAX_REACH
     assert batch_reach(0.0, 8) == 0.0
+
+
+def test_sampled_tokens_after_cut_lookup_drafts_keep_the_target_distribution():
+    """Sampled (T 1, top-p 0.9) on a random 8-token model, prompt lookup drafting cut
+    continuations: the second generated token, the first one a lookup step verifies, is
+    distributed as the target's p(t1) p(t2 | t1) over the 64 pairs (chi-square, 1e-4)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig("LlamaForCausalLM", 8, 32, 64, 2, 2, 1, 16)
+    model = DecoderLM(cfg)
+    model.init_weights(generator=torch.Generator().manual_seed(3))
+    model.requires_grad_(False)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]  # lookup always has a continuation
+    spec = osd.SpecConfig(drafter="ngram", num_draft_tokens=4, lookup=PromptLookup(min_reach=0.2))
+    eng = osd.Engine(model, spec=spec, max_batch_size=16, max_seq_len=32)
+    n = 4000
+    params = osd.SamplingParams(2, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    outs = eng.generate([prompt] * n, params)
+    assert eng.stats["drafted"] > 0
+    pairs = torch.tensor([o.token_ids[0] * 8 + o.token_ids[1] for o in outs])
+    counts = torch.bincount(pairs, minlength=64).double()
+
+    def warped(ids):
+        logits = model.forward_train(torch.tensor([ids]))[0, -1].double()
+        return _top_p(torch.softmax(logits, -1), 0.9)
+
+    p1 = warped(prompt)
+    exact = torch.cat([p1[a] * warped(prompt + [a]) for a in range(8)])
+    support = exact > 0
+    assert counts[~support].sum() == 0
+    _, p_value = chisquare(counts[support].numpy(), (exact[support] / exact.sum() * n).numpy())
+    assert p_value > 1e-4
+
+
+def _top_p(probs, top_p):
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    mass = 0.0
+    for i in order.tolist():
+        keep[i] = True
+        mass += float(probs[i])
+        if mass >= top_p:
+            break
+    out = torch.where(keep, probs, torch.zeros_like(probs))
+    return out / out.sum()
