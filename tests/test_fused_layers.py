@@ -181,26 +181,76 @@ def _spy_on_cpu_layers(monkeypatch) -> list:
     return rows
 
 
+def _spy_on_cpp_loop(monkeypatch) -> list:
+    """The row counts of the forwards whose layers ran as one ``decoder_layers`` call."""
+    rows, real = [], fused_layers._decoder_layers
+
+    def spy(x, *args):
+        rows.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(fused_layers, "_decoder_layers", spy)
+    return rows
+
+
 @pytest.mark.skipif(not native_available(), reason="osd_kernels._C is not built")
+@pytest.mark.parametrize("loop", ["cpp", "python"])
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "Q8_0"])
 @pytest.mark.parametrize("max_rows", [16, 64])
 @pytest.mark.parametrize("family", FUSABLE)
-def test_cpu_native_forward_equals_unfused(family, max_rows, quantized, monkeypatch):
+def test_cpu_native_forward_equals_unfused(family, max_rows, quantized, loop, monkeypatch):
     """``cpu`` (as ``auto``) on CPU: the prefill pieces (15 and 12 rows) and the decode
     steps (3) through the C++ layers, with a limit of 64 rows the tree verify (18) too;
-    logits and cache bit for bit."""
+    logits and cache bit for bit, the layers looped in C++ (``decoder_layers``, where the
+    layers fit it: not Qwen3's per-head norms, nor attention too wide for the C++ kernel)
+    or in Python."""
     model = load_model(tiny_hf_model(family))
     if quantized:
         quantize_linears(model, "Q8_0")
     ref, ref_kv = _run(model, "off", monkeypatch)
     ref_kv = ref_kv.clone()
     monkeypatch.setattr(fused_layers, "CPU_MAX_ROWS", max_rows)
+    monkeypatch.setattr(fused_layers, "LOOP_IN_CPP", loop == "cpp")
     rows = _spy_on_cpu_layers(monkeypatch)
+    in_cpp = _spy_on_cpp_loop(monkeypatch)
     got, got_kv = _run(model, "cpu", monkeypatch)
     assert rows == [15, 12, 3, 3, 3] + ([18] if max_rows == 64 else [])
+    # 4 heads over 2 KV heads: T * 2 query rows a KV head, at most 48 for the C++ attention
+    expected = [r for r in rows if r in (3, 18) or r // 3 * 2 <= 48]
+    assert in_cpp == ([] if loop == "python" or family == "qwen3" else expected)
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
     assert torch.equal(got_kv, ref_kv)
+
+
+@pytest.mark.skipif(not native_available(), reason="osd_kernels._C is not built")
+def test_cpp_loop_follows_replaced_and_packed_weights(monkeypatch):
+    """The C++ loop's arguments are rebuilt when a weight is replaced, packed, or changed
+    in place under its packed copy: each forward equals the Python loop's bit for bit."""
+    model = load_model(tiny_hf_model("llama"))
+    ids = torch.randint(0, VOCAB, (2, 1), generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(fused_layers, "FUSED_LAYERS", "cpu")
+
+    def both():
+        out = []
+        for loop in (True, False):
+            monkeypatch.setattr(fused_layers, "LOOP_IN_CPP", loop)
+            with torch.no_grad():
+                out.append(model(ids, model.new_cache(2, 8)))
+        assert torch.equal(out[0], out[1])
+        return out[0]
+
+    first = both()
+    layer = model.layers[0]
+    layer.wo.weight = torch.nn.Parameter(layer.wo.weight.detach() * 2)  # replaced
+    second = both()
+    assert not torch.equal(first, second)
+    model.pack_weights()  # the Python loop takes the packed copies (other sum order)
+    packed = both()
+    assert (packed - second).abs().max() <= 1e-4
+    with torch.no_grad():
+        layer.w_down.weight.mul_(0.5)  # in place: the packed copy is stale
+    assert (both() - packed).abs().max() > 1e-3
 
 
 @pytest.mark.skipif(not native_available(), reason="osd_kernels._C is not built")

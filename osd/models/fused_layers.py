@@ -61,13 +61,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from osd.models.attention import attention
-from osd.models.layers import project, project_rows
+from osd.models.layers import project, project_rows, weight_version
+from osd.models.quant import QuantLinear
 from osd_kernels._ops import native_available, triton_available
 from osd_kernels.add_rms_norm import add_rms_norm
 from osd_kernels.decode_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from osd_kernels.decode_gemv import decode_gemv
+from osd_kernels.decoder_layers import DENSE, layer_arguments
 from osd_kernels.rope_kv_write import rope_kv_write
 from osd_kernels.silu_mul import silu_mul
+from osd_kernels.tree_attention import CPU_NATIVE_MAX_ROWS
 
 MODES = ("auto", "cpu", "on", "off")
 FUSED_LAYERS = os.environ.get("OSD_FUSED_LAYERS", "cpu")
@@ -75,6 +78,11 @@ FUSED_LAYERS = os.environ.get("OSD_FUSED_LAYERS", "cpu")
 # short prefill pieces); larger ones keep the unfused forward, whose op calls are few per
 # token there.
 CPU_MAX_ROWS = 16
+# The CPU path loops over the layers in C++ (``osd_kernels.decoder_layers``) where the
+# layers fit it (no per-head norms, windows or soft-capping; projections ``decode_linear``
+# or ``quant_linear`` takes); False keeps the same ops called from Python, bit for bit the
+# same results (``OSD_LAYERS_IN_CPP=0``).
+LOOP_IN_CPP = os.environ.get("OSD_LAYERS_IN_CPP", "1") != "0"
 
 
 def _layer_fusable(layer) -> bool:
@@ -292,6 +300,94 @@ def _cache_views(cache) -> list:
     return views[1]
 
 
+class _LayerPlan:
+    """``decoder_layers``' flat arguments for some layers of a model, and what they were
+    built from: ``checks`` ``(dict, key, tensor)`` (a module's ``_parameters``,
+    ``_buffers`` or ``__dict__`` entry that must still be that object), ``versions``
+    ``(weight, version)`` (a packed copy is valid while its weight is unchanged)."""
+
+    __slots__ = ("tensors", "ints", "floats", "checks", "versions", "max_group")
+
+    def valid(self) -> bool:
+        return all(d.get(k) is t for d, k, t in self.checks) and all(
+            weight_version(w) == v for w, v in self.versions
+        )
+
+
+def _projection(module, checks: list, versions: list):
+    """``(kind, weight, scales, mins, bias)`` of a projection for ``decoder_layers``, or None
+    when the C++ loop cannot take it (a weight that ``project_rows`` would not send to
+    ``decode_linear`` or ``quant_linear``)."""
+    if isinstance(module, QuantLinear):
+        checks.append((module._buffers, "qweight", module.qweight))
+        return (module.ggml_type, module.qweight, module.scales, module.mins, module.bias)
+    if type(module) is not nn.Linear:
+        return None
+    w = module.weight
+    if w.dtype != torch.float32 or not w.is_contiguous():
+        return None
+    checks.append((module._parameters, "weight", w))
+    packed = module.__dict__.get("osd_packed")
+    checks.append((module.__dict__, "osd_packed", packed))
+    if packed is not None and packed[0] is w and packed[1] == weight_version(w):
+        versions.append((w, packed[1]))
+        w = packed[2]
+    return (DENSE, w, None, None, module.bias)
+
+
+def _build_plan(model, layers) -> _LayerPlan | None:
+    if model.attention_backend != "auto":
+        return None
+    specs, checks, versions, group = [], [], [], 1
+    for index, layer in layers:
+        if layer.qk_norm != "none" or layer.window is not None or layer.softcap is not None:
+            return None
+        projections = [
+            _projection(getattr(layer, name), checks, versions)
+            for name in ("wqkv", "wo", "w_gate_up", "w_down")
+        ]
+        if any(p is None for p in projections):
+            return None
+        norms = (layer.input_norm, layer.post_attention_norm)
+        checks.extend((n._parameters, "weight", n.weight) for n in norms)
+        group = max(group, layer.num_heads // layer.num_kv_heads)
+        specs.append(
+            {
+                "cache_index": index,
+                "num_heads": layer.num_heads,
+                "rope_table": int(layer.local_rope) if layer.rope else -1,
+                "input_norm": (norms[0].weight, norms[0].eps),
+                "post_norm": (norms[1].weight, norms[1].eps),
+                "residual_multiplier": layer.residual_multiplier,
+                "projections": projections,
+            }
+        )
+    plan = _LayerPlan()
+    plan.tensors, plan.ints, plan.floats = layer_arguments(specs)
+    plan.checks, plan.versions, plan.max_group = checks, versions, group
+    return plan
+
+
+_decoder_layers = torch.ops.osd.decoder_layers.default if native_available() else None
+
+# model -> {skipped layers: its plan, or None where the C++ loop cannot take the layers}
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _layer_plan(model, layers) -> _LayerPlan | None:
+    """The model's ``decoder_layers`` arguments for ``layers`` (``(index, layer)`` pairs),
+    built once and rebuilt when a weight was replaced, repacked or changed under its packed
+    copy; None when the layers do not fit the C++ loop."""
+    plans = _PLANS.get(model)
+    if plans is None:
+        plans = _PLANS[model] = {}
+    key = tuple(index for index, _ in layers)
+    plan = plans.get(key, False)
+    if plan is False or (plan is not None and not plan.valid()):
+        plan = plans[key] = _build_plan(model, layers)
+    return plan
+
+
 def _cpu_layers(
     model,
     x: torch.Tensor,
@@ -309,11 +405,27 @@ def _cpu_layers(
     qkv projection as it comes, attention over views of the cache made once, and
     ``add_rms_norm`` / ``silu_mul`` between them. Each rounds as the unfused forward does,
     so the results are its own bit for bit."""
+    tables = [(None, None) if r is None else (r[0].squeeze(2), r[1].squeeze(2)) for r in ropes]
+    plan = _layer_plan(model, layers) if LOOP_IN_CPP else None
+    B, T, H = x.shape
+    if plan is not None and T * plan.max_group <= CPU_NATIVE_MAX_ROWS:
+        rope_args = [t for pair in tables for t in pair]
+        out = _decoder_layers(
+            x.view(B * T, H),
+            plan.tensors,
+            plan.ints,
+            plan.floats,
+            cache.kv,
+            cache.lens,
+            tree_mask,
+            slots,
+            rope_args,
+            model.scale,
+        )
+        return out.view(B, T, H)
     add_norm, rope_qkv, rope, silu = _native_ops()
     views = _cache_views(cache)
-    tables = [(None, None) if r is None else (r[0].squeeze(2), r[1].squeeze(2)) for r in ropes]
     lens, scale_qk, backend = cache.lens, model.scale, model.attention_backend
-    B, T, H = x.shape
     residual, pending, scale = x.view(B * T, H), None, 1.0  # pending: the last MLP output
     for index, layer in layers:
         norm = layer.input_norm

@@ -1,0 +1,167 @@
+"""``decoder_layers``: a stack of decoder layers of a cached CPU forward, looped in C++.
+
+A decode step of a small model is hundreds of op calls: per layer four projections,
+``rope_kv_write_qkv``, attention, two ``add_rms_norm`` and a ``silu_mul``. Called from
+Python each costs the interpreter's loop and the op's argument parsing, together more than
+the small ops' own work at decode sizes. This op runs the same calls in C++ over every
+layer at once, through the dispatcher below autograd, so its results are those of the
+Python loop (``osd.models.fused_layers``) bit for bit.
+
+Per layer (pre-norm, SiLU-gated, the residual stream one block behind as in the fused
+layers): ``qkv = proj_qkv(input_norm(h))`` (from the second layer on, ``add_rms_norm``
+adds the pending MLP output first), ``q = rope_kv_write_qkv(qkv)``, attention over the
+layer's cache, ``h, n = add_rms_norm(proj_o(attn), h)``, pending ``proj_down(silu_mul(
+proj_gate_up(n)))``; after the last layer ``h + pending`` (times the residual
+multiplier).
+
+The arguments are flat lists so that one call carries a model (:func:`layer_arguments`
+builds them): per layer ``TENSORS_PER_LAYER`` tensors (input norm, post-attention norm,
+then per projection weight, scales, mins, bias), ``INTS_PER_LAYER`` ints (cache index,
+query heads, RoPE table or -1, per projection -1 for ``decode_linear`` or
+``quant_linear``'s ``ggml_type``) and ``FLOATS_PER_LAYER`` floats (the two norms' eps, the
+residual multiplier).
+
+Backends: ``native`` (the C++ loop; float32 CPU tensors) and ``reference`` (the same loop
+in Python over the ops' references); ``auto`` is native where it can run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from osd_kernels._ops import native_available
+from osd_kernels.add_rms_norm import add_rms_norm_reference
+from osd_kernels.decode_linear import PANEL, decode_linear_reference
+from osd_kernels.quant_linear import quant_linear_reference
+from osd_kernels.rope_kv_write import rope_kv_write_reference
+from osd_kernels.silu_mul import silu_mul_reference
+from osd_kernels.tree_attention import tree_attention_reference
+
+TENSORS_PER_LAYER = 18
+INTS_PER_LAYER = 7
+FLOATS_PER_LAYER = 3
+DENSE = -1  # a projection's kind: decode_linear (else quant_linear's ggml_type)
+
+
+def layer_arguments(layers) -> tuple[list, list[int], list[float]]:
+    """The flat ``(tensors, ints, floats)`` of ``layers``: an iterable of dicts with
+    ``cache_index``, ``num_heads``, ``rope_table`` (-1, 0 or 1), ``input_norm`` and
+    ``post_norm`` (``(weight, eps)``), ``residual_multiplier`` and ``projections``: four
+    ``(kind, weight, scales, mins, bias)`` (qkv, o, gate-up, down; ``kind`` ``DENSE`` or a
+    ggml type)."""
+    tensors, ints, floats = [], [], []
+    for layer in layers:
+        (w_in, eps_in), (w_post, eps_post) = layer["input_norm"], layer["post_norm"]
+        tensors += [w_in, w_post]
+        kinds = []
+        for kind, weight, scales, mins, bias in layer["projections"]:
+            tensors += [weight, scales, mins, bias]
+            kinds.append(int(kind))
+        ints += [int(layer["cache_index"]), int(layer["num_heads"]), int(layer["rope_table"])]
+        ints += kinds
+        floats += [float(eps_in), float(eps_post), float(layer["residual_multiplier"])]
+    return tensors, ints, floats
+
+
+def _project(x, tensors, ints, layer, p, norm, eps):
+    base = TENSORS_PER_LAYER * layer + 2 + 4 * p
+    w, scales, mins, bias = tensors[base : base + 4]
+    kind = ints[INTS_PER_LAYER * layer + 3 + p]
+    if kind == DENSE:
+        if w.dim() == 3:  # decode_linear's panels [N / PANEL, K, PANEL]
+            w = w.permute(0, 2, 1).reshape(w.shape[0] * PANEL, w.shape[1])
+        return decode_linear_reference(x, w, bias, norm_weight=norm, eps=eps)
+    return quant_linear_reference(
+        x, w, scales, mins, bias, norm_weight=norm, eps=eps, ggml_type=kind
+    )
+
+
+def decoder_layers_reference(
+    x, tensors, ints, floats, kv, cache_lens, tree_mask, slots, rope, scale
+) -> torch.Tensor:
+    """The layers in Python over the ops' references (arguments as :func:`decoder_layers`)."""
+    B, T = slots.shape
+    residual, pending, multiplier = x, None, 1.0
+    for layer in range(len(ints) // INTS_PER_LAYER):
+        index, heads, table = ints[INTS_PER_LAYER * layer : INTS_PER_LAYER * layer + 3]
+        eps_in, eps_post, rm = floats[FLOATS_PER_LAYER * layer : FLOATS_PER_LAYER * (layer + 1)]
+        w_in, w_post = tensors[TENSORS_PER_LAYER * layer : TENSORS_PER_LAYER * layer + 2]
+        if pending is None:
+            qkv = _project(residual, tensors, ints, layer, 0, w_in, eps_in)
+        else:
+            residual, normed = add_rms_norm_reference(pending, residual, w_in, eps_in, multiplier)
+            qkv = _project(normed, tensors, ints, layer, 0, None, 1e-6)
+        layer_kv = kv[index]
+        hkv, D = layer_kv.shape[2], layer_kv.shape[4]
+        qkv = qkv.view(B, T, heads + 2 * hkv, D)
+        q, k, v = qkv.split([heads, hkv, hkv], dim=2)
+        cos, sin = (None, None) if table < 0 else (rope[2 * table], rope[2 * table + 1])
+        q = rope_kv_write_reference(q, k, v, cos, sin, layer_kv, slots)
+        out = tree_attention_reference(
+            q, layer_kv[0], layer_kv[1], cache_lens, tree_mask, scale=scale
+        )
+        multiplier = rm
+        o = _project(out.reshape(B * T, -1), tensors, ints, layer, 1, None, 1e-6)
+        residual, normed = add_rms_norm_reference(o, residual, w_post, eps_post, multiplier)
+        gated = silu_mul_reference(_project(normed, tensors, ints, layer, 2, None, 1e-6))
+        pending = _project(gated, tensors, ints, layer, 3, None, 1e-6)
+    if pending is None:
+        return residual
+    return residual + (pending if multiplier == 1.0 else pending * multiplier)
+
+
+def decoder_layers(
+    x: torch.Tensor,
+    tensors: list,
+    ints: list[int],
+    floats: list[float],
+    kv: torch.Tensor,
+    cache_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    slots: torch.Tensor,
+    rope: list,
+    scale: float,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The decoder layers of a cached forward on ``x [B T, H]``.
+
+    Args:
+        x: ``[B T, H]`` float32 rows in ``(b, t)`` order, the embedded input.
+        tensors, ints, floats: the layers, flat (:func:`layer_arguments`).
+        kv: the cache ``[L, 2, B_max, Hkv, S, D]``; each layer writes its keys and values
+            at ``slots``.
+        cache_lens: ``[B_max]`` int32 committed lengths, as ``tree_attention`` takes them.
+        tree_mask: ``[B, T]`` int64 bitmask, or None for causal.
+        slots: ``[B, T]`` int64 K/V slots of the new tokens.
+        rope: ``[cos, sin]`` per RoPE table, ``[B, T, R]`` each.
+        scale: the attention's softmax scale.
+        backend: ``auto`` | ``native`` | ``reference``.
+
+    Returns:
+        ``[B T, H]``, the last layer's output before the final norm.
+    """
+    if backend not in ("auto", "native", "reference"):
+        raise ValueError(f"backend must be auto, native or reference, got {backend!r}")
+    native = native_available() and x.device.type == "cpu" and x.dtype == torch.float32
+    if backend == "native" and not native:
+        raise ValueError(
+            f"the native decoder_layers takes float32 CPU tensors with the native build, got "
+            f"{x.dtype} on {x.device}"
+        )
+    if backend == "reference" or not native:
+        return decoder_layers_reference(
+            x, tensors, ints, floats, kv, cache_lens, tree_mask, slots, rope, scale
+        )
+    return torch.ops.osd.decoder_layers(
+        x, tensors, ints, floats, kv, cache_lens, tree_mask, slots, rope, scale
+    )
+
+
+if native_available():
+
+    @torch.library.register_fake("osd::decoder_layers")
+    def _decoder_layers_fake(
+        x, tensors, ints, floats, kv, cache_lens, tree_mask, slots, rope, scale
+    ):
+        return torch.empty_like(x)
