@@ -25,6 +25,7 @@ from osd_kernels.add_rms_norm import add_rms_norm, add_rms_norm_reference
 from osd_kernels.silu_mul import silu_mul, silu_mul_reference
 from osd_kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
 from osd_kernels.decode_gemv import decode_gemv, decode_gemv_reference
+from osd_kernels.decoder_layers import decoder_layers, decoder_layers_reference
 
 __all__ = [
     "native_available",
@@ -56,4 +57,6 @@ __all__ = [
     "rope_kv_write_reference",
     "decode_gemv",
     "decode_gemv_reference",
+    "decoder_layers",
+    "decoder_layers_reference",
 ]

@@ -16,6 +16,9 @@ evaluation set's "explain" workload, ``--tokens`` new tokens each. Each prompt r
 three modes, alternating, ``--rounds`` times:
 
 - ``real``: the engine as it is;
+- ``python-loop``: the same with the fused CPU layers' ops called from Python
+  (``fused_layers.LOOP_IN_CPP = False``) instead of looped in C++ (``decoder_layers``);
+  the stand-in modes below patch Python functions, so they run this loop too;
 - ``no-weights``: the target's quantized layers (projections and output head) return
   without reading a weight;
 - ``no-kernels``: the same, and the target's attention returns zeros without reading the
@@ -24,10 +27,10 @@ three modes, alternating, ``--rounds`` times:
 
 In both stand-in modes the target's logits are one-hot on the token the real run produced
 after each position, so every greedy step accepts and emits exactly what it did for real
-(the outputs are checked equal). So ``real - no-weights`` is the time of the weight
-kernels (the GEMVs), ``no-weights - no-kernels`` attention's, ``no-kernels - no-forward``
-the rest of the target's forward (the layers' Python and the small ops around the
-kernels: norms' glue, RoPE, the K/V writes, residual adds, SiLU), and ``no-forward`` what
+(the outputs are checked equal). So ``python-loop - no-weights`` is the time of the
+weight kernels (the GEMVs), ``no-weights - no-kernels`` attention's, ``no-kernels -
+no-forward`` the rest of the target's forward (the layers' Python and the small ops around
+the kernels: norms' glue, RoPE, the K/V writes, residual adds, SiLU), and ``no-forward`` what
 the step does outside the target's forward (scheduling, the drafter,
 the sampler, the read-back, appending tokens, and the stand-in's own one-hot logits). The
 means leave out the slowest ``TRIM`` of the steps: on a shared machine a step that waited
@@ -73,6 +76,7 @@ from collections import Counter  # noqa: E402
 import torch  # noqa: E402
 
 from osd.chat_template import apply_chat_template
+from osd.models import fused_layers
 from osd.models.attention import attention as real_attention
 from osd.models.layers import project_rows as real_project_rows
 from osd.models.quant import QuantLinear
@@ -82,7 +86,7 @@ from osd.zoo.workloads import evaluation_set
 from osd_kernels.quant_linear import quant_linear as real_quant_linear
 
 CONFIGS = ("plain", "draft", "lookup")
-MODES = ("real", "no-weights", "no-kernels", "no-forward")
+MODES = ("real", "python-loop", "no-weights", "no-kernels", "no-forward")
 TOP_OPS = 15
 STEP = "osd_step"  # the profiler range of one engine step
 TRIM = 0.2  # the slowest fifth of the steps is left out of the means
@@ -246,7 +250,11 @@ def timed_modes(engine, stand_ins, prompts, tokens: int, rounds: int, modes=MODE
         for ids in prompts:
             # the real run first (the stand-ins replay it), then the others in turn
             for mode in ["real", *(others if r % 2 == 0 else others[::-1])]:
-                w, e, out = run_steps(engine, ids, tokens, stand_ins, mode)
+                fused_layers.LOOP_IN_CPP = mode == "real"
+                try:
+                    w, e, out = run_steps(engine, ids, tokens, stand_ins, mode)
+                finally:
+                    fused_layers.LOOP_IN_CPP = True
                 if mode == "real":
                     real = out
                     stand_ins.replay(ids + out)
@@ -352,8 +360,9 @@ def summarise(name: str, timed: dict, steps: list) -> dict:
         "us": us,
         "tokens_per_step": sum(emitted) / len(walls),
         "tokens_per_s": sum(emitted[i] for i in keep) / sum(walls[i] for i in keep),
-        "gemv_us": us["real"] - us["no-weights"],
+        "gemv_us": us["python-loop"] - us["no-weights"],
         "attention_us": us["no-weights"] - us["no-kernels"],
+        "cpp_loop_saves_us": us["python-loop"] - us["real"],
         "forward_rest_us": us["no-kernels"] - us["no-forward"],
         "outside_us": us["no-forward"],
         "profiled_us": statistics.fmean(w for w, _, _ in quiet),
@@ -440,19 +449,18 @@ def print_report(report: dict) -> None:
         f"{report['load_after']:.1f} after"
     )
     print(
-        "| config | µs/step (median) | µs/step (mean) | tokens/step | tokens/s | weight GEMVs "
-        "| attention | rest of the target's forward | outside the target's forward "
-        "| op calls/step |"
+        "| config | µs/step (median) | µs/step (mean) | tokens/step | tokens/s "
+        "| op calls/step | µs/step, layers looped in Python | of which: weight GEMVs "
+        "| attention | rest of the target's forward | outside the target's forward |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows.values():
-        total = r["us"]["real"]
+        slow = r["us"]["python-loop"]
         parts = [r["gemv_us"], r["attention_us"], r["forward_rest_us"], r["outside_us"]]
         print(
-            f"| {r['config']} | {r['median_us']:.0f} | {total:.0f} | "
-            f"{r['tokens_per_step']:.2f} | {r['tokens_per_s']:.1f} | "
-            + " | ".join(f"{p:.0f} ({p / total:.0%})" for p in parts)
-            + f" | {r['op_calls']:.0f} |"
+            f"| {r['config']} | {r['median_us']:.0f} | {r['us']['real']:.0f} | "
+            f"{r['tokens_per_step']:.2f} | {r['tokens_per_s']:.1f} | {r['op_calls']:.0f} | "
+            f"{slow:.0f} | " + " | ".join(f"{p:.0f} ({p / slow:.0%})" for p in parts) + " |"
         )
     for r in rows.values():
         print(
