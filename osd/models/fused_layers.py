@@ -31,9 +31,13 @@ block-quantized :class:`~osd.models.quant.QuantLinear` weights, called as torch 
 the first layer's input norm fused in), ``rope_kv_write_qkv`` on the qkv projection as it
 comes, attention over per-layer views of the cache made once per cache, two
 ``add_rms_norm`` and a ``silu_mul``: nine op calls and a view a layer, where the unfused
-forward makes about 85 (``docs/benchmarks.md``, where a CPU step's time goes). Each C++
-kernel rounds as the unfused forward's ops do, so this path gives its logits and cache
-bit for bit.
+forward makes about 85 (``docs/benchmarks.md``, where a CPU step's time goes). Where the
+layers fit it (no per-head q/k norms, sliding windows or soft-capping; the default
+attention backend; projections that ``decode_linear`` or ``quant_linear`` takes), one
+``decoder_layers`` call runs that loop in C++ over every layer (:data:`LOOP_IN_CPP`), its
+flat arguments built once per model and rebuilt when a weight is replaced or repacked.
+Each C++ kernel rounds as the unfused forward's ops do, so this path gives its logits and
+cache bit for bit.
 
 :data:`FUSED_LAYERS` is the switch: ``"cpu"`` (the default) fuses on CPU only, ``"auto"``
 on CPU and on CUDA (the CUDA path is off by default until these kernels have run on a
