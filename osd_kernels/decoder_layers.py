@@ -9,17 +9,19 @@ Python loop (``osd.models.fused_layers``) bit for bit.
 
 Per layer (pre-norm, SiLU-gated, the residual stream one block behind as in the fused
 layers): ``qkv = proj_qkv(input_norm(h))`` (from the second layer on, ``add_rms_norm``
-adds the pending MLP output first), ``q = rope_kv_write_qkv(qkv)``, attention over the
+adds the pending MLP output first), ``q = rope_kv_write_qkv(qkv)`` (with per-head q/k
+norms, Qwen3's, an RMSNorm over each query and key head first), attention over the
 layer's cache, ``h, n = add_rms_norm(proj_o(attn), h)``, pending ``proj_down(silu_mul(
 proj_gate_up(n)))``; after the last layer ``h + pending`` (times the residual
 multiplier).
 
 The arguments are flat lists so that one call carries a model (:func:`layer_arguments`
 builds them): per layer ``TENSORS_PER_LAYER`` tensors (input norm, post-attention norm,
-then per projection weight, scales, mins, bias), ``INTS_PER_LAYER`` ints (cache index,
-query heads, RoPE table or -1, per projection -1 for ``decode_linear`` or
-``quant_linear``'s ``ggml_type``) and ``FLOATS_PER_LAYER`` floats (the two norms' eps, the
-residual multiplier).
+q and k head norms or None, then per projection weight, scales, mins, bias),
+``INTS_PER_LAYER`` ints (cache index, query heads, RoPE table or -1, 1 with head norms
+else 0, per projection -1 for ``decode_linear`` or ``quant_linear``'s ``ggml_type``) and
+``FLOATS_PER_LAYER`` floats (the two norms' eps, the residual multiplier, the head norms'
+eps).
 
 Backends: ``native`` (the C++ loop; float32 CPU tensors) and ``reference`` (the same loop
 in Python over the ops' references); ``auto`` is native where it can run.
@@ -28,6 +30,7 @@ in Python over the ops' references); ``auto`` is native where it can run.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from osd_kernels._ops import native_available
 from osd_kernels.add_rms_norm import add_rms_norm_reference
@@ -37,36 +40,39 @@ from osd_kernels.rope_kv_write import rope_kv_write_reference
 from osd_kernels.silu_mul import silu_mul_reference
 from osd_kernels.tree_attention import tree_attention_reference
 
-TENSORS_PER_LAYER = 18
-INTS_PER_LAYER = 7
-FLOATS_PER_LAYER = 3
+TENSORS_PER_LAYER = 20
+INTS_PER_LAYER = 8
+FLOATS_PER_LAYER = 4
 DENSE = -1  # a projection's kind: decode_linear (else quant_linear's ggml_type)
 
 
 def layer_arguments(layers) -> tuple[list, list[int], list[float]]:
     """The flat ``(tensors, ints, floats)`` of ``layers``: an iterable of dicts with
     ``cache_index``, ``num_heads``, ``rope_table`` (-1, 0 or 1), ``input_norm`` and
-    ``post_norm`` (``(weight, eps)``), ``residual_multiplier`` and ``projections``: four
+    ``post_norm`` (``(weight, eps)``), ``residual_multiplier``, optionally ``head_norms``
+    (``(q_weight, k_weight, eps)``: per-head q/k RMSNorms) and ``projections``: four
     ``(kind, weight, scales, mins, bias)`` (qkv, o, gate-up, down; ``kind`` ``DENSE`` or a
     ggml type)."""
     tensors, ints, floats = [], [], []
     for layer in layers:
         (w_in, eps_in), (w_post, eps_post) = layer["input_norm"], layer["post_norm"]
-        tensors += [w_in, w_post]
+        heads = layer.get("head_norms")
+        tensors += [w_in, w_post, *((None, None) if heads is None else heads[:2])]
         kinds = []
         for kind, weight, scales, mins, bias in layer["projections"]:
             tensors += [weight, scales, mins, bias]
             kinds.append(int(kind))
         ints += [int(layer["cache_index"]), int(layer["num_heads"]), int(layer["rope_table"])]
-        ints += kinds
+        ints += [0 if heads is None else 1, *kinds]
         floats += [float(eps_in), float(eps_post), float(layer["residual_multiplier"])]
+        floats.append(1e-6 if heads is None else float(heads[2]))
     return tensors, ints, floats
 
 
 def _project(x, tensors, ints, layer, p, norm, eps):
-    base = TENSORS_PER_LAYER * layer + 2 + 4 * p
+    base = TENSORS_PER_LAYER * layer + 4 + 4 * p
     w, scales, mins, bias = tensors[base : base + 4]
-    kind = ints[INTS_PER_LAYER * layer + 3 + p]
+    kind = ints[INTS_PER_LAYER * layer + 4 + p]
     if kind == DENSE:
         if w.dim() == 3:  # decode_linear's panels [N / PANEL, K, PANEL]
             w = w.permute(0, 2, 1).reshape(w.shape[0] * PANEL, w.shape[1])
@@ -83,9 +89,11 @@ def decoder_layers_reference(
     B, T = slots.shape
     residual, pending, multiplier = x, None, 1.0
     for layer in range(len(ints) // INTS_PER_LAYER):
-        index, heads, table = ints[INTS_PER_LAYER * layer : INTS_PER_LAYER * layer + 3]
-        eps_in, eps_post, rm = floats[FLOATS_PER_LAYER * layer : FLOATS_PER_LAYER * (layer + 1)]
-        w_in, w_post = tensors[TENSORS_PER_LAYER * layer : TENSORS_PER_LAYER * layer + 2]
+        index, heads, table, head_norms = ints[INTS_PER_LAYER * layer : INTS_PER_LAYER * layer + 4]
+        eps_in, eps_post, rm, eps_qk = floats[
+            FLOATS_PER_LAYER * layer : FLOATS_PER_LAYER * (layer + 1)
+        ]
+        w_in, w_post, w_q, w_k = tensors[TENSORS_PER_LAYER * layer : TENSORS_PER_LAYER * layer + 4]
         if pending is None:
             qkv = _project(residual, tensors, ints, layer, 0, w_in, eps_in)
         else:
@@ -95,6 +103,9 @@ def decoder_layers_reference(
         hkv, D = layer_kv.shape[2], layer_kv.shape[4]
         qkv = qkv.view(B, T, heads + 2 * hkv, D)
         q, k, v = qkv.split([heads, hkv, hkv], dim=2)
+        if head_norms:
+            q = F.rms_norm(q, (D,), w_q, eps_qk)
+            k = F.rms_norm(k, (D,), w_k, eps_qk)
         cos, sin = (None, None) if table < 0 else (rope[2 * table], rope[2 * table + 1])
         q = rope_kv_write_reference(q, k, v, cos, sin, layer_kv, slots)
         out = tree_attention_reference(

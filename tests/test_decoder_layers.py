@@ -1,7 +1,8 @@
 """``decoder_layers`` (the C++ loop over a forward's layers) against its reference, the
 same loop in Python over the ops' references, on random layers of odd shapes: dense
 weights (plain and packed), GGUF block types, biases, RoPE tables (full, partial, none),
-a residual multiplier, skipped cache layers, causal and tree-masked rows. The model-level
+per-head q/k norms, a residual multiplier, skipped cache layers, causal and tree-masked
+rows. The model-level
 equality with the Python loop of the native ops (bit for bit) is in test_fused_layers."""
 
 import numpy as np
@@ -43,8 +44,13 @@ def _layers(kinds, gen, cache_indices, rope_tables, multiplier):
             for p, (n, k) in enumerate(shapes)
         ]
         norm = lambda: (1 + 0.1 * torch.randn(H, generator=gen), 1e-5)  # noqa: E731
+        head_norms = None
+        if i % 2:  # per-head q/k norms (Qwen3) on every other layer
+            q_norm, k_norm = (1 + 0.1 * torch.randn(2, D, generator=gen)).unbind()
+            head_norms = (q_norm, k_norm, 1e-6)
         layers.append(
             {
+                "head_norms": head_norms,
                 "cache_index": index,
                 "num_heads": HQ,
                 "rope_table": table,

@@ -202,8 +202,7 @@ def test_cpu_native_forward_equals_unfused(family, max_rows, quantized, loop, mo
     """``cpu`` (as ``auto``) on CPU: the prefill pieces (15 and 12 rows) and the decode
     steps (3) through the C++ layers, with a limit of 64 rows the tree verify (18) too;
     logits and cache bit for bit, the layers looped in C++ (``decoder_layers``, where the
-    layers fit it: not Qwen3's per-head norms, nor attention too wide for the C++ kernel)
-    or in Python."""
+    attention is not too wide for the C++ kernel) or in Python."""
     model = load_model(tiny_hf_model(family))
     if quantized:
         quantize_linears(model, "Q8_0")
@@ -217,7 +216,7 @@ def test_cpu_native_forward_equals_unfused(family, max_rows, quantized, loop, mo
     assert rows == [15, 12, 3, 3, 3] + ([18] if max_rows == 64 else [])
     # 4 heads over 2 KV heads: T * 2 query rows a KV head, at most 48 for the C++ attention
     expected = [r for r in rows if r in (3, 18) or r // 3 * 2 <= 48]
-    assert in_cpp == ([] if loop == "python" or family == "qwen3" else expected)
+    assert in_cpp == ([] if loop == "python" else expected)
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
     assert torch.equal(got_kv, ref_kv)

@@ -12,21 +12,25 @@
 // about ten calls a layer.
 //
 // Arguments, per layer l (a flat list each, so one call carries a whole model):
-//   tensors[18 l + 0, 1]: the input and post-attention norm weights [H];
-//   tensors[18 l + 2 + 4 p .. + 3]: projection p (qkv, o, gate-up, down): weight (float32
+//   tensors[20 l + 0, 1]: the input and post-attention norm weights [H];
+//   tensors[20 l + 2, 3]: the per-head q and k norm weights [D] (None without them);
+//   tensors[20 l + 4 + 4 p .. + 3]: projection p (qkv, o, gate-up, down): weight (float32
 //     [N, K] or decode_linear's packed panels, or quant_linear's qweight), scales, mins,
 //     bias (None where absent);
-//   ints[7 l + 0 .. 6]: the layer's KV-cache index, query heads, RoPE table (-1 none, 0 or
-//     1: rope[2 t], rope[2 t + 1] are its cos, sin), then per projection -1 for
+//   ints[8 l + 0 .. 7]: the layer's KV-cache index, query heads, RoPE table (-1 none, 0 or
+//     1: rope[2 t], rope[2 t + 1] are its cos, sin), per-head q/k norms (0 none, 1 an
+//     RMSNorm over each head's D values, before RoPE: Qwen3), then per projection -1 for
 //     decode_linear or quant_linear's ggml_type (>= 0);
-//   floats[3 l + 0 .. 2]: the input norm's eps, the post-attention norm's eps, the
-//     layer's residual multiplier.
+//   floats[4 l + 0 .. 3]: the input norm's eps, the post-attention norm's eps, the
+//     layer's residual multiplier, the q/k norms' eps.
 // x: [B T, H] rows in (b, t) order; kv: the cache [L, 2, B_max, Hkv, S, D], written at
 // slots [B, T] of each layer; cache_lens, tree_mask and scale as tree_attention takes
 // them. Returns the last layer's output [B T, H] (before the final norm).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/mul.h>
+#include <ATen/ops/rms_norm.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 #include <optional>
@@ -56,6 +60,10 @@ struct Ops {
                                       const OptTensor&, at::Tensor, const at::Tensor&)>
       rope_kv_write_qkv;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const OptTensor&, const OptTensor&, at::Tensor,
+                                      const at::Tensor&)>
+      rope_kv_write;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, const OptTensor&, double)>
       tree_attention;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul;
@@ -78,6 +86,10 @@ struct Ops {
           find("osd::rope_kv_write_qkv")
               .typed<at::Tensor(const at::Tensor&, int64_t, const OptTensor&, const OptTensor&,
                                 at::Tensor, const at::Tensor&)>(),
+          find("osd::rope_kv_write")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const OptTensor&, const OptTensor&, at::Tensor,
+                                const at::Tensor&)>(),
           find("osd::tree_attention")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, const OptTensor&, double)>(),
@@ -88,7 +100,7 @@ struct Ops {
   }
 };
 
-constexpr int64_t kTensors = 18, kInts = 7, kFloats = 3;
+constexpr int64_t kTensors = 20, kInts = 8, kFloats = 4;
 
 at::Tensor required(const c10::List<OptTensor>& t, int64_t i, const char* what, int64_t layer) {
   const OptTensor v = t.get(i);
@@ -100,10 +112,10 @@ at::Tensor required(const c10::List<OptTensor>& t, int64_t i, const char* what, 
 // projection p of layer l on rows x (norm: the RMSNorm fused in front, or none)
 at::Tensor project(const Ops& ops, const c10::List<OptTensor>& t, at::IntArrayRef ints,
                    int64_t l, int p, const at::Tensor& x, const OptTensor& norm, double eps) {
-  const int64_t base = kTensors * l + 2 + 4 * p;
+  const int64_t base = kTensors * l + 4 + 4 * p;
   const at::Tensor w = required(t, base, "projection weight", l);
   const OptTensor bias = t.get(base + 3);
-  const int64_t kind = ints[kInts * l + 3 + p];
+  const int64_t kind = ints[kInts * l + 4 + p];
   if (kind < 0) return ops.decode_linear.call(x, w, bias, norm, eps);
   const at::Tensor scales = required(t, base + 1, "projection scales", l);
   return ops.quant_linear.call(x, w, scales, t.get(base + 2), bias, norm, eps, kind);
@@ -156,7 +168,25 @@ at::Tensor decoder_layers_cpu(const at::Tensor& x, const c10::List<OptTensor>& t
       cos = rope.get(2 * in[2]);
       sin = rope.get(2 * in[2] + 1);
     }
-    const at::Tensor q = ops.rope_kv_write_qkv.call(qkv, in[1], cos, sin, layer_kv, slots);
+    at::Tensor q;
+    if (in[3] == 0) {
+      q = ops.rope_kv_write_qkv.call(qkv, in[1], cos, sin, layer_kv, slots);
+    } else {
+      // the per-head norms as the layer's Python computes them (F.rms_norm over each
+      // head's D values, queries then keys, concatenated), then RoPE and the K/V write
+      OSD_CHECK(in[3] == 1, "decoder_layers: layer ", l, "'s q/k norm kind must be 0 or 1, got ",
+                in[3]);
+      const int64_t hq = in[1], hkv = kv.size(3), D = kv.size(5);
+      const at::Tensor heads = qkv.view({B, T, hq + 2 * hkv, D});
+      const at::Tensor qn = required(tensors, kTensors * l + 2, "q norm weight", l);
+      const at::Tensor kn = required(tensors, kTensors * l + 3, "k norm weight", l);
+      const at::Tensor qk =
+          at::cat({at::rms_norm(heads.narrow(2, 0, hq), {D}, qn, fl[3]),
+                   at::rms_norm(heads.narrow(2, hq, hkv), {D}, kn, fl[3])},
+                  2);
+      q = ops.rope_kv_write.call(qk.narrow(2, 0, hq), qk.narrow(2, hq, hkv),
+                                 heads.narrow(2, hq + hkv, hkv), cos, sin, layer_kv, slots);
+    }
     const at::Tensor out = ops.tree_attention.call(q, layer_kv.select(0, 0), layer_kv.select(0, 1),
                                                    cache_lens, tree_mask, scale);
     multiplier = fl[2];

@@ -32,7 +32,7 @@ the first layer's input norm fused in), ``rope_kv_write_qkv`` on the qkv project
 comes, attention over per-layer views of the cache made once per cache, two
 ``add_rms_norm`` and a ``silu_mul``: nine op calls and a view a layer, where the unfused
 forward makes about 85 (``docs/benchmarks.md``, where a CPU step's time goes). Where the
-layers fit it (no per-head q/k norms, sliding windows or soft-capping; the default
+layers fit it (no sliding windows, soft-capping or whole-width q/k norms; the default
 attention backend; projections that ``decode_linear`` or ``quant_linear`` takes), one
 ``decoder_layers`` call runs that loop in C++ over every layer (:data:`LOOP_IN_CPP`), its
 flat arguments built once per model and rebuilt when a weight is replaced or repacked.
@@ -83,7 +83,7 @@ FUSED_LAYERS = os.environ.get("OSD_FUSED_LAYERS", "cpu")
 # token there.
 CPU_MAX_ROWS = 16
 # The CPU path loops over the layers in C++ (``osd_kernels.decoder_layers``) where the
-# layers fit it (no per-head norms, windows or soft-capping; projections ``decode_linear``
+# layers fit it (no windows, soft-capping or whole-width q/k norms; projections ``decode_linear``
 # or ``quant_linear`` takes); False keeps the same ops called from Python, bit for bit the
 # same results (``OSD_LAYERS_IN_CPP=0``).
 LOOP_IN_CPP = os.environ.get("OSD_LAYERS_IN_CPP", "1") != "0"
@@ -344,7 +344,9 @@ def _build_plan(model, layers) -> _LayerPlan | None:
         return None
     specs, checks, versions, group = [], [], [], 1
     for index, layer in layers:
-        if layer.qk_norm != "none" or layer.window is not None or layer.softcap is not None:
+        if layer.qk_norm not in ("none", "head") or layer.window is not None:
+            return None
+        if layer.softcap is not None:
             return None
         projections = [
             _projection(getattr(layer, name), checks, versions)
@@ -353,7 +355,10 @@ def _build_plan(model, layers) -> _LayerPlan | None:
         if any(p is None for p in projections):
             return None
         norms = (layer.input_norm, layer.post_attention_norm)
-        checks.extend((n._parameters, "weight", n.weight) for n in norms)
+        heads = (layer.q_norm, layer.k_norm) if layer.qk_norm == "head" else ()
+        if heads and heads[0].eps != heads[1].eps:
+            return None
+        checks.extend((n._parameters, "weight", n.weight) for n in (*norms, *heads))
         group = max(group, layer.num_heads // layer.num_kv_heads)
         specs.append(
             {
@@ -363,6 +368,7 @@ def _build_plan(model, layers) -> _LayerPlan | None:
                 "input_norm": (norms[0].weight, norms[0].eps),
                 "post_norm": (norms[1].weight, norms[1].eps),
                 "residual_multiplier": layer.residual_multiplier,
+                "head_norms": (heads[0].weight, heads[1].weight, heads[0].eps) if heads else None,
                 "projections": projections,
             }
         )
