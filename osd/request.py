@@ -42,6 +42,7 @@ class RequestState:
     stop_text: str | None = None  # the text cut before the stop string that ended it
     logprobs: list | None = None  # TokenLogprobs per generated token (params.logprobs)
     lookup_record: object = None  # its prompt-lookup drafts' record (spec_decode.lookup_lengths)
+    ngram_index: object = None  # its text's n-grams for prompt lookup (spec_decode.ngram_index)
     # Set while the request waits to resume after a failed step (``osd.isolation``): the
     # tokens whose K/V its row must hold again (the prompt and all generated tokens but
     # the last, which is its next input). Prefilled instead of the prompt, sampling

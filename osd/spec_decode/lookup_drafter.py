@@ -12,6 +12,7 @@ from osd.sampling import SamplingParams
 from osd.spec_decode.lookup_history import LookupHistory
 from osd.spec_decode.lookup_lengths import EXPLORE_EVERY, LookupRecord, batch_reach
 from osd.spec_decode.model_drafter import ModelDrafter
+from osd.spec_decode.ngram_index import NGramIndex
 from osd.spec_decode.proposals import (
     FROM_LOOKUP,
     FROM_MODEL,
@@ -77,10 +78,11 @@ class NGramDrafter:
             raise ValueError("prompt lookup drafts chains, not trees")
         histories = [r.prompt + r.generated for r in active]
         if self.min_reach <= 0.0:
-            return self.propose_chain(histories, k, roots.device)
+            conts = [cont for _, cont in self.matches(histories, k, active)]
+            return self.chain(conts, k, roots.device)
         conts = []
         batched = batch_reach(self.min_reach, len(active))
-        for r, hist, (n, cont) in zip(active, histories, self.matches(histories, k)):
+        for r, hist, (n, cont) in zip(active, histories, self.matches(histories, k, active)):
             record = r.lookup_record
             if record is None:
                 record = r.lookup_record = LookupRecord()
@@ -101,9 +103,24 @@ class NGramDrafter:
         """Each row's lookup continuation (up to ``k`` tokens; [] without a match)."""
         return [self.lookup(hist, k) for hist in histories]
 
-    def matches(self, histories: list[list[int]], k: int) -> list[tuple[int, list[int]]]:
-        """Each row's ``(suffix length matched, continuation)``; ``(0, [])`` without one."""
-        return [self.lookup_match(hist, k) for hist in histories]
+    def matches(
+        self, histories: list[list[int]], k: int, requests=None
+    ) -> list[tuple[int, list[int]]]:
+        """Each row's ``(suffix length matched, continuation)``; ``(0, [])`` without one.
+        ``requests``: the rows' requests, whose n-gram indexes (kept on each request as its
+        text grows) replace the search of every row's context."""
+        if requests is None:
+            return [self.lookup_match(hist, k) for hist in histories]
+        return [
+            self.lookup_match(hist, k, self.index_of(r)) for r, hist in zip(requests, histories)
+        ]
+
+    def index_of(self, request) -> NGramIndex:
+        """``request``'s n-gram index for this drafter's lengths (made on first use)."""
+        index = request.ngram_index
+        if index is None or (index.ngram_min, index.ngram_max) != (self.ngram_min, self.ngram_max):
+            index = request.ngram_index = NGramIndex(self.ngram_min, self.ngram_max)
+        return index
 
     @staticmethod
     def chain(conts: list[list[int]], k: int, device) -> ChainProposal:
@@ -129,20 +146,30 @@ class NGramDrafter:
         longest suffix with a match, in ``hist`` itself before the history."""
         return self.lookup_match(hist, k)[1]
 
-    def lookup_match(self, hist: list[int], k: int) -> tuple[int, list[int]]:
+    def lookup_match(
+        self, hist: list[int], k: int, index: NGramIndex | None = None
+    ) -> tuple[int, list[int]]:
         """:meth:`lookup` with the length of the suffix it matched: ``(n, continuation)``,
-        ``(0, [])`` when no suffix of ``ngram_min`` or more tokens has a continuation."""
-        seq = torch.tensor(hist, dtype=torch.int64)
-        L = seq.numel()
+        ``(0, [])`` when no suffix of ``ngram_min`` or more tokens has a continuation.
+        ``index``: the n-grams of ``hist``'s earlier steps (a request's
+        :class:`~osd.spec_decode.ngram_index.NGramIndex`, same lengths), which turns the
+        search of the context into dict probes; the answer is the same."""
+        L = len(hist)
+        seq = None if index is not None else torch.tensor(hist, dtype=torch.int64)
         for n in range(self.ngram_max, self.ngram_min - 1, -1):
             if L < n:
                 continue
             if L > n:
-                windows = seq[: L - 1].unfold(0, n, 1)  # starts 0 .. L-1-n
-                hits = (windows == seq[L - n :]).all(1).nonzero()
-                if hits.numel():
-                    start = int(hits[-1]) + n
-                    return n, seq[start : start + k].tolist()
+                if index is not None:
+                    found = index.start(hist, n)
+                    if found is not None:
+                        return n, hist[found + n : found + n + k]
+                else:
+                    windows = seq[: L - 1].unfold(0, n, 1)  # starts 0 .. L-1-n
+                    hits = (windows == seq[L - n :]).all(1).nonzero()
+                    if hits.numel():
+                        start = int(hits[-1]) + n
+                        return n, seq[start : start + k].tolist()
             if self.history is not None:
                 cont = self.history.lookup(hist[L - n :], k)
                 if cont:
@@ -203,7 +230,7 @@ class LookupDrafter:
 
     def propose(self, active, roots, params, seed, offset, *, k: int = 0, tree=None, stopper=None):
         width = max(k, self.lookup_tokens)
-        found = self.lookup.matches([r.prompt + r.generated for r in active], width)
+        found = self.lookup.matches([r.prompt + r.generated for r in active], width, active)
         conts = [cont for _, cont in found]
         self._looked_up = all(n >= max(self.tree_below, 1) for n, _ in found)
         if self._looked_up:
