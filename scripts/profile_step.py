@@ -476,7 +476,7 @@ def print_report(report: dict) -> None:
             print(f"\n{r['config']}: py-spy, share of step samples by the deepest osd frame")
             for fn, share in r["py_spy"]:
                 print(f"  {share:6.1%}  {fn}")
-    if "bandwidth" in report:
+    if "bandwidth" in report and "weights" in report:  # the memory line needs the plain run
         bw, w = report["bandwidth"], report["weights"]
         kv = report["kv_bytes_per_position"] * report["mean_context"]
         roof = bw["read_gbs"] * 1e9 / (w["total"] + kv)
