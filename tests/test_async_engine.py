@@ -334,8 +334,9 @@ def test_long_prompts_prefill_piece_by_piece_between_decode_steps(pair, online):
 
     short, long_ = prompts_of([6, 90, 9], seed=95), None
     long_ = short.pop(1)
-    sp = osd.SamplingParams(30)
-    alone = {tuple(p): engine().generate([p], sp)[0].token_ids for p in short + [long_]}
+    sp, first_sp = osd.SamplingParams(30), osd.SamplingParams(80)
+    params = {tuple(short[0]): first_sp, tuple(short[1]): sp, tuple(long_): sp}
+    alone = {p: engine().generate([list(p)], sp_)[0].token_ids for p, sp_ in params.items()}
     eng = engine()
     overlap = []
     real = eng._step_lane
@@ -349,11 +350,23 @@ def test_long_prompts_prefill_piece_by_piece_between_decode_steps(pair, online):
     aeng = osd.AsyncEngine(eng)
 
     async def main():
-        return await asyncio.gather(
-            _collect(aeng, short[0], sp),
-            _collect(aeng, long_, sp, delay=0.02),
-            _collect(aeng, short[1], sp, delay=0.03),
-        )
+        # the long prompt arrives once the first request decodes (not after a fixed delay:
+        # how far a request gets in a few milliseconds depends on the machine), which has
+        # many more steps to go than the long prompt has pieces
+        decoding = asyncio.Event()
+
+        async def first():
+            last = None
+            async for out in aeng.generate(short[0], first_sp):
+                decoding.set()
+                last = out
+            return last
+
+        async def after(prompt, delay):
+            await decoding.wait()
+            return await _collect(aeng, prompt, sp, delay=delay)
+
+        return await asyncio.gather(first(), after(long_, 0.0), after(short[1], 0.005))
 
     try:
         got = asyncio.run(main())
