@@ -224,8 +224,9 @@ def test_cpu_native_forward_equals_unfused(family, max_rows, quantized, loop, mo
 
 @pytest.mark.skipif(not native_available(), reason="osd_kernels._C is not built")
 def test_cpp_loop_follows_replaced_and_packed_weights(monkeypatch):
-    """The C++ loop's arguments are rebuilt when a weight is replaced, packed, or changed
-    in place under its packed copy: each forward equals the Python loop's bit for bit."""
+    """The C++ loop's arguments are rebuilt when a weight or a module is replaced, a weight
+    packed, or changed in place under its packed copy: each forward equals the Python
+    loop's bit for bit."""
     model = load_model(tiny_hf_model("llama"))
     ids = torch.randint(0, VOCAB, (2, 1), generator=torch.Generator().manual_seed(3))
     monkeypatch.setattr(fused_layers, "FUSED_LAYERS", "cpu")
@@ -244,6 +245,12 @@ def test_cpp_loop_follows_replaced_and_packed_weights(monkeypatch):
     layer.wo.weight = torch.nn.Parameter(layer.wo.weight.detach() * 2)  # replaced
     second = both()
     assert not torch.equal(first, second)
+    replaced = torch.nn.Linear(layer.wo.in_features, layer.wo.out_features, bias=False)
+    with torch.no_grad():
+        replaced.weight.copy_(layer.wo.weight / 2)
+    layer.wo = replaced  # the module itself
+    assert torch.equal(both(), first)
+    layer.wo.weight = torch.nn.Parameter(layer.wo.weight.detach() * 2)
     model.pack_weights()  # the Python loop takes the packed copies (other sum order)
     packed = both()
     assert (packed - second).abs().max() <= 1e-4

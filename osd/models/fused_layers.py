@@ -57,6 +57,7 @@ forward's within rounding (the kernels round where the unfused ops do;
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import weakref
 
@@ -310,10 +311,14 @@ class _LayerPlan:
     ``_buffers`` or ``__dict__`` entry that must still be that object), ``versions``
     ``(weight, version)`` (a packed copy is valid while its weight is unchanged)."""
 
-    __slots__ = ("tensors", "ints", "floats", "checks", "versions", "max_group")
+    __slots__ = ("tensors", "ints", "floats", "checks", "versions", "max_group", "_columns")
 
     def valid(self) -> bool:
-        return all(d.get(k) is t for d, k, t in self.checks) and all(
+        columns = getattr(self, "_columns", None)
+        if columns is None:  # (dicts, keys, objects): one pass of C loops per forward
+            columns = self._columns = tuple(map(list, zip(*self.checks))) or ([], [], [])
+        dicts, keys, objects = columns
+        return all(map(operator.is_, map(dict.get, dicts, keys), objects)) and all(
             weight_version(w) == v for w, v in self.versions
         )
 
@@ -342,16 +347,20 @@ def _projection(module, checks: list, versions: list):
 def _build_plan(model, layers) -> _LayerPlan | None:
     if model.attention_backend != "auto":
         return None
-    specs, checks, versions, group = [], [], [], 1
+    specs, versions, group = [], [], 1
+    # the modules themselves first: a replaced layer or projection leaves the old one's
+    # tensors as they were
+    checks = [(model._modules, "layers", model.layers)]
     for index, layer in layers:
         if layer.qk_norm not in ("none", "head") or layer.window is not None:
             return None
         if layer.softcap is not None:
             return None
-        projections = [
-            _projection(getattr(layer, name), checks, versions)
-            for name in ("wqkv", "wo", "w_gate_up", "w_down")
-        ]
+        checks.append((model.layers._modules, str(index), layer))
+        names = ["wqkv", "wo", "w_gate_up", "w_down", "input_norm", "post_attention_norm"]
+        names += ["q_norm", "k_norm"] if layer.qk_norm == "head" else []
+        checks.extend((layer._modules, name, getattr(layer, name)) for name in names)
+        projections = [_projection(getattr(layer, name), checks, versions) for name in names[:4]]
         if any(p is None for p in projections):
             return None
         norms = (layer.input_norm, layer.post_attention_norm)
