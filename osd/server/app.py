@@ -184,7 +184,8 @@ async def _respond(
                 sent[k],
                 index=k,
             )
-            sent[k] += sum(len(token_text(tok, t)) for t in step.token_ids)
+            if r.logprobs is not None:  # the text offsets of the logprobs
+                sent[k] += sum(len(token_text(tok, t)) for t in step.token_ids)
             return sse({**head, "choices": [c]})
 
         try:
@@ -214,8 +215,21 @@ async def _respond(
                 out = chunk(i, step)
                 if out:
                     yield out
-                if not gens[i].done:
+                if not gens[i].done and len(gens) > 1:
                     tasks[asyncio.ensure_future(gens[i].next_step())] = i
+            # one choice (the usual request): its steps in turn, without a task each
+            while len(gens) == 1 and not gens[0].done:
+                try:
+                    step = await gens[0].next_step()
+                except APIError as exc:
+                    counters.api_errors[(exc.status, exc.type)] = (
+                        counters.api_errors.get((exc.status, exc.type), 0) + 1
+                    )
+                    yield sse(exc.body())
+                    continue
+                out = chunk(0, step)
+                if out:
+                    yield out
             while tasks:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
