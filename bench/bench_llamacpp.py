@@ -16,7 +16,8 @@ conversation through the target's chat template). Providers:
 - ``llama.cpp-<mode>``: ``llama-server`` (``bench/llamacpp.py``: ``--poll 0``, ``-np 1``,
   ``/completion`` with token ids, ``cache_prompt: false``) in each mode of
   ``LLAMACPP_MODES``: ``plain`` and its n-gram modes; ``llama.cpp-draft`` too when
-  ``OSD_BENCH_LLAMACPP_DRAFT`` names a draft GGUF (the draft-model mode, ``-md``).
+  ``OSD_BENCH_LLAMACPP_DRAFT`` names a draft GGUF (the draft-model mode, ``-md``;
+  ``scripts/draft_to_gguf.py`` writes an osd draft directory as one).
 
 Timing is interleaved prompt by prompt (every provider runs prompt i before any runs
 prompt i+1), best of ``ROUNDS`` rounds per prompt. llama.cpp's time is the client's wall
