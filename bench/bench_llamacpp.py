@@ -15,9 +15,11 @@ conversation through the target's chat template). Providers:
   settings for it (the table's notes print the ``SpecConfig`` served);
 - ``llama.cpp-<mode>``: ``llama-server`` (``bench/llamacpp.py``: ``--poll 0``, ``-np 1``,
   ``/completion`` with token ids, ``cache_prompt: false``) in each mode of
-  ``LLAMACPP_MODES``: ``plain`` and its n-gram modes; ``llama.cpp-draft`` too when
-  ``OSD_BENCH_LLAMACPP_DRAFT`` names a draft GGUF (the draft-model mode, ``-md``;
-  ``scripts/draft_to_gguf.py`` writes an osd draft directory as one).
+  ``LLAMACPP_MODES``: ``plain`` and its n-gram modes; ``llama.cpp-draft``, the draft-model
+  mode (``-md``), with the chat draft written as a GGUF file
+  (:func:`osd.models.gguf.export.write_draft_gguf`, ``scripts/draft_to_gguf.py``; left out
+  where its shape does not allow it), another GGUF file that
+  ``OSD_BENCH_LLAMACPP_DRAFT`` names, or none with ``OSD_BENCH_LLAMACPP_DRAFT=none``.
 
 Timing is interleaved prompt by prompt (every provider runs prompt i before any runs
 prompt i+1), best of ``ROUNDS`` rounds per prompt. llama.cpp's time is the client's wall
@@ -56,6 +58,7 @@ import osd
 from bench import llamacpp
 from osd import zoo
 from osd.chat_template import apply_chat_template
+from osd.models.gguf.export import write_draft_gguf
 from osd.zoo.workloads import evaluation_set
 
 NEW_TOKENS = int(os.environ.get("OSD_BENCH_LLAMACPP_TOKENS", "128"))
@@ -69,20 +72,35 @@ LLAMACPP_MODES = [
     ).split(",")
     if m
 ]
-LLAMACPP_DRAFT = os.environ.get("OSD_BENCH_LLAMACPP_DRAFT") or None
+LLAMACPP_DRAFT = os.environ.get("OSD_BENCH_LLAMACPP_DRAFT", "chat")  # a GGUF path, or none
 WORKLOADS = os.environ.get("OSD_BENCH_LLAMACPP_WORKLOADS", "explain,summarise,multiturn,code")
 OSD_PROVIDERS = ["osd-plain", "osd-quant", "osd-spec"]
 MAX_SEQ_LEN = 2048
 
 
-def _llama_providers() -> list[str]:
+def _llama_providers(state) -> list[str]:
     return [f"llama.cpp-{m}" for m in LLAMACPP_MODES] + (
-        ["llama.cpp-draft"] if LLAMACPP_DRAFT else []
+        ["llama.cpp-draft"] if state["llama_draft"] else []
     )
 
 
+def _llama_draft(target: str, draft: str, tmp: str) -> str | None:
+    """The GGUF file of the draft-model mode (see the module docstring), or None."""
+    if LLAMACPP_DRAFT.lower() in ("", "none", "0"):
+        return None
+    if LLAMACPP_DRAFT != "chat":
+        return LLAMACPP_DRAFT
+    out = os.path.join(tmp, "chat_draft.gguf")
+    try:
+        write_draft_gguf(target, draft, out)
+    except ValueError as exc:  # the draft's shape does not fit llama.cpp's draft mode
+        print(f"\nllama.cpp-draft left out: {exc}")
+        return None
+    return out
+
+
 @pytest.fixture(scope="module")
-def setup():
+def setup(tmp_path_factory):
     bins = llamacpp.find_binaries()
     if bins is None:
         pytest.skip(llamacpp.missing_reason())
@@ -126,6 +144,7 @@ def setup():
         "warm": warm,
         "ctx": ctx,
         "servers": {},
+        "llama_draft": _llama_draft(target, draft, str(tmp_path_factory.mktemp("llamacpp"))),
     }
     yield state
     _stop_servers(state)
@@ -143,7 +162,7 @@ def _stop_servers(state) -> None:
 def _restart_servers(state) -> None:
     """Fresh llama-servers, one per provider, each warmed up on the warm-up prompt."""
     _stop_servers(state)
-    for prov in _llama_providers():
+    for prov in _llama_providers(state):
         mode = prov[len("llama.cpp-") :]
         srv = llamacpp.Server(
             state["bins"],
@@ -151,7 +170,7 @@ def _restart_servers(state) -> None:
             threads=THREADS,
             ctx=state["ctx"],
             mode=mode,
-            draft=LLAMACPP_DRAFT if mode == "draft" else None,
+            draft=state["llama_draft"] if mode == "draft" else None,
         )
         state["servers"][prov] = srv
         srv.complete(state["warm"], 16)
@@ -231,7 +250,7 @@ def test_llamacpp(benchmark, setup, workload, capsys):
     if workload not in setup["workloads"]:
         pytest.skip(f"no workload {workload!r} in the evaluation set")
     prompts = setup["workloads"][workload]
-    providers = OSD_PROVIDERS + _llama_providers()
+    providers = OSD_PROVIDERS + _llama_providers(setup)
     n = len(prompts)
     best = {p: [float("inf")] * n for p in providers}
     outs: dict[str, list] = {p: [None] * n for p in providers}

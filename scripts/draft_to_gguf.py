@@ -1,19 +1,7 @@
-"""Write an osd draft directory as a GGUF file for llama.cpp's draft-model mode (``-md``).
-
-A draft directory (``osd draft build``, ``osd/zoo/weights/chat_draft``) holds a
-Llama-shaped checkpoint in Hugging Face names (``config.json``, ``model.safetensors``).
-llama.cpp's draft mode needs a GGUF model with the target's vocabulary and tokenizer, so
-the file gets the target GGUF's metadata (tokenizer, chat template) with the draft's own
-shape keys, its weights in Q8_0 (norms in F32) and llama.cpp's row order for the Q and K
-projections (each head's rotate-half rows as interleaved pairs, what llama.cpp's own
-converter writes; :func:`osd.models.gguf.unpermute_rope_rows` is the inverse).
-
-Where the shape does not allow it, the script says so: the architecture must be Llama's
-(``LlamaForCausalLM``) and the vocabulary the target's. A draft whose output head is
-restricted to a subset of the vocabulary (``head_vocab.json``) with tied embeddings is
-written with its whole tied head (the embedding), since llama.cpp compares the draft's
-vocabulary with the target's; the rows outside the subset were not trained as an output
-head, so its drafts can differ from osd's on them.
+"""Write an osd draft directory as a GGUF file for llama.cpp's draft-model mode (``-md``):
+:func:`osd.models.gguf.export.write_draft_gguf` (the target's tokenizer metadata, the
+draft's shape, Q8_0, llama.cpp's Q/K row order). ``bench/bench_llamacpp.py`` writes the chat
+draft this way for its ``llama.cpp-draft`` row.
 
     .venv/bin/python scripts/draft_to_gguf.py --target TARGET.gguf --draft DIR --out draft.gguf
 """
@@ -21,91 +9,10 @@ head, so its drafts can differ from osd's on them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-import torch
-from safetensors import safe_open
-
-from osd.models.gguf import GGMLType, GGUFFile, write_gguf
-
-SHAPE_KEYS = {
-    "block_count": "num_hidden_layers",
-    "embedding_length": "hidden_size",
-    "feed_forward_length": "intermediate_size",
-    "attention.head_count": "num_attention_heads",
-    "attention.head_count_kv": "num_key_value_heads",
-    "context_length": "max_position_embeddings",
-    "vocab_size": "vocab_size",
-}
-LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def permute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """llama.cpp's Q/K row order: per head, rotate-half rows as interleaved pairs."""
-    d = w.shape[0] // n_heads
-    return w.reshape(n_heads, 2, d // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def convert(target: str, draft: str, out: str) -> dict:
-    """Write ``draft`` (a directory) as ``out`` with ``target``'s tokenizer; returns the
-    draft's config."""
-    with open(os.path.join(draft, "config.json")) as f:
-        cfg = json.load(f)
-    if cfg.get("architectures") != ["LlamaForCausalLM"]:
-        raise SystemExit(f"draft_to_gguf: {draft} is {cfg.get('architectures')}, not a Llama")
-    g = GGUFFile(target)
-    meta = dict(g.metadata)
-    if meta.get("general.architecture") != "llama":
-        raise SystemExit(f"draft_to_gguf: {target} is not a llama GGUF")
-    vocab = meta.get("llama.vocab_size") or g.tensors["token_embd.weight"].shape[0]
-    if int(vocab) != cfg["vocab_size"]:
-        raise SystemExit(
-            f"draft_to_gguf: the draft's vocabulary ({cfg['vocab_size']}) is not the "
-            f"target's ({vocab})"
-        )
-    for key, name in SHAPE_KEYS.items():
-        meta[f"llama.{key}"] = int(cfg[name])
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    meta["llama.rope.dimension_count"] = int(head_dim)
-    meta["llama.attention.layer_norm_rms_epsilon"] = float(cfg["rms_norm_eps"])
-    rope = cfg.get("rope_parameters") or {}
-    meta["llama.rope.freq_base"] = float(rope.get("rope_theta", cfg.get("rope_theta", 1e4)))
-    meta["general.name"] = f"osd draft ({os.path.basename(os.path.normpath(draft))})"
-    meta["general.file_type"] = 7  # mostly Q8_0
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    tensors = {}
-    with safe_open(os.path.join(draft, "model.safetensors"), "pt") as f:
-        for name in f.keys():
-            w = f.get_tensor(name).float()
-            if name == "model.embed_tokens.weight":
-                tensors["token_embd.weight"] = (w, GGMLType.Q8_0)
-            elif name == "model.norm.weight":
-                tensors["output_norm.weight"] = (w, GGMLType.F32)
-            elif name == "lm_head.weight":
-                tensors["output.weight"] = (w, GGMLType.Q8_0)
-            else:
-                _, _, i, *rest = name.split(".")
-                part = ".".join(rest[:-1])
-                if part == "self_attn.q_proj":
-                    w = permute_rope_rows(w, heads)
-                elif part == "self_attn.k_proj":
-                    w = permute_rope_rows(w, kv_heads)
-                kind = GGMLType.F32 if w.dim() == 1 else GGMLType.Q8_0
-                tensors[f"blk.{i}.{LAYER_NAMES[part]}.weight"] = (w, kind)
-    write_gguf(out, meta, tensors)
-    return cfg
+from osd.models.gguf.export import write_draft_gguf
 
 
 def main() -> None:
@@ -114,7 +21,10 @@ def main() -> None:
     ap.add_argument("--draft", required=True, help="the draft directory")
     ap.add_argument("--out", required=True, help="the GGUF file to write")
     args = ap.parse_args()
-    cfg = convert(args.target, args.draft, args.out)
+    try:
+        cfg = write_draft_gguf(args.target, args.draft, args.out)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     print(
         f"draft_to_gguf: wrote {args.out} ({cfg['num_hidden_layers']} layers, hidden "
         f"{cfg['hidden_size']}, {os.path.getsize(args.out) / 1e6:.1f} MB)",

@@ -1,24 +1,15 @@
-"""scripts/draft_to_gguf.py: a draft directory written as a GGUF file for llama.cpp's
-draft mode loads back (through osd's GGUF reader, which undoes llama.cpp's Q/K row order)
-as the same model up to its Q8_0 rounding, with the target's tokenizer metadata and its own
-shape; a draft of another vocabulary is refused."""
-
-import importlib.util
-import os
+"""osd.models.gguf.export.write_draft_gguf (scripts/draft_to_gguf.py): a draft directory
+written as a GGUF file for llama.cpp's draft mode loads back (through osd's GGUF reader,
+which undoes llama.cpp's Q/K row order) as the same model up to its Q8_0 rounding, with the
+target's tokenizer metadata and its own shape; a draft of another vocabulary is refused."""
 
 import pytest
 import torch
 
 from osd.models import load_model
 from osd.models.gguf import GGUFFile
-from tests.test_gguf import to_gguf, tiny_hf_model
-
-_SPEC = importlib.util.spec_from_file_location(
-    "draft_to_gguf",
-    os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "draft_to_gguf.py"),
-)
-draft_to_gguf = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(draft_to_gguf)
+from osd.models.gguf.export import write_draft_gguf
+from tests.test_gguf import tiny_hf_model, to_gguf
 
 
 def test_round_trip(tmp_path):
@@ -26,7 +17,7 @@ def test_round_trip(tmp_path):
     to_gguf(target, tmp_path / "target.gguf", extra={"tokenizer.ggml.model": "gpt2"})
     draft = tiny_hf_model("llama", tie=True, seed=1)
     draft.save_pretrained(tmp_path / "draft")
-    draft_to_gguf.convert(
+    write_draft_gguf(
         str(tmp_path / "target.gguf"), str(tmp_path / "draft"), str(tmp_path / "d.gguf")
     )
     meta = GGUFFile(tmp_path / "d.gguf").metadata
@@ -50,7 +41,7 @@ def test_other_vocabulary_is_refused(tmp_path):
     draft = tiny_hf_model("llama", tie=True, seed=1)
     draft.resize_token_embeddings(draft.config.vocab_size + 32)
     draft.save_pretrained(tmp_path / "draft")
-    with pytest.raises(SystemExit, match="vocabulary"):
-        draft_to_gguf.convert(
+    with pytest.raises(ValueError, match="vocabulary"):
+        write_draft_gguf(
             str(tmp_path / "target.gguf"), str(tmp_path / "draft"), str(tmp_path / "d.gguf")
         )
