@@ -14,7 +14,9 @@ modules), so the dependencies run one way:
   Face names (:func:`open_gguf_weights`, :func:`unpermute_rope_rows`);
 - :mod:`~osd.models.gguf.load`: :func:`load_gguf_model`, a ``DecoderLM`` from a file (it
   imports :mod:`osd.models.llama`, :mod:`osd.models.quant` and
-  :mod:`osd.models.hf_weights`).
+  :mod:`osd.models.hf_weights`);
+- :mod:`~osd.models.gguf.export`: a draft directory written as a GGUF file for llama.cpp's
+  draft mode (``write_draft_gguf``; ``blocks`` and ``format`` only), imported on use.
 
 :mod:`osd.models.quant` imports ``blocks`` and ``convert``, and :mod:`osd.models.loading`
 imports ``load``. Importing any submodule runs this ``__init__`` first, so it imports the
