@@ -12,6 +12,8 @@ from osd.models.config import ModelConfig
 from osd.models.llama import DecoderLM
 from osd.spec import MIN_REACH, PromptLookup
 from osd.spec_decode.lookup_lengths import (
+    EXPLORE_EVERY,
+    explores,
     MAX_REACH,
     PRIOR_ACCEPTED,
     PRIOR_REACHED,
@@ -128,3 +130,12 @@ def _top_p(probs, top_p):
             break
     out = torch.where(keep, probs, torch.zeros_like(probs))
     return out / out.sum()
+
+
+def test_exploration_is_rarer_in_a_batch():
+    """Alone every EXPLORE_EVERY-th step explores; in a batch of B rows every
+    EXPLORE_EVERY * B-th (a drafted row costs the whole batch)."""
+    alone = [s for s in range(1, 200) if explores(s, 1)]
+    assert alone == list(range(EXPLORE_EVERY, 200, EXPLORE_EVERY))
+    assert [s for s in range(1, 300) if explores(s, 8)] == [8 * EXPLORE_EVERY, 16 * EXPLORE_EVERY]
+    assert explores(0, 3) and explores(EXPLORE_EVERY, 0)

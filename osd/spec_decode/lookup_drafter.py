@@ -10,7 +10,7 @@ from osd.graphs import StepGraphs
 from osd.models.llama import DecoderLM
 from osd.sampling import SamplingParams
 from osd.spec_decode.lookup_history import LookupHistory
-from osd.spec_decode.lookup_lengths import EXPLORE_EVERY, LookupRecord, batch_reach
+from osd.spec_decode.lookup_lengths import LookupRecord, batch_reach, explores
 from osd.spec_decode.model_drafter import ModelDrafter
 from osd.spec_decode.ngram_index import NGramIndex
 from osd.spec_decode.proposals import (
@@ -88,7 +88,7 @@ class NGramDrafter:
                 record = r.lookup_record = LookupRecord()
             record.settle(hist)
             length = record.length(n, len(cont), batched)
-            if r.spec_steps % EXPLORE_EVERY == 0:  # one position past the bar's length
+            if explores(r.spec_steps, len(active)):  # one position past the bar's length
                 length = min(length + 1, len(cont))
             cont = cont[:length]
             record.propose(n, cont, len(hist))

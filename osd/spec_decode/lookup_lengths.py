@@ -23,8 +23,11 @@ In a batch the bar rises (:func:`batch_reach`): each draft then costs a row of a
 that the whole batch waits for. A request's drafts then depend on the size of the batch it
 runs in (its output does not: greedy tokens stay the target's, sampled ones its
 distribution, but a fixed seed's samples can differ between batch sizes, as with
-``auto_k``). So that a record keeps learning under a bar its prior does not clear, every
-``EXPLORE_EVERY``-th step of a request drafts one position past the bar's length.
+``auto_k``). So that a record keeps learning under a bar its prior does not clear, a
+request's steps now and then draft one position past the bar's length: every
+``EXPLORE_EVERY``-th step alone, less often in a batch (:func:`explores`), where such a row
+costs the whole batch a step's share and, past a kernel's rows a pass, a second pass over
+the weights.
 """
 
 from __future__ import annotations
@@ -32,7 +35,13 @@ from __future__ import annotations
 PRIOR_ACCEPTED = 2.0
 PRIOR_REACHED = 3.0
 MAX_REACH = 0.9  # the bar never rises past this
-EXPLORE_EVERY = 16  # a request's every 16th step drafts one position past the bar
+EXPLORE_EVERY = 16  # alone, a request's every 16th step drafts one position past the bar
+
+
+def explores(step: int, batch: int) -> bool:
+    """Whether a request's ``step``-th speculative step explores, in a step of ``batch``
+    rows: every ``EXPLORE_EVERY * batch``-th step."""
+    return step % (EXPLORE_EVERY * max(1, batch)) == 0
 
 
 def batch_reach(min_reach: float, batch: int) -> float:
