@@ -20,7 +20,13 @@ def test_round_trip(tmp_path):
     write_draft_gguf(
         str(tmp_path / "target.gguf"), str(tmp_path / "draft"), str(tmp_path / "d.gguf")
     )
-    meta = GGUFFile(tmp_path / "d.gguf").metadata
+    g = GGUFFile(tmp_path / "d.gguf")
+    meta = g.metadata
+    layer0 = {n.split(".")[2] for n in g.tensors if n.startswith("blk.0.")}
+    assert layer0 == {  # llama.cpp's names for a Llama layer
+        "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+        "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
+    }  # fmt: skip
     assert meta["tokenizer.ggml.model"] == "gpt2"  # the target's tokenizer
     assert meta["llama.block_count"] == draft.config.num_hidden_layers
     ids = torch.randint(

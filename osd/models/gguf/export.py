@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 from osd.models.gguf.blocks import GGMLType
+from osd.models.gguf.convert import _GLOBAL_NAMES, _LAYER_NAMES
 from osd.models.gguf.format import GGUFFile, write_gguf
 
 SHAPE_KEYS = {
@@ -36,17 +37,13 @@ SHAPE_KEYS = {
     "context_length": "max_position_embeddings",
     "vocab_size": "vocab_size",
 }
-LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
+# Hugging Face names -> the file's: the reader's tables inverted (Llama has no overrides).
+# Where two file names read as one of ours, the first listed is Llama's (ffn_norm, not
+# Gemma's post_attention_norm).
+_HF_LAYER: dict[str, str] = {}
+for _gguf, _hf in _LAYER_NAMES.items():
+    _HF_LAYER.setdefault(_hf, _gguf)
+_HF_GLOBAL = {hf: gguf for gguf, hf in _GLOBAL_NAMES.items()}
 
 
 def permute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -86,20 +83,17 @@ def write_draft_gguf(target: str | os.PathLike, draft: str | os.PathLike, out) -
     with safe_open(os.path.join(draft, "model.safetensors"), "pt") as f:
         for name in f.keys():
             w = f.get_tensor(name).float()
-            if name == "model.embed_tokens.weight":
-                tensors["token_embd.weight"] = (w, GGMLType.Q8_0)
-            elif name == "model.norm.weight":
-                tensors["output_norm.weight"] = (w, GGMLType.F32)
-            elif name == "lm_head.weight":
-                tensors["output.weight"] = (w, GGMLType.Q8_0)
-            else:
-                _, _, i, *rest = name.split(".")
-                part = ".".join(rest[:-1])
-                if part == "self_attn.q_proj":
-                    w = permute_rope_rows(w, heads)
-                elif part == "self_attn.k_proj":
-                    w = permute_rope_rows(w, kv_heads)
+            if name in _HF_GLOBAL:  # embedding, final norm, an untied head
                 kind = GGMLType.F32 if w.dim() == 1 else GGMLType.Q8_0
-                tensors[f"blk.{i}.{LAYER_NAMES[part]}.weight"] = (w, kind)
+                tensors[_HF_GLOBAL[name]] = (w, kind)
+                continue
+            _, _, i, *rest = name.split(".")
+            part = ".".join(rest[:-1])
+            if part == "self_attn.q_proj":
+                w = permute_rope_rows(w, heads)
+            elif part == "self_attn.k_proj":
+                w = permute_rope_rows(w, kv_heads)
+            kind = GGMLType.F32 if w.dim() == 1 else GGMLType.Q8_0
+            tensors[f"blk.{i}.{_HF_LAYER[part]}.weight"] = (w, kind)
     write_gguf(out, meta, tensors)
     return cfg
