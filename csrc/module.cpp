@@ -5,6 +5,7 @@
 #include <Python.h>
 
 #include "cpu/fast_math.h"
+#include "cpu/quant_linear_x16.h"
 
 static struct PyModuleDef osd_module = {PyModuleDef_HEAD_INIT, "_C",
                                         "osd native kernels (torch.ops.osd.*)", -1, nullptr};
@@ -20,5 +21,8 @@ PyMODINIT_FUNC PyInit__C(void) {
   // Whether the CPU kernels' AVX-512 paths can run here (osd_kernels.use_avx512 adds the
   // OSD_NO_AVX512 / OSD_NO_AVX2 switches, read per call as the kernels read them).
   PyModule_AddIntConstant(m, "CPU_AVX512", osd::cpu_has_avx512() ? 1 : 0);
+  // Whether quant_linear's int8-activation types run on VNNI here (else a portable loop).
+  PyModule_AddIntConstant(m, "CPU_AVX512_VNNI",
+                          osd::cpu_has_avx512() && __builtin_cpu_supports("avx512vnni") ? 1 : 0);
   return m;
 }

@@ -45,11 +45,13 @@ def load_for_engine(
                 f"{name} must be a checkpoint directory path or a transformers "
                 f"model, got {type(source).__name__}"
             )
-    if quantized is None:
+    if quantized is None:  # int8 activations where the CPU has VNNI (load_gguf_model)
         quantized = (
-            is_gguf_source(target)
+            "int8"
+            if is_gguf_source(target)
             and resolve_device(device).type == "cpu"
             and dtype == torch.float32
+            else False
         )
     model = load_model(
         target, device=device, dtype=dtype, attention_backend=attention_backend, quantized=quantized

@@ -8,7 +8,7 @@ have a reference and a Triton kernel only: ``auto`` is Triton on CUDA and the re
 elsewhere.
 """
 
-from osd_kernels._ops import native_available, use_avx512
+from osd_kernels._ops import native_available, use_avx512, use_vnni
 from osd_kernels.decode_linear import decode_linear, decode_linear_reference, pack_weight
 from osd_kernels.quant_linear import dequantize_weight, quant_linear, quant_linear_reference
 from osd_kernels.kv_rollback import chain_rollback, kv_rollback, kv_rollback_reference
@@ -30,6 +30,7 @@ from osd_kernels.decoder_layers import decoder_layers, decoder_layers_reference
 __all__ = [
     "native_available",
     "use_avx512",
+    "use_vnni",
     "decode_linear",
     "decode_linear_reference",
     "pack_weight",

@@ -56,6 +56,17 @@ def use_avx512() -> bool:
     )
 
 
+def use_vnni() -> bool:
+    """True when ``quant_linear``'s int8-activation types (:mod:`osd_kernels.quant_x16`)
+    run on AVX-512 VNNI here: :func:`use_avx512` and the CPU has VNNI. Elsewhere they run
+    a portable loop with the same results, many times slower than the float32 path."""
+    if not use_avx512():
+        return False
+    from osd_kernels import _C  # the optional native build: imports once native_available()
+
+    return bool(getattr(_C, "CPU_AVX512_VNNI", 0))
+
+
 def native_has_device(device: torch.device) -> bool:
     """True when the native extension has kernels for ``device`` (CPU always, CUDA if built)."""
     if not native_available():

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from osd_kernels._ops import native_available, resolve_backend
+from osd_kernels.quant_x16 import X16_TYPES, quant_linear_x16_reference, unpack_x16
 
 BLOCK = 32  # weights per block of codes (one or two groups of scale and min)
 
@@ -76,6 +77,8 @@ def dequantize_blocks(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """The float32 weight ``[N, K]`` of GGUF blocks ``[N, K / U * B]`` of ``ggml_type``
     (one of :data:`STORED_TYPES`), as ggml's ``dequantize_row_*`` computes it (the same
     float32 operations as ``osd.models.gguf.blocks.dequantize``)."""
+    if int(ggml_type) in X16_TYPES:  # regrouped 16 rows at a time: the file's blocks first
+        blocks, ggml_type = unpack_x16(blocks, ggml_type)
     weights, size = STORED_TYPES[int(ggml_type)]
     N = blocks.shape[0]
     b = blocks.reshape(-1, size)
@@ -138,9 +141,14 @@ def quant_linear_reference(
 ) -> torch.Tensor:
     """``F.linear(x, W, bias)`` with ``W = dequantize_weight(qweight, scales, mins)`` (or
     ``dequantize_blocks(qweight, ggml_type)``), after ``F.rms_norm(x, (K,), norm_weight,
-    eps)`` when ``norm_weight`` is given."""
+    eps)`` when ``norm_weight`` is given. The regrouped types (:data:`X16_TYPES`) multiply
+    int8 activations: :func:`~osd_kernels.quant_x16.quant_linear_x16_reference`."""
     if norm_weight is not None:
         x = F.rms_norm(x, norm_weight.shape, norm_weight, eps)
+    if int(ggml_type) in X16_TYPES:
+        rows = x.reshape(-1, x.shape[-1])
+        y = quant_linear_x16_reference(rows, qweight, ggml_type, bias)
+        return y.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
     w = (
         dequantize_blocks(qweight, ggml_type)
         if ggml_type
@@ -161,12 +169,16 @@ def _check(
 ) -> None:
     N = qweight.shape[0] if qweight.dim() == 2 else -1
     if ggml_type:
-        if int(ggml_type) not in STORED_TYPES:
+        if int(ggml_type) not in STORED_TYPES and int(ggml_type) not in X16_TYPES:
             raise ValueError(
-                f"ggml_type must be 0 (codes and factors) or one of {sorted(STORED_TYPES)}, "
-                f"got {ggml_type}"
+                f"ggml_type must be 0 (codes and factors) or one of "
+                f"{sorted(STORED_TYPES) + sorted(X16_TYPES)}, got {ggml_type}"
             )
-        weights, size = STORED_TYPES[int(ggml_type)]
+        weights, size = STORED_TYPES[X16_TYPES.get(int(ggml_type), int(ggml_type))]
+        if int(ggml_type) in X16_TYPES and N % 16:
+            raise ValueError(
+                f"qweight of ggml_type {ggml_type} holds a multiple of 16 rows, got {N}"
+            )
         K = x.shape[-1] if x.dim() >= 1 else -1
         if K % weights or qweight.dtype != torch.uint8 or qweight.shape != (N, K // weights * size):
             raise ValueError(
@@ -243,7 +255,9 @@ def quant_linear(
         backend: ``auto`` (the C++ kernel for float32 CPU inputs outside autograd, else
             the reference) | ``reference`` | ``native`` (the C++ kernel; float32 CPU only).
         ggml_type: 0 (codes and factors), or the GGUF block type of ``qweight`` (one of
-            :data:`STORED_TYPES`).
+            :data:`STORED_TYPES`), or blocks regrouped for int8 activations (one of
+            :data:`~osd_kernels.quant_x16.X16_TYPES`; not the float32 product, see
+            :mod:`osd_kernels.quant_x16`).
 
     Returns:
         ``[..., N]``.

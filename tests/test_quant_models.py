@@ -211,7 +211,8 @@ def q41(tmp_path_factory):
 def test_a_gguf_target_stays_quantized_by_default_on_the_cpu(q41):
     """``Engine.from_pretrained(gguf)`` keeps the file's blocks quantized on the CPU in
     float32 (``quantized=None``), dequantizes them with ``quantized=False`` or another
-    dtype, and both emit the same greedy tokens."""
+    dtype; with float32 activations (``quantized=True``; the default multiplies int8 ones
+    where the CPU has VNNI, ``tests/test_quant_x16.py``) both emit the same greedy tokens."""
 
     def quantized(model):
         return any(isinstance(m, QuantLinear) for m in model.modules())
@@ -221,9 +222,10 @@ def test_a_gguf_target_stays_quantized_by_default_on_the_cpu(q41):
     assert quantized(default.model) and not quantized(fp32.model)
     bf16 = osd.Engine.from_pretrained(q41, max_batch_size=2, max_seq_len=48, dtype=torch.bfloat16)
     assert not quantized(bf16.model)
+    exact = osd.Engine.from_pretrained(q41, max_batch_size=2, max_seq_len=48, quantized=True)
     prompts = prompts_of([9, 4], vocab=VOCAB, seed=48)
     params = osd.SamplingParams(12)
-    assert [o.token_ids for o in default.generate(prompts, params)] == [
+    assert [o.token_ids for o in exact.generate(prompts, params)] == [
         o.token_ids for o in fp32.generate(prompts, params)
     ]
 

@@ -214,6 +214,39 @@ def test_rows_do_not_depend_on_their_task():
         assert torch.equal(outs[0][T], outs[1][T])
 
 
+def test_a_verified_query_equals_the_same_query_decoded_alone():
+    """Float32 on AVX-512 (T <= 64): a query's output depends only on its visible keys in
+    position order. Each node of a tree verified in one call equals, bit for bit, the same
+    query decoded alone (T = 1) after the prefix and its ancestors laid out consecutively
+    (what the KV rollback leaves after accepting them), at one and two threads, beside other
+    rows of a batch."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("the CPU has no AVX-512")
+    gen = torch.Generator().manual_seed(21)
+    B, T, Hq, Hkv, D = 3, 9, 9, 3, 64
+    q, kv, lens = _case(gen, B, T, Hq, Hkv, D, torch.float32, "cpu", max_prefix=300)
+    lens[1] = 257
+    k, v = kv[0, 0], kv[0, 1]
+    mask = random_tree_mask(gen, B, T)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            tree = tree_attention(q, k, v, lens, mask, backend="native")
+            for b in range(B):
+                L = int(lens[b])
+                for t in range(T):
+                    seen = [j for j in range(T) if (int(mask[b, t]) >> j) & 1]
+                    order = list(range(L)) + [L + j for j in seen]
+                    k1 = k[b : b + 1, :, order].contiguous()
+                    v1 = v[b : b + 1, :, order].contiguous()
+                    lens1 = torch.tensor([len(order) - 1], dtype=torch.int32)
+                    alone = tree_attention(q[b : b + 1, t : t + 1], k1, v1, lens1, backend="native")
+                    assert torch.equal(alone[0, 0], tree[b, t]), (n, b, t)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("D", (16, 48, 80, 128))
 def test_lane_layout_matches_reference(D):
     """Verify blocks and prefills (8 or more query rows per KV head) keep a task's rows in

@@ -29,6 +29,7 @@
 #include "cpu/linear_rows.h"
 #include "cpu/quant_linear_blocks.h"
 #include "cpu/quant_linear_blocks_op.h"
+#include "cpu/quant_linear_x16.h"
 
 namespace osd {
 namespace {
@@ -351,6 +352,9 @@ at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& qweight,
   OSD_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows, got ",
             x.sizes(), " strides ", x.strides());
   // GGUF blocks as stored (cpu/quant_linear_blocks.cpp); scales and mins are not read
+  if (ggml_type >= kX16Offset) {
+    return quant_linear_x16_cpu(x, qweight, ggml_type, bias, norm_weight, eps);
+  }
   if (ggml_type != 0) {
     return quant_linear_blocks_cpu(x, qweight, ggml_type, bias, norm_weight, eps);
   }

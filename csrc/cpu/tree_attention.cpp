@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/attention_rows.h"
 #include "cpu/fast_math.h"
 #include "cpu/tree_attention_task.h"  // kKeyBlock, TreeAttentionArgs, Scratch, run_task, ...
 
@@ -223,6 +224,35 @@ at::Tensor tree_attention_cpu_op(const at::Tensor& q, const at::Tensor& k_cache,
     a.v_stride[i] = v_cache.stride(i);
   }
   a.scale = static_cast<float>(scale);
+#if defined(__x86_64__)
+  // Decode and verify in float32 on AVX-512: the row-invariant path (attention_rows.h), so
+  // that a query's result never depends on the call's other queries.
+  if (q.scalar_type() == at::kFloat && T <= kKeyBlock && D % 16 == 0 &&
+      D <= 16 * attention_rows::kMaxChunks && use_avx512() && q.stride(3) == 1 &&
+      k_cache.stride(3) == 1 && v_cache.stride(3) == 1) {
+    attention_rows::Args r{};
+    r.q = q.data_ptr<float>();
+    r.k = k_cache.data_ptr<float>();
+    r.v = v_cache.data_ptr<float>();
+    r.out = out.data_ptr<float>();
+    r.lens = lens;
+    r.tree_mask = a.tree_mask;
+    r.mask_stride_b = a.mask_stride_b;
+    r.mask_stride_t = a.mask_stride_t;
+    r.T = T;
+    r.hq = Hq;
+    r.hkv = Hkv;
+    r.D = D;
+    for (int i = 0; i < 4; ++i) {
+      r.q_stride[i] = q.stride(i);
+      r.k_stride[i] = k_cache.stride(i);
+      r.v_stride[i] = v_cache.stride(i);
+    }
+    r.scale = a.scale;
+    attention_rows::run(r, B);
+    return out;
+  }
+#endif
   const int64_t rows = (Hq / Hkv) * T;
   a.lanes = rows >= kLaneRows;
   a.split_min = a.lanes ? kLaneSplitKeys : kKeyBlock;

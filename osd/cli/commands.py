@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from osd.cli.serve_options import quantized_mode
+
 # Each command imports its own modules inside its function: `osd --help` and a command's
 # argument errors answer at once, without importing torch, transformers or uvicorn.
 
@@ -87,7 +89,7 @@ def _generate(args) -> int:
         online=online,
         max_batch_size=1,
         max_seq_len=args.max_seq_len,
-        quantized=args.quantized,
+        quantized=quantized_mode(args),
         quantize_draft=_draft_format(args.quantize_draft),
     )
     params = osd.SamplingParams(
@@ -192,7 +194,8 @@ def _draft_eval(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     sampling = {} if args.temperature == 0 else dict(temperature=args.temperature, top_p=args.top_p)
-    kw = {} if args.quantized is None else {"quantized": args.quantized}
+    mode = quantized_mode(args)
+    kw = {} if mode is None else {"quantized": mode}
     rows = evaluate(
         args.target,
         args.draft,

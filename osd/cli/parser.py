@@ -216,8 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="keep a GGUF target's block-quantized weights (Q4_0 to Q6_K) "
-        "quantized: the same model, fewer bytes read per token (default: "
-        "on the CPU in float32; --no-quantized dequantizes to --dtype)",
+        "quantized: fewer bytes read per token, multiplied by int8 activations where "
+        "the CPU has AVX-512 VNNI (default: on the CPU in float32; --no-quantized "
+        "dequantizes to --dtype)",
+    )
+    g.add_argument(
+        "--exact-quantized",
+        action="store_true",
+        help="with a quantized target, float32 activations: the dequantized model's "
+        "logits bit for bit, slower verify forwards",
     )
     g.add_argument(
         "--quantize-draft",

@@ -98,8 +98,14 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="keep a GGUF target's block-quantized weights (Q4_0 to Q6_K) "
-        "quantized (default: on the CPU in float32; --no-quantized "
-        "dequantizes to --dtype)",
+        "quantized, multiplied by int8 activations where the CPU has AVX-512 VNNI "
+        "(default: on the CPU in float32; --no-quantized dequantizes to --dtype)",
+    )
+    s.add_argument(
+        "--exact-quantized",
+        action="store_true",
+        help="with a quantized target, float32 activations: the dequantized model's "
+        "logits bit for bit, slower verify forwards",
     )
     s.add_argument(
         "--quantize-draft",
@@ -190,3 +196,14 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         help="answer 408 and close when a request body takes longer (default 30)",
     )
     return s
+
+
+def quantized_mode(args: argparse.Namespace) -> bool | str | None:
+    """``Engine.from_pretrained``'s ``quantized`` from ``--quantized`` /
+    ``--no-quantized`` / ``--exact-quantized``: None (the default: int8 activations on the
+    CPU where they run), ``"int8"``, True (float32 activations) or False."""
+    if args.quantized is False:
+        return False
+    if getattr(args, "exact_quantized", False):
+        return True
+    return "int8" if args.quantized else None

@@ -82,7 +82,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     attention_backend: str = "auto",
     head_vocab: bool = True,
-    quantized: bool = False,
+    quantized: bool | str = False,
 ) -> DecoderLM:
     """Build a :class:`DecoderLM` from ``source``: a checkpoint directory or GGUF file
     (str / PathLike) or an in-memory transformers ``*ForCausalLM`` model. Weights are
@@ -93,8 +93,9 @@ def load_model(
     (:meth:`DecoderLM.restrict_head`, a draft's reduced vocabulary). Other loaders, such
     as transformers, ignore the file and see the full head.
 
-    ``quantized``: a GGUF file's block-quantized weights stay quantized (see
-    :func:`load_gguf_model`); other sources raise ValueError."""
+    ``quantized``: a GGUF file's block-quantized weights stay quantized (True, or
+    ``"int8"`` to multiply them with int8 activations; see :func:`load_gguf_model`);
+    other sources raise ValueError."""
     device = resolve_device(device)
     check_dtype(dtype)
     gguf_file = _gguf_source(source)

@@ -18,7 +18,12 @@ float rounding, and autograd through ``F.linear`` on the dequantized matrix.
 - :func:`quantize_linears`: quantize a float model's layers in place, with ggml's
   reference rounding (drafts kept quantized, ``quantize_draft``; tests);
 - :func:`quantized_state`: a float model's weights for its quantized copy (an online
-  learner trains the float draft and publishes them to the quantized serving draft).
+  learner trains the float draft and publishes them to the quantized serving draft);
+- :func:`use_int8_activations`: regroup a model's Q4_0 / Q4_1 / Q8_0 layers 16 rows at a
+  time and multiply them with int8 activations (:mod:`osd_kernels.quant_x16`; AVX-512
+  VNNI): not the dequantized model's float32 product, but a verify forward of 5 rows
+  costs about 1.3 plain steps instead of 1.8 (``quantized="int8"``, the engine's default
+  on the CPU).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from osd_kernels.quant_linear import (
     dequantize_weight,
     quant_linear,
 )
+from osd_kernels.quant_x16 import X16_TYPES, repack_x16, unpack_x16, x16_supported
 
 # Block types a float layer can be quantized to (ggml's reference rounding), by name.
 FORMATS = ("Q4_0", "Q4_1", "Q8_0")
@@ -100,7 +106,7 @@ class QuantLinear(nn.Module):
         self.fmt = fmt
         self.ggml_type = int(ggml_type)
         if self.ggml_type:
-            weights, size = STORED_TYPES[self.ggml_type]
+            weights, size = STORED_TYPES[X16_TYPES.get(self.ggml_type, self.ggml_type)]
             self._in_features = qweight.shape[1] // size * weights
         else:
             self._in_features = qweight.shape[1] * (2 if qweight.dtype == torch.uint8 else 1)
@@ -140,6 +146,12 @@ class QuantLinear(nn.Module):
         def pick(t):
             return None if t is None else t.index_select(0, ids.to(t.device))
 
+        if self.ggml_type in X16_TYPES:  # rows of the file's blocks, regrouped again
+            blocks, t = unpack_x16(self.qweight, self.ggml_type)
+            layer = QuantLinear(blocks, self.scales, None, self.bias, self.fmt, t)
+            layer = layer.select_rows(ids)
+            layer.use_int8_activations()
+            return layer
         return QuantLinear(
             pick(self.qweight),
             pick(self.scales),
@@ -148,6 +160,16 @@ class QuantLinear(nn.Module):
             self.fmt,
             self.ggml_type,
         )
+
+    def use_int8_activations(self) -> bool:
+        """Regroup Q4_0 / Q4_1 / Q8_0 blocks for int8 activations
+        (:mod:`osd_kernels.quant_x16`) in place; False (unchanged) for other layers, a
+        number of rows not a multiple of 16, or a layer off the CPU."""
+        on_cpu = self.qweight.device.type == "cpu"
+        if not on_cpu or not x16_supported(self.ggml_type, self.out_features):
+            return False
+        self.qweight, self.ggml_type = repack_x16(self.qweight, self.ggml_type)
+        return True
 
     @classmethod
     def from_gguf_blocks(
@@ -427,6 +449,12 @@ def quantized_state(
     return out
 
 
+def use_int8_activations(model: nn.Module) -> int:
+    """Regroup ``model``'s Q4_0 / Q4_1 / Q8_0 :class:`QuantLinear` layers for int8
+    activations (:meth:`QuantLinear.use_int8_activations`); returns how many."""
+    return sum(m.use_int8_activations() for m in model.modules() if isinstance(m, QuantLinear))
+
+
 def quantize_gguf_linears(model, g) -> int:
     """Swap ``model``'s linear layers (and output head) for :class:`QuantLinear` layers
     holding the stored blocks of GGUF file ``g`` (a ``GGUFFile`` the model was loaded
@@ -503,4 +531,5 @@ __all__ = [
     "STORED_FORMATS",
     "quantize_linears",
     "quantize_gguf_linears",
+    "use_int8_activations",
 ]

@@ -15,7 +15,8 @@ from osd.models.gguf.convert import config_from_gguf, open_gguf_weights
 from osd.models.gguf.format import GGUFFile
 from osd.models.hf_weights import load_hf_state_dict
 from osd.models.llama import DecoderLM
-from osd.models.quant import quantize_gguf_linears
+from osd.models.quant import quantize_gguf_linears, use_int8_activations
+from osd_kernels import use_vnni
 
 
 def load_gguf_model(
@@ -24,7 +25,7 @@ def load_gguf_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     attention_backend: str = "auto",
-    quantized: bool = False,
+    quantized: bool | str = False,
 ) -> DecoderLM:
     """A :class:`~osd.models.llama.DecoderLM` with the weights of GGUF file ``path``,
     dequantized to ``dtype`` on ``device``.
@@ -32,7 +33,12 @@ def load_gguf_model(
     ``quantized``: keep the file's Q4_0 / Q4_1 / Q8_0 linear weights (and output head) as
     they are stored and compute with them (:mod:`osd.models.quant`; CPU and float32 only):
     the same outputs as the dequantized model, with 4-bit weights read at 0.75 bytes each
-    instead of 4. The embedding stays float for lookups; other types stay float."""
+    instead of 4. The embedding stays float for lookups; other types stay float.
+    ``quantized="int8"``: the same, with the Q4_0 / Q4_1 / Q8_0 layers multiplied with int8
+    activations where the CPU has AVX-512 VNNI (:func:`~osd.models.quant.use_int8_activations`:
+    not the dequantized model's float32 product; few-row forwards much cheaper)."""
+    if quantized not in (False, True, "int8"):
+        raise ValueError(f"quantized must be False, True or 'int8', got {quantized!r}")
     if quantized and (torch.device(device).type != "cpu" or dtype != torch.float32):
         raise ValueError(
             f"quantized=True computes with the CPU float32 kernels; got device "
@@ -49,4 +55,6 @@ def load_gguf_model(
         raise ValueError(f"GGUF file {str(path)!r}: {exc}") from None
     if quantized:
         quantize_gguf_linears(model, g)
+        if quantized == "int8" and use_vnni():
+            use_int8_activations(model)
     return model.eval()

@@ -1,0 +1,197 @@
+"""quant_linear with int8 activations (``ggml_type`` 1002 / 1003 / 1008: Q4_0, Q4_1, Q8_0
+blocks regrouped 16 rows at a time, ``osd_kernels.quant_x16``): the regrouping round-trips;
+the C++ kernel equals its PyTorch reference bit for bit on the AVX-512 VNNI path and the
+portable one, on odd shapes, with bias and norm; a row's result never depends on the other
+rows; the error against the float32 product is the activations' 8-bit rounding; models
+and the engine (``quantized="int8"``): speculative greedy output equals plain greedy
+output token for token, and the default on a VNNI CPU; bad input; opcheck."""
+
+import pytest
+import torch
+
+import osd
+import osd_kernels
+from osd.models.gguf import GGMLType
+from osd.models.loading import load_model
+from osd.models.quant import QuantLinear, use_int8_activations
+from osd_kernels.quant_linear import dequantize_blocks, quant_linear
+from osd_kernels.quant_x16 import (
+    X16_OFFSET,
+    quant_linear_x16_reference,
+    quantize_activations,
+    repack_x16,
+    unpack_x16,
+)
+from tests.test_gguf import T, VOCAB, tiny_hf_model, to_gguf
+from tests.test_quant_linear_blocks import _blocks
+from tests.test_speculative import prompts_of
+
+TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0]
+SHAPES = [(1, 1, 16), (2, 3, 32), (3, 2, 48), (5, 18, 64), (8, 1, 16), (9, 2, 32), (13, 4, 16)]
+SHAPES += [(20, 3, 48), (70, 2, 16)]  # (M, K / 32, N): passes of 8 rows, tails, prefill sizes
+
+native = pytest.mark.skipif(not osd_kernels.native_available(), reason="native build missing")
+
+
+def _case(t, M, kb, N, seed):
+    blocks = _blocks(t, N, 32 * kb, seed, scale=0.05).reshape(N, -1)
+    x = torch.randn(M, 32 * kb, generator=torch.Generator().manual_seed(seed))
+    return blocks, x
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_repack_round_trips_and_keeps_the_weights(t):
+    blocks, _ = _case(t, 1, 3, 48, 1)
+    packed, xt = repack_x16(blocks, int(t))
+    assert xt == X16_OFFSET + int(t) and packed.shape == blocks.shape
+    assert torch.equal(unpack_x16(packed, xt)[0], blocks)
+    assert torch.equal(dequantize_blocks(packed, xt), dequantize_blocks(blocks, int(t)))
+
+
+@native
+@pytest.mark.parametrize("path", ["default", "portable"])
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_kernel_equals_reference(monkeypatch, t, path):
+    if path == "portable":
+        monkeypatch.setenv("OSD_NO_AVX512", "1")
+    for i, (M, kb, N) in enumerate(SHAPES):
+        blocks, x = _case(t, M, kb, N, 10 + i)
+        packed, xt = repack_x16(blocks, int(t))
+        bias = torch.randn(N) if i % 2 else None
+        got = torch.ops.osd.quant_linear(x, packed, torch.empty(0), None, bias, None, 1e-6, xt)
+        want = quant_linear_x16_reference(x, packed, xt, bias)
+        assert torch.equal(got, want), (t.name, M, kb, N)
+        # with the RMSNorm prologue: the normalised rows, then the same product
+        w = torch.rand(32 * kb) + 0.5
+        got = quant_linear(x, packed, torch.empty(0), norm_weight=w, eps=1e-5, ggml_type=xt)
+        want = quant_linear(
+            x, packed, torch.empty(0), norm_weight=w, eps=1e-5, ggml_type=xt, backend="reference"
+        )
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@native
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_rows_are_independent_and_paths_agree(monkeypatch, t):
+    blocks, x = _case(t, 19, 5, 64, 3)
+    packed, xt = repack_x16(blocks, int(t))
+
+    def run(rows):
+        return torch.ops.osd.quant_linear(rows, packed, torch.empty(0), None, None, None, 1e-6, xt)
+
+    full = run(x)
+    assert torch.equal(full, torch.cat([run(x[i : i + 1]) for i in range(x.shape[0])]))
+    assert torch.equal(full[3:11], run(x[3:11]))
+    monkeypatch.setenv("OSD_NO_AVX512", "1")
+    assert torch.equal(full, run(x))
+
+
+@native
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_error_is_the_activations_rounding(t):
+    """Against the float32 product: each activation moves by at most half its block's step
+    (max|x| / 254), so |error| <= sum over blocks of step / 2 * sum |w|."""
+    blocks, x = _case(t, 6, 8, 32, 5)
+    packed, xt = repack_x16(blocks, int(t))
+    w = dequantize_blocks(blocks, int(t))
+    got = quant_linear(x, packed, torch.empty(0), ggml_type=xt)
+    exact = (x.double() @ w.double().T).float()
+    q, dx, _ = quantize_activations(x)
+    assert torch.all((q.abs() <= 127) & (q == q.round()))
+    step = (dx / 2).repeat_interleave(32, dim=1).double()  # [M, K]
+    bound = step @ w.abs().double().T
+    assert torch.all((got.double() - exact.double()).abs() <= bound * 1.001 + 1e-5)
+    assert ((got - exact).norm() / exact.norm()) < 0.02
+
+
+def test_bad_input_names_the_problem():
+    blocks, x = _case(GGMLType.Q4_1, 2, 2, 32, 7)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        repack_x16(blocks[:24], 3)
+    with pytest.raises(ValueError, match="Q4_0 / Q4_1 / Q8_0"):
+        repack_x16(blocks, int(GGMLType.Q5_0))
+    packed, xt = repack_x16(blocks, 3)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quant_linear(x, packed[:8], torch.empty(0), ggml_type=xt, backend="native")
+    with pytest.raises(ValueError, match="ggml_type"):
+        quant_linear(x, packed, torch.empty(0), ggml_type=1005, backend="native")
+    if osd_kernels.native_available():
+        with pytest.raises(RuntimeError, match="multiple of 16"):
+            torch.ops.osd.quant_linear(x, packed[:8], torch.empty(0), None, None, None, 1e-6, xt)
+
+
+@native
+def test_opcheck():
+    blocks, x = _case(GGMLType.Q8_0, 3, 2, 32, 9)
+    packed, xt = repack_x16(blocks, 8)
+    args = (x, packed, torch.empty(0), None, torch.randn(32), None, 1e-6, xt)
+    torch.library.opcheck(torch.ops.osd.quant_linear.default, args)
+
+
+def test_quant_linear_layer_regroups_and_selects_rows():
+    blocks, x = _case(GGMLType.Q4_1, 4, 2, 48, 11)
+    layer = QuantLinear(
+        blocks, blocks.new_empty((48, 0), dtype=torch.float32), None, None, "Q4_1", 3
+    )
+    w = layer.dequantize()
+    assert layer.use_int8_activations() and layer.ggml_type == X16_OFFSET + 3
+    assert torch.equal(layer.dequantize(), w) and layer.in_features == 64
+    rows = torch.tensor([1, 5, 7, 9, 10, 11, 12, 13, 20, 21, 22, 30, 31, 40, 41, 47])
+    picked = layer.select_rows(rows)
+    assert picked.ggml_type == X16_OFFSET + 3 and torch.equal(picked.dequantize(), w[rows])
+    odd = layer.select_rows(rows[:5])  # 5 rows: kept as the file's blocks
+    assert odd.ggml_type == 3 and torch.equal(odd.dequantize(), w[rows[:5]])
+
+
+@pytest.fixture(scope="module")
+def q41(tmp_path_factory):
+    path = tmp_path_factory.mktemp("q41x16") / "m.gguf"
+    return str(to_gguf(tiny_hf_model("llama", seed=44), path, T.Q4_1))
+
+
+@native
+@pytest.mark.parametrize(
+    "params",
+    [osd.SamplingParams(16), osd.SamplingParams(16, temperature=0.9, top_p=0.9, seed=3)],
+    ids=["greedy", "sampled"],
+)
+def test_speculation_on_int8_activations_emits_plain_decodings_tokens(q41, params):
+    """With int8 activations a rounding difference in a layer's input can move a code by
+    one, so decode and verify forwards must compute every row the same way (the GEMVs and
+    the attention both are row-invariant): speculative decoding (a draft model, chains and
+    trees) then emits what plain decoding emits, in a batch too."""
+    target = load_model(q41, quantized="int8")
+    assert use_int8_activations(target) == 0  # already regrouped, or no VNNI here
+    draft = load_model(tiny_hf_model("llama", seed=47))
+    prompts = prompts_of([9, 4, 13, 30], vocab=VOCAB, seed=45)
+    kw = dict(max_batch_size=4, max_seq_len=80)
+    plain = osd.Engine(target, **kw).generate(prompts, params)
+    for spec in (
+        osd.SpecConfig(num_draft_tokens=4),
+        osd.SpecConfig(num_draft_tokens=3, tree=[(0,), (1,), (0, 0), (1, 0), (0, 1), (0, 0, 0)]),
+    ):
+        got = osd.Engine(target, draft=[draft], spec=spec, **kw).generate(prompts, params)
+        if params.temperature == 0:
+            assert [o.token_ids for o in got] == [o.token_ids for o in plain], spec
+    alone = [osd.Engine(target, **kw).generate([p], params)[0].token_ids for p in prompts]
+    if params.temperature == 0:
+        assert alone == [o.token_ids for o in plain]
+
+
+@native
+def test_int8_activations_are_the_cpu_default_where_vnni_runs(q41):
+    """``Engine.from_pretrained(gguf)`` regroups the Q4_1 layers for int8 activations on a
+    VNNI CPU (``quantized=None``); ``quantized=True`` keeps the float32 product (the
+    dequantized model's tokens), ``quantized="int8"`` asks for int8 where it runs."""
+
+    def types(engine):
+        return {m.ggml_type for m in engine.model.modules() if isinstance(m, QuantLinear)}
+
+    default = osd.Engine.from_pretrained(q41, max_batch_size=2, max_seq_len=48)
+    exact = osd.Engine.from_pretrained(q41, max_batch_size=2, max_seq_len=48, quantized=True)
+    assert types(exact) == {3}
+    # the output head's 300 rows are not a multiple of 16: it keeps the file's blocks
+    assert types(default) == ({X16_OFFSET + 3, 3} if osd_kernels.use_vnni() else {3})
+    assert isinstance(default.model.lm_head, QuantLinear) and default.model.lm_head.ggml_type == 3
+    with pytest.raises(ValueError, match="'int8'"):
+        osd.Engine.from_pretrained(q41, quantized="int4")
