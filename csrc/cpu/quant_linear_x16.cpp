@@ -46,7 +46,9 @@ namespace osd {
 namespace {
 
 constexpr int64_t kGroup = 16;  // weight rows a group (one float32 lane each)
-constexpr int kPass = 8;        // rows of x a pass over a group's blocks
+// rows of x a pass over a group's blocks, at most: a pass holds 8 code registers, two per
+// row (its dot product and its running sum) and the factors
+constexpr int kPass = 10;
 
 struct Format {
   int64_t base;       // the GGUF type: 2, 3 or 8
@@ -195,20 +197,24 @@ OSD_X16_VNNI void group_512(const Format& f, const uint8_t* w, int64_t nb, const
             ? _mm512_mul_ps(d, _mm512_set1_ps(f.min_per_d))
             : _mm512_cvtph_ps(
                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + f.code_bytes + 32)));
+    // the rows' dot products interleaved, one chain a row (plus a second for one row, to
+    // keep a decode step's chain short); integer sums, so their order does not matter
+    constexpr int kChains = MP == 1 ? 2 : 1;
+    __m512i s[MP][kChains];
+    const int32_t* q32[MP];
     for (int m = 0; m < MP; ++m) {
-      const int8_t* q = qx.q.data() + (m0 + m) * K + 32 * b;
-      int32_t quad[8];
-      std::memcpy(quad, q, 32);
-      // two chains of four dot products (integer sums: their order does not matter)
-      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], _mm512_set1_epi32(quad[0]));
-      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[1], _mm512_set1_epi32(quad[1]));
-      s0 = _mm512_dpbusd_epi32(s0, c[2], _mm512_set1_epi32(quad[2]));
-      s1 = _mm512_dpbusd_epi32(s1, c[3], _mm512_set1_epi32(quad[3]));
-      s0 = _mm512_dpbusd_epi32(s0, c[4], _mm512_set1_epi32(quad[4]));
-      s1 = _mm512_dpbusd_epi32(s1, c[5], _mm512_set1_epi32(quad[5]));
-      s0 = _mm512_dpbusd_epi32(s0, c[6], _mm512_set1_epi32(quad[6]));
-      s1 = _mm512_dpbusd_epi32(s1, c[7], _mm512_set1_epi32(quad[7]));
-      const __m512 fs = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      q32[m] = reinterpret_cast<const int32_t*>(qx.q.data() + (m0 + m) * K + 32 * b);
+      for (int h = 0; h < kChains; ++h) s[m][h] = _mm512_setzero_si512();
+    }
+    for (int j = 0; j < 8; ++j) {
+      for (int m = 0; m < MP; ++m) {
+        __m512i& acc_j = s[m][j % kChains];
+        acc_j = _mm512_dpbusd_epi32(acc_j, c[j], _mm512_set1_epi32(q32[m][j]));
+      }
+    }
+    for (int m = 0; m < MP; ++m) {
+      const __m512i si = kChains == 1 ? s[m][0] : _mm512_add_epi32(s[m][0], s[m][kChains - 1]);
+      const __m512 fs = _mm512_cvtepi32_ps(si);
       const int64_t at = (m0 + m) * ns + b;
       acc[m] = _mm512_fmadd_ps(fs, _mm512_mul_ps(d, _mm512_set1_ps(qx.d[at])), acc[m]);
       acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(qx.s[at]), acc[m]);
@@ -279,13 +285,14 @@ at::Tensor quant_linear_x16_cpu(const at::Tensor& x, const at::Tensor& qweight, 
   float* yp = y.data_ptr<float>();
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   const int64_t groups = N / kGroup;
+  const int64_t passes = (M + kPass - 1) / kPass, per_pass = (M + passes - 1) / passes;
   at::parallel_for(0, groups, 4, [&](int64_t g_begin, int64_t g_end) {
     for (int64_t g = g_begin; g < g_end; ++g) {
       const uint8_t* gw = w + g * kGroup * qweight.size(1);
       const float* gbias = bias_p != nullptr ? bias_p + g * kGroup : nullptr;
       // every pass over the group's blocks reads them from L1 / L2 after the first
-      for (int64_t m0 = 0; m0 < M; m0 += kPass) {
-        const int rows = static_cast<int>(std::min<int64_t>(kPass, M - m0));
+      for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
+        const int rows = static_cast<int>(std::min<int64_t>(per_pass, M - m0));
         float* yg = yp + m0 * N + g * kGroup;
 #if defined(__x86_64__)
         if (vnni) {
