@@ -51,106 +51,190 @@ struct Args {
   float scale;
 };
 
-// One task: row b, query t, the query heads h0 .. h0 + G - 1 of KV head g (all of its
-// heads, or one). s: scratch of G * (len + T).
+// A (query, query head) pair of a task, with the visible tree keys of its query.
+struct Pair {
+  int64_t t, h, n, nt;
+  int64_t tree[64];
+};
+
+struct Scratch {
+  std::vector<Pair> pairs;
+  std::vector<float> s;    // [pairs, L + T]: scores, then e^(s - m)
+  std::vector<float> acc;  // [pairs, 2, D]: the two P.V chains
+  std::vector<float> l;    // [pairs]
+  std::vector<const float*> keys;
+  std::vector<int64_t> ts, hs;  // the task's pairs
+};
+
+// One task: row b, KV head g, the pairs (t, h) listed. The pairs share each block of
+// kSubKeys prefix keys while it is in L1: scores, then P.V, every pair's chains stored
+// between blocks (exact), so a pair's arithmetic is what it is alone.
+constexpr int64_t kSubKeys = 32;
+
+// Keys i0 .. i0 + cnt - 1 (values v[0 .. cnt)) into a pair's two chains ap [2, D] (key i
+// into chain i mod 2), weights sh[i].
 template <int C>
-OSD_AVX512 void query(const Args& a, int64_t b, int64_t g, int64_t h0, int64_t G, int64_t t,
-                      std::vector<float>& s) {
+OSD_AVX512 inline void pv_block(float* ap, const float* sh, int64_t D, const float* const* v,
+                                int64_t i0, int64_t cnt) {
+  const int64_t chunks = C > 0 ? C : D / 16;
+  __m512 acc0[C > 0 ? C : kMaxChunks], acc1[C > 0 ? C : kMaxChunks];
+  for (int64_t c = 0; c < chunks; ++c) {
+    acc0[c] = _mm512_loadu_ps(ap + 16 * c);
+    acc1[c] = _mm512_loadu_ps(ap + D + 16 * c);
+  }
+  int64_t j = 0;
+  if ((i0 & 1) && cnt > 0) {  // an odd first key: chain 1
+    const __m512 p1 = _mm512_set1_ps(sh[i0]);
+    for (int64_t c = 0; c < chunks; ++c) {
+      acc1[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v[0] + 16 * c), acc1[c]);
+    }
+    j = 1;
+  }
+  for (; j + 1 < cnt; j += 2) {  // keys i0 + j (even) and i0 + j + 1 (odd)
+    const __m512 p0 = _mm512_set1_ps(sh[i0 + j]), p1 = _mm512_set1_ps(sh[i0 + j + 1]);
+    for (int64_t c = 0; c < chunks; ++c) {
+      acc0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v[j] + 16 * c), acc0[c]);
+      acc1[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v[j + 1] + 16 * c), acc1[c]);
+    }
+  }
+  if (j < cnt) {  // an even last key: chain 0
+    const __m512 p0 = _mm512_set1_ps(sh[i0 + j]);
+    for (int64_t c = 0; c < chunks; ++c) {
+      acc0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v[j] + 16 * c), acc0[c]);
+    }
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    _mm512_storeu_ps(ap + 16 * c, acc0[c]);
+    _mm512_storeu_ps(ap + D + 16 * c, acc1[c]);
+  }
+}
+
+template <int C>
+OSD_AVX512 void task(const Args& a, int64_t b, int64_t g, const int64_t* ts, const int64_t* hs,
+                     int64_t np, Scratch& w) {
   const int64_t D = a.D, chunks = C > 0 ? C : D / 16;
   const int64_t L = a.lens[b];
-  int64_t tree[64];
-  int64_t nt = 0;
-  if (a.tree_mask != nullptr) {
-    const uint64_t bits =
-        static_cast<uint64_t>(a.tree_mask[b * a.mask_stride_b + t * a.mask_stride_t]);
-    for (int64_t j = 0; j < a.T; ++j) {
-      if ((bits >> j) & 1) tree[nt++] = L + j;
-    }
-  } else {
-    for (int64_t j = 0; j <= t; ++j) tree[nt++] = L + j;
-  }
-  const int64_t n = L + nt;
+  const int64_t stride = L + a.T;
+  w.pairs.resize(static_cast<size_t>(np));
+  if (static_cast<int64_t>(w.s.size()) < np * stride) w.s.resize(static_cast<size_t>(np * stride));
+  if (static_cast<int64_t>(w.acc.size()) < np * 2 * D) w.acc.resize(static_cast<size_t>(np * 2 * D));
+  w.l.resize(static_cast<size_t>(np));
+  w.keys.resize(static_cast<size_t>(std::max<int64_t>(kSubKeys, a.T)));
   const float* kb = a.k + b * a.k_stride[0] + g * a.k_stride[1];
   const float* vb = a.v + b * a.v_stride[0] + g * a.v_stride[1];
-  const float* qb = a.q + b * a.q_stride[0] + t * a.q_stride[1];
-  float* ob = a.out + ((b * a.T + t) * a.hq) * D;
-  if (n == 0) {
-    for (int64_t h = h0; h < h0 + G; ++h) std::fill(ob + h * D, ob + (h + 1) * D, 0.0f);
-    return;
+  auto qp = [&](const Pair& p) {
+    return a.q + b * a.q_stride[0] + p.t * a.q_stride[1] + p.h * a.q_stride[2];
+  };
+  for (int64_t i = 0; i < np; ++i) {
+    Pair& p = w.pairs[i];
+    p.t = ts[i];
+    p.h = hs[i];
+    p.nt = 0;
+    if (a.tree_mask != nullptr) {
+      const uint64_t bits =
+          static_cast<uint64_t>(a.tree_mask[b * a.mask_stride_b + p.t * a.mask_stride_t]);
+      for (int64_t j = 0; j < a.T; ++j) {
+        if ((bits >> j) & 1) p.tree[p.nt++] = L + j;
+      }
+    } else {
+      for (int64_t j = 0; j <= p.t; ++j) p.tree[p.nt++] = L + j;
+    }
+    p.n = L + p.nt;
   }
-  if (static_cast<int64_t>(s.size()) < G * n) s.resize(static_cast<size_t>(G * n));
-  thread_local std::vector<const float*> keys;
-  keys.resize(static_cast<size_t>(n));
-  auto pos = [&](int64_t i) { return i < L ? i : tree[i - L]; };
-  for (int64_t i = 0; i < n; ++i) keys[i] = kb + pos(i) * a.k_stride[2];
-  // scores eight keys at a time (scores_avx512: each key's sum takes the same additions
-  // whichever slot of its group of eight it has), then the scale
-  for (int64_t h = 0; h < G; ++h) {
-    float* sh = s.data() + h * n;
-    attention_avx512::scores_avx512(qb + (h0 + h) * a.q_stride[2], keys.data(), n, D, sh);
-    const __m512 sc = _mm512_set1_ps(a.scale);
+  // scores, eight keys at a time (scores_avx512: each key's sum takes the same additions
+  // whichever slot of its group of eight it has): the prefix a block at a time for every
+  // pair, then each pair's tree keys
+  for (int64_t i0 = 0; i0 < L; i0 += kSubKeys) {
+    const int64_t cnt = std::min(kSubKeys, L - i0);
+    for (int64_t j = 0; j < cnt; ++j) w.keys[j] = kb + (i0 + j) * a.k_stride[2];
+    for (int64_t i = 0; i < np; ++i) {
+      attention_avx512::scores_avx512(qp(w.pairs[i]), w.keys.data(), cnt, D,
+                                      w.s.data() + i * stride + i0);
+    }
+  }
+  for (int64_t i = 0; i < np; ++i) {
+    const Pair& p = w.pairs[i];
+    for (int64_t j = 0; j < p.nt; ++j) w.keys[j] = kb + p.tree[j] * a.k_stride[2];
+    if (p.nt > 0) {
+      attention_avx512::scores_avx512(qp(p), w.keys.data(), p.nt, D, w.s.data() + i * stride + L);
+    }
+  }
+  // the scale, the max, e^(s - m) and the sum (lane j adds keys j mod 16, in order)
+  const __m512 sc = _mm512_set1_ps(a.scale);
+  for (int64_t i = 0; i < np; ++i) {
+    const int64_t n = w.pairs[i].n;
+    float* sh = w.s.data() + i * stride;
     for (int64_t j = 0; j < n; j += 16) {
       const __mmask16 live = attention_avx512::first_lanes(n - j);
       _mm512_mask_storeu_ps(sh + j, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, sh + j), sc));
     }
-  }
-  for (int64_t h = 0; h < G; ++h) {
-    float* sh = s.data() + h * n;
     const float mx = attention_avx512::max_avx512(sh, n, -std::numeric_limits<float>::infinity());
     const __m512 m = _mm512_set1_ps(mx);
     __m512 lsum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
       const __mmask16 live = attention_avx512::first_lanes(n - j);
       const __m512 e = _mm512_maskz_mov_ps(
-          live, attention_avx512::exp_nonpos_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + j), m)));
+          live, attention_avx512::exp_nonpos_avx512(
+                    _mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + j), m)));
       _mm512_mask_storeu_ps(sh + j, live, e);
       lsum = _mm512_add_ps(lsum, e);
     }
-    const float l = _mm512_reduce_add_ps(lsum);
-    __m512 acc0[C > 0 ? C : kMaxChunks], acc1[C > 0 ? C : kMaxChunks];
-    for (int64_t c = 0; c < chunks; ++c) acc0[c] = acc1[c] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 1 < n; i += 2) {
-      const float* v0 = vb + pos(i) * a.v_stride[2];
-      const float* v1 = vb + pos(i + 1) * a.v_stride[2];
-      const __m512 p0 = _mm512_set1_ps(sh[i]), p1 = _mm512_set1_ps(sh[i + 1]);
-      for (int64_t c = 0; c < chunks; ++c) {
-        acc0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), acc0[c]);
-        acc1[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), acc1[c]);
-      }
+    w.l[i] = _mm512_reduce_add_ps(lsum);
+    std::fill(w.acc.begin() + i * 2 * D, w.acc.begin() + (i + 1) * 2 * D, 0.0f);
+  }
+  // P.V: two chains, key i into chain i mod 2 in ascending i; the prefix a block at a time
+  // for every pair (the chains kept in memory between blocks), then each pair's tree keys
+  auto pv = [&](int64_t i, const float* const* v, int64_t i0, int64_t cnt) {
+    pv_block<C>(w.acc.data() + i * 2 * D, w.s.data() + i * stride, D, v, i0, cnt);
+  };
+  for (int64_t i0 = 0; i0 < L; i0 += kSubKeys) {
+    const int64_t cnt = std::min(kSubKeys, L - i0);
+    for (int64_t j = 0; j < cnt; ++j) w.keys[j] = vb + (i0 + j) * a.v_stride[2];
+    for (int64_t i = 0; i < np; ++i) pv(i, w.keys.data(), i0, cnt);
+  }
+  for (int64_t i = 0; i < np; ++i) {
+    const Pair& p = w.pairs[i];
+    for (int64_t j = 0; j < p.nt; ++j) w.keys[j] = vb + p.tree[j] * a.v_stride[2];
+    if (p.nt > 0) pv(i, w.keys.data(), L, p.nt);
+    float* o = a.out + ((b * a.T + p.t) * a.hq + p.h) * D;
+    if (p.n == 0) {  // a query that sees no key
+      std::fill(o, o + D, 0.0f);
+      continue;
     }
-    if (i < n) {
-      const float* v0 = vb + pos(i) * a.v_stride[2];
-      const __m512 p0 = _mm512_set1_ps(sh[i]);
-      for (int64_t c = 0; c < chunks; ++c) {
-        acc0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), acc0[c]);
-      }
-    }
-    const __m512 lv = _mm512_set1_ps(l);
-    float* o = ob + (h0 + h) * D;
+    const float* ap = w.acc.data() + i * 2 * D;
+    const __m512 lv = _mm512_set1_ps(w.l[i]);
     for (int64_t c = 0; c < chunks; ++c) {
-      _mm512_storeu_ps(o + 16 * c, _mm512_div_ps(_mm512_add_ps(acc0[c], acc1[c]), lv));
+      const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(ap + 16 * c), _mm512_loadu_ps(ap + D + 16 * c));
+      _mm512_storeu_ps(o + 16 * c, _mm512_div_ps(sum, lv));
     }
   }
 }
 
-// Every (row, KV head, query) of a call, spread over the threads; with fewer than four
-// such tasks a thread, one task per query head instead (the keys are then read once per
-// head, from cache), so that batch 1 with few KV heads keeps the threads evenly busy.
+// The pairs (query, query head) of each (row, KV head) in tasks of `per` pairs, enough
+// tasks to keep every thread busy (a pair's result does not depend on its task).
 inline void run(const Args& a, int64_t batch) {
-  const int64_t G = a.hq / a.hkv;
-  const int64_t per = batch * a.hkv * a.T < 4 * at::get_num_threads() ? 1 : G;
-  const int64_t parts = G / per, tasks = batch * a.hkv * a.T * parts;
+  const int64_t G = a.hq / a.hkv, pairs = a.T * G;
+  const int64_t want = std::max<int64_t>(1, (2 * at::get_num_threads() + batch * a.hkv - 1) /
+                                                (batch * a.hkv));
+  const int64_t per = (pairs + std::min(want, pairs) - 1) / std::min(want, pairs);
+  const int64_t parts = (pairs + per - 1) / per, tasks = batch * a.hkv * parts;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> s;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t part = task % parts, t = (task / parts) % a.T;
-      const int64_t g = (task / (parts * a.T)) % a.hkv, b = task / (parts * a.T * a.hkv);
-      const int64_t h0 = g * G + part * per;
+    thread_local Scratch w;
+    w.ts.resize(static_cast<size_t>(per));
+    w.hs.resize(static_cast<size_t>(per));
+    int64_t* ts = w.ts.data();
+    int64_t* hs = w.hs.data();
+    for (int64_t id = begin; id < end; ++id) {
+      const int64_t part = id % parts, g = (id / parts) % a.hkv, b = id / (parts * a.hkv);
+      const int64_t first = part * per, np = std::min(per, pairs - first);
+      for (int64_t i = 0; i < np; ++i) {  // pair index -> (query, head of KV head g)
+        ts[i] = (first + i) / G;
+        hs[i] = g * G + (first + i) % G;
+      }
       switch (a.D / 16) {
-        case 4: query<4>(a, b, g, h0, per, t, s); break;
-        case 8: query<8>(a, b, g, h0, per, t, s); break;
-        default: query<0>(a, b, g, h0, per, t, s); break;
+        case 4: task<4>(a, b, g, ts, hs, np, w); break;
+        case 8: task<8>(a, b, g, ts, hs, np, w); break;
+        default: task<0>(a, b, g, ts, hs, np, w); break;
       }
     }
   });
