@@ -8,7 +8,10 @@ conversation through the target's chat template). Providers:
 
 - ``osd-plain``: ``osd.Engine.from_pretrained(target, quantized=False)`` (weights
   dequantized to fp32);
-- ``osd-quant``: the same with ``quantized=True`` (the GGUF blocks kept, quant_linear);
+- ``osd-quant-exact``: the same with ``quantized=True`` (the GGUF blocks kept, float32
+  activations: the dequantized model's logits);
+- ``osd-quant``: ``osd.Engine.from_pretrained(target)``, the CPU default (the GGUF blocks
+  kept, int8 activations where the CPU has AVX-512 VNNI);
 - ``osd-spec``: speculation as a user gets it by default,
   ``osd.Engine.from_pretrained(target, draft=osd.zoo.chat.chat_pair()[1])``: the target
   as loaded by default (kept quantized on the CPU) and the shipped draft's ``serving.json``
@@ -74,7 +77,7 @@ LLAMACPP_MODES = [
 ]
 LLAMACPP_DRAFT = os.environ.get("OSD_BENCH_LLAMACPP_DRAFT", "chat")  # a GGUF path, or none
 WORKLOADS = os.environ.get("OSD_BENCH_LLAMACPP_WORKLOADS", "explain,summarise,multiturn,code")
-OSD_PROVIDERS = ["osd-plain", "osd-quant", "osd-spec"]
+OSD_PROVIDERS = ["osd-plain", "osd-quant-exact", "osd-quant", "osd-spec"]
 MAX_SEQ_LEN = 2048
 
 
@@ -121,7 +124,8 @@ def setup(tmp_path_factory):
     kw = dict(max_batch_size=1, max_seq_len=MAX_SEQ_LEN)
     engines = {
         "osd-plain": osd.Engine.from_pretrained(target, quantized=False, **kw),
-        "osd-quant": osd.Engine.from_pretrained(target, quantized=True, **kw),
+        "osd-quant-exact": osd.Engine.from_pretrained(target, quantized=True, **kw),
+        "osd-quant": osd.Engine.from_pretrained(target, **kw),
         "osd-spec": osd.Engine.from_pretrained(target, draft=draft, **kw),
     }
     tok = engines["osd-plain"].tokenizer
@@ -318,7 +322,7 @@ def test_llama_bench(benchmark, setup, capsys):
     prefill = {}
 
     def measure():
-        for prov in ("osd-plain", "osd-quant"):
+        for prov in ("osd-plain", "osd-quant-exact", "osd-quant"):
             eng = setup["engines"][prov]
             ts = []
             for _ in range(3):

@@ -227,7 +227,9 @@ def tree_attention(
             ``T * Hq / Hkv <= CPU_NATIVE_MAX_ROWS`` (decode, chain and small-tree verify)
             or when its AVX-512 path serves the call (:func:`osd_kernels.use_avx512` and
             ``D % 16 == 0``: any ``T``, prefill included), else the reference (SDPA's
-            blocked GEMMs win for large blocks against the AVX2 path).
+            blocked GEMMs win for large blocks against the AVX2 path). In float32 on the
+            AVX-512 path a query's result depends only on its visible keys in position
+            order (``csrc/cpu/attention_rows.h``), not on the call's other queries.
             ``native`` on a CUDA tensor runs the reference (the C++ kernel is CPU-only).
             Triton splits long prefixes over several programs per (row, KV head) for
             ``T <= 64`` (split KV, ``osd_kernels.triton.tree_attention``).

@@ -61,11 +61,11 @@ VOCAB = 300
 
 
 # -- tiny models and the llama.cpp-style conversion ---------------------------------------
-def tiny_hf_model(family: str = "llama", *, tie: bool = False, seed: int = 0):
+def tiny_hf_model(family: str = "llama", *, tie: bool = False, seed: int = 0, vocab: int = VOCAB):
     """A random 2-layer model: hidden 64, 4 heads, 2 KV heads (head dim 16), SwiGLU 96,
-    vocab 300. Rows are whole 32-blocks so every type can quantize them."""
+    vocab 300 (or ``vocab``). Rows are whole 32-blocks so every type can quantize them."""
     common = dict(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,

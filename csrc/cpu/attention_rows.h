@@ -1,5 +1,5 @@
 // tree_attention's row-invariant path (AVX-512, float32, head dims a multiple of 16 up to
-// 256, T <= 64 queries a row: decode and verify).
+// 256; any causal call, tree calls of T <= 64: decode, verify and prefill pieces).
 //
 // A query's result depends only on its own visible keys, in position order, never on how
 // many queries share the call, which of them are tree siblings, where the prefix ends, or
@@ -51,9 +51,11 @@ struct Args {
   float scale;
 };
 
-// A (query, query head) pair of a task, with the visible tree keys of its query.
+// A (query, query head) pair of a task: its n visible keys, key i at slot i for i < L
+// and for causal calls (query t sees slots [0, L + t]), at tree[i - L] past the prefix
+// of a tree call.
 struct Pair {
-  int64_t t, h, n, nt;
+  int64_t t, h, n;
   int64_t tree[64];
 };
 
@@ -66,9 +68,11 @@ struct Scratch {
   std::vector<int64_t> ts, hs;  // the task's pairs
 };
 
-// One task: row b, KV head g, the pairs (t, h) listed. The pairs share each block of
-// kSubKeys prefix keys while it is in L1: scores, then P.V, every pair's chains stored
-// between blocks (exact), so a pair's arithmetic is what it is alone.
+// One task: row b, KV head g, the pairs (t, h) listed (t ascending). The keys every pair
+// sees (the prefix, and for causal calls up to the first query's own) go a block of
+// kSubKeys at a time through all the pairs while the block is in L1: scores, then P.V,
+// each pair's chains stored between blocks (exact); then each pair's own further keys. A
+// pair's arithmetic is what it is alone.
 constexpr int64_t kSubKeys = 32;
 
 // Keys i0 .. i0 + cnt - 1 (values v[0 .. cnt)) into a pair's two chains ap [2, D] (key i
@@ -115,11 +119,12 @@ OSD_AVX512 void task(const Args& a, int64_t b, int64_t g, const int64_t* ts, con
   const int64_t D = a.D, chunks = C > 0 ? C : D / 16;
   const int64_t L = a.lens[b];
   const int64_t stride = L + a.T;
+  const bool causal = a.tree_mask == nullptr;
   w.pairs.resize(static_cast<size_t>(np));
   if (static_cast<int64_t>(w.s.size()) < np * stride) w.s.resize(static_cast<size_t>(np * stride));
   if (static_cast<int64_t>(w.acc.size()) < np * 2 * D) w.acc.resize(static_cast<size_t>(np * 2 * D));
   w.l.resize(static_cast<size_t>(np));
-  w.keys.resize(static_cast<size_t>(std::max<int64_t>(kSubKeys, a.T)));
+  w.keys.resize(static_cast<size_t>(kSubKeys));
   const float* kb = a.k + b * a.k_stride[0] + g * a.k_stride[1];
   const float* vb = a.v + b * a.v_stride[0] + g * a.v_stride[1];
   auto qp = [&](const Pair& p) {
@@ -129,24 +134,33 @@ OSD_AVX512 void task(const Args& a, int64_t b, int64_t g, const int64_t* ts, con
     Pair& p = w.pairs[i];
     p.t = ts[i];
     p.h = hs[i];
-    p.nt = 0;
-    if (a.tree_mask != nullptr) {
+    if (causal) {
+      p.n = L + p.t + 1;
+    } else {
       const uint64_t bits =
           static_cast<uint64_t>(a.tree_mask[b * a.mask_stride_b + p.t * a.mask_stride_t]);
+      int64_t nt = 0;
       for (int64_t j = 0; j < a.T; ++j) {
-        if ((bits >> j) & 1) p.tree[p.nt++] = L + j;
+        if ((bits >> j) & 1) p.tree[nt++] = L + j;
       }
-    } else {
-      for (int64_t j = 0; j <= p.t; ++j) p.tree[p.nt++] = L + j;
+      p.n = L + nt;
     }
-    p.n = L + p.nt;
   }
+  // keys [0, common) are seen by every pair of the task
+  const int64_t common = causal ? L + ts[0] + 1 : L;
+  // pointers to keys i0 .. i0 + cnt - 1 of pair p (rows of base, slot stride apart)
+  auto fill = [&](const Pair& p, const float* base, int64_t stride_s, int64_t i0, int64_t cnt) {
+    for (int64_t j = 0; j < cnt; ++j) {
+      const int64_t i = i0 + j;
+      w.keys[j] = base + (causal || i < L ? i : p.tree[i - L]) * stride_s;
+    }
+  };
   // scores, eight keys at a time (scores_avx512: each key's sum takes the same additions
-  // whichever slot of its group of eight it has): the prefix a block at a time for every
-  // pair, then each pair's tree keys
-  for (int64_t i0 = 0; i0 < L; i0 += kSubKeys) {
-    const int64_t cnt = std::min(kSubKeys, L - i0);
-    for (int64_t j = 0; j < cnt; ++j) w.keys[j] = kb + (i0 + j) * a.k_stride[2];
+  // whichever slot of its group of eight it has): the common keys a block at a time for
+  // every pair, then each pair's own
+  for (int64_t i0 = 0; i0 < common; i0 += kSubKeys) {
+    const int64_t cnt = std::min(kSubKeys, common - i0);
+    fill(w.pairs[0], kb, a.k_stride[2], i0, cnt);
     for (int64_t i = 0; i < np; ++i) {
       attention_avx512::scores_avx512(qp(w.pairs[i]), w.keys.data(), cnt, D,
                                       w.s.data() + i * stride + i0);
@@ -154,9 +168,10 @@ OSD_AVX512 void task(const Args& a, int64_t b, int64_t g, const int64_t* ts, con
   }
   for (int64_t i = 0; i < np; ++i) {
     const Pair& p = w.pairs[i];
-    for (int64_t j = 0; j < p.nt; ++j) w.keys[j] = kb + p.tree[j] * a.k_stride[2];
-    if (p.nt > 0) {
-      attention_avx512::scores_avx512(qp(p), w.keys.data(), p.nt, D, w.s.data() + i * stride + L);
+    for (int64_t i0 = common; i0 < p.n; i0 += kSubKeys) {
+      const int64_t cnt = std::min(kSubKeys, p.n - i0);
+      fill(p, kb, a.k_stride[2], i0, cnt);
+      attention_avx512::scores_avx512(qp(p), w.keys.data(), cnt, D, w.s.data() + i * stride + i0);
     }
   }
   // the scale, the max, e^(s - m) and the sum (lane j adds keys j mod 16, in order)
@@ -182,26 +197,28 @@ OSD_AVX512 void task(const Args& a, int64_t b, int64_t g, const int64_t* ts, con
     w.l[i] = _mm512_reduce_add_ps(lsum);
     std::fill(w.acc.begin() + i * 2 * D, w.acc.begin() + (i + 1) * 2 * D, 0.0f);
   }
-  // P.V: two chains, key i into chain i mod 2 in ascending i; the prefix a block at a time
-  // for every pair (the chains kept in memory between blocks), then each pair's tree keys
-  auto pv = [&](int64_t i, const float* const* v, int64_t i0, int64_t cnt) {
-    pv_block<C>(w.acc.data() + i * 2 * D, w.s.data() + i * stride, D, v, i0, cnt);
-  };
-  for (int64_t i0 = 0; i0 < L; i0 += kSubKeys) {
-    const int64_t cnt = std::min(kSubKeys, L - i0);
-    for (int64_t j = 0; j < cnt; ++j) w.keys[j] = vb + (i0 + j) * a.v_stride[2];
-    for (int64_t i = 0; i < np; ++i) pv(i, w.keys.data(), i0, cnt);
+  // P.V: two chains, key i into chain i mod 2 in ascending i; the common keys a block at a
+  // time for every pair (the chains kept in memory between blocks), then each pair's own
+  for (int64_t i0 = 0; i0 < common; i0 += kSubKeys) {
+    const int64_t cnt = std::min(kSubKeys, common - i0);
+    fill(w.pairs[0], vb, a.v_stride[2], i0, cnt);
+    for (int64_t i = 0; i < np; ++i) {
+      pv_block<C>(w.acc.data() + i * 2 * D, w.s.data() + i * stride, D, w.keys.data(), i0, cnt);
+    }
   }
   for (int64_t i = 0; i < np; ++i) {
     const Pair& p = w.pairs[i];
-    for (int64_t j = 0; j < p.nt; ++j) w.keys[j] = vb + p.tree[j] * a.v_stride[2];
-    if (p.nt > 0) pv(i, w.keys.data(), L, p.nt);
+    float* ap = w.acc.data() + i * 2 * D;
+    for (int64_t i0 = common; i0 < p.n; i0 += kSubKeys) {
+      const int64_t cnt = std::min(kSubKeys, p.n - i0);
+      fill(p, vb, a.v_stride[2], i0, cnt);
+      pv_block<C>(ap, w.s.data() + i * stride, D, w.keys.data(), i0, cnt);
+    }
     float* o = a.out + ((b * a.T + p.t) * a.hq + p.h) * D;
     if (p.n == 0) {  // a query that sees no key
       std::fill(o, o + D, 0.0f);
       continue;
     }
-    const float* ap = w.acc.data() + i * 2 * D;
     const __m512 lv = _mm512_set1_ps(w.l[i]);
     for (int64_t c = 0; c < chunks; ++c) {
       const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(ap + 16 * c), _mm512_loadu_ps(ap + D + 16 * c));
@@ -210,13 +227,18 @@ OSD_AVX512 void task(const Args& a, int64_t b, int64_t g, const int64_t* ts, con
   }
 }
 
-// The pairs (query, query head) of each (row, KV head) in tasks of `per` pairs, enough
-// tasks to keep every thread busy (a pair's result does not depend on its task).
+// The pairs (query, query head) of each (row, KV head) in tasks of `per` consecutive pairs
+// (queries in order), enough tasks to keep every thread busy and none of more than
+// kTaskPairs pairs (causal prefill pieces: later queries see more keys); a pair's result
+// does not depend on its task.
+constexpr int64_t kTaskPairs = 48;
+
 inline void run(const Args& a, int64_t batch) {
   const int64_t G = a.hq / a.hkv, pairs = a.T * G;
   const int64_t want = std::max<int64_t>(1, (2 * at::get_num_threads() + batch * a.hkv - 1) /
                                                 (batch * a.hkv));
-  const int64_t per = (pairs + std::min(want, pairs) - 1) / std::min(want, pairs);
+  const int64_t split = std::min(want, pairs);
+  const int64_t per = std::min((pairs + split - 1) / split, kTaskPairs);
   const int64_t parts = (pairs + per - 1) / per, tasks = batch * a.hkv * parts;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch w;

@@ -225,9 +225,10 @@ at::Tensor tree_attention_cpu_op(const at::Tensor& q, const at::Tensor& k_cache,
   }
   a.scale = static_cast<float>(scale);
 #if defined(__x86_64__)
-  // Decode and verify in float32 on AVX-512: the row-invariant path (attention_rows.h), so
-  // that a query's result never depends on the call's other queries.
-  if (q.scalar_type() == at::kFloat && T <= kKeyBlock && D % 16 == 0 &&
+  // Float32 on AVX-512: the row-invariant path (attention_rows.h), so that a query's
+  // result never depends on the call's other queries, nor on how a prompt was cut into
+  // prefill pieces.
+  if (q.scalar_type() == at::kFloat && D % 16 == 0 &&
       D <= 16 * attention_rows::kMaxChunks && use_avx512() && q.stride(3) == 1 &&
       k_cache.stride(3) == 1 && v_cache.stride(3) == 1) {
     attention_rows::Args r{};

@@ -451,8 +451,22 @@ def quantized_state(
 
 def use_int8_activations(model: nn.Module) -> int:
     """Regroup ``model``'s Q4_0 / Q4_1 / Q8_0 :class:`QuantLinear` layers for int8
-    activations (:meth:`QuantLinear.use_int8_activations`); returns how many."""
-    return sum(m.use_int8_activations() for m in model.modules() if isinstance(m, QuantLinear))
+    activations (:meth:`QuantLinear.use_int8_activations`); returns how many.
+
+    All or nothing: only when every linear layer of the model (its projections and output
+    head) is such a layer on the CPU, else none. A row's int8 result never depends on the
+    call's other rows; a float32 layer's prefill pieces past 64 rows go through a GEMM
+    whose rounding does, and an int8 layer after it could turn that last bit into a
+    different code, so a request's output would depend on how its prompt was cut."""
+    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    if not linears or not all(
+        isinstance(m, QuantLinear)
+        and (m.ggml_type in X16_TYPES or x16_supported(m.ggml_type, m.out_features))
+        and m.qweight.device.type == "cpu"
+        for m in linears
+    ):
+        return 0
+    return sum(m.use_int8_activations() for m in linears)
 
 
 def quantize_gguf_linears(model, g) -> int:
