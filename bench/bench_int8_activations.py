@@ -25,6 +25,8 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
+import osd_kernels  # noqa: E402
+
 from osd.chat_template import apply_chat_template  # noqa: E402
 from osd.zoo.workloads import evaluation_set  # noqa: E402
 
@@ -73,14 +75,8 @@ def teacher_forced(model, ids: list[int], start: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=3, help="prompts a workload")
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--context", type=int, default=300)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+def run(args) -> dict:
+    """The two tables (module docstring) for ``args`` (``main``'s options); prints them."""
     torch.set_num_threads(2)
     target = osd.zoo.chat.fetch_target()
     engines = {
@@ -125,9 +121,31 @@ def main() -> None:
             f"max |diff| / std {row['max_diff_over_std']:.3f}; int8 greedy shares "
             f"{row['greedy_shared_tokens']:.0f} of {args.tokens} tokens before parting (mean)"
         )
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=3, help="prompts a workload")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    result = run(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def test_int8_activations():
+    """``make bench``: one prompt a workload, 64 tokens, 2 rounds."""
+    if osd.zoo.chat.cached_target() is None or not osd_kernels.use_vnni():
+        import pytest  # only here: the script runs without pytest
+
+        pytest.skip("needs the chat target (osd.zoo.chat.fetch_target()) and AVX-512 VNNI")
+    print()
+    run(argparse.Namespace(prompts=1, tokens=64, context=300, rounds=2, json=None))
 
 
 if __name__ == "__main__":
