@@ -113,6 +113,70 @@ OSD_AVX512 inline void pv_block(float* ap, const float* sh, int64_t D, const flo
   }
 }
 
+// scores_avx512 for two queries over the same keys, each key loaded once: per query the
+// very FMAs and sums scores_avx512 makes, so s0 and s1 are what it gives alone.
+OSD_AVX512 inline void scores_pair(const float* q0, const float* q1, const float* const* k,
+                                   int64_t n, int64_t dim, float* s0, float* s1) {
+  for (int64_t j = 0; j < n; j += 8) {
+    const float* kj[8];
+    for (int i = 0; i < 8; ++i) kj[i] = k[std::min<int64_t>(j + i, n - 1)];
+    __m512 a0[8], a1[8];
+    for (int i = 0; i < 8; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m512 x0 = _mm512_loadu_ps(q0 + d), x1 = _mm512_loadu_ps(q1 + d);
+      for (int i = 0; i < 8; ++i) {
+        const __m512 kv = _mm512_loadu_ps(kj[i] + d);
+        a0[i] = _mm512_fmadd_ps(x0, kv, a0[i]);
+        a1[i] = _mm512_fmadd_ps(x1, kv, a1[i]);
+      }
+    }
+    float out0[8], out1[8];
+    attention_avx512::sums8_avx512(a0, out0);
+    attention_avx512::sums8_avx512(a1, out1);
+    for (int64_t i = 0; i < std::min<int64_t>(8, n - j); ++i) {
+      s0[j + i] = out0[i];
+      s1[j + i] = out1[i];
+    }
+  }
+}
+
+// pv_block for two pairs over the same keys (head dims of 64: C = 4), each value loaded
+// once: per pair the very FMAs pv_block makes.
+OSD_AVX512 inline void pv_block_pair(float* ap0, const float* sh0, float* ap1, const float* sh1,
+                                     const float* const* v, int64_t i0, int64_t cnt) {
+  constexpr int C = 4, D = 64;
+  __m512 a00[C], a01[C], a10[C], a11[C];  // pair, chain
+  for (int c = 0; c < C; ++c) {
+    a00[c] = _mm512_loadu_ps(ap0 + 16 * c);
+    a01[c] = _mm512_loadu_ps(ap0 + D + 16 * c);
+    a10[c] = _mm512_loadu_ps(ap1 + 16 * c);
+    a11[c] = _mm512_loadu_ps(ap1 + D + 16 * c);
+  }
+  for (int64_t j = 0; j < cnt; ++j) {
+    const int64_t k = i0 + j;
+    const __m512 p0 = _mm512_set1_ps(sh0[k]), p1 = _mm512_set1_ps(sh1[k]);
+    if (k & 1) {
+      for (int c = 0; c < C; ++c) {
+        const __m512 vv = _mm512_loadu_ps(v[j] + 16 * c);
+        a01[c] = _mm512_fmadd_ps(p0, vv, a01[c]);
+        a11[c] = _mm512_fmadd_ps(p1, vv, a11[c]);
+      }
+    } else {
+      for (int c = 0; c < C; ++c) {
+        const __m512 vv = _mm512_loadu_ps(v[j] + 16 * c);
+        a00[c] = _mm512_fmadd_ps(p0, vv, a00[c]);
+        a10[c] = _mm512_fmadd_ps(p1, vv, a10[c]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    _mm512_storeu_ps(ap0 + 16 * c, a00[c]);
+    _mm512_storeu_ps(ap0 + D + 16 * c, a01[c]);
+    _mm512_storeu_ps(ap1 + 16 * c, a10[c]);
+    _mm512_storeu_ps(ap1 + D + 16 * c, a11[c]);
+  }
+}
+
 template <int C>
 OSD_AVX512 void task(const Args& a, int64_t b, int64_t g, const int64_t* ts, const int64_t* hs,
                      int64_t np, Scratch& w) {
@@ -161,7 +225,12 @@ OSD_AVX512 void task(const Args& a, int64_t b, int64_t g, const int64_t* ts, con
   for (int64_t i0 = 0; i0 < common; i0 += kSubKeys) {
     const int64_t cnt = std::min(kSubKeys, common - i0);
     fill(w.pairs[0], kb, a.k_stride[2], i0, cnt);
-    for (int64_t i = 0; i < np; ++i) {
+    int64_t i = 0;
+    for (; i + 1 < np; i += 2) {  // two pairs at a time: each key loaded once for both
+      scores_pair(qp(w.pairs[i]), qp(w.pairs[i + 1]), w.keys.data(), cnt, D,
+                  w.s.data() + i * stride + i0, w.s.data() + (i + 1) * stride + i0);
+    }
+    if (i < np) {
       attention_avx512::scores_avx512(qp(w.pairs[i]), w.keys.data(), cnt, D,
                                       w.s.data() + i * stride + i0);
     }
@@ -202,7 +271,15 @@ OSD_AVX512 void task(const Args& a, int64_t b, int64_t g, const int64_t* ts, con
   for (int64_t i0 = 0; i0 < common; i0 += kSubKeys) {
     const int64_t cnt = std::min(kSubKeys, common - i0);
     fill(w.pairs[0], vb, a.v_stride[2], i0, cnt);
-    for (int64_t i = 0; i < np; ++i) {
+    int64_t i = 0;
+    if constexpr (C == 4) {  // two pairs at a time: each value loaded once for both
+      for (; i + 1 < np; i += 2) {
+        pv_block_pair(w.acc.data() + i * 2 * D, w.s.data() + i * stride,
+                      w.acc.data() + (i + 1) * 2 * D, w.s.data() + (i + 1) * stride,
+                      w.keys.data(), i0, cnt);
+      }
+    }
+    for (; i < np; ++i) {
       pv_block<C>(w.acc.data() + i * 2 * D, w.s.data() + i * stride, D, w.keys.data(), i0, cnt);
     }
   }
