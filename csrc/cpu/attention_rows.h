@@ -27,7 +27,7 @@
 #include <limits>
 #include <vector>
 
-#include "cpu/attention_avx512.h"
+#include "cpu/tree_attention_task.h"  // TreeAttentionArgs, and attention_avx512.h
 
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -37,19 +37,6 @@ namespace osd {
 namespace attention_rows {
 
 constexpr int64_t kMaxChunks = 16;  // head dims up to 256
-
-struct Args {
-  const float* q;    // [B, T, Hq, D] with strides q_stride (the last 1)
-  const float* k;    // [B_max, Hkv, S, D], k_stride (the last 1)
-  const float* v;    // like k
-  float* out;        // [B, T, Hq, D] contiguous
-  const int32_t* lens;
-  const int64_t* tree_mask;  // [B, T] or nullptr (causal)
-  int64_t mask_stride_b, mask_stride_t;
-  int64_t T, hq, hkv, D;
-  int64_t q_stride[4], k_stride[4], v_stride[4];
-  float scale;
-};
 
 // A (query, query head) pair of a task: its n visible keys, key i at slot i for i < L
 // and for causal calls (query t sees slots [0, L + t]), at tree[i - L] past the prefix
@@ -178,21 +165,21 @@ OSD_AVX512 inline void pv_block_pair(float* ap0, const float* sh0, float* ap1, c
 }
 
 template <int C>
-OSD_AVX512 void task(const Args& a, int64_t b, int64_t g, const int64_t* ts, const int64_t* hs,
+OSD_AVX512 void task(const TreeAttentionArgs& a, int64_t b, int64_t g, const int64_t* ts, const int64_t* hs,
                      int64_t np, Scratch& w) {
-  const int64_t D = a.D, chunks = C > 0 ? C : D / 16;
+  const int64_t D = a.head_dim, chunks = C > 0 ? C : D / 16;
   const int64_t L = a.lens[b];
-  const int64_t stride = L + a.T;
+  const int64_t stride = L + a.num_q;
   const bool causal = a.tree_mask == nullptr;
   w.pairs.resize(static_cast<size_t>(np));
   if (static_cast<int64_t>(w.s.size()) < np * stride) w.s.resize(static_cast<size_t>(np * stride));
   if (static_cast<int64_t>(w.acc.size()) < np * 2 * D) w.acc.resize(static_cast<size_t>(np * 2 * D));
   w.l.resize(static_cast<size_t>(np));
   w.keys.resize(static_cast<size_t>(kSubKeys));
-  const float* kb = a.k + b * a.k_stride[0] + g * a.k_stride[1];
-  const float* vb = a.v + b * a.v_stride[0] + g * a.v_stride[1];
+  const float* kb = static_cast<const float*>(a.k) + b * a.k_stride[0] + g * a.k_stride[1];
+  const float* vb = static_cast<const float*>(a.v) + b * a.v_stride[0] + g * a.v_stride[1];
   auto qp = [&](const Pair& p) {
-    return a.q + b * a.q_stride[0] + p.t * a.q_stride[1] + p.h * a.q_stride[2];
+    return static_cast<const float*>(a.q) + b * a.q_stride[0] + p.t * a.q_stride[1] + p.h * a.q_stride[2];
   };
   for (int64_t i = 0; i < np; ++i) {
     Pair& p = w.pairs[i];
@@ -204,7 +191,7 @@ OSD_AVX512 void task(const Args& a, int64_t b, int64_t g, const int64_t* ts, con
       const uint64_t bits =
           static_cast<uint64_t>(a.tree_mask[b * a.mask_stride_b + p.t * a.mask_stride_t]);
       int64_t nt = 0;
-      for (int64_t j = 0; j < a.T; ++j) {
+      for (int64_t j = 0; j < a.num_q; ++j) {
         if ((bits >> j) & 1) p.tree[nt++] = L + j;
       }
       p.n = L + nt;
@@ -291,7 +278,7 @@ OSD_AVX512 void task(const Args& a, int64_t b, int64_t g, const int64_t* ts, con
       fill(p, vb, a.v_stride[2], i0, cnt);
       pv_block<C>(ap, w.s.data() + i * stride, D, w.keys.data(), i0, cnt);
     }
-    float* o = a.out + ((b * a.T + p.t) * a.hq + p.h) * D;
+    float* o = static_cast<float*>(a.out) + ((b * a.num_q + p.t) * a.hq + p.h) * D;
     if (p.n == 0) {  // a query that sees no key
       std::fill(o, o + D, 0.0f);
       continue;
@@ -310,8 +297,9 @@ OSD_AVX512 void task(const Args& a, int64_t b, int64_t g, const int64_t* ts, con
 // does not depend on its task.
 constexpr int64_t kTaskPairs = 48;
 
-inline void run(const Args& a, int64_t batch) {
-  const int64_t G = a.hq / a.hkv, pairs = a.T * G;
+inline void run(const TreeAttentionArgs& a) {
+  const int64_t batch = a.batch;
+  const int64_t G = a.hq / a.hkv, pairs = a.num_q * G;
   const int64_t want = std::max<int64_t>(1, (2 * at::get_num_threads() + batch * a.hkv - 1) /
                                                 (batch * a.hkv));
   const int64_t split = std::min(want, pairs);
@@ -330,7 +318,7 @@ inline void run(const Args& a, int64_t batch) {
         ts[i] = (first + i) / G;
         hs[i] = g * G + (first + i) % G;
       }
-      switch (a.D / 16) {
+      switch (a.head_dim / 16) {
         case 4: task<4>(a, b, g, ts, hs, np, w); break;
         case 8: task<8>(a, b, g, ts, hs, np, w); break;
         default: task<0>(a, b, g, ts, hs, np, w); break;

@@ -231,26 +231,7 @@ at::Tensor tree_attention_cpu_op(const at::Tensor& q, const at::Tensor& k_cache,
   if (q.scalar_type() == at::kFloat && D % 16 == 0 &&
       D <= 16 * attention_rows::kMaxChunks && use_avx512() && q.stride(3) == 1 &&
       k_cache.stride(3) == 1 && v_cache.stride(3) == 1) {
-    attention_rows::Args r{};
-    r.q = q.data_ptr<float>();
-    r.k = k_cache.data_ptr<float>();
-    r.v = v_cache.data_ptr<float>();
-    r.out = out.data_ptr<float>();
-    r.lens = lens;
-    r.tree_mask = a.tree_mask;
-    r.mask_stride_b = a.mask_stride_b;
-    r.mask_stride_t = a.mask_stride_t;
-    r.T = T;
-    r.hq = Hq;
-    r.hkv = Hkv;
-    r.D = D;
-    for (int i = 0; i < 4; ++i) {
-      r.q_stride[i] = q.stride(i);
-      r.k_stride[i] = k_cache.stride(i);
-      r.v_stride[i] = v_cache.stride(i);
-    }
-    r.scale = a.scale;
-    attention_rows::run(r, B);
+    attention_rows::run(a);
     return out;
   }
 #endif

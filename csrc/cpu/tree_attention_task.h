@@ -2,8 +2,9 @@
 // the call's arguments, a thread's scratch, the per-block update process_keys (portable,
 // AVX2, AVX-512 one row at a time or rows in lanes), run_task and the merge of key splits.
 //
-// Private to tree_attention.cpp (its only includer): everything here has internal
-// linkage, as the rest of that translation unit.
+// Private to tree_attention.cpp (included there and by its attention_rows.h, which reads
+// the same TreeAttentionArgs): everything here has internal linkage, as the rest of that
+// translation unit.
 #pragma once
 #include <algorithm>
 #include <cstdint>
