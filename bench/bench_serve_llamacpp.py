@@ -17,8 +17,10 @@ both servers read), so every provider generates the same number of tokens. Provi
   ``osd in-process --no-draft``: the target alone. 1 client only: the reference of
   ``osd serve`` at one client;
 - ``osd serve``: ``osd serve --threads THREADS`` as a user runs it (no ``--target``: the
-  chat pair and its draft's settings, ``--max-batch-size`` 8); ``osd serve --no-draft``:
-  the target alone (kept quantized, the CPU default);
+  chat pair and its draft's settings, ``--max-batch-size`` 8, new tokens streamed at most
+  every 20 ms, the CPU's ``--stream-interval``); ``osd serve --no-draft``: the target
+  alone (kept quantized, the CPU default); ``osd serve --stream-interval 0``: every
+  step's tokens sent at once (``--no-every-step`` leaves it out);
 - ``llama-server -np 8``: ``llama-server -np 8 -c 8*2048 --poll 0 -t THREADS -tb
   THREADS`` (``bench.llamacpp``) started without ``OMP_WAIT_POLICY`` in its environment,
   as a user's shell starts it; ``llama-server -np 1`` (one slot, ``-c 2048``) too at one
@@ -36,14 +38,18 @@ the messages, ``max_tokens``, ``temperature: 0``, ``stream: true`` with a usage 
 ids as ``llama-server`` builds them (its ``/apply-template`` then ``/tokenize``) are
 compared with osd's (``osd.chat_template.apply_chat_template``): the two servers prefill
 the same ids (the script stops when they do not), and each request's ``prompt_tokens``
-is checked again.
+is checked again. Before the rounds every provider answers one short conversation, and
+each server a first load of N short ones at every N > 1 (a server's first batch of a
+width is slower than the next).
 
 A configuration is a provider and a number N of concurrent clients; client j sends
-conversations j, j + N, ... one after another. A round runs every configuration once,
-N = 1 first. At N = 1 the providers take turns conversation by conversation (every
-provider answers conversation i before any answers i + 1), so a burst of load from the
-other work on the machine hits them alike; at N = 8 they take turns load by load. The
-order rotates with the round (and the conversation). Measured on the client:
+conversations j, j + N, ... one after another. A round starts every provider afresh (in
+an order rotated by the round: a process keeps for its whole life the speed its memory
+placement gave it, and the same server restarted differs by several percent), then runs
+every configuration once, N = 1 first. At N = 1 the providers take turns conversation by
+conversation (every provider answers conversation i before any answers i + 1), so a
+burst of load from the other work on the machine hits them alike; at N = 8 they take
+turns load by load. The order rotates with the round (and the conversation). Measured on the client:
 **tokens/s** = completion tokens (``usage``) of all requests / wall time (N = 8: from the
 first request sent to the last stream done; N = 1: the requests' walls added up), the
 median over rounds with min–max beside it; **TTFT** = from sending a request to its first
@@ -100,17 +106,20 @@ THREADS = 2
 SLOT_CTX = 2048  # context per sequence: osd serve's --max-seq-len default
 NEEDS = ("fastapi", "uvicorn", "httpx")
 
-INPROC = "osd in-process"
-INPROC_PLAIN = "osd in-process --no-draft"
-SERVE = "osd serve"
-SERVE_PLAIN = "osd serve --no-draft"
-LLAMA8 = "llama-server -np 8"
-LLAMA1 = "llama-server -np 1"
-LLAMA8P = "llama-server -np 8, spin=1000"
-LLAMAS = (LLAMA8, LLAMA1, LLAMA8P)
-# provider -> its in-process reference (the serve / in-process ratio at 1 client)
-REFERENCE = {SERVE: INPROC, SERVE_PLAIN: INPROC_PLAIN}
-OSD_ROWS = (INPROC, INPROC_PLAIN, SERVE, SERVE_PLAIN)
+from bench.serve_summary import (  # noqa: E402
+    INPROC,
+    INPROC_PLAIN,
+    SERVE,
+    SERVE_PLAIN,
+    SERVE_EVERY,
+    LLAMA8,
+    LLAMA1,
+    LLAMA8P,
+    percentile,
+    summarize,
+    same_text,
+    report,
+)
 
 
 def missing_reason() -> str | None:
@@ -130,46 +139,53 @@ def missing_reason() -> str | None:
     return None
 
 
-def percentile(xs: list[float], q: float) -> float | None:
-    """The q-th percentile (0..100), linear interpolation; None for no samples."""
-    if not xs:
-        return None
-    xs = sorted(xs)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 # ---- Providers ----
 
 
-def start_providers(clients, threads: int, llama_np1: bool, llama_passive: bool, log=print) -> dict:
+def start_providers(
+    clients,
+    threads: int,
+    llama_np1: bool,
+    llama_passive: bool,
+    every_step: bool,
+    rotate: int = 0,
+    log=print,
+) -> dict:
     """Every provider, started and ready: ``{name: object}`` with ``pid`` and either
-    ``url`` (a server) or ``run`` (in-process)."""
+    ``url`` (a server) or ``run`` (in-process). They start one after another, the order
+    rotated by ``rotate``; the dict keeps the canonical order."""
     target, draft = zoo.chat_pair()
     bins = llamacpp.find_binaries()
+    makers = {
+        SERVE: lambda: chat_load.OsdServe([], threads),
+        SERVE_PLAIN: lambda: chat_load.OsdServe(["--no-draft"], threads),
+    }
+    if every_step:
+        makers[SERVE_EVERY] = lambda: chat_load.OsdServe(["--stream-interval", "0"], threads)
     llamas = [(LLAMA8, 8, None)]
     if llama_np1 and 1 in clients:
         llamas.append((LLAMA1, 1, None))
     if llama_passive:
         llamas.append((LLAMA8P, 8, "spin=1000"))
-    out: dict = {}
+    for name, slots, policy in llamas:
+        makers[name] = lambda s=slots, p=policy: chat_load.llama_server(
+            bins, target, s, threads, SLOT_CTX, p
+        )
+    if 1 in clients:
+        makers[INPROC] = lambda: chat_load.InProcess(target, draft, threads)
+        makers[INPROC_PLAIN] = lambda: chat_load.InProcess(target, None, threads)
+    names = list(makers)
+    k = rotate % len(names)
+    started: dict = {}
     try:
-        log(f"starting {SERVE}, {SERVE_PLAIN}, " + ", ".join(n for n, _, _ in llamas))
-        out[SERVE] = chat_load.OsdServe([], threads)
-        out[SERVE_PLAIN] = chat_load.OsdServe(["--no-draft"], threads)
-        for name, slots, policy in llamas:
-            out[name] = chat_load.llama_server(bins, target, slots, threads, SLOT_CTX, policy)
-        if 1 in clients:
-            log(f"loading {INPROC} and {INPROC_PLAIN}")
-            out[INPROC] = chat_load.InProcess(target, draft, threads)
-            out[INPROC_PLAIN] = chat_load.InProcess(target, None, threads)
+        log("starting " + ", ".join(names[k:] + names[:k]))
+        for name in names[k:] + names[:k]:
+            started[name] = makers[name]()
     except BaseException:
-        for p in out.values():
+        for p in started.values():
             p.close()
         raise
-    return out
+    return {name: started[name] for name in names}
 
 
 def providers_at(n: int, providers: dict) -> list[str]:
@@ -264,6 +280,7 @@ def bench(
     threads: int = THREADS,
     llama_np1: bool = True,
     llama_passive: bool = True,
+    every_step: bool = True,
     log=print,
 ) -> dict:
     """The whole interleaved run; a JSON-able dict with one row per (provider, N)."""
@@ -271,16 +288,31 @@ def bench(
     t_start = time.time()
     convs = [list(c) for w in evaluation_set(n=prompts) for c in w.prompts]
     warm = [list(evaluation_set(n=1, seed=12345)[0].prompts[0])]
-    providers = start_providers(clients, threads, llama_np1, llama_passive, log)
     runs: dict = {}
     problems: list[str] = []
-    try:
-        tok = load_tokenizer(zoo.chat_pair()[0])
-        check_prompt_ids(providers, convs, tok)
-        want_prompt = [len(apply_chat_template(tok, [c])[0]) for c in convs]
-        for name, prov in providers.items():  # warm-up: first-call allocations, lazy imports
-            measure(prov, warm, 1, 8)
-        for rnd in range(rounds):
+    status: dict = {}
+    cmds: dict = {}
+    tok = load_tokenizer(zoo.chat_pair()[0])
+    want_prompt = [len(apply_chat_template(tok, [c])[0]) for c in convs]
+    for rnd in range(rounds):
+        # Fresh processes every round, started in a rotated order: a process keeps the
+        # speed its memory placement gave it for its whole life (the same server
+        # restarted differs by several percent), so one set of processes would bias
+        # every ratio of the run.
+        providers = start_providers(
+            clients, threads, llama_np1, llama_passive, every_step, rotate=rnd, log=log
+        )
+        try:
+            if rnd == 0:
+                check_prompt_ids(providers, convs, tok)
+            # Warm-up: first-call allocations, lazy imports, and a server's first batch
+            # of every width it will run (a first load of N clients is slower than the
+            # next).
+            for name, prov in providers.items():
+                measure(prov, warm, 1, 8)
+                for n in clients:
+                    if n > 1 and name in providers_at(n, providers):
+                        measure(prov, warm * n, n, 8)
             for n in clients:
                 for name, run in one_round(providers, convs, n, rnd, max_tokens).items():
                     run["tokens_per_s"] = run["tokens"] / run["wall_s"]
@@ -302,11 +334,18 @@ def bench(
                         + ("-" if ttft is None else f"{1e3 * ttft:.0f} ms")
                         + f", load {run['loadavg']:.2f}"
                     )
-    finally:
-        status = {}
-        for name, p in providers.items():
-            p.close()
-            status[name] = getattr(getattr(p, "proc", None), "returncode", None)
+        finally:
+            for name, p in providers.items():
+                p.close()
+                code = getattr(getattr(p, "proc", None), "returncode", None)
+                if status.get(name) in (None, 0):
+                    status[name] = code
+                cmds[name] = dict(
+                    cmd=p.cmd,
+                    omp_wait_policy=getattr(
+                        p, "omp_wait_policy", os.environ.get("OMP_WAIT_POLICY")
+                    ),
+                )
     rows = summarize(runs, clients)
     texts = same_text(runs)
     for r in runs.values():
@@ -324,14 +363,9 @@ def bench(
             f"--threads {threads}"
             + ("" if llama_np1 else " --no-llama-np1")
             + ("" if llama_passive else " --no-llama-passive")
+            + ("" if every_step else " --no-every-step")
         ),
-        providers={
-            name: dict(
-                cmd=p.cmd,
-                omp_wait_policy=getattr(p, "omp_wait_policy", os.environ.get("OMP_WAIT_POLICY")),
-            )
-            for name, p in providers.items()
-        },
+        providers=cmds,
         exit_status=status,
         machine=dict(
             platform=platform.platform(),
@@ -360,123 +394,6 @@ def bench(
     )
 
 
-# ---- Summary ----
-
-
-def _median_ratio(num: list[dict], den: list[dict]) -> float | None:
-    """Median over rounds of ``num``'s tokens/s over ``den``'s in the same round."""
-    pairs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(num, den) if b["tokens_per_s"]]
-    return percentile(pairs, 50)
-
-
-def summarize(runs: dict, clients) -> list[dict]:
-    """One row per (provider, N): tokens/s (median, min, max over rounds), TTFT p50, CPU
-    per token and the ratio columns."""
-    rows = []
-    for n in clients:
-        llama = [runs[(name, n)] for name in LLAMAS if (name, n) in runs]
-        # per round, the faster llama-server at this N
-        best = [max(rs, key=lambda r: r["tokens_per_s"]) for rs in zip(*llama)] if llama else []
-        for (name, m), rs in runs.items():
-            if m != n:
-                continue
-            tps = [r["tokens_per_s"] for r in rs]
-            cpu = [r["cpu_s"] for r in rs if r["cpu_s"] is not None]
-            ttft = percentile([t for r in rs for t in r["ttft"]], 50)
-            row = dict(
-                provider=name,
-                clients=n,
-                tokens_per_s=percentile(tps, 50),
-                tokens_per_s_min=min(tps),
-                tokens_per_s_max=max(tps),
-                tokens_per_s_rounds=tps,
-                ttft_p50_ms=None if ttft is None else 1e3 * ttft,
-                cpu_ms_per_token=(
-                    1e3 * sum(cpu) / sum(r["tokens"] for r in rs) if len(cpu) == len(rs) else None
-                ),
-                client_cpu_ms_per_token=(
-                    1e3 * sum(r["client_cpu_s"] for r in rs) / sum(r["tokens"] for r in rs)
-                ),
-                loadavg_1m=[r["loadavg"] for r in rs],
-            )
-            eng = [r["engine_s"] for r in rs]
-            if None not in eng and (n == 1 or name in OSD_ROWS):
-                tokens = sum(r["tokens"] for r in rs)
-                row["step_ms_per_token"] = 1e3 * sum(eng) / tokens
-                row["outside_ms_per_token"] = (
-                    1e3 * (sum(r["wall_s"] for r in rs) - sum(eng)) / tokens
-                )
-            ref = REFERENCE.get(name)
-            if n == 1 and ref and (ref, 1) in runs:
-                row["vs_in_process"] = _median_ratio(rs, runs[(ref, 1)])
-            if name in OSD_ROWS and (LLAMA8, n) in runs:
-                row["vs_llama_np8"] = _median_ratio(rs, runs[(LLAMA8, n)])
-            if name in OSD_ROWS and best:
-                row["vs_llama_best"] = _median_ratio(rs, best)
-            rows.append(row)
-    return rows
-
-
-def same_text(runs: dict) -> dict:
-    """Per (provider, N): in how many conversations its first round's text equals its
-    in-process counterpart's (the draft's defaults for ``osd serve``, the target alone for
-    the rest); greedy, so osd's should all be equal (llama.cpp computes in its own
-    precision and leaves osd's text after some tokens)."""
-    out = {}
-    for (name, n), rs in runs.items():
-        ref = INPROC if name == SERVE else INPROC_PLAIN
-        if name in (INPROC, INPROC_PLAIN) or (ref, 1) not in runs:
-            continue
-        a = [r["text"].rstrip("\ufffd") for r in rs[0]["results"]]
-        b = [r["text"].rstrip("\ufffd") for r in runs[(ref, 1)][0]["results"]]
-        out[f"{name} / N={n}"] = f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
-    return out
-
-
-def _f(v, fmt: str, suffix: str = "") -> str:
-    return "–" if v is None else format(v, fmt) + suffix
-
-
-def markdown(out: dict) -> str:
-    lines = [
-        "| clients | provider | tokens/s (min–max) | TTFT p50 (ms) "
-        "| CPU ms/token (server / client) | wall ms/token in steps + outside "
-        "| ÷ in-process | ÷ llama-server -np 8 | ÷ fastest llama-server |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in out["rows"]:
-        steps = (
-            f"{r['step_ms_per_token']:.1f} + {r['outside_ms_per_token']:.1f}"
-            if "step_ms_per_token" in r
-            else "–"
-        )
-        lines.append(
-            f"| {r['clients']} | {r['provider']} | {r['tokens_per_s']:.1f} "
-            f"({r['tokens_per_s_min']:.1f}–{r['tokens_per_s_max']:.1f}) | "
-            f"{_f(r['ttft_p50_ms'], '.0f')} | {_f(r['cpu_ms_per_token'], '.1f')} / "
-            f"{r['client_cpu_ms_per_token']:.1f} | {steps} | "
-            f"{_f(r.get('vs_in_process'), '.2f', 'x')} | {_f(r.get('vs_llama_np8'), '.2f', 'x')} | "
-            f"{_f(r.get('vs_llama_best'), '.2f', 'x')} |"
-        )
-    return "\n".join(lines)
-
-
-def report(out: dict) -> str:
-    m = out["machine"]
-    lines = [
-        markdown(out),
-        "",
-        f"load average at start {' '.join(f'{x:.2f}' for x in m['loadavg_start'])}, at end "
-        f"{' '.join(f'{x:.2f}' for x in m['loadavg_end'])}; {out['duration_s']:.0f} s",
-        "same text as in-process (first round): "
-        + ", ".join(f"{k} {v}" for k, v in out["same_text_as_in_process"].items()),
-    ]
-    if out["problems"]:
-        lines.append(f"{len(out['problems'])} PROBLEMS:")
-        lines += ["  " + p for p in out["problems"][:20]]
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, nargs="+", default=list(CLIENTS))
@@ -493,6 +410,11 @@ def main(argv=None) -> int:
         "--no-llama-passive",
         action="store_true",
         help="leave out the llama-server -np 8 started with GOMP_SPINCOUNT=1000",
+    )
+    p.add_argument(
+        "--no-every-step",
+        action="store_true",
+        help="leave out osd serve --stream-interval 0 (every step's tokens sent at once)",
     )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -515,6 +437,7 @@ def main(argv=None) -> int:
         args.threads,
         llama_np1=not args.no_llama_np1,
         llama_passive=not args.no_llama_passive,
+        every_step=not args.no_every_step,
         log=lambda s: print(s, flush=True),
     )
     print()
@@ -531,7 +454,13 @@ def main(argv=None) -> int:
 # ---- pytest-benchmark: one quick round ----
 
 QUICK = dict(
-    clients=CLIENTS, prompts=2, max_tokens=32, rounds=1, llama_np1=False, llama_passive=True
+    clients=CLIENTS,
+    prompts=2,
+    max_tokens=32,
+    rounds=1,
+    llama_np1=False,
+    llama_passive=True,
+    every_step=False,
 )
 
 

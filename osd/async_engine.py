@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
 import uuid
 
 from osd.chat_template import apply_chat_template
@@ -43,6 +44,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     sent: int = -1  # tokens in the last snapshot sent
+    sent_at: float = 0.0  # time.monotonic() of the last snapshot sent
 
 
 class AsyncEngine:
@@ -51,15 +53,23 @@ class AsyncEngine:
     Args:
         engine: the engine to serve; the AsyncEngine's thread steps it from now on (plain
             ``engine.generate`` calls still work: they take turns with the loop's steps).
+        stream_interval: seconds. A running request whose last snapshot is younger than
+            this gets its new tokens in a later one (its first token and its last
+            snapshot are never held). 0 sends every step's tokens at once; more sends
+            fewer, larger snapshots, which on a CPU the engine shares with the serving
+            code and its clients leaves more of the cores to the steps.
 
     Attributes:
         engine: the wrapped :class:`~osd.Engine`.
         tokenizer: ``engine.tokenizer``.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, stream_interval: float = 0.0) -> None:
         if not isinstance(engine, Engine):
             raise TypeError(f"engine must be an osd.Engine, got {type(engine).__name__}")
+        if not stream_interval >= 0:
+            raise ValueError(f"stream_interval must be >= 0 seconds, got {stream_interval!r}")
+        self.stream_interval = float(stream_interval)
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._lock = threading.Lock()  # guards the three fields below
@@ -72,10 +82,12 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def from_pretrained(cls, target, draft=None, **kwargs) -> "AsyncEngine":
-        """``AsyncEngine(Engine.from_pretrained(target, draft, **kwargs))``: the same
-        arguments as :meth:`osd.Engine.from_pretrained`."""
-        return cls(Engine.from_pretrained(target, draft, **kwargs))
+    def from_pretrained(
+        cls, target, draft=None, stream_interval: float = 0.0, **kwargs
+    ) -> "AsyncEngine":
+        """``AsyncEngine(Engine.from_pretrained(target, draft, **kwargs),
+        stream_interval)``: the same arguments as :meth:`osd.Engine.from_pretrained`."""
+        return cls(Engine.from_pretrained(target, draft, **kwargs), stream_interval)
 
     # -- the caller's side --------------------------------------------------------------
     async def generate(
@@ -230,11 +242,15 @@ class AsyncEngine:
         with self._lock:
             streams = list(self._streams.values())
         done = []
+        now = time.monotonic()
         for s in streams:
             r = s.request
-            if len(r.generated) == s.sent and r.finish_reason is None:
+            if r.finish_reason is None and (
+                len(r.generated) == s.sent
+                or (s.sent > 0 and now - s.sent_at < self.stream_interval)
+            ):
                 continue
-            s.sent = len(r.generated)
+            s.sent, s.sent_at = len(r.generated), now
             self._send(s, self.engine.output(r))
             if r.finish_reason is not None:
                 done.append(s.request_id)

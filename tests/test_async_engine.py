@@ -89,6 +89,35 @@ def test_snapshots_grow_and_the_last_one_finishes(pair):
     assert lengths == sorted(lengths) and len(set(lengths)) == len(lengths)
 
 
+def test_stream_interval_coalesces_snapshots_but_not_the_first_token_or_the_end(pair):
+    params = osd.SamplingParams(40)
+    every, coalesced = [], []
+    aeng = osd.AsyncEngine(_engine(pair))
+    try:
+        asyncio.run(_collect(aeng, [1, 2, 3], params, snapshots=every))
+    finally:
+        aeng.close()
+    # an interval longer than the request: the first token, then only the end
+    aeng = osd.AsyncEngine(_engine(pair), stream_interval=60.0)
+    try:
+        asyncio.run(_collect(aeng, [1, 2, 3], params, snapshots=coalesced))
+    finally:
+        aeng.close()
+    assert len(every) > 3
+    with_tokens = [s for s in coalesced if s.token_ids]
+    assert len(with_tokens) == 2
+    assert len(with_tokens[0].token_ids) == len(next(s for s in every if s.token_ids).token_ids)
+    assert coalesced[-1].finish_reason == "length"
+    assert coalesced[-1].token_ids == every[-1].token_ids
+    assert coalesced[-1].text == every[-1].text
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan")])
+def test_a_bad_stream_interval_is_refused(pair, bad):
+    with pytest.raises(ValueError, match="stream_interval"):
+        osd.AsyncEngine(_engine(pair), stream_interval=bad)
+
+
 def test_abort_frees_the_row_and_the_rest_go_on(pair):
     prompts = prompts_of([6, 12, 4], seed=60)
     sp = osd.SamplingParams(40)

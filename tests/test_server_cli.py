@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 
 from osd import cli, zoo  # noqa: E402
 from osd.server import Limits  # noqa: E402
-from osd.server.run import limits_from_args  # noqa: E402
+from osd.server.run import limits_from_args, stream_interval_s  # noqa: E402
 from tests.server_harness import PROMPTS, free_socket  # noqa: E402
 
 
@@ -127,3 +127,13 @@ def test_serve_flags_and_the_environment_key(capsys, monkeypatch):
     assert limits_from_args(args).api_key is None
     with pytest.raises(ValueError):
         Limits(header_timeout=0)
+
+
+def test_cli_serve_stream_interval():
+    parse = cli.build_parser().parse_args
+    assert stream_interval_s(parse(["serve"])) == pytest.approx(0.02)  # the CPU's default
+    assert stream_interval_s(parse(["serve", "--device", "cuda"])) == 0.0
+    assert stream_interval_s(parse(["serve", "--stream-interval", "0"])) == 0.0
+    assert stream_interval_s(parse(["serve", "--stream-interval", "5"])) == pytest.approx(0.005)
+    with pytest.raises(ValueError, match="--stream-interval"):
+        stream_interval_s(parse(["serve", "--stream-interval", "-1"]))

@@ -127,6 +127,15 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     )
     s.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     s.add_argument(
+        "--stream-interval",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="send a streamed request's new tokens at most every MS milliseconds (its "
+        "first token and its end at once); fewer, larger events leave a CPU's cores "
+        "to decoding (default: 20 on the CPU, 0 on a GPU)",
+    )
+    s.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     lim = s.add_argument_group("limits", 'what one client may take (docs/serving.md, "Limits")')

@@ -72,6 +72,7 @@ def serve(args) -> int:
     if args.online and draft is None:
         raise ValueError("--online needs a draft model to learn (--draft)")
     limits = limits_from_args(args)
+    stream_interval = stream_interval_s(args)
     online = osd.OnlineConfig() if args.online else None
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -94,6 +95,7 @@ def serve(args) -> int:
         ae = osd.AsyncEngine.from_pretrained(
             target,
             draft=draft,
+            stream_interval=stream_interval,
             device=args.device,
             dtype=dtype,
             spec=spec,
@@ -135,6 +137,18 @@ def serve(args) -> int:
         ae.close()
         sock.close()
     return 0
+
+
+def stream_interval_s(args) -> float:
+    """``--stream-interval`` in seconds; by default 20 ms on the CPU, where the server's
+    event loop and its clients take turns with the decoding threads on the same cores,
+    and 0 (every step's tokens at once) on a GPU."""
+    ms = getattr(args, "stream_interval", None)
+    if ms is None:
+        ms = 20.0 if str(getattr(args, "device", "cpu")).startswith("cpu") else 0.0
+    if not ms >= 0:
+        raise ValueError(f"--stream-interval must be >= 0 milliseconds, got {ms}")
+    return ms / 1e3
 
 
 def limits_from_args(args) -> Limits:
