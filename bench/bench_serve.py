@@ -27,7 +27,8 @@ where this one ended), so a burst of load from elsewhere hits both. Only one ser
 busy at a time; the idle one waits on its socket.
 
 Measured on the client, with ``time.perf_counter()`` when each streamed chunk arrives
-(a chunk carries the token ids of one engine step: with speculation, up to k + 1 tokens):
+(both servers run with ``--stream-interval 0``, so a chunk carries the token ids of one
+engine step: with speculation, up to k + 1 tokens):
 
 - **TTFT**: from sending the request to the first chunk with tokens (the engine's first
   step for a request prefills and then decodes, so that chunk usually holds 2 tokens);

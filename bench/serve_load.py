@@ -97,6 +97,9 @@ class ServeProcess:
             str(threads),
             "--log-level",
             "warning",
+            # every step's tokens in an event of their own: the chunks time the steps
+            "--stream-interval",
+            "0",
         ]
         if name == "spec":
             self.cmd += ["--draft", draft, "-k", str(k), *SPEC_FLAGS]
