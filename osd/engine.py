@@ -58,6 +58,7 @@ from osd.online.serving import OnlineManager
 from osd.prefix_cache import PrefixCache
 from osd.runner import ModelRunner
 from osd.scheduler import Scheduler
+from osd.detok import output_text
 from osd.request import RequestError, RequestState, encode_prompts, stop_prefix_length
 from osd.sampling import Output, SamplingParams, TokenLogprobs, request_seed
 from osd.scoring import score_tokens
@@ -576,7 +577,7 @@ class Engine(Scheduler, ModelRunner):
         """The :class:`~osd.Output` of ``r`` as it stands (a snapshot while it runs)."""
         text = r.stop_text
         if text is None and self.tokenizer is not None:
-            text = self.tokenizer.decode(r.generated, skip_special_tokens=True)
+            text = output_text(self.tokenizer, r)
             if r.finish_reason is None and r.params is not None and r.params.stop:
                 # a snapshot's text is always a prefix of the final one
                 text = text[: len(text) - stop_prefix_length(text, r.params.stop)]

@@ -40,6 +40,7 @@ class RequestState:
     teacher: list = dataclasses.field(default_factory=list)  # collected target distributions
     stop_checked: int = 0  # generated tokens already searched for stop strings
     stop_text: str | None = None  # the text cut before the stop string that ended it
+    text_done: tuple[int, str] = (0, "")  # (n, the text of generated[:n]): osd.detok
     logprobs: list | None = None  # TokenLogprobs per generated token (params.logprobs)
     lookup_record: object = None  # its prompt-lookup drafts' record (spec_decode.lookup_lengths)
     ngram_index: object = None  # its text's n-grams for prompt lookup (spec_decode.ngram_index)
