@@ -19,6 +19,7 @@ cleans up spaces after decoding) decode everything every time.
 
 from __future__ import annotations
 
+
 def incremental(tokenizer) -> bool:
     """Whether ``tokenizer.decode`` is the joined bytes of its tokens (see the module
     docstring): a fast tokenizer with a ``ByteLevel`` decoder and no space clean-up."""
