@@ -186,6 +186,7 @@ def test_shipped_drafts_serve_with_their_recommended_settings():
     quant_plain = osd.Engine.from_pretrained(target, **kw)
     engine = osd.Engine.from_pretrained(target, draft=DRAFT_DIR, **kw)
     assert engine.spec.drafter == "ngram" and engine.draft is None
+    assert engine.spec.lookup_history > 0  # it also searches earlier answers
     assert [o.token_ids for o in engine.chat(convs, params)] == [
         o.token_ids for o in quant_plain.chat(convs, params)
     ]

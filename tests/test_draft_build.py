@@ -14,6 +14,7 @@ import torch
 import osd
 from osd import cli, zoo
 from osd.draft_build import cli as draft_cli
+from osd.draft_build.tune import LOOKUP_HISTORY, with_history
 from osd.draft_build.build import write_head_vocab
 from osd.draft_build.common import ThreadTuner, split_heldout
 from osd.draft_build.data import teacher_data
@@ -113,3 +114,16 @@ def test_stages_on_a_small_target(tmp_path):
     assert loaded.head_vocab_size == 5 and loaded.vocab_size == target.vocab_size
     write_head_vocab(str(out), None)
     assert osd.load_model(str(out)).head_vocab_size == target.vocab_size
+
+
+def test_a_chosen_prompt_lookup_also_searches_earlier_answers():
+    assert with_history(None) is None
+    assert with_history({"num_draft_tokens": 3}) == {"num_draft_tokens": 3}
+    assert with_history({"drafter": "ngram", "num_draft_tokens": 6}) == {
+        "drafter": "ngram",
+        "num_draft_tokens": 6,
+        "lookup_history": LOOKUP_HISTORY,
+    }
+    got = with_history({"num_draft_tokens": 3, "prompt_lookup": True})
+    assert got["lookup_history"] == LOOKUP_HISTORY
+    osd.SpecConfig(**got)  # a valid configuration
