@@ -28,8 +28,10 @@ Timing is interleaved prompt by prompt (every provider runs prompt i before any 
 prompt i+1), best of ``ROUNDS`` rounds per prompt. llama.cpp's time is the client's wall
 time of the HTTP request (the server's own ``prompt_ms + predicted_ms`` is reported
 beside it as ``server_tokens_per_s``). Before each round every ``llama-server`` is
-restarted (untimed) and warmed up on a prompt outside the set: ``ngram-mod`` keeps n-grams
-of earlier requests, and would otherwise draft a prompt's answer from its previous round.
+restarted (untimed) and warmed up on a prompt outside the set, and the osd engines' lookup
+history is cleared: ``ngram-mod`` and osd's ``lookup_history`` keep the answers of earlier
+requests, and would otherwise draft a prompt's answer from its previous round (within a
+round both draw on the round's earlier prompts).
 Each workload prints a table: tokens/s per provider, its ratio to ``llama.cpp-plain`` and
 to llama.cpp's best mode on that workload, and how many leading tokens it shares with
 ``osd-plain`` (mean over prompts: llama.cpp computes in its own precision, so its greedy
@@ -164,7 +166,12 @@ def _stop_servers(state) -> None:
 
 
 def _restart_servers(state) -> None:
-    """Fresh llama-servers, one per provider, each warmed up on the warm-up prompt."""
+    """Fresh llama-servers, one per provider, each warmed up on the warm-up prompt; the osd
+    engines forget the answers their prompt lookup keeps (``lookup_history``), as the
+    restarted servers forget theirs."""
+    for eng in state["engines"].values():
+        if eng.lookup_history is not None:
+            eng.lookup_history.clear()
     _stop_servers(state)
     for prov in _llama_providers(state):
         mode = prov[len("llama.cpp-") :]

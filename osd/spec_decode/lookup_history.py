@@ -45,6 +45,10 @@ class LookupHistory:
     def __len__(self) -> int:
         return len(self._tokens)
 
+    def clear(self) -> None:
+        """Forget every request (a benchmark that serves a prompt again starts clean)."""
+        self._tokens, self._base, self._index, self.requests = [], 0, {}, 0
+
     def add(self, prompt: list[int], output: list[int]) -> None:
         """Remember a finished request: its prompt's last ``ngram_max`` tokens, then its
         ``output``."""
