@@ -98,6 +98,7 @@ from bench.serve_load import (  # noqa: E402
     run_load,
     start_servers,
 )
+from bench.serve_summary import percentile  # noqa: E402
 
 CLIENTS = (1, 4, 16)
 REQUESTS = 48
@@ -125,17 +126,6 @@ def make_prompts(n: int, seed: int = PROMPT_SEED, domain: str = "code") -> list[
 
 
 # ---- Statistics ----
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    """The q-th percentile (0..100) with linear interpolation; None for no samples."""
-    if not xs:
-        return None
-    xs = sorted(xs)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def latency_samples(results: list[dict]) -> dict:

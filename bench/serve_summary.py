@@ -1,6 +1,6 @@
 """The table of ``bench/bench_serve_llamacpp.py``: its provider names, and the rows, ratios
 and markdown it makes of a run's loads (medians over rounds, ratios paired round by
-round)."""
+round); :func:`percentile`, which ``bench/bench_serve.py`` uses too."""
 
 from __future__ import annotations
 
