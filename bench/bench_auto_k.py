@@ -86,3 +86,9 @@ def test_auto_k_with_a_useless_draft(benchmark, batch):
         auto_k_over_plain=round(tps["auto_k"] / tps["plain"], 3),
         steps_per_k={str(k): v for k, v in next(iter(summary.values()))["steps"].items()},
     )
+    info = benchmark.extra_info
+    print(
+        f"\nbatch {batch}: auto_k {info['auto_k_over_plain']:.3f}x plain "
+        f"({info['auto_k_tokens_per_s']} vs {info['plain_tokens_per_s']} tokens/s), "
+        f"steps per chain length {info['steps_per_k']}"
+    )

@@ -7,6 +7,7 @@ Both engines are built as a user builds them: ``Engine.from_pretrained(target,
 draft=draft, online=osd.OnlineConfig())`` (the draft's own online recipe from its
 ``serving.json``, a background learner) and the same without ``online``. Serving runs on
 one torch thread, so the learner has the other core (``OSD_BENCH_THREADS`` changes it).
+``OSD_BENCH_ONLINE_QUANTIZED=0`` dequantizes the target to float32.
 Prints tokens per target forward and tokens/s over the first and the last quarter
 (``osd.evaluate_online``); every output is asserted equal.
 
@@ -23,6 +24,8 @@ from osd.evaluate_online import online_stream
 from osd.zoo.workloads import stream
 
 REQUESTS = int(os.environ.get("OSD_BENCH_ONLINE_REQUESTS", "160"))
+# OSD_BENCH_ONLINE_QUANTIZED=0: the GGUF target dequantized to float32 (quantized=False)
+ENGINE = {} if os.environ.get("OSD_BENCH_ONLINE_QUANTIZED", "1") != "0" else {"quantized": False}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,9 @@ def pair():
 def test_online_workload(benchmark, pair, workload):
     target, draft = pair
     res = benchmark.pedantic(
-        lambda: online_stream(target, draft, stream(workload, REQUESTS)), rounds=1, iterations=1
+        lambda: online_stream(target, draft, stream(workload, REQUESTS), engine_kwargs=ENGINE),
+        rounds=1,
+        iterations=1,
     )
     s = res["summary"]
     print(f"\n{workload}: " + json.dumps(s, indent=1))

@@ -18,7 +18,7 @@ from osd.models.loading import (
 )
 from osd.models.quant import QuantLinear
 from osd.online.config import draft_online_recipe, with_recipe
-from osd.spec import serving_settings
+from osd.spec import learning_beside, serving_settings
 
 
 def load_for_engine(
@@ -65,15 +65,20 @@ def load_for_engine(
     if tokenizer is None:
         tokenizer = load_tokenizer(target)
     # The draft's recommendation for a target kept quantized; learning online needs the
-    # draft model, so a recommendation of prompt lookup alone gives way to the float one.
+    # draft model, so a recommendation of prompt lookup alone gives way to the float one,
+    # served so that lookup alone still runs wherever the model's drafts do not pay.
     quantized_target = any(isinstance(m, QuantLinear) for m in model.modules())
+    alone = None
     if spec is None and online is not None:
         rec, _ = serving_settings(drafts, draft_models, None, None, quantized_target)
-        quantized_target = quantized_target and (rec is None or rec.drafter == "model")
+        if quantized_target and rec is not None and rec.drafter != "model":
+            alone, quantized_target = rec, False
     recommended = spec is None
     spec, quantize_draft = serving_settings(
         drafts, draft_models, spec, quantize_draft, quantized_target
     )
+    if alone is not None and spec is not None and spec.drafter == "model":
+        spec = learning_beside(spec, alone)
     if recommended and spec is not None and spec.drafter != "model":
         # the draft recommends a draft-free option beside this target: it is not served
         draft_models, quantize_draft = [], None

@@ -142,7 +142,10 @@ class SpecConfig:
     0 to ``num_draft_tokens`` by the goodput measured at the step's batch size (tokens
     emitted per second of step time, ``osd.spec_decode.policies.DraftLengthController``):
     where drafting does not pay (a weak draft, a large batch whose verify forward is
-    compute bound) the steps become plain decoding through the verify path. The output
+    compute bound) the steps become plain decoding through the verify path, or, with
+    prompt lookup in front of the draft model, lookup alone (the model idle and not fed
+    until it drafts again); a step where every row's lookup match was long enough to
+    draft alone is lookup's whatever the chain length, and is not measured. The output
     stays the target's (greedy: token for token; sampled: in distribution), but sampled
     tokens for a fixed seed then depend on the batch a request ran in, since the chain
     lengths do. ``adaptive=True`` stops a row's chain when the draft is unsure
@@ -380,6 +383,23 @@ def draft_serving_defaults(
     except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"bad draft serving settings in {file}: {exc}") from None
     return spec, fmt
+
+
+def learning_beside(spec: SpecConfig, alone: SpecConfig) -> SpecConfig:
+    """What a draft serves while it learns online beside a target where prompt lookup
+    alone (``alone``, the draft's recommendation there) measured fastest: its own
+    ``spec`` with ``auto_k``, so each step's chain length follows the goodput measured
+    while serving, and its arm 0 is ``alone``'s lookup (the model idle, catching up).
+    While the draft's chain does not pay, the steps are prompt lookup's; as the draft
+    learns, its chain wins steps back. The lookup searches ``alone``'s history when
+    ``spec``'s has none. A ``spec`` with a static tree or ``adaptive`` is returned as it is
+    (``auto_k`` picks chain lengths)."""
+    if spec.tree is not None or spec.adaptive:
+        return spec
+    lk = spec.lookup
+    if lk is not None and not lk.history and alone.lookup is not None:
+        lk = dataclasses.replace(lk, history=alone.lookup.history)
+    return dataclasses.replace(spec, auto_k=True, lookup=lk)
 
 
 def serving_settings(

@@ -216,6 +216,35 @@ def test_lookup_tree_steps_teach_the_accepted_path(pair):
         torch.testing.assert_close(ex.logits, want, atol=1e-4, rtol=1e-4)
 
 
+def test_top_k_teacher_rows_from_every_arm_of_auto_k(pair):
+    """Top-k teacher rows (compressed off the serving thread) equal the top-k of a
+    cacheless target forward at every generated position, whichever arm of ``auto_k``
+    drafted the step (lookup alone, with the model unfed, or the model's tree)."""
+    online = osd.OnlineConfig(
+        update_every_requests=100, background=False, holdout_every=0, topk=8, prompt_positions=0
+    )
+    spec = osd.SpecConfig(num_draft_tokens=3, prompt_lookup=True, lookup_tree_below=2, auto_k=True)
+    eng = osd.Engine.from_pretrained(
+        pair[0], draft=pair[1], spec=spec, online=online, max_batch_size=4, max_seq_len=96
+    )
+    prompts = [prompts_of([5], seed=92)[0] * 4, prompts_of([9], seed=93)[0] * 2, [3, 1, 4]]
+    ref = osd.Engine.from_pretrained(pair[0], max_batch_size=4, max_seq_len=96).generate(
+        prompts, osd.SamplingParams(24)
+    )
+    outs = eng.generate(prompts, osd.SamplingParams(24))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    examples = eng.online.learners[0].buffer.recent(10**6)
+    assert len(examples) == len(prompts)
+    for ex in examples:
+        L = next(len(p) for p in prompts if ex.tokens[: len(p)].tolist() == p)
+        assert sorted(ex.positions.tolist()) == list(range(L + 1, ex.tokens.numel()))
+        with torch.no_grad():
+            want = eng.model.forward_train(ex.tokens[None])[0, ex.positions - 1]
+        probs, ids = torch.topk(torch.softmax(want.float(), -1), 8)
+        assert torch.equal(ex.topk_ids.long(), ids)
+        torch.testing.assert_close(ex.topk_probs, probs, atol=1e-5, rtol=1e-4)
+
+
 def test_learner_rejects_bad_configs():
     with pytest.raises(ValueError, match="loss"):
         osd.OnlineConfig(loss="kl")

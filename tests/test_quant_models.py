@@ -420,7 +420,8 @@ def test_draft_directory_recommends_its_serving_settings(tmp_path):
 def test_a_draft_recommends_other_settings_beside_a_quantized_target(tmp_path, q41):
     """``serving.json``'s ``quantized_target`` applies when the target keeps quantized
     weights; a draft-free recommendation there leaves the draft unserved, except when
-    learning online, which takes the draft's float-target settings."""
+    learning online, which takes the draft's float-target settings with ``auto_k`` (its
+    arm 0 then the lookup the draft recommends)."""
     draft = tmp_path / "draft"
     tiny_hf_model("llama", seed=73).save_pretrained(draft)
     (draft / "serving.json").write_text(
@@ -439,7 +440,8 @@ def test_a_draft_recommends_other_settings_beside_a_quantized_target(tmp_path, q
     online = osd.Engine.from_pretrained(
         q41, draft=str(draft), online=osd.OnlineConfig(background=False), **kw
     )
-    assert online.spec == osd.SpecConfig(num_draft_tokens=2) and online.draft is not None
+    assert online.spec == osd.SpecConfig(num_draft_tokens=2, auto_k=True)
+    assert online.draft is not None
     online.close()
     prompts = prompts_of([9, 4], vocab=VOCAB, seed=74)
     params = osd.SamplingParams(10)

@@ -14,9 +14,47 @@ the draft's inputs when it trains.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from osd.online.buffer import compress_target
+
+# One thread, shared by every collector, compresses CPU teacher rows (a softmax and a
+# top-k over the vocabulary: about 50 us a row at V = 49,152) off the serving thread; the
+# torch ops release the GIL, so on a CPU it runs beside serving, on the learner's core.
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="osd-teacher")
+        return _POOL
+
+
+def teacher_rows(teacher: list) -> list[tuple]:
+    """A request's teacher entries as ``(positions, topk ids, topk probs, logits)``
+    tuples, waiting for rows still being compressed (an entry is that tuple, or
+    ``(positions, future, start, stop)`` while its rows are compressed off the serving
+    thread). A compression that raised raises here."""
+    out = []
+    for entry in teacher:
+        if len(entry) == 4 and hasattr(entry[1], "result"):
+            pos, job, start, stop = entry
+            ids, probs, full = job.result()
+            sl = slice(start, stop)
+            entry = (
+                pos,
+                None if ids is None else ids[sl],
+                None if probs is None else probs[sl],
+                None if full is None else full[sl],
+            )
+        out.append(entry)
+    return out
 
 
 class TeacherCollector:
@@ -99,7 +137,16 @@ class TeacherCollector:
         lists of the requests in ``where`` (``(request, positions [m_i])``)."""
         if not rows:
             return
-        ids, probs, full = compress_target(torch.cat(rows), self.topk)
+        logits = torch.cat(rows)  # a copy: the verify logits' buffer is not ours to keep
+        if logits.device.type == "cpu" and self.topk is not None:
+            job = _pool().submit(compress_target, logits, self.topk)
+            start = 0
+            for r, pos in where:
+                m = pos.numel()
+                r.teacher.append((pos, job, start, start + m))
+                start += m
+            return
+        ids, probs, full = compress_target(logits, self.topk)
         start = 0
         for r, pos in where:
             m = pos.numel()

@@ -24,6 +24,7 @@ from collections import deque
 import torch
 
 from osd.online.buffer import Example
+from osd.online.collect import teacher_rows
 from osd.online.config import OnlineConfig
 from osd.online.distill import heldout_alpha
 from osd.online.history import FAULT_KINDS
@@ -44,11 +45,12 @@ def example_from_request(r, domain: str | None = None) -> Example | None:
     if not getattr(r, "teacher", None):
         return None
     tokens = torch.tensor(r.prompt + r.generated, dtype=torch.int64)
-    pos = torch.cat([t[0] for t in r.teacher])
+    teacher = teacher_rows(r.teacher)
+    pos = torch.cat([t[0] for t in teacher])
     keep = pos < tokens.numel()  # drop positions past a stop / length cut
     if not bool(keep.any()):
         return None
-    full = r.teacher[0][3] is not None
+    full = teacher[0][3] is not None
     features = None
     if getattr(r, "features", None):
         features = torch.cat(r.features)[: tokens.numel() - 1]
@@ -58,9 +60,9 @@ def example_from_request(r, domain: str | None = None) -> Example | None:
         tokens=tokens,
         positions=pos[keep],
         # int32 ids: a third less memory per stored position than int64 (build_batch widens)
-        topk_ids=None if full else torch.cat([t[1] for t in r.teacher])[keep].to(torch.int32),
-        topk_probs=None if full else torch.cat([t[2] for t in r.teacher])[keep].float(),
-        logits=torch.cat([t[3] for t in r.teacher])[keep] if full else None,
+        topk_ids=None if full else torch.cat([t[1] for t in teacher])[keep].to(torch.int32),
+        topk_probs=None if full else torch.cat([t[2] for t in teacher])[keep].float(),
+        logits=torch.cat([t[3] for t in teacher])[keep] if full else None,
         domain=domain,
         features=features,
     )

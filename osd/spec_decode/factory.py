@@ -30,10 +30,10 @@ def make_drafters(
     (``learning``): then with a copy of the layers it uses, so training never writes the
     target's weights."""
     lk = spec.lookup
+    reach = None if lk is None else lk.min_reach
+    if reach is None:  # a lookup drafting alone (the ngram drafter, auto_k's arm 0)
+        reach = MIN_REACH.get(next(target.parameters()).device.type, MIN_REACH["cuda"])
     if spec.drafter == "ngram":
-        reach = lk.min_reach
-        if reach is None:
-            reach = MIN_REACH.get(next(target.parameters()).device.type, MIN_REACH["cuda"])
         return [NGramDrafter(lk.ngram_min, lk.ngram_max, history, reach)]
     if spec.drafter == "self":
         n = target.config.num_layers
@@ -63,7 +63,11 @@ def make_drafters(
     if lk is not None:  # prompt lookup in front of each model drafter
         drafters = [
             LookupDrafter(
-                d, NGramDrafter(lk.ngram_min, lk.ngram_max, history), lk.tokens, lk.tree_below
+                d,
+                NGramDrafter(lk.ngram_min, lk.ngram_max, history, reach),
+                lk.tokens,
+                lk.tree_below,
+                defer=spec.auto_k,  # arm 0 is lookup alone: the model sits it out unfed
             )
             for d in drafters
         ]

@@ -71,18 +71,30 @@ class NGramDrafter:
         pass
 
     def propose(
-        self, active, roots, params, seed, offset, *, k: int = 0, tree=None, stopper=None
+        self,
+        active,
+        roots,
+        params,
+        seed,
+        offset,
+        *,
+        k: int = 0,
+        tree=None,
+        stopper=None,
+        found: list[tuple[int, list[int]]] | None = None,
     ) -> ChainProposal:
-        """Up to ``k`` drafts per row from each request's prompt and output."""
+        """Up to ``k`` drafts per row from each request's prompt and output (``found``:
+        the rows' :meth:`matches`, when the caller has them)."""
         if tree is not None:
             raise ValueError("prompt lookup drafts chains, not trees")
         histories = [r.prompt + r.generated for r in active]
+        if found is None:
+            found = self.matches(histories, k, active)
         if self.min_reach <= 0.0:
-            conts = [cont for _, cont in self.matches(histories, k, active)]
-            return self.chain(conts, k, roots.device)
+            return self.chain([cont for _, cont in found], k, roots.device)
         conts = []
         batched = batch_reach(self.min_reach, len(active))
-        for r, hist, (n, cont) in zip(active, histories, self.matches(histories, k, active)):
+        for r, hist, (n, cont) in zip(active, histories, found):
             record = r.lookup_record
             if record is None:
                 record = r.lookup_record = LookupRecord()
@@ -195,18 +207,36 @@ class LookupDrafter:
     model's chain as two branches. A short match is often wrong where the model is right,
     and the other way round, and one verify forward tries both; where the match is right,
     its branch runs as far as a lookup step's would.
+
+    With ``defer=True`` (``SpecConfig.auto_k``, whose arm 0 is lookup alone) the model
+    is not fed while it does not draft: a new row is not prefilled and a step it did not
+    draft leaves its row stale; the next step the model drafts feeds each stale row what
+    it has not seen, from the request's text (:meth:`ModelDrafter.resync`).
+    While lookup alone serves, the model costs nothing; a request that ends before the
+    model drafts is never fed at all. (An EAGLE drafter, which reads the target's
+    features, is always fed.)
     """
 
     has_model = True
 
     def __init__(
-        self, inner: ModelDrafter, lookup: NGramDrafter, lookup_tokens: int = 0, tree_below: int = 0
+        self,
+        inner: ModelDrafter,
+        lookup: NGramDrafter,
+        lookup_tokens: int = 0,
+        tree_below: int = 0,
+        defer: bool = False,
     ):
         self.inner = inner
         self.lookup = lookup
         self.lookup_tokens = lookup_tokens  # most drafts of an all-lookup step (0: k)
         self.tree_below = tree_below  # shorter matches verify beside the model's chain
         self._looked_up = False  # the last proposal came from lookup
+        # every row of the last step had a match long enough to draft alone: lookup
+        # drafted it whatever the chain length asked (auto_k learns nothing from it)
+        self.lookup_decided = False
+        self.defer = defer and not inner.needs_hidden
+        self._stale: set[int] = set()  # rows the model has not been fed up to their root
 
     @property
     def model(self) -> DecoderLM:
@@ -217,13 +247,29 @@ class LookupDrafter:
         return self.inner.needs_hidden
 
     def prefill(self, prompts, start_row: int, first_tokens: torch.Tensor, hidden=None) -> None:
+        if self.defer:
+            self.inner.cache.rows(start_row, len(prompts)).reset()
+            self._stale.update(range(start_row, start_row + len(prompts)))
+            return
         self.inner.prefill(prompts, start_row, first_tokens, hidden)
 
     def move_row(self, src: int, dst: int) -> None:
         self.inner.move_row(src, dst)
+        if src in self._stale:
+            self._stale.add(dst)
+        else:
+            self._stale.discard(dst)
 
     def reset(self) -> None:
         self.inner.reset()
+        self._stale.clear()
+
+    def _sync(self, active) -> None:
+        """Feed the model what the rows it is about to draft for have not shown it."""
+        rows = [b for b in range(len(active)) if b in self._stale]
+        if rows:
+            self.inner.resync(rows, [active[b].prompt + active[b].generated for b in rows])
+            self._stale.difference_update(rows)
 
     def use_graphs(self, graphs: StepGraphs | None) -> None:
         self.inner.use_graphs(graphs)
@@ -233,8 +279,10 @@ class LookupDrafter:
         found = self.lookup.matches([r.prompt + r.generated for r in active], width, active)
         conts = [cont for _, cont in found]
         self._looked_up = all(n >= max(self.tree_below, 1) for n, _ in found)
+        self.lookup_decided = self._looked_up
         if self._looked_up:
             return self.lookup.chain(conts, width, roots.device)
+        self._sync(active)
         if self.tree_below and tree is None and stopper is None:
             # Per row, whatever its neighbours: a long match drafts alone (the lookup
             # chain), any other row gets both branches, so a request's drafts (and its
@@ -250,14 +298,28 @@ class LookupDrafter:
             prop = overlay_lookup(prop, conts)
         return prop
 
+    def propose_lookup(self, active, roots, params, seed, offset, *, k: int) -> ChainProposal:
+        """Prompt lookup alone, the draft model idle (``SpecConfig.auto_k``'s arm 0): each
+        row's continuation, up to ``max(k, lookup_tokens)`` drafts, as far as its
+        request's record makes worth it (the n-gram drafter's ``min_reach``); a row
+        without a match drafts nothing. The model catches up on what was accepted."""
+        self._looked_up = True
+        width = max(k, self.lookup_tokens)
+        found = self.lookup.matches([r.prompt + r.generated for r in active], width, active)
+        self.lookup_decided = all(n >= max(self.tree_below, 1) for n, _ in found)
+        return self.lookup.propose(active, roots, params, seed, offset, k=width, found=found)
+
     def after_verify(self, emitted: Emitted, committed_lens: torch.Tensor, bound: int) -> None:
         if self._looked_up:
-            self.inner.catch_up(emitted)
+            self.catch_up(emitted)
         else:
             self.inner.after_verify(emitted, committed_lens, bound)
 
     def catch_up(self, emitted: Emitted) -> None:
-        self.inner.catch_up(emitted)
+        if self.defer:
+            self._stale.update(range(emitted.B))
+        else:
+            self.inner.catch_up(emitted)
 
 
 def lookup_tree(

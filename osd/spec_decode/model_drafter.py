@@ -204,6 +204,31 @@ class ModelDrafter:
         self._pending_len[:B] += lengths
         self._pending_max += max_len  # an upper bound of the rows' pending lengths
 
+    def resync(self, rows: list[int], histories: list[list[int]]) -> None:
+        """Bring up to date rows that sat out steps without being fed (a
+        :class:`~osd.spec_decode.lookup_drafter.LookupDrafter` deferring the model): row
+        ``rows[i]`` keeps its cached tokens, a prefix of ``histories[i]`` (the request's
+        prompt and output, the root last); the rest but the root is fed, and the root is
+        its one pending token. One host read of each row's length."""
+        for b, hist in zip(rows, histories):
+            have = int(self.cache.lens[b])
+            todo = hist[have:-1]
+            if todo:
+                view = self.cache.rows(b, 1)
+                view.bound = have  # this row's length, not the longest row's
+                n = torch.tensor([len(todo)], dtype=torch.int32, device=self.device)
+                self.model.prefill(
+                    torch.tensor([todo], dtype=torch.int64, device=self.device),
+                    view,
+                    n,
+                    skip_layers=self.skip_layers,
+                    logits_index=(n.long() - 1)[:, None],
+                )
+                self.cache.set_bound(max(self.cache.bound, have + len(todo)))
+            self._pending[b, 0] = hist[-1]
+            self._pending_len[b] = 1
+        self._pending_max = max(self._pending_max, 1)
+
     def _root(self, B: int) -> torch.Tensor:
         """Feed the pending tokens; return the logits at the root ``[B, V]``. The pending
         state itself is left as it is (a CUDA graph of the draft loop replays this)."""

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 
@@ -76,64 +78,100 @@ class AdaptiveStopper:
 class DraftLengthController:
     """Chooses each step's chain length from measured goodput, per batch-size bucket.
 
-    The arms are a few chain lengths from 0 (plain decoding through the verify path) to
+    The arms are a few chain lengths from 0 (no draft model: prompt lookup alone where
+    lookup is in front of it, else plain decoding through the verify path) to
     ``k_max``. An arm's goodput is the tokens a step emitted per second of its wall time
-    (which includes the step's host sync, so it is device time on a GPU), as an
-    exponential moving average per batch bucket (1, 2, 4, ...). A step takes the best arm,
-    except an exploring step, which re-measures the best arm's neighbour (the next shorter
-    or longer chain) measured longest ago, so that a change in acceptance or in cost is
-    noticed; goodput is unimodal in the chain length, so the best arm moves one neighbour
-    at a time, and a neighbour costs less to try than the longest chain. Exploring steps
-    come ``explore_every`` steps apart; each one that leaves the best arm as it was doubles
-    the spacing, up to ``explore_max`` (default ``8 * explore_every``), and one that
-    changes it resets the spacing: where one arm clearly wins (plain decoding against a
-    useless draft) the slower arms cost little. The first measurement of an arm in a bucket
-    is dropped: it pays one-time costs (CUDA graph capture, allocator growth).
+    (which includes the step's host sync, so it is device time on a GPU), summed over its
+    newest ``window`` measured steps, per batch bucket (1, 2, 4, ...). Steps take the best
+    arm; a probe runs another arm for ``probe_steps`` steps in a row and measures it
+    afresh, and at its end the probed arm becomes the best if it measured more.
+
+    Probes re-measure the best arm's neighbour (the next shorter or longer chain)
+    measured longest ago, so that a change in acceptance or in cost is noticed: goodput
+    is unimodal in the chain length, so the best arm moves one neighbour at a time, and a
+    neighbour costs less to try than the longest chain. They start ``explore_every``
+    steps apart; each that leaves the best arm as it was doubles the spacing, up to
+    ``explore_max`` (default ``32 * explore_every``), and one that changes it resets the
+    spacing: where one arm clearly wins (plain decoding against a useless draft) the
+    slower arms cost little. When the best arm's own goodput falls below another arm's
+    (the text or the machine's load changed since that one was measured), that arm is
+    probed before anything moves. The first step of a probe is not measured: a step of
+    another arm than the step before pays for the switch (a draft model fed the tokens it
+    did not draft), which the arm in steady use does not; nor is an arm's first step in a
+    bucket, which pays one-time costs (CUDA graph capture, allocator growth).
     """
 
     def __init__(
         self,
         k_max: int,
         explore_every: int = 16,
-        decay: float = 0.7,
+        window: int = 32,
         explore_max: int | None = None,
+        probe_steps: int = 4,
+        margin: float = 0.1,
     ):
         self.arms = sorted({k for k in (k_max, 0, 1, 2, k_max // 2) if 0 <= k <= k_max})
         self.explore_every = explore_every
-        self.explore_max = explore_max or 8 * explore_every
-        self.decay = decay
+        self.explore_max = explore_max or 32 * explore_every
+        self.window = window
+        self.probe_steps = probe_steps
+        self.margin = margin
         self.goodput: dict[int, dict[int, float]] = {}  # bucket -> arm -> tokens/s
+        # bucket -> arm -> the (tokens, seconds) of its newest measured steps
+        self._recent: dict[int, dict[int, collections.deque]] = {}
         self._seen: dict[int, dict[int, int]] = {}  # bucket -> arm -> measurements
         self._when: dict[int, dict[int, int]] = {}  # bucket -> arm -> last step
         self._steps: dict[int, int] = {}
         self._spacing: dict[int, int] = {}  # bucket -> steps between explorations
-        self._explored: dict[int, int] = {}  # bucket -> step of the last one
-        self._probe: dict[int, tuple[int, int]] = {}  # bucket -> (arm explored, best then)
+        self._explored: dict[int, int] = {}  # bucket -> step the last probe started
+        self._run: dict[int, tuple[int, int]] = {}  # bucket -> (arm probed, steps left)
+        self._fresh: dict[int, int] = {}  # bucket -> the probed arm whose window restarts
+        self._last: dict[int, int] = {}  # bucket -> the previous step's arm
+        self._best: dict[int, int] = {}  # bucket -> the arm exploiting steps take
         self.chosen: dict[int, dict[int, int]] = {}  # bucket -> arm -> steps
 
     @staticmethod
     def bucket(B: int) -> int:
         return 1 << (B - 1).bit_length()
 
+    def _start_probe(self, b: int, k: int, step: int) -> int:
+        self._explored[b] = step
+        self._run[b] = (k, self.probe_steps - 1)
+        # an arm measured within the last few windows' steps adds to its window; one
+        # measured longer ago starts it afresh
+        if step - self._when.get(b, {}).get(k, -step) > 4 * self.window:
+            self._fresh[b] = k
+        else:
+            self._fresh.pop(b, None)
+        return k
+
     def choose(self, B: int) -> int:
         b = self.bucket(B)
         good = self.goodput.setdefault(b, {})
         step = self._steps[b] = self._steps.get(b, 0) + 1
         untried = [k for k in reversed(self.arms) if k not in good]
-        if untried:
-            k = untried[0]
-            self._explored[b] = step
-        elif step - self._explored[b] >= self._spacing.setdefault(b, self.explore_every):
-            when, best = self._when[b], max(good, key=good.get)
-            i = self.arms.index(best)
-            k = min(
-                self.arms[max(0, i - 1) : i] + self.arms[i + 1 : i + 2],
-                key=lambda a: when.get(a, -1),
-            )
-            self._explored[b] = step
-            self._probe[b] = (k, best)
+        run = self._run.get(b)
+        if run is not None and run[1] > 0:  # a probe's next step
+            k = run[0]
+            self._run[b] = (k, run[1] - 1)
+        elif untried:
+            k = self._start_probe(b, untried[0], step)
         else:
-            k = max(good, key=good.get)
+            best = self._best.setdefault(b, max(good, key=good.get))
+            top = max(good, key=good.get)
+            if good[top] > (1 + self.margin) * good[best]:
+                # the best arm's goodput fell below another's measured earlier (the text
+                # or the machine's load changed): measure that one again before moving
+                k = self._start_probe(b, top, step)
+            elif step - self._explored[b] >= self._spacing.setdefault(b, self.explore_every):
+                when, i = self._when[b], self.arms.index(best)
+                k = min(
+                    self.arms[max(0, i - 1) : i] + self.arms[i + 1 : i + 2],
+                    key=lambda a: when.get(a, -1),
+                )
+                self._start_probe(b, k, step)
+            else:
+                k = best
         counts = self.chosen.setdefault(b, {})
         counts[k] = counts.get(k, 0) + 1
         return k
@@ -144,15 +182,35 @@ class DraftLengthController:
         seen[k] = seen.get(k, 0) + 1
         self._when.setdefault(b, {})[k] = self._steps.get(b, 0)
         good = self.goodput.setdefault(b, {})
-        if seen[k] > 1 and seconds > 0:
-            rate = tokens / seconds
-            good[k] = rate if k not in good else self.decay * good[k] + (1 - self.decay) * rate
-        probe = self._probe.pop(b, None)
-        if probe is not None and probe[0] == k:
-            same = max(good, key=good.get) == probe[1]
-            self._spacing[b] = (
-                min(2 * self._spacing[b], self.explore_max) if same else self.explore_every
-            )
+        # A step of another arm than the step before pays for the switch (a draft model
+        # fed the tokens it did not draft while lookup or plain steps ran), which an arm
+        # in use does not: only its later steps measure it.
+        switched = self._last.get(b, k) != k
+        self._last[b] = k
+        if not switched and seen[k] > 1 and seconds > 0:
+            # Goodput over the arm's newest measured steps, tokens summed apart from
+            # seconds: one step that emits many tokens (a long lookup match) or pays a
+            # periodic cost (a draft catching up) moves it by its share of the window, not
+            # by its own tokens/s. A probe measures its arm afresh, so that the arms are
+            # compared as they are now.
+            recent = self._recent.setdefault(b, {})
+            if k not in recent or self._fresh.get(b) == k:
+                recent[k] = collections.deque(maxlen=self.window)
+                self._fresh.pop(b, None)
+            recent[k].append((tokens, seconds))
+            good[k] = sum(t for t, _ in recent[k]) / sum(x for _, x in recent[k])
+        run = self._run.get(b)
+        if run is None or run[0] != k or run[1] > 0:
+            return  # no probe, or it goes on
+        del self._run[b]  # the probe's verdict
+        best = self._best.get(b)
+        if best is None or best == k or k not in good:
+            return
+        if good[k] > (1 + self.margin) * good.get(best, 0.0):
+            self._best[b] = k
+            self._spacing[b] = self.explore_every
+        else:
+            self._spacing[b] = min(2 * self._spacing.get(b, self.explore_every), self.explore_max)
 
     def summary(self) -> dict:
         """Per batch bucket: goodput (tokens/s) per arm and how often each arm ran."""

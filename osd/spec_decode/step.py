@@ -226,7 +226,8 @@ class Speculator:
         for listener in self.listeners:
             listener.on_verdict(verdict)
         clock.append(time.perf_counter())
-        if self.k_control is not None:
+        if self.k_control is not None and not getattr(self.drafter, "lookup_decided", False):
+            # (a step every row of which had a long lookup match was lookup's whatever k)
             self.k_control.observe(B, k, sum(emitted), clock[-1] - clock[0])
         for phase, t0, t1 in zip(
             ("draft", "verify", "sample", "rollback", "other"), clock, clock[1:]
@@ -265,14 +266,26 @@ class Speculator:
         if prop.origin is not None:
             columns["origin"] = prop.origin
         columns.update(self.device_columns(prop, logits, params))
-        back = self.commit(B, prop, logits, out, n, path, hidden, columns, plain=k == 0)
+        plain = isinstance(prop, ChainProposal) and prop.tokens.shape[1] == 0
+        back = self.commit(B, prop, logits, out, n, path, hidden, columns, plain=plain)
         return prop, logits, hidden, path, back
 
     def propose(self, active, params: BatchParams, sampling: dict, k: int):
-        """Stage 1: the drafter's chain of ``k`` (or its tree); ``k = 0`` is a plain step
-        through the verify path (no drafts)."""
+        """Stage 1: the drafter's chain of ``k`` (or its tree); ``k = 0`` drafts without
+        the draft model: prompt lookup alone in front of one (``propose_lookup``), else a
+        plain step through the verify path (no drafts)."""
         B = len(active)
         if k == 0:
+            lookup = getattr(self.drafter, "propose_lookup", None)
+            if lookup is not None:
+                return lookup(
+                    active,
+                    self.next_tokens[:B],
+                    params,
+                    sampling["seed"],
+                    sampling["offset"],
+                    k=self.spec.num_draft_tokens,
+                )
             empty = torch.empty(B, 0, dtype=torch.int64, device=self.cache.lens.device)
             return ChainProposal(empty, None, None, None, 0)
         return self.drafter.propose(
