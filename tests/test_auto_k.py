@@ -114,7 +114,7 @@ def test_auto_k_arm_0_behind_prompt_lookup_is_lookup_alone():
 
     drafter.propose_lookup, drafter.inner.propose = counted_lookup, counted_model
     drafter.inner.resync = counted_resync
-    assert drafter.defer
+    assert drafter.inner.defer
     for p, want in zip(prompts, ref):
         assert eng.generate([p], sp)[0].token_ids == want
     assert [o.token_ids for o in eng.generate(prompts, sp)] == ref

@@ -303,6 +303,12 @@ def _engine_modes():
             dict(num_draft_tokens=2, prompt_lookup=True), dict(temperature=0.9, top_k=0, top_p=1.0)
         ),
         slow_case(dict(num_draft_tokens=3, auto_k=True), dict(temperature=0.8, top_k=6, top_p=1.0)),
+        # what a draft learning online beside a quantized target serves: lookup alone as
+        # chain length 0, the model deferred
+        slow_case(
+            dict(num_draft_tokens=3, prompt_lookup=True, lookup_tree_below=3, auto_k=True),
+            dict(temperature=0.8, top_k=6, top_p=0.9),
+        ),
         slow_case(
             dict(num_draft_tokens=1, prompt_lookup=True, lookup_tokens=3),
             dict(temperature=0.8, top_k=6, top_p=0.9),
@@ -324,6 +330,7 @@ def _engine_modes():
         "dyntree",
         "lookup",
         "auto-k",
+        "auto-k-lookup",
         "lookup-long",
         "lookup-tree",
         "lookup-tree-long",

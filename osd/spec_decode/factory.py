@@ -30,6 +30,8 @@ def make_drafters(
     (``learning``): then with a copy of the layers it uses, so training never writes the
     target's weights."""
     lk = spec.lookup
+    # auto_k's chain length 0 leaves the draft model out: it is fed only when it drafts
+    defer = spec.auto_k
     reach = None if lk is None else lk.min_reach
     if reach is None:  # a lookup drafting alone (the ngram drafter, auto_k's arm 0)
         reach = MIN_REACH.get(next(target.parameters()).device.type, MIN_REACH["cuda"])
@@ -49,15 +51,17 @@ def make_drafters(
                 f"{n} layers, got {sorted(skip)}"
             )
         drafters = [
-            ModelDrafter(without_layers(target, skip), max_batch_size, capacity, context=context)
+            ModelDrafter(
+                without_layers(target, skip), max_batch_size, capacity, context=context, defer=defer
+            )
             if learning
-            else ModelDrafter(target, max_batch_size, capacity, skip, context=context)
+            else ModelDrafter(target, max_batch_size, capacity, skip, context=context, defer=defer)
         ]
     else:
         drafters = [
             EagleDrafter(d, max_batch_size, capacity, context=context)
             if isinstance(d, EagleLM)
-            else ModelDrafter(d, max_batch_size, capacity, context=context)
+            else ModelDrafter(d, max_batch_size, capacity, context=context, defer=defer)
             for d in drafts
         ]
     if lk is not None:  # prompt lookup in front of each model drafter
@@ -67,7 +71,6 @@ def make_drafters(
                 NGramDrafter(lk.ngram_min, lk.ngram_max, history, reach),
                 lk.tokens,
                 lk.tree_below,
-                defer=spec.auto_k,  # arm 0 is lookup alone: the model sits it out unfed
             )
             for d in drafters
         ]

@@ -43,6 +43,7 @@ def fusable(speculator, active, params, k: int) -> bool:
         and params.uniform is not None
         and not getattr(speculator, "_unfusable", False)
         and d._pending_max <= k + 1
+        and not d._stale  # rows a deferring drafter must feed first (ModelDrafter.sync)
         and not any(r.params is not None and r.params.adjusts_logits for r in active)
         and speculator.cache.bound + k + 1 <= speculator.cache.capacity
         and d.cache.bound + 2 * k <= d.cache.capacity

@@ -208,13 +208,12 @@ class LookupDrafter:
     and the other way round, and one verify forward tries both; where the match is right,
     its branch runs as far as a lookup step's would.
 
-    With ``defer=True`` (``SpecConfig.auto_k``, whose arm 0 is lookup alone) the model
-    is not fed while it does not draft: a new row is not prefilled and a step it did not
-    draft leaves its row stale; the next step the model drafts feeds each stale row what
-    it has not seen, from the request's text (:meth:`ModelDrafter.resync`).
-    While lookup alone serves, the model costs nothing; a request that ends before the
-    model drafts is never fed at all. (An EAGLE drafter, which reads the target's
-    features, is always fed.)
+    Under ``SpecConfig.auto_k`` (arm 0: lookup alone) the model drafter defers
+    (``ModelDrafter(defer=True)``): it is not fed while it does not draft, and each row
+    that sat out steps is fed what it missed, from the request's text, when the model
+    next drafts for it (:meth:`ModelDrafter.resync`). While lookup alone serves, the model
+    costs nothing; a request that ends before the model drafts is never fed at all. (An
+    EAGLE drafter, which reads the target's features, is always fed.)
     """
 
     has_model = True
@@ -225,7 +224,6 @@ class LookupDrafter:
         lookup: NGramDrafter,
         lookup_tokens: int = 0,
         tree_below: int = 0,
-        defer: bool = False,
     ):
         self.inner = inner
         self.lookup = lookup
@@ -235,8 +233,6 @@ class LookupDrafter:
         # every row of the last step had a match long enough to draft alone: lookup
         # drafted it whatever the chain length asked (auto_k learns nothing from it)
         self.lookup_decided = False
-        self.defer = defer and not inner.needs_hidden
-        self._stale: set[int] = set()  # rows the model has not been fed up to their root
 
     @property
     def model(self) -> DecoderLM:
@@ -247,29 +243,13 @@ class LookupDrafter:
         return self.inner.needs_hidden
 
     def prefill(self, prompts, start_row: int, first_tokens: torch.Tensor, hidden=None) -> None:
-        if self.defer:
-            self.inner.cache.rows(start_row, len(prompts)).reset()
-            self._stale.update(range(start_row, start_row + len(prompts)))
-            return
         self.inner.prefill(prompts, start_row, first_tokens, hidden)
 
     def move_row(self, src: int, dst: int) -> None:
         self.inner.move_row(src, dst)
-        if src in self._stale:
-            self._stale.add(dst)
-        else:
-            self._stale.discard(dst)
 
     def reset(self) -> None:
         self.inner.reset()
-        self._stale.clear()
-
-    def _sync(self, active) -> None:
-        """Feed the model what the rows it is about to draft for have not shown it."""
-        rows = [b for b in range(len(active)) if b in self._stale]
-        if rows:
-            self.inner.resync(rows, [active[b].prompt + active[b].generated for b in rows])
-            self._stale.difference_update(rows)
 
     def use_graphs(self, graphs: StepGraphs | None) -> None:
         self.inner.use_graphs(graphs)
@@ -282,7 +262,7 @@ class LookupDrafter:
         self.lookup_decided = self._looked_up
         if self._looked_up:
             return self.lookup.chain(conts, width, roots.device)
-        self._sync(active)
+        self.inner.sync(active)
         if self.tree_below and tree is None and stopper is None:
             # Per row, whatever its neighbours: a long match drafts alone (the lookup
             # chain), any other row gets both branches, so a request's drafts (and its
@@ -316,10 +296,7 @@ class LookupDrafter:
             self.inner.after_verify(emitted, committed_lens, bound)
 
     def catch_up(self, emitted: Emitted) -> None:
-        if self.defer:
-            self._stale.update(range(emitted.B))
-        else:
-            self.inner.catch_up(emitted)
+        self.inner.catch_up(emitted)
 
 
 def lookup_tree(

@@ -76,8 +76,13 @@ class ModelDrafter:
         capacity: int,
         skip_layers: frozenset[int] = frozenset(),
         context: int | None = None,
+        defer: bool = False,
     ):
         self.model = model
+        # defer: not fed while it does not draft (auto_k's chain length 0); rows it sat
+        # out are fed what they missed when it next drafts (resync)
+        self.defer = defer and not self.needs_hidden
+        self._stale: set[int] = set()  # rows not fed up to their root
         self.skip_layers = frozenset(skip_layers)
         # context: the engine's, so that a LongRoPE draft rotates as the target does
         self.cache = model.new_cache(max_batch_size, capacity, context=context)
@@ -110,6 +115,7 @@ class ModelDrafter:
         """A chain of ``k`` drafts per row (:meth:`propose_chain`), or a ``tree``
         (:meth:`propose_tree`) below ``roots [B]``."""
         B = len(active)
+        self.sync(active)
         if tree is not None:
             return self.propose_tree(B, tree, roots)
         return self.propose_chain(B, k, params, seed, offset, stopper)
@@ -120,20 +126,38 @@ class ModelDrafter:
         self.set_pending(e.B, e.tokens, e.lengths, e.max_len, committed_lens, bound)
 
     def catch_up(self, emitted: Emitted) -> None:
-        """The verdict of a step this drafter did not draft for: :meth:`queue`."""
+        """The verdict of a step this drafter did not draft for: :meth:`queue`, or with
+        ``defer`` the rows left stale."""
         e = emitted
+        if self.defer:
+            self._stale.update(range(e.B))
+            return
         self.queue(e.B, e.tokens, e.lengths, e.max_len)
+
+    def sync(self, active) -> None:
+        """Feed the stale rows among ``active``'s what they missed (:meth:`resync`)."""
+        if self._stale:
+            rows = [b for b in range(len(active)) if b in self._stale]
+            if rows:
+                self.resync(rows, [active[b].prompt + active[b].generated for b in rows])
+                self._stale.difference_update(rows)
 
     # -- bookkeeping ---------------------------------------------------------------
     def reset(self) -> None:
         self.cache.reset()
+        self._stale.clear()
         self._pending_len.zero_()
         self._pending_max = 0
 
     def prefill(
         self, prompts: list[list[int]], start_row: int, first_tokens: torch.Tensor, hidden=None
     ) -> None:
-        """Run ``prompts`` into rows ``start_row ..``; ``first_tokens [n]`` become pending."""
+        """Run ``prompts`` into rows ``start_row ..``; ``first_tokens [n]`` become pending
+        (with ``defer``: the rows are emptied and left stale)."""
+        if self.defer:
+            self.cache.rows(start_row, len(prompts)).reset()
+            self._stale.update(range(start_row, start_row + len(prompts)))
+            return
         n, longest = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(n, longest, dtype=torch.int64)
         for b, p in enumerate(prompts):
@@ -157,6 +181,10 @@ class ModelDrafter:
         self.cache.move_row(src, dst)
         self._pending[dst] = self._pending[src]
         self._pending_len[dst] = self._pending_len[src]
+        if src in self._stale:
+            self._stale.add(dst)
+        else:
+            self._stale.discard(dst)
 
     def set_pending(
         self,
@@ -205,29 +233,50 @@ class ModelDrafter:
         self._pending_max += max_len  # an upper bound of the rows' pending lengths
 
     def resync(self, rows: list[int], histories: list[list[int]]) -> None:
-        """Bring up to date rows that sat out steps without being fed (a
-        :class:`~osd.spec_decode.lookup_drafter.LookupDrafter` deferring the model): row
+        """Bring up to date rows that sat out steps without being fed (``defer``): row
         ``rows[i]`` keeps its cached tokens, a prefix of ``histories[i]`` (the request's
         prompt and output, the root last); the rest but the root is fed, and the root is
-        its one pending token. One host read of each row's length."""
+        its one pending token. Each run of neighbouring rows is fed by one ragged prefill
+        that continues the rows (one host read of the rows' lengths in all)."""
+        lens = self.cache.lens.tolist()
+        todo = {b: hist[lens[b] : -1] for b, hist in zip(rows, histories)}
+        fed = sorted(b for b, t in todo.items() if t)
+        runs: list[list[int]] = []
+        for b in fed:
+            if runs and runs[-1][-1] == b - 1:
+                runs[-1].append(b)
+            else:
+                runs.append([b])
+        for run in runs:
+            longest = max(len(todo[b]) for b in run)
+            have = max(lens[b] for b in run)
+            if have + longest > self.cache.capacity:  # padding would pass the capacity
+                for b in run:
+                    self._feed([b], {b: todo[b]}, lens[b], len(todo[b]))
+            else:
+                self._feed(run, todo, have, longest)
+            self.cache.set_bound(max(self.cache.bound, max(lens[b] + len(todo[b]) for b in run)))
         for b, hist in zip(rows, histories):
-            have = int(self.cache.lens[b])
-            todo = hist[have:-1]
-            if todo:
-                view = self.cache.rows(b, 1)
-                view.bound = have  # this row's length, not the longest row's
-                n = torch.tensor([len(todo)], dtype=torch.int32, device=self.device)
-                self.model.prefill(
-                    torch.tensor([todo], dtype=torch.int64, device=self.device),
-                    view,
-                    n,
-                    skip_layers=self.skip_layers,
-                    logits_index=(n.long() - 1)[:, None],
-                )
-                self.cache.set_bound(max(self.cache.bound, have + len(todo)))
             self._pending[b, 0] = hist[-1]
             self._pending_len[b] = 1
         self._pending_max = max(self._pending_max, 1)
+
+    def _feed(self, run: list[int], todo: dict, have: int, longest: int) -> None:
+        """Prefill ``todo[b]`` into the neighbouring rows ``run``, continuing each row;
+        ``have``: their longest cached length, ``longest``: the longest ``todo``."""
+        ids = torch.zeros(len(run), longest, dtype=torch.int64)
+        for i, b in enumerate(run):
+            ids[i, : len(todo[b])] = torch.tensor(todo[b], dtype=torch.int64)
+        n = torch.tensor([len(todo[b]) for b in run], dtype=torch.int32, device=self.device)
+        view = self.cache.rows(run[0], len(run))
+        view.bound = have  # these rows' longest, not the whole cache's
+        self.model.prefill(
+            ids.to(self.device),
+            view,
+            n,
+            skip_layers=self.skip_layers,
+            logits_index=(n.long() - 1)[:, None],
+        )
 
     def _root(self, B: int) -> torch.Tensor:
         """Feed the pending tokens; return the logits at the root ``[B, V]``. The pending
