@@ -83,8 +83,11 @@ class DraftLengthController:
     ``k_max``. An arm's goodput is the tokens a step emitted per second of its wall time
     (which includes the step's host sync, so it is device time on a GPU), summed over its
     newest ``window`` measured steps, per batch bucket (1, 2, 4, ...). Steps take the best
-    arm; a probe runs another arm for ``probe_steps`` steps in a row and measures it
-    afresh, and at its end the probed arm becomes the best if it measured more.
+    arm; a probe runs another arm for ``probe_steps`` steps in a row (adding to its window,
+    or starting it afresh when the arm went unmeasured for ``4 * window`` steps), and at
+    its end the probed arm becomes the best if its goodput is more than ``margin`` above
+    the best's: a switch costs a draft model's catching up, and one lucky probe should not
+    move the steps.
 
     Probes re-measure the best arm's neighbour (the next shorter or longer chain)
     measured longest ago, so that a change in acceptance or in cost is noticed: goodput
@@ -93,12 +96,13 @@ class DraftLengthController:
     steps apart; each that leaves the best arm as it was doubles the spacing, up to
     ``explore_max`` (default ``32 * explore_every``), and one that changes it resets the
     spacing: where one arm clearly wins (plain decoding against a useless draft) the
-    slower arms cost little. When the best arm's own goodput falls below another arm's
-    (the text or the machine's load changed since that one was measured), that arm is
-    probed before anything moves. The first step of a probe is not measured: a step of
-    another arm than the step before pays for the switch (a draft model fed the tokens it
-    did not draft), which the arm in steady use does not; nor is an arm's first step in a
-    bucket, which pays one-time costs (CUDA graph capture, allocator growth).
+    slower arms cost little. When the best arm's own goodput falls more than ``margin``
+    below another arm's (the text or the machine's load changed since that one was
+    measured), that arm is probed before anything moves. The first step of a probe is not
+    measured: a step of another arm than the step before pays for the switch (a draft
+    model fed the tokens it did not draft), which the arm in steady use does not; nor is
+    an arm's first step in a bucket, which pays one-time costs (CUDA graph capture,
+    allocator growth).
     """
 
     def __init__(
