@@ -13,11 +13,12 @@ checked equal bit for bit first. ``extra_info``: ``us_per_forward``.
         bench/bench_decoder_layers.py
 """
 
-import osd  # first: osd sets the OpenMP wait policy before torch loads libgomp
+import osd  # noqa: F401  (first: osd sets the OpenMP wait policy before torch loads libgomp)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from bench.common import chat_target_or_skip  # noqa: E402
 from osd.models import fused_layers, load_model  # noqa: E402
 from osd_kernels import native_available  # noqa: E402
 
@@ -27,9 +28,7 @@ pytestmark = pytest.mark.usefixtures("torch_threads")
 
 @pytest.fixture(scope="module")
 def target():
-    path = osd.zoo.chat.cached_target()
-    if path is None:
-        pytest.skip("the chat GGUF is not cached (osd.zoo.chat.fetch_target())")
+    path = chat_target_or_skip()
     if not native_available():
         pytest.skip("osd_kernels._C is not built")
     return load_model(path, quantized=True)

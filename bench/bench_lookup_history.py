@@ -24,9 +24,9 @@ import osd  # first: osd sets the OpenMP wait policy before torch loads libgomp
 import argparse  # noqa: E402
 import time  # noqa: E402
 
-import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from bench.common import chat_target_or_skip  # noqa: E402
 from osd import zoo  # noqa: E402
 from osd.chat_template import apply_chat_template  # noqa: E402
 from osd.zoo.workloads import evaluation_set, stream  # noqa: E402
@@ -43,7 +43,7 @@ def conversations(name: str, n: int) -> list:
 
 def run(name: str = "explain", requests: int = 60, threads: int = 2) -> dict:
     torch.set_num_threads(threads)
-    target = zoo.chat.cached_target()
+    target = zoo.chat.fetch_target()  # downloaded on first use
     engines = {
         "plain": osd.Engine.from_pretrained(target),
         "lookup": osd.Engine.from_pretrained(
@@ -102,8 +102,7 @@ def report(res: dict) -> str:
 
 
 def test_lookup_history(benchmark):
-    if zoo.chat.cached_target() is None:
-        pytest.skip("the chat GGUF is not cached (osd.zoo.chat.fetch_target())")
+    chat_target_or_skip()
     res = benchmark.pedantic(lambda: run("explain", 12), rounds=1, iterations=1)
     print("\n" + report(res))
     benchmark.extra_info.update(res)

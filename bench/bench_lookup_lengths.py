@@ -80,10 +80,10 @@ def run(prompts: int, rounds: int, k: int = K, reaches=REACHES, log=print) -> di
 
 
 def test_lookup_lengths():
-    if osd.zoo.chat.cached_target() is None:
-        import pytest  # only here: the script runs without pytest
+    # only here: bench.common imports pytest, and the script runs without it
+    from bench.common import chat_target_or_skip
 
-        pytest.skip("the chat GGUF is not cached (osd.zoo.chat.fetch_target())")
+    chat_target_or_skip()
     print()
     run(prompts=1, rounds=1)
 

@@ -58,6 +58,18 @@ def gbps(nbytes: int, benchmark) -> float | None:
     return nbytes / benchmark.stats.stats.median / 1e9
 
 
+def chat_target_or_skip() -> str:
+    """The chat GGUF's path (``osd.zoo.chat.fetch_target()``: downloaded on first use); the
+    calling test is skipped, naming why, only when it cannot be fetched (no network and
+    nothing cached)."""
+    from osd.zoo import chat  # the chat zoo is only needed by the benchmarks that use it
+
+    try:
+        return chat.fetch_target()
+    except RuntimeError as exc:
+        pytest.skip(f"the chat GGUF cannot be fetched: {exc}")
+
+
 def chat_pair_or_skip(threads: int) -> tuple[str, str | None]:
     """``osd.zoo.chat.chat_pair()`` (fetched on first use) with torch on ``threads`` threads
     (``OSD_BENCH_THREADS`` overrides); the calling test is skipped when the model cannot
