@@ -121,8 +121,9 @@ class DraftLengthController:
         self.probe_steps = probe_steps
         self.margin = margin
         self.goodput: dict[int, dict[int, float]] = {}  # bucket -> arm -> tokens/s
-        # bucket -> arm -> the (tokens, seconds) of its newest measured steps
-        self._recent: dict[int, dict[int, collections.deque]] = {}
+        # bucket -> arm -> [its newest measured steps' (tokens, seconds), their tokens,
+        # their seconds]
+        self._recent: dict[int, dict[int, list]] = {}
         self._seen: dict[int, dict[int, int]] = {}  # bucket -> arm -> measurements
         self._when: dict[int, dict[int, int]] = {}  # bucket -> arm -> last step
         self._steps: dict[int, int] = {}
@@ -195,14 +196,21 @@ class DraftLengthController:
             # Goodput over the arm's newest measured steps, tokens summed apart from
             # seconds: one step that emits many tokens (a long lookup match) or pays a
             # periodic cost (a draft catching up) moves it by its share of the window, not
-            # by its own tokens/s. A probe measures its arm afresh, so that the arms are
-            # compared as they are now.
+            # by its own tokens/s. A probe of an arm unmeasured for long measures it
+            # afresh, so that the arms are compared as they are now.
             recent = self._recent.setdefault(b, {})
             if k not in recent or self._fresh.get(b) == k:
-                recent[k] = collections.deque(maxlen=self.window)
+                recent[k] = [collections.deque(), 0.0, 0.0]  # steps, their tokens, seconds
                 self._fresh.pop(b, None)
-            recent[k].append((tokens, seconds))
-            good[k] = sum(t for t, _ in recent[k]) / sum(x for _, x in recent[k])
+            steps = recent[k]
+            steps[0].append((tokens, seconds))
+            steps[1] += tokens
+            steps[2] += seconds
+            if len(steps[0]) > self.window:  # running sums: no pass over the window a step
+                t_old, s_old = steps[0].popleft()
+                steps[1] -= t_old
+                steps[2] -= s_old
+            good[k] = steps[1] / steps[2]
         run = self._run.get(b)
         if run is None or run[0] != k or run[1] > 0:
             return  # no probe, or it goes on
