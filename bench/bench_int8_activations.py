@@ -14,7 +14,7 @@ positions where the two argmaxes agree, the largest logit difference over the lo
 standard deviation, and how many tokens the int8 model's own greedy answer shares with
 the float32 one before they part.
 
-    .venv/bin/python bench/bench_int8_activations.py [--prompts 3] [--json out.json]
+    .venv/bin/python bench/bench_int8_activations.py [--prompts 3] [--target F.gguf]
 """
 
 import osd  # first: osd sets the OpenMP wait policy before torch loads libgomp
@@ -78,7 +78,7 @@ def teacher_forced(model, ids: list[int], start: int) -> torch.Tensor:
 def run(args) -> dict:
     """The two tables (module docstring) for ``args`` (``main``'s options); prints them."""
     torch.set_num_threads(2)
-    target = osd.zoo.chat.fetch_target()
+    target = getattr(args, "target", None) or osd.zoo.chat.fetch_target()
     engines = {
         name: osd.Engine.from_pretrained(target, quantized=mode, max_batch_size=1)
         for name, mode in (("float32", True), ("int8", "int8"))
@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--target", default=None, help="a GGUF file (default: the chat target, Q4_1)")
     args = ap.parse_args()
     result = run(args)
     if args.json:

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from osd_kernels._ops import native_available, resolve_backend
-from osd_kernels.quant_x16 import X16_TYPES, quant_linear_x16_reference, unpack_x16
+from osd_kernels.quant_x16 import X16_TYPES, quant_linear_x16_reference, unpack_x16, x16_block
 
 BLOCK = 32  # weights per block of codes (one or two groups of scale and min)
 
@@ -174,8 +174,9 @@ def _check(
                 f"ggml_type must be 0 (codes and factors) or one of "
                 f"{sorted(STORED_TYPES) + sorted(X16_TYPES)}, got {ggml_type}"
             )
-        weights, size = STORED_TYPES[X16_TYPES.get(int(ggml_type), int(ggml_type))]
-        if int(ggml_type) in X16_TYPES and N % 16:
+        x16 = int(ggml_type) in X16_TYPES
+        weights, size = x16_block(ggml_type) if x16 else STORED_TYPES[int(ggml_type)]
+        if x16 and N % 16:
             raise ValueError(
                 f"qweight of ggml_type {ggml_type} holds a multiple of 16 rows, got {N}"
             )

@@ -71,13 +71,13 @@ def test_quantized_target_equals_its_dequantized_model(tmp_path, t, family, tie)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
 
 
-def k_quant_gguf(path, linear_type, v_type=None, seed: int = 0):
+def k_quant_gguf(path, linear_type, v_type=None, seed: int = 0, vocab: int = VOCAB):
     """A random 2-layer Llama GGUF as wide as a K-quant super-block (hidden 256, 4 heads /
-    2 KV heads, SwiGLU 512, vocab 300) whose linear weights and head are random
+    2 KV heads, SwiGLU 512, ``vocab`` 300) whose linear weights and head are random
     ``linear_type`` blocks (``v_type`` for ``attn_v``, as Q4_K_M files keep some in Q6_K),
     scaled to keep activations moderate; embedding and norms float32."""
     rng = np.random.default_rng(seed)
-    H, F, V = 256, 512, VOCAB
+    H, F, V = 256, 512, vocab
     meta = {
         "general.architecture": "llama",
         "llama.block_count": 2,

@@ -1,5 +1,6 @@
-"""quant_linear with int8 activations (``ggml_type`` 1002 / 1003 / 1008: Q4_0, Q4_1, Q8_0
-blocks regrouped 16 rows at a time, ``osd_kernels.quant_x16``): the regrouping round-trips;
+"""quant_linear with int8 activations (``ggml_type`` 1002 / 1003 / 1006 / 1008 / 1012 / 1014:
+Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K blocks regrouped 16 rows at a time,
+``osd_kernels.quant_x16``): the regrouping round-trips and keeps the weights;
 the C++ kernel equals its PyTorch reference bit for bit on the AVX-512 VNNI path and the
 portable one, on odd shapes, with bias and norm; a row's result never depends on the other
 rows; the error against the float32 product is the activations' 8-bit rounding; models
@@ -21,12 +22,15 @@ from osd_kernels.quant_x16 import (
     quantize_activations,
     repack_x16,
     unpack_x16,
+    x16_block,
+    x16_factors,
 )
 from tests.test_gguf import T, VOCAB, tiny_hf_model, to_gguf
+from tests.test_quant_models import k_quant_gguf
 from tests.test_quant_linear_blocks import _blocks
 from tests.test_speculative import prompts_of
 
-TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0]
+TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K]
 SHAPES = [(1, 1, 16), (2, 3, 32), (3, 2, 48), (5, 18, 64), (8, 1, 16), (9, 2, 32), (13, 4, 16)]
 SHAPES += [(20, 3, 48), (70, 2, 16)]  # (M, K / 32, N): passes of 8 rows, tails, prefill sizes
 
@@ -34,18 +38,27 @@ native = pytest.mark.skipif(not osd_kernels.native_available(), reason="native b
 
 
 def _case(t, M, kb, N, seed):
-    blocks = _blocks(t, N, 32 * kb, seed, scale=0.05).reshape(N, -1)
-    x = torch.randn(M, 32 * kb, generator=torch.Generator().manual_seed(seed))
+    """Blocks of ``N`` rows and ``x [M, K]``: ``K`` is ``kb`` blocks of 32, or for the
+    K-quants that many rounded up to whole super-blocks of 256."""
+    K = 32 * kb if t not in (GGMLType.Q4_K, GGMLType.Q6_K) else 256 * -(-kb // 8)
+    blocks = _blocks(t, N, K, seed, scale=0.05).reshape(N, -1)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed))
     return blocks, x
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_repack_round_trips_and_keeps_the_weights(t):
-    blocks, _ = _case(t, 1, 3, 48, 1)
+    blocks, x = _case(t, 1, 2, 48, 1)
     packed, xt = repack_x16(blocks, int(t))
-    assert xt == X16_OFFSET + int(t) and packed.shape == blocks.shape
+    weights, size = x16_block(xt)
+    assert xt == X16_OFFSET + int(t) and packed.shape == (48, x.shape[1] // weights * size)
+    assert packed.shape == blocks.shape or t == GGMLType.Q4_K  # its 148 bytes for 144
     assert torch.equal(unpack_x16(packed, xt)[0], blocks)
-    assert torch.equal(dequantize_blocks(packed, xt), dequantize_blocks(blocks, int(t)))
+    w = dequantize_blocks(blocks, int(t))
+    assert torch.equal(dequantize_blocks(packed, xt), w)
+    u, d, m = x16_factors(blocks, int(t))  # the kernel's reading: d * u + m, exactly
+    assert torch.equal((u * d[..., None] + m[..., None]).reshape(w.shape), w)
+    assert u.min() >= 0 and u.max() <= 255
 
 
 @native
@@ -62,7 +75,7 @@ def test_kernel_equals_reference(monkeypatch, t, path):
         want = quant_linear_x16_reference(x, packed, xt, bias)
         assert torch.equal(got, want), (t.name, M, kb, N)
         # with the RMSNorm prologue: the normalised rows, then the same product
-        w = torch.rand(32 * kb) + 0.5
+        w = torch.rand(x.shape[1]) + 0.5
         got = quant_linear(x, packed, torch.empty(0), norm_weight=w, eps=1e-5, ggml_type=xt)
         want = quant_linear(
             x, packed, torch.empty(0), norm_weight=w, eps=1e-5, ggml_type=xt, backend="reference"
@@ -108,8 +121,8 @@ def test_bad_input_names_the_problem():
     blocks, x = _case(GGMLType.Q4_1, 2, 2, 32, 7)
     with pytest.raises(ValueError, match="multiple of 16"):
         repack_x16(blocks[:24], 3)
-    with pytest.raises(ValueError, match="Q4_0 / Q4_1 / Q8_0"):
-        repack_x16(blocks, int(GGMLType.Q5_0))
+    with pytest.raises(ValueError, match="Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K"):
+        repack_x16(blocks, int(GGMLType.Q5_1))
     packed, xt = repack_x16(blocks, 3)
     with pytest.raises(ValueError, match="multiple of 16"):
         quant_linear(x, packed[:8], torch.empty(0), ggml_type=xt, backend="native")
@@ -234,3 +247,48 @@ def test_int8_activations_are_all_or_nothing(tmp_path):
     model = load_model(path, quantized=True)
     assert use_int8_activations(model) == 0
     assert {m.ggml_type for m in model.modules() if isinstance(m, QuantLinear)} == {3}
+
+
+@native
+@pytest.mark.parametrize(
+    "t,v", [(T.Q4_K, None), (T.Q6_K, None), (T.Q5_0, T.Q8_0)], ids=["Q4_K", "Q6_K", "Q5_0-v-Q8_0"]
+)
+def test_k_quant_and_q5_0_models_take_int8_activations(tmp_path, t, v):
+    """The types of Q4_K_M / Q6_K files (Q4_K, Q6_K, and Q5_0 / Q8_0 where rows are not
+    whole super-blocks) are regrouped too: every layer of such a model multiplies int8
+    activations, its logits stay within the activations' rounding of the float32 product,
+    and speculative greedy output (a chain and a tree) equals plain decoding's."""
+    if not osd_kernels.use_vnni():
+        pytest.skip("int8 activations need AVX-512 VNNI")
+    path = k_quant_gguf(tmp_path / "k.gguf", t, v, seed=int(t), vocab=320)
+    exact = load_model(path, quantized=True)
+    target = load_model(path, quantized="int8")
+    kinds = {m.ggml_type for m in target.modules() if isinstance(m, QuantLinear)}
+    assert kinds and all(k > X16_OFFSET for k in kinds), kinds
+    prompts = prompts_of([11, 5, 17], vocab=VOCAB, seed=61)
+    with torch.inference_mode():
+        ids = torch.tensor([prompts[0]])
+        lens = torch.tensor([ids.shape[1]], dtype=torch.int32)
+        a = exact.prefill(ids, exact.new_cache(1, 32), lens)[0, -1]
+        b = target.prefill(ids, target.new_cache(1, 32), lens)[0, -1]
+    assert float((a - b).norm() / a.norm()) < 0.05
+    draft = load_model(tiny_hf_model("llama", seed=47, vocab=320))
+    kw = dict(max_batch_size=3, max_seq_len=64)
+    params = osd.SamplingParams(12)
+    plain = [o.token_ids for o in osd.Engine(target, **kw).generate(prompts, params)]
+    for spec in (
+        osd.SpecConfig(num_draft_tokens=4),
+        osd.SpecConfig(num_draft_tokens=3, tree=[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]),
+    ):
+        got = osd.Engine(target, draft=[draft], spec=spec, **kw).generate(prompts, params)
+        assert [o.token_ids for o in got] == plain, spec
+
+
+def test_a_fused_projection_of_mixed_k_quants_keeps_float_activations(tmp_path):
+    """Q4_K_M files keep some ``attn_v`` in Q6_K beside Q4_K ``attn_q`` / ``attn_k``: the
+    fused projection is held as codes and factors, which have no int8 form, so the model
+    keeps float32 activations (all or nothing)."""
+    path = k_quant_gguf(tmp_path / "k.gguf", T.Q4_K, T.Q6_K, seed=5, vocab=320)
+    model = load_model(path, quantized="int8")
+    assert use_int8_activations(model) == 0
+    assert not any(m.ggml_type > X16_OFFSET for m in model.modules() if isinstance(m, QuantLinear))

@@ -1,27 +1,32 @@
 // quant_linear on 16-row interleaved blocks with int8 activations (ggml_type 1002, 1003,
-// 1008: Q4_0, Q4_1 and Q8_0 regrouped by osd_kernels.quant_linear.repack_x16).
+// 1006, 1008, 1012, 1014: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K regrouped by
+// osd_kernels.quant_x16.repack_x16, whose docstring has the layout and the arithmetic).
 //
 // The float32 path (cpu/quant_linear_blocks.cpp) turns every weight into a float and
 // multiplies it into each row of x with an FMA: exact, but a verify forward of a few rows
 // is then bound by FMAs (16 a cycle a core). Here each row of x is quantized to int8 per
-// block of 32 (dx = max|x| / 127, qx = round-half-even(x * (1 / dx)), sx = dx * sum(qx)), and
-// a block's weights are multiplied as unsigned 8-bit codes u with VNNI's dot products of
-// four bytes (64 multiply-adds an instruction), exactly in int32; then per block
+// block of 32 (dx = max|x| / 127, qx = round-half-even(x * (1 / dx)), sx = dx * sum(qx)
+// per sub-block), and a block's weights are multiplied as unsigned 8-bit codes u with
+// VNNI's dot products of four bytes (64 multiply-adds an instruction), exactly in int32;
+// then per sub-block s (the whole block of 32, or Q6_K's two halves of 16)
 //
-//     acc = fma(float(isum), d * dx, acc);  acc = fma(m, sx, acc)
+//     acc = fma(float(isum_s), d_s * dx, acc);  acc = fma(m_s, sx_s, acc)
 //
-// where the block's weights are d * u + m (Q4_1: d and m as stored; Q4_0: m = -8 d, codes
-// 0..15; Q8_0: u = code + 128, m = -128 d). So y = sum over blocks of (dequantized W) times
-// (x as int8 times dx), blocks in ascending order, then + bias. Every step is exact or one
-// IEEE rounding that the portable path repeats in the same order, so the AVX-512 path and
-// the portable one agree bit for bit, and a row's result never depends on the other rows.
+// where the sub-block's weights are d_s * u + m_s, both float32 values that ggml's own
+// dequantization computes exactly (Q4_K: d * scale and -(dmin * min); Q6_K: d * scale and
+// -32 d_s; the others their float16 d and m, or m = c * d). So y = sum over blocks of
+// (dequantized W) times (x as int8 times dx), in ascending order, then + bias. Every step
+// is exact or one IEEE rounding that the portable path repeats in the same order, so the
+// AVX-512 path and the portable one agree bit for bit, and a row's result never depends
+// on the other rows.
 //
-// Layout (uint8 [N, K / 32 * B], N a multiple of 16): weight rows in groups of 16; a
-// group's blocks one after another, each the 16 rows' block b: the codes as 64-byte chunks,
-// chunk j holding row r's codes 4j..4j+3 at bytes 4r..4r+3 (Q4_0 / Q4_1: 4 chunks of the
-// file's bytes, low nibbles weights 4j.., high ones 16 + 4j..; Q8_0: 8 chunks of u), then
-// the 16 rows' d as float16, then (Q4_1) their m. A group's block is B * 16 bytes, the
-// file's own size.
+// Layout (uint8 [N, K / U * B], N a multiple of 16): weight rows in groups of 16; a
+// group's blocks of 32 one after another (the K-quants: after each run of 8, the 16 rows'
+// super-block factors first), each the 16 rows' block b: the codes as 64-byte chunks,
+// chunk j holding row r's codes 4j..4j+3 at bytes 4r..4r+3 (nibble formats: 4 chunks,
+// low nibbles codes 4j.., high ones 16 + 4j..; Q8_0: 8 chunks of u), the high bits
+// above the nibbles (Q5_0: one chunk, bit j of byte 4r+i for code 4j+i; Q6_K: two, chunk
+// h bits 2(j - 4h)..), then the block's factors.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
@@ -49,20 +54,37 @@ constexpr int64_t kGroup = 16;  // weight rows a group (one float32 lane each)
 // rows of x a pass over a group's blocks, at most: a pass holds 8 code registers, two per
 // row (its dot product and its running sum) and the factors
 constexpr int kPass = 10;
+constexpr int64_t kSuperBlocks = 8;  // blocks of 32 a K-quant super-block
+
+enum class Factors { kHalf, kQ4K, kQ6K };
 
 struct Format {
-  int64_t base;       // the GGUF type: 2, 3 or 8
-  int64_t bytes;      // a block's bytes a row (18, 20, 34)
-  int64_t code_bytes; // a group's block's code bytes (256 or 512)
-  bool nibbles;       // two 4-bit codes a byte
-  float min_per_d;    // m = min_per_d * d (0: m stored after the d's)
+  int64_t base;       // the GGUF type: 2, 3, 6, 8, 12 or 14
+  int64_t unit;       // weights a stored unit of a row (32, or 256 for the K-quants)
+  int64_t bytes;      // a unit's bytes a row
+  Factors factors;    // kHalf: float16 d (and m) a block; K-quants: scales per block
+  bool nibbles;       // two 4-bit codes a byte (else one 8-bit code)
+  int hbits;          // high bits above the nibbles: 0, 1 (Q5_0) or 2 (Q6_K)
+  float min_per_d;    // m = min_per_d * d (0: stored; Q4_K: -dmin * min)
+  int64_t code_bytes() const { return nibbles ? 256 : 512; }
+  int64_t block_bytes() const {  // a group's block of 32, factors included
+    const int64_t head = factors == Factors::kHalf ? (min_per_d != 0.0f ? 32 : 64) : 32;
+    return code_bytes() + 64 * hbits + head;
+  }
+  int64_t super_head() const {  // the 16 rows' super-block factors (float16)
+    return factors == Factors::kQ4K ? 64 : factors == Factors::kQ6K ? 32 : 0;
+  }
+  bool halves() const { return factors == Factors::kQ6K; }  // two sub-blocks of 16
 };
 
 bool format_of(int64_t ggml_type, Format* f) {
   switch (ggml_type) {
-    case kX16Offset + 2: *f = {2, 18, 256, true, -8.0f}; return true;
-    case kX16Offset + 3: *f = {3, 20, 256, true, 0.0f}; return true;
-    case kX16Offset + 8: *f = {8, 34, 512, false, -128.0f}; return true;
+    case kX16Offset + 2: *f = {2, 32, 18, Factors::kHalf, true, 0, -8.0f}; return true;
+    case kX16Offset + 3: *f = {3, 32, 20, Factors::kHalf, true, 0, 0.0f}; return true;
+    case kX16Offset + 6: *f = {6, 32, 22, Factors::kHalf, true, 1, -16.0f}; return true;
+    case kX16Offset + 8: *f = {8, 32, 34, Factors::kHalf, false, 0, -128.0f}; return true;
+    case kX16Offset + 12: *f = {12, 256, 148, Factors::kQ4K, true, 0, 0.0f}; return true;
+    case kX16Offset + 14: *f = {14, 256, 210, Factors::kQ6K, true, 2, -32.0f}; return true;
     default: return false;
   }
 }
@@ -73,10 +95,68 @@ inline float half_at(const uint8_t* p) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
 }
 
-// x [M, K] (ldx apart) -> qx int8 [M, K], dx and sx [M, K / 32].
+// Where block b of a group (starting at w) keeps its codes, high bits and factors, and
+// its super-block's factors (K-quants).
+struct Block {
+  const uint8_t* codes;
+  const uint8_t* high;
+  const uint8_t* factors;
+  const uint8_t* super;
+};
+
+inline Block block_at(const Format& f, const uint8_t* w, int64_t b) {
+  Block v;
+  if (f.factors == Factors::kHalf) {
+    v.codes = w + b * f.block_bytes();
+    v.super = nullptr;
+  } else {
+    v.super = w + (b / kSuperBlocks) * kGroup * f.bytes;
+    v.codes = v.super + f.super_head() + (b % kSuperBlocks) * f.block_bytes();
+  }
+  v.high = v.codes + f.code_bytes();
+  v.factors = v.high + 64 * f.hbits;
+  return v;
+}
+
+// Row r's d and m of sub-block s (0, or 0 and 1 for Q6_K's halves).
+inline void factors_of(const Format& f, const Block& v, int64_t r, int s, float* d, float* m) {
+  switch (f.factors) {
+    case Factors::kHalf:
+      *d = half_at(v.factors + 2 * r);
+      *m = f.min_per_d != 0.0f ? f.min_per_d * *d : half_at(v.factors + 32 + 2 * r);
+      return;
+    case Factors::kQ4K:
+      *d = half_at(v.super + 2 * r) * static_cast<float>(v.factors[r]);
+      *m = -(half_at(v.super + 32 + 2 * r) * static_cast<float>(v.factors[16 + r]));
+      return;
+    case Factors::kQ6K:
+      *d = half_at(v.super + 2 * r) *
+           static_cast<float>(static_cast<int8_t>(v.factors[16 * s + r]));
+      *m = f.min_per_d * *d;
+      return;
+  }
+}
+
+// Row r's code k (0..31) of block v.
+inline int32_t code_of(const Format& f, const Block& v, int64_t r, int64_t k) {
+  const int64_t j = k / 4, i = k % 4;
+  int32_t u;
+  if (f.nibbles) {
+    const uint8_t byte = v.codes[64 * (j % 4) + 4 * r + i];
+    u = j < 4 ? (byte & 15) : (byte >> 4);
+  } else {
+    u = v.codes[64 * j + 4 * r + i];
+  }
+  if (f.hbits == 1) u |= ((v.high[4 * r + i] >> j) & 1) << 4;
+  if (f.hbits == 2) u |= ((v.high[64 * (j / 4) + 4 * r + i] >> (2 * (j % 4))) & 3) << 4;
+  return u;
+}
+
+// x [M, K] (ldx apart) -> qx int8 [M, K]; dx [M, K / 32]; sx [M, K / 32] (dx times the
+// block's sum of qx) and sh [M, K / 16] (dx times each half's sum).
 struct Quantized {
   std::vector<int8_t> q;
-  std::vector<float> d, s;
+  std::vector<float> d, s, h;
 };
 
 void quantize_portable(const float* x, int64_t ldx, int64_t M, int64_t K, Quantized& out) {
@@ -88,46 +168,40 @@ void quantize_portable(const float* x, int64_t ldx, int64_t M, int64_t K, Quanti
       for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
       const float d = amax / 127.0f;
       const float id = d != 0.0f ? 1.0f / d : 0.0f;
-      int32_t sum = 0;
+      int32_t sum[2] = {0, 0};
       for (int i = 0; i < 32; ++i) {
         const int32_t q = static_cast<int32_t>(std::nearbyint(v[i] * id));
         out.q[m * K + 32 * b + i] = static_cast<int8_t>(q);
-        sum += q;
+        sum[i / 16] += q;
       }
       out.d[m * nb + b] = d;
-      out.s[m * nb + b] = d * static_cast<float>(sum);
+      out.s[m * nb + b] = d * static_cast<float>(sum[0] + sum[1]);
+      out.h[2 * (m * nb + b)] = d * static_cast<float>(sum[0]);
+      out.h[2 * (m * nb + b) + 1] = d * static_cast<float>(sum[1]);
     }
   }
 }
 
-// Row n0 + r of a group: the 16-row group starts at w, block b at w + b * 16 * bytes.
 void group_portable(const Format& f, const uint8_t* w, int64_t nb, const Quantized& qx,
                     int64_t K, int64_t m0, int64_t rows, float* y, int64_t ldy,
                     const float* bias) {
-  const int64_t gb_bytes = kGroup * f.bytes;
+  const int subs = f.halves() ? 2 : 1, width = 32 / subs;
   for (int64_t m = m0; m < m0 + rows; ++m) {
     for (int64_t r = 0; r < kGroup; ++r) {
       float acc = 0.0f;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* gb = w + b * gb_bytes;
+        const Block v = block_at(f, w, b);
         const int8_t* q = qx.q.data() + m * K + 32 * b;
-        int32_t isum = 0;
-        for (int64_t k = 0; k < 32; ++k) {
-          const int64_t j = k / 4, i = k % 4;
-          int32_t u;
-          if (f.nibbles) {
-            const uint8_t byte = gb[64 * (j % 4) + 4 * r + i];
-            u = j < 4 ? (byte & 15) : (byte >> 4);
-          } else {
-            u = gb[64 * j + 4 * r + i];
-          }
-          isum += u * q[k];
+        const float dx = qx.d[m * nb + b];
+        for (int s = 0; s < subs; ++s) {
+          int32_t isum = 0;
+          for (int64_t k = s * width; k < (s + 1) * width; ++k) isum += code_of(f, v, r, k) * q[k];
+          float d = 0.0f, mn = 0.0f;
+          factors_of(f, v, r, s, &d, &mn);
+          const float sx = subs == 1 ? qx.s[m * nb + b] : qx.h[2 * (m * nb + b) + s];
+          acc = std::fma(static_cast<float>(isum), d * dx, acc);
+          acc = std::fma(mn, sx, acc);
         }
-        const float d = half_at(gb + f.code_bytes + 2 * r);
-        const float mn = f.min_per_d != 0.0f ? f.min_per_d * d
-                                             : half_at(gb + f.code_bytes + 32 + 2 * r);
-        acc = std::fma(static_cast<float>(isum), d * qx.d[m * (K / 32) + b], acc);
-        acc = std::fma(mn, qx.s[m * (K / 32) + b], acc);
       }
       y[(m - m0) * ldy + r] = bias != nullptr ? acc + bias[r] : acc;
     }
@@ -157,49 +231,115 @@ OSD_X16_VNNI void quantize_512(const float* x, int64_t ldx, int64_t M, int64_t K
       int8_t* dst = out.q.data() + m * K + 32 * b;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(q1));
-      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      const int32_t s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
       out.d[m * nb + b] = d;
-      out.s[m * nb + b] = d * static_cast<float>(sum);
+      out.s[m * nb + b] = d * static_cast<float>(s0 + s1);
+      out.h[2 * (m * nb + b)] = d * static_cast<float>(s0);
+      out.h[2 * (m * nb + b) + 1] = d * static_cast<float>(s1);
     }
   }
 }
 
+OSD_X16_VNNI inline __m512 halves(const uint8_t* p) {  // 16 float16 values
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+OSD_X16_VNNI inline __m128i bytes(const uint8_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+
+// Sub-block s's d and m of the 16 rows (lane r: row r).
+OSD_X16_VNNI inline void factors_512(const Format& f, const Block& v, int s, __m512* d,
+                                     __m512* m) {
+  switch (f.factors) {
+    case Factors::kHalf:
+      *d = halves(v.factors);
+      *m = f.min_per_d != 0.0f ? _mm512_mul_ps(_mm512_set1_ps(f.min_per_d), *d)
+                               : halves(v.factors + 32);
+      return;
+    case Factors::kQ4K: {
+      *d = _mm512_mul_ps(halves(v.super),
+                         _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(v.factors))));
+      const __m512 dm = _mm512_mul_ps(
+          halves(v.super + 32), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(v.factors + 16))));
+      *m = _mm512_xor_ps(dm, _mm512_set1_ps(-0.0f));
+      return;
+    }
+    case Factors::kQ6K:
+      *d = _mm512_mul_ps(halves(v.super),
+                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(v.factors + 16 * s))));
+      *m = _mm512_mul_ps(_mm512_set1_ps(f.min_per_d), *d);
+      return;
+  }
+}
+
+// Bits [from, from + n) of every byte of v, moved to bits 4.. (n = 1 or 2).
+template <int From, int N>
+OSD_X16_VNNI inline __m512i high_at_4(__m512i v) {
+  const __m512i mask = _mm512_set1_epi8(static_cast<char>(((1 << N) - 1) << 4));
+  // 16-bit shifts: the bits a byte takes from its neighbour fall outside the mask
+  if constexpr (From <= 4) {
+    return _mm512_and_si512(_mm512_slli_epi16(v, 4 - From), mask);
+  } else {
+    return _mm512_and_si512(_mm512_srli_epi16(v, From - 4), mask);
+  }
+}
+
+// Codes of block v: register j lane r holds row r's codes 4j..4j+3.
+OSD_X16_VNNI inline void codes_512(const Format& f, const Block& v, __m512i* c) {
+  if (!f.nibbles) {
+    for (int j = 0; j < 8; ++j) c[j] = _mm512_loadu_si512(v.codes + 64 * j);
+    return;
+  }
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {
+    const __m512i x = _mm512_loadu_si512(v.codes + 64 * j);
+    c[j] = _mm512_and_si512(x, low);
+    c[j + 4] = _mm512_and_si512(_mm512_srli_epi16(x, 4), low);
+  }
+  if (f.hbits == 1) {
+    const __m512i h = _mm512_loadu_si512(v.high);
+    c[0] = _mm512_or_si512(c[0], high_at_4<0, 1>(h));
+    c[1] = _mm512_or_si512(c[1], high_at_4<1, 1>(h));
+    c[2] = _mm512_or_si512(c[2], high_at_4<2, 1>(h));
+    c[3] = _mm512_or_si512(c[3], high_at_4<3, 1>(h));
+    c[4] = _mm512_or_si512(c[4], high_at_4<4, 1>(h));
+    c[5] = _mm512_or_si512(c[5], high_at_4<5, 1>(h));
+    c[6] = _mm512_or_si512(c[6], high_at_4<6, 1>(h));
+    c[7] = _mm512_or_si512(c[7], high_at_4<7, 1>(h));
+  } else if (f.hbits == 2) {
+    const __m512i h0 = _mm512_loadu_si512(v.high), h1 = _mm512_loadu_si512(v.high + 64);
+    c[0] = _mm512_or_si512(c[0], high_at_4<0, 2>(h0));
+    c[1] = _mm512_or_si512(c[1], high_at_4<2, 2>(h0));
+    c[2] = _mm512_or_si512(c[2], high_at_4<4, 2>(h0));
+    c[3] = _mm512_or_si512(c[3], high_at_4<6, 2>(h0));
+    c[4] = _mm512_or_si512(c[4], high_at_4<0, 2>(h1));
+    c[5] = _mm512_or_si512(c[5], high_at_4<2, 2>(h1));
+    c[6] = _mm512_or_si512(c[6], high_at_4<4, 2>(h1));
+    c[7] = _mm512_or_si512(c[7], high_at_4<6, 2>(h1));
+  }
+}
+
 // MP rows of x (from m0) times a group of 16 weight rows: lane r of a register is row r.
-template <int MP>
+// Halves: two sub-blocks of 16 codes a block (Q6_K), registers 0-3 and 4-7.
+template <int MP, bool Halves>
 OSD_X16_VNNI void group_512(const Format& f, const uint8_t* w, int64_t nb, const Quantized& qx,
                             int64_t K, int64_t m0, float* y, int64_t ldy, const float* bias) {
-  const int64_t gb_bytes = kGroup * f.bytes;
   const int64_t ns = K / 32;
+  const int64_t ahead = 4 * f.block_bytes();
   __m512 acc[MP];
   for (int m = 0; m < MP; ++m) acc[m] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* gb = w + b * gb_bytes;
-    _mm_prefetch(reinterpret_cast<const char*>(gb + 4 * gb_bytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(gb + 4 * gb_bytes + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(gb + 4 * gb_bytes + 128), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(gb + 4 * gb_bytes + 192), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(gb + 4 * gb_bytes + 256), _MM_HINT_T0);
-    __m512i c[8];
-    if (f.nibbles) {
-      for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_loadu_si512(gb + 64 * j);
-        c[j] = _mm512_and_si512(v, low);
-        c[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      }
-    } else {
-      for (int j = 0; j < 8; ++j) c[j] = _mm512_loadu_si512(gb + 64 * j);
+    const Block v = block_at(f, w, b);
+    for (int64_t at = 0; at < f.block_bytes(); at += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(v.codes + ahead + at), _MM_HINT_T0);
     }
-    const __m512 d = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + f.code_bytes)));
-    const __m512 mn =
-        f.min_per_d != 0.0f
-            ? _mm512_mul_ps(d, _mm512_set1_ps(f.min_per_d))
-            : _mm512_cvtph_ps(
-                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + f.code_bytes + 32)));
-    // the rows' dot products interleaved, one chain a row (plus a second for one row, to
-    // keep a decode step's chain short); integer sums, so their order does not matter
-    constexpr int kChains = MP == 1 ? 2 : 1;
+    __m512i c[8];
+    codes_512(f, v, c);
+    // the rows' dot products interleaved, one chain a row and sub-block (plus a second
+    // for one row, to keep a decode step's chain short); integer sums, so their order
+    // does not matter
+    constexpr int kChains = (MP == 1 || Halves) ? 2 : 1;
     __m512i s[MP][kChains];
     const int32_t* q32[MP];
     for (int m = 0; m < MP; ++m) {
@@ -208,16 +348,34 @@ OSD_X16_VNNI void group_512(const Format& f, const uint8_t* w, int64_t nb, const
     }
     for (int j = 0; j < 8; ++j) {
       for (int m = 0; m < MP; ++m) {
-        __m512i& acc_j = s[m][j % kChains];
+        __m512i& acc_j = s[m][Halves ? j / 4 : j % kChains];
         acc_j = _mm512_dpbusd_epi32(acc_j, c[j], _mm512_set1_epi32(q32[m][j]));
       }
     }
-    for (int m = 0; m < MP; ++m) {
-      const __m512i si = kChains == 1 ? s[m][0] : _mm512_add_epi32(s[m][0], s[m][kChains - 1]);
-      const __m512 fs = _mm512_cvtepi32_ps(si);
-      const int64_t at = (m0 + m) * ns + b;
-      acc[m] = _mm512_fmadd_ps(fs, _mm512_mul_ps(d, _mm512_set1_ps(qx.d[at])), acc[m]);
-      acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(qx.s[at]), acc[m]);
+    if constexpr (Halves) {
+      __m512 d[2], mn[2];
+      factors_512(f, v, 0, &d[0], &mn[0]);
+      factors_512(f, v, 1, &d[1], &mn[1]);
+      for (int m = 0; m < MP; ++m) {
+        const int64_t at = (m0 + m) * ns + b;
+        const __m512 dx = _mm512_set1_ps(qx.d[at]);
+        for (int h = 0; h < 2; ++h) {
+          const __m512 fs = _mm512_cvtepi32_ps(s[m][h]);
+          acc[m] = _mm512_fmadd_ps(fs, _mm512_mul_ps(d[h], dx), acc[m]);
+          acc[m] = _mm512_fmadd_ps(mn[h], _mm512_set1_ps(qx.h[2 * at + h]), acc[m]);
+        }
+      }
+    } else {
+      __m512 d, mn;
+      factors_512(f, v, 0, &d, &mn);
+      for (int m = 0; m < MP; ++m) {
+        const __m512i si =
+            kChains == 1 ? s[m][0] : _mm512_add_epi32(s[m][0], s[m][kChains - 1]);
+        const __m512 fs = _mm512_cvtepi32_ps(si);
+        const int64_t at = (m0 + m) * ns + b;
+        acc[m] = _mm512_fmadd_ps(fs, _mm512_mul_ps(d, _mm512_set1_ps(qx.d[at])), acc[m]);
+        acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(qx.s[at]), acc[m]);
+      }
     }
   }
   const __m512 bv = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
@@ -246,17 +404,17 @@ at::Tensor quant_linear_x16_cpu(const at::Tensor& x, const at::Tensor& qweight, 
                                 const std::optional<at::Tensor>& norm_weight, double eps) {
   Format f;
   OSD_CHECK(format_of(ggml_type, &f),
-            "quant_linear reads 16-row interleaved blocks of types 1002 (Q4_0), 1003 (Q4_1) "
-            "and 1008 (Q8_0), got ggml_type ",
+            "quant_linear reads 16-row interleaved blocks of types 1002 (Q4_0), 1003 (Q4_1), "
+            "1006 (Q5_0), 1008 (Q8_0), 1012 (Q4_K) and 1014 (Q6_K), got ggml_type ",
             ggml_type);
   const int64_t K = x.size(1);
-  OSD_CHECK(K % 32 == 0, "ggml_type ", ggml_type, " holds rows of whole blocks of 32 weights, got K = ",
-            K);
+  OSD_CHECK(K % f.unit == 0, "ggml_type ", ggml_type, " holds rows of whole blocks of ", f.unit,
+            " weights, got K = ", K);
   check_same_device(x, qweight, "x", "qweight");
   OSD_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous() &&
-                qweight.size(1) == K / 32 * f.bytes && qweight.size(0) % kGroup == 0,
+                qweight.size(1) == K / f.unit * f.bytes && qweight.size(0) % kGroup == 0,
             "qweight of ggml_type ", ggml_type, " must be contiguous uint8 [N, ",
-            K / 32 * f.bytes, "] with N a multiple of 16, got ", qweight.scalar_type(), " ",
+            K / f.unit * f.bytes, "] with N a multiple of 16, got ", qweight.scalar_type(), " ",
             qweight.sizes());
   const int64_t N = qweight.size(0), M = x.size(0), nb = K / 32;
   linear_rows::Args a;
@@ -272,6 +430,7 @@ at::Tensor quant_linear_x16_cpu(const at::Tensor& x, const at::Tensor& qweight, 
   qx.q.resize(static_cast<size_t>(M * K));
   qx.d.resize(static_cast<size_t>(M * nb));
   qx.s.resize(static_cast<size_t>(M * nb));
+  qx.h.resize(static_cast<size_t>(2 * M * nb));
   const bool vnni = use_vnni();
 #if defined(__x86_64__)
   if (vnni) {
@@ -297,7 +456,11 @@ at::Tensor quant_linear_x16_cpu(const at::Tensor& x, const at::Tensor& qweight, 
 #if defined(__x86_64__)
         if (vnni) {
           with_rows<kPass>(rows, [&](auto mr) {
-            group_512<decltype(mr)::value>(f, gw, nb, qx, K, m0, yg, N, gbias);
+            if (f.halves()) {
+              group_512<decltype(mr)::value, true>(f, gw, nb, qx, K, m0, yg, N, gbias);
+            } else {
+              group_512<decltype(mr)::value, false>(f, gw, nb, qx, K, m0, yg, N, gbias);
+            }
           });
           continue;
         }

@@ -1,5 +1,5 @@
 // quant_linear on 16-row interleaved blocks with int8 activations (cpu/quant_linear_x16.cpp),
-// called by the quant_linear op's CPU kernel for ggml_type kX16Offset + {2, 3, 8}.
+// called by the quant_linear op's CPU kernel for ggml_type kX16Offset + {2, 3, 6, 8, 12, 14}.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <cstdint>
@@ -8,7 +8,7 @@
 namespace osd {
 
 // ggml_type of a GGUF type's blocks regrouped 16 rows at a time (Q4_0 1002, Q4_1 1003,
-// Q8_0 1008); osd_kernels.quant_linear.X16_OFFSET matches.
+// Q5_0 1006, Q8_0 1008, Q4_K 1012, Q6_K 1014); osd_kernels.quant_x16.X16_OFFSET matches.
 constexpr int64_t kX16Offset = 1000;
 
 // True when the AVX-512 VNNI path runs (else the portable one, the same results).

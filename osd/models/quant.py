@@ -19,11 +19,11 @@ float rounding, and autograd through ``F.linear`` on the dequantized matrix.
   reference rounding (drafts kept quantized, ``quantize_draft``; tests);
 - :func:`quantized_state`: a float model's weights for its quantized copy (an online
   learner trains the float draft and publishes them to the quantized serving draft);
-- :func:`use_int8_activations`: regroup a model's Q4_0 / Q4_1 / Q8_0 layers 16 rows at a
-  time and multiply them with int8 activations (:mod:`osd_kernels.quant_x16`; AVX-512
-  VNNI): not the dequantized model's float32 product, but a verify forward of 5 rows
-  costs about 1.3 plain steps instead of 1.8 (``quantized="int8"``, the engine's default
-  on the CPU).
+- :func:`use_int8_activations`: regroup a model's Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K
+  layers 16 rows at a time and multiply them with int8 activations
+  (:mod:`osd_kernels.quant_x16`; AVX-512 VNNI): not the dequantized model's float32
+  product, but a verify forward of 5 rows costs about 1.3 plain steps instead of 1.8
+  (``quantized="int8"``, the engine's default on the CPU).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from osd_kernels.quant_linear import (
     dequantize_weight,
     quant_linear,
 )
-from osd_kernels.quant_x16 import X16_TYPES, repack_x16, unpack_x16, x16_supported
+from osd_kernels.quant_x16 import X16_TYPES, repack_x16, unpack_x16, x16_block, x16_supported
 
 # Block types a float layer can be quantized to (ggml's reference rounding), by name.
 FORMATS = ("Q4_0", "Q4_1", "Q8_0")
@@ -106,7 +106,11 @@ class QuantLinear(nn.Module):
         self.fmt = fmt
         self.ggml_type = int(ggml_type)
         if self.ggml_type:
-            weights, size = STORED_TYPES[X16_TYPES.get(self.ggml_type, self.ggml_type)]
+            weights, size = (
+                x16_block(self.ggml_type)
+                if self.ggml_type in X16_TYPES
+                else STORED_TYPES[self.ggml_type]
+            )
             self._in_features = qweight.shape[1] // size * weights
         else:
             self._in_features = qweight.shape[1] * (2 if qweight.dtype == torch.uint8 else 1)
@@ -162,7 +166,7 @@ class QuantLinear(nn.Module):
         )
 
     def use_int8_activations(self) -> bool:
-        """Regroup Q4_0 / Q4_1 / Q8_0 blocks for int8 activations
+        """Regroup Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K blocks for int8 activations
         (:mod:`osd_kernels.quant_x16`) in place; False (unchanged) for other layers, a
         number of rows not a multiple of 16, or a layer off the CPU."""
         on_cpu = self.qweight.device.type == "cpu"
@@ -450,8 +454,8 @@ def quantized_state(
 
 
 def use_int8_activations(model: nn.Module) -> int:
-    """Regroup ``model``'s Q4_0 / Q4_1 / Q8_0 :class:`QuantLinear` layers for int8
-    activations (:meth:`QuantLinear.use_int8_activations`); returns how many.
+    """Regroup ``model``'s Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K :class:`QuantLinear` layers
+    for int8 activations (:meth:`QuantLinear.use_int8_activations`); returns how many.
 
     All or nothing: only when every linear layer of the model (its projections and output
     head) is such a layer on the CPU, else none. A row's int8 result never depends on the
