@@ -46,7 +46,15 @@ import torch
 import torch.nn.functional as F
 
 from osd_kernels._ops import native_available, resolve_backend
-from osd_kernels.quant_x16 import X16_TYPES, quant_linear_x16_reference, unpack_x16, x16_block
+from osd_kernels.quant_x16 import (
+    CODES_16,
+    CODES_32,
+    X16_TYPES,
+    quant_linear_x16_reference,
+    unpack_codes,
+    unpack_x16,
+    x16_block,
+)
 
 BLOCK = 32  # weights per block of codes (one or two groups of scale and min)
 
@@ -77,6 +85,8 @@ def dequantize_blocks(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """The float32 weight ``[N, K]`` of GGUF blocks ``[N, K / U * B]`` of ``ggml_type``
     (one of :data:`STORED_TYPES`), as ggml's ``dequantize_row_*`` computes it (the same
     float32 operations as ``osd.models.gguf.blocks.dequantize``)."""
+    if int(ggml_type) in (CODES_32, CODES_16):  # codes and factors, regrouped
+        return dequantize_weight(*unpack_codes(blocks, ggml_type))
     if int(ggml_type) in X16_TYPES:  # regrouped 16 rows at a time: the file's blocks first
         blocks, ggml_type = unpack_x16(blocks, ggml_type)
     weights, size = STORED_TYPES[int(ggml_type)]

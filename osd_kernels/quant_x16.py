@@ -1,6 +1,8 @@
 """GGUF blocks regrouped 16 weight rows at a time, multiplied with int8 activations: the
 format behind ``quant_linear``'s ``ggml_type`` 1002 (Q4_0), 1003 (Q4_1), 1006 (Q5_0),
-1008 (Q8_0), 1012 (Q4_K) and 1014 (Q6_K).
+1008 (Q8_0), 1012 (Q4_K) and 1014 (Q6_K), and 1132 / 1116 for codes with float32 factors
+per group of 32 / 16 weights (what osd holds the other types as, and a fused projection
+whose parts mix types, :func:`repack_codes`).
 
 The float32 path multiplies every weight into every row of ``x`` with an FMA; a verify
 forward of a few rows is then bound by FMAs. With these types each row of ``x`` is
@@ -22,7 +24,11 @@ Q5_0        the 5-bit code     ``d``                       ``-16 d``
 Q8_0        code + 128         ``d``                       ``-128 d``
 Q4_K        the 4-bit code     ``d * scale_s``             ``-(dmin * min_s)``
 Q6_K        the 6-bit code     ``d * scale_s`` (int8)      ``-32 d_s``
+codes       the signed code    the group's scale           the group's min (or 0)
 ==========  =================  ==========================  ===========================
+
+(Codes with factors are stored as ``code + 128``, and the kernel takes ``128 *
+sum_s(qx)`` off each dot product, so the sum is the signed codes' exactly.)
 
 Per row of ``x`` and block ``b`` of 32 activations,
 
@@ -48,7 +54,8 @@ the file's block size except Q4_K's 148 bytes for 144): group ``g`` (rows ``16 g
   two top bits of code ``4 j + i``;
 - the factors: Q4_0 / Q5_0 / Q8_0 the 16 ``d`` as float16, Q4_1 then the 16 ``m``; Q4_K
   the 16 six-bit scales then the 16 six-bit mins as bytes; Q6_K the 16 int8 scales of the
-  first 16 weights, then the 16 of the second.
+  first 16 weights, then the 16 of the second; codes with factors the 16 ``d`` then the
+  16 ``m`` as float32, per group (one or two a block).
 
 The K-quants' super-block factors (Q4_K: the 16 rows' ``d`` then ``dmin``, float16; Q6_K:
 ``d``) come before each run of 8 blocks.
@@ -62,6 +69,9 @@ X16_OFFSET = 1000
 GROUP = 16  # weight rows a group
 # ggml_type of the regrouped blocks -> the GGUF type they came from
 X16_TYPES = {X16_OFFSET + t: t for t in (2, 3, 6, 8, 12, 14)}
+# codes with float32 factors per group of 32 / 16 weights (``ggml_type`` 0 layers)
+CODES_32, CODES_16 = X16_OFFSET + 132, X16_OFFSET + 116
+X16_TYPES.update({CODES_32: 0, CODES_16: 0})
 # a GGUF type -> (weights, bytes) of its stored block
 _FILE = {2: (32, 18), 3: (32, 20), 6: (32, 22), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
 _SUPER = {12: 64, 14: 32}  # the K-quants' super-block header bytes of a group
@@ -72,14 +82,17 @@ def x16_block(ggml_type: int) -> tuple[int, int]:
     """``(weights, bytes)`` a row of one stored unit of regrouped ``ggml_type`` (an
     :data:`X16_TYPES` key): the GGUF block's, except Q4_K's 148 bytes (its six-bit scales
     and mins kept a byte each)."""
+    if int(ggml_type) in (CODES_32, CODES_16):
+        return (32, 40 if int(ggml_type) == CODES_32 else 48)
     t = X16_TYPES[int(ggml_type)]
     return (256, 148) if t == 12 else _FILE[t]
 
 
 def x16_supported(ggml_type: int, out_features: int) -> bool:
-    """True when a layer of GGUF ``ggml_type`` blocks with ``out_features`` rows can be
-    regrouped (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K; rows a multiple of 16)."""
-    return int(ggml_type) in _FILE and out_features % GROUP == 0
+    """True when a layer of GGUF ``ggml_type`` blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K;
+    0: codes and factors) with ``out_features`` rows can be regrouped (rows a multiple of
+    16)."""
+    return (int(ggml_type) in _FILE or int(ggml_type) == 0) and out_features % GROUP == 0
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -230,6 +243,62 @@ def repack_x16(blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, int]
     return out.reshape(N, -1).contiguous(), X16_OFFSET + t
 
 
+def repack_codes(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+) -> tuple[torch.Tensor, int]:
+    """Codes and float32 factors (``quant_linear``'s ``ggml_type`` 0 form: uint8 ``[N, K /
+    2]`` nibbles or int8 ``[N, K]`` codes, ``scales`` and ``mins`` ``[N, K / G]``, ``G``
+    32 or 16) -> the regrouped layout and its ``ggml_type`` (:data:`CODES_32` /
+    :data:`CODES_16`)."""
+    N = qweight.shape[0]
+    codes = _signed_codes(qweight)
+    K = codes.shape[1]
+    G = K // scales.shape[1]
+    if N % GROUP or G not in (16, 32):
+        raise ValueError(
+            f"repack_codes takes a multiple of 16 rows and groups of 16 or 32 weights, got "
+            f"{N} rows, groups of {G}"
+        )
+    nb, g = K // 32, N // GROUP
+    u = (codes.to(torch.int16) + 128).to(torch.uint8).reshape(g, GROUP, nb, 8, 4)
+    m = torch.zeros_like(scales) if mins is None else mins
+    subs = 32 // G
+
+    def factor(f):  # [N, K / G] -> [g, nb, subs, 16 rows * 4 bytes]
+        f = f.float().contiguous().reshape(g, GROUP, nb, subs).permute(0, 2, 3, 1)
+        return f.contiguous().view(torch.uint8).reshape(g, nb, subs, 1, 64)
+
+    fac = torch.cat([factor(scales), factor(m)], dim=3).reshape(g, nb, -1)
+    out = torch.cat([_interleave(u), fac], dim=-1)
+    return out.reshape(N, -1).contiguous(), CODES_16 if G == 16 else CODES_32
+
+
+def _signed_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """``ggml_type`` 0 codes (uint8 nibbles j, j + 16 of each block of 32, or int8) ->
+    int8 ``[N, K]``."""
+    if qweight.dtype == torch.int8:
+        return qweight
+    q = qweight.reshape(qweight.shape[0], -1, 16)
+    return torch.cat([q & 0xF, q >> 4], dim=-1).reshape(qweight.shape[0], -1).to(torch.int8)
+
+
+def unpack_codes(
+    packed: torch.Tensor, ggml_type: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`repack_codes`, with 8-bit codes: ``(int8 codes [N, K],
+    scales, mins)`` (zero mins where there were none)."""
+    _, B = x16_block(ggml_type)
+    N, row = packed.shape
+    subs = 2 if int(ggml_type) == CODES_16 else 1
+    nb, g = row // B, N // GROUP
+    p = packed.reshape(g, nb, -1)
+    u = p[..., :512].reshape(g, nb, 8, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(N, nb * 32)
+    codes = (u.to(torch.int16) - 128).to(torch.int8)
+    fac = p[..., 512:].contiguous().reshape(g, nb, subs, 2, 64).view(torch.float32)
+    fac = fac.permute(0, 4, 1, 2, 3).reshape(N, nb * subs, 2)  # [rows, groups, (d, m)]
+    return codes.contiguous(), fac[..., 0].contiguous(), fac[..., 1].contiguous()
+
+
 def unpack_x16(packed: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, int]:
     """The inverse of :func:`repack_x16`: GGUF blocks as stored and their ``ggml_type``."""
     t = X16_TYPES[int(ggml_type)]
@@ -317,8 +386,13 @@ def quant_linear_x16_reference(
 ) -> torch.Tensor:
     """``quant_linear`` on regrouped blocks, in PyTorch: the kernel's arithmetic, block by
     block in float64 with a rounding to float32 after each step. ``x`` ``[M, K]``."""
-    blocks, t = unpack_x16(packed, ggml_type)
-    u, d, m = x16_factors(blocks, t)
+    if int(ggml_type) in (CODES_32, CODES_16):
+        codes, d, m = unpack_codes(packed, ggml_type)
+        S = codes.shape[1] // d.shape[1]
+        u = codes.float().reshape(codes.shape[0], -1, S)
+    else:
+        blocks, t = unpack_x16(packed, ggml_type)
+        u, d, m = x16_factors(blocks, t)
     N, ns, S = u.shape
     q, dx, _ = quantize_activations(x)
     M = x.shape[0]

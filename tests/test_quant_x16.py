@@ -15,9 +15,12 @@ import osd_kernels
 from osd.models.gguf import GGMLType
 from osd.models.loading import load_model
 from osd.models.quant import QuantLinear, use_int8_activations
-from osd_kernels.quant_linear import dequantize_blocks, quant_linear
+from osd_kernels.quant_linear import dequantize_blocks, dequantize_weight, quant_linear
 from osd_kernels.quant_x16 import (
+    CODES_16,
+    CODES_32,
     X16_OFFSET,
+    repack_codes,
     quant_linear_x16_reference,
     quantize_activations,
     repack_x16,
@@ -284,11 +287,59 @@ def test_k_quant_and_q5_0_models_take_int8_activations(tmp_path, t, v):
         assert [o.token_ids for o in got] == plain, spec
 
 
-def test_a_fused_projection_of_mixed_k_quants_keeps_float_activations(tmp_path):
+def _codes_case(M, kb, N, G, wide, mins, seed):
+    """Codes and factors (``ggml_type`` 0): 8-bit signed codes or 4-bit nibbles, a scale
+    (and min) per ``G`` weights; and ``x [M, 32 kb]``."""
+    gen = torch.Generator().manual_seed(seed)
+    K = 32 * kb
+    if wide:
+        q = torch.randint(-128, 128, (N, K), generator=gen, dtype=torch.int64).to(torch.int8)
+    else:
+        q = torch.randint(0, 256, (N, K // 2), generator=gen, dtype=torch.int64).to(torch.uint8)
+    scales = (torch.rand(N, K // G, generator=gen) - 0.5) * 0.02
+    m = (torch.rand(N, K // G, generator=gen) - 0.5) * 0.1 if mins else None
+    return q, scales, m, torch.randn(M, K, generator=gen)
+
+
+@native
+@pytest.mark.parametrize("path", ["default", "portable"])
+@pytest.mark.parametrize("G", [32, 16])
+def test_codes_and_factors_regroup_and_equal_the_reference(monkeypatch, path, G):
+    """The form osd holds other types in (Q5_1, Q5_K, Q2_K, Q3_K, IQ4, and fused
+    projections of mixed types) regroups too: the weights are kept exactly, and the kernel
+    equals its reference bit for bit (codes stored as code + 128, the offset taken off
+    each dot product exactly)."""
+    if path == "portable":
+        monkeypatch.setenv("OSD_NO_AVX512", "1")
+    for i, (M, kb, N) in enumerate(SHAPES):
+        q, scales, mins, x = _codes_case(M, kb, N, G, i % 2 == 0, i % 3 != 0, 30 + i)
+        packed, xt = repack_codes(q, scales, mins)
+        assert xt == (CODES_16 if G == 16 else CODES_32)
+        w = dequantize_weight(q, scales, mins)
+        assert torch.equal(dequantize_blocks(packed, xt), w)
+        bias = torch.randn(N) if i % 2 else None
+        got = torch.ops.osd.quant_linear(x, packed, torch.empty(0), None, bias, None, 1e-6, xt)
+        assert torch.equal(got, quant_linear_x16_reference(x, packed, xt, bias)), (M, kb, N)
+        exact = x @ w.T + (bias if bias is not None else 0)
+        assert float((got - exact).norm() / exact.norm()) < 0.03
+
+
+def test_a_fused_projection_of_mixed_k_quants_takes_int8_activations(tmp_path):
     """Q4_K_M files keep some ``attn_v`` in Q6_K beside Q4_K ``attn_q`` / ``attn_k``: the
-    fused projection is held as codes and factors, which have no int8 form, so the model
-    keeps float32 activations (all or nothing)."""
+    fused projection is held as codes and factors (groups of 16), which are regrouped as
+    well, so the whole model multiplies int8 activations; its greedy output with a draft
+    equals plain decoding's."""
+    if not osd_kernels.use_vnni():
+        pytest.skip("int8 activations need AVX-512 VNNI")
     path = k_quant_gguf(tmp_path / "k.gguf", T.Q4_K, T.Q6_K, seed=5, vocab=320)
     model = load_model(path, quantized="int8")
-    assert use_int8_activations(model) == 0
-    assert not any(m.ggml_type > X16_OFFSET for m in model.modules() if isinstance(m, QuantLinear))
+    kinds = {m.ggml_type for m in model.modules() if isinstance(m, QuantLinear)}
+    assert CODES_16 in kinds and all(k > X16_OFFSET for k in kinds), kinds
+    prompts = prompts_of([11, 5], vocab=VOCAB, seed=62)
+    kw = dict(max_batch_size=2, max_seq_len=48)
+    params = osd.SamplingParams(10)
+    plain = [o.token_ids for o in osd.Engine(model, **kw).generate(prompts, params)]
+    draft = load_model(tiny_hf_model("llama", seed=47, vocab=320))
+    spec = osd.SpecConfig(num_draft_tokens=3)
+    got = osd.Engine(model, draft=[draft], spec=spec, **kw).generate(prompts, params)
+    assert [o.token_ids for o in got] == plain

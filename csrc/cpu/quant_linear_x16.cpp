@@ -56,10 +56,14 @@ constexpr int64_t kGroup = 16;  // weight rows a group (one float32 lane each)
 constexpr int kPass = 10;
 constexpr int64_t kSuperBlocks = 8;  // blocks of 32 a K-quant super-block
 
-enum class Factors { kHalf, kQ4K, kQ6K };
+// kHalf: float16 d (and m) a block; kQ4K / kQ6K: the K-quants' integer scales a block
+// under float16 super-block factors; kFloat: float32 d and m a sub-block, codes stored
+// as code + 128 (codes and factors: any type osd holds so, a fused projection of mixed
+// types included).
+enum class Factors { kHalf, kQ4K, kQ6K, kFloat };
 
 struct Format {
-  int64_t base;       // the GGUF type: 2, 3, 6, 8, 12 or 14
+  int64_t base;       // the GGUF type: 2, 3, 6, 8, 12 or 14 (0: codes and factors)
   int64_t unit;       // weights a stored unit of a row (32, or 256 for the K-quants)
   int64_t bytes;      // a unit's bytes a row
   Factors factors;    // kHalf: float16 d (and m) a block; K-quants: scales per block
@@ -68,13 +72,16 @@ struct Format {
   float min_per_d;    // m = min_per_d * d (0: stored; Q4_K: -dmin * min)
   int64_t code_bytes() const { return nibbles ? 256 : 512; }
   int64_t block_bytes() const {  // a group's block of 32, factors included
-    const int64_t head = factors == Factors::kHalf ? (min_per_d != 0.0f ? 32 : 64) : 32;
+    const int64_t head = factors == Factors::kHalf    ? (min_per_d != 0.0f ? 32 : 64)
+                         : factors == Factors::kFloat ? 128 * (halves_ ? 2 : 1)
+                                                      : 32;
     return code_bytes() + 64 * hbits + head;
   }
   int64_t super_head() const {  // the 16 rows' super-block factors (float16)
     return factors == Factors::kQ4K ? 64 : factors == Factors::kQ6K ? 32 : 0;
   }
-  bool halves() const { return factors == Factors::kQ6K; }  // two sub-blocks of 16
+  bool halves_ = false;  // two sub-blocks of 16 a block (Q6_K; kFloat with groups of 16)
+  bool halves() const { return halves_; }
 };
 
 bool format_of(int64_t ggml_type, Format* f) {
@@ -84,7 +91,9 @@ bool format_of(int64_t ggml_type, Format* f) {
     case kX16Offset + 6: *f = {6, 32, 22, Factors::kHalf, true, 1, -16.0f}; return true;
     case kX16Offset + 8: *f = {8, 32, 34, Factors::kHalf, false, 0, -128.0f}; return true;
     case kX16Offset + 12: *f = {12, 256, 148, Factors::kQ4K, true, 0, 0.0f}; return true;
-    case kX16Offset + 14: *f = {14, 256, 210, Factors::kQ6K, true, 2, -32.0f}; return true;
+    case kX16Offset + 14: *f = {14, 256, 210, Factors::kQ6K, true, 2, -32.0f, true}; return true;
+    case kX16Offset + 132: *f = {0, 32, 40, Factors::kFloat, false, 0, 0.0f}; return true;
+    case kX16Offset + 116: *f = {0, 32, 48, Factors::kFloat, false, 0, 0.0f, true}; return true;
     default: return false;
   }
 }
@@ -106,7 +115,7 @@ struct Block {
 
 inline Block block_at(const Format& f, const uint8_t* w, int64_t b) {
   Block v;
-  if (f.factors == Factors::kHalf) {
+  if (f.super_head() == 0) {
     v.codes = w + b * f.block_bytes();
     v.super = nullptr;
   } else {
@@ -134,6 +143,10 @@ inline void factors_of(const Format& f, const Block& v, int64_t r, int s, float*
            static_cast<float>(static_cast<int8_t>(v.factors[16 * s + r]));
       *m = f.min_per_d * *d;
       return;
+    case Factors::kFloat:
+      std::memcpy(d, v.factors + 128 * s + 4 * r, 4);
+      std::memcpy(m, v.factors + 128 * s + 64 + 4 * r, 4);
+      return;
   }
 }
 
@@ -153,10 +166,12 @@ inline int32_t code_of(const Format& f, const Block& v, int64_t r, int64_t k) {
 }
 
 // x [M, K] (ldx apart) -> qx int8 [M, K]; dx [M, K / 32]; sx [M, K / 32] (dx times the
-// block's sum of qx) and sh [M, K / 16] (dx times each half's sum).
+// block's sum of qx), h [M, K / 16] (dx times each half's sum) and n [M, K / 16] (each
+// half's sum of qx).
 struct Quantized {
   std::vector<int8_t> q;
   std::vector<float> d, s, h;
+  std::vector<int32_t> n;
 };
 
 void quantize_portable(const float* x, int64_t ldx, int64_t M, int64_t K, Quantized& out) {
@@ -178,8 +193,16 @@ void quantize_portable(const float* x, int64_t ldx, int64_t M, int64_t K, Quanti
       out.s[m * nb + b] = d * static_cast<float>(sum[0] + sum[1]);
       out.h[2 * (m * nb + b)] = d * static_cast<float>(sum[0]);
       out.h[2 * (m * nb + b) + 1] = d * static_cast<float>(sum[1]);
+      out.n[2 * (m * nb + b)] = sum[0];
+      out.n[2 * (m * nb + b) + 1] = sum[1];
     }
   }
+}
+
+// Sub-block s's sum of qx in block at (= m * nb + b): the offset of codes held as code +
+// 128, taken off the dot product so that it is the signed codes' (exact, in int32).
+inline int32_t sub_sum(const Quantized& qx, int64_t at, int s, int subs) {
+  return subs == 2 ? qx.n[2 * at + s] : qx.n[2 * at] + qx.n[2 * at + 1];
 }
 
 void group_portable(const Format& f, const uint8_t* w, int64_t nb, const Quantized& qx,
@@ -196,6 +219,7 @@ void group_portable(const Format& f, const uint8_t* w, int64_t nb, const Quantiz
         for (int s = 0; s < subs; ++s) {
           int32_t isum = 0;
           for (int64_t k = s * width; k < (s + 1) * width; ++k) isum += code_of(f, v, r, k) * q[k];
+          if (f.factors == Factors::kFloat) isum -= 128 * sub_sum(qx, m * nb + b, s, subs);
           float d = 0.0f, mn = 0.0f;
           factors_of(f, v, r, s, &d, &mn);
           const float sx = subs == 1 ? qx.s[m * nb + b] : qx.h[2 * (m * nb + b) + s];
@@ -236,6 +260,8 @@ OSD_X16_VNNI void quantize_512(const float* x, int64_t ldx, int64_t M, int64_t K
       out.s[m * nb + b] = d * static_cast<float>(s0 + s1);
       out.h[2 * (m * nb + b)] = d * static_cast<float>(s0);
       out.h[2 * (m * nb + b) + 1] = d * static_cast<float>(s1);
+      out.n[2 * (m * nb + b)] = s0;
+      out.n[2 * (m * nb + b) + 1] = s1;
     }
   }
 }
@@ -269,6 +295,10 @@ OSD_X16_VNNI inline void factors_512(const Format& f, const Block& v, int s, __m
       *d = _mm512_mul_ps(halves(v.super),
                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(v.factors + 16 * s))));
       *m = _mm512_mul_ps(_mm512_set1_ps(f.min_per_d), *d);
+      return;
+    case Factors::kFloat:
+      *d = _mm512_loadu_ps(reinterpret_cast<const float*>(v.factors + 128 * s));
+      *m = _mm512_loadu_ps(reinterpret_cast<const float*>(v.factors + 128 * s + 64));
       return;
   }
 }
@@ -360,7 +390,11 @@ OSD_X16_VNNI void group_512(const Format& f, const uint8_t* w, int64_t nb, const
         const int64_t at = (m0 + m) * ns + b;
         const __m512 dx = _mm512_set1_ps(qx.d[at]);
         for (int h = 0; h < 2; ++h) {
-          const __m512 fs = _mm512_cvtepi32_ps(s[m][h]);
+          const __m512i si =
+              f.factors == Factors::kFloat
+                  ? _mm512_sub_epi32(s[m][h], _mm512_set1_epi32(128 * qx.n[2 * at + h]))
+                  : s[m][h];
+          const __m512 fs = _mm512_cvtepi32_ps(si);
           acc[m] = _mm512_fmadd_ps(fs, _mm512_mul_ps(d[h], dx), acc[m]);
           acc[m] = _mm512_fmadd_ps(mn[h], _mm512_set1_ps(qx.h[2 * at + h]), acc[m]);
         }
@@ -369,10 +403,12 @@ OSD_X16_VNNI void group_512(const Format& f, const uint8_t* w, int64_t nb, const
       __m512 d, mn;
       factors_512(f, v, 0, &d, &mn);
       for (int m = 0; m < MP; ++m) {
-        const __m512i si =
-            kChains == 1 ? s[m][0] : _mm512_add_epi32(s[m][0], s[m][kChains - 1]);
-        const __m512 fs = _mm512_cvtepi32_ps(si);
         const int64_t at = (m0 + m) * ns + b;
+        __m512i si = kChains == 1 ? s[m][0] : _mm512_add_epi32(s[m][0], s[m][kChains - 1]);
+        if (f.factors == Factors::kFloat) {
+          si = _mm512_sub_epi32(si, _mm512_set1_epi32(128 * (qx.n[2 * at] + qx.n[2 * at + 1])));
+        }
+        const __m512 fs = _mm512_cvtepi32_ps(si);
         acc[m] = _mm512_fmadd_ps(fs, _mm512_mul_ps(d, _mm512_set1_ps(qx.d[at])), acc[m]);
         acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(qx.s[at]), acc[m]);
       }
@@ -405,7 +441,8 @@ at::Tensor quant_linear_x16_cpu(const at::Tensor& x, const at::Tensor& qweight, 
   Format f;
   OSD_CHECK(format_of(ggml_type, &f),
             "quant_linear reads 16-row interleaved blocks of types 1002 (Q4_0), 1003 (Q4_1), "
-            "1006 (Q5_0), 1008 (Q8_0), 1012 (Q4_K) and 1014 (Q6_K), got ggml_type ",
+            "1006 (Q5_0), 1008 (Q8_0), 1012 (Q4_K), 1014 (Q6_K), and codes with float32 "
+            "factors 1132 / 1116 (groups of 32 / 16), got ggml_type ",
             ggml_type);
   const int64_t K = x.size(1);
   OSD_CHECK(K % f.unit == 0, "ggml_type ", ggml_type, " holds rows of whole blocks of ", f.unit,
@@ -431,6 +468,7 @@ at::Tensor quant_linear_x16_cpu(const at::Tensor& x, const at::Tensor& qweight, 
   qx.d.resize(static_cast<size_t>(M * nb));
   qx.s.resize(static_cast<size_t>(M * nb));
   qx.h.resize(static_cast<size_t>(2 * M * nb));
+  qx.n.resize(static_cast<size_t>(2 * M * nb));
   const bool vnni = use_vnni();
 #if defined(__x86_64__)
   if (vnni) {

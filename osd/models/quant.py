@@ -52,7 +52,17 @@ from osd_kernels.quant_linear import (
     dequantize_weight,
     quant_linear,
 )
-from osd_kernels.quant_x16 import X16_TYPES, repack_x16, unpack_x16, x16_block, x16_supported
+from osd_kernels.quant_x16 import (
+    CODES_16,
+    CODES_32,
+    X16_TYPES,
+    repack_codes,
+    repack_x16,
+    unpack_codes,
+    unpack_x16,
+    x16_block,
+    x16_supported,
+)
 
 # Block types a float layer can be quantized to (ggml's reference rounding), by name.
 FORMATS = ("Q4_0", "Q4_1", "Q8_0")
@@ -150,6 +160,11 @@ class QuantLinear(nn.Module):
         def pick(t):
             return None if t is None else t.index_select(0, ids.to(t.device))
 
+        if self.ggml_type in (CODES_32, CODES_16):  # codes and factors, regrouped again
+            codes, scales, mins = unpack_codes(self.qweight, self.ggml_type)
+            layer = QuantLinear(codes, scales, mins, self.bias, self.fmt).select_rows(ids)
+            layer.use_int8_activations()
+            return layer
         if self.ggml_type in X16_TYPES:  # rows of the file's blocks, regrouped again
             blocks, t = unpack_x16(self.qweight, self.ggml_type)
             layer = QuantLinear(blocks, self.scales, None, self.bias, self.fmt, t)
@@ -166,12 +181,18 @@ class QuantLinear(nn.Module):
         )
 
     def use_int8_activations(self) -> bool:
-        """Regroup Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K blocks for int8 activations
-        (:mod:`osd_kernels.quant_x16`) in place; False (unchanged) for other layers, a
-        number of rows not a multiple of 16, or a layer off the CPU."""
+        """Regroup Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K blocks, or codes and factors,
+        for int8 activations (:mod:`osd_kernels.quant_x16`) in place; False (unchanged)
+        for a number of rows not a multiple of 16, other block types or a layer off the
+        CPU."""
         on_cpu = self.qweight.device.type == "cpu"
         if not on_cpu or not x16_supported(self.ggml_type, self.out_features):
             return False
+        if self.ggml_type == 0:
+            self.qweight, self.ggml_type = repack_codes(self.qweight, self.scales, self.mins)
+            self.scales = self.scales.new_empty((self.out_features, 0))
+            self.mins = None
+            return True
         self.qweight, self.ggml_type = repack_x16(self.qweight, self.ggml_type)
         return True
 
