@@ -23,7 +23,9 @@ import torch
 
 from osd.models.gguf import GGMLType
 from osd.models.quant import QuantLinear
+import osd_kernels
 from osd_kernels import decode_linear, dequantize_weight, quant_linear
+from osd_kernels.quant_x16 import X16_OFFSET, repack_x16
 from tests.test_quant_linear_blocks import _blocks
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
@@ -162,28 +164,39 @@ def test_quant_linear_blocks(benchmark, shape, rows):
 
 # One decode step's projections of the chat target's 30 layers (qkv, wo, gate-up, down:
 # N, K), all in one block format: GB/s of weights read per format shows whether a format's
-# kernel streams at the memory's speed or is bound by decoding its codes.
+# kernel streams at the memory's speed or is bound by decoding its codes. The K-quants'
+# rows hold whole super-blocks of 256: their 576-wide inputs are 512 wide.
 STEP_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
 
 
+@pytest.mark.parametrize("act", ["float32", "int8"])
 @pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q5_0", "Q8_0"])
-def test_step_gemvs_per_format(benchmark, fmt, rows):
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_step_gemvs_per_format(benchmark, fmt, rows, act):
     """The 120 projections of a decode step (``rows`` 1) or a verify of k = 4 (5), each
-    weight read from memory once (66-113 MB, past the caches), on the file's blocks."""
+    weight read from memory once (66-113 MB, past the caches), on the file's blocks with
+    float32 activations, or regrouped for int8 ones (``osd_kernels.quant_x16``)."""
     t = GGMLType[fmt]
-    weights = [_blocks(t, n, k, seed=i, scale=0.05) for i, (n, k) in enumerate(STEP_SHAPES)]
-    xs = {k: torch.randn(rows, k) for k in (576, 1536)}
+    if act == "int8" and not osd_kernels.use_vnni():
+        pytest.skip("int8 activations need AVX-512 VNNI")
+    shapes = [(n, 512 if k == 576 and fmt.endswith("_K") else k) for n, k in STEP_SHAPES]
+    weights = [_blocks(t, n, k, seed=i, scale=0.05) for i, (n, k) in enumerate(shapes)]
+    kind = int(t)
+    if act == "int8":
+        weights = [repack_x16(w, int(t))[0] for w in weights]
+        kind += X16_OFFSET
+    xs = {k: torch.randn(rows, k) for k in {k for _, k in shapes}}
     empty = torch.empty(0)
 
     def step():
-        for w, (_, k) in zip(weights, STEP_SHAPES):
-            quant_linear(xs[k], w, empty, ggml_type=int(t))
+        for w, (_, k) in zip(weights, shapes):
+            quant_linear(xs[k], w, empty, ggml_type=kind)
 
     benchmark.pedantic(step, rounds=5, iterations=1, warmup_rounds=1)
     total = sum(w.numel() for w in weights)
     benchmark.extra_info.update(
         format=fmt,
+        activations=act,
         M=rows,
         threads=torch.get_num_threads(),
         megabytes=round(total / 1e6, 1),

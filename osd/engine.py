@@ -254,13 +254,13 @@ class Engine(Scheduler, ModelRunner):
         ``osd.models.attention``. ``cuda_graphs``, ``prefill_chunk``, ``prefix_cache``: see
         :class:`Engine`.
 
-        ``quantized``: a GGUF target keeps its Q4_0 / Q4_1 / Q8_0 weights quantized in
+        ``quantized``: a GGUF target keeps its block-quantized weights quantized in
         memory and the CPU kernels compute with them (``osd.models.quant``): decode and
         verify logits equal the dequantized target's bit for bit, prefill to float
         rounding, with fewer bytes read per token (drafts load as usual). CPU, float32
-        and a GGUF target only (ValueError otherwise). ``"int8"``: the same weights, with
-        the Q4_0 / Q4_1 / Q8_0 layers multiplied by int8 activations where the CPU has
-        AVX-512 VNNI (``osd_kernels.quant_x16``, as llama.cpp computes): not the
+        and a GGUF target only (ValueError otherwise). ``"int8"``: the same weights,
+        multiplied by int8 activations where the CPU has AVX-512 VNNI
+        (``osd_kernels.quant_x16``, as llama.cpp computes): not the
         dequantized target's float32 logits (the activations' 8-bit rounding; greedy
         tokens can part from it at near ties), but a plain step about 1.2x and a verify
         forward of 5 tokens about 1.7x faster, and speculative output still equals plain

@@ -54,6 +54,8 @@ constexpr int64_t kGroup = 16;  // weight rows a group (one float32 lane each)
 // rows of x a pass over a group's blocks, at most: a pass holds 8 code registers, two per
 // row (its dot product and its running sum) and the factors
 constexpr int kPass = 10;
+// the same with two sub-blocks a block (two dot products a row): fewer rows, no spills
+constexpr int kPassHalves = 6;
 constexpr int64_t kSuperBlocks = 8;  // blocks of 32 a K-quant super-block
 
 // kHalf: float16 d (and m) a block; kQ4K / kQ6K: the K-quants' integer scales a block
@@ -482,7 +484,8 @@ at::Tensor quant_linear_x16_cpu(const at::Tensor& x, const at::Tensor& qweight, 
   float* yp = y.data_ptr<float>();
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   const int64_t groups = N / kGroup;
-  const int64_t passes = (M + kPass - 1) / kPass, per_pass = (M + passes - 1) / passes;
+  const int64_t most = f.halves() ? kPassHalves : kPass;
+  const int64_t passes = (M + most - 1) / most, per_pass = (M + passes - 1) / passes;
   at::parallel_for(0, groups, 4, [&](int64_t g_begin, int64_t g_end) {
     for (int64_t g = g_begin; g < g_end; ++g) {
       const uint8_t* gw = w + g * kGroup * qweight.size(1);
@@ -493,13 +496,15 @@ at::Tensor quant_linear_x16_cpu(const at::Tensor& x, const at::Tensor& qweight, 
         float* yg = yp + m0 * N + g * kGroup;
 #if defined(__x86_64__)
         if (vnni) {
-          with_rows<kPass>(rows, [&](auto mr) {
-            if (f.halves()) {
+          if (f.halves()) {
+            with_rows<kPassHalves>(rows, [&](auto mr) {
               group_512<decltype(mr)::value, true>(f, gw, nb, qx, K, m0, yg, N, gbias);
-            } else {
+            });
+          } else {
+            with_rows<kPass>(rows, [&](auto mr) {
               group_512<decltype(mr)::value, false>(f, gw, nb, qx, K, m0, yg, N, gbias);
-            }
-          });
+            });
+          }
           continue;
         }
 #endif

@@ -30,13 +30,14 @@ def load_gguf_model(
     """A :class:`~osd.models.llama.DecoderLM` with the weights of GGUF file ``path``,
     dequantized to ``dtype`` on ``device``.
 
-    ``quantized``: keep the file's Q4_0 / Q4_1 / Q8_0 linear weights (and output head) as
-    they are stored and compute with them (:mod:`osd.models.quant`; CPU and float32 only):
-    the same outputs as the dequantized model, with 4-bit weights read at 0.75 bytes each
-    instead of 4. The embedding stays float for lookups; other types stay float.
-    ``quantized="int8"``: the same, with the Q4_0 / Q4_1 / Q8_0 layers multiplied with int8
-    activations where the CPU has AVX-512 VNNI (:func:`~osd.models.quant.use_int8_activations`:
-    not the dequantized model's float32 product; few-row forwards much cheaper)."""
+    ``quantized``: keep the file's block-quantized linear weights (and output head) as
+    they are stored, or as codes and factors, and compute with them
+    (:mod:`osd.models.quant`; CPU and float32 only): the same outputs as the dequantized
+    model, with 4-bit weights read at 0.75 bytes each instead of 4. The embedding stays
+    float for lookups; float tensors stay float. ``quantized="int8"``: the same, every
+    layer multiplied with int8 activations where the CPU has AVX-512 VNNI
+    (:func:`~osd.models.quant.use_int8_activations`: not the dequantized model's float32
+    product; few-row forwards much cheaper)."""
     if quantized not in (False, True, "int8"):
         raise ValueError(f"quantized must be False, True or 'int8', got {quantized!r}")
     if quantized and (torch.device(device).type != "cpu" or dtype != torch.float32):
