@@ -98,7 +98,9 @@ class DraftLengthController:
     spacing: where one arm clearly wins (plain decoding against a useless draft) the
     slower arms cost little. When the best arm's own goodput falls more than ``margin``
     below another arm's (the text or the machine's load changed since that one was
-    measured), that arm is probed before anything moves. The first step of a probe is not
+    measured), that arm is probed afresh before anything moves (its old window would
+    otherwise keep drawing probes while the text it was measured on is gone). The first
+    step of a probe is not
     measured: a step of another arm than the step before pays for the switch (a draft
     model fed the tokens it did not draft), which the arm in steady use does not; nor is
     an arm's first step in a bucket, which pays one-time costs (CUDA graph capture,
@@ -139,12 +141,12 @@ class DraftLengthController:
     def bucket(B: int) -> int:
         return 1 << (B - 1).bit_length()
 
-    def _start_probe(self, b: int, k: int, step: int) -> int:
+    def _start_probe(self, b: int, k: int, step: int, afresh: bool = False) -> int:
         self._explored[b] = step
         self._run[b] = (k, self.probe_steps - 1)
         # an arm measured within the last few windows' steps adds to its window; one
-        # measured longer ago starts it afresh
-        if step - self._when.get(b, {}).get(k, -step) > 4 * self.window:
+        # measured longer ago (or whose old window is in question) starts it afresh
+        if afresh or step - self._when.get(b, {}).get(k, -step) > 4 * self.window:
             self._fresh[b] = k
         else:
             self._fresh.pop(b, None)
@@ -166,8 +168,9 @@ class DraftLengthController:
             top = max(good, key=good.get)
             if good[top] > (1 + self.margin) * good[best]:
                 # the best arm's goodput fell below another's measured earlier (the text
-                # or the machine's load changed): measure that one again before moving
-                k = self._start_probe(b, top, step)
+                # or the machine's load changed): measure that one again, afresh (its
+                # window is from other text), before moving
+                k = self._start_probe(b, top, step, afresh=True)
             elif step - self._explored[b] >= self._spacing.setdefault(b, self.explore_every):
                 when, i = self._when[b], self.arms.index(best)
                 k = min(
