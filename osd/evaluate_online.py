@@ -56,7 +56,9 @@ def online_stream(
     encode=None,
     progress: bool = True,
 ) -> dict:
-    """Serve ``conversations`` with the online and the static draft side by side; returns
+    """Serve ``conversations`` with the online and the static draft side by side (each
+    request by the online engine, then by the static one while the learner holds, so that
+    the learner's work counts against the online engine's time alone); returns
     ``{"online": [...], "static": [...]}`` per-request records and ``summary`` (the last
     quarter, and the first for reference). ``encode``: conversations -> token ids
     (default: the target tokenizer's chat template)."""
@@ -73,7 +75,12 @@ def online_stream(
     try:
         for i, ids in enumerate(prompts):
             out_on, rec_on = _serve(learning, ids, params)
-            out_st, rec_st = _serve(static, ids, params)
+            # the learner holds (its current step finished) while the static engine
+            # serves: its work lands on the online engine's time, as when it serves alone
+            with learning.learning_paused():
+                if learning.online is not None:
+                    learning.online.wait()
+                out_st, rec_st = _serve(static, ids, params)
             if out_on != out_st:
                 raise AssertionError(
                     f"request {i}: the online engine's output differs from "

@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 
 from osd import cli, zoo  # noqa: E402
 from osd.server import Limits  # noqa: E402
-from osd.server.run import limits_from_args, stream_interval_s  # noqa: E402
+from osd.server.run import limits_from_args, stream_interval_s, torch_threads  # noqa: E402
 from tests.server_harness import PROMPTS, free_socket  # noqa: E402
 
 
@@ -137,3 +137,16 @@ def test_cli_serve_stream_interval():
     assert stream_interval_s(parse(["serve", "--stream-interval", "5"])) == pytest.approx(0.005)
     with pytest.raises(ValueError, match="--stream-interval"):
         stream_interval_s(parse(["serve", "--stream-interval", "-1"]))
+
+
+def test_cli_serve_threads_beside_a_learner():
+    """``--online`` on the CPU serves on half the cores: torch's thread count is the
+    process's, and the learner trains on as many threads as serving."""
+    parse = cli.build_parser().parse_args
+    assert torch_threads(parse(["serve"]), online=False) is None  # torch's default
+    assert torch_threads(parse(["serve", "--online"]), online=True, cores=2) == 1
+    assert torch_threads(parse(["serve", "--online"]), online=True, cores=16) == 8
+    assert torch_threads(parse(["serve", "--online"]), online=True, cores=1) == 1
+    assert torch_threads(parse(["serve", "--online", "--threads", "2"]), online=True) == 2
+    cuda = parse(["serve", "--online", "--device", "cuda"])
+    assert torch_threads(cuda, online=True, cores=16) is None

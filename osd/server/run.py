@@ -74,8 +74,9 @@ def serve(args) -> int:
     limits = limits_from_args(args)
     stream_interval = stream_interval_s(args)
     online = osd.OnlineConfig() if args.online else None
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = torch_threads(args, online is not None)
+    if threads:
+        torch.set_num_threads(threads)
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted connections only when
     # the listening socket's protocol is TCP; without it a stream's first event waits for
     # the client's delayed ACK on a kept-alive connection.
@@ -137,6 +138,20 @@ def serve(args) -> int:
         ae.close()
         sock.close()
     return 0
+
+
+def torch_threads(args, online: bool, cores: int | None = None) -> int | None:
+    """torch's intra-op threads for ``osd serve``: ``--threads`` when given; with
+    ``--online`` on the CPU, half the cores (at least 1), since torch's thread count is
+    the process's and the learner's training runs on as many threads as serving: at all
+    the cores each, the two contend for every core (``bench/bench_online_threads.py``:
+    serving 0.72x on 2 threads of 2 cores with the learner training, against 0.99x on 1);
+    otherwise None (torch's default, every core)."""
+    if args.threads:
+        return args.threads
+    if online and str(getattr(args, "device", "cpu")).startswith("cpu"):
+        return max(1, (cores or os.cpu_count() or 2) // 2)
+    return None
 
 
 def stream_interval_s(args) -> float:
