@@ -440,3 +440,18 @@ def test_autocast_steps_learn_with_fp32_weights(pair):
     a0 = heldout_alpha(start, holdout, 512, "cpu")
     a1 = heldout_alpha(learner.serving, holdout, 512, "cpu")
     assert a1 > a0 + 0.01, (a0, a1)
+
+
+def test_a_cpu_learner_beside_serving_on_every_core_warns_once(monkeypatch, caplog):
+    """torch's thread count is the process's: a background learner on the CPU trains on
+    serving's threads, so more than half the cores each makes them contend; that is
+    logged once per process, naming the remedy."""
+    from osd.online import learner
+
+    monkeypatch.setattr(learner, "_warned_cores", False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    with caplog.at_level("WARNING", logger="osd.online"):
+        assert not learner.warn_if_cores_shared(cores=4)  # 2 + 2 threads on 4 cores
+        assert learner.warn_if_cores_shared(cores=2)
+        assert not learner.warn_if_cores_shared(cores=2)  # once
+    assert "torch.set_num_threads(1)" in caplog.text

@@ -38,6 +38,7 @@ import contextlib
 import copy
 import logging
 import math
+import os
 import time
 
 import torch
@@ -54,6 +55,31 @@ from osd.online.memory import pin_mmap_threshold, release_free_memory
 from osd.online.update_thread import UpdateThread
 
 logger = logging.getLogger("osd.online")
+_warned_cores = False
+
+
+def warn_if_cores_shared(cores: int | None = None) -> bool:
+    """Log once per process when a background learner on the CPU will contend with serving
+    for the cores: torch's thread count is the process's, so the learner trains on as many
+    threads as serving, and twice that past the cores slows serving (28% on 2 threads of 2
+    cores, ``bench/bench_online_threads.py``). Returns whether it warned."""
+    global _warned_cores
+    cores = cores or os.cpu_count() or 1
+    threads = torch.get_num_threads()
+    if _warned_cores or 2 * threads <= cores or cores < 2:
+        return False
+    _warned_cores = True
+    logger.warning(
+        "osd: a background online learner trains on torch's %d threads beside serving's "
+        "%d on %d cores; they contend for the cores (serving slowed 28%% in "
+        "bench/bench_online_threads.py on 2 of 2 cores). torch.set_num_threads(%d) leaves "
+        "each half (osd serve --online does so by default).",
+        threads,
+        threads,
+        cores,
+        max(1, cores // 2),
+    )
+    return True
 
 
 class GraphCaptureError(RuntimeError):
@@ -177,6 +203,8 @@ class OnlineLearner(UpdateThread):
         if config.checkpoint_dir:
             self._resume(config.checkpoint_dir)
         if config.background:
+            if not use_cuda:
+                warn_if_cores_shared()
             self._start_thread(f"osd-learner-{name}")
 
     # -- serving side ---------------------------------------------------------------
