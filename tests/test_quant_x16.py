@@ -324,6 +324,21 @@ def test_codes_and_factors_regroup_and_equal_the_reference(monkeypatch, path, G)
         assert float((got - exact).norm() / exact.norm()) < 0.03
 
 
+def test_codes_layer_regroups_and_selects_rows():
+    """A layer of codes and factors regroups in place (the same weights) and selects output
+    rows (a restricted head) regrouped again, or as codes when they are not 16 a group."""
+    q, scales, mins, _ = _codes_case(3, 4, 48, 16, True, True, 5)
+    layer = QuantLinear(q, scales, mins, None, "Q6_K")
+    w = layer.dequantize()
+    assert layer.use_int8_activations() and layer.ggml_type == CODES_16
+    assert torch.equal(layer.dequantize(), w) and layer.in_features == 128
+    rows = torch.arange(0, 48, 3)
+    picked = layer.select_rows(rows)
+    assert picked.ggml_type == CODES_16 and torch.equal(picked.dequantize(), w[rows])
+    odd = layer.select_rows(rows[:5])
+    assert odd.ggml_type == 0 and torch.equal(odd.dequantize(), w[rows[:5]])
+
+
 def test_a_fused_projection_of_mixed_k_quants_takes_int8_activations(tmp_path):
     """Q4_K_M files keep some ``attn_v`` in Q6_K beside Q4_K ``attn_q`` / ``attn_k``: the
     fused projection is held as codes and factors (groups of 16), which are regrouped as
