@@ -8,6 +8,7 @@ import torch
 
 import osd
 from osd.online import config as online_config
+from osd.online import learner as online_learner
 from osd.online.buffer import Example, ReplayBuffer
 from osd.online.distill import heldout_alpha
 from osd.online.router import Router, RouterConfig
@@ -446,12 +447,10 @@ def test_a_cpu_learner_beside_serving_on_every_core_warns_once(monkeypatch, capl
     """torch's thread count is the process's: a background learner on the CPU trains on
     serving's threads, so more than half the cores each makes them contend; that is
     logged once per process, naming the remedy."""
-    from osd.online import learner
-
-    monkeypatch.setattr(learner, "_warned_cores", False)
+    monkeypatch.setattr(online_learner, "_warned_cores", False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     with caplog.at_level("WARNING", logger="osd.online"):
-        assert not learner.warn_if_cores_shared(cores=4)  # 2 + 2 threads on 4 cores
-        assert learner.warn_if_cores_shared(cores=2)
-        assert not learner.warn_if_cores_shared(cores=2)  # once
+        assert not online_learner.warn_if_cores_shared(cores=4)  # 2 + 2 threads on 4 cores
+        assert online_learner.warn_if_cores_shared(cores=2)
+        assert not online_learner.warn_if_cores_shared(cores=2)  # once
     assert "torch.set_num_threads(1)" in caplog.text
