@@ -9,7 +9,8 @@ import torch
 import osd
 from osd.online import config as online_config
 from osd.online import learner as online_learner
-from osd.online.buffer import Example, ReplayBuffer
+from osd.online.buffer import Example, ReplayBuffer, compress_target
+from osd.online.collect import compress_rows
 from osd.online.distill import heldout_alpha
 from osd.online.router import Router, RouterConfig
 from tests.test_models import tiny_hf_model
@@ -454,3 +455,12 @@ def test_a_cpu_learner_beside_serving_on_every_core_warns_once(monkeypatch, capl
         assert online_learner.warn_if_cores_shared(cores=2)
         assert not online_learner.warn_if_cores_shared(cores=2)  # once
     assert "torch.set_num_threads(1)" in caplog.text
+
+
+def test_teacher_rows_compressed_one_at_a_time_equal_the_batch():
+    logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(3)) * 4
+    ids, probs, full = compress_rows(logits, 32)
+    want = compress_target(logits, 32)
+    assert full is None and torch.equal(ids, want[0]) and torch.equal(probs, want[1])
+    empty = compress_rows(logits[:0], 32)
+    assert empty[0].shape == (0, 32) and empty[1].shape == (0, 32)

@@ -22,8 +22,9 @@ import torch
 from osd.online.buffer import compress_target
 
 # One thread, shared by every collector, compresses CPU teacher rows (a softmax and a
-# top-k over the vocabulary: about 50 us a row at V = 49,152) off the serving thread; the
-# torch ops release the GIL, so on a CPU it runs beside serving, on the learner's core.
+# top-k over the vocabulary: about 50 us a row at V = 49,152) off the serving thread, a
+# row at a time (compress_rows); the torch ops release the GIL, so on a CPU it runs beside
+# serving, on the learner's core.
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
@@ -34,6 +35,16 @@ def _pool() -> ThreadPoolExecutor:
         if _POOL is None:
             _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="osd-teacher")
         return _POOL
+
+
+def compress_rows(logits: torch.Tensor, topk: int):
+    """:func:`~osd.online.buffer.compress_target` of CPU ``logits [m, V]`` one row at a time
+    (the same values): an op over one row runs on the calling thread, where one over
+    several would start an OpenMP team of torch's threads beside serving's."""
+    rows = [compress_target(row[None], topk) for row in logits]
+    if not rows:
+        return compress_target(logits, topk)
+    return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]), None
 
 
 def teacher_rows(teacher: list) -> list[tuple]:
@@ -139,7 +150,7 @@ class TeacherCollector:
             return
         logits = torch.cat(rows)  # a copy: the verify logits' buffer is not ours to keep
         if logits.device.type == "cpu" and self.topk is not None:
-            job = _pool().submit(compress_target, logits, self.topk)
+            job = _pool().submit(compress_rows, logits, self.topk)
             start = 0
             for r, pos in where:
                 m = pos.numel()

@@ -61,8 +61,8 @@ _warned_cores = False
 def warn_if_cores_shared(cores: int | None = None) -> bool:
     """Log once per process when a background learner on the CPU will contend with serving
     for the cores: torch's thread count is the process's, so the learner trains on as many
-    threads as serving, and twice that past the cores slows serving (28% on 2 threads of 2
-    cores, ``bench/bench_online_threads.py``). Returns whether it warned."""
+    threads as serving, and twice that past the cores slows serving
+    (``bench/bench_online_threads.py``). Returns whether it warned."""
     global _warned_cores
     cores = cores or os.cpu_count() or 1
     threads = torch.get_num_threads()
@@ -71,9 +71,9 @@ def warn_if_cores_shared(cores: int | None = None) -> bool:
     _warned_cores = True
     logger.warning(
         "osd: a background online learner trains on torch's %d threads beside serving's "
-        "%d on %d cores; they contend for the cores (serving slowed 28%% in "
-        "bench/bench_online_threads.py on 2 of 2 cores). torch.set_num_threads(%d) leaves "
-        "each half (osd serve --online does so by default).",
+        "%d on %d cores; they contend for the cores and serving slows "
+        "(bench/bench_online_threads.py). torch.set_num_threads(%d) leaves each half "
+        "(osd serve --online does so by default).",
         threads,
         threads,
         cores,

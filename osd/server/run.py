@@ -144,9 +144,8 @@ def torch_threads(args, online: bool, cores: int | None = None) -> int | None:
     """torch's intra-op threads for ``osd serve``: ``--threads`` when given; with
     ``--online`` on the CPU, half the cores (at least 1), since torch's thread count is
     the process's and the learner's training runs on as many threads as serving: at all
-    the cores each, the two contend for every core (``bench/bench_online_threads.py``:
-    serving 0.72x on 2 threads of 2 cores with the learner training, against 0.99x on 1);
-    otherwise None (torch's default, every core)."""
+    the cores each, the two contend for every core (``bench/bench_online_threads.py``,
+    docs/online.md); otherwise None (torch's default, every core)."""
     if args.threads:
         return args.threads
     if online and str(getattr(args, "device", "cpu")).startswith("cpu"):
