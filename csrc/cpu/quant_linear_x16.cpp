@@ -305,16 +305,13 @@ OSD_X16_VNNI inline void factors_512(const Format& f, const Block& v, int s, __m
   }
 }
 
-// Bits [from, from + n) of every byte of v, moved to bits 4.. (n = 1 or 2).
-template <int From, int N>
-OSD_X16_VNNI inline __m512i high_at_4(__m512i v) {
-  const __m512i mask = _mm512_set1_epi8(static_cast<char>(((1 << N) - 1) << 4));
+// Bits [from, from + n) of every byte of v, moved to bits 4.. (n = 1 or 2; the callers'
+// loops are unrolled, so the shifts are immediates).
+OSD_X16_VNNI inline __m512i high_at_4(__m512i v, int from, int n) {
+  const __m512i mask = _mm512_set1_epi8(static_cast<char>(((1 << n) - 1) << 4));
   // 16-bit shifts: the bits a byte takes from its neighbour fall outside the mask
-  if constexpr (From <= 4) {
-    return _mm512_and_si512(_mm512_slli_epi16(v, 4 - From), mask);
-  } else {
-    return _mm512_and_si512(_mm512_srli_epi16(v, From - 4), mask);
-  }
+  return from <= 4 ? _mm512_and_si512(_mm512_slli_epi16(v, 4 - from), mask)
+                   : _mm512_and_si512(_mm512_srli_epi16(v, from - 4), mask);
 }
 
 // Codes of block v: register j lane r holds row r's codes 4j..4j+3.
@@ -329,26 +326,12 @@ OSD_X16_VNNI inline void codes_512(const Format& f, const Block& v, __m512i* c) 
     c[j] = _mm512_and_si512(x, low);
     c[j + 4] = _mm512_and_si512(_mm512_srli_epi16(x, 4), low);
   }
-  if (f.hbits == 1) {
+  if (f.hbits == 1) {  // bit j of each byte: code 4j + i's fifth bit
     const __m512i h = _mm512_loadu_si512(v.high);
-    c[0] = _mm512_or_si512(c[0], high_at_4<0, 1>(h));
-    c[1] = _mm512_or_si512(c[1], high_at_4<1, 1>(h));
-    c[2] = _mm512_or_si512(c[2], high_at_4<2, 1>(h));
-    c[3] = _mm512_or_si512(c[3], high_at_4<3, 1>(h));
-    c[4] = _mm512_or_si512(c[4], high_at_4<4, 1>(h));
-    c[5] = _mm512_or_si512(c[5], high_at_4<5, 1>(h));
-    c[6] = _mm512_or_si512(c[6], high_at_4<6, 1>(h));
-    c[7] = _mm512_or_si512(c[7], high_at_4<7, 1>(h));
-  } else if (f.hbits == 2) {
-    const __m512i h0 = _mm512_loadu_si512(v.high), h1 = _mm512_loadu_si512(v.high + 64);
-    c[0] = _mm512_or_si512(c[0], high_at_4<0, 2>(h0));
-    c[1] = _mm512_or_si512(c[1], high_at_4<2, 2>(h0));
-    c[2] = _mm512_or_si512(c[2], high_at_4<4, 2>(h0));
-    c[3] = _mm512_or_si512(c[3], high_at_4<6, 2>(h0));
-    c[4] = _mm512_or_si512(c[4], high_at_4<0, 2>(h1));
-    c[5] = _mm512_or_si512(c[5], high_at_4<2, 2>(h1));
-    c[6] = _mm512_or_si512(c[6], high_at_4<4, 2>(h1));
-    c[7] = _mm512_or_si512(c[7], high_at_4<6, 2>(h1));
+    for (int j = 0; j < 8; ++j) c[j] = _mm512_or_si512(c[j], high_at_4(h, j, 1));
+  } else if (f.hbits == 2) {  // chunk j / 4, bits 2 (j % 4): code 4j + i's top two bits
+    const __m512i h[2] = {_mm512_loadu_si512(v.high), _mm512_loadu_si512(v.high + 64)};
+    for (int j = 0; j < 8; ++j) c[j] = _mm512_or_si512(c[j], high_at_4(h[j / 4], 2 * (j % 4), 2));
   }
 }
 
