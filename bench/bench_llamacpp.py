@@ -44,8 +44,10 @@ The llama.cpp binaries come from ``scripts/build_llamacpp.sh`` (``make llamacpp`
 unless ``OSD_BUILD_LLAMACPP=1`` builds them here. ``OSD_BENCH_LLAMACPP_PROMPTS`` (prompts
 per workload, default 4), ``_TOKENS`` (128), ``_THREADS`` (2), ``_ROUNDS`` (2),
 ``_MODES`` (comma-separated keys of ``bench.llamacpp.MODES``), ``_WORKLOADS``
-(comma-separated names) and ``OSD_BENCH_CHAT_TARGET`` (another GGUF of the same model)
-change the run.
+(comma-separated names), ``OSD_BENCH_CHAT_TARGET`` (another GGUF; ``gemma``: Gemma 3 270M,
+``osd.zoo.gemma``, asked in question-and-answer transcripts) and ``OSD_BENCH_CHAT_DRAFT``
+(its draft directory; ``none``: osd's speculative row is prompt lookup alone over the
+request and earlier answers) change the run.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider bench/bench_llamacpp.py \\
         --benchmark-json=results/bench_llamacpp.json
@@ -61,14 +63,16 @@ import torch
 
 import osd
 from bench import llamacpp
+from bench.common import bench_draft, bench_target
 from osd import zoo
-from osd.chat_template import apply_chat_template
+from osd.chat_template import encode_chat
 from osd.models.gguf.export import write_draft_gguf
 from osd.zoo.workloads import evaluation_set
 
 NEW_TOKENS = int(os.environ.get("OSD_BENCH_LLAMACPP_TOKENS", "128"))
 NUM_PROMPTS = int(os.environ.get("OSD_BENCH_LLAMACPP_PROMPTS", "4"))
 THREADS = int(os.environ.get("OSD_BENCH_LLAMACPP_THREADS", "2"))
+NO_DRAFT_SPEC = osd.SpecConfig(drafter="ngram", num_draft_tokens=6, lookup_history=65536)
 ROUNDS = int(os.environ.get("OSD_BENCH_LLAMACPP_ROUNDS", "2"))
 LLAMACPP_MODES = [
     m
@@ -89,9 +93,9 @@ def _llama_providers(state) -> list[str]:
     )
 
 
-def _llama_draft(target: str, draft: str, tmp: str) -> str | None:
+def _llama_draft(target: str, draft: str | None, tmp: str) -> str | None:
     """The GGUF file of the draft-model mode (see the module docstring), or None."""
-    if LLAMACPP_DRAFT.lower() in ("", "none", "0"):
+    if LLAMACPP_DRAFT.lower() in ("", "none", "0") or draft is None:
         return None
     if LLAMACPP_DRAFT != "chat":
         return LLAMACPP_DRAFT
@@ -118,9 +122,9 @@ def setup(tmp_path_factory):
         target, draft = zoo.chat_pair()
     except Exception as exc:  # pragma: no cover - offline machines
         pytest.skip(f"the chat target is not available: {exc}")
-    target = os.environ.get("OSD_BENCH_CHAT_TARGET", target)
-    if draft is None:
+    if draft is None and not os.environ.get("OSD_BENCH_CHAT_DRAFT"):
         pytest.skip(zoo.locate.missing_message("chat_draft"))
+    target, draft = bench_target(target), bench_draft(draft)
     before = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     kw = dict(max_batch_size=1, max_seq_len=MAX_SEQ_LEN)
@@ -128,17 +132,20 @@ def setup(tmp_path_factory):
         "osd-plain": osd.Engine.from_pretrained(target, quantized=False, **kw),
         "osd-quant-exact": osd.Engine.from_pretrained(target, quantized=True, **kw),
         "osd-quant": osd.Engine.from_pretrained(target, **kw),
-        "osd-spec": osd.Engine.from_pretrained(target, draft=draft, **kw),
+        # without a draft: prompt lookup over the request and earlier answers
+        "osd-spec": osd.Engine.from_pretrained(
+            target, draft=draft, spec=None if draft else NO_DRAFT_SPEC, **kw
+        ),
     }
     tok = engines["osd-plain"].tokenizer
     wanted = [w for w in WORKLOADS.split(",") if w]
     workloads = {
-        w.name: apply_chat_template(tok, list(w.prompts))
+        w.name: encode_chat(tok, list(w.prompts))
         for w in evaluation_set(n=NUM_PROMPTS)
         if w.name in wanted
     }
     # A warm-up prompt outside the timed set (another seed), one per restart of the servers.
-    warm = apply_chat_template(tok, [evaluation_set(n=1, seed=12345)[0].prompts[0]])[0]
+    warm = encode_chat(tok, [evaluation_set(n=1, seed=12345)[0].prompts[0]])[0]
     longest = max(len(p) for ps in workloads.values() for p in ps)
     ctx = max(MAX_SEQ_LEN, longest + NEW_TOKENS + 64)
     state = {

@@ -11,7 +11,9 @@ bound of the draft model's chain; greedy rows assert that every speculative outp
 the plain one. The zero-setup options run too, greedy: prompt lookup alone
 (``SpecConfig(drafter="ngram")``) and self-speculation (``drafter="self"``, the target
 with every other layer skipped). ``OSD_BENCH_WORKLOAD_PROMPTS`` (default 6) sets the
-prompts per workload, ``OSD_BENCH_CHAT_DRAFT`` another draft directory (the EAGLE one).
+prompts per workload, ``OSD_BENCH_CHAT_DRAFT`` another draft directory (the EAGLE one;
+``none``: the zero-setup rows only), ``OSD_BENCH_CHAT_TARGET`` another target (``gemma``:
+Gemma 3 270M, ``osd.zoo.gemma``, asked in question-and-answer transcripts).
 
     .venv/bin/python -m pytest -q -s -p no:cacheprovider bench/bench_workloads.py
 """
@@ -21,7 +23,7 @@ import os
 import pytest
 
 import osd
-from bench.common import chat_pair_or_skip
+from bench.common import bench_draft, bench_target, chat_pair_or_skip
 from osd.evaluate import evaluate, table
 from osd.spec import draft_serving_defaults
 from osd.zoo.workloads import evaluation_set
@@ -45,12 +47,14 @@ CASES = [
 @pytest.fixture(scope="module")
 def pair():
     target, draft = chat_pair_or_skip(threads=2)
-    return target, os.environ.get("OSD_BENCH_CHAT_DRAFT") or draft
+    return bench_target(target), bench_draft(draft)
 
 
 @pytest.mark.parametrize("drafter,mode", CASES, ids=[f"{d}-{m}" for d, m in CASES])
 def test_workloads(benchmark, pair, drafter, mode):
     target, draft = pair
+    if drafter.startswith("draft") and draft is None:
+        pytest.skip("OSD_BENCH_CHAT_DRAFT=none: no draft")
     spec = (
         None
         if drafter == "draft"

@@ -82,3 +82,22 @@ def chat_pair_or_skip(threads: int) -> tuple[str, str | None]:
         pytest.skip(f"the chat model is not available: {exc}")
     torch.set_num_threads(int(os.environ.get("OSD_BENCH_THREADS", str(threads))))
     return pair
+
+
+def bench_target(default: str) -> str:
+    """The target a chat benchmark runs: ``OSD_BENCH_CHAT_TARGET`` (a GGUF file or model
+    directory; ``gemma`` fetches the Gemma 3 270M GGUF, ``osd.zoo.gemma``) or
+    ``default``."""
+    name = os.environ.get("OSD_BENCH_CHAT_TARGET") or default
+    if name == "gemma":
+        from osd.zoo import gemma  # fetched only by the runs that ask for it
+
+        return gemma.fetch_target()
+    return name
+
+
+def bench_draft(default: str | None) -> str | None:
+    """The draft directory a chat benchmark runs: ``OSD_BENCH_CHAT_DRAFT`` (``none``: no
+    draft) or ``default``."""
+    name = os.environ.get("OSD_BENCH_CHAT_DRAFT") or default
+    return None if name == "none" else name

