@@ -7,7 +7,9 @@ Both engines are built as a user builds them: ``Engine.from_pretrained(target,
 draft=draft, online=osd.OnlineConfig())`` (the draft's own online recipe from its
 ``serving.json``, a background learner) and the same without ``online``. Serving runs on
 one torch thread, so the learner has the other core (``OSD_BENCH_THREADS`` changes it).
-``OSD_BENCH_ONLINE_QUANTIZED=0`` dequantizes the target to float32.
+``OSD_BENCH_ONLINE_QUANTIZED=0`` dequantizes the target to float32;
+``OSD_BENCH_CHAT_TARGET`` / ``OSD_BENCH_CHAT_DRAFT`` run another pair (``gemma``: Gemma 3
+270M, ``osd.zoo.gemma``, with a draft ``osd draft build`` made for it).
 Prints tokens per target forward and tokens/s over the first and the last quarter
 (``osd.evaluate_online``); every output is asserted equal.
 
@@ -19,7 +21,7 @@ import os
 
 import pytest
 
-from bench.common import chat_pair_or_skip
+from bench.common import bench_draft, bench_target, chat_pair_or_skip
 from osd.evaluate_online import online_stream
 from osd.zoo.workloads import stream
 
@@ -31,6 +33,9 @@ ENGINE = {} if os.environ.get("OSD_BENCH_ONLINE_QUANTIZED", "1") != "0" else {"q
 @pytest.fixture(scope="module")
 def pair():
     target, draft = chat_pair_or_skip(threads=1)
+    target, draft = bench_target(target), bench_draft(draft)
+    if draft is None:
+        pytest.skip("online learning needs a draft (OSD_BENCH_CHAT_DRAFT)")
     return target, draft
 
 

@@ -422,4 +422,9 @@ def test_causal_tree_mask_equals_default(pair):
     with torch.no_grad():
         a = model(ids, model.new_cache(2, 8))
         b = model(ids, model.new_cache(2, 8), tree_mask=causal_tree_mask(2, 7))
-    assert torch.equal(a, b)
+    if any(layer.window is not None and layer.window < 7 for layer in model.layers):
+        # past a window, a causal block runs the C++ kernel once per query and a tree the
+        # masked SDPA: the same attention, summed in another order
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(a, b)

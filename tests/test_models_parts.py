@@ -13,9 +13,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from osd.cache import KVCache
 from osd.models import DecoderLM, ModelConfig, load_model
-from osd.models.attention import windowed_attention
+from osd.models.attention import attention, windowed_attention
 from osd.models.llama import without_layers
 from osd.models.rope import rope_inv_freq
+from osd_kernels import native_available
 from osd_kernels.tree_attention import tree_mask_from_parents
 from tests.test_models import ATOL, VOCAB, _hf_logits, _tree, tiny_hf_model
 
@@ -170,6 +171,38 @@ def test_layer_skipping_copy_keeps_the_nope_layers():
     with torch.no_grad():
         want = model.forward_train(ids, skip_layers=frozenset({1}))
         assert (sub.forward_train(ids) - want).abs().max() <= ATOL
+
+
+@pytest.mark.skipif(not native_available(), reason="the C++ extension is not built")
+@pytest.mark.parametrize("window", [5, 16])
+def test_windowed_rows_do_not_depend_on_the_queries_beside_them(window):
+    """Past the window on the CPU, a causal call's query computes over its window's slice
+    alone: each query of a verify block equals, bit for bit, the same query decoded alone
+    (one row, lens advanced to its position), and all of them match the SDPA reference."""
+    gen = torch.Generator().manual_seed(12)
+    B, T, Hq, Hkv, D, S = 3, 7, 4, 2, 16, 64
+    lens = torch.tensor([30, 3, 41, 0], dtype=torch.int32)
+    k = torch.randn(4, Hkv, S, D, generator=gen)
+    v = torch.randn(4, Hkv, S, D, generator=gen)
+    q = torch.randn(B, T, Hq, D, generator=gen)
+    kw = dict(scale=D**-0.5, max_kv_len=int(lens[:B].max()) + T, backend="auto", window=window)
+    block = attention(q, k, v, lens, None, **kw)
+    want = windowed_attention(
+        q, k, v, lens, None, None, scale=kw["scale"], max_kv_len=kw["max_kv_len"], window=window
+    )
+    torch.testing.assert_close(block, want, rtol=1e-5, atol=1e-5)
+    for b in range(B):
+        for i in range(T):
+            one = attention(
+                q[b : b + 1, i : i + 1],
+                k[b : b + 1],
+                v[b : b + 1],
+                lens[b : b + 1] + i,
+                None,
+                **dict(kw, max_kv_len=int(lens[b]) + i + 1),
+            )
+            if int(lens[b]) + i + 1 > window:  # past the window: the per-query path
+                assert torch.equal(one[0, 0], block[b, i]), (b, i)
 
 
 @pytest.mark.parametrize("window,softcap", [(5, None), (3, 2.0), (None, 1.5), (40, None)])

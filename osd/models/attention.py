@@ -23,10 +23,12 @@ queries; a tree mask covers at most 64. Backends (``ModelConfig.attention_backen
 Sliding-window layers (Mistral, Phi-3-mini, Qwen2 with ``use_sliding_window``, Gemma)
 pass ``window``: a query at position ``p`` sees only keys at positions above
 ``p - window``. Calls whose keys all lie within the window (``max_kv_len <= window``) take
-the paths above unchanged; the others go to :func:`windowed_attention`, an SDPA with the
-window in its boolean mask, on every backend and device. Soft-capped scores (Gemma 2,
-``softcap``: ``c * tanh(s / c)`` before the mask) take :func:`windowed_attention` too,
-which then computes the scores itself.
+the paths above unchanged. Past the window, causal calls of few rows on the CPU run the
+C++ kernel once per query over the slice of its window (:func:`windowed_rows`), so a
+query's output does not depend on the queries beside it; the others go to
+:func:`windowed_attention`, an SDPA with the window in its boolean mask. Soft-capped
+scores (Gemma 2, ``softcap``: ``c * tanh(s / c)`` before the mask) take
+:func:`windowed_attention` too, which then computes the scores itself.
 """
 
 from __future__ import annotations
@@ -108,6 +110,17 @@ def attention(
     Returns:
         ``[B, T, Hq, D]`` in the dtype of ``q``.
     """
+    if (
+        window is not None
+        and max_kv_len > window
+        and softcap is None
+        and tree_mask is None
+        and backend in ("auto", "native")
+        and q.device.type == "cpu"
+        and native_available()
+        and q.shape[0] * q.shape[1] <= WINDOW_ROWS_MAX
+    ):
+        return windowed_rows(q, k_cache, v_cache, lens, scale=scale, window=window)
     if softcap is not None or (window is not None and max_kv_len > window):
         return windowed_attention(
             q,
@@ -137,6 +150,45 @@ def attention(
     return tree_attention(
         q, k_cache, v_cache, lens, tree_mask, scale=scale, max_kv_len=max_kv_len, backend=backend
     )
+
+
+# Most query rows (batch x new tokens) that windowed_rows computes one call per row; a
+# larger block (a prefill piece) is one masked SDPA.
+WINDOW_ROWS_MAX = 64
+
+
+def windowed_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lens: torch.Tensor,
+    *,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """Causal sliding-window attention of few query rows on the CPU, one C++ kernel call
+    per query: query ``i`` of row ``b`` (position ``p = lens[b] + i``) attends over the
+    cache slice of its window, slots ``max(0, p - window + 1) .. p``, as a decode step at
+    ``p`` does. A query's output is therefore the same function of the same inputs
+    whether it is decoded alone or verified among others (a masked SDPA over the whole
+    block sums in an order that depends on the block's shape, and int8 activations can
+    turn such a last-bit difference into a different greedy token). Arguments as
+    :func:`attention`; ``[B, T, Hq, D]``."""
+    B, T = q.shape[:2]
+    out = torch.empty_like(q)
+    for b, n in enumerate(lens[:B].tolist()):
+        for i in range(T):
+            p = n + i
+            start = max(0, p - window + 1)
+            out[b : b + 1, i : i + 1] = torch.ops.osd.tree_attention(
+                q[b : b + 1, i : i + 1],
+                k_cache[b : b + 1, :, start : p + 1],
+                v_cache[b : b + 1, :, start : p + 1],
+                torch.tensor([p - start], dtype=torch.int32),
+                None,
+                scale,
+            )
+    return out
 
 
 def windowed_attention(
