@@ -29,6 +29,8 @@ from tests.test_models import VOCAB, _tree, tiny_hf_model
 # layer without RoPE, Gemma 3's sliding layer with a RoPE base of its own
 FUSABLE = ("llama", "llama_bias", "qwen3", "granite", "phi3_longrope", "smollm3")
 UNFUSABLE = ("gemma3", "olmo2", "mixtral")  # GeGLU and post-norms, post-norms, experts
+# pre- and post-norms and GeGLU: the CPU path's Python loop only (Gemma 2 with soft caps)
+CPU_ONLY = ("gemma3", "gemma2")
 
 
 def _run(model, mode, monkeypatch):
@@ -217,6 +219,27 @@ def test_cpu_native_forward_equals_unfused(family, max_rows, quantized, loop, mo
     # 4 heads over 2 KV heads: T * 2 query rows a KV head, at most 48 for the C++ attention
     expected = [r for r in rows if r in (3, 18) or r // 3 * 2 <= 48]
     assert in_cpp == ([] if loop == "python" else expected)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    assert torch.equal(got_kv, ref_kv)
+
+
+@pytest.mark.skipif(not native_available(), reason="osd_kernels._C is not built")
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "Q8_0"])
+@pytest.mark.parametrize("family", CPU_ONLY)
+def test_cpu_path_takes_sandwich_norms_and_geglu(family, quantized, monkeypatch):
+    """Gemma's layers (a norm before and after attention and the MLP, GeGLU) take the CPU
+    path's loop in Python, never the C++ loop: logits and cache bit for bit the unfused
+    forward's."""
+    model = load_model(tiny_hf_model(family))
+    if quantized:
+        quantize_linears(model, "Q8_0")
+    ref, ref_kv = _run(model, "off", monkeypatch)
+    ref_kv = ref_kv.clone()
+    rows = _spy_on_cpu_layers(monkeypatch)
+    in_cpp = _spy_on_cpp_loop(monkeypatch)
+    got, got_kv = _run(model, "cpu", monkeypatch)
+    assert rows == [15, 12, 3, 3, 3] and in_cpp == []
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
     assert torch.equal(got_kv, ref_kv)

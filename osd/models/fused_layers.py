@@ -47,7 +47,9 @@ never, ``"on"`` on any device with the ops' Triton backend (CPU tensors need
 without a GPU). The environment variable ``OSD_FUSED_LAYERS`` sets its initial value.
 Models outside the fused layer's shape keep the unfused forward: a layer must be
 pre-norm only (no post-norms: OLMo-2, Gemma), dense (no mixture of experts) and
-SiLU-gated (no GeGLU); the forward must run outside autograd (the kernels have no
+SiLU-gated (no GeGLU), except that the CPU path's loop in Python also takes Gemma's
+layers (a norm before and after attention and the MLP, GeGLU: the unfused layer's ops
+for those, bit for bit); the forward must run outside autograd (the kernels have no
 backward) in the model's own dtype, and on CPU in float32 with the native build (other
 dtypes and larger forwards keep the unfused one). On CUDA results equal the unfused
 forward's within rounding (the kernels round where the unfused ops do;
@@ -99,14 +101,32 @@ def _layer_fusable(layer) -> bool:
     )
 
 
-# model -> whether every layer fits the fused layer (the layers of a model do not change)
+def _layer_cpu_fusable(layer) -> bool:
+    """Whether the CPU path's Python loop takes the layer: a fused layer, or a dense
+    pre-norm layer with post-norms too (Gemma's sandwich) and any gated activation."""
+    return _layer_fusable(layer) or (
+        layer.input_norm is not None
+        and layer.pre_feedforward_norm is not None
+        and layer.moe is None
+    )
+
+
+# model -> "all" (every layer fits the fused layer), "cpu" (every layer fits the CPU
+# path's loop only), or "" (the unfused forward); the layers of a model do not change
 _FUSABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _fusable(model) -> bool:
+def _fusable(model) -> str:
     fusable = _FUSABLE.get(model)
     if fusable is None:
-        fusable = _FUSABLE[model] = all(_layer_fusable(layer) for layer in model.layers)
+        fusable = (
+            "all"
+            if all(_layer_fusable(layer) for layer in model.layers)
+            else "cpu"
+            if all(_layer_cpu_fusable(layer) for layer in model.layers)
+            else ""
+        )
+        _FUSABLE[model] = fusable
     return fusable
 
 
@@ -135,7 +155,8 @@ def use_fused(model, x: torch.Tensor) -> bool:
                 return False
         elif mode == "cpu" or x.device.type != "cuda" or not triton_available():
             return False
-    return _fusable(model)
+    fusable = _fusable(model)
+    return fusable == "all" or (fusable == "cpu" and mode != "on" and x.device.type == "cpu")
 
 
 def fused_hidden(
@@ -354,7 +375,7 @@ def _build_plan(model, layers) -> _LayerPlan | None:
     for index, layer in layers:
         if layer.qk_norm not in ("none", "head") or layer.window is not None:
             return None
-        if layer.softcap is not None:
+        if layer.softcap is not None or not _layer_fusable(layer):
             return None
         checks.append((model.layers._modules, str(index), layer))
         names = ["wqkv", "wo", "w_gate_up", "w_down", "input_norm", "post_attention_norm"]
@@ -475,11 +496,22 @@ def _cpu_layers(
             softcap=layer.softcap,
         )
         scale = layer.residual_multiplier
-        norm = layer.post_attention_norm
-        residual, normed = add_norm(
-            project_rows(out.view(B * T, -1), layer.wo), residual, norm.weight, norm.eps, scale
-        )
-        pending = project_rows(silu(project_rows(normed, layer.w_gate_up)), layer.w_down)
+        o = project_rows(out.view(B * T, -1), layer.wo)
+        if layer.post_norm:  # Gemma's sandwich: x + norm(attn), then the MLP's own pre-norm
+            o = layer.post_attention_norm(o)
+            norm = layer.pre_feedforward_norm
+        else:
+            norm = layer.post_attention_norm
+        residual, normed = add_norm(o, residual, norm.weight, norm.eps, scale)
+        gate_up = project_rows(normed, layer.w_gate_up)
+        if layer.act is F.silu:
+            gated = silu(gate_up)
+        else:  # GeGLU: the unfused layer's ops
+            gate, up = gate_up.chunk(2, dim=-1)
+            gated = layer.act(gate) * up
+        pending = project_rows(gated, layer.w_down)
+        if layer.post_norm:
+            pending = layer.post_feedforward_norm(pending)
     if pending is not None:
         residual = residual + (pending if scale == 1.0 else pending * scale)
     return residual.view(B, T, H)
