@@ -93,6 +93,22 @@ def test_native_matches_reference(device, dtype, B, K, V, with_q):
         _check_invariants(out, acc, drafts, logits, kw)
 
 
+@pytest.mark.parametrize("V", [1000, 32003])
+@pytest.mark.parametrize("with_q", [True, False])
+def test_native_races_a_small_nucleus_as_the_reference(device, V, with_q):
+    """Peaked logits under top-p leave a few tokens with positive rates; the CPU kernel
+    then races those alone (race_sparse): the same tokens as the reference's full race,
+    for bonus draws and for residuals after a rejection."""
+    gen = torch.Generator().manual_seed(V + with_q)
+    for top_p in (0.5, 0.9, 0.99):
+        logits, drafts, q, kw = _case(
+            gen, 6, 3, V, torch.float32, device, draft_probs=with_q, params="top_p", scale=8.0
+        )
+        kw["top_p"] = torch.full_like(kw["top_p"], top_p)
+        out, acc = _assert_same("native", logits, drafts, q, kw)
+        _check_invariants(out, acc, drafts, logits, kw)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "B,K,V,params", [(3, 3, 111, "mixed"), (1, 5, 37, "all"), (2, 1, 2, "plain")]

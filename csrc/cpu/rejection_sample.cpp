@@ -99,10 +99,13 @@ int64_t race_row(const RejectionSampleArgs& a, const RowSampling& rs, int64_t b,
       if (any) r[x] = 0.0f;
     }
   }
+  const uint32_t stream = philox_stream(static_cast<uint32_t>(j), kPhiloxSample);
+  // top-p or top-k leave few positive rates: race those alone (the same winner)
+  const int64_t sparse = race_sparse(r, V, rs.seed, rs.offset, stream);
+  if (sparse >= 0) return sparse;
   float* u = w.t.data();
   const int64_t nblocks = (V + 3) / 4;
-  philox_row(rs.seed, rs.offset, philox_stream(static_cast<uint32_t>(j), kPhiloxSample), 0,
-             nblocks, u);
+  philox_row(rs.seed, rs.offset, stream, 0, nblocks, u);
   race_keys(r, u, V);
   // r >= 0 and some r > 0, so the first maximal key has r > 0
   return row_argmax(u, V);

@@ -99,4 +99,22 @@ OSD_VECTOR_CLONES void race_keys(const float* r, float* u, int64_t n) {
   for (int64_t v = 0; v < n; ++v) u[v] = r[v] / -log_pos(u[v]);
 }
 
+int64_t race_sparse(const float* r, int64_t n, uint64_t seed, uint64_t offset, uint32_t stream) {
+  int64_t live = 0;
+  for (int64_t v = 0; v < n; ++v) live += r[v] > 0.0f;
+  if (live * kSparseRaceShare > n) return -1;
+  int64_t best = -1;
+  float best_key = 0.0f;
+  for (int64_t v = 0; v < n; ++v) {
+    if (!(r[v] > 0.0f)) continue;
+    const float u = philox_uniform(seed, offset, stream, static_cast<uint32_t>(v));
+    const float key = r[v] / -log_pos(u);
+    if (best < 0 || key > best_key) {
+      best = v;
+      best_key = key;
+    }
+  }
+  return best;
+}
+
 }  // namespace osd

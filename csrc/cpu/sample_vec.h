@@ -29,4 +29,12 @@ void philox_row(uint64_t seed, uint64_t offset, uint32_t stream, int64_t first,
 // Exponential-race keys in place: u[v] <- r[v] / -log(u[v]).
 void race_keys(const float* r, float* u, int64_t n);
 
+// The race's winner over the few positive rates of r[0, n): the first index of the
+// largest r[v] / -log(u(seed, offset, stream, v)) among r[v] > 0, which is the winner of
+// the full race (philox_row, race_keys, row_argmax: a zero rate's key is 0, below every
+// positive key). -1 when more than n / kSparseRaceShare rates are positive (the full
+// race is then the faster).
+int64_t race_sparse(const float* r, int64_t n, uint64_t seed, uint64_t offset, uint32_t stream);
+constexpr int64_t kSparseRaceShare = 8;
+
 }  // namespace osd
