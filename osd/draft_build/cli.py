@@ -66,7 +66,8 @@ stages (a progress bar each):
 osd.Engine.from_pretrained loads) builds a draft for that target instead, within
 --minutes in all (docs/own_draft.md): a shape chosen from the target's config
 (osd.draft_build.shape), teacher answers from the target on prompts made from the
-standard library (in its chat template when it has one, else plain text), a reduced head
+standard library (in its chat template, or as question-and-answer transcripts and
+source excerpts for a base model without one), a reduced head
 vocabulary when the vocabulary is large, training, and a short measurement on this
 machine whose fastest speculation settings go into the draft's serving.json. Progress
 lines show each stage's ETA. The work is kept in OUT/.build: run the same command again
