@@ -100,7 +100,7 @@ def test_native_races_a_small_nucleus_as_the_reference(device, V, with_q):
     then races those alone (race_sparse): the same tokens as the reference's full race,
     for bonus draws and for residuals after a rejection."""
     gen = torch.Generator().manual_seed(V + with_q)
-    for top_p in (0.5, 0.9, 0.99):
+    for top_p in (0.5, 0.9, 0.99, 0.999999):  # the last reaches below the kept keys' floor
         logits, drafts, q, kw = _case(
             gen, 6, 3, V, torch.float32, device, draft_probs=with_q, params="top_p", scale=8.0
         )

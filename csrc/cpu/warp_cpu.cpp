@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <vector>
 
 namespace osd {
 namespace {
@@ -96,12 +97,40 @@ void load_scaled_row(const void* base, DType dtype, int64_t offset, int64_t stri
 }
 
 uint32_t top_p_key(const float* e, int64_t n, float inv_z, float top_p) {
-  return radix_select_serial(n, 4, radix_mass_target(top_p),
-                             [e, inv_z](int64_t v, uint32_t& key, uint64_t& weight) {
-                               const float p = e[v] * inv_z;
-                               key = radix_key(p);
-                               weight = radix_mass(p);
-                             });
+  const uint64_t target = radix_mass_target(top_p);
+  // One pass keeps the keys at or above that of kTopPFloor. Where their mass reaches the
+  // target the selection lies among them: every key above the selected one is kept, and
+  // the histograms differ only below it, which the selection never reads. So the
+  // selection over them is the full row's (a vocabulary of 262,144 leaves at most 1/64
+  // of the mass below the floor).
+  constexpr float kTopPFloor = 0x1p-24f;
+  const uint32_t floor_key = radix_key(kTopPFloor);
+  thread_local std::vector<uint32_t> keys;
+  thread_local std::vector<uint64_t> masses;
+  keys.clear();
+  masses.clear();
+  uint64_t kept = 0;
+  for (int64_t v = 0; v < n; ++v) {
+    const float p = e[v] * inv_z;
+    const uint32_t key = radix_key(p);
+    if (key >= floor_key) {
+      keys.push_back(key);
+      masses.push_back(radix_mass(p));
+      kept += masses.back();
+    }
+  }
+  if (kept >= target) {
+    return radix_select_serial(static_cast<int64_t>(keys.size()), 4, target,
+                               [](int64_t i, uint32_t& key, uint64_t& weight) {
+                                 key = keys[i];
+                                 weight = masses[i];
+                               });
+  }
+  return radix_select_serial(n, 4, target, [e, inv_z](int64_t v, uint32_t& key, uint64_t& weight) {
+    const float p = e[v] * inv_z;
+    key = radix_key(p);
+    weight = radix_mass(p);
+  });
 }
 
 }  // namespace osd
