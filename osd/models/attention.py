@@ -175,20 +175,30 @@ def windowed_rows(
     turn such a last-bit difference into a different greedy token). Arguments as
     :func:`attention`; ``[B, T, Hq, D]``."""
     B, T = q.shape[:2]
-    out = torch.empty_like(q)
+    op = torch.ops.osd.tree_attention.default
+    outs = []
     for b, n in enumerate(lens[:B].tolist()):
+        qb, kb, vb = q[b : b + 1], k_cache[b : b + 1], v_cache[b : b + 1]
         for i in range(T):
             p = n + i
             start = max(0, p - window + 1)
-            out[b : b + 1, i : i + 1] = torch.ops.osd.tree_attention(
-                q[b : b + 1, i : i + 1],
-                k_cache[b : b + 1, :, start : p + 1],
-                v_cache[b : b + 1, :, start : p + 1],
-                torch.tensor([p - start], dtype=torch.int32),
-                None,
-                scale,
+            outs.append(
+                op(
+                    qb[:, i : i + 1],
+                    kb[:, :, start : p + 1],
+                    vb[:, :, start : p + 1],
+                    _one_len(p - start),
+                    None,
+                    scale,
+                )
             )
-    return out
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 1).view(q.shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _one_len(n: int) -> torch.Tensor:
+    """``[n]`` as the int32 ``cache_lens`` of a one-row call (read only by the kernel)."""
+    return torch.tensor([n], dtype=torch.int32)
 
 
 def windowed_attention(
