@@ -18,7 +18,11 @@ from osd.models.loading import (
 )
 from osd.models.quant import QuantLinear
 from osd.online.config import draft_online_recipe, with_recipe
-from osd.spec import learning_beside, serving_settings
+from osd.spec import SpecConfig, learning_beside, serving_settings
+
+# The chain a draft serves while learning online where its directory recommends prompt
+# lookup alone beside both targets (the length the chat draft's own settings use).
+LEARNING_CHAIN = 3
 
 
 def load_for_engine(
@@ -77,6 +81,12 @@ def load_for_engine(
     spec, quantize_draft = serving_settings(
         drafts, draft_models, spec, quantize_draft, quantized_target
     )
+    if recommended and online is not None and draft_models and spec is not None:
+        if spec.drafter == "ngram" and spec.lookup is not None:
+            # lookup alone was measured fastest beside either target: learning still
+            # needs the model, so it serves a chain behind that lookup, learning beside it
+            alone = alone or spec
+            spec = SpecConfig(num_draft_tokens=LEARNING_CHAIN, lookup=spec.lookup)
     if alone is not None and spec is not None and spec.drafter == "model":
         spec = learning_beside(spec, alone)
     if recommended and spec is not None and spec.drafter != "model":

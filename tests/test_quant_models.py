@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import osd
+from osd.loader import LEARNING_CHAIN
 from osd.models.eagle import EagleLM, save_eagle
 from osd.models.gguf import BLOCK_LAYOUT, write_gguf
 from osd.models.loading import load_model
@@ -448,6 +449,22 @@ def test_a_draft_recommends_other_settings_beside_a_quantized_target(tmp_path, q
     assert [o.token_ids for o in eng.generate(prompts, params)] == [
         o.token_ids for o in fp32.generate(prompts, params)
     ]
+    # lookup alone recommended beside both targets (as `osd draft build` writes where its
+    # draft did not pay): learning online serves a chain behind that lookup, with auto_k
+    lookup = {"drafter": "ngram", "num_draft_tokens": 5, "lookup_history": 64}
+    (draft / "serving.json").write_text(
+        json.dumps({"spec": lookup, "quantized_target": {"spec": lookup}})
+    )
+    online = osd.Engine.from_pretrained(
+        q41, draft=str(draft), online=osd.OnlineConfig(background=False), **kw
+    )
+    assert online.draft is not None and online.spec.drafter == "model"
+    assert online.spec.auto_k and online.spec.num_draft_tokens == LEARNING_CHAIN
+    assert online.spec.lookup is not None and online.spec.lookup.history == 64
+    assert [o.token_ids for o in online.generate(prompts, params)] == [
+        o.token_ids for o in eng.generate(prompts, params)
+    ]
+    online.close()
     (draft / "serving.json").write_text(json.dumps({"quantized_target": {"k": 1}}))
     with pytest.raises(ValueError, match="quantized_target"):
         osd.Engine.from_pretrained(q41, draft=str(draft), **kw)
