@@ -35,7 +35,7 @@ def pair():
     target, draft = chat_pair_or_skip(threads=1)
     target, draft = bench_target(target), bench_draft(draft)
     if draft is None:
-        pytest.skip("online learning needs a draft (OSD_BENCH_CHAT_DRAFT)")
+        pytest.skip("OSD_BENCH_CHAT_DRAFT=none: online learning needs a draft model to train")
     return target, draft
 
 

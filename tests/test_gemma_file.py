@@ -17,7 +17,10 @@ pytestmark = pytest.mark.slow
 def target():
     path = gemma.cached_target()
     if path is None or not os.path.isfile(path):
-        pytest.skip("Gemma 3 270M is not fetched (osd.zoo.gemma.fetch_target())")
+        pytest.skip(
+            "needs the 242 MB Gemma 3 270M file, not downloaded by the test suite: run "
+            "python -c 'from osd.zoo import gemma; gemma.fetch_target()' once to include it"
+        )
     return path
 
 
