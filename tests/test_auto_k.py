@@ -144,3 +144,9 @@ def test_learning_beside_a_lookup_recommendation():
     assert (got.lookup.history, got.lookup.tokens, got.lookup.tree_below) == (65536, 8, 3)
     tree = osd.SpecConfig(num_draft_tokens=3, tree=[(0,), (1,), (0, 0)])
     assert learning_beside(tree, alone) == tree
+    # a chain behind lookup: its all-lookup steps draft as many as lookup alone would
+    chain = osd.SpecConfig(num_draft_tokens=3, prompt_lookup=True)
+    got = learning_beside(chain, alone)
+    assert (got.lookup.tokens, got.lookup.history, got.num_draft_tokens) == (6, 65536, 3)
+    short = osd.SpecConfig(drafter="ngram", num_draft_tokens=2)
+    assert learning_beside(chain, short).lookup.tokens == 0

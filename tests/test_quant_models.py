@@ -461,6 +461,7 @@ def test_a_draft_recommends_other_settings_beside_a_quantized_target(tmp_path, q
     assert online.draft is not None and online.spec.drafter == "model"
     assert online.spec.auto_k and online.spec.num_draft_tokens == LEARNING_CHAIN
     assert online.spec.lookup is not None and online.spec.lookup.history == 64
+    assert online.spec.lookup.tokens == 5  # lookup alone's steps draft as many as before
     assert [o.token_ids for o in online.generate(prompts, params)] == [
         o.token_ids for o in eng.generate(prompts, params)
     ]
