@@ -1,7 +1,9 @@
 """A cached CPU forward's layers looped in C++ (``decoder_layers``) against the same ops
-called from Python, on the chat target (SmolLM2-135M-Instruct Q4_1, weights kept
-quantized as ``Engine.from_pretrained`` loads it, 30 layers), float32, the torch threads
-of the run (``OSD_BENCH_THREADS``, default 2 here).
+called from Python, on the chat target (SmolLM2-135M-Instruct Q4_1, 30 layers; or
+``OSD_BENCH_CHAT_TARGET``, e.g. ``gemma``: Gemma 3 270M, 18 layers, most of them with a
+512-token sliding window) loaded as ``Engine.from_pretrained`` loads it (weights kept
+quantized, int8 activations), the torch threads of the run (``OSD_BENCH_THREADS``,
+default 2 here).
 
 One forward of ``rows`` new tokens (1: a decode step; 5: the verify of a chain of four
 drafts) at ``context`` cached positions, output head included; the cache is not
@@ -18,7 +20,7 @@ import osd  # noqa: F401  (first: osd sets the OpenMP wait policy before torch l
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import chat_target_or_skip  # noqa: E402
+from bench.common import bench_target, chat_target_or_skip  # noqa: E402
 from osd.models import fused_layers, load_model  # noqa: E402
 from osd_kernels import native_available  # noqa: E402
 
@@ -28,10 +30,10 @@ pytestmark = pytest.mark.usefixtures("torch_threads")
 
 @pytest.fixture(scope="module")
 def target():
-    path = chat_target_or_skip()
+    path = bench_target(None) or chat_target_or_skip()
     if not native_available():
         pytest.skip("osd_kernels._C is not built")
-    return load_model(path, quantized=True)
+    return load_model(path, quantized="int8")
 
 
 @pytest.mark.parametrize("context", [128, 1024])

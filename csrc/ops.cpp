@@ -61,10 +61,10 @@ TORCH_LIBRARY(osd, m) {
         "Tensor(a!) kv, Tensor slots) -> Tensor");
   // silu(gate) * up of gate_up = [gate, up] along the last dim.
   m.def("silu_mul(Tensor gate_up) -> Tensor");
-  // A stack of pre-norm SiLU-gated decoder layers of a cached CPU forward, the ops above
-  // looped in C++ (flat per-layer arguments: osd_kernels/decoder_layers.py).
+  // A stack of dense gated decoder layers of a cached CPU forward, the ops above looped in
+  // C++ (flat per-layer arguments: osd_kernels/decoder_layers.py).
   m.def(
       "decoder_layers(Tensor x, Tensor?[] tensors, int[] ints, float[] floats, Tensor(a!) kv, "
-      "Tensor cache_lens, Tensor? tree_mask, Tensor slots, Tensor?[] rope, float scale) "
-      "-> Tensor");
+      "Tensor cache_lens, Tensor? tree_mask, Tensor slots, Tensor?[] rope, float scale, "
+      "int max_kv_len=0) -> Tensor");
 }

@@ -13,15 +13,22 @@ adds the pending MLP output first), ``q = rope_kv_write_qkv(qkv)`` (with per-hea
 norms, Qwen3's, an RMSNorm over each query and key head first), attention over the
 layer's cache, ``h, n = add_rms_norm(proj_o(attn), h)``, pending ``proj_down(silu_mul(
 proj_gate_up(n)))``; after the last layer ``h + pending`` (times the residual
-multiplier).
+multiplier). Gemma's layers also norm the output projection before its add and the down
+projection's output (``post_attention_norm`` then ``pre_feedforward_norm`` in the add,
+``post_feedforward_norm``), gate with GeGLU (``gelu_tanh(gate) * up``), and may have a
+sliding window: where the call reaches past it (``max_kv_len > window``), each query
+attends over its own window's slice of the cache in a ``tree_attention`` call of its
+own, as a decode step at its position does (``osd.models.attention.windowed_rows``; no
+tree mask there).
 
 The arguments are flat lists so that one call carries a model (:func:`layer_arguments`
 builds them): per layer ``TENSORS_PER_LAYER`` tensors (input norm, post-attention norm,
-q and k head norms or None, then per projection weight, scales, mins, bias),
-``INTS_PER_LAYER`` ints (cache index, query heads, RoPE table or -1, 1 with head norms
-else 0, per projection -1 for ``decode_linear`` or ``quant_linear``'s ``ggml_type``) and
-``FLOATS_PER_LAYER`` floats (the two norms' eps, the residual multiplier, the head norms'
-eps).
+q and k head norms or None, then per projection weight, scales, mins, bias, then the pre-
+and post-feedforward norms or None), ``INTS_PER_LAYER`` ints (cache index, query heads,
+RoPE table or -1, 1 with head norms else 0, per projection -1 for ``decode_linear`` or
+``quant_linear``'s ``ggml_type``, the window or 0, the activation: 0 SiLU, 1 gelu-tanh)
+and ``FLOATS_PER_LAYER`` floats (the two norms' eps, the residual multiplier, the head
+norms' eps, the feedforward norms' eps).
 
 Backends: ``native`` (the C++ loop; float32 CPU tensors) and ``reference`` (the same loop
 in Python over the ops' references); ``auto`` is native where it can run.
@@ -40,19 +47,23 @@ from osd_kernels.rope_kv_write import rope_kv_write_reference
 from osd_kernels.silu_mul import silu_mul_reference
 from osd_kernels.tree_attention import tree_attention_reference
 
-TENSORS_PER_LAYER = 20
-INTS_PER_LAYER = 8
-FLOATS_PER_LAYER = 4
+TENSORS_PER_LAYER = 22
+INTS_PER_LAYER = 10
+FLOATS_PER_LAYER = 6
 DENSE = -1  # a projection's kind: decode_linear (else quant_linear's ggml_type)
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gate's activation, by its int
 
 
 def layer_arguments(layers) -> tuple[list, list[int], list[float]]:
     """The flat ``(tensors, ints, floats)`` of ``layers``: an iterable of dicts with
     ``cache_index``, ``num_heads``, ``rope_table`` (-1, 0 or 1), ``input_norm`` and
     ``post_norm`` (``(weight, eps)``), ``residual_multiplier``, optionally ``head_norms``
-    (``(q_weight, k_weight, eps)``: per-head q/k RMSNorms) and ``projections``: four
+    (``(q_weight, k_weight, eps)``: per-head q/k RMSNorms), ``projections``: four
     ``(kind, weight, scales, mins, bias)`` (qkv, o, gate-up, down; ``kind`` ``DENSE`` or a
-    ggml type)."""
+    ggml type), and optionally ``feedforward_norms`` (``(pre_weight, pre_eps, post_weight,
+    post_eps)``: Gemma's norms, ``post_norm`` then being the norm after attention),
+    ``window`` (the sliding window, None or 0 for none) and ``activation`` (one of
+    :data:`ACTIVATIONS`, default SiLU)."""
     tensors, ints, floats = [], [], []
     for layer in layers:
         (w_in, eps_in), (w_post, eps_post) = layer["input_norm"], layer["post_norm"]
@@ -63,9 +74,13 @@ def layer_arguments(layers) -> tuple[list, list[int], list[float]]:
             tensors += [weight, scales, mins, bias]
             kinds.append(int(kind))
         ints += [int(layer["cache_index"]), int(layer["num_heads"]), int(layer["rope_table"])]
-        ints += [0 if heads is None else 1, *kinds]
+        ffw = layer.get("feedforward_norms")
+        tensors += [None, None] if ffw is None else [ffw[0], ffw[2]]
+        ints += [0 if heads is None else 1, *kinds, int(layer.get("window") or 0)]
+        ints.append(ACTIVATIONS.index(layer.get("activation", "silu")))
         floats += [float(eps_in), float(eps_post), float(layer["residual_multiplier"])]
         floats.append(1e-6 if heads is None else float(heads[2]))
+        floats += [1e-6, 1e-6] if ffw is None else [float(ffw[1]), float(ffw[3])]
     return tensors, ints, floats
 
 
@@ -82,18 +97,46 @@ def _project(x, tensors, ints, layer, p, norm, eps):
     )
 
 
+def _windowed_reference(q, k_cache, v_cache, cache_lens, window, scale):
+    """Each query over its window's slice of the cache (``decoder_layers``' windows)."""
+    B, T = q.shape[:2]
+    outs = []
+    for b in range(B):
+        for i in range(T):
+            p = int(cache_lens[b]) + i
+            start = max(0, p - window + 1)
+            one = torch.tensor([p - start], dtype=torch.int32)
+            outs.append(
+                tree_attention_reference(
+                    q[b : b + 1, i : i + 1],
+                    k_cache[b : b + 1, :, start : p + 1],
+                    v_cache[b : b + 1, :, start : p + 1],
+                    one,
+                    None,
+                    scale=scale,
+                )
+            )
+    return torch.cat(outs, 1).view(q.shape)
+
+
 def decoder_layers_reference(
-    x, tensors, ints, floats, kv, cache_lens, tree_mask, slots, rope, scale
+    x, tensors, ints, floats, kv, cache_lens, tree_mask, slots, rope, scale, max_kv_len=0
 ) -> torch.Tensor:
     """The layers in Python over the ops' references (arguments as :func:`decoder_layers`)."""
     B, T = slots.shape
+    if max_kv_len <= 0 and B:
+        max_kv_len = int(cache_lens[:B].max()) + T
     residual, pending, multiplier = x, None, 1.0
     for layer in range(len(ints) // INTS_PER_LAYER):
-        index, heads, table, head_norms = ints[INTS_PER_LAYER * layer : INTS_PER_LAYER * layer + 4]
-        eps_in, eps_post, rm, eps_qk = floats[
+        lint = ints[INTS_PER_LAYER * layer : INTS_PER_LAYER * (layer + 1)]
+        index, heads, table, head_norms = lint[:4]
+        window, activation = lint[8:10]
+        eps_in, eps_post, rm, eps_qk, eps_pre_ffw, eps_post_ffw = floats[
             FLOATS_PER_LAYER * layer : FLOATS_PER_LAYER * (layer + 1)
         ]
-        w_in, w_post, w_q, w_k = tensors[TENSORS_PER_LAYER * layer : TENSORS_PER_LAYER * layer + 4]
+        lt = tensors[TENSORS_PER_LAYER * layer : TENSORS_PER_LAYER * (layer + 1)]
+        w_in, w_post, w_q, w_k = lt[:4]
+        w_pre_ffw, w_post_ffw = lt[20:22]
         if pending is None:
             qkv = _project(residual, tensors, ints, layer, 0, w_in, eps_in)
         else:
@@ -108,14 +151,30 @@ def decoder_layers_reference(
             k = F.rms_norm(k, (D,), w_k, eps_qk)
         cos, sin = (None, None) if table < 0 else (rope[2 * table], rope[2 * table + 1])
         q = rope_kv_write_reference(q, k, v, cos, sin, layer_kv, slots)
-        out = tree_attention_reference(
-            q, layer_kv[0], layer_kv[1], cache_lens, tree_mask, scale=scale
-        )
+        if window > 0 and max_kv_len > window:
+            if tree_mask is not None:
+                raise ValueError(f"layer {layer}'s window takes no tree mask past the window")
+            out = _windowed_reference(q, layer_kv[0], layer_kv[1], cache_lens, window, scale)
+        else:
+            out = tree_attention_reference(
+                q, layer_kv[0], layer_kv[1], cache_lens, tree_mask, scale=scale
+            )
         multiplier = rm
         o = _project(out.reshape(B * T, -1), tensors, ints, layer, 1, None, 1e-6)
-        residual, normed = add_rms_norm_reference(o, residual, w_post, eps_post, multiplier)
-        gated = silu_mul_reference(_project(normed, tensors, ints, layer, 2, None, 1e-6))
+        norm, eps = w_post, eps_post
+        if w_pre_ffw is not None:  # Gemma: x + norm(attn), then the MLP's own pre-norm
+            o = F.rms_norm(o, w_post.shape, w_post, eps_post)
+            norm, eps = w_pre_ffw, eps_pre_ffw
+        residual, normed = add_rms_norm_reference(o, residual, norm, eps, multiplier)
+        gate_up = _project(normed, tensors, ints, layer, 2, None, 1e-6)
+        if activation == 0:
+            gated = silu_mul_reference(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            gated = F.gelu(gate, approximate="tanh") * up
         pending = _project(gated, tensors, ints, layer, 3, None, 1e-6)
+        if w_pre_ffw is not None:
+            pending = F.rms_norm(pending, w_post_ffw.shape, w_post_ffw, eps_post_ffw)
     if pending is None:
         return residual
     return residual + (pending if multiplier == 1.0 else pending * multiplier)
@@ -132,6 +191,7 @@ def decoder_layers(
     slots: torch.Tensor,
     rope: list,
     scale: float,
+    max_kv_len: int = 0,
     *,
     backend: str = "auto",
 ) -> torch.Tensor:
@@ -147,6 +207,9 @@ def decoder_layers(
         slots: ``[B, T]`` int64 K/V slots of the new tokens.
         rope: ``[cos, sin]`` per RoPE table, ``[B, T, R]`` each.
         scale: the attention's softmax scale.
+        max_kv_len: an upper bound of ``max(cache_lens[:B]) + T`` (0: computed exactly);
+            a windowed layer attends query by query over its window where this exceeds
+            the window.
         backend: ``auto`` | ``native`` | ``reference``.
 
     Returns:
@@ -162,10 +225,10 @@ def decoder_layers(
         )
     if backend == "reference" or not native:
         return decoder_layers_reference(
-            x, tensors, ints, floats, kv, cache_lens, tree_mask, slots, rope, scale
+            x, tensors, ints, floats, kv, cache_lens, tree_mask, slots, rope, scale, max_kv_len
         )
     return torch.ops.osd.decoder_layers(
-        x, tensors, ints, floats, kv, cache_lens, tree_mask, slots, rope, scale
+        x, tensors, ints, floats, kv, cache_lens, tree_mask, slots, rope, scale, max_kv_len
     )
 
 
@@ -173,6 +236,6 @@ if native_available():
 
     @torch.library.register_fake("osd::decoder_layers")
     def _decoder_layers_fake(
-        x, tensors, ints, floats, kv, cache_lens, tree_mask, slots, rope, scale
+        x, tensors, ints, floats, kv, cache_lens, tree_mask, slots, rope, scale, max_kv_len=0
     ):
         return torch.empty_like(x)

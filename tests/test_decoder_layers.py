@@ -2,7 +2,7 @@
 same loop in Python over the ops' references, on random layers of odd shapes: dense
 weights (plain and packed), GGUF block types, biases, RoPE tables (full, partial, none),
 per-head q/k norms, a residual multiplier, skipped cache layers, causal and tree-masked
-rows. The model-level
+rows, Gemma's norms after attention and the MLP, GeGLU and sliding windows. The model-level
 equality with the Python loop of the native ops (bit for bit) is in test_fused_layers."""
 
 import numpy as np
@@ -35,7 +35,9 @@ def _projection(kind, n, k, gen, bias):
     return (int(t), layer.qweight, layer.scales, layer.mins, b)
 
 
-def _layers(kinds, gen, cache_indices, rope_tables, multiplier):
+def _layers(kinds, gen, cache_indices, rope_tables, multiplier, gemma_windows=None):
+    """Random layers; with ``gemma_windows`` (a window per layer, None for none) Gemma's:
+    norms after attention and the MLP, GeGLU, those sliding windows."""
     layers = []
     for i, (index, table) in enumerate(zip(cache_indices, rope_tables)):
         shapes = [((HQ + 2 * HKV) * D, H), (H, HQ * D), (2 * I, H), (H, I)]
@@ -60,6 +62,10 @@ def _layers(kinds, gen, cache_indices, rope_tables, multiplier):
                 "projections": projections,
             }
         )
+        if gemma_windows is not None:
+            layers[-1]["feedforward_norms"] = (norm()[0], 1e-6, norm()[0], 1e-5)
+            layers[-1]["window"] = gemma_windows[i]
+            layers[-1]["activation"] = "gelu_tanh"
     return layer_arguments(layers)
 
 
@@ -108,6 +114,75 @@ def test_native_matches_reference(T, kinds, tree):
     assert (out[0] - out[1]).abs().max() <= 1e-5 * scale
     assert (kvs[0] - kvs[1]).abs().max() <= 1e-5 * kvs[1].abs().max()
     assert torch.equal(kvs[0][1], kv[1])  # layer 1 of the cache is no layer's
+
+
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("max_kv_len", [0, 12, 40], ids=["exact", "within", "past"])
+def test_gemma_layers_and_windows_match_reference(T, max_kv_len):
+    """Norms after attention and the MLP, GeGLU and sliding windows (7 and 11 tokens, one
+    layer global): where the call reaches past a window (the caller's ``max_kv_len``, or
+    the exact one: rows at 9 and 17 cached tokens) each query attends over its own
+    window. Native against the reference, and a windowed query equal to the same query
+    decoded alone at its position, bit for bit."""
+    gen = torch.Generator().manual_seed(5 + T)
+    B, B_max, S = 2, 3, 40
+    lens = torch.tensor([9, 17, 0], dtype=torch.int32)
+    slots = lens[:B, None].long() + torch.arange(T)
+    windows = [7, None, 11]
+    tensors, ints, floats = _layers(
+        ["Q8_0", "dense"], gen, [0, 1, 2], [0, -1, 1], 1.0, gemma_windows=windows
+    )
+    kv = torch.randn(3, 2, B_max, HKV, S, D, generator=gen)
+    x = torch.randn(B * T, H, generator=gen)
+    rope = _tables(B, T, gen)
+    out, kvs = [], []
+    for backend in ("native", "reference"):
+        cache = kv.clone()
+        out.append(
+            decoder_layers(
+                x,
+                tensors,
+                ints,
+                floats,
+                cache,
+                lens,
+                None,
+                slots,
+                rope,
+                D**-0.5,
+                max_kv_len,
+                backend=backend,
+            )
+        )
+        kvs.append(cache)
+    assert (out[0] - out[1]).abs().max() <= 1e-5 * out[1].abs().max()
+    assert (kvs[0] - kvs[1]).abs().max() <= 1e-5 * kvs[1].abs().max()
+    if T > 1 and max_kv_len != 12:
+        # the last query of each row decoded alone (its keys and values as the block wrote
+        # them), through the native op: the same bits
+        cache = kvs[0].clone()
+        last = torch.arange(B) * T + T - 1
+        one = [r[:, T - 1 : T].contiguous() for r in rope]
+        alone = decoder_layers(
+            x[last],
+            tensors,
+            ints,
+            floats,
+            cache,
+            lens + T - 1,
+            None,
+            slots[:, -1:],
+            one,
+            D**-0.5,
+            max_kv_len,
+            backend="native",
+        )
+        assert torch.equal(alone, out[0][last])
+    with pytest.raises(RuntimeError, match="takes no tree mask past the window"):
+        mask = torch.ones(B, T, dtype=torch.int64)
+        torch.ops.osd.decoder_layers(
+            x, tensors, ints, floats, kv.clone(), lens, mask, slots, rope, 1.0, 40
+        )
 
 
 def test_no_layers_return_the_input():

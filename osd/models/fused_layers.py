@@ -32,10 +32,11 @@ the first layer's input norm fused in), ``rope_kv_write_qkv`` on the qkv project
 comes, attention over per-layer views of the cache made once per cache, two
 ``add_rms_norm`` and a ``silu_mul``: nine op calls and a view a layer, where the unfused
 forward makes about 85 (``docs/benchmarks.md``, where a CPU step's time goes). Where the
-layers fit it (no sliding windows, soft-capping or whole-width q/k norms; the default
-attention backend; projections that ``decode_linear`` or ``quant_linear`` takes), one
-``decoder_layers`` call runs that loop in C++ over every layer (:data:`LOOP_IN_CPP`), its
-flat arguments built once per model and rebuilt when a weight is replaced or repacked.
+layers fit it (no soft-capping or whole-width q/k norms; the default attention backend;
+projections that ``decode_linear`` or ``quant_linear`` takes; Gemma's norms, GeGLU and
+sliding windows included, except a tree past a window), one ``decoder_layers`` call runs
+that loop in C++ over every layer (:data:`LOOP_IN_CPP`), its flat arguments built once per
+model and rebuilt when a weight is replaced or repacked.
 Each C++ kernel rounds as the unfused forward's ops do, so this path gives its logits and
 cache bit for bit.
 
@@ -68,7 +69,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from osd.models.attention import attention
-from osd.models.layers import project, project_rows, weight_version
+from osd.models.layers import gelu_tanh, project, project_rows, weight_version
 from osd.models.quant import QuantLinear
 from osd_kernels._ops import native_available, triton_available
 from osd_kernels.add_rms_norm import add_rms_norm
@@ -86,9 +87,9 @@ FUSED_LAYERS = os.environ.get("OSD_FUSED_LAYERS", "cpu")
 # token there.
 CPU_MAX_ROWS = 16
 # The CPU path loops over the layers in C++ (``osd_kernels.decoder_layers``) where the
-# layers fit it (no windows, soft-capping or whole-width q/k norms; projections ``decode_linear``
-# or ``quant_linear`` takes); False keeps the same ops called from Python, bit for bit the
-# same results (``OSD_LAYERS_IN_CPP=0``).
+# layers fit it (no soft-capping or whole-width q/k norms, no tree past a window; projections
+# ``decode_linear`` or ``quant_linear`` takes); False keeps the same ops called from Python,
+# bit for bit the same results (``OSD_LAYERS_IN_CPP=0``).
 LOOP_IN_CPP = os.environ.get("OSD_LAYERS_IN_CPP", "1") != "0"
 
 
@@ -332,7 +333,16 @@ class _LayerPlan:
     ``_buffers`` or ``__dict__`` entry that must still be that object), ``versions``
     ``(weight, version)`` (a packed copy is valid while its weight is unchanged)."""
 
-    __slots__ = ("tensors", "ints", "floats", "checks", "versions", "max_group", "_columns")
+    __slots__ = (
+        "tensors",
+        "ints",
+        "floats",
+        "checks",
+        "versions",
+        "max_group",
+        "min_window",
+        "_columns",
+    )
 
     def valid(self) -> bool:
         columns = getattr(self, "_columns", None)
@@ -373,13 +383,14 @@ def _build_plan(model, layers) -> _LayerPlan | None:
     # tensors as they were
     checks = [(model._modules, "layers", model.layers)]
     for index, layer in layers:
-        if layer.qk_norm not in ("none", "head") or layer.window is not None:
+        if layer.qk_norm not in ("none", "head") or layer.softcap is not None:
             return None
-        if layer.softcap is not None or not _layer_fusable(layer):
+        if not _layer_cpu_fusable(layer) or layer.act not in (F.silu, gelu_tanh):
             return None
         checks.append((model.layers._modules, str(index), layer))
         names = ["wqkv", "wo", "w_gate_up", "w_down", "input_norm", "post_attention_norm"]
         names += ["q_norm", "k_norm"] if layer.qk_norm == "head" else []
+        names += ["pre_feedforward_norm", "post_feedforward_norm"] if layer.post_norm else []
         checks.extend((layer._modules, name, getattr(layer, name)) for name in names)
         projections = [_projection(getattr(layer, name), checks, versions) for name in names[:4]]
         if any(p is None for p in projections):
@@ -388,7 +399,8 @@ def _build_plan(model, layers) -> _LayerPlan | None:
         heads = (layer.q_norm, layer.k_norm) if layer.qk_norm == "head" else ()
         if heads and heads[0].eps != heads[1].eps:
             return None
-        checks.extend((n._parameters, "weight", n.weight) for n in (*norms, *heads))
+        ffw = (layer.pre_feedforward_norm, layer.post_feedforward_norm) if layer.post_norm else ()
+        checks.extend((n._parameters, "weight", n.weight) for n in (*norms, *heads, *ffw))
         group = max(group, layer.num_heads // layer.num_kv_heads)
         specs.append(
             {
@@ -400,11 +412,18 @@ def _build_plan(model, layers) -> _LayerPlan | None:
                 "residual_multiplier": layer.residual_multiplier,
                 "head_norms": (heads[0].weight, heads[1].weight, heads[0].eps) if heads else None,
                 "projections": projections,
+                "feedforward_norms": (ffw[0].weight, ffw[0].eps, ffw[1].weight, ffw[1].eps)
+                if ffw
+                else None,
+                "window": layer.window,
+                "activation": "silu" if layer.act is F.silu else "gelu_tanh",
             }
         )
     plan = _LayerPlan()
     plan.tensors, plan.ints, plan.floats = layer_arguments(specs)
     plan.checks, plan.versions, plan.max_group = checks, versions, group
+    windows = [layer.window for _, layer in layers if layer.window is not None]
+    plan.min_window = min(windows) if windows else None
     return plan
 
 
@@ -448,7 +467,12 @@ def _cpu_layers(
     tables = [(None, None) if r is None else (r[0].squeeze(2), r[1].squeeze(2)) for r in ropes]
     plan = _layer_plan(model, layers) if LOOP_IN_CPP else None
     B, T, H = x.shape
-    if plan is not None and T * plan.max_group <= CPU_NATIVE_MAX_ROWS:
+    if (
+        plan is not None
+        and T * plan.max_group <= CPU_NATIVE_MAX_ROWS
+        # a tree past a window takes the masked attention of the Python loop
+        and (tree_mask is None or plan.min_window is None or max_kv_len <= plan.min_window)
+    ):
         rope_args = [t for pair in tables for t in pair]
         out = _decoder_layers(
             x.view(B * T, H),
@@ -461,6 +485,7 @@ def _cpu_layers(
             slots,
             rope_args,
             model.scale,
+            max_kv_len,
         )
         return out.view(B, T, H)
     add_norm, rope_qkv, rope, silu = _native_ops()
