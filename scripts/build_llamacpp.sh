@@ -64,7 +64,18 @@ BUILD="$CACHE/build"
 echo "llama.cpp $VERSION: configuring in $BUILD"
 GEN=()
 if command -v ninja >/dev/null 2>&1; then GEN=(-G Ninja); fi
+# ggml's AMX tile kernels (built under -march=native where the CPU advertises AMX) fault
+# with a general protection error at their first tile load on some virtual machines that
+# advertise AMX (Sapphire Rapids guests), killing llama-server at its first prefill. They
+# serve only multi-row matmuls (prefill, verify blocks; ggml decodes one row with
+# AVX512-VNNI either way), so the build leaves them out: -mno-amx-* overrides -march=native.
+NO_AMX=""
+if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+    NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    echo "llama.cpp $VERSION: the CPU advertises AMX; building without ggml's AMX kernels"
+fi
 nice -n 19 cmake -S "$SRC" -B "$BUILD" "${GEN[@]}" \
+    -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
     -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON \
     -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF >"$CACHE/configure.log" 2>&1 || {
