@@ -77,6 +77,36 @@ def _tables(B, T, gen):
     return out
 
 
+def _native_and_reference(
+    x, tensors, ints, floats, kv, lens, mask, slots, rope, scale, max_kv_len=0
+):
+    """Both backends' outputs and caches (each on its own copy of ``kv``), checked to agree
+    within float32 rounding."""
+    out, kvs = [], []
+    for backend in ("native", "reference"):
+        cache = kv.clone()
+        out.append(
+            decoder_layers(
+                x,
+                tensors,
+                ints,
+                floats,
+                cache,
+                lens,
+                mask,
+                slots,
+                rope,
+                scale,
+                max_kv_len,
+                backend=backend,
+            )
+        )
+        kvs.append(cache)
+    assert (out[0] - out[1]).abs().max() <= 1e-5 * out[1].abs().max()
+    assert (kvs[0] - kvs[1]).abs().max() <= 1e-5 * kvs[1].abs().max()
+    return out, kvs
+
+
 @pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
 @pytest.mark.parametrize(
     "kinds", [["dense"], ["packed", "Q8_0"], ["Q4_1", "Q5_0", "Q4_0", "dense"]], ids=str
@@ -99,20 +129,10 @@ def test_native_matches_reference(T, kinds, tree):
         for i, p in enumerate(parents):
             bits.append((1 << i) | (bits[p] if p >= 0 else 0))
         mask = torch.tensor([bits] * B, dtype=torch.int64)
-    rope = _tables(B, T, gen)
-    out, kvs = [], []
-    for backend in ("native", "reference"):
-        cache = kv.clone()
-        out.append(
-            decoder_layers(
-                x, tensors, ints, floats, cache, lens, mask, slots, rope, D**-0.5, backend=backend
-            )
-        )
-        kvs.append(cache)
+    out, kvs = _native_and_reference(
+        x, tensors, ints, floats, kv, lens, mask, slots, _tables(B, T, gen), D**-0.5
+    )
     assert out[0].shape == (B * T, H)
-    scale = out[1].abs().max()
-    assert (out[0] - out[1]).abs().max() <= 1e-5 * scale
-    assert (kvs[0] - kvs[1]).abs().max() <= 1e-5 * kvs[1].abs().max()
     assert torch.equal(kvs[0][1], kv[1])  # layer 1 of the cache is no layer's
 
 
@@ -135,28 +155,9 @@ def test_gemma_layers_and_windows_match_reference(T, max_kv_len):
     kv = torch.randn(3, 2, B_max, HKV, S, D, generator=gen)
     x = torch.randn(B * T, H, generator=gen)
     rope = _tables(B, T, gen)
-    out, kvs = [], []
-    for backend in ("native", "reference"):
-        cache = kv.clone()
-        out.append(
-            decoder_layers(
-                x,
-                tensors,
-                ints,
-                floats,
-                cache,
-                lens,
-                None,
-                slots,
-                rope,
-                D**-0.5,
-                max_kv_len,
-                backend=backend,
-            )
-        )
-        kvs.append(cache)
-    assert (out[0] - out[1]).abs().max() <= 1e-5 * out[1].abs().max()
-    assert (kvs[0] - kvs[1]).abs().max() <= 1e-5 * kvs[1].abs().max()
+    out, kvs = _native_and_reference(
+        x, tensors, ints, floats, kv, lens, None, slots, rope, D**-0.5, max_kv_len
+    )
     if T > 1 and max_kv_len != 12:
         # the last query of each row decoded alone (its keys and values as the block wrote
         # them), through the native op: the same bits
