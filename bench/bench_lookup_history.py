@@ -19,6 +19,12 @@ Under pytest (``make bench``): 12 requests of the explain stream.
 
 from __future__ import annotations
 
+import os
+import sys
+
+if __name__ == "__main__":  # run as a script: the repository root, for `bench.*`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import osd  # first: osd sets the OpenMP wait policy before torch loads libgomp
 
 import argparse  # noqa: E402

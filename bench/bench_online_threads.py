@@ -7,9 +7,18 @@ train, once with the learner held at a step boundary (``Engine.learning_paused``
 order alternating. torch's intra-op thread count is process-wide, so the learner's
 training runs on as many threads as serving: at 1 thread they share 2 cores one each, at
 2 they contend for both. Prints serving tokens/s learning and held, and their ratio.
+``OSD_BENCH_CHAT_TARGET`` / ``OSD_BENCH_CHAT_DRAFT`` run another pair (``gemma``: Gemma 3
+270M with a draft ``osd draft build`` made for it; a base model is asked the requests as
+question-and-answer transcripts, ``osd.chat_template.encode_chat``).
 
     .venv/bin/python bench/bench_online_threads.py [--requests 40] [--threads 1 2]
 """
+
+import os
+import sys
+
+if __name__ == "__main__":  # run as a script: the repository root, for `bench.*`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import osd  # first: osd sets the OpenMP wait policy before torch loads libgomp
 
@@ -20,6 +29,8 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
+from bench.common import bench_draft, bench_target  # noqa: E402
+from osd.chat_template import encode_chat  # noqa: E402
 from osd.zoo import chat, workloads  # noqa: E402
 
 WARMUP = 8  # requests left out of the rates: the first updates and allocations
@@ -29,16 +40,18 @@ def run(requests: int, threads: int) -> dict:
     """Serving tokens/s with the learner training and held, at ``threads`` threads."""
     torch.set_num_threads(threads)
     target, draft = chat.chat_pair()
+    target, draft = bench_target(target), bench_draft(draft)
     engine = osd.Engine.from_pretrained(target, draft=draft, online=osd.OnlineConfig())
     params = osd.SamplingParams(max_new_tokens=128)
     seconds, tokens = collections.Counter(), collections.Counter()
+    stream = workloads.stream("explain", requests, seed=9)
     try:
-        for i, msgs in enumerate(workloads.stream("explain", requests, seed=9)):
+        for i, ids in enumerate(encode_chat(engine.tokenizer, [list(m) for m in stream])):
             for mode in ("held", "learning") if i % 2 else ("learning", "held"):
                 hold = engine.learning_paused() if mode == "held" else contextlib.nullcontext()
                 with hold:
                     start = time.perf_counter()
-                    out = engine.chat([list(msgs)], params)[0]
+                    out = engine.generate([ids], params)[0]
                     took = time.perf_counter() - start
                 if i >= WARMUP:
                     seconds[mode] += took
