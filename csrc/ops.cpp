@@ -61,6 +61,10 @@ TORCH_LIBRARY(osd, m) {
         "Tensor(a!) kv, Tensor slots) -> Tensor");
   // silu(gate) * up of gate_up = [gate, up] along the last dim.
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  // The k most probable tokens of softmax(logits) per row: (ids int64, probabilities)
+  // [..., min(k, V)], most probable first (online learning's teacher rows; CPU:
+  // cpu/topk_probs.cpp).
+  m.def("topk_probs(Tensor logits, int k) -> (Tensor, Tensor)");
   // A stack of dense gated decoder layers of a cached CPU forward, the ops above looped in
   // C++ (flat per-layer arguments: osd_kernels/decoder_layers.py).
   m.def(

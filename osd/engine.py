@@ -182,6 +182,7 @@ class Engine(Scheduler, ModelRunner):
                         online.positions,
                         online.prompt_positions,
                         swap=lambda i=i: self.online.swap(i),
+                        training=lambda: self.online.training(),
                     )
                 )
             lane.speculator = Speculator(
@@ -507,6 +508,9 @@ class Engine(Scheduler, ModelRunner):
         out["tokens_per_s"] = self._generated / self._wall if self._wall > 0 else None
         if any(sp.k_control is not None for sp in self.speculators):
             out["auto_k"] = [sp.k_control.summary() for sp in self.speculators]
+            loaded = [sp.k_control_loaded for sp in self.speculators]
+            if any(loaded):  # the arms measured while a learner trained beside serving
+                out["auto_k_learning"] = [c.summary() if c else {} for c in loaded]
         if len(self.speculators) > 1:
             out["per_draft"] = [sp.stats.as_dict() for sp in self.speculators]
         if self.online is not None:

@@ -26,6 +26,7 @@ from osd_kernels.silu_mul import silu_mul, silu_mul_reference
 from osd_kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
 from osd_kernels.decode_gemv import decode_gemv, decode_gemv_reference
 from osd_kernels.decoder_layers import decoder_layers, decoder_layers_reference
+from osd_kernels.topk_probs import topk_probs, topk_probs_reference
 
 __all__ = [
     "native_available",
@@ -54,6 +55,8 @@ __all__ = [
     "add_rms_norm_reference",
     "silu_mul",
     "silu_mul_reference",
+    "topk_probs",
+    "topk_probs_reference",
     "rope_kv_write",
     "rope_kv_write_reference",
     "decode_gemv",

@@ -44,6 +44,37 @@ def test_controller_takes_the_best_arm_and_keeps_measuring():
     assert ctl.summary()[4]["steps"][4] > 0
 
 
+def test_a_lucky_probe_does_not_move_the_steps():
+    """A probe that starts its arm's window afresh and wins over its first steps by chance
+    goes on until half a window holds; a win that does not last leaves the best arm."""
+    ctl = DraftLengthController(4, explore_every=8, explore_max=64)
+    rate = {0: 150.0, 1: 100.0, 2: 90.0, 4: 80.0}
+    for _ in range(100):
+        k = ctl.choose(1)
+        ctl.observe(1, k, 10, 10 / rate[k])
+    assert ctl._best[1] == 0
+    # arm 1 unmeasured for long: its next probe starts its window afresh, and its first
+    # probe's steps are fast by chance (the machine's other work paused)
+    ctl._when[1][1] = -1000
+    ctl._explored[1], ctl._spacing[1] = -1000, 8
+    lucky, picks, best = 4, [], []
+    for _ in range(40):
+        k = ctl.choose(1)
+        picks.append(k)
+        fast = k == 1 and lucky > 0
+        lucky -= k == 1
+        ctl.observe(1, k, 10, 10 / (300.0 if fast else rate[k]))
+        best.append(ctl._best[1])
+    assert picks[picks.index(1) : picks.index(1) + 8] == [1] * 8  # the probe went on ...
+    assert set(best) == {0}  # ... and the steps never left the best arm
+    # a win that holds does move them
+    rate[1] = 300.0
+    for _ in range(400):
+        k = ctl.choose(1)
+        ctl.observe(1, k, 10, 10 / rate[k])
+    assert ctl._best[1] == 1
+
+
 def test_auto_k_with_a_useless_draft_decodes_plainly_and_stays_lossless():
     target = tiny_hf_model("llama", seed=5)
     junk = perturbed(target, 4.0, seed=6)  # almost never agrees

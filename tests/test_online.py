@@ -9,8 +9,7 @@ import torch
 import osd
 from osd.online import config as online_config
 from osd.online import learner as online_learner
-from osd.online.buffer import Example, ReplayBuffer, compress_target
-from osd.online.collect import compress_rows
+from osd.online.buffer import Example, ReplayBuffer
 from osd.online.distill import heldout_alpha
 from osd.online.router import Router, RouterConfig
 from tests.test_models import tiny_hf_model
@@ -219,7 +218,7 @@ def test_lookup_tree_steps_teach_the_accepted_path(pair):
 
 
 def test_top_k_teacher_rows_from_every_arm_of_auto_k(pair):
-    """Top-k teacher rows (compressed off the serving thread) equal the top-k of a
+    """Top-k teacher rows (osd_kernels.topk_probs on the serving thread) equal the top-k of a
     cacheless target forward at every generated position, whichever arm of ``auto_k``
     drafted the step (lookup alone, with the model unfed, or the model's tree)."""
     online = osd.OnlineConfig(
@@ -245,6 +244,33 @@ def test_top_k_teacher_rows_from_every_arm_of_auto_k(pair):
         probs, ids = torch.topk(torch.softmax(want.float(), -1), 8)
         assert torch.equal(ex.topk_ids.long(), ids)
         torch.testing.assert_close(ex.topk_probs, probs, atol=1e-5, rtol=1e-4)
+
+
+def test_auto_k_measures_its_arms_apart_while_the_learner_trains(pair):
+    """Steps taken while a learner trains beside serving are chosen and measured by a
+    controller of their own (``Speculator.k_control_loaded``); the others by
+    ``k_control``. Outputs stay the target's either way."""
+    online = osd.OnlineConfig(update_every_requests=100, background=False, holdout_every=0)
+    spec = osd.SpecConfig(num_draft_tokens=3, auto_k=True)
+    eng = osd.Engine.from_pretrained(
+        pair[0], draft=pair[1], spec=spec, online=online, max_batch_size=2, max_seq_len=96
+    )
+    sp = eng.speculators[0]
+    (collector,) = [x for x in sp.listeners if hasattr(x, "loaded")]
+    assert sp.k_control_loaded is not None and not collector.loaded()
+    prompts = prompts_of([5, 9], seed=94)
+    ref = osd.Engine.from_pretrained(pair[0], max_batch_size=2, max_seq_len=96).generate(
+        prompts, osd.SamplingParams(20)
+    )
+    outs = eng.generate(prompts, osd.SamplingParams(20))
+    idle = sum(sp.k_control.chosen[2].values())
+    assert idle > 0 and not sp.k_control_loaded.chosen
+    collector.training = lambda: True  # as while the background learner runs an update
+    outs += eng.generate(prompts, osd.SamplingParams(20))
+    assert sum(sp.k_control.chosen[2].values()) == idle
+    assert sum(sp.k_control_loaded.chosen[2].values()) > 0
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref] * 2
+    assert eng.stats["auto_k_learning"][0][2]["steps"]
 
 
 def test_learner_rejects_bad_configs():
@@ -455,12 +481,3 @@ def test_a_cpu_learner_beside_serving_on_every_core_warns_once(monkeypatch, capl
         assert online_learner.warn_if_cores_shared(cores=2)
         assert not online_learner.warn_if_cores_shared(cores=2)  # once
     assert "torch.set_num_threads(1)" in caplog.text
-
-
-def test_teacher_rows_compressed_one_at_a_time_equal_the_batch():
-    logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(3)) * 4
-    ids, probs, full = compress_rows(logits, 32)
-    want = compress_target(logits, 32)
-    assert full is None and torch.equal(ids, want[0]) and torch.equal(probs, want[1])
-    empty = compress_rows(logits[:0], 32)
-    assert empty[0].shape == (0, 32) and empty[1].shape == (0, 32)

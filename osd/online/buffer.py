@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+import osd_kernels
+
 
 @dataclass
 class Example:
@@ -51,8 +53,7 @@ def compress_target(logits: torch.Tensor, topk: int | None):
     logits = logits.detach().float()
     if topk is None:
         return None, None, logits.cpu()
-    probs = torch.softmax(logits, dim=-1)
-    p, i = torch.topk(probs, min(topk, probs.shape[-1]), dim=-1)
+    i, p = osd_kernels.topk_probs(logits, topk)
     return i.cpu(), p.cpu(), None
 
 

@@ -14,58 +14,15 @@ the draft's inputs when it trains.
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 
 from osd.online.buffer import compress_target
 
-# One thread, shared by every collector, compresses CPU teacher rows (a softmax and a
-# top-k over the vocabulary: about 50 us a row at V = 49,152) off the serving thread, a
-# row at a time (compress_rows); the torch ops release the GIL, so on a CPU it runs beside
-# serving, on the learner's core.
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="osd-teacher")
-        return _POOL
-
-
-def compress_rows(logits: torch.Tensor, topk: int):
-    """:func:`~osd.online.buffer.compress_target` of CPU ``logits [m, V]`` one row at a time
-    (the same values): an op over one row runs on the calling thread, where one over
-    several would start an OpenMP team of torch's threads beside serving's."""
-    rows = [compress_target(row[None], topk) for row in logits]
-    if not rows:
-        return compress_target(logits, topk)
-    return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]), None
-
 
 def teacher_rows(teacher: list) -> list[tuple]:
-    """A request's teacher entries as ``(positions, topk ids, topk probs, logits)``
-    tuples, waiting for rows still being compressed (an entry is that tuple, or
-    ``(positions, future, start, stop)`` while its rows are compressed off the serving
-    thread). A compression that raised raises here."""
-    out = []
-    for entry in teacher:
-        if len(entry) == 4 and hasattr(entry[1], "result"):
-            pos, job, start, stop = entry
-            ids, probs, full = job.result()
-            sl = slice(start, stop)
-            entry = (
-                pos,
-                None if ids is None else ids[sl],
-                None if probs is None else probs[sl],
-                None if full is None else full[sl],
-            )
-        out.append(entry)
-    return out
+    """A request's teacher entries, ``(positions, topk ids, topk probs, logits)`` tuples
+    in the order they were kept."""
+    return list(teacher)
 
 
 class TeacherCollector:
@@ -76,13 +33,22 @@ class TeacherCollector:
         positions: ``"all"`` verified positions or ``"corrected"`` (the rejected one).
         prompt_positions: keep the prefill's logits at each prompt's last n positions.
         swap: called before every step (the learner publishes new weights there).
+        training: returns whether a learner trains beside serving now (``loaded``).
     """
 
-    def __init__(self, topk: int | None, positions: str, prompt_positions: int, swap=None):
+    def __init__(
+        self, topk: int | None, positions: str, prompt_positions: int, swap=None, training=None
+    ):
         self.topk = topk
         self.policy = positions
         self.prompt_positions = prompt_positions
         self.swap = swap
+        self.training = training
+
+    def loaded(self) -> bool:
+        """True while the learner's training shares the machine with serving: steps then
+        run slower whatever they draft (``Speculator`` measures ``auto_k``'s arms apart)."""
+        return self.training is not None and self.training()
 
     def before_step(self) -> None:
         if self.swap is not None:
@@ -138,9 +104,11 @@ class TeacherCollector:
             if not idx:
                 continue
             base = r.length - v.emitted[b]  # position of the step's first token
-            node = [path_host[b][j] for j in idx] if path_host is not None else idx
-            rows.append(v.logits[b, node])
-            where.append((r, torch.tensor([base + j for j in idx], dtype=torch.int64)))
+            if path_host is not None:  # a tree: the accepted path's nodes
+                rows.append(v.logits[b, [path_host[b][j] for j in idx]])
+            else:  # a chain: nodes idx[0] .. idx[-1], consecutive (a view)
+                rows.append(v.logits[b, idx[0] : idx[-1] + 1])
+            where.append((r, torch.arange(base + idx[0], base + idx[-1] + 1)))
         self._keep(where, rows)
 
     def _keep(self, where, rows) -> None:
@@ -148,15 +116,12 @@ class TeacherCollector:
         lists of the requests in ``where`` (``(request, positions [m_i])``)."""
         if not rows:
             return
-        logits = torch.cat(rows)  # a copy: the verify logits' buffer is not ours to keep
-        if logits.device.type == "cpu" and self.topk is not None:
-            job = _pool().submit(compress_rows, logits, self.topk)
-            start = 0
-            for r, pos in where:
-                m = pos.numel()
-                r.teacher.append((pos, job, start, start + m))
-                start += m
-            return
+        # On the serving thread: on a CPU a row costs the two passes of the native
+        # topk_probs kernel, where a thread beside serving would contend with it for the
+        # interpreter lock and the cores at every step. Full logits are copied (torch.cat):
+        # the verify logits' buffer is not ours to keep.
+        keep_view = len(rows) == 1 and self.topk is not None
+        logits = rows[0] if keep_view else torch.cat(rows)
         ids, probs, full = compress_target(logits, self.topk)
         start = 0
         for r, pos in where:

@@ -112,6 +112,10 @@ class OnlineManager:
     def swap(self, draft: int) -> bool:
         return self.learners[draft].maybe_swap()
 
+    def training(self) -> bool:
+        """Whether a learner is training beside serving now (background learners only)."""
+        return any(learner.training for learner in self.learners)
+
     def finish(self, r, draft: int, alpha: float | None) -> None:
         with self._lock:
             self.alpha_log.append((draft, alpha))

@@ -55,6 +55,12 @@ class UpdateThread:
         with self._lock:
             return bool(self._due or self._busy)
 
+    @property
+    def training(self) -> bool:
+        """True while the background thread runs an update (not while it holds, paused):
+        the load it puts beside serving. Read without the lock: a step only samples it."""
+        return self._busy and not self._parked
+
     def wait(self) -> None:
         """Block until no update is queued or running; while paused, until the background
         thread holds (the queued work goes on after :meth:`resume`)."""

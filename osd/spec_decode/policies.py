@@ -87,7 +87,8 @@ class DraftLengthController:
     or starting it afresh when the arm went unmeasured for ``4 * window`` steps), and at
     its end the probed arm becomes the best if its goodput is more than ``margin`` above
     the best's: a switch costs a draft model's catching up, and one lucky probe should not
-    move the steps.
+    move the steps. A winning probe whose window it started afresh goes on, ``probe_steps``
+    at a time, until that window holds half a ``window`` of steps, and decides then.
 
     Probes re-measure the best arm's neighbour (the next shorter or longer chain)
     measured longest ago, so that a change in acceptance or in cost is noticed: goodput
@@ -222,6 +223,12 @@ class DraftLengthController:
         if best is None or best == k or k not in good:
             return
         if good[k] > (1 + self.margin) * good.get(best, 0.0):
+            if len(self._recent[b][k][0]) < self.window // 2:
+                # a window started afresh by this probe: a few steps on a shared machine
+                # win by chance often enough that the win must hold over half a window
+                # before the steps move (a true win costs nothing meanwhile)
+                self._run[b] = (k, self.probe_steps)
+                return
             self._best[b] = k
             self._spacing[b] = self.explore_every
         else:

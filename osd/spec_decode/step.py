@@ -136,6 +136,14 @@ class Speculator:
             else None
         )
         self.k_control = DraftLengthController(spec.num_draft_tokens) if spec.auto_k else None
+        # A listener with ``loaded()`` (the online collector: a learner training beside
+        # serving) slows every step while it says so; the arms' goodput measured then is
+        # kept by a controller of its own, so that an arm is never judged against another
+        # measured under a different load.
+        self._load = [x.loaded for x in self.listeners if hasattr(x, "loaded")]
+        self.k_control_loaded = (
+            DraftLengthController(spec.num_draft_tokens) if spec.auto_k and self._load else None
+        )
         self.graphs: StepGraphs | None = None  # CUDA graphs of the forwards (use_graphs)
         self._fused_columns: dict = {}  # fused graph key -> its read-back column names
 
@@ -189,7 +197,9 @@ class Speculator:
         B = len(active)
         clock = [time.perf_counter()]
         sampling = self._sampling_tensors(active, params)
-        k = self.spec.num_draft_tokens if self.k_control is None else self.k_control.choose(B)
+        loaded = any(f() for f in self._load)
+        control = self.k_control_loaded if loaded else self.k_control
+        k = self.spec.num_draft_tokens if control is None else control.choose(B)
         fused = (
             fused_chain_step(self, B, params, sampling, k)
             if fusable(self, active, params, k)
@@ -226,9 +236,14 @@ class Speculator:
         for listener in self.listeners:
             listener.on_verdict(verdict)
         clock.append(time.perf_counter())
-        if self.k_control is not None and not getattr(self.drafter, "lookup_decided", False):
-            # (a step every row of which had a long lookup match was lookup's whatever k)
-            self.k_control.observe(B, k, sum(emitted), clock[-1] - clock[0])
+        if (
+            control is not None
+            and not getattr(self.drafter, "lookup_decided", False)
+            and any(f() for f in self._load) == loaded
+        ):
+            # (a step every row of which had a long lookup match was lookup's whatever k;
+            # one during which the load changed measures neither controller's arms)
+            control.observe(B, k, sum(emitted), clock[-1] - clock[0])
         for phase, t0, t1 in zip(
             ("draft", "verify", "sample", "rollback", "other"), clock, clock[1:]
         ):
