@@ -46,7 +46,7 @@ def test_controller_takes_the_best_arm_and_keeps_measuring():
 
 def test_a_lucky_probe_does_not_move_the_steps():
     """A probe that starts its arm's window afresh and wins over its first steps by chance
-    goes on until half a window holds; a win that does not last leaves the best arm."""
+    goes on until a whole window holds; a win that does not last leaves the best arm."""
     ctl = DraftLengthController(4, explore_every=8, explore_max=64)
     rate = {0: 150.0, 1: 100.0, 2: 90.0, 4: 80.0}
     for _ in range(100):
@@ -73,6 +73,24 @@ def test_a_lucky_probe_does_not_move_the_steps():
         k = ctl.choose(1)
         ctl.observe(1, k, 10, 10 / rate[k])
     assert ctl._best[1] == 1
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_lookup_alone_is_every_chains_neighbour(apart):
+    """Behind prompt lookup arm 0 is lookup alone, not the shortest chain (``zero_apart``):
+    from a best chain of 3 it is probed directly, where chains of 2 and 1 that lose to 3
+    would otherwise stand between them."""
+    ctl = DraftLengthController(3, explore_every=8, explore_max=64, zero_apart=apart)
+    rate = {0: 80.0, 1: 50.0, 2: 60.0, 3: 100.0}
+    for _ in range(100):
+        k = ctl.choose(1)
+        ctl.observe(1, k, 10, 10 / rate[k])
+    assert ctl._best[1] == 3
+    rate[0] = 200.0  # lookup alone now wins (the text repeats itself)
+    for _ in range(800):
+        k = ctl.choose(1)
+        ctl.observe(1, k, 10, 10 / rate[k])
+    assert ctl._best[1] == (0 if apart else 3)
 
 
 def test_auto_k_with_a_useless_draft_decodes_plainly_and_stays_lossless():

@@ -88,7 +88,11 @@ class DraftLengthController:
     its end the probed arm becomes the best if its goodput is more than ``margin`` above
     the best's: a switch costs a draft model's catching up, and one lucky probe should not
     move the steps. A winning probe whose window it started afresh goes on, ``probe_steps``
-    at a time, until that window holds half a ``window`` of steps, and decides then.
+    at a time, until that window holds ``window`` steps, and decides then.
+    With ``zero_apart`` arm 0 is another drafter (prompt lookup alone in front of a draft
+    model), not the shortest chain: goodput is unimodal over the chains only, so arm 0 is
+    a neighbour of every arm (a best chain of 3 is compared with lookup alone directly,
+    not through chains of 2 and 1 each won in turn).
 
     Probes re-measure the best arm's neighbour (the next shorter or longer chain)
     measured longest ago, so that a change in acceptance or in cost is noticed: goodput
@@ -116,8 +120,10 @@ class DraftLengthController:
         explore_max: int | None = None,
         probe_steps: int = 4,
         margin: float = 0.1,
+        zero_apart: bool = False,
     ):
         self.arms = sorted({k for k in (k_max, 0, 1, 2, k_max // 2) if 0 <= k <= k_max})
+        self.zero_apart = zero_apart
         self.explore_every = explore_every
         self.explore_max = explore_max or 32 * explore_every
         self.window = window
@@ -174,10 +180,10 @@ class DraftLengthController:
                 k = self._start_probe(b, top, step, afresh=True)
             elif step - self._explored[b] >= self._spacing.setdefault(b, self.explore_every):
                 when, i = self._when[b], self.arms.index(best)
-                k = min(
-                    self.arms[max(0, i - 1) : i] + self.arms[i + 1 : i + 2],
-                    key=lambda a: when.get(a, -1),
-                )
+                near = self.arms[max(0, i - 1) : i] + self.arms[i + 1 : i + 2]
+                if self.zero_apart and 0 not in near and best != 0:
+                    near.append(0)
+                k = min(near, key=lambda a: when.get(a, -1))
                 self._start_probe(b, k, step)
             else:
                 k = best
@@ -223,10 +229,11 @@ class DraftLengthController:
         if best is None or best == k or k not in good:
             return
         if good[k] > (1 + self.margin) * good.get(best, 0.0):
-            if len(self._recent[b][k][0]) < self.window // 2:
-                # a window started afresh by this probe: a few steps on a shared machine
-                # win by chance often enough that the win must hold over half a window
-                # before the steps move (a true win costs nothing meanwhile)
+            if len(self._recent[b][k][0]) < self.window:
+                # a window started afresh by this probe: a few steps win by chance often
+                # enough (a shared machine; lookup's heavy-tailed steps, most emitting one
+                # token, make a few of them read low) that the win must hold over a
+                # whole window before the steps move (a true win costs nothing meanwhile)
                 self._run[b] = (k, self.probe_steps)
                 return
             self._best[b] = k

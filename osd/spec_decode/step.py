@@ -135,14 +135,20 @@ class Speculator:
             if spec.adaptive and not spec.is_tree
             else None
         )
-        self.k_control = DraftLengthController(spec.num_draft_tokens) if spec.auto_k else None
+        # arm 0 behind prompt lookup is lookup alone, another drafter than the chains
+        apart = hasattr(drafter, "propose_lookup")
+        self.k_control = (
+            DraftLengthController(spec.num_draft_tokens, zero_apart=apart) if spec.auto_k else None
+        )
         # A listener with ``loaded()`` (the online collector: a learner training beside
         # serving) slows every step while it says so; the arms' goodput measured then is
         # kept by a controller of its own, so that an arm is never judged against another
         # measured under a different load.
         self._load = [x.loaded for x in self.listeners if hasattr(x, "loaded")]
         self.k_control_loaded = (
-            DraftLengthController(spec.num_draft_tokens) if spec.auto_k and self._load else None
+            DraftLengthController(spec.num_draft_tokens, zero_apart=apart)
+            if spec.auto_k and self._load
+            else None
         )
         self.graphs: StepGraphs | None = None  # CUDA graphs of the forwards (use_graphs)
         self._fused_columns: dict = {}  # fused graph key -> its read-back column names
