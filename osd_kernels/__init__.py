@@ -3,9 +3,11 @@
 Each op has a pure-PyTorch reference (``<op>_reference``), a C++ CPU kernel and CUDA
 kernel behind ``torch.ops.osd.<op>``, and (where useful) a Triton kernel. The public
 function of the same name checks its inputs and dispatches (``backend="auto"``). The
-fused decode-layer ops (``add_rms_norm``, ``silu_mul``, ``rope_kv_write``, ``decode_gemv``)
-have a reference and a Triton kernel only: ``auto`` is Triton on CUDA and the reference
-elsewhere.
+fused decode-layer ops (``add_rms_norm``, ``silu_mul``, ``rope_kv_write``) have a
+reference, a C++ CPU kernel and a Triton kernel, ``decode_gemv`` (a GPU GEMV) a reference
+and a Triton kernel: no CUDA kernels, ``auto`` is Triton on CUDA. ``topk_probs`` (the
+online learner's teacher rows) has a reference and a C++ CPU kernel; on CUDA it is the
+reference's two device ops.
 """
 
 from osd_kernels._ops import native_available, use_avx512, use_vnni

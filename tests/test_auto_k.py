@@ -82,6 +82,11 @@ def test_lookup_alone_is_every_chains_neighbour(apart):
     would otherwise stand between them."""
     ctl = DraftLengthController(3, explore_every=8, explore_max=64, zero_apart=apart)
     rate = {0: 80.0, 1: 50.0, 2: 60.0, 3: 100.0}
+    for _ in range(17):  # each arm's first probe, then a step on the best
+        k = ctl.choose(1)
+        ctl.observe(1, k, 10, 10 / rate[k])
+    # lookup alone starts as the best; the chain of 3 must win a probe held a whole window
+    assert ctl._best[1] == (0 if apart else 3)
     for _ in range(100):
         k = ctl.choose(1)
         ctl.observe(1, k, 10, 10 / rate[k])

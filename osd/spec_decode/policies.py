@@ -92,7 +92,8 @@ class DraftLengthController:
     With ``zero_apart`` arm 0 is another drafter (prompt lookup alone in front of a draft
     model), not the shortest chain: goodput is unimodal over the chains only, so arm 0 is
     a neighbour of every arm (a best chain of 3 is compared with lookup alone directly,
-    not through chains of 2 and 1 each won in turn).
+    not through chains of 2 and 1 each won in turn), and it is the best arm until a chain
+    wins a probe.
 
     Probes re-measure the best arm's neighbour (the next shorter or longer chain)
     measured longest ago, so that a change in acceptance or in cost is noticed: goodput
@@ -171,7 +172,11 @@ class DraftLengthController:
         elif untried:
             k = self._start_probe(b, untried[0], step)
         else:
-            best = self._best.setdefault(b, max(good, key=good.get))
+            # lookup alone (zero_apart) starts as the best: it costs nothing to start with
+            # (the model is not even fed), and a chain takes its place by a probe's win
+            # held over a whole window, where the first few steps of each arm decide
+            # nothing reliable
+            best = self._best.setdefault(b, 0 if self.zero_apart else max(good, key=good.get))
             top = max(good, key=good.get)
             if good[top] > (1 + self.margin) * good[best]:
                 # the best arm's goodput fell below another's measured earlier (the text
