@@ -7,8 +7,8 @@ reference is a softmax over the vocabulary and a top-k of it: two ops that each 
 row and the first writing a new one. The native kernel (``csrc/cpu/topk_probs.cpp``,
 float32 CPU) reads each row three times and writes only the ``k`` outputs: its max, the sum
 of ``exp(x - max)``, and a selection that compares each logit with the smallest of the
-``k`` kept so far (16 at a time with AVX-512). A row of 49,152 logits takes a few
-microseconds against the reference's tens (``bench/bench_topk_probs.py``).
+``k`` kept so far (16 at a time with AVX-512), in a fraction of the reference's time
+(``bench/bench_topk_probs.py``).
 
 Results: ids most probable first; among equal logits the lower id first (the reference,
 ``torch.topk``, leaves their order unspecified). Probabilities agree with the reference's
