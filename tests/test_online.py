@@ -2,6 +2,7 @@
 non-finite losses are discarded, and what was learned survives a restart."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from osd.online import learner as online_learner
 from osd.online.buffer import Example, ReplayBuffer
 from osd.online.distill import heldout_alpha
 from osd.online.router import Router, RouterConfig
+from osd.online.update_thread import UpdateThread
 from tests.test_models import tiny_hf_model
 from tests.test_speculative import perturbed, prompts_of, serve_in_batches
 
@@ -481,3 +483,42 @@ def test_a_cpu_learner_beside_serving_on_every_core_warns_once(monkeypatch, capl
         assert online_learner.warn_if_cores_shared(cores=2)
         assert not online_learner.warn_if_cores_shared(cores=2)  # once
     assert "torch.set_num_threads(1)" in caplog.text
+
+
+def test_update_thread_says_when_it_trains():
+    """``UpdateThread.training``: true while the background thread runs an update, false
+    while idle or while it holds, paused (what ``auto_k`` reads as the learner's load)."""
+
+    class Slow(UpdateThread):
+        def __init__(self):
+            self._init_thread()
+            self.started, self.release = threading.Event(), threading.Event()
+            self._start_thread("slow-learner")
+
+        def _run_update(self):
+            self.started.set()
+            self.release.wait(10)
+            self._hold()  # a step boundary
+
+        def _fault(self, kind, error):
+            raise AssertionError(f"{kind}: {error}")
+
+    t = Slow()
+    try:
+        assert not t.training
+        with t._lock:
+            t._due = 1
+            t._wake.notify_all()
+        assert t.started.wait(10) and t.training
+        t.pause()
+        t.release.set()
+        for _ in range(1000):  # held at its step boundary: no load beside serving
+            if t._parked:
+                break
+            threading.Event().wait(0.01)
+        assert t._parked and not t.training
+        t.resume()
+        t.wait()
+        assert not t.training
+    finally:
+        t.close()
