@@ -19,12 +19,6 @@ import torch
 from osd.online.buffer import compress_target
 
 
-def teacher_rows(teacher: list) -> list[tuple]:
-    """A request's teacher entries, ``(positions, topk ids, topk probs, logits)`` tuples
-    in the order they were kept."""
-    return list(teacher)
-
-
 class TeacherCollector:
     """Listener of a ``osd.spec_decode.step.Speculator`` for online learning.
 

@@ -24,7 +24,6 @@ from collections import deque
 import torch
 
 from osd.online.buffer import Example
-from osd.online.collect import teacher_rows
 from osd.online.config import OnlineConfig
 from osd.online.distill import heldout_alpha
 from osd.online.history import FAULT_KINDS
@@ -45,7 +44,7 @@ def example_from_request(r, domain: str | None = None) -> Example | None:
     if not getattr(r, "teacher", None):
         return None
     tokens = torch.tensor(r.prompt + r.generated, dtype=torch.int64)
-    teacher = teacher_rows(r.teacher)
+    teacher = r.teacher  # (positions, topk ids, topk probs, logits) per kept step
     pos = torch.cat([t[0] for t in teacher])
     keep = pos < tokens.numel()  # drop positions past a stop / length cut
     if not bool(keep.any()):
