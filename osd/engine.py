@@ -232,6 +232,7 @@ class Engine(Scheduler, ModelRunner):
         quantize_draft: str | None = "auto",
         prefix_cache: int = 0,
         pack_weights: bool = True,
+        kv_dtype: torch.dtype | None = None,
     ) -> "Engine":
         """Load ``target`` (and drafts): each a checkpoint directory, a GGUF file or a
         transformers model.
@@ -242,8 +243,7 @@ class Engine(Scheduler, ModelRunner):
                 transformers ``*ForCausalLM``.
             draft: the same for a draft model, or a list of them (routed per request), or
                 None (plain decoding, or a draft-free ``spec``: self-speculation, n-gram).
-                An EAGLE draft's directory (``osd.models.eagle``) loads on top of the
-                target.
+                An EAGLE draft's directory (``osd.models.eagle``) loads on the target.
             spec: :class:`~osd.SpecConfig`; None: the draft's recommended settings when a
                 single draft directory on the CPU carries them (``serving.json``,
                 :func:`osd.spec.draft_serving_defaults`; the shipped chat drafts do), else
@@ -252,22 +252,22 @@ class Engine(Scheduler, ModelRunner):
 
         The tokenizer is loaded from the target directory when it has one (local files
         only); pass ``tokenizer`` to override. ``attention_backend``: see
-        ``osd.models.attention``. ``cuda_graphs``, ``prefill_chunk``, ``prefix_cache``: see
+        ``osd.models.attention``; ``cuda_graphs``, ``prefill_chunk``, ``prefix_cache``:
         :class:`Engine`.
 
         ``quantized``: a GGUF target keeps its block-quantized weights quantized in
         memory and the CPU kernels compute with them (``osd.models.quant``): decode and
         verify logits equal the dequantized target's bit for bit, prefill to float
         rounding, with fewer bytes read per token (drafts load as usual). CPU, float32
-        and a GGUF target only (ValueError otherwise). ``"int8"``: the same weights,
-        multiplied by int8 activations where the CPU has AVX-512 VNNI
-        (``osd_kernels.quant_x16``, as llama.cpp computes): not the
-        dequantized target's float32 logits (the activations' 8-bit rounding; greedy
-        tokens can part from it at near ties), but a plain step about 1.2x and a verify
-        forward of 5 tokens about 1.7x faster, and speculative output still equals plain
-        decoding's token for token. None (the default) is ``"int8"`` for a GGUF target
-        on the CPU in float32 and dequantizes it elsewhere; False dequantizes it to
-        ``dtype`` everywhere.
+        and a GGUF target only (ValueError otherwise). ``"int8"``: the same weights times
+        int8 activations where the CPU has AVX-512 VNNI (``osd_kernels.quant_x16``, as
+        llama.cpp computes): not the dequantized target's float32 logits (greedy tokens
+        can part from it at near ties), but a plain step about 1.2x and a verify forward
+        of 5 tokens about 1.7x faster; speculative output still equals plain decoding's.
+        None (the default) is ``"int8"`` for a GGUF target on the CPU in float32 and
+        dequantizes it elsewhere; False dequantizes it to ``dtype`` everywhere.
+        ``kv_dtype``: the target's K/V cache dtype (None: float16 where it computes with
+        int8 activations, so attention reads half the bytes a key; else its dtype).
 
         ``quantize_draft``, ``pack_weights``: see :class:`Engine`. The default ``"auto"``
         takes the block format a single draft's ``serving.json`` recommends when it runs
@@ -280,6 +280,7 @@ class Engine(Scheduler, ModelRunner):
             dtype=dtype,
             attention_backend=attention_backend,
             quantized=quantized,
+            kv_dtype=kv_dtype,
             tokenizer=tokenizer,
             spec=spec,
             quantize_draft=quantize_draft,

@@ -33,6 +33,7 @@ def load_for_engine(
     dtype,
     attention_backend,
     quantized,
+    kv_dtype=None,
     tokenizer,
     spec,
     quantize_draft,
@@ -60,6 +61,8 @@ def load_for_engine(
     model = load_model(
         target, device=device, dtype=dtype, attention_backend=attention_backend, quantized=quantized
     )
+    if kv_dtype is not None:
+        set_kv_dtype(model, kv_dtype)
     draft_models = [
         load_eagle(d, model)
         if is_eagle_checkpoint(d)
@@ -95,3 +98,17 @@ def load_for_engine(
     if online is not None and len(drafts) == 1:
         online = with_recipe(online, draft_online_recipe(drafts[0]))
     return model, draft_models, tokenizer, spec, quantize_draft, online
+
+
+def set_kv_dtype(model, kv_dtype) -> None:
+    """Make ``model``'s caches keep K/V in ``kv_dtype`` (a ``torch.dtype`` or its name):
+    its own dtype, or float16 under a float32 model on the CPU (ValueError otherwise)."""
+    if isinstance(kv_dtype, str):
+        kv_dtype = getattr(torch, kv_dtype, None)
+    half_ok = model.device.type == "cpu" and model.dtype == torch.float32
+    if kv_dtype != model.dtype and not (kv_dtype == torch.float16 and half_ok):
+        raise ValueError(
+            f"kv_dtype must be the model's dtype ({model.dtype}) or, for a float32 model on "
+            f"the CPU, torch.float16; got {kv_dtype}"
+        )
+    model.kv_dtype = None if kv_dtype == model.dtype else kv_dtype

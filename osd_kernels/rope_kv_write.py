@@ -66,7 +66,7 @@ def rope_kv_write_reference(
         q, k = _rope(q, c, s), _rope(k, c, s)
     rows = torch.arange(q.shape[0], device=q.device)[:, None]
     # a [B_max, S, 2, Hkv, D] view of the cache, indexed by (row, slot)
-    kv.permute(1, 3, 0, 2, 4).index_put_((rows, slots), torch.stack((k, v), dim=2))
+    kv.permute(1, 3, 0, 2, 4).index_put_((rows, slots), torch.stack((k, v), dim=2).to(kv.dtype))
     return q
 
 
@@ -94,10 +94,15 @@ def _check(q, k, v, cos, sin, kv, slots) -> None:
         raise ValueError(
             f"kv must be [2, B_max >= {B}, Hkv={Hkv}, S, D={D}], got {tuple(kv.shape)}"
         )
-    if q.dtype not in DTYPES or {k.dtype, v.dtype, kv.dtype} != {q.dtype}:
+    half_kv = q.dtype == torch.float32 and kv.dtype == torch.float16
+    if (
+        q.dtype not in DTYPES
+        or {k.dtype, v.dtype} != {q.dtype}
+        or (kv.dtype != q.dtype and not half_kv)
+    ):
         raise TypeError(
-            f"q, k, v and kv must share one of {DTYPES}, got {q.dtype}, {k.dtype}, "
-            f"{v.dtype}, {kv.dtype}"
+            f"q, k, v and kv must share one of {DTYPES} (or kv be float16 under float32 q), "
+            f"got {q.dtype}, {k.dtype}, {v.dtype}, {kv.dtype}"
         )
     if slots.dtype != torch.int64 or slots.shape != (B, T):
         raise ValueError(
@@ -138,7 +143,9 @@ def rope_kv_write(
         k, v: ``[B, T, Hkv, D]``, same dtype.
         cos, sin: ``[B, T, R]`` RoPE tables at each token's position (``R`` even,
             ``<= D``), or both None for a layer without RoPE.
-        kv: ``[2, B_max, Hkv, S, D]``, one layer of the cache, last dim contiguous. Mutated.
+        kv: ``[2, B_max, Hkv, S, D]``, one layer of the cache, last dim contiguous, in
+            the dtype of ``q`` or float16 under float32 ``q`` (``k``, ``v`` then rounded
+            to nearest as they are written, as ``Tensor.half()`` rounds). Mutated.
         slots: ``[B, T]`` int64 cache slots, ``0 <= slots < S``, distinct within a row.
         backend: ``auto`` | ``reference`` | ``native`` | ``triton``.
 

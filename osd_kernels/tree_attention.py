@@ -36,6 +36,12 @@ CPU_NATIVE_MAX_ROWS = 48
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def half_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether this is float32 ``q`` over a float16 cache (a CPU engine's half K/V,
+    widened to float32 as it is read)."""
+    return q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype == torch.float16
+
+
 def _check(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -54,9 +60,10 @@ def _check(
     B_max, Hkv, _, Dk = k_cache.shape
     if q.dtype not in _FLOATS:
         raise TypeError(f"q must be float32, float16 or bfloat16, got {q.dtype}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if (k_cache.dtype, v_cache.dtype) != (q.dtype, q.dtype) and not half_cache(q, k_cache, v_cache):
         raise TypeError(
-            f"k_cache/v_cache dtype ({k_cache.dtype}/{v_cache.dtype}) must match q ({q.dtype})"
+            f"k_cache/v_cache dtype ({k_cache.dtype}/{v_cache.dtype}) must match q ({q.dtype}), "
+            "or be float16 under float32 q"
         )
     if Dk != D:
         raise ValueError(f"head dim of q ({D}) and of the cache ({Dk}) differ")
@@ -180,8 +187,8 @@ def tree_attention_reference(
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
-        k_cache[:B, :, :kv_len],
-        v_cache[:B, :, :kv_len],
+        k_cache[:B, :, :kv_len].to(q.dtype),  # a half cache widened (a no-op otherwise)
+        v_cache[:B, :, :kv_len].to(q.dtype),
         attn_mask=visible.unsqueeze(1),
         scale=scale,
         enable_gqa=Hq != k_cache.shape[1],
@@ -209,7 +216,8 @@ def tree_attention(
     Args:
         q: ``[B, T, Hq, D]`` float32/float16/bfloat16, the queries of the new tokens (any
             ``T`` when causal, ``T <= 64`` with a ``tree_mask``). Any strides.
-        k_cache, v_cache: ``[B_max, Hkv, S, D]``, same dtype as ``q``; typically views
+        k_cache, v_cache: ``[B_max, Hkv, S, D]``, same dtype as ``q``, or float16 under
+            float32 ``q`` (a half cache, widened to float32 as it is read); typically views
             ``kv[l, 0]`` / ``kv[l, 1]`` of the runtime's ``[L, 2, B_max, Hkv, S, D]`` cache.
             Row ``b < B`` holds its prefix at slots ``[0, cache_lens[b])`` and the tree's
             K/V at ``[cache_lens[b], cache_lens[b] + T)``. ``Hq % Hkv == 0``.

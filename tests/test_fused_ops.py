@@ -134,6 +134,21 @@ def test_rope_kv_write_triton_matches_reference(device, dtype, B, T, Hq, Hkv, D,
     torch.testing.assert_close(keys[written], keys_ref[written], **(TOL[dtype] if R else EXACT))
 
 
+def test_rope_kv_write_triton_half_cache(device):
+    """Triton writes a float16 cache under float32 operands as the reference does."""
+    gen = torch.Generator().manual_seed(12)
+    q, k, v, cos, sin, kv, slots = (
+        None if t is None else t.to(device)
+        for t in _rope_case(gen, 2, 3, 4, 2, 16, 16, torch.float32)
+    )
+    kv = kv.half()
+    kv_ref = kv.clone()
+    q_ref = rope_kv_write_reference(q, k, v, cos, sin, kv_ref, slots)
+    got = rope_kv_write(q, k, v, cos, sin, kv, slots, backend="triton")
+    torch.testing.assert_close(got, q_ref, **TOL[torch.float32])
+    torch.testing.assert_close(kv.float(), kv_ref.float(), atol=1e-3, rtol=1e-3)
+
+
 def test_rope_kv_write_auto_on_cpu_equals_the_reference():
     """The reference, or the C++ kernel, which rounds as it does."""
     gen = torch.Generator().manual_seed(11)
@@ -279,6 +294,35 @@ def test_rope_kv_write_native(monkeypatch, env, B, T, Hq, Hkv, D, R):
         kv_qkv = kv.clone()
         got = rope_kv_write_qkv(rows, Hq, cos, sin, kv_qkv, slots, backend="native")
         assert torch.equal(got, q_ref) and torch.equal(kv_qkv, kv_ref)
+
+
+@native
+@pytest.mark.parametrize("env", ISAS, ids=ISA_IDS)
+@pytest.mark.parametrize(
+    "B, T, Hq, Hkv, D, R", [(1, 1, 9, 3, 64, 64), (2, 7, 4, 2, 24, 24), (3, 5, 2, 2, 18, 0)]
+)
+def test_rope_kv_write_half_cache(monkeypatch, env, B, T, Hq, Hkv, D, R):
+    """A float16 cache under float32 q and k: the queries as with a float32 cache, K and V
+    rounded to nearest as they are written (what writing float32 then Tensor.half()
+    gives), every other entry untouched; the reference writes the same."""
+    _set_isa(monkeypatch, env)
+    gen = torch.Generator().manual_seed(B * 10**4 + T * 1000 + D * 10 + R + 1)
+    q, k, v, cos, sin, kv, slots = _rope_case(gen, B, T, Hq, Hkv, D, R, torch.float32)
+    kv = kv.half()
+    kv32 = kv.float()
+    q32 = rope_kv_write(q, k, v, cos, sin, kv32, slots, backend="native")
+    kv_ref = kv.clone()
+    q_ref = rope_kv_write_reference(q, k, v, cos, sin, kv_ref, slots)
+    got = rope_kv_write(q, k, v, cos, sin, kv, slots, backend="native")
+    assert torch.equal(got, q32) and torch.equal(got, q_ref)
+    assert torch.equal(kv, kv32.half()) and torch.equal(kv, kv_ref)
+    qkv = torch.cat([t.reshape(B, T, -1) for t in (q, k, v)], dim=-1)
+    kv_qkv = kv_ref.clone()
+    rope_kv_write(q, k, v, cos, sin, kv_ref, slots, backend="reference")
+    assert torch.equal(rope_kv_write_qkv(qkv, Hq, cos, sin, kv_qkv, slots, backend="native"), q32)
+    assert torch.equal(kv_qkv, kv_ref)
+    with pytest.raises(TypeError, match="kv"):
+        rope_kv_write(q, k, v, cos, sin, kv.bfloat16(), slots)
 
 
 @native

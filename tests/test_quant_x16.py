@@ -242,6 +242,54 @@ def test_int8_activations_are_the_cpu_default_where_vnni_runs(q41):
         osd.Engine.from_pretrained(q41, quantized="int4")
 
 
+@native
+def test_int8_targets_keep_their_caches_in_float16(q41):
+    """Where a GGUF target multiplies int8 activations its caches keep K/V in float16
+    (``kv_dtype`` None), which attention widens as it reads; ``kv_dtype=torch.float32``
+    keeps float32, float32 activations keep float32, and a dtype the kernels do not read
+    is refused. The half cache moves the logits less than the int8 activations
+    themselves do (against float32 activations)."""
+    default = osd.Engine.from_pretrained(q41, max_batch_size=2, max_seq_len=48)
+    full = osd.Engine.from_pretrained(q41, max_batch_size=2, max_seq_len=48, kv_dtype=torch.float32)
+    exact = osd.Engine.from_pretrained(q41, max_batch_size=2, max_seq_len=48, quantized=True)
+    half = torch.float16 if osd_kernels.use_vnni() else torch.float32
+    assert default.cache.kv.dtype == half and full.cache.kv.dtype == torch.float32
+    assert exact.cache.kv.dtype == torch.float32
+    ids = torch.tensor([prompts_of([40], vocab=VOCAB, seed=50)[0]])
+    logits = []
+    with torch.inference_mode():
+        for model in (default.model, full.model, exact.model):
+            cache = model.new_cache(1, 48)
+            logits.append(model.prefill(ids, cache, torch.tensor([40], dtype=torch.int32)))
+    if osd_kernels.use_vnni():
+        half_error = (logits[0] - logits[1]).abs().max().item()
+        assert 0 < half_error < (logits[1] - logits[2]).abs().max().item()
+    for bad in (torch.bfloat16, "float64"):
+        with pytest.raises(ValueError, match="kv_dtype"):
+            osd.Engine.from_pretrained(q41, max_batch_size=2, max_seq_len=48, kv_dtype=bad)
+
+
+def test_a_half_cache_keeps_speculation_lossless():
+    """A float32 model over a float16 cache (``kv_dtype=torch.float16``): speculative
+    greedy decoding (a draft's chains and trees) emits plain decoding's tokens, since
+    both read the same rounded K/V."""
+    target = load_model(tiny_hf_model("llama", seed=44, vocab=320))
+    target.kv_dtype = torch.float16
+    draft = load_model(tiny_hf_model("llama", seed=47, vocab=320))
+    prompts = prompts_of([9, 4, 13, 30], vocab=VOCAB, seed=45)
+    kw = dict(max_batch_size=4, max_seq_len=80)
+    params = osd.SamplingParams(16)
+    plain = osd.Engine(target, **kw)
+    assert plain.cache.kv.dtype == torch.float16
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    for spec in (
+        osd.SpecConfig(num_draft_tokens=4),
+        osd.SpecConfig(num_draft_tokens=3, tree=[(0,), (1,), (0, 0), (1, 0), (0, 1), (0, 0, 0)]),
+    ):
+        got = osd.Engine(target, draft=[draft], spec=spec, **kw).generate(prompts, params)
+        assert [o.token_ids for o in got] == want, spec
+
+
 def test_int8_activations_are_all_or_nothing(tmp_path):
     """A model with a layer that keeps float32 activations (here an output head of 300
     rows, not a multiple of 16) regroups none: that layer's prefill pieces past 64 rows

@@ -400,7 +400,11 @@ def test_bad_input_names_the_problem():
     with pytest.raises(ValueError, match="tree_mask"):
         tree_attention(q, k, k, lens, torch.zeros(2, 3, dtype=torch.int32))
     with pytest.raises(TypeError, match="k_cache"):
-        tree_attention(q, k.half(), k.half(), lens)
+        tree_attention(q, k.bfloat16(), k.bfloat16(), lens)
+    with pytest.raises(TypeError, match="k_cache"):
+        tree_attention(q.half(), k, k, lens)  # a float32 cache under float16 q
+    with pytest.raises(RuntimeError, match="k_cache"):
+        torch.ops.osd.tree_attention(q, k.bfloat16(), k.bfloat16(), lens, None, 1.0)
     with pytest.raises(ValueError, match="head dim"):
         tree_attention(q, k[..., :4], k[..., :4], lens)
     with pytest.raises(ValueError, match="bitmask limit"):

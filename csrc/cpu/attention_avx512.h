@@ -45,17 +45,27 @@ OSD_AVX512 inline void sums8_avx512(const __m512* a, float* s) {
   }
 }
 
+// 16 elements of a key or value row as float32: a float32 row loaded, a float16 row
+// (IEEE half bits as uint16_t) widened, which is exact, so a half cache gives what a
+// float32 cache holding the same rounded values gives.
+OSD_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+OSD_AVX512 inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // s[j] = q . k[j] for j < n (dim % 16 == 0): eight keys at a time, eight FMA chains.
-OSD_AVX512 inline void scores_avx512(const float* q, const float* const* k, int64_t n,
+// KT: the cache's element type (float, or uint16_t for float16).
+template <typename KT>
+OSD_AVX512 inline void scores_avx512(const float* q, const KT* const* k, int64_t n,
                                      int64_t dim, float* s) {
   for (int64_t j = 0; j < n; j += 8) {
-    const float* kj[8];
+    const KT* kj[8];
     for (int i = 0; i < 8; ++i) kj[i] = k[std::min<int64_t>(j + i, n - 1)];
     __m512 a[8];
     for (int i = 0; i < 8; ++i) a[i] = _mm512_setzero_ps();
     for (int64_t d = 0; d < dim; d += 16) {
       const __m512 x = _mm512_loadu_ps(q + d);
-      for (int i = 0; i < 8; ++i) a[i] = _mm512_fmadd_ps(x, _mm512_loadu_ps(kj[i] + d), a[i]);
+      for (int i = 0; i < 8; ++i) a[i] = _mm512_fmadd_ps(x, load16(kj[i] + d), a[i]);
     }
     float out[8];
     sums8_avx512(a, out);

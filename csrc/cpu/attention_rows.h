@@ -1,5 +1,8 @@
-// tree_attention's row-invariant path (AVX-512, float32, head dims a multiple of 16 up to
-// 256; any causal call, tree calls of T <= 64: decode, verify and prefill pieces).
+// tree_attention's row-invariant path (AVX-512, float32 queries over a float32 or float16
+// cache, head dims a multiple of 16 up to 256; any causal call, tree calls of T <= 64:
+// decode, verify and prefill pieces). A float16 cache's keys and values are widened to
+// float32 as they are loaded (exact), so every result equals the float32 path's over the
+// same rounded values; decode reads half the bytes.
 //
 // A query's result depends only on its own visible keys, in position order, never on how
 // many queries share the call, which of them are tree siblings, where the prefix ends, or
@@ -25,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/tree_attention_task.h"  // TreeAttentionArgs, and attention_avx512.h
@@ -51,7 +55,8 @@ struct Scratch {
   std::vector<float> s;    // [pairs, L + T]: scores, then e^(s - m)
   std::vector<float> acc;  // [pairs, 2, D]: the two P.V chains
   std::vector<float> l;    // [pairs]
-  std::vector<const float*> keys;
+  std::vector<const float*> keys;      // a block's key or value rows (float32 cache)
+  std::vector<const uint16_t*> hkeys;  // the same for a float16 cache
   std::vector<int64_t> ts, hs;  // the task's pairs
 };
 
@@ -62,10 +67,22 @@ struct Scratch {
 // pair's arithmetic is what it is alone.
 constexpr int64_t kSubKeys = 32;
 
+// The block's row pointers in w for a cache of element type KT.
+template <typename KT>
+inline const KT** rows_of(Scratch& w) {
+  if constexpr (std::is_same_v<KT, float>) {
+    return w.keys.data();
+  } else {
+    return w.hkeys.data();
+  }
+}
+
+using attention_avx512::load16;
+
 // Keys i0 .. i0 + cnt - 1 (values v[0 .. cnt)) into a pair's two chains ap [2, D] (key i
 // into chain i mod 2), weights sh[i].
-template <int C>
-OSD_AVX512 inline void pv_block(float* ap, const float* sh, int64_t D, const float* const* v,
+template <int C, typename KT>
+OSD_AVX512 inline void pv_block(float* ap, const float* sh, int64_t D, const KT* const* v,
                                 int64_t i0, int64_t cnt) {
   const int64_t chunks = C > 0 ? C : D / 16;
   __m512 acc0[C > 0 ? C : kMaxChunks], acc1[C > 0 ? C : kMaxChunks];
@@ -77,21 +94,21 @@ OSD_AVX512 inline void pv_block(float* ap, const float* sh, int64_t D, const flo
   if ((i0 & 1) && cnt > 0) {  // an odd first key: chain 1
     const __m512 p1 = _mm512_set1_ps(sh[i0]);
     for (int64_t c = 0; c < chunks; ++c) {
-      acc1[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v[0] + 16 * c), acc1[c]);
+      acc1[c] = _mm512_fmadd_ps(p1, load16(v[0] + 16 * c), acc1[c]);
     }
     j = 1;
   }
   for (; j + 1 < cnt; j += 2) {  // keys i0 + j (even) and i0 + j + 1 (odd)
     const __m512 p0 = _mm512_set1_ps(sh[i0 + j]), p1 = _mm512_set1_ps(sh[i0 + j + 1]);
     for (int64_t c = 0; c < chunks; ++c) {
-      acc0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v[j] + 16 * c), acc0[c]);
-      acc1[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v[j + 1] + 16 * c), acc1[c]);
+      acc0[c] = _mm512_fmadd_ps(p0, load16(v[j] + 16 * c), acc0[c]);
+      acc1[c] = _mm512_fmadd_ps(p1, load16(v[j + 1] + 16 * c), acc1[c]);
     }
   }
   if (j < cnt) {  // an even last key: chain 0
     const __m512 p0 = _mm512_set1_ps(sh[i0 + j]);
     for (int64_t c = 0; c < chunks; ++c) {
-      acc0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v[j] + 16 * c), acc0[c]);
+      acc0[c] = _mm512_fmadd_ps(p0, load16(v[j] + 16 * c), acc0[c]);
     }
   }
   for (int64_t c = 0; c < chunks; ++c) {
@@ -102,17 +119,18 @@ OSD_AVX512 inline void pv_block(float* ap, const float* sh, int64_t D, const flo
 
 // scores_avx512 for two queries over the same keys, each key loaded once: per query the
 // very FMAs and sums scores_avx512 makes, so s0 and s1 are what it gives alone.
-OSD_AVX512 inline void scores_pair(const float* q0, const float* q1, const float* const* k,
+template <typename KT>
+OSD_AVX512 inline void scores_pair(const float* q0, const float* q1, const KT* const* k,
                                    int64_t n, int64_t dim, float* s0, float* s1) {
   for (int64_t j = 0; j < n; j += 8) {
-    const float* kj[8];
+    const KT* kj[8];
     for (int i = 0; i < 8; ++i) kj[i] = k[std::min<int64_t>(j + i, n - 1)];
     __m512 a0[8], a1[8];
     for (int i = 0; i < 8; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
     for (int64_t d = 0; d < dim; d += 16) {
       const __m512 x0 = _mm512_loadu_ps(q0 + d), x1 = _mm512_loadu_ps(q1 + d);
       for (int i = 0; i < 8; ++i) {
-        const __m512 kv = _mm512_loadu_ps(kj[i] + d);
+        const __m512 kv = load16(kj[i] + d);
         a0[i] = _mm512_fmadd_ps(x0, kv, a0[i]);
         a1[i] = _mm512_fmadd_ps(x1, kv, a1[i]);
       }
@@ -129,8 +147,9 @@ OSD_AVX512 inline void scores_pair(const float* q0, const float* q1, const float
 
 // pv_block for two pairs over the same keys (head dims of 64: C = 4), each value loaded
 // once: per pair the very FMAs pv_block makes.
+template <typename KT>
 OSD_AVX512 inline void pv_block_pair(float* ap0, const float* sh0, float* ap1, const float* sh1,
-                                     const float* const* v, int64_t i0, int64_t cnt) {
+                                     const KT* const* v, int64_t i0, int64_t cnt) {
   constexpr int C = 4, D = 64;
   __m512 a00[C], a01[C], a10[C], a11[C];  // pair, chain
   for (int c = 0; c < C; ++c) {
@@ -144,13 +163,13 @@ OSD_AVX512 inline void pv_block_pair(float* ap0, const float* sh0, float* ap1, c
     const __m512 p0 = _mm512_set1_ps(sh0[k]), p1 = _mm512_set1_ps(sh1[k]);
     if (k & 1) {
       for (int c = 0; c < C; ++c) {
-        const __m512 vv = _mm512_loadu_ps(v[j] + 16 * c);
+        const __m512 vv = load16(v[j] + 16 * c);
         a01[c] = _mm512_fmadd_ps(p0, vv, a01[c]);
         a11[c] = _mm512_fmadd_ps(p1, vv, a11[c]);
       }
     } else {
       for (int c = 0; c < C; ++c) {
-        const __m512 vv = _mm512_loadu_ps(v[j] + 16 * c);
+        const __m512 vv = load16(v[j] + 16 * c);
         a00[c] = _mm512_fmadd_ps(p0, vv, a00[c]);
         a10[c] = _mm512_fmadd_ps(p1, vv, a10[c]);
       }
@@ -164,7 +183,7 @@ OSD_AVX512 inline void pv_block_pair(float* ap0, const float* sh0, float* ap1, c
   }
 }
 
-template <int C>
+template <int C, typename KT>
 OSD_AVX512 void task(const TreeAttentionArgs& a, int64_t b, int64_t g, const int64_t* ts, const int64_t* hs,
                      int64_t np, Scratch& w) {
   const int64_t D = a.head_dim, chunks = C > 0 ? C : D / 16;
@@ -176,8 +195,10 @@ OSD_AVX512 void task(const TreeAttentionArgs& a, int64_t b, int64_t g, const int
   if (static_cast<int64_t>(w.acc.size()) < np * 2 * D) w.acc.resize(static_cast<size_t>(np * 2 * D));
   w.l.resize(static_cast<size_t>(np));
   w.keys.resize(static_cast<size_t>(kSubKeys));
-  const float* kb = static_cast<const float*>(a.k) + b * a.k_stride[0] + g * a.k_stride[1];
-  const float* vb = static_cast<const float*>(a.v) + b * a.v_stride[0] + g * a.v_stride[1];
+  w.hkeys.resize(static_cast<size_t>(kSubKeys));
+  const KT** keys = rows_of<KT>(w);
+  const KT* kb = static_cast<const KT*>(a.k) + b * a.k_stride[0] + g * a.k_stride[1];
+  const KT* vb = static_cast<const KT*>(a.v) + b * a.v_stride[0] + g * a.v_stride[1];
   auto qp = [&](const Pair& p) {
     return static_cast<const float*>(a.q) + b * a.q_stride[0] + p.t * a.q_stride[1] + p.h * a.q_stride[2];
   };
@@ -200,10 +221,10 @@ OSD_AVX512 void task(const TreeAttentionArgs& a, int64_t b, int64_t g, const int
   // keys [0, common) are seen by every pair of the task
   const int64_t common = causal ? L + ts[0] + 1 : L;
   // pointers to keys i0 .. i0 + cnt - 1 of pair p (rows of base, slot stride apart)
-  auto fill = [&](const Pair& p, const float* base, int64_t stride_s, int64_t i0, int64_t cnt) {
+  auto fill = [&](const Pair& p, const KT* base, int64_t stride_s, int64_t i0, int64_t cnt) {
     for (int64_t j = 0; j < cnt; ++j) {
       const int64_t i = i0 + j;
-      w.keys[j] = base + (causal || i < L ? i : p.tree[i - L]) * stride_s;
+      keys[j] = base + (causal || i < L ? i : p.tree[i - L]) * stride_s;
     }
   };
   // scores, eight keys at a time (scores_avx512: each key's sum takes the same additions
@@ -214,11 +235,11 @@ OSD_AVX512 void task(const TreeAttentionArgs& a, int64_t b, int64_t g, const int
     fill(w.pairs[0], kb, a.k_stride[2], i0, cnt);
     int64_t i = 0;
     for (; i + 1 < np; i += 2) {  // two pairs at a time: each key loaded once for both
-      scores_pair(qp(w.pairs[i]), qp(w.pairs[i + 1]), w.keys.data(), cnt, D,
+      scores_pair(qp(w.pairs[i]), qp(w.pairs[i + 1]), keys, cnt, D,
                   w.s.data() + i * stride + i0, w.s.data() + (i + 1) * stride + i0);
     }
     if (i < np) {
-      attention_avx512::scores_avx512(qp(w.pairs[i]), w.keys.data(), cnt, D,
+      attention_avx512::scores_avx512(qp(w.pairs[i]), keys, cnt, D,
                                       w.s.data() + i * stride + i0);
     }
   }
@@ -227,7 +248,7 @@ OSD_AVX512 void task(const TreeAttentionArgs& a, int64_t b, int64_t g, const int
     for (int64_t i0 = common; i0 < p.n; i0 += kSubKeys) {
       const int64_t cnt = std::min(kSubKeys, p.n - i0);
       fill(p, kb, a.k_stride[2], i0, cnt);
-      attention_avx512::scores_avx512(qp(p), w.keys.data(), cnt, D, w.s.data() + i * stride + i0);
+      attention_avx512::scores_avx512(qp(p), keys, cnt, D, w.s.data() + i * stride + i0);
     }
   }
   // the scale, the max, e^(s - m) and the sum (lane j adds keys j mod 16, in order)
@@ -263,11 +284,11 @@ OSD_AVX512 void task(const TreeAttentionArgs& a, int64_t b, int64_t g, const int
       for (; i + 1 < np; i += 2) {
         pv_block_pair(w.acc.data() + i * 2 * D, w.s.data() + i * stride,
                       w.acc.data() + (i + 1) * 2 * D, w.s.data() + (i + 1) * stride,
-                      w.keys.data(), i0, cnt);
+                      keys, i0, cnt);
       }
     }
     for (; i < np; ++i) {
-      pv_block<C>(w.acc.data() + i * 2 * D, w.s.data() + i * stride, D, w.keys.data(), i0, cnt);
+      pv_block<C>(w.acc.data() + i * 2 * D, w.s.data() + i * stride, D, keys, i0, cnt);
     }
   }
   for (int64_t i = 0; i < np; ++i) {
@@ -276,7 +297,7 @@ OSD_AVX512 void task(const TreeAttentionArgs& a, int64_t b, int64_t g, const int
     for (int64_t i0 = common; i0 < p.n; i0 += kSubKeys) {
       const int64_t cnt = std::min(kSubKeys, p.n - i0);
       fill(p, vb, a.v_stride[2], i0, cnt);
-      pv_block<C>(ap, w.s.data() + i * stride, D, w.keys.data(), i0, cnt);
+      pv_block<C>(ap, w.s.data() + i * stride, D, keys, i0, cnt);
     }
     float* o = static_cast<float*>(a.out) + ((b * a.num_q + p.t) * a.hq + p.h) * D;
     if (p.n == 0) {  // a query that sees no key
@@ -318,10 +339,18 @@ inline void run(const TreeAttentionArgs& a) {
         ts[i] = (first + i) / G;
         hs[i] = g * G + (first + i) % G;
       }
-      switch (a.head_dim / 16) {
-        case 4: task<4>(a, b, g, ts, hs, np, w); break;
-        case 8: task<8>(a, b, g, ts, hs, np, w); break;
-        default: task<0>(a, b, g, ts, hs, np, w); break;
+      if (a.half_kv) {
+        switch (a.head_dim / 16) {
+          case 4: task<4, uint16_t>(a, b, g, ts, hs, np, w); break;
+          case 8: task<8, uint16_t>(a, b, g, ts, hs, np, w); break;
+          default: task<0, uint16_t>(a, b, g, ts, hs, np, w); break;
+        }
+      } else {
+        switch (a.head_dim / 16) {
+          case 4: task<4, float>(a, b, g, ts, hs, np, w); break;
+          case 8: task<8, float>(a, b, g, ts, hs, np, w); break;
+          default: task<0, float>(a, b, g, ts, hs, np, w); break;
+        }
       }
     }
   });

@@ -1,7 +1,9 @@
 // The C++ CPU kernels of the fused decode-layer ops (osd/models/fused_layers.py):
 // add_rms_norm, rope_kv_write (and rope_kv_write_qkv, the same op on the qkv projection as
-// it comes out of the GEMV) and silu_mul. Float32 only; each kernel is a few microseconds of
-// work at decode sizes, so what they save is the op calls they replace.
+// it comes out of the GEMV) and silu_mul. Float32 only (rope_kv_write's cache may also be
+// float16: K and V rounded to nearest as they are written, as Tensor.half() rounds); each
+// kernel is a few microseconds of work at decode sizes, so what they save is the op calls
+// they replace.
 //
 // Rounding is that of the unfused CPU forward, operation for operation, so the fused CPU
 // layers give its results bit for bit:
@@ -21,6 +23,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 #include <cmath>
 #include <cstring>
@@ -115,12 +118,15 @@ struct Heads {
   int64_t sb, st, sh;
 };
 
+constexpr int64_t kMaxHalfDim = 512;  // head dims a float16 cache takes (a stack row)
+
 struct RopeArgs {
   Heads q, k, v;
   const float* cos = nullptr;  // [B, T, R] rows, or nullptr (no rotation)
   const float* sin = nullptr;
   int64_t cb = 0, ct = 0, sb = 0, st = 0;  // cos / sin strides of b and t
-  float* kv;                               // [2, B_max, Hkv, S, D]
+  void* kv;                                // [2, B_max, Hkv, S, D]: float32 or float16
+  bool half_kv = false;                    // a float16 cache (written rounded to nearest)
   int64_t kv_s0, kv_sb, kv_sh, kv_ss;      // strides of K/V, row, head, slot
   const int64_t* slots;                    // [B, T]
   int64_t slots_sb, slots_st;
@@ -160,8 +166,27 @@ OSD_INLINE void rope_kv_token(const RopeArgs& a, int64_t b, int64_t t) {
     }
   }
   const int64_t slot = a.slots[b * a.slots_sb + t * a.slots_st];
+  if (a.half_kv) {  // rotated in float32, then rounded to the cache's float16
+    float buf[kMaxHalfDim];
+    c10::Half* kv = static_cast<c10::Half*>(a.kv);
+    for (int64_t h = 0; h < a.Hkv; ++h) {
+      c10::Half* k_dst = kv + b * a.kv_sb + h * a.kv_sh + slot * a.kv_ss;
+      const float* x = a.k.p + b * a.k.sb + t * a.k.st + h * a.k.sh;
+      if (c == nullptr) {
+        std::memcpy(buf, x, a.D * sizeof(float));
+      } else {
+        rotate<kHw>(x, c, s, buf, a.R, a.D);
+      }
+      const float* y = a.v.p + b * a.v.sb + t * a.v.st + h * a.v.sh;
+      for (int64_t d = 0; d < a.D; ++d) {
+        k_dst[d] = c10::Half(buf[d]);
+        k_dst[a.kv_s0 + d] = c10::Half(y[d]);
+      }
+    }
+    return;
+  }
   for (int64_t h = 0; h < a.Hkv; ++h) {
-    float* k_dst = a.kv + b * a.kv_sb + h * a.kv_sh + slot * a.kv_ss;
+    float* k_dst = static_cast<float*>(a.kv) + b * a.kv_sb + h * a.kv_sh + slot * a.kv_ss;
     const float* x = a.k.p + b * a.k.sb + t * a.k.st + h * a.k.sh;
     if (c == nullptr) {
       std::memcpy(k_dst, x, a.D * sizeof(float));
@@ -192,7 +217,10 @@ Heads heads_of(const at::Tensor& t) {
 at::Tensor rope_kv_run(RopeArgs& a, const at::Tensor& like, const std::optional<at::Tensor>& cos,
                        const std::optional<at::Tensor>& sin, at::Tensor& kv,
                        const at::Tensor& slots) {
-  check_dtype(kv, at::kFloat, "kv");
+  OSD_CHECK(kv.scalar_type() == at::kFloat || kv.scalar_type() == at::kHalf,
+            "kv must be float32 or float16, got ", kv.scalar_type());
+  OSD_CHECK(kv.scalar_type() == at::kFloat || a.D <= kMaxHalfDim, "a float16 kv takes head dims up to ",
+            kMaxHalfDim, ", got ", a.D);
   OSD_CHECK(kv.dim() == 5 && kv.size(0) == 2 && kv.size(1) >= a.B && kv.size(2) == a.Hkv &&
                 kv.size(4) == a.D && kv.stride(4) == 1,
             "kv must be [2, B_max >= ", a.B, ", Hkv=", a.Hkv, ", S, D=", a.D,
@@ -235,7 +263,8 @@ at::Tensor rope_kv_run(RopeArgs& a, const at::Tensor& like, const std::optional<
                 " slots");
     }
   }
-  a.kv = kv.data_ptr<float>();
+  a.kv = kv.data_ptr();
+  a.half_kv = kv.scalar_type() == at::kHalf;
   a.kv_s0 = kv.stride(0);
   a.kv_sb = kv.stride(1);
   a.kv_sh = kv.stride(2);

@@ -28,6 +28,10 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_* values, which its
+// (maybe-)uninitialized warnings report.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
 namespace osd {

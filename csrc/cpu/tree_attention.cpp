@@ -172,8 +172,15 @@ at::Tensor tree_attention_cpu_op(const at::Tensor& q, const at::Tensor& k_cache,
             "k_cache and v_cache must both be [B_max, Hkv, S, D], got ", k_cache.sizes(),
             " and ", v_cache.sizes());
   to_dtype(q, "q");
-  OSD_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-            "k_cache/v_cache dtype must match q (", q.scalar_type(), ")");
+  // A float16 cache under float32 queries: a CPU engine's half cache (the K/V widened as
+  // they are read).
+  const bool half_kv = q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kHalf &&
+                       v_cache.scalar_type() == at::kHalf;
+  OSD_CHECK(half_kv || (k_cache.scalar_type() == q.scalar_type() &&
+                        v_cache.scalar_type() == q.scalar_type()),
+            "k_cache/v_cache dtype must match q (", q.scalar_type(),
+            "), or be float16 with float32 q; got ", k_cache.scalar_type(), "/",
+            v_cache.scalar_type());
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
   const int64_t B_max = k_cache.size(0), Hkv = k_cache.size(1), S = k_cache.size(2);
   OSD_CHECK(k_cache.size(3) == D, "head dim of q (", D, ") and of the cache (", k_cache.size(3),
@@ -208,6 +215,22 @@ at::Tensor tree_attention_cpu_op(const at::Tensor& q, const at::Tensor& k_cache,
   }
   at::Tensor out = at::empty({B, T, Hq, D}, q.options());
   if (out.numel() == 0) return out;
+  const bool rows_path =
+#if defined(__x86_64__)
+      q.scalar_type() == at::kFloat && D % 16 == 0 && D <= 16 * attention_rows::kMaxChunks &&
+      use_avx512() && q.stride(3) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1;
+#else
+      false;
+#endif
+  if (half_kv && !rows_path) {
+    // Only the AVX-512 path reads a half cache as it goes: elsewhere the keys the call
+    // sees are widened to float32 first.
+    int64_t need = 0;
+    for (int64_t b = 0; b < B; ++b) need = std::max<int64_t>(need, lens[b] + T);
+    const at::Tensor k32 = k_cache.narrow(0, 0, B).narrow(2, 0, need).to(at::kFloat);
+    const at::Tensor v32 = v_cache.narrow(0, 0, B).narrow(2, 0, need).to(at::kFloat);
+    return tree_attention_cpu_op(q, k32, v32, cache_lens.narrow(0, 0, B), tree_mask, scale);
+  }
   a.q = q.data_ptr();
   a.k = k_cache.data_ptr();
   a.v = v_cache.data_ptr();
@@ -224,13 +247,12 @@ at::Tensor tree_attention_cpu_op(const at::Tensor& q, const at::Tensor& k_cache,
     a.v_stride[i] = v_cache.stride(i);
   }
   a.scale = static_cast<float>(scale);
+  a.half_kv = half_kv;
 #if defined(__x86_64__)
   // Float32 on AVX-512: the row-invariant path (attention_rows.h), so that a query's
   // result never depends on the call's other queries, nor on how a prompt was cut into
   // prefill pieces.
-  if (q.scalar_type() == at::kFloat && D % 16 == 0 &&
-      D <= 16 * attention_rows::kMaxChunks && use_avx512() && q.stride(3) == 1 &&
-      k_cache.stride(3) == 1 && v_cache.stride(3) == 1) {
+  if (rows_path) {
     attention_rows::run(a);
     return out;
   }

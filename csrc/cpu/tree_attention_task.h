@@ -48,6 +48,7 @@ struct TreeAttentionArgs {
   float* part;                // [tasks, row_block, D + 2] or nullptr
   int64_t split_min;          // fewest keys per split (split_keys)
   bool lanes;                 // rows in lanes where the AVX-512 path runs (kLaneRows)
+  bool half_kv;               // float32 queries over a float16 cache (attention_rows only)
 };
 
 #if defined(__x86_64__)

@@ -240,8 +240,8 @@ def windowed_attention(
         visible = visible & (key_pos.unsqueeze(1) > (base + steps - window).unsqueeze(2))
     out = _masked_sdpa(
         q.transpose(1, 2),
-        k_cache[:B, :, :kv_len],
-        v_cache[:B, :, :kv_len],
+        k_cache[:B, :, :kv_len].to(q.dtype),  # a half cache widened (a no-op otherwise)
+        v_cache[:B, :, :kv_len].to(q.dtype),
         visible.unsqueeze(1),
         scale,
         softcap,

@@ -96,6 +96,10 @@ class DecoderLM(PositionBuffers, nn.Module):
         self._init_position_buffers()
         # [V_head] int64 vocabulary ids of the head's rows; None: the head covers every id.
         self.register_buffer("head_ids", None)
+        # The K/V dtype of the caches new_cache makes; None: the model's dtype. float16
+        # under a float32 model on the CPU halves the bytes attention reads per key (the
+        # kernels widen it as they read; osd_kernels.tree_attention).
+        self.kv_dtype: torch.dtype | None = None
 
     @property
     def device(self) -> torch.device:
@@ -189,13 +193,14 @@ class DecoderLM(PositionBuffers, nn.Module):
     def new_cache(
         self, max_batch_size: int, max_seq_len: int, *, context: int | None = None
     ) -> KVCache:
-        """A :class:`~osd.cache.KVCache` for this model on its device and dtype (``context``:
-        the longest sequence it will serve, default ``max_seq_len``)."""
+        """A :class:`~osd.cache.KVCache` for this model on its device, in its
+        :attr:`kv_dtype` (``context``: the longest sequence it will serve, default
+        ``max_seq_len``)."""
         cache = KVCache.for_model(
             self.config,
             max_batch_size,
             max_seq_len,
-            dtype=self.dtype,
+            dtype=self.kv_dtype or self.dtype,
             device=self.device,
             context=context,
         )
@@ -352,7 +357,9 @@ class DecoderLM(PositionBuffers, nn.Module):
             q, k, v = layer.qkv(x, *ropes[layer.local_rope])
             kv = cache.kv[index]  # [2, B_max, H, S, D]
             # write K/V at [row, slot]: a [B_max, S, 2, H, D] view indexed by (rows, slots)
-            kv.permute(1, 3, 0, 2, 4).index_put_((rows, slots), torch.stack((k, v), dim=2))
+            kv.permute(1, 3, 0, 2, 4).index_put_(
+                (rows, slots), torch.stack((k, v), dim=2).to(kv.dtype)
+            )
             out = attention(
                 q,
                 kv[0],

@@ -1,0 +1,170 @@
+"""The chat target's K/V cache in float16 (the default beside int8 activations) against
+float32, on the same model object (the same weights in memory), 2 threads.
+
+Speed: one cached forward of a decode step (1 new token a row) and of a chain verify (5
+new tokens a row) at ``--contexts`` cached positions, batch 1 and ``--batch``, the two
+caches alternating, best of ``--rounds`` rounds of 6 forwards. Attention reads every
+cached key and value of every layer each forward (46 KB a position in float32 for
+SmolLM2-135M), so the share it takes, and what a half cache saves, grows with the
+context and the batch.
+
+Accuracy, per workload of the evaluation set (``--prompts`` each): the float32-activation
+model's greedy answer (``--tokens``; ``quantized=True``, float32 K/V: the dequantized
+model's logits), teacher-forced through the int8 model with each cache in cached
+forwards of up to 16 tokens: the share of answer positions whose argmax agrees with the
+float32 model's, and how many tokens each int8 model's own greedy answer shares with the
+float32 one before they part (mean over prompts).
+
+    .venv/bin/python bench/bench_kv_dtype.py [--contexts 128 512 1024 2048] [--prompts 3]
+"""
+
+import os
+import sys
+
+if __name__ == "__main__":  # run as a script: the repository root, for `bench.*`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import osd  # first: osd sets the OpenMP wait policy before torch loads libgomp
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+import osd_kernels  # noqa: E402
+from osd.chat_template import apply_chat_template  # noqa: E402
+from osd.zoo.workloads import evaluation_set  # noqa: E402
+
+from bench.bench_int8_activations import teacher_forced  # noqa: E402
+
+KV = {"float32 K/V": torch.float32, "float16 K/V": torch.float16}
+
+
+def forward_times(model, contexts, batch: int, rounds: int) -> dict:
+    """Best µs of a cached forward of 1 and 5 new tokens a row, per (batch, context, cache)."""
+    gen = torch.Generator().manual_seed(0)
+    V = model.vocab_size
+    out: dict = {}
+    with torch.inference_mode():
+        for B in sorted({1, batch}):
+            for L in contexts:
+                prompt = torch.randint(0, V, (B, L), generator=gen)
+                caches = {}
+                for name, dtype in KV.items():
+                    model.kv_dtype = dtype
+                    caches[name] = model.new_cache(B, L + 8)
+                    model.prefill(prompt, caches[name], torch.full((B,), L, dtype=torch.int32))
+                for T in (1, 5):
+                    ids = torch.randint(0, V, (B, T), generator=gen)
+                    best = {name: float("inf") for name in KV}
+                    for r in range(rounds):
+                        for name in KV if r % 2 == 0 else list(KV)[::-1]:
+                            model(ids, caches[name])
+                            start = time.perf_counter()
+                            for _ in range(6):
+                                model(ids, caches[name])
+                            best[name] = min(best[name], (time.perf_counter() - start) / 6 * 1e6)
+                    out[B, L, T] = best
+                    print(
+                        f"  batch {B} context {L:5d} {T} new: "
+                        + "  ".join(f"{n} {us:7.0f} µs" for n, us in best.items())
+                        + f"  half {best['float32 K/V'] / best['float16 K/V']:.2f}x faster",
+                        flush=True,
+                    )
+                del caches
+    model.kv_dtype = torch.float16
+    return out
+
+
+def accuracy(target: str, prompts: int, tokens: int) -> dict:
+    """Per workload: argmax agreement with the float32 model and shared greedy tokens,
+    for the int8 model over each cache."""
+    exact = osd.Engine.from_pretrained(target, quantized=True, max_batch_size=1)
+    int8 = {
+        name: osd.Engine.from_pretrained(target, max_batch_size=1, kv_dtype=dtype)
+        for name, dtype in KV.items()
+    }
+    tok = exact.tokenizer
+    params = osd.SamplingParams(tokens, ignore_eos=True)
+    out = {}
+    for w in evaluation_set(n=prompts):
+        agree = {n: 0 for n in KV}
+        shared = {n: 0 for n in KV}
+        total = 0
+        for p in w.prompts:
+            prompt = apply_chat_template(tok, [list(p)])[0]
+            ref = exact.generate([prompt], params)[0].token_ids
+            want = teacher_forced(exact.model, prompt + ref, len(prompt)).argmax(-1)
+            total += want.numel()
+            for name, eng in int8.items():
+                own = eng.generate([prompt], params)[0].token_ids
+                shared[name] += next(
+                    (i for i, (a, b) in enumerate(zip(ref, own)) if a != b), len(ref)
+                )
+                got = teacher_forced(eng.model, prompt + ref, len(prompt)).argmax(-1)
+                agree[name] += int((got == want).sum())
+        out[w.name] = {
+            n: dict(
+                top1_agreement=round(agree[n] / total, 4),
+                greedy_shared_tokens=round(shared[n] / len(w.prompts), 1),
+            )
+            for n in KV
+        }
+        print(
+            f"  {w.name:10s} "
+            + "   ".join(
+                f"{n}: argmax {r['top1_agreement']:.2%}, "
+                f"greedy shares {r['greedy_shared_tokens']:.0f}"
+                for n, r in out[w.name].items()
+            ),
+            flush=True,
+        )
+    return out
+
+
+def run(args) -> dict:
+    torch.set_num_threads(2)
+    target = args.target or osd.zoo.chat.fetch_target()
+    engine = osd.Engine.from_pretrained(target, max_batch_size=1)
+    print(f"cached forwards, int8 activations, best of {args.rounds} rounds of 6:")
+    times = forward_times(engine.model, args.contexts, args.batch, args.rounds)
+    result = {"forward_us": {f"B{B}/L{L}/T{T}": v for (B, L, T), v in times.items()}}
+    if args.prompts:
+        print(f"accuracy against the float32-activation model ({args.tokens} tokens):")
+        result["accuracy"] = accuracy(target, args.prompts, args.tokens)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024, 2048])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=3, help="prompts a workload (0: no accuracy)")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--target", default=None, help="a GGUF file (default: the chat target, Q4_1)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    result = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def test_kv_dtype():
+    """``make bench``: two contexts, batch 1 and 4, one prompt a workload, 32 tokens."""
+    if osd.zoo.chat.cached_target() is None or not osd_kernels.use_vnni():
+        import pytest  # only here: the script runs without pytest
+
+        pytest.skip("needs the chat target (osd.zoo.chat.fetch_target()) and AVX-512 VNNI")
+    print()
+    run(
+        argparse.Namespace(
+            contexts=[128, 1024], batch=4, rounds=2, prompts=1, tokens=32, target=None
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
