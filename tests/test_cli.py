@@ -5,6 +5,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 import osd
 from osd import cli, zoo
@@ -189,6 +190,29 @@ def test_generate_quantized_gguf_equals_dequantized(tmp_path, capsys):
         )
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] and outs[0].strip()
+
+
+def test_generate_kv_dtype(tmp_path, capsys, monkeypatch):
+    """``--kv-dtype`` reaches ``from_pretrained`` (auto: None), and a float16 cache under
+    the dequantized float32 model decodes."""
+    path = str(to_gguf(tiny_hf_model("llama", seed=61), tmp_path / "m.gguf", T.Q4_1))
+    seen = []
+    real = osd.Engine.from_pretrained.__func__
+
+    def spy(cls, *a, **kw):
+        engine = real(cls, *a, **kw)
+        seen.append((kw.get("kv_dtype"), engine.cache.kv.dtype))
+        return engine
+
+    monkeypatch.setattr(osd.Engine, "from_pretrained", classmethod(spy))
+    for extra in (["--no-quantized", "--kv-dtype", "float16"], ["--kv-dtype", "float32"], []):
+        argv = ["generate", "--target", path, "--max-new-tokens", "6", *extra, "1 2 3"]
+        assert cli.main(argv) == 0
+        assert capsys.readouterr().out.strip()
+    assert seen[0] == ("float16", torch.float16) and seen[1] == ("float32", torch.float32)
+    assert seen[2][0] is None
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--target", path, "--kv-dtype", "int8", "1 2"])
 
 
 def test_demo_builtin_writes_the_report(tmp_path):

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from osd.cli.serve_options import quantized_mode
+from osd.cli.serve_options import kv_dtype, quantized_mode
 
 # Each command imports its own modules inside its function: `osd --help` and a command's
 # argument errors answer at once, without importing torch, transformers or uvicorn.
@@ -90,6 +90,7 @@ def _generate(args) -> int:
         max_batch_size=1,
         max_seq_len=args.max_seq_len,
         quantized=quantized_mode(args),
+        kv_dtype=kv_dtype(args),
         quantize_draft=_draft_format(args.quantize_draft),
     )
     params = osd.SamplingParams(

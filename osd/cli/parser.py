@@ -227,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
         "logits bit for bit, slower verify forwards",
     )
     g.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "float32", "float16"],
+        help="the target's K/V cache (auto: float16 beside int8 activations, which halves "
+        "what attention reads a key; else the model's dtype)",
+    )
+    g.add_argument(
         "--quantize-draft",
         default="auto",
         choices=["auto", "Q8_0", "Q4_1", "Q4_0", "none"],

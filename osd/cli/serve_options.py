@@ -108,6 +108,13 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         "logits bit for bit, slower verify forwards",
     )
     s.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "float32", "float16"],
+        help="the target's K/V cache (auto: float16 beside int8 activations, which halves "
+        "what attention reads a key; else the model's dtype)",
+    )
+    s.add_argument(
         "--quantize-draft",
         default="auto",
         choices=["auto", "Q8_0", "Q4_1", "Q4_0", "none"],
@@ -205,6 +212,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         help="answer 408 and close when a request body takes longer (default 30)",
     )
     return s
+
+
+def kv_dtype(args: argparse.Namespace) -> str | None:
+    """``Engine.from_pretrained``'s ``kv_dtype`` from ``--kv-dtype`` (auto: None)."""
+    value = getattr(args, "kv_dtype", "auto")
+    return None if value == "auto" else value
 
 
 def quantized_mode(args: argparse.Namespace) -> bool | str | None:

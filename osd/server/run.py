@@ -15,7 +15,7 @@ import osd
 from osd import zoo
 from osd.models.quant import own_quant_layers
 from osd.server.app import build_app
-from osd.cli.serve_options import quantized_mode
+from osd.cli.serve_options import kv_dtype, quantized_mode
 from osd.server.limits import Limits, limit_logs, uvicorn_config
 from osd.spec import describe
 
@@ -104,6 +104,7 @@ def serve(args) -> int:
             max_batch_size=args.max_batch_size,
             max_seq_len=args.max_seq_len,
             quantized=quantized_mode(args),
+            kv_dtype=kv_dtype(args),
             prefix_cache=getattr(args, "prefix_cache", 0),
             quantize_draft=getattr(args, "quantize_draft", None),
         )
