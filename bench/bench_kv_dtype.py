@@ -15,7 +15,15 @@ forwards of up to 16 tokens: the share of answer positions whose argmax agrees w
 float32 model's, and how many tokens each int8 model's own greedy answer shares with the
 float32 one before they part (mean over prompts).
 
+End to end (``--long``, 0 to skip): requests to summarise a long document
+(``osd.zoo.workloads.long_documents``, about 1,500-2,000 prompt tokens) on the engine as
+``from_pretrained`` builds it, plain and with the chat draft's settings, over each cache;
+decode tokens/s per engine, a request's decode time being that of a 129-token request
+minus that of a 1-token one (the prefill), the four engines taking turns request by
+request; speculative output asserted equal to plain output over the same cache.
+
     .venv/bin/python bench/bench_kv_dtype.py [--contexts 128 512 1024 2048] [--prompts 3]
+        [--long 4]
 """
 
 import os
@@ -34,7 +42,8 @@ import torch  # noqa: E402
 
 import osd_kernels  # noqa: E402
 from osd.chat_template import apply_chat_template  # noqa: E402
-from osd.zoo.workloads import evaluation_set  # noqa: E402
+from osd.chat_template import encode_chat  # noqa: E402
+from osd.zoo.workloads import evaluation_set, long_documents  # noqa: E402
 
 from bench.bench_int8_activations import teacher_forced  # noqa: E402
 
@@ -123,6 +132,41 @@ def accuracy(target: str, prompts: int, tokens: int) -> dict:
     return out
 
 
+def long_decode(n: int, tokens: int = 128) -> dict:
+    """Decode tokens/s on ``n`` long-document requests per (engine, cache)."""
+    target, draft = osd.zoo.chat_pair()
+    engines = {
+        f"{kind}, {name}": osd.Engine.from_pretrained(
+            target, draft=d, kv_dtype=dtype, max_batch_size=1, max_seq_len=4096
+        )
+        for kind, d in (("plain", None), ("as served", draft))
+        for name, dtype in KV.items()
+    }
+    names = list(engines)
+    ids = encode_chat(engines[names[0]].tokenizer, [list(c) for c in long_documents(n)])
+    print(f"  prompt tokens: {[len(p) for p in ids]}", flush=True)
+    one, params = osd.SamplingParams(1), osd.SamplingParams(tokens + 1, ignore_eos=True)
+    for e in engines.values():  # warm-up on other text
+        e.generate([ids[0][:64]], osd.SamplingParams(4))
+    spent = {k: 0.0 for k in names}
+    made = {k: 0 for k in names}
+    for i, p in enumerate(ids):
+        outs = {}
+        for k in names[i % len(names) :] + names[: i % len(names)]:
+            start = time.perf_counter()
+            engines[k].generate([p], one)
+            mid = time.perf_counter()
+            outs[k] = engines[k].generate([p], params)[0].token_ids
+            spent[k] += (time.perf_counter() - mid) - (mid - start)
+            made[k] += len(outs[k]) - 1
+        for name in KV:
+            assert outs[f"as served, {name}"] == outs[f"plain, {name}"], (i, name)
+    out = {k: round(made[k] / spent[k], 1) for k in names}
+    for k, rate in out.items():
+        print(f"  {k:24s} {rate:6.1f} decode tokens/s", flush=True)
+    return out
+
+
 def run(args) -> dict:
     torch.set_num_threads(2)
     target = args.target or osd.zoo.chat.fetch_target()
@@ -133,6 +177,9 @@ def run(args) -> dict:
     if args.prompts:
         print(f"accuracy against the float32-activation model ({args.tokens} tokens):")
         result["accuracy"] = accuracy(target, args.prompts, args.tokens)
+    if args.long:
+        print(f"long documents, {args.long} requests, 128 new tokens:")
+        result["long_documents"] = long_decode(args.long)
     return result
 
 
@@ -143,6 +190,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=3, help="prompts a workload (0: no accuracy)")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--long", type=int, default=4, help="long-document requests (0: none)")
     ap.add_argument("--target", default=None, help="a GGUF file (default: the chat target, Q4_1)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -161,7 +209,7 @@ def test_kv_dtype():
     print()
     run(
         argparse.Namespace(
-            contexts=[128, 1024], batch=4, rounds=2, prompts=1, tokens=32, target=None
+            contexts=[128, 1024], batch=4, rounds=2, prompts=1, tokens=32, long=1, target=None
         )
     )
 

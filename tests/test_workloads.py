@@ -31,6 +31,16 @@ def test_evaluation_set_has_four_different_workloads():
         evaluation_set(n=0)
 
 
+def test_long_documents_are_long_distinct_and_seeded():
+    docs = workloads.long_documents(4, chars=5000)
+    texts = [c[0]["content"] for c in docs]
+    assert len(texts) == 4 and len(set(texts)) == 4
+    assert all(len(t) >= 5000 and t.startswith("Summarise") for t in texts)
+    assert workloads.long_documents(4, chars=5000) == docs
+    with pytest.raises(ValueError, match="n and chars"):
+        workloads.long_documents(0)
+
+
 def test_workloads_use_held_out_modules_only():
     """No shipped draft trained on the evaluation set's text: every module it reads lies
     in the corpus's held-out split."""

@@ -224,4 +224,25 @@ def evaluation_set(n: int = 8, seed: int = 0) -> list[Workload]:
     ]
 
 
-__all__ = ["Workload", "evaluation_set", "stream"]
+def long_documents(n: int, chars: int = 5500, seed: int = 0) -> tuple[tuple[dict, ...], ...]:
+    """``n`` requests to summarise a long document given in the prompt: documentation
+    passages of consecutive modules until the text holds ``chars`` characters (5,500:
+    about 1,500-2,000 tokens of the chat models' vocabulary), each request's from a
+    different starting module. For the cost of long contexts: every decode step of such
+    a request attends over its whole prompt."""
+    if n < 1 or chars < 1:
+        raise ValueError(f"n and chars must be >= 1, got {n}, {chars}")
+    passages = _passages(random.Random(seed))
+    out = []
+    for i in range(n):
+        parts, j = [], i * max(1, len(passages) // n)
+        while sum(len(p) for p in parts) < chars and len(parts) < len(passages):
+            module, text = passages[j % len(passages)]
+            parts.append(f"## {module}\n\n{text}")
+            j += 1
+        body = "\n\n".join(parts)
+        out.append(({"role": "user", "content": f"Summarise this documentation.\n\n{body}"},))
+    return tuple(out)
+
+
+__all__ = ["Workload", "evaluation_set", "long_documents", "stream"]
