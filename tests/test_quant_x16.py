@@ -9,6 +9,7 @@ output token for token, and the default on a VNNI CPU; bad input; opcheck."""
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import osd
 import osd_kernels
@@ -267,6 +268,32 @@ def test_int8_targets_keep_their_caches_in_float16(q41):
     for bad in (torch.bfloat16, "float64"):
         with pytest.raises(ValueError, match="kv_dtype"):
             osd.Engine.from_pretrained(q41, max_batch_size=2, max_seq_len=48, kv_dtype=bad)
+
+
+@native
+def test_head_dims_the_fast_attention_does_not_read_keep_a_float32_cache(tmp_path):
+    """A head dim that is not a multiple of 16 keeps float32 K/V beside int8 activations
+    (the AVX-512 attention path reads float16 only at such widths; elsewhere the keys
+    would be widened every call)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=2,
+        pad_token_id=None,
+    )
+    path = to_gguf(LlamaForCausalLM(cfg), tmp_path / "d24.gguf", T.Q4_1)
+    engine = osd.Engine.from_pretrained(str(path), max_batch_size=1, max_seq_len=32)
+    types = {m.ggml_type for m in engine.model.modules() if isinstance(m, QuantLinear)}
+    assert types == ({X16_OFFSET + 3} if osd_kernels.use_vnni() else {3})
+    assert engine.cache.kv.dtype == torch.float32
 
 
 def test_a_half_cache_keeps_speculation_lossless():

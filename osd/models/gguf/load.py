@@ -38,7 +38,8 @@ def load_gguf_model(
     layer multiplied with int8 activations where the CPU has AVX-512 VNNI
     (:func:`~osd.models.quant.use_int8_activations`: not the dequantized model's float32
     product; few-row forwards much cheaper), and its caches then keep K/V in float16
-    (``model.kv_dtype``; attention reads half the bytes a key)."""
+    (``model.kv_dtype``; attention reads half the bytes a key) where the attention's
+    AVX-512 path reads them so."""
     if quantized not in (False, True, "int8"):
         raise ValueError(f"quantized must be False, True or 'int8', got {quantized!r}")
     if quantized and (torch.device(device).type != "cpu" or dtype != torch.float32):
@@ -59,6 +60,10 @@ def load_gguf_model(
         quantize_gguf_linears(model, g)
         if quantized == "int8" and use_vnni() and use_int8_activations(model):
             # Where activations are already rounded to 8 bits, K/V in float16 (rounded at
-            # 11 significant bits) cost little accuracy and halve what attention reads.
-            model.kv_dtype = torch.float16
+            # 11 significant bits) cost little accuracy and halve what attention reads:
+            # where tree_attention's AVX-512 path reads them as they are (head dims a
+            # multiple of 16 up to 256, no soft-capped scores), not widened first.
+            D = config.head_dim
+            if D % 16 == 0 and D <= 256 and config.attn_logit_softcapping is None:
+                model.kv_dtype = torch.float16
     return model.eval()
