@@ -232,7 +232,7 @@ class Engine(Scheduler, ModelRunner):
         quantize_draft: str | None = "auto",
         prefix_cache: int = 0,
         pack_weights: bool = True,
-        kv_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | str | None = None,
     ) -> "Engine":
         """Load ``target`` (and drafts): each a checkpoint directory, a GGUF file or a
         transformers model.
