@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from osd.cli.commands import _bench, _demo, _draft_eval, _generate, _serve
-from osd.cli.serve_options import add_serve_parser
+from osd.cli.serve_options import add_kv_dtype_option, add_serve_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -226,13 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with a quantized target, float32 activations: the dequantized model's "
         "logits bit for bit, slower verify forwards",
     )
-    g.add_argument(
-        "--kv-dtype",
-        default="auto",
-        choices=["auto", "float32", "float16"],
-        help="the target's K/V cache (auto: float16 beside int8 activations, which halves "
-        "what attention reads a key; else the model's dtype)",
-    )
+    add_kv_dtype_option(g)
     g.add_argument(
         "--quantize-draft",
         default="auto",

@@ -107,13 +107,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         help="with a quantized target, float32 activations: the dequantized model's "
         "logits bit for bit, slower verify forwards",
     )
-    s.add_argument(
-        "--kv-dtype",
-        default="auto",
-        choices=["auto", "float32", "float16"],
-        help="the target's K/V cache (auto: float16 beside int8 activations, which halves "
-        "what attention reads a key; else the model's dtype)",
-    )
+    add_kv_dtype_option(s)
     s.add_argument(
         "--quantize-draft",
         default="auto",
@@ -212,6 +206,17 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         help="answer 408 and close when a request body takes longer (default 30)",
     )
     return s
+
+
+def add_kv_dtype_option(group) -> None:
+    """``--kv-dtype`` (``osd serve``, ``osd generate``)."""
+    group.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "float32", "float16"],
+        help="the target's K/V cache (auto: float16 beside int8 activations, which halves "
+        "what attention reads a key; else the model's dtype)",
+    )
 
 
 def kv_dtype(args: argparse.Namespace) -> str | None:
