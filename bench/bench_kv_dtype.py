@@ -8,6 +8,8 @@ cached key and value of every layer each forward (46 KB a position in float32 fo
 SmolLM2-135M), so the share it takes, and what a half cache saves, grows with the
 context and the batch.
 
+Prefill: the best tokens/s of a prompt of each context length over each cache.
+
 Accuracy, per workload of the evaluation set (``--prompts`` each): the float32-activation
 model's greedy answer (``--tokens``; ``quantized=True``, float32 K/V: the dequantized
 model's logits), teacher-forced through the int8 model with each cache in cached
@@ -132,6 +134,31 @@ def accuracy(target: str, prompts: int, tokens: int) -> dict:
     return out
 
 
+def prefill_rates(model, contexts, rounds: int) -> dict:
+    """Best prefill tokens/s of a random prompt per (context, cache), batch 1."""
+    gen = torch.Generator().manual_seed(1)
+    out: dict = {}
+    with torch.inference_mode():
+        for L in contexts:
+            prompt = torch.randint(0, model.vocab_size, (1, L), generator=gen)
+            best = {name: 0.0 for name in KV}
+            for r in range(rounds):
+                for name, dtype in KV.items() if r % 2 == 0 else list(KV.items())[::-1]:
+                    model.kv_dtype = dtype
+                    cache = model.new_cache(1, L + 8)
+                    start = time.perf_counter()
+                    model.prefill(prompt, cache, torch.tensor([L], dtype=torch.int32))
+                    best[name] = max(best[name], L / (time.perf_counter() - start))
+            out[L] = best
+            print(
+                f"  prefill {L:5d} tokens: "
+                + "  ".join(f"{n} {v:6.0f} tokens/s" for n, v in best.items()),
+                flush=True,
+            )
+    model.kv_dtype = torch.float16
+    return out
+
+
 def long_decode(n: int, tokens: int = 128) -> dict:
     """Decode tokens/s on ``n`` long-document requests per (engine, cache)."""
     target, draft = osd.zoo.chat_pair()
@@ -174,6 +201,8 @@ def run(args) -> dict:
     print(f"cached forwards, int8 activations, best of {args.rounds} rounds of 6:")
     times = forward_times(engine.model, args.contexts, args.batch, args.rounds)
     result = {"forward_us": {f"B{B}/L{L}/T{T}": v for (B, L, T), v in times.items()}}
+    print(f"prefill, batch 1, best of {args.rounds}:")
+    result["prefill_tokens_per_s"] = prefill_rates(engine.model, args.contexts, args.rounds)
     if args.prompts:
         print(f"accuracy against the float32-activation model ({args.tokens} tokens):")
         result["accuracy"] = accuracy(target, args.prompts, args.tokens)
