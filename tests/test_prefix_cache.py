@@ -118,9 +118,12 @@ def _prompts(seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("drafted", [False, True])
 @pytest.mark.parametrize("chunk", [512, 64])
-def test_greedy_equals_without_the_cache(pair, drafted, chunk):
-    """Served in batches of 3 and one by one; chunk 64 stages the long prompts."""
+@pytest.mark.parametrize("kv_dtype", [None, torch.float16], ids=["float32-kv", "float16-kv"])
+def test_greedy_equals_without_the_cache(pair, drafted, chunk, kv_dtype):
+    """Served in batches of 3 and one by one; chunk 64 stages the long prompts; over a
+    float32 cache and over a float16 one (the prefix cache keeps the cache's own dtype)."""
     target, draft, _ = pair
+    target.kv_dtype = kv_dtype
     target.config = dataclasses.replace(target.config, prefill_chunk=chunk)
     prompts = _prompts(seed=23)
     kw = dict(
@@ -136,6 +139,7 @@ def test_greedy_equals_without_the_cache(pair, drafted, chunk):
         ]
         for batch in (3, 1):
             eng = osd.Engine(target, max_batch_size=batch, prefix_cache=4096, **kw)
+            assert eng.cache.kv.dtype == (kv_dtype or torch.float32)
             assert [o.token_ids for o in eng.generate(prompts, params)] == ref
             st = eng.stats["prefix_cache"]
             # One by one each prompt reuses every earlier one's whole blocks (the last
@@ -146,6 +150,7 @@ def test_greedy_equals_without_the_cache(pair, drafted, chunk):
             assert [o.token_ids for o in again] == ref[:2]
     finally:
         target.config = dataclasses.replace(target.config, prefill_chunk=512)
+        target.kv_dtype = None
 
 
 def test_online_prompt_logits_stay_fed(pair):
