@@ -103,12 +103,13 @@ def load_for_engine(
 def set_kv_dtype(model, kv_dtype) -> None:
     """Make ``model``'s caches keep K/V in ``kv_dtype`` (a ``torch.dtype`` or its name):
     its own dtype, or float16 under a float32 model on the CPU (ValueError otherwise)."""
+    given = kv_dtype
     if isinstance(kv_dtype, str):
         kv_dtype = getattr(torch, kv_dtype, None)
     half_ok = model.device.type == "cpu" and model.dtype == torch.float32
     if kv_dtype != model.dtype and not (kv_dtype == torch.float16 and half_ok):
         raise ValueError(
             f"kv_dtype must be the model's dtype ({model.dtype}) or, for a float32 model on "
-            f"the CPU, torch.float16; got {kv_dtype}"
+            f"the CPU, torch.float16; got {given!r}"
         )
     model.kv_dtype = None if kv_dtype == model.dtype else kv_dtype

@@ -265,7 +265,7 @@ def test_int8_targets_keep_their_caches_in_float16(q41):
     if osd_kernels.use_vnni():
         half_error = (logits[0] - logits[1]).abs().max().item()
         assert 0 < half_error < (logits[1] - logits[2]).abs().max().item()
-    for bad in (torch.bfloat16, "float64"):
+    for bad in (torch.bfloat16, "float64", "half-ish"):
         with pytest.raises(ValueError, match="kv_dtype"):
             osd.Engine.from_pretrained(q41, max_batch_size=2, max_seq_len=48, kv_dtype=bad)
 
