@@ -202,3 +202,59 @@ def test_step_gemvs_per_format(benchmark, fmt, rows, act):
         megabytes=round(total / 1e6, 1),
         gb_per_s=round(total / benchmark.stats.stats.min / 1e9, 1),
     )
+
+
+@pytest.mark.parametrize("rows", [5, 40, 128])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K"])
+def test_amx_against_vnni(benchmark, monkeypatch, fmt, rows):
+    """The step's 120 projections with int8 activations at verify and prefill sizes
+    (``rows`` 5: a chain of 4; 14: the fewest rows that run on tiles; 40: a batch of 8
+    verifying 4 drafts each; 128: a prefill piece) on AMX-INT8 tiles against VNNI alone
+    (``OSD_NO_AMX``), one round of VNNI before each timed AMX round; outputs equal first.
+    ``extra_info``: ``vnni_ms``, ``amx_ms`` and ``speedup`` (best rounds). At 5 rows both
+    providers are VNNI (the control)."""
+    if not osd_kernels.use_amx():
+        pytest.skip("no AMX-INT8 tiles here (the CPU has none, or the OS gives none)")
+    t = GGMLType[fmt]
+    shapes = [(n, 512 if k == 576 and fmt.endswith("_K") else k) for n, k in STEP_SHAPES]
+    weights = [
+        repack_x16(_blocks(t, n, k, seed=i, scale=0.05), int(t))[0]
+        for i, (n, k) in enumerate(shapes)
+    ]
+    kind = int(t) + X16_OFFSET
+    xs = {k: torch.randn(rows, k) for k in {k for _, k in shapes}}
+    empty = torch.empty(0)
+
+    def step():
+        return [quant_linear(xs[k], w, empty, ggml_type=kind) for w, (_, k) in zip(weights, shapes)]
+
+    def with_amx(on):
+        if on:
+            monkeypatch.delenv("OSD_NO_AMX", raising=False)
+        else:
+            monkeypatch.setenv("OSD_NO_AMX", "1")
+
+    with_amx(False)
+    want = step()
+    with_amx(True)
+    assert all(torch.equal(a, b) for a, b in zip(step(), want))
+    vnni = []
+
+    def setup():
+        with_amx(False)
+        start = time.perf_counter()
+        step()
+        vnni.append(time.perf_counter() - start)
+        with_amx(True)
+
+    benchmark.pedantic(step, setup=setup, rounds=7, iterations=1, warmup_rounds=1)
+    with_amx(True)
+    amx = benchmark.stats.stats.min
+    benchmark.extra_info.update(
+        format=fmt,
+        M=rows,
+        threads=torch.get_num_threads(),
+        vnni_ms=round(min(vnni) * 1e3, 2),
+        amx_ms=round(amx * 1e3, 2),
+        speedup=round(min(vnni) / amx, 2),
+    )

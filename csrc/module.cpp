@@ -24,5 +24,7 @@ PyMODINIT_FUNC PyInit__C(void) {
   // Whether quant_linear's int8-activation types run on VNNI here (else a portable loop).
   PyModule_AddIntConstant(m, "CPU_AVX512_VNNI",
                           osd::cpu_has_avx512() && __builtin_cpu_supports("avx512vnni") ? 1 : 0);
+  // Whether its passes of several rows run on AMX-INT8 tiles here (asks the OS for them).
+  PyModule_AddIntConstant(m, "CPU_AMX_INT8", osd::x16_amx_available() ? 1 : 0);
   return m;
 }

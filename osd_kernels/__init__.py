@@ -10,7 +10,7 @@ online learner's teacher rows) has a reference and a C++ CPU kernel; on CUDA it 
 reference's two device ops.
 """
 
-from osd_kernels._ops import native_available, use_avx512, use_vnni
+from osd_kernels._ops import native_available, use_amx, use_avx512, use_vnni
 from osd_kernels.decode_linear import decode_linear, decode_linear_reference, pack_weight
 from osd_kernels.quant_linear import dequantize_weight, quant_linear, quant_linear_reference
 from osd_kernels.kv_rollback import chain_rollback, kv_rollback, kv_rollback_reference
@@ -33,6 +33,7 @@ from osd_kernels.topk_probs import topk_probs, topk_probs_reference
 __all__ = [
     "native_available",
     "use_avx512",
+    "use_amx",
     "use_vnni",
     "decode_linear",
     "decode_linear_reference",

@@ -67,6 +67,18 @@ def use_vnni() -> bool:
     return bool(getattr(_C, "CPU_AVX512_VNNI", 0))
 
 
+def use_amx() -> bool:
+    """True when ``quant_linear``'s int8-activation types run calls of many rows (prefill
+    pieces, batched verify forwards) on AMX-INT8 tiles: :func:`use_vnni`, the CPU has AMX
+    and the OS gives the process its tile state, and ``OSD_NO_AMX`` is not set (read per
+    call, as the kernel reads it). Results are the VNNI path's, bit for bit."""
+    if not use_vnni():
+        return False
+    from osd_kernels import _C  # the optional native build: imports once native_available()
+
+    return bool(getattr(_C, "CPU_AMX_INT8", 0)) and "OSD_NO_AMX" not in os.environ
+
+
 def native_has_device(device: torch.device) -> bool:
     """True when the native extension has kernels for ``device`` (CPU always, CUDA if built)."""
     if not native_available():

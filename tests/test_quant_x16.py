@@ -1,11 +1,12 @@
 """quant_linear with int8 activations (``ggml_type`` 1002 / 1003 / 1006 / 1008 / 1012 / 1014:
 Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K blocks regrouped 16 rows at a time,
 ``osd_kernels.quant_x16``): the regrouping round-trips and keeps the weights;
-the C++ kernel equals its PyTorch reference bit for bit on the AVX-512 VNNI path and the
-portable one, on odd shapes, with bias and norm; a row's result never depends on the other
-rows; the error against the float32 product is the activations' 8-bit rounding; models
-and the engine (``quantized="int8"``): speculative greedy output equals plain greedy
-output token for token, and the default on a VNNI CPU; bad input; opcheck."""
+the C++ kernel equals its PyTorch reference bit for bit on the AMX path (calls of many
+rows), the AVX-512 VNNI path and the portable one, on odd shapes, with bias and norm; a
+row's result never depends on the other rows; the error against the float32 product is
+the activations' 8-bit rounding; models and the engine (``quantized="int8"``):
+speculative greedy output equals plain greedy output token for token, and the default on
+a VNNI CPU; bad input; opcheck."""
 
 import pytest
 import torch
@@ -37,6 +38,17 @@ from tests.test_speculative import prompts_of
 TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K]
 SHAPES = [(1, 1, 16), (2, 3, 32), (3, 2, 48), (5, 18, 64), (8, 1, 16), (9, 2, 32), (13, 4, 16)]
 SHAPES += [(20, 3, 48), (70, 2, 16)]  # (M, K / 32, N): passes of 8 rows, tails, prefill sizes
+SHAPES += [(34, 7, 32)]  # AMX: passes of 12 rows, rounds of 4 blocks and a tail
+
+
+def _path(monkeypatch, path):
+    """``default`` (AMX tiles for calls of 32 rows and more where the CPU has them), ``vnni``
+    (AVX-512 VNNI only), ``portable``."""
+    if path == "portable":
+        monkeypatch.setenv("OSD_NO_AVX512", "1")
+    if path == "vnni":
+        monkeypatch.setenv("OSD_NO_AMX", "1")
+
 
 native = pytest.mark.skipif(not osd_kernels.native_available(), reason="native build missing")
 
@@ -66,11 +78,10 @@ def test_repack_round_trips_and_keeps_the_weights(t):
 
 
 @native
-@pytest.mark.parametrize("path", ["default", "portable"])
+@pytest.mark.parametrize("path", ["default", "vnni", "portable"])
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_kernel_equals_reference(monkeypatch, t, path):
-    if path == "portable":
-        monkeypatch.setenv("OSD_NO_AVX512", "1")
+    _path(monkeypatch, path)
     for i, (M, kb, N) in enumerate(SHAPES):
         blocks, x = _case(t, M, kb, N, 10 + i)
         packed, xt = repack_x16(blocks, int(t))
@@ -101,6 +112,23 @@ def test_rows_are_independent_and_paths_agree(monkeypatch, t):
     assert torch.equal(full[3:11], run(x[3:11]))
     monkeypatch.setenv("OSD_NO_AVX512", "1")
     assert torch.equal(full, run(x))
+
+
+@native
+@pytest.mark.skipif(not osd_kernels.use_amx(), reason="the CPU or the OS gives no AMX-INT8 tiles")
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_amx_equals_vnni(monkeypatch, t):
+    """Calls that run on tiles (32 rows and more, in passes of up to 16; Q6_K stays on
+    VNNI), with every block count a round of 4 can leave: the same bits as VNNI."""
+    for M, kb in [(32, 1), (33, 5), (40, 9), (47, 2), (64, 6), (100, 3)]:
+        blocks, x = _case(t, M, kb, 48, M + kb)
+        packed, xt = repack_x16(blocks, int(t))
+        bias = torch.randn(48)
+        monkeypatch.delenv("OSD_NO_AMX", raising=False)
+        got = torch.ops.osd.quant_linear(x, packed, torch.empty(0), None, bias, None, 1e-6, xt)
+        monkeypatch.setenv("OSD_NO_AMX", "1")
+        want = torch.ops.osd.quant_linear(x, packed, torch.empty(0), None, bias, None, 1e-6, xt)
+        assert torch.equal(got, want), (t.name, M, kb)
 
 
 @native
@@ -377,15 +405,14 @@ def _codes_case(M, kb, N, G, wide, mins, seed):
 
 
 @native
-@pytest.mark.parametrize("path", ["default", "portable"])
+@pytest.mark.parametrize("path", ["default", "vnni", "portable"])
 @pytest.mark.parametrize("G", [32, 16])
 def test_codes_and_factors_regroup_and_equal_the_reference(monkeypatch, path, G):
     """The form osd holds other types in (Q5_1, Q5_K, Q2_K, Q3_K, IQ4, and fused
     projections of mixed types) regroups too: the weights are kept exactly, and the kernel
     equals its reference bit for bit (codes stored as code + 128, the offset taken off
     each dot product exactly)."""
-    if path == "portable":
-        monkeypatch.setenv("OSD_NO_AVX512", "1")
+    _path(monkeypatch, path)
     for i, (M, kb, N) in enumerate(SHAPES):
         q, scales, mins, x = _codes_case(M, kb, N, G, i % 2 == 0, i % 3 != 0, 30 + i)
         packed, xt = repack_codes(q, scales, mins)

@@ -13,6 +13,9 @@ constexpr int64_t kX16Offset = 1000;
 
 // True when the AVX-512 VNNI path runs (else the portable one, the same results).
 bool x16_vnni_available();
+// True when passes of several rows run on AMX-INT8 tiles (cpu/quant_linear_x16_amx.cpp):
+// the VNNI path runs, the CPU has AMX and the OS gives this process the tile state.
+bool x16_amx_available();
 
 at::Tensor quant_linear_x16_cpu(const at::Tensor& x, const at::Tensor& qweight, int64_t ggml_type,
                                 const std::optional<at::Tensor>& bias,
