@@ -202,7 +202,8 @@ def _spy_on_cpp_loop(monkeypatch) -> list:
 @pytest.mark.parametrize("family", FUSABLE)
 def test_cpu_native_forward_equals_unfused(family, max_rows, quantized, loop, monkeypatch):
     """``cpu`` (as ``auto``) on CPU: the prefill pieces (15 and 12 rows) and the decode
-    steps (3) through the C++ layers, with a limit of 64 rows the tree verify (18) too;
+    steps (3) through the C++ layers, with a limit of 64 rows the tree verify (18) too
+    (the tiny model's MLP output stays float, so CPU_MAX_ROWS_QUANTIZED does not apply);
     logits and cache bit for bit, the layers looped in C++ (``decoder_layers``, where the
     attention is not too wide for the C++ kernel) or in Python."""
     model = load_model(tiny_hf_model(family))
@@ -222,6 +223,31 @@ def test_cpu_native_forward_equals_unfused(family, max_rows, quantized, loop, mo
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
     assert torch.equal(got_kv, ref_kv)
+
+
+@pytest.mark.skipif(not native_available(), reason="osd_kernels._C is not built")
+@pytest.mark.parametrize("loop", ["cpp", "python"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_quantized_projections_take_larger_forwards(family, loop, monkeypatch):
+    """Every projection block-quantized (an MLP width of whole blocks): forwards of up to
+    CPU_MAX_ROWS_QUANTIZED rows take the C++ layers, the tree verify of 18 rows included,
+    since both forwards call ``quant_linear`` alike: logits and cache bit for bit."""
+    model = load_model(tiny_hf_model(family, intermediate_size=96))
+    quantize_linears(model, "Q8_0")
+    assert fused_layers._quantized_projections(model)
+    ref, ref_kv = _run(model, "off", monkeypatch)
+    ref_kv = ref_kv.clone()
+    monkeypatch.setattr(fused_layers, "LOOP_IN_CPP", loop == "cpp")
+    rows = _spy_on_cpu_layers(monkeypatch)
+    got, got_kv = _run(model, "cpu", monkeypatch)
+    assert rows == [15, 12, 3, 3, 3, 18]
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    assert torch.equal(got_kv, ref_kv)
+    monkeypatch.setattr(fused_layers, "CPU_MAX_ROWS_QUANTIZED", 16)
+    rows.clear()
+    _run(model, "cpu", monkeypatch)
+    assert rows == [15, 12, 3, 3, 3]
 
 
 @pytest.mark.skipif(not native_available(), reason="osd_kernels._C is not built")

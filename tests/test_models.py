@@ -134,8 +134,11 @@ VOCAB = 131
 ATOL = 1e-4
 
 
-def tiny_hf_model(family: str, *, seed: int = 0, eos_token_id=None) -> torch.nn.Module:
-    """A random 2-layer transformers model: hidden 64, 4 heads, 2 KV heads, vocab 131.
+def tiny_hf_model(
+    family: str, *, seed: int = 0, eos_token_id=None, intermediate_size: int = 88
+) -> torch.nn.Module:
+    """A random 2-layer transformers model: hidden 64, 4 heads, 2 KV heads, vocab 131
+    (MLP width 88 unless given: not a whole number of 32-weight blocks).
 
     Weights are drawn wide (std 0.3, norms around 1) so that logits are well separated
     and greedy decoding has no near-ties.
@@ -143,7 +146,7 @@ def tiny_hf_model(family: str, *, seed: int = 0, eos_token_id=None) -> torch.nn.
     common = dict(
         vocab_size=VOCAB,
         hidden_size=64,
-        intermediate_size=88,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

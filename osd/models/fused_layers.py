@@ -25,7 +25,8 @@ into the residual. A layer is then five kernels and attention, and the residual 
 pending.
 
 On CPU, a float32 forward of at most :data:`CPU_MAX_ROWS` (16) rows in all (decode,
-verify, short prefill pieces) runs the C++ ops on ``[B T, hidden]`` rows: per layer the
+verify, short prefill pieces; :data:`CPU_MAX_ROWS_QUANTIZED` (512) where every projection
+is block-quantized: a batch's verify forwards, prefill pieces) runs the C++ ops on ``[B T, hidden]`` rows: per layer the
 four projections (``layers.project_rows``: ``decode_linear``, or ``quant_linear`` for
 block-quantized :class:`~osd.models.quant.QuantLinear` weights, called as torch ops with
 the first layer's input norm fused in), ``rope_kv_write_qkv`` on the qkv projection as it
@@ -84,8 +85,14 @@ MODES = ("auto", "cpu", "on", "off")
 FUSED_LAYERS = os.environ.get("OSD_FUSED_LAYERS", "cpu")
 # The CPU path ("cpu", "auto"): forwards of at most this many rows in all (decode, verify,
 # short prefill pieces); larger ones keep the unfused forward, whose op calls are few per
-# token there.
+# token there, and whose float32 projections (F.linear) round otherwise than
+# ``decode_linear`` past this size.
 CPU_MAX_ROWS = 16
+# The same where every projection is block-quantized (``QuantLinear``): both forwards call
+# ``quant_linear`` alike at any size, so the results are the same bit for bit, and the
+# C++ layers stay faster up to prefill pieces (a batch's verify forward of 40 rows 1.3x,
+# a prefill piece of 256 rows 1.1x: docs/benchmarks.md).
+CPU_MAX_ROWS_QUANTIZED = 512
 # The CPU path loops over the layers in C++ (``osd_kernels.decoder_layers``) where the
 # layers fit it (no soft-capping or whole-width q/k norms, no tree past a window; projections
 # ``decode_linear`` or ``quant_linear`` takes); False keeps the same ops called from Python,
@@ -131,12 +138,25 @@ def _fusable(model) -> str:
     return fusable
 
 
-def _cpu_native(x: torch.Tensor) -> bool:
+def _quantized_projections(model) -> bool:
+    """Whether every layer's four projections are block-quantized."""
+    return all(
+        isinstance(getattr(layer, name, None), QuantLinear)
+        for layer in model.layers
+        for name in ("wqkv", "wo", "w_gate_up", "w_down")
+    )
+
+
+def _cpu_native(model, x: torch.Tensor) -> bool:
     """Whether ``x [B, T, hidden]`` fits the C++ layers (with ``cpu`` and ``auto``)."""
+    rows = x.shape[0] * x.shape[1]
     return (
         x.device.type == "cpu"
         and x.dtype == torch.float32
-        and x.shape[0] * x.shape[1] <= CPU_MAX_ROWS
+        and (
+            rows <= CPU_MAX_ROWS
+            or (rows <= CPU_MAX_ROWS_QUANTIZED and _quantized_projections(model))
+        )
         and native_available()
     )
 
@@ -152,7 +172,7 @@ def use_fused(model, x: torch.Tensor) -> bool:
         return False
     if mode != "on":  # auto, cpu: the C++ layers on CPU; auto: Triton on CUDA too
         if x.device.type == "cpu":
-            if not _cpu_native(x):
+            if not _cpu_native(model, x):
                 return False
         elif mode == "cpu" or x.device.type != "cuda" or not triton_available():
             return False
