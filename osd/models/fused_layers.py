@@ -28,9 +28,9 @@ On CPU, a float32 forward of at most :data:`CPU_MAX_ROWS` (16) rows in all (deco
 verify, short prefill pieces; :data:`CPU_MAX_ROWS_QUANTIZED` (512) where every projection
 is block-quantized: a batch's verify forwards, prefill pieces) runs the C++ ops on
 ``[B T, hidden]`` rows: per layer the four projections (``layers.project_rows``:
-``decode_linear``, or ``quant_linear`` for block-quantized :class:`~osd.models.quant.QuantLinear` weights, called as torch ops with
-the first layer's input norm fused in), ``rope_kv_write_qkv`` on the qkv projection as it
-comes, attention over per-layer views of the cache made once per cache, two
+``decode_linear``, or ``quant_linear`` for block-quantized
+:class:`~osd.models.quant.QuantLinear` weights, called as torch ops with the first layer's
+input norm fused in), ``rope_kv_write_qkv`` on the qkv projection as it comes, attention over per-layer views of the cache made once per cache, two
 ``add_rms_norm`` and a ``silu_mul``: nine op calls and a view a layer, where the unfused
 forward makes about 85 (``docs/benchmarks.md``, where a CPU step's time goes). Where the
 layers fit it (no soft-capping or whole-width q/k norms; the default attention backend;
