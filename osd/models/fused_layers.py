@@ -24,22 +24,21 @@ projection with the post-attention norm in front and SiLU x up behind, ``w_down`
 into the residual. A layer is then five kernels and attention, and the residual is never
 pending.
 
-On CPU, a float32 forward of at most :data:`CPU_MAX_ROWS` (16) rows in all (decode,
-verify, short prefill pieces; :data:`CPU_MAX_ROWS_QUANTIZED` (512) where every projection
-is block-quantized: a batch's verify forwards, prefill pieces) runs the C++ ops on
-``[B T, hidden]`` rows: per layer the four projections (``layers.project_rows``:
-``decode_linear``, or ``quant_linear`` for block-quantized
-:class:`~osd.models.quant.QuantLinear` weights, called as torch ops with the first layer's
-input norm fused in), ``rope_kv_write_qkv`` on the qkv projection as it comes, attention over per-layer views of the cache made once per cache, two
-``add_rms_norm`` and a ``silu_mul``: nine op calls and a view a layer, where the unfused
-forward makes about 85 (``docs/benchmarks.md``, where a CPU step's time goes). Where the
-layers fit it (no soft-capping or whole-width q/k norms; the default attention backend;
+On CPU, a float32 forward of at most :data:`CPU_MAX_ROWS` (16) rows in all (decode, verify,
+short prefill pieces; :data:`CPU_MAX_ROWS_QUANTIZED` (512) where every projection is
+block-quantized: a batch's verify forwards, prefill pieces) runs the C++ ops on
+``[B T, hidden]`` rows: per layer the four projections (``layers.project_rows``: ``decode_linear``,
+or ``quant_linear`` for block-quantized :class:`~osd.models.quant.QuantLinear` weights,
+called as torch ops with the first layer's input norm fused in), ``rope_kv_write_qkv`` on
+the qkv projection as it comes, attention over per-layer views of the cache made once per
+cache, two ``add_rms_norm`` and a ``silu_mul``: nine op calls and a view a layer, where the
+unfused forward makes about 85 (``docs/benchmarks.md``, where a CPU step's time goes). Where
+the layers fit it (no soft-capping or whole-width q/k norms; the default attention backend;
 projections that ``decode_linear`` or ``quant_linear`` takes; Gemma's norms, GeGLU and
 sliding windows included, except a tree past a window), one ``decoder_layers`` call runs
 that loop in C++ over every layer (:data:`LOOP_IN_CPP`), its flat arguments built once per
-model and rebuilt when a weight is replaced or repacked.
-Each C++ kernel rounds as the unfused forward's ops do, so this path gives its logits and
-cache bit for bit.
+model and rebuilt when a weight is replaced or repacked. Each C++ kernel rounds as the
+unfused forward's ops do, so this path gives its logits and cache bit for bit.
 
 :data:`FUSED_LAYERS` is the switch: ``"cpu"`` (the default) fuses on CPU only, ``"auto"``
 on CPU and on CUDA (the CUDA path is off by default until these kernels have run on a
