@@ -75,6 +75,7 @@ LARGE = {  # name: (batch, new tokens a row, cached positions)
     "batch-8-verify-k4": (8, 5, 200),
     "prefill-piece-128": (1, 128, 64),
     "prefill-piece-256": (1, 256, 64),
+    "batch-8-prefill-piece-256": (8, 256, 64),
 }
 
 

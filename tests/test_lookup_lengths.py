@@ -3,6 +3,8 @@
 the lengths it allows, and an engine whose lookup drafts are cut short still giving the
 target's greedy output token for token."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -11,6 +13,7 @@ import osd
 from osd.models.config import ModelConfig
 from osd.models.llama import DecoderLM
 from osd.spec import MIN_REACH, PromptLookup
+from osd.spec_decode.lookup_drafter import NGramDrafter
 from osd.spec_decode.lookup_lengths import (
     EXPLORE_EVERY,
     explores,
@@ -139,3 +142,28 @@ def test_exploration_is_rarer_in_a_batch():
     assert alone == list(range(EXPLORE_EVERY, 200, EXPLORE_EVERY))
     assert [s for s in range(1, 300) if explores(s, 8)] == [8 * EXPLORE_EVERY, 16 * EXPLORE_EVERY]
     assert explores(0, 3) and explores(EXPLORE_EVERY, 0)
+
+
+def test_a_batch_row_drafts_up_to_the_longest_row():
+    """The verify forward is [B, 1 + the longest chain]: a row under the bar still drafts
+    its continuation up to that length (those positions are computed anyway), and none
+    past it; alone, the bar alone decides."""
+    drafter = NGramDrafter(1, 3, None, min_reach=0.45)  # the bar of a batch of 2: 0.9
+
+    def rows(*steps):  # step 0 explores (one position past the bar), the others do not
+        return [
+            SimpleNamespace(prompt=[1, 2, 3], generated=[], lookup_record=None, spec_steps=s)
+            for s in steps
+        ]
+
+    found = [(2, [7, 8, 9]), (2, [4, 5, 6])]
+    prop = drafter.propose(rows(0, 1), torch.zeros(2, dtype=torch.int64), None, None, None,
+                           k=3, found=found)  # fmt: skip
+    assert prop.num_drafted.tolist() == [1, 1]
+    assert prop.tokens[:, :1].tolist() == [[7], [4]]
+    prop = drafter.propose(rows(1, 1), torch.zeros(2, dtype=torch.int64), None, None, None,
+                           k=3, found=found)  # fmt: skip
+    assert prop.num_drafted.tolist() == [0, 0]
+    prop = drafter.propose(rows(1), torch.zeros(1, dtype=torch.int64), None, None, None,
+                           k=3, found=found[1:])  # fmt: skip
+    assert prop.num_drafted.tolist() == [1]  # alone the bar is 0.45, under the prior's 0.67

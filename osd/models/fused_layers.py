@@ -25,7 +25,7 @@ into the residual. A layer is then five kernels and attention, and the residual 
 pending.
 
 On CPU, a float32 forward of at most :data:`CPU_MAX_ROWS` (16) rows in all (decode, verify,
-short prefill pieces; :data:`CPU_MAX_ROWS_QUANTIZED` (512) where every projection is
+short prefill pieces; :data:`CPU_MAX_ROWS_QUANTIZED` (4096) where every projection is
 block-quantized: a batch's verify forwards, prefill pieces) runs the C++ ops on
 ``[B T, hidden]`` rows: per layer the four projections (``layers.project_rows``: ``decode_linear``,
 or ``quant_linear`` for block-quantized :class:`~osd.models.quant.QuantLinear` weights,
@@ -89,9 +89,9 @@ FUSED_LAYERS = os.environ.get("OSD_FUSED_LAYERS", "cpu")
 CPU_MAX_ROWS = 16
 # The same where every projection is block-quantized (``QuantLinear``): both forwards call
 # ``quant_linear`` alike at any size, so the results are the same bit for bit, and the
-# C++ layers stay faster up to prefill pieces (a batch's verify forward of 40 rows 1.3x,
-# a prefill piece of 256 rows 1.1x: docs/benchmarks.md).
-CPU_MAX_ROWS_QUANTIZED = 512
+# C++ layers stay faster up to a batch's prefill pieces (a batch's verify forward of 40 rows
+# 1.3x, a prefill piece of 256 rows 1.1x, 8 of them 1.06x: docs/benchmarks.md).
+CPU_MAX_ROWS_QUANTIZED = 4096
 # The CPU path loops over the layers in C++ (``osd_kernels.decoder_layers``) where the
 # layers fit it (no soft-capping or whole-width q/k norms, no tree past a window; projections
 # ``decode_linear`` or ``quant_linear`` takes); False keeps the same ops called from Python,

@@ -92,7 +92,7 @@ class NGramDrafter:
             found = self.matches(histories, k, active)
         if self.min_reach <= 0.0:
             return self.chain([cont for _, cont in found], k, roots.device)
-        conts = []
+        lengths = []
         batched = batch_reach(self.min_reach, len(active))
         for r, hist, (n, cont) in zip(active, histories, found):
             record = r.lookup_record
@@ -102,8 +102,15 @@ class NGramDrafter:
             length = record.length(n, len(cont), batched)
             if explores(r.spec_steps, len(active)):  # one position past the bar's length
                 length = min(length + 1, len(cont))
-            cont = cont[:length]
-            record.propose(n, cont, len(hist))
+            lengths.append(length)
+        # The verify forward is [B, 1 + the longest chain]: a row's positions up to that
+        # length are computed whether it drafts them or not, so every row drafts as much of
+        # its continuation as fits there, at no cost to the step.
+        top = max(lengths, default=0)
+        conts = []
+        for r, hist, (n, cont), length in zip(active, histories, found, lengths):
+            cont = cont[: max(length, min(top, len(cont)))]
+            r.lookup_record.propose(n, cont, len(hist))
             conts.append(cont)
         return self.chain(conts, k, roots.device)
 

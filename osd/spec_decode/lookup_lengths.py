@@ -20,7 +20,10 @@ never resampled, so the first differing token marks the rejection), without a de
 read. The record is the request's own.
 
 In a batch the bar rises (:func:`batch_reach`): each draft then costs a row of a forward
-that the whole batch waits for. A request's drafts then depend on the size of the batch it
+that the whole batch waits for. The forward is ``[B, 1 + the longest chain]``, though, so
+once one row drafts that far every row drafts as much of its continuation as fits there
+(:meth:`~osd.spec_decode.lookup_drafter.NGramDrafter.propose`): those positions are
+computed anyway. A request's drafts then depend on the size of the batch it
 runs in (its output does not: greedy tokens stay the target's, sampled ones its
 distribution, but a fixed seed's samples can differ between batch sizes, as with
 ``auto_k``). So that a record keeps learning under a bar its prior does not clear, a
