@@ -7,7 +7,9 @@ concurrent clients, client j sending conversations j, j + 8, ... of the evaluati
 per workload) one after another, 96 new tokens each, greedy, EOS ignored, so requests
 arrive and leave at staggered times as in a server, without HTTP. Tokens/s over the
 whole load, per round, the two engines alternating which goes first; the speculative
-engine's drafted and accepted tokens and target forwards beside.
+engine's drafted and accepted tokens and target forwards beside. Each round starts with
+an empty history of finished requests (prompt lookup would otherwise find the earlier
+rounds' answers to the same conversations).
 
     .venv/bin/python bench/bench_async_batch.py --rounds 2
 """
@@ -66,6 +68,9 @@ def run(rounds: int, prompts_per_workload: int = 4, clients: int = CLIENTS, log=
             for name in order:
                 ae = engines[name]
                 ae.engine.reset_stats()
+                if ae.engine.lookup_history is not None:
+                    # each round as a fresh server: not the answers of the rounds before
+                    ae.engine.lookup_history.clear()
                 rate = asyncio.run(_load(ae, prompts, params, clients))
                 rates[name].append(rate)
                 st = ae.engine.stats
