@@ -126,14 +126,8 @@ OSD_X16_AMX void group_amx(const Format& f, const uint8_t* w, int64_t nb, const 
       __m512 d, mn;
       factors_512(f, v[p][i], 0, &d, &mn);
       for (int m = 0; m < MP; ++m) {
-        const int64_t at = (m0 + m) * ns + b;
-        __m512i si = _mm512_load_si512(sums[p][i][m]);
-        if (f.factors == Factors::kFloat) {
-          si = _mm512_sub_epi32(si, _mm512_set1_epi32(128 * (qx.n[2 * at] + qx.n[2 * at + 1])));
-        }
-        const __m512 fs = _mm512_cvtepi32_ps(si);
-        acc[m] = _mm512_fmadd_ps(fs, _mm512_mul_ps(d, _mm512_set1_ps(qx.d[at])), acc[m]);
-        acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(qx.s[at]), acc[m]);
+        acc[m] = scale_block(f, qx, (m0 + m) * ns + b, _mm512_load_si512(sums[p][i][m]), d, mn,
+                             acc[m]);
       }
     }
   }

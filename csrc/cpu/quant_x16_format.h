@@ -232,6 +232,19 @@ OSD_X16_VNNI inline void codes_512(const Format& f, const Block& v, __m512i* c) 
     for (int j = 0; j < 8; ++j) c[j] = _mm512_or_si512(c[j], high_at_4(h[j / 4], 2 * (j % 4), 2));
   }
 }
+// acc plus block `at` (= m * K / 32 + b) of row m's exact int32 sums si against the 16
+// weight rows whose factors are d and mn (one sub-block a block): fma(float(si), d * dx,
+// acc), then fma(mn, sx, .). The VNNI and AMX kernels both scale their sums here, so they
+// round alike and agree bit for bit.
+OSD_X16_VNNI inline __m512 scale_block(const Format& f, const Quantized& qx, int64_t at,
+                                       __m512i si, __m512 d, __m512 mn, __m512 acc) {
+  if (f.factors == Factors::kFloat) {  // codes held as code + 128: take the offset off
+    si = _mm512_sub_epi32(si, _mm512_set1_epi32(128 * (qx.n[2 * at] + qx.n[2 * at + 1])));
+  }
+  const __m512 fs = _mm512_cvtepi32_ps(si);
+  acc = _mm512_fmadd_ps(fs, _mm512_mul_ps(d, _mm512_set1_ps(qx.d[at])), acc);
+  return _mm512_fmadd_ps(mn, _mm512_set1_ps(qx.s[at]), acc);
+}
 #pragma GCC diagnostic pop
 #endif
 
