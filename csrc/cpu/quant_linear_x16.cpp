@@ -212,9 +212,9 @@ OSD_X16_VNNI void group_512(const Format& f, const uint8_t* w, int64_t nb, const
 
 // Calls of at least this many rows of x run on AMX tiles where the CPU has them (formats
 // of one sub-block a block). A tile load, product and store cost a few nanoseconds each
-// whatever the rows, and a block's sums go through memory to be scaled: at 14 rows VNNI's
-// 8 dot products a row and block were as fast, from 40 rows tiles were faster, and for
-// Q6_K's halves slower (bench/bench_quant_linear.py -k amx).
+// whatever the rows, and a block's sums go through memory to be scaled: with fewer rows
+// VNNI's 8 dot products a row and block are as fast, and Q6_K's halves (twice the tiles)
+// are slower on tiles (bench/bench_quant_linear.py -k amx).
 constexpr int64_t kAmxMinRows = 32;
 
 // AMX unless OSD_NO_AMX is set (read per call; tests set it to cover the VNNI paths).

@@ -89,8 +89,8 @@ FUSED_LAYERS = os.environ.get("OSD_FUSED_LAYERS", "cpu")
 CPU_MAX_ROWS = 16
 # The same where every projection is block-quantized (``QuantLinear``): both forwards call
 # ``quant_linear`` alike at any size, so the results are the same bit for bit, and the
-# C++ layers stay faster up to a batch's prefill pieces (a batch's verify forward of 40 rows
-# 1.3x, a prefill piece of 256 rows 1.1x, 8 of them 1.06x: docs/benchmarks.md).
+# C++ layers stay faster up to a batch's prefill pieces (docs/benchmarks.md, forwards of
+# many rows).
 CPU_MAX_ROWS_QUANTIZED = 4096
 # The CPU path loops over the layers in C++ (``osd_kernels.decoder_layers``) where the
 # layers fit it (no soft-capping or whole-width q/k norms, no tree past a window; projections
