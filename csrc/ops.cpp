@@ -65,6 +65,10 @@ TORCH_LIBRARY(osd, m) {
   // [..., min(k, V)], most probable first (online learning's teacher rows; CPU:
   // cpu/topk_probs.cpp).
   m.def("topk_probs(Tensor logits, int k) -> (Tensor, Tensor)");
+  // Per row of logits [..., V]: the first index of its largest value (int64) and whether
+  // it holds a NaN or an infinity (bool), both [...] (the greedy sampler and the check of
+  // the target's logits; CPU: cpu/argmax_finite.cpp).
+  m.def("argmax_finite(Tensor logits) -> (Tensor, Tensor)");
   // A stack of dense gated decoder layers of a cached CPU forward, the ops above looped in
   // C++ (flat per-layer arguments: osd_kernels/decoder_layers.py).
   m.def(

@@ -18,7 +18,14 @@ from osd.graphs import graphed_forward
 from osd.lanes import Lane
 from osd.penalties import Penalties, wants_penalties
 from osd.request import RequestState
-from osd.sampling import BatchParams, fail_rows, nonfinite_rows, record_logprobs, sample_tokens
+from osd.sampling import (
+    BatchParams,
+    fail_rows,
+    greedy_nonfinite,
+    nonfinite_rows,
+    record_logprobs,
+    sample_tokens,
+)
 
 
 class ModelRunner:
@@ -117,15 +124,18 @@ class ModelRunner:
         )
         lane.cache.commit(self._ones[:B], 1)
         t1 = time.perf_counter()
-        bad = nonfinite_rows(logits)
-        step = (
-            Penalties(active, logits.shape[-1], self.device).apply(logits)
-            if wants_penalties(active)
-            else logits
-        )
-        # greedy rows draw nothing: sample_tokens takes the argmax without Philox keys
-        keys = (None, None) if params.greedy else self._sampling_keys(active)
-        tokens = sample_tokens(step[:, 0], params, *keys)
+        if params.greedy and not wants_penalties(active):
+            tokens, bad = greedy_nonfinite(logits[:, 0])  # one pass over the logits
+        else:
+            bad = nonfinite_rows(logits)
+            step = (
+                Penalties(active, logits.shape[-1], self.device).apply(logits)
+                if wants_penalties(active)
+                else logits
+            )
+            # greedy rows draw nothing: sample_tokens takes the argmax without Philox keys
+            keys = (None, None) if params.greedy else self._sampling_keys(active)
+            tokens = sample_tokens(step[:, 0], params, *keys)
         lane.next_tokens[:B] = tokens
         self._record(active, tokens, bad, logits[:, 0])
         # The forward counts as "verify" (a one-token verify): the target's forward time.

@@ -388,7 +388,7 @@ def sample_tokens(
         offsets: ``[B]`` int64, a fresh value per draw of a request (its token position).
     """
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     B = logits.shape[0]
     none = torch.empty(B, 0, dtype=torch.int64, device=logits.device)
     out, _ = osd_kernels.rejection_sample(
@@ -403,15 +403,48 @@ def sample_tokens(
     return out[:, 0]
 
 
+def _native_rows(logits: torch.Tensor) -> bool:
+    """Whether ``osd_kernels.argmax_finite``'s CPU kernel takes ``logits``."""
+    return (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and osd_kernels.native_available()
+    )
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` (the lowest index on ties): on float32 CPU logits the one-pass
+    ``osd_kernels.argmax_finite`` (torch's CPU argmax is scalar)."""
+    if _native_rows(logits):
+        return osd_kernels.argmax_finite(logits)[0]
+    return logits.argmax(dim=-1)
+
+
+def greedy_nonfinite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(greedy_tokens(logits) [B], nonfinite_rows(logits) [B])`` for ``logits [B, V]``,
+    in one pass over the rows on float32 CPU logits."""
+    if _native_rows(logits):
+        return osd_kernels.argmax_finite(logits)
+    return logits.argmax(dim=-1), nonfinite_rows(logits)
+
+
 def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
     """``[B]`` bool, on the device: the rows of ``logits [B, ...]`` holding NaN or inf.
 
-    ``0 * x`` is 0 for finite ``x`` and NaN for inf or NaN, so a row's sum of them is NaN
-    exactly when the row holds one (no overflow is possible): one fused pass, several
-    times cheaper on CPU than ``isfinite`` and ``any`` over the whole ``[B, T, V]``. On
-    the CPU the plain row sum goes first (one pass, no temporary): it is finite when every
-    entry is, so only when some row's is not (a NaN or inf, or an overflowing sum of
-    finite values) does the exact test run; the host reads the flags for free there."""
+    On float32 CPU logits ``osd_kernels.argmax_finite``'s flag: one pass, no thread pool
+    woken at a step's sizes. Elsewhere ``0 * x`` is 0
+    for finite ``x`` and NaN for inf or NaN, so a row's sum of them is NaN exactly when
+    the row holds one (no overflow is possible): one fused pass, several times cheaper
+    than ``isfinite`` and ``any`` over the whole ``[B, T, V]``; on the CPU (another dtype)
+    the plain row sum goes first: it is finite when every entry is, so only when some
+    row's is not (a NaN or inf, or an overflowing sum of finite values) does the exact
+    test run."""
+    if _native_rows(logits) and logits.dim() >= 2 and logits.numel() > 0:
+        B, V = logits.shape[0], logits.shape[-1]
+        if logits.numel() <= B << 20:  # a step's rows: each batch row as one row
+            return osd_kernels.argmax_finite(logits.reshape(B, -1))[1]
+        # long rows (a prefill's prompt positions): the kernel's threads take the positions
+        return osd_kernels.argmax_finite(logits.reshape(B, -1, V))[1].any(1)
     if logits.device.type == "cpu":
         bad = ~torch.isfinite(logits.flatten(1).sum(1))
         if not bad.any():

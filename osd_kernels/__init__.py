@@ -6,8 +6,9 @@ function of the same name checks its inputs and dispatches (``backend="auto"``).
 fused decode-layer ops (``add_rms_norm``, ``silu_mul``, ``rope_kv_write``) have a
 reference, a C++ CPU kernel and a Triton kernel, ``decode_gemv`` (a GPU GEMV) a reference
 and a Triton kernel: no CUDA kernels, ``auto`` is Triton on CUDA. ``topk_probs`` (the
-online learner's teacher rows) has a reference and a C++ CPU kernel; on CUDA it is the
-reference's two device ops.
+online learner's teacher rows) and ``argmax_finite`` (the greedy sampler and the check of
+the target's logits) have a reference and a C++ CPU kernel; on CUDA they are the
+references' device ops.
 """
 
 from osd_kernels._ops import native_available, use_amx, use_avx512, use_vnni
@@ -29,6 +30,7 @@ from osd_kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
 from osd_kernels.decode_gemv import decode_gemv, decode_gemv_reference
 from osd_kernels.decoder_layers import decoder_layers, decoder_layers_reference
 from osd_kernels.topk_probs import topk_probs, topk_probs_reference
+from osd_kernels.argmax_finite import argmax_finite, argmax_finite_reference
 
 __all__ = [
     "native_available",
@@ -60,6 +62,8 @@ __all__ = [
     "silu_mul_reference",
     "topk_probs",
     "topk_probs_reference",
+    "argmax_finite",
+    "argmax_finite_reference",
     "rope_kv_write",
     "rope_kv_write_reference",
     "decode_gemv",

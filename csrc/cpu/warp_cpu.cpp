@@ -5,8 +5,19 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <vector>
+
+#include "cpu/fast_math.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_* values, which its
+// (maybe-)uninitialized warnings report.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 namespace osd {
 namespace {
@@ -67,12 +78,73 @@ OSD_VECTOR_CLONES float row_sum(const float* x, int64_t n) {
   return total;
 }
 
-int64_t row_argmax(const float* x, int64_t n) {
-  const float m = row_max(x, n);
+namespace {
+
+// The index of x[0, n)'s first -inf, or 0: the answer of a row whose largest non-NaN
+// value is -inf (or that holds only NaNs).
+int64_t first_neg_inf(const float* x, int64_t n) {
   for (int64_t v = 0; v < n; ++v) {
-    if (x[v] == m) return v;
+    if (x[v] == kNegInf) return v;
   }
   return 0;
+}
+
+int64_t argmax_row_portable(const float* x, int64_t n, bool* nonfinite) {
+  float best = kNegInf;
+  int64_t at = -1;
+  float flag = 0.0f;
+  for (int64_t v = 0; v < n; ++v) {
+    flag += x[v] * 0.0f;
+    if (x[v] > best) {
+      best = x[v];
+      at = v;
+    }
+  }
+  *nonfinite = std::isnan(flag);
+  return at >= 0 ? at : first_neg_inf(x, n);
+}
+
+#if defined(__x86_64__)
+// Each lane keeps its largest value and that value's first index (replaced only by a
+// strictly larger value); the answer is the lowest index among the lanes holding the
+// row's maximum. Indices are int32 lanes (n < 2^31).
+OSD_AVX512 int64_t argmax_row_avx512(const float* x, int64_t n, bool* nonfinite) {
+  __m512 best = _mm512_set1_ps(kNegInf);
+  __m512i at = _mm512_set1_epi32(-1);
+  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 flag = zero;
+  for (int64_t v = 0; v < n; v += 16) {
+    const __mmask16 live = n - v >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - v)) - 1);
+    const __m512 xv = _mm512_maskz_loadu_ps(live, x + v);  // dead lanes: 0, never compared
+    flag = _mm512_fmadd_ps(xv, zero, flag);
+    const __mmask16 up = _mm512_mask_cmp_ps_mask(live, xv, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, up, xv);
+    at = _mm512_mask_mov_epi32(at, up, idx);
+    idx = _mm512_add_epi32(idx, step);
+  }
+  *nonfinite = _mm512_cmp_ps_mask(flag, flag, _CMP_UNORD_Q) != 0;  // a NaN lane
+  const float m = _mm512_reduce_max_ps(best);
+  if (!(m > kNegInf)) return first_neg_inf(x, n);
+  const __mmask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
+  const __m512i cand = _mm512_mask_mov_epi32(_mm512_set1_epi32(INT32_MAX), top, at);
+  return _mm512_reduce_min_epi32(cand);
+}
+#endif
+
+}  // namespace
+
+int64_t row_argmax_nonfinite(const float* x, int64_t n, bool* nonfinite) {
+#if defined(__x86_64__)
+  if (n <= INT32_MAX && use_avx512()) return argmax_row_avx512(x, n, nonfinite);
+#endif
+  return argmax_row_portable(x, n, nonfinite);
+}
+
+int64_t row_argmax(const float* x, int64_t n) {
+  bool unused;
+  return row_argmax_nonfinite(x, n, &unused);
 }
 
 void top_k_scale(float* l, int64_t n, int64_t k, DType dtype, float temperature) {

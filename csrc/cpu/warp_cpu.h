@@ -25,8 +25,12 @@ float row_max(const float* x, int64_t n);
 // sum of x[0, n), in 16 lanes (the same order on every ISA).
 float row_sum(const float* x, int64_t n);
 
-// Index of the first maximum of x (lowest index on ties).
+// Index of the first maximum of x (lowest index on ties) among its non-NaN values; 0 when
+// it holds only NaNs. One pass, 16 lanes with AVX-512 (OSD_NO_AVX512: the portable loop).
 int64_t row_argmax(const float* x, int64_t n);
+
+// row_argmax, and *nonfinite set when x holds a NaN, +inf or -inf (the same pass).
+int64_t row_argmax_nonfinite(const float* x, int64_t n, bool* nonfinite);
 
 // Top-k on raw logits l[0, n) read from `dtype` (1 <= k < n): s = l / temperature, then
 // every s below the k-th largest s becomes -inf (ties with it are kept). The k-th largest

@@ -145,14 +145,14 @@ class NGramDrafter:
     def chain(conts: list[list[int]], k: int, device) -> ChainProposal:
         """The lookup chain of continuations ``conts`` (one list per row)."""
         B = len(conts)
-        tokens = torch.zeros(B, k, dtype=torch.int64)
-        num = torch.zeros(B, dtype=torch.int32)
-        for b, cont in enumerate(conts):
-            tokens[b, : len(cont)] = torch.tensor(cont, dtype=torch.int64)
-            num[b] = len(cont)
-        max_drafted = int(num.max()) if B else 0
+        conts = [c[:k] for c in conts]
+        max_drafted = max(map(len, conts), default=0)
+        # one tensor from host lists (a per-row copy costs a few op calls a row)
+        padded = [c + [0] * (max_drafted - len(c)) for c in conts]
+        tokens = torch.tensor(padded, dtype=torch.int64).reshape(B, max_drafted)
+        num = torch.tensor([len(c) for c in conts], dtype=torch.int32)
         return ChainProposal(
-            tokens[:, :max_drafted].to(device),
+            tokens.to(device),
             None,
             None,
             num.to(device),

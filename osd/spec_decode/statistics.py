@@ -85,10 +85,10 @@ class StepStatistics:
         inside a lookup tree (the target's distribution at each drafted token's parent node
         against the draft's)."""
         V = logits.shape[-1]
-        model_rows = None if prop.origin is None else (prop.origin == FROM_MODEL)
         if isinstance(prop, ChainProposal):
             if prop.logits is None:  # prompt lookup's or a plain step
                 return None
+            model_rows = None if prop.origin is None else (prop.origin == FROM_MODEL)
             B, K = prop.tokens.shape
             p_logits = logits[:, :K].reshape(-1, V)
             q = None if params.greedy else prop.probs.reshape(p_logits.shape).float()

@@ -33,7 +33,7 @@ import torch
 import osd_kernels
 from osd.graphs import StepGraphs, graphed_forward
 from osd.penalties import Penalties, tree_ancestors, wants_penalties
-from osd.sampling import BatchParams, fail_rows, record_logprobs
+from osd.sampling import BatchParams, fail_rows, greedy_tokens, record_logprobs
 from osd.spec import SpecConfig
 from osd.spec_decode.fused_step import fusable, fused_chain_step
 from osd.spec_decode.policies import AdaptiveStopper, DraftLengthController
@@ -344,7 +344,8 @@ class Speculator:
         None)``."""
         if "temperature" not in sampling and prop.tokens.shape[1] == 0:
             # greedy without drafts (auto_k's plain steps): the argmax is the whole sampler
-            return logits.argmax(-1), logits.new_zeros(logits.shape[0], dtype=torch.int32), None
+            out = greedy_tokens(logits)
+            return out, logits.new_zeros(logits.shape[0], dtype=torch.int32), None
         if isinstance(prop, TreeProposal):
             path, out, n = osd_kernels.tree_rejection_sample(
                 logits, prop.tokens, prop.parents, None, **sampling, max_depth=prop.max_depth

@@ -1,0 +1,122 @@
+"""argmax_finite: the native kernel against the reference (torch.argmax and isfinite) on
+random rows of odd and real vocabulary sizes, on the AVX-512 and the portable pass; ties,
+NaN / +inf / -inf placed anywhere (the lanes' tails included), rows of -inf, strided and
+empty inputs; bad input; opcheck; and the engine's greedy paths on top of it."""
+
+import pytest
+import torch
+
+from osd_kernels import argmax_finite, argmax_finite_reference, native_available
+
+native = pytest.mark.skipif(not native_available(), reason="osd_kernels._C is not built")
+ISAS = [{}, {"OSD_NO_AVX512": "1"}]
+ISA_IDS = ["avx512", "portable"]
+
+
+def _set_isa(monkeypatch, env):
+    monkeypatch.delenv("OSD_NO_AVX512", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+def _check(logits):
+    ids, bad = argmax_finite(logits, backend="native")
+    want_ids, want_bad = argmax_finite_reference(logits)
+    assert ids.dtype == torch.int64 and bad.dtype == torch.bool
+    assert ids.shape == want_ids.shape and bad.shape == want_bad.shape
+    assert torch.equal(bad, want_bad)
+    nan = torch.isnan(logits).any(-1)
+    assert torch.equal(ids[~nan], want_ids[~nan])  # a row with a NaN: id unspecified
+    return ids, bad
+
+
+@native
+@pytest.mark.parametrize("env", ISAS, ids=ISA_IDS)
+@pytest.mark.parametrize("V", [1, 5, 16, 17, 33, 1000, 49152, 131075])
+def test_native_matches_reference(monkeypatch, env, V):
+    _set_isa(monkeypatch, env)
+    g = torch.Generator().manual_seed(V)
+    _check(torch.randn(7, V, generator=g) * 4)
+    _check(torch.randn(2, 3, V, generator=g))  # leading dims
+
+
+@native
+@pytest.mark.parametrize("env", ISAS, ids=ISA_IDS)
+def test_ties_take_the_lowest_index(monkeypatch, env):
+    _set_isa(monkeypatch, env)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(-3, 4, (64, 259), generator=g).float()  # many equal maxima
+    ids, _ = _check(x)
+    for row, i in zip(x, ids.tolist()):
+        assert i == int((row == row.max()).nonzero()[0])
+    same = torch.zeros(3, 100)
+    same[1, 5:] = 1.0
+    same[2, [37, 21, 98]] = 2.0
+    assert argmax_finite(same, backend="native")[0].tolist() == [0, 5, 21]
+
+
+@native
+@pytest.mark.parametrize("env", ISAS, ids=ISA_IDS)
+@pytest.mark.parametrize("V", [7, 16, 50, 1003])
+def test_nonfinite_anywhere(monkeypatch, env, V):
+    _set_isa(monkeypatch, env)
+    g = torch.Generator().manual_seed(V + 1)
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for at in sorted({0, 1, V // 2, V - 2, V - 1} - {-1}):
+            x = torch.randn(3, V, generator=g)
+            x[1, at] = value
+            ids, bad = _check(x)
+            assert bad.tolist() == [False, True, False]
+            if value == float("inf"):
+                assert ids[1].item() == at
+    x = torch.full((4, V), float("-inf"))
+    x[1, V - 1] = 0.0
+    x[2, 1:] = float("nan")  # a -inf and NaNs
+    x[3] = float("nan")
+    ids, bad = argmax_finite(x, backend="native")
+    assert bad.tolist() == [True, True, True, True]
+    assert ids[:2].tolist() == [0, V - 1]  # all -inf: index 0, as torch.argmax
+    assert 0 <= ids[2].item() < V and 0 <= ids[3].item() < V
+    big = torch.full((2, V), 3.0e38)  # finite values whose sum overflows: finite rows
+    assert argmax_finite(big, backend="native")[1].tolist() == [False, False]
+
+
+@native
+@pytest.mark.parametrize("env", ISAS, ids=ISA_IDS)
+def test_strides_and_empty(monkeypatch, env):
+    _set_isa(monkeypatch, env)
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(5, 600, generator=g)
+    _check(wide[:, ::2])  # rows with a stride: copied to contiguous rows
+    _check(wide[1:4, 17:400])  # a row stride past the row length
+    _check(torch.randn(301, generator=g))  # one row: 0-dim results
+    ids, bad = argmax_finite(torch.randn(0, 50), backend="native")
+    assert ids.shape == (0,) and bad.shape == (0,)
+    many = torch.randn(64, 40000, generator=g)  # several tasks of the thread pool
+    _check(many)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match=r"\[..., V\]"):
+        argmax_finite(torch.randn(2, 0))
+    with pytest.raises(TypeError, match="float"):
+        argmax_finite(torch.ones(2, 5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="no Triton kernel"):
+        argmax_finite(torch.randn(2, 5), backend="triton")
+    if native_available():
+        with pytest.raises(ValueError, match="float32 CPU"):
+            argmax_finite(torch.randn(2, 5, dtype=torch.bfloat16), backend="native")
+
+
+def test_auto_takes_half_precision_through_the_reference():
+    x = torch.randn(3, 100).to(torch.bfloat16)
+    x[2, 4] = float("inf")
+    ids, bad = argmax_finite(x)
+    assert ids.tolist() == x.argmax(-1).tolist() and bad.tolist() == [False, False, True]
+
+
+@native
+def test_opcheck():
+    x = torch.randn(3, 70)
+    torch.library.opcheck(torch.ops.osd.argmax_finite.default, (x,))
+    torch.library.opcheck(torch.ops.osd.argmax_finite.default, (x.new_empty(0, 70),))
