@@ -403,7 +403,7 @@ def sample_tokens(
     return out[:, 0]
 
 
-def _native_rows(logits: torch.Tensor) -> bool:
+def native_rows(logits: torch.Tensor) -> bool:
     """Whether ``osd_kernels.argmax_finite``'s CPU kernel takes ``logits``."""
     return (
         logits.device.type == "cpu"
@@ -415,7 +415,7 @@ def _native_rows(logits: torch.Tensor) -> bool:
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` (the lowest index on ties): on float32 CPU logits the one-pass
     ``osd_kernels.argmax_finite`` (torch's CPU argmax is scalar)."""
-    if _native_rows(logits):
+    if native_rows(logits):
         return osd_kernels.argmax_finite(logits)[0]
     return logits.argmax(dim=-1)
 
@@ -423,7 +423,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 def greedy_nonfinite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(greedy_tokens(logits) [B], nonfinite_rows(logits) [B])`` for ``logits [B, V]``,
     in one pass over the rows on float32 CPU logits."""
-    if _native_rows(logits):
+    if native_rows(logits):
         return osd_kernels.argmax_finite(logits)
     return logits.argmax(dim=-1), nonfinite_rows(logits)
 
@@ -439,7 +439,7 @@ def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
     the plain row sum goes first: it is finite when every entry is, so only when some
     row's is not (a NaN or inf, or an overflowing sum of finite values) does the exact
     test run."""
-    if _native_rows(logits) and logits.dim() >= 2 and logits.numel() > 0:
+    if native_rows(logits) and logits.dim() >= 2 and logits.numel() > 0:
         B, V = logits.shape[0], logits.shape[-1]
         if logits.numel() <= B << 20:  # a step's rows: each batch row as one row
             return osd_kernels.argmax_finite(logits.reshape(B, -1))[1]

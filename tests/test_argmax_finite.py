@@ -6,7 +6,15 @@ empty inputs; bad input; opcheck; and the engine's greedy paths on top of it."""
 import pytest
 import torch
 
-from osd_kernels import argmax_finite, argmax_finite_reference, native_available
+from osd.sampling import greedy_nonfinite, greedy_tokens, nonfinite_rows
+from osd.spec_decode.proposals import ChainProposal
+from osd.spec_decode.step import greedy_chain
+from osd_kernels import (
+    argmax_finite,
+    argmax_finite_reference,
+    native_available,
+    rejection_sample,
+)
 
 native = pytest.mark.skipif(not native_available(), reason="osd_kernels._C is not built")
 ISAS = [{}, {"OSD_NO_AVX512": "1"}]
@@ -120,3 +128,44 @@ def test_opcheck():
     x = torch.randn(3, 70)
     torch.library.opcheck(torch.ops.osd.argmax_finite.default, (x,))
     torch.library.opcheck(torch.ops.osd.argmax_finite.default, (x.new_empty(0, 70),))
+
+
+@native
+@pytest.mark.parametrize("K", [0, 1, 4])
+def test_greedy_chain_equals_the_rejection_sampler(K):
+    """The speculative step's greedy chain sampler (one argmax_finite pass) gives the chain
+    rejection sampler's tokens and counts, with per-row draft counts, drafts that match
+    the argmax for a while, ties and a row of NaN logits."""
+    g = torch.Generator().manual_seed(K)
+    B, V = 9, 301
+    logits = torch.randint(-4, 5, (B, K + 1, V), generator=g).float()  # ties
+    drafts = logits[:, :K].argmax(-1)
+    flip = torch.rand(B, K, generator=g) < 0.3
+    drafts = torch.where(flip, torch.randint(0, V, (B, K), generator=g), drafts)
+    logits[B - 1, K, 3] = float("nan")
+    for num in (None, torch.randint(0, K + 1, (B,), generator=g, dtype=torch.int32)):
+        prop = ChainProposal(drafts, None, None, num, K)
+        out, n, bad = greedy_chain(logits, prop)
+        seed = torch.zeros(B, dtype=torch.int64)
+        want_out, want_n = rejection_sample(
+            logits[: B - 1], drafts[: B - 1], None, num_draft_tokens=None if num is None
+            else num[: B - 1], seed=seed[: B - 1], offset=seed[: B - 1],
+        )  # fmt: skip
+        assert n.dtype == torch.int32 and torch.equal(n[: B - 1], want_n)
+        assert torch.equal(out[: B - 1], want_out)
+        assert bad.tolist() == [False] * (B - 1) + [True]
+
+
+@native
+def test_greedy_helpers_equal_torch():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-3, 3, (6, 4, 777), generator=g).float()
+    x[2, 1, 9] = float("inf")
+    x[4, 3, 0] = float("nan")
+    assert torch.equal(greedy_tokens(x[:, 0]), x[:, 0].argmax(-1))
+    ids, bad = greedy_nonfinite(x[:, 0])
+    assert torch.equal(ids, x[:, 0].argmax(-1)) and not bad.any()
+    assert nonfinite_rows(x).tolist() == [False, False, True, False, True, False]
+    long = torch.randn(2, 30, 40000, generator=g)  # a prefill's many positions
+    long[1, 29, 39999] = float("-inf")
+    assert nonfinite_rows(long).tolist() == [False, True]

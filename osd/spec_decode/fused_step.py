@@ -85,11 +85,11 @@ def fused_chain_step(speculator, B: int, params, sampling: dict, k: int):
             lens_before = cache.lens[:Bb].clone()
             logits = model(torch.cat([sp.next_tokens[:Bb, None], tokens], 1), cache)
             prop = ChainProposal(tokens, probs, raw, None, k)
-            out, n, _ = sp.sample(logits, prop, {x: s[x] for x in ("seed", "offset", *names)})
+            out, n, _, bad = sp.sample(logits, prop, {x: s[x] for x in ("seed", "offset", *names)})
             keep = (n + 1).to(torch.int32)
             cache.commit(keep, P)
             columns = sp.device_columns(prop, logits, params)
-            packed, sp._fused_columns[key] = pack_readback(n, logits, columns, out)
+            packed, sp._fused_columns[key] = pack_readback(n, logits, columns, out, bad)
             sp.next_tokens[:Bb] = out.gather(1, n[:, None].long())[:, 0]
             # the draft's side of the verdict (ModelDrafter.set_pending, on the device)
             dcache.lens[:Bb] = (lens_before + 1).to(torch.int32)

@@ -10,12 +10,17 @@ import torch
 from osd.sampling import nonfinite_rows
 
 
-def pack_readback(n: torch.Tensor, logits: torch.Tensor, columns: dict, out: torch.Tensor):
+def pack_readback(
+    n: torch.Tensor, logits: torch.Tensor, columns: dict, out: torch.Tensor, bad=None
+):
     """The step's one read-back as a single ``[B, 2 + len(columns) + D + 1]`` float64
-    tensor: per row the accepted count, the non-finite flag, each named ``[B]`` column,
-    then the sampled tokens (float64 holds every token id exactly). Returns ``(packed,
-    column names)``."""
-    cols = [n[:, None], nonfinite_rows(logits)[:, None]] + [c[:, None] for c in columns.values()]
+    tensor: per row the accepted count, the non-finite flag (``bad [B]``, else
+    :func:`~osd.sampling.nonfinite_rows` of ``logits``), each named ``[B]`` column, then
+    the sampled tokens (float64 holds every token id exactly). Returns ``(packed, column
+    names)``."""
+    if bad is None:
+        bad = nonfinite_rows(logits)
+    cols = [n[:, None], bad[:, None]] + [c[:, None] for c in columns.values()]
     return torch.cat([c.double() for c in cols] + [out.double()], 1), tuple(columns)
 
 

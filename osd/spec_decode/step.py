@@ -33,7 +33,7 @@ import torch
 import osd_kernels
 from osd.graphs import StepGraphs, graphed_forward
 from osd.penalties import Penalties, tree_ancestors, wants_penalties
-from osd.sampling import BatchParams, fail_rows, greedy_tokens, record_logprobs
+from osd.sampling import BatchParams, fail_rows, greedy_tokens, native_rows, record_logprobs
 from osd.spec import SpecConfig
 from osd.spec_decode.fused_step import fusable, fused_chain_step
 from osd.spec_decode.policies import AdaptiveStopper, DraftLengthController
@@ -41,6 +41,25 @@ from osd.spec_decode.proposals import ChainProposal, Emitted, TreeProposal
 from osd.spec_decode.readback import Readback, pack_readback
 from osd.spec_decode.statistics import StepStatistics
 from osd.stats import SpecStats
+
+
+def greedy_chain(logits: torch.Tensor, prop: ChainProposal):
+    """The chain rejection sampler's greedy rows from one ``argmax_finite`` pass: ``(out
+    [B, K + 1], accepted [B] int32, non-finite flags [B])``, equal to
+    ``osd_kernels.rejection_sample``'s tokens and counts (drafts accepted while they are
+    the argmax, within each row's ``num_drafted``; then the argmax; -1 past it). On the
+    CPU that kernel and the read-back's logits check were two more passes over the
+    ``[B, K + 1, V]`` logits."""
+    ids, bad = osd_kernels.argmax_finite(logits)  # [B, K + 1] each
+    K = prop.tokens.shape[1]
+    if K == 0:  # a plain step through the verify path
+        return ids, ids.new_zeros(ids.shape[0], dtype=torch.int32), bad[:, 0]
+    ok = prop.tokens == ids[:, :K]
+    if prop.num_drafted is not None:
+        ok &= torch.arange(K, device=ok.device) < prop.num_drafted[:, None]
+    n = ok.int().cumprod(1).sum(1, dtype=torch.int32)
+    pos = torch.arange(K + 1, device=ids.device)
+    return torch.where(pos <= n[:, None], ids, -1), n, bad.any(1)
 
 
 def to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
@@ -277,7 +296,9 @@ class Speculator:
         logits, hidden = self.verify(prop)  # [B, T, V], [B, T, H] / None
         clock.append(time.perf_counter())
         scored = self._penalized(active, logits, prop) if wants_penalties(active) else logits
-        out, n, path = self.sample(scored, prop, sampling)
+        out, n, path, bad = self.sample(scored, prop, sampling)
+        if scored is not logits:
+            bad = None  # the flags are the raw logits'; the sampler saw penalized ones
         if path is not None and hidden is not None:  # the features along the accepted path
             hidden = hidden.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1]))
         clock.append(time.perf_counter())
@@ -288,7 +309,7 @@ class Speculator:
             columns["origin"] = prop.origin
         columns.update(self.device_columns(prop, logits, params))
         plain = isinstance(prop, ChainProposal) and prop.tokens.shape[1] == 0
-        back = self.commit(B, prop, logits, out, n, path, hidden, columns, plain=plain)
+        back = self.commit(B, prop, logits, out, n, path, hidden, columns, plain=plain, bad=bad)
         return prop, logits, hidden, path, back
 
     def propose(self, active, params: BatchParams, sampling: dict, k: int):
@@ -341,24 +362,30 @@ class Speculator:
 
     def sample(self, logits: torch.Tensor, prop, sampling: dict):
         """Stage 3, the rejection sampler: ``(tokens [B, D + 1], accepted [B], path or
-        None)``."""
-        if "temperature" not in sampling and prop.tokens.shape[1] == 0:
+        None, the rows' non-finite flags [B] or None)`` (None: the read-back computes
+        them)."""
+        greedy = "temperature" not in sampling
+        if greedy and isinstance(prop, ChainProposal) and native_rows(logits):
+            out, n, bad = greedy_chain(logits, prop)
+            return out, n, None, bad
+        if greedy and prop.tokens.shape[1] == 0:
             # greedy without drafts (auto_k's plain steps): the argmax is the whole sampler
             out = greedy_tokens(logits)
-            return out, logits.new_zeros(logits.shape[0], dtype=torch.int32), None
+            return out, logits.new_zeros(logits.shape[0], dtype=torch.int32), None, None
         if isinstance(prop, TreeProposal):
             path, out, n = osd_kernels.tree_rejection_sample(
                 logits, prop.tokens, prop.parents, None, **sampling, max_depth=prop.max_depth
             )
-            return out, n, path
+            return out, n, path, None
         out, n = osd_kernels.rejection_sample(
             logits, prop.tokens, prop.probs, num_draft_tokens=prop.num_drafted, **sampling
         )
-        return out, n, None
+        return out, n, None, None
 
-    def commit(self, B, prop, logits, out, n, path, hidden, columns: dict, plain: bool):
+    def commit(self, B, prop, logits, out, n, path, hidden, columns: dict, plain: bool, bad=None):
         """Stage 4: the target cache keeps the accepted tokens, the next roots are set,
-        the step's one read-back happens, and the drafter catches up. Returns the
+        the step's one read-back happens, and the drafter catches up (``bad [B]``: the
+        rows' non-finite flags when the sampler found them). Returns the
         :class:`Readback`."""
         cache = self.cache
         lens_before = None if plain else cache.lens[:B].clone()
@@ -367,7 +394,7 @@ class Speculator:
             cache.commit_tree(path, keep, prop.max_depth + 1)
         else:
             cache.commit(keep, logits.shape[1])
-        back = Readback.fetch(*pack_readback(n, logits, columns, out))
+        back = Readback.fetch(*pack_readback(n, logits, columns, out, bad))
         self.next_tokens[:B] = out.gather(1, n[:, None].long())[:, 0]
         emitted = Emitted(B, out, keep.long(), max(back.accepted) + 1, hidden)
         if plain:
