@@ -20,7 +20,7 @@ import torch
 
 from osd.graphs import StepGraphs, batch_bucket
 from osd.models.llama import DecoderLM
-from osd.sampling import BatchParams, SamplingParams
+from osd.sampling import BatchParams, SamplingParams, greedy_tokens
 from osd.spec import DynamicTree
 from osd.spec_decode.proposals import (
     PENDING_WIDTH,
@@ -346,7 +346,7 @@ class ModelDrafter:
         for i in range(k):
             raw.append(logits)
             if params.greedy:
-                x = logits.argmax(-1)
+                x = greedy_tokens(logits)
                 q = None
             else:
                 q = self._warp(logits, params)
