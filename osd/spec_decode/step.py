@@ -33,7 +33,14 @@ import torch
 import osd_kernels
 from osd.graphs import StepGraphs, graphed_forward
 from osd.penalties import Penalties, tree_ancestors, wants_penalties
-from osd.sampling import BatchParams, fail_rows, greedy_tokens, native_rows, record_logprobs
+from osd.sampling import (
+    BatchParams,
+    fail_rows,
+    greedy_tokens,
+    native_rows,
+    nonfinite_rows,
+    record_logprobs,
+)
 from osd.spec import SpecConfig
 from osd.spec_decode.fused_step import fusable, fused_chain_step
 from osd.spec_decode.policies import AdaptiveStopper, DraftLengthController
@@ -394,7 +401,10 @@ class Speculator:
             cache.commit_tree(path, keep, prop.max_depth + 1)
         else:
             cache.commit(keep, logits.shape[1])
-        back = Readback.fetch(*pack_readback(n, logits, columns, out, bad))
+        if logits.device.type == "cpu":
+            back = Readback.direct(n, nonfinite_rows(logits) if bad is None else bad, columns, out)
+        else:
+            back = Readback.fetch(*pack_readback(n, logits, columns, out, bad))
         self.next_tokens[:B] = out.gather(1, n[:, None].long())[:, 0]
         emitted = Emitted(B, out, keep.long(), max(back.accepted) + 1, hidden)
         if plain:
