@@ -13,7 +13,7 @@ both servers read), so every provider generates the same number of tokens. Provi
   ``Engine.run`` (what ``Engine.generate`` runs; the first step that yields a token gives
   the TTFT), in a worker process of its own that imports osd first, as a user's script
   does (``bench/inprocess_worker.py``; in this process torch may already be loaded, and
-  libgomp would then spin long instead of ``import osd``'s ``GOMP_SPINCOUNT=1000``);
+  libgomp would then spin long instead of ``import osd``'s ``GOMP_SPINCOUNT=10000``);
   ``osd in-process --no-draft``: the target alone. 1 client only: the reference of
   ``osd serve`` at one client;
 - ``osd serve``: ``osd serve --threads THREADS`` as a user runs it (no ``--target``: the
@@ -27,8 +27,8 @@ both servers read), so every provider generates the same number of tokens. Provi
   client, the server a single user would start. This llama.cpp is built with OpenMP and
   its threads meet at an OpenMP barrier after every graph node, so libgomp's wait policy
   matters to it as to torch: its spinning default is the faster on an idle CPU and many
-  times slower on a busy one. ``llama-server -np 8, spin=1000`` is the same server with
-  ``GOMP_SPINCOUNT=1000``, what ``import osd`` gives the osd processes
+  times slower on a busy one. ``llama-server -np 8, spin=10000`` is the same server with
+  ``GOMP_SPINCOUNT=10000``, what ``import osd`` gives the osd processes
   (``--no-llama-passive`` leaves it out). The last ratio column takes the fastest
   ``llama-server`` of each round.
 
@@ -89,6 +89,7 @@ if __name__ == "__main__":  # run as a script: the repository root, for `bench.*
 
 from bench import llamacpp  # noqa: E402
 from osd import zoo  # noqa: E402
+from osd._openmp import SPIN_COUNT  # noqa: E402
 from osd.chat_template import apply_chat_template  # noqa: E402
 from osd.models.loading import load_tokenizer  # noqa: E402
 from osd.zoo.workloads import evaluation_set  # noqa: E402
@@ -166,7 +167,7 @@ def start_providers(
     if llama_np1 and 1 in clients:
         llamas.append((LLAMA1, 1, None))
     if llama_passive:
-        llamas.append((LLAMA8P, 8, "spin=1000"))
+        llamas.append((LLAMA8P, 8, f"spin={SPIN_COUNT}"))
     for name, slots, policy in llamas:
         makers[name] = lambda s=slots, p=policy: chat_load.llama_server(
             bins, target, s, threads, SLOT_CTX, p
@@ -409,7 +410,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--no-llama-passive",
         action="store_true",
-        help="leave out the llama-server -np 8 started with GOMP_SPINCOUNT=1000",
+        help="leave out the llama-server -np 8 started with osd's GOMP_SPINCOUNT",
     )
     p.add_argument(
         "--no-every-step",

@@ -7,7 +7,7 @@ hundreds of short parallel regions a few microseconds apart: sleeping threads pa
 at each, while long-spinning ones, when other work shares the cores (a server's event loop,
 another process), take the cores the others need, and a team member that lost its core
 stalls each region until the scheduler runs it again. ``import osd`` sets
-``OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=1000`` (``spin=1000`` here).
+``OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=10000`` (``spin=10000`` here).
 
 Each measurement is a fresh process (libgomp reads the policy when torch loads) decoding
 the same prompts greedily at batch 1 with 2 threads: plain and speculative (the chat pair
@@ -33,8 +33,8 @@ import time
 
 # OMP_WAIT_POLICY values, or "spin=N": OMP_WAIT_POLICY=ACTIVE with GOMP_SPINCOUNT=N (spin N
 # rounds after a region, then sleep, also with more threads than cores: what ``import
-# osd`` sets with N = 1000)
-POLICIES = ("ACTIVE", "PASSIVE", "spin=1000")
+# osd`` sets with N = 10000)
+POLICIES = ("ACTIVE", "PASSIVE", "spin=1000", "spin=10000")
 
 CHILD = r"""
 import json, sys, threading, time, torch, osd

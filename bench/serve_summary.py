@@ -4,6 +4,8 @@ round); :func:`percentile`, which ``bench/bench_serve.py`` uses too."""
 
 from __future__ import annotations
 
+from osd._openmp import SPIN_COUNT
+
 INPROC = "osd in-process"
 INPROC_PLAIN = "osd in-process --no-draft"
 SERVE = "osd serve"
@@ -11,7 +13,7 @@ SERVE_PLAIN = "osd serve --no-draft"
 SERVE_EVERY = "osd serve --stream-interval 0"
 LLAMA8 = "llama-server -np 8"
 LLAMA1 = "llama-server -np 1"
-LLAMA8P = "llama-server -np 8, spin=1000"
+LLAMA8P = f"llama-server -np 8, spin={SPIN_COUNT}"  # osd's libgomp setting
 LLAMAS = (LLAMA8, LLAMA1, LLAMA8P)
 # provider -> its in-process reference (the serve / in-process ratio at 1 client)
 REFERENCE = {SERVE: INPROC, SERVE_PLAIN: INPROC_PLAIN, SERVE_EVERY: INPROC}

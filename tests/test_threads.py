@@ -111,14 +111,14 @@ def test_engine_serves_correctly_after_errors(pair, monkeypatch):
 @pytest.mark.parametrize(
     "preset,want",
     [
-        ({}, "ACTIVE 1000"),
+        ({}, "ACTIVE 10000"),
         ({"OMP_WAIT_POLICY": "PASSIVE"}, "PASSIVE None"),
         ({"GOMP_SPINCOUNT": "50"}, "None 50"),
     ],
 )
 def test_openmp_threads_spin_briefly_then_sleep_unless_told(preset, want):
     """``import osd`` (before torch) sets ``OMP_WAIT_POLICY=ACTIVE`` and
-    ``GOMP_SPINCOUNT=1000`` (spin briefly, then sleep, also with more threads than cores),
+    ``GOMP_SPINCOUNT=10000`` (spin briefly, then sleep, also with more threads than cores),
     which libgomp reads when torch loads; a policy or spin count the user set is kept."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update(preset)
