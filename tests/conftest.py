@@ -38,6 +38,16 @@ def device(request):
     return torch.device(request.param)
 
 
+def set_isa(monkeypatch, env: dict) -> None:
+    """Run the native CPU kernels on the instruction sets ``env`` leaves them
+    (``{"OSD_NO_AVX512": "1"}``: AVX2 or portable; ``{}``: the best the CPU has); the
+    kernels read these variables at each call."""
+    for name in ("OSD_NO_AVX512", "OSD_NO_AVX2"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
 def backends_for(device: torch.device, has_triton: bool = True):
     """Backends to compare against the reference on ``device``."""
     out = ["native"]

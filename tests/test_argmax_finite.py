@@ -15,16 +15,11 @@ from osd_kernels import (
     native_available,
     rejection_sample,
 )
+from tests.conftest import set_isa
 
 native = pytest.mark.skipif(not native_available(), reason="osd_kernels._C is not built")
 ISAS = [{}, {"OSD_NO_AVX512": "1"}]
 ISA_IDS = ["avx512", "portable"]
-
-
-def _set_isa(monkeypatch, env):
-    monkeypatch.delenv("OSD_NO_AVX512", raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
 
 
 def _check(logits):
@@ -42,7 +37,7 @@ def _check(logits):
 @pytest.mark.parametrize("env", ISAS, ids=ISA_IDS)
 @pytest.mark.parametrize("V", [1, 5, 16, 17, 33, 1000, 49152, 131075])
 def test_native_matches_reference(monkeypatch, env, V):
-    _set_isa(monkeypatch, env)
+    set_isa(monkeypatch, env)
     g = torch.Generator().manual_seed(V)
     _check(torch.randn(7, V, generator=g) * 4)
     _check(torch.randn(2, 3, V, generator=g))  # leading dims
@@ -51,7 +46,7 @@ def test_native_matches_reference(monkeypatch, env, V):
 @native
 @pytest.mark.parametrize("env", ISAS, ids=ISA_IDS)
 def test_ties_take_the_lowest_index(monkeypatch, env):
-    _set_isa(monkeypatch, env)
+    set_isa(monkeypatch, env)
     g = torch.Generator().manual_seed(2)
     x = torch.randint(-3, 4, (64, 259), generator=g).float()  # many equal maxima
     ids, _ = _check(x)
@@ -67,7 +62,7 @@ def test_ties_take_the_lowest_index(monkeypatch, env):
 @pytest.mark.parametrize("env", ISAS, ids=ISA_IDS)
 @pytest.mark.parametrize("V", [7, 16, 50, 1003])
 def test_nonfinite_anywhere(monkeypatch, env, V):
-    _set_isa(monkeypatch, env)
+    set_isa(monkeypatch, env)
     g = torch.Generator().manual_seed(V + 1)
     for value in (float("nan"), float("inf"), float("-inf")):
         for at in sorted({0, 1, V // 2, V - 2, V - 1} - {-1}):
@@ -92,7 +87,7 @@ def test_nonfinite_anywhere(monkeypatch, env, V):
 @native
 @pytest.mark.parametrize("env", ISAS, ids=ISA_IDS)
 def test_strides_and_empty(monkeypatch, env):
-    _set_isa(monkeypatch, env)
+    set_isa(monkeypatch, env)
     g = torch.Generator().manual_seed(3)
     wide = torch.randn(5, 600, generator=g)
     _check(wide[:, ::2])  # rows with a stride: copied to contiguous rows

@@ -25,6 +25,7 @@ from osd_kernels import (
     use_avx512,
 )
 from osd_kernels.rope_kv_write import rope_kv_write_qkv
+from tests.conftest import set_isa
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-6, atol=2**-6)}
@@ -197,13 +198,6 @@ ISAS = [{}, {"OSD_NO_AVX512": "1"}, {"OSD_NO_AVX2": "1"}]  # AVX-512, AVX2, port
 ISA_IDS = ["avx512", "avx2", "portable"]
 
 
-def _set_isa(monkeypatch, env):
-    for name in ("OSD_NO_AVX512", "OSD_NO_AVX2"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-
-
 def _norm_of(h, weight, eps):
     """decode_linear's fused RMSNorm of ``h`` (an identity GEMV is exact)."""
     eye = torch.eye(h.shape[-1])
@@ -223,7 +217,7 @@ def _norm_of(h, weight, eps):
     ],
 )
 def test_add_rms_norm_native(monkeypatch, env, shape, scale, view):
-    _set_isa(monkeypatch, env)
+    set_isa(monkeypatch, env)
     gen = torch.Generator().manual_seed(sum(shape))
     H = shape[-1]
     if view == "rows":
@@ -248,7 +242,7 @@ def test_add_rms_norm_native(monkeypatch, env, shape, scale, view):
 @pytest.mark.parametrize("env", ISAS, ids=ISA_IDS)
 @pytest.mark.parametrize("shape", [(1, 1, 1536), (2, 7, 45), (5, 3, 1500), (3, 49), (17,)])
 def test_silu_mul_native(monkeypatch, env, shape):
-    _set_isa(monkeypatch, env)
+    set_isa(monkeypatch, env)
     gen = torch.Generator().manual_seed(sum(shape))
     gate_up = _randn(gen, *shape[:-1], 2 * shape[-1], dtype=torch.float32, scale=4.0)
     ref = silu_mul_reference(gate_up)
@@ -280,7 +274,7 @@ def test_silu_mul_native(monkeypatch, env, shape):
     ],
 )
 def test_rope_kv_write_native(monkeypatch, env, B, T, Hq, Hkv, D, R):
-    _set_isa(monkeypatch, env)
+    set_isa(monkeypatch, env)
     gen = torch.Generator().manual_seed(B * 10**4 + T * 1000 + D * 10 + R)
     q, k, v, cos, sin, kv, slots = _rope_case(gen, B, T, Hq, Hkv, D, R, torch.float32)
     kv_ref = kv.clone()
@@ -305,7 +299,7 @@ def test_rope_kv_write_half_cache(monkeypatch, env, B, T, Hq, Hkv, D, R):
     """A float16 cache under float32 q and k: the queries as with a float32 cache, K and V
     rounded to nearest as they are written (what writing float32 then Tensor.half()
     gives), every other entry untouched; the reference writes the same."""
-    _set_isa(monkeypatch, env)
+    set_isa(monkeypatch, env)
     gen = torch.Generator().manual_seed(B * 10**4 + T * 1000 + D * 10 + R + 1)
     q, k, v, cos, sin, kv, slots = _rope_case(gen, B, T, Hq, Hkv, D, R, torch.float32)
     kv = kv.half()

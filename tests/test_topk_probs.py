@@ -9,16 +9,11 @@ import torch
 import osd_kernels
 from osd_kernels import native_available, topk_probs, topk_probs_reference
 from osd.online.buffer import compress_target
+from tests.conftest import set_isa
 
 native = pytest.mark.skipif(not native_available(), reason="osd_kernels._C is not built")
 ISAS = [{}, {"OSD_NO_AVX512": "1"}]
 ISA_IDS = ["avx512", "portable"]
-
-
-def _set_isa(monkeypatch, env):
-    monkeypatch.delenv("OSD_NO_AVX512", raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
 
 
 def _check(logits, k, **kw):
@@ -36,7 +31,7 @@ def _check(logits, k, **kw):
 @pytest.mark.parametrize("V", [1, 5, 17, 33, 1000, 49152, 131075])
 @pytest.mark.parametrize("k", [1, 7, 32])
 def test_native_matches_reference(monkeypatch, env, V, k):
-    _set_isa(monkeypatch, env)
+    set_isa(monkeypatch, env)
     g = torch.Generator().manual_seed(V * 100 + k)
     _check(torch.randn(3, V, generator=g) * 4, k)
 
@@ -44,7 +39,7 @@ def test_native_matches_reference(monkeypatch, env, V, k):
 @native
 @pytest.mark.parametrize("env", ISAS, ids=ISA_IDS)
 def test_leading_dims_strides_and_empty(monkeypatch, env):
-    _set_isa(monkeypatch, env)
+    set_isa(monkeypatch, env)
     g = torch.Generator().manual_seed(1)
     _check(torch.randn(2, 3, 301, generator=g), 9)
     _check(torch.randn(301, generator=g), 9)
@@ -58,7 +53,7 @@ def test_leading_dims_strides_and_empty(monkeypatch, env):
 @native
 @pytest.mark.parametrize("env", ISAS, ids=ISA_IDS)
 def test_ties_rank_the_lower_id_first(monkeypatch, env):
-    _set_isa(monkeypatch, env)
+    set_isa(monkeypatch, env)
     g = torch.Generator().manual_seed(2)
     x = torch.randint(-3, 4, (5, 257), generator=g).float()  # many equal logits
     ids, probs = topk_probs(x, 40, backend="native")
@@ -78,7 +73,7 @@ def test_ties_rank_the_lower_id_first(monkeypatch, env):
 @native
 @pytest.mark.parametrize("env", ISAS, ids=ISA_IDS)
 def test_minus_inf_and_k_past_v(monkeypatch, env):
-    _set_isa(monkeypatch, env)
+    set_isa(monkeypatch, env)
     x = torch.full((2, 40), float("-inf"))
     x[0, [3, 30, 7]] = torch.tensor([1.0, 2.0, 0.5])
     x[1, 39] = 0.0
