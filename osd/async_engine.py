@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 
+from osd._openmp import release_thread_pool
 from osd.chat_template import apply_chat_template
 from osd.engine import Engine
 from osd.request import RequestError, RequestState
@@ -78,6 +79,10 @@ class AsyncEngine:
         self._aborts: list[_Stream] = []
         self._wake = threading.Event()
         self._closed = False
+        if engine.device.type == "cpu":
+            # the steps run on the loop thread below: this thread's OpenMP team (the load's)
+            # would otherwise cut the loop team's spinning (osd._openmp.release_thread_pool)
+            release_thread_pool()
         self._thread = threading.Thread(target=self._loop, name="osd-async-engine", daemon=True)
         self._thread.start()
 

@@ -129,3 +129,19 @@ def test_openmp_threads_spin_briefly_then_sleep_unless_told(preset, want):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == want
+
+
+def test_release_thread_pool_keeps_torch_working():
+    """Releasing a thread's OpenMP workers (as ``AsyncEngine`` does for the thread that
+    loaded the model) leaves later parallel work on that thread and on others correct."""
+    code = (
+        "import osd, torch, threading; torch.set_num_threads(2); "
+        "x = torch.randn(1 << 20); a = float(x.sum()); "
+        "from osd._openmp import release_thread_pool; r = release_thread_pool(); "
+        "b = float(x.sum()); out = []; "
+        "t = threading.Thread(target=lambda: out.append(float(x.sum()))); t.start(); t.join(); "
+        "print(r, a == b == out[0])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "True"
