@@ -43,9 +43,12 @@ each server a first load of N short ones at every N > 1 (a server's first batch 
 width is slower than the next).
 
 A configuration is a provider and a number N of concurrent clients; client j sends
-conversations j, j + N, ... one after another. A round starts every provider afresh (in
-an order rotated by the round: a process keeps for its whole life the speed its memory
-placement gave it, and the same server restarted differs by several percent), then runs
+conversations j, j + N, ... one after another. A round starts every provider afresh (a
+process keeps for its whole life the speed its memory placement gave it: the same server
+restarted differs by several percent, and on a VM the later started ran the faster, see
+``start_order``; rounds start them in turn in a rotated order and in its reverse, so
+an even number of rounds starts each pair of providers as often in one order as in the
+other), then runs
 every configuration once, N = 1 first. At N = 1 the providers take turns conversation by
 conversation (every provider answers conversation i before any answers i + 1), so a
 burst of load from the other work on the machine hits them alike; at N = 8 they take
@@ -62,7 +65,7 @@ at 1 client, and osd ÷ ``llama-server`` (``-np 8`` as a user starts it, and the
 
 Run as a script (prints a line per configuration and a markdown table, writes JSON):
 
-    .venv/bin/python bench/bench_serve_llamacpp.py --rounds 3 \\
+    .venv/bin/python bench/bench_serve_llamacpp.py --rounds 4 \\
         --json results/bench_serve_llamacpp.json
 
 Under pytest (``make bench``): one quick round (``PROMPTS`` 2, 32 tokens, no ``-np 1``
@@ -102,7 +105,7 @@ except ImportError:  # httpx missing: missing_reason() says so
 CLIENTS = (1, 8)
 MAX_TOKENS = 96
 PROMPTS = 4  # conversations per workload of the evaluation set
-ROUNDS = 3
+ROUNDS = 4  # even: see start_order
 THREADS = 2
 SLOT_CTX = 2048  # context per sequence: osd serve's --max-seq-len default
 NEEDS = ("fastapi", "uvicorn", "httpx")
@@ -153,8 +156,8 @@ def start_providers(
     log=print,
 ) -> dict:
     """Every provider, started and ready: ``{name: object}`` with ``pid`` and either
-    ``url`` (a server) or ``run`` (in-process). They start one after another, the order
-    rotated by ``rotate``; the dict keeps the canonical order."""
+    ``url`` (a server) or ``run`` (in-process). They start one after another in
+    :func:`start_order` of round ``rotate``; the dict keeps the canonical order."""
     target, draft = zoo.chat_pair()
     bins = llamacpp.find_binaries()
     makers = {
@@ -176,17 +179,28 @@ def start_providers(
         makers[INPROC] = lambda: chat_load.InProcess(target, draft, threads)
         makers[INPROC_PLAIN] = lambda: chat_load.InProcess(target, None, threads)
     names = list(makers)
-    k = rotate % len(names)
     started: dict = {}
     try:
-        log("starting " + ", ".join(names[k:] + names[:k]))
-        for name in names[k:] + names[:k]:
+        log("starting " + ", ".join(start_order(names, rotate)))
+        for name in start_order(names, rotate):
             started[name] = makers[name]()
     except BaseException:
         for p in started.values():
             p.close()
         raise
     return {name: started[name] for name in names}
+
+
+def start_order(names: list[str], rnd: int) -> list[str]:
+    """The order in which round ``rnd`` starts the providers: rotated by ``rnd // 2``,
+    and reversed in odd rounds, so that every two rounds start each pair of providers in
+    both orders. On a VM the order matters: of three identical in-process engines started
+    one after another and run in turns, the later ran the faster for the whole of their
+    lives (engine seconds for the same 8 conversations 6.20, 5.59 and 5.37 on the 2-core
+    Intel VM), so a ratio of two providers is biased by which one started first."""
+    k = (rnd // 2) % len(names)
+    order = names[k:] + names[:k]
+    return order[::-1] if rnd % 2 else order
 
 
 def providers_at(n: int, providers: dict) -> list[str]:
@@ -296,7 +310,7 @@ def bench(
     tok = load_tokenizer(zoo.chat_pair()[0])
     want_prompt = [len(apply_chat_template(tok, [c])[0]) for c in convs]
     for rnd in range(rounds):
-        # Fresh processes every round, started in a rotated order: a process keeps the
+        # Fresh processes every round, in start_order: a process keeps the
         # speed its memory placement gave it for its whole life (the same server
         # restarted differs by several percent), so one set of processes would bias
         # every ratio of the run.

@@ -474,3 +474,29 @@ def test_metrics(setup):
     assert math.isclose(m["osd:spec_decode_acceptance_rate"], accepted / drafted)
     assert m['osd:request_success_total{finished_reason="length"}'] > 0
     assert m['osd:api_errors_total{status="400",type="invalid_request_error"}'] > 0
+
+
+def test_bench_chat_client_reads_the_stream(setup):
+    """``bench.chat_load``'s lean streaming client (the serving benchmarks' clients) reads
+    what the OpenAI client reads, through chunked transfer coding, from concurrent
+    clients; a refused request raises with the status."""
+    from bench import chat_load  # the benchmark's helper, not part of the package
+
+    client = setup["client"]
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    want = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=NEW,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    wall, results, cpu = chat_load.run_load(setup["server"].url, [messages] * 3, 2, NEW)
+    assert wall > 0 and cpu >= 0
+    for r in results:
+        assert r["text"] == want.choices[0].message.content and r["finish"] == "length"
+        assert r["completion_tokens"] == NEW == want.usage.completion_tokens
+        assert r["prompt_tokens"] == want.usage.prompt_tokens
+        assert r["t0"] <= r["t_first"] <= r["t_end"] and r["chunks"] >= 1
+    with pytest.raises(RuntimeError, match="status 400"):
+        chat_load.run_load(setup["server"].url, [[]], 1, NEW)
