@@ -194,10 +194,11 @@ def start_providers(
 def start_order(names: list[str], rnd: int) -> list[str]:
     """The order in which round ``rnd`` starts the providers: rotated by ``rnd // 2``,
     and reversed in odd rounds, so that every two rounds start each pair of providers in
-    both orders. On a VM the order matters: of three identical in-process engines started
-    one after another and run in turns, the later ran the faster for the whole of their
-    lives (engine seconds for the same 8 conversations 6.20, 5.59 and 5.37 on the 2-core
-    Intel VM), so a ratio of two providers is biased by which one started first."""
+    both orders. On a VM the order matters: of identical in-process engines started one
+    after another and run in turns, the first started can run slower for its whole life
+    (``scripts/start_order.py`` on the 2-core Intel VM: 1-7% slower than the last of
+    three; 12% after 16 GB had just been freed), so a ratio of two providers is biased by
+    which one started first."""
     k = (rnd // 2) % len(names)
     order = names[k:] + names[:k]
     return order[::-1] if rnd % 2 else order
