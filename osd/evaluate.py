@@ -11,8 +11,10 @@ of other text at the start: an engine whose prompt lookup searches earlier answe
 (``lookup_history``) would otherwise find the timed answer in the warm-up's. Each row
 reports:
 
-- ``speedup``: the median over prompts of plain time / speculative time (end to end,
-  prefill included), and the tokens/s of both;
+- ``speedup``: the median over prompts of speculative tokens/s / plain tokens/s (end to
+  end, prefill included; greedy outputs are equal, so this is plain time / speculative
+  time, while sampled outputs differ and may stop at different lengths), and the tokens/s
+  of both over the workload;
 - ``alpha``: the draft model's mean 1 - TV(p, q) where it drafted; ``accept``: the share of
   drafted tokens accepted (prompt lookup's included); ``tokens_per_forward``: tokens
   emitted per target forward;
@@ -96,7 +98,8 @@ def evaluate(
             params = osd.SamplingParams(max_new_tokens, seed=i, **sampling)
             tp, op, sp = _timed(plain, prompt, params)
             tf, of, sf = _timed(fast, prompt, params)
-            ratios.append(tp / tf)
+            # per token: a sampled answer of either engine may end early (EOS)
+            ratios.append((len(of.token_ids) / tf) / max(1, len(op.token_ids)) * tp)
             t_plain, t_fast = t_plain + tp, t_fast + tf
             n_plain, n_fast = n_plain + len(op.token_ids), n_fast + len(of.token_ids)
             equal = equal and op.token_ids == of.token_ids
