@@ -167,3 +167,66 @@ def test_a_batch_row_drafts_up_to_the_longest_row():
     prop = drafter.propose(rows(1), torch.zeros(1, dtype=torch.int64), None, None, None,
                            k=3, found=found[1:])  # fmt: skip
     assert prop.num_drafted.tolist() == [1]  # alone the bar is 0.45, under the prior's 0.67
+
+
+def test_may_draft_is_whether_some_match_drafts():
+    """``LookupRecord.may_draft(bar)`` is True exactly when ``length`` gives 1 or more for
+    some matched length, recorded or not (an unrecorded one starts from the prior)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        rec = LookupRecord()
+        for n in range(1, 4):
+            if torch.rand((), generator=gen) < 0.3:
+                continue  # this length never matched
+            reached, acc = rec._rows(n, 3)
+            for i in range(3):
+                hits = int(torch.randint(0, 30, (), generator=gen))
+                reached[i] += hits
+                acc[i] += int(torch.randint(0, hits + 1, (), generator=gen))
+        for bar in (0.0, 0.3, 0.6, 0.7, 0.8, 0.9):
+            some = any(rec.length(n, 3, bar) >= 1 for n in range(1, 6))
+            assert rec.may_draft(bar) == some, (bar, rec.reached, rec.accepted)
+
+
+def test_a_batch_no_record_clears_skips_the_search():
+    """Under a bar no row's record clears (a batch's), a step that explores nowhere drafts
+    nothing without searching the rows' contexts, and settles their pending drafts as the
+    search would; once a row's record clears the bar, or a row explores, the rows are
+    searched again."""
+    drafter = NGramDrafter(1, 3, None, min_reach=0.2)  # a batch of 8: the bar is 0.9
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+
+    def rows(steps):
+        return [
+            SimpleNamespace(prompt=list(prompt), generated=[7], lookup_record=None,
+                            spec_steps=s, ngram_index=None)
+            for s in steps
+        ]  # fmt: skip
+
+    def propose(active):
+        roots = torch.zeros(len(active), dtype=torch.int64)
+        return drafter.propose(active, roots, None, None, None, k=3)
+
+    searched = []
+    real = drafter.matches
+    drafter.matches = lambda *a, **kw: searched.append(1) or real(*a, **kw)
+    active = rows([1] * 8)
+    active[0].lookup_record = LookupRecord()
+    active[0].lookup_record.propose(3, [5, 6, 7], len(prompt))
+    active[0].generated = [5, 6, 8]  # the step emitted: 2 drafts accepted, the third not
+    prop = propose(active)
+    assert prop.num_drafted.tolist() == [0] * 8 and not searched
+    record = active[0].lookup_record
+    assert record.pending is None  # settled as the search would have
+    assert record.reached[3] == [PRIOR_REACHED + 1] * 3
+    assert record.accepted[3] == [PRIOR_ACCEPTED + 1] * 2 + [PRIOR_ACCEPTED]
+    assert propose(rows([8 * EXPLORE_EVERY] + [1] * 7)).num_drafted.tolist()[0] == 1
+    assert searched
+    searched.clear()
+    confident = rows([1] * 8)
+    confident[3].lookup_record = LookupRecord()
+    reached, acc = confident[3].lookup_record._rows(3, 3)
+    reached[0] += 40
+    acc[0] += 40  # (2 + 40) / (3 + 40) >= 0.9
+    prop = propose(confident)
+    assert searched and prop.num_drafted.tolist()[3] == 1

@@ -87,13 +87,17 @@ class NGramDrafter:
         the rows' :meth:`matches`, when the caller has them)."""
         if tree is not None:
             raise ValueError("prompt lookup drafts chains, not trees")
+        batched = batch_reach(self.min_reach, len(active))
+        if found is None and self.min_reach > 0.0 and not self._may_draft(active, batched):
+            # no row's record clears the bar whatever it matches (a batch's bar is high):
+            # the step drafts nothing, so the search of every row's context is skipped
+            return self.chain([[] for _ in active], k, roots.device)
         histories = [r.prompt + r.generated for r in active]
         if found is None:
             found = self.matches(histories, k, active)
         if self.min_reach <= 0.0:
             return self.chain([cont for _, cont in found], k, roots.device)
         lengths = []
-        batched = batch_reach(self.min_reach, len(active))
         for r, hist, (n, cont) in zip(active, histories, found):
             record = r.lookup_record
             if record is None:
@@ -113,6 +117,24 @@ class NGramDrafter:
             r.lookup_record.propose(n, cont, len(hist))
             conts.append(cont)
         return self.chain(conts, k, roots.device)
+
+    @staticmethod
+    def _may_draft(active, batched: float) -> bool:
+        """Whether any row could draft under the bar ``batched``: it explores this step,
+        or its record (its pending drafts settled first) clears the bar for some match.
+        False means :meth:`propose` would draft nothing whatever the rows matched (and
+        leave every record as this leaves it: pending drafts settled, none new)."""
+        for r in active:
+            if explores(r.spec_steps, len(active)):
+                return True
+            record = r.lookup_record
+            if record is None:
+                record = r.lookup_record = LookupRecord()
+            if record.pending is not None:
+                record.settle(r.prompt + r.generated)
+            if record.may_draft(batched):
+                return True
+        return False
 
     def propose_chain(self, histories: list[list[int]], k: int, device) -> ChainProposal:
         """Up to ``k`` drafts per row from ``histories`` (each row's prompt + output)."""

@@ -30,7 +30,9 @@ distribution, but a fixed seed's samples can differ between batch sizes, as with
 request's steps now and then draft one position past the bar's length: every
 ``EXPLORE_EVERY``-th step alone, less often in a batch (:func:`explores`), where such a row
 costs the whole batch a step's share and, past a kernel's rows a pass, a second pass over
-the weights.
+the weights. Under a bar that no row's record clears for any match (a batch's, usually)
+and in a step where no row explores, nothing would be drafted whatever the rows matched,
+so the drafter skips the search of their contexts (:meth:`LookupRecord.may_draft`).
 """
 
 from __future__ import annotations
@@ -105,6 +107,18 @@ class LookupRecord:
                 break
             length = i + 1
         return length
+
+    def may_draft(self, min_reach: float) -> bool:
+        """Whether :meth:`length` can be 1 or more for some match under the bar
+        ``min_reach`` (settled first): the prior's first rate clears it, or the recorded
+        first rate of some matched length does."""
+        if min_reach <= 0.0 or PRIOR_ACCEPTED / PRIOR_REACHED >= min_reach:
+            return True
+        return any(
+            acc[0] / reached[0] >= min_reach
+            for acc, reached in zip(self.accepted.values(), self.reached.values())
+            if reached
+        )
 
     def propose(self, n: int, drafts: list[int], tokens_now: int) -> None:
         """Note the drafts of this step (``tokens_now``: the request's tokens before it)."""
