@@ -68,8 +68,8 @@ Run as a script (prints a line per configuration and a markdown table, writes JS
     .venv/bin/python bench/bench_serve_llamacpp.py --rounds 4 \\
         --json results/bench_serve_llamacpp.json
 
-Under pytest (``make bench``): one quick round (``PROMPTS`` 2, 32 tokens, no ``-np 1``
-row) printing the same table; skipped, with
+Under pytest (``make bench``): two quick rounds, one per start order (``PROMPTS`` 2, 32
+tokens, no ``-np 1`` row) printing the same table; skipped, with
 the reason, when ``llama-server`` is not built (``make llamacpp``), the chat GGUF is not
 cached or its draft is missing, or the serve extra is not installed.
 """
@@ -467,13 +467,13 @@ def main(argv=None) -> int:
     return 1 if out["problems"] else 0
 
 
-# ---- pytest-benchmark: one quick round ----
+# ---- pytest-benchmark: two quick rounds (start_order's two orders) ----
 
 QUICK = dict(
     clients=CLIENTS,
     prompts=2,
     max_tokens=32,
-    rounds=1,
+    rounds=2,
     llama_np1=False,
     llama_passive=True,
     every_step=False,
