@@ -230,3 +230,72 @@ def test_a_batch_no_record_clears_skips_the_search():
     acc[0] += 40  # (2 + 40) / (3 + 40) >= 0.9
     prop = propose(confident)
     assert searched and prop.num_drafted.tolist()[3] == 1
+
+
+def test_idle_is_whether_propose_drafts_nothing():
+    """Where ``NGramDrafter.idle(active, k)`` is True, ``propose`` with chains of ``k``
+    drafts nothing for any row and leaves the records as ``idle`` does (False: no row's
+    record rules drafting out, though its match may still draft nothing)."""
+    rng = torch.Generator().manual_seed(0)
+    seen = set()
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    for trial in range(40):
+        B = int(torch.randint(1, 9, (1,), generator=rng))
+        k = int(torch.randint(0, 4, (1,), generator=rng))
+        reach = [0.0, 0.1, 0.2][trial % 3]
+        twins = []
+        for _ in range(2):
+            active = []
+            g = torch.Generator().manual_seed(trial)
+            for _ in range(B):
+                record = LookupRecord()
+                reached, acc = record._rows(3, 3)
+                bonus = float(torch.randint(0, 60, (1,), generator=g))
+                reached[0] += bonus
+                acc[0] += bonus * float(torch.rand(1, generator=g))
+                step = int(torch.randint(1, 3 * EXPLORE_EVERY, (1,), generator=g))
+                active.append(
+                    SimpleNamespace(prompt=list(prompt), generated=[7], lookup_record=record,
+                                    spec_steps=step, ngram_index=None)
+                )  # fmt: skip
+            twins.append(active)
+        drafter = NGramDrafter(1, 3, None, min_reach=reach)
+        idle = drafter.idle(twins[0], k)
+        roots = torch.zeros(B, dtype=torch.int64)
+        prop = NGramDrafter(1, 3, None, min_reach=reach).propose(
+            twins[1], roots, None, None, None, k=k
+        )
+        seen.add(idle)
+        if idle:
+            assert prop.num_drafted.sum() == 0, (trial, B, k, reach)
+            for a, b in zip(*twins):
+                assert (a.lookup_record.reached, a.lookup_record.accepted) == (
+                    b.lookup_record.reached,
+                    b.lookup_record.accepted,
+                )
+    assert seen == {False, True}
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_idle_steps_equal_steps_through_the_verify_path(sampled):
+    """A step in which prompt lookup drafts nothing runs as a plain step (``Speculator.
+    _plain_step``); it gives the same tokens (seeded samples included), statistics and
+    records as the same step through the propose / verify / commit path."""
+    target, _ = osd.zoo.default_pair()
+    spec = osd.SpecConfig(drafter="ngram", num_draft_tokens=4, lookup=PromptLookup(min_reach=0.2))
+    engines = [osd.Engine.from_pretrained(target, max_batch_size=4, spec=spec) for _ in range(2)]
+    idle_steps = []
+    first = engines[0].speculators[0]
+    real = first._plain_step
+    first._plain_step = lambda *a: idle_steps.append(1) or real(*a)
+    engines[1].speculators[0]._idle = lambda active, k: False
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7, 8, 9] * 5, list(range(10, 40)), [3, 4] * 6]
+    if sampled:
+        params = [osd.SamplingParams(48, temperature=0.8, top_p=0.9, seed=s) for s in range(4)]
+    else:
+        params = osd.SamplingParams(48, ignore_eos=True)
+    outs = [[o.token_ids for o in e.generate(prompts, params)] for e in engines]
+    assert idle_steps and outs[0] == outs[1]
+    stats = [e.stats for e in engines]
+    for key in ("target_forwards", "drafted", "accepted", "generated_tokens", "lookup_steps"):
+        assert stats[0][key] == stats[1][key], key

@@ -51,6 +51,7 @@ class NGramDrafter:
         self.ngram_max = ngram_max
         self.history = history
         self.min_reach = min_reach
+        self._vetted = None  # the rows idle() found may draft, until the next propose
 
     def prefill(self, prompts, start_row: int, first_tokens: torch.Tensor, hidden=None) -> None:
         pass
@@ -88,7 +89,13 @@ class NGramDrafter:
         if tree is not None:
             raise ValueError("prompt lookup drafts chains, not trees")
         batched = batch_reach(self.min_reach, len(active))
-        if found is None and self.min_reach > 0.0 and not self._may_draft(active, batched):
+        vetted, self._vetted = self._vetted is active, None
+        if (
+            found is None
+            and self.min_reach > 0.0
+            and not vetted
+            and not self._may_draft(active, batched)
+        ):
             # no row's record clears the bar whatever it matches (a batch's bar is high):
             # the step drafts nothing, so the search of every row's context is skipped
             return self.chain([[] for _ in active], k, roots.device)
@@ -117,6 +124,20 @@ class NGramDrafter:
             r.lookup_record.propose(n, cont, len(hist))
             conts.append(cont)
         return self.chain(conts, k, roots.device)
+
+    def idle(self, active, k: int) -> bool:
+        """Whether :meth:`propose` with chains of ``k`` would draft nothing for any row
+        whatever the rows match (``k = 0``, or no row's record clears the batch's bar and
+        none explores), leaving the records as that call would. The speculator then runs
+        a plain step; this drafter keeps no rows to catch up."""
+        if k == 0:
+            return True
+        if self.min_reach <= 0.0:
+            return False
+        if self._may_draft(active, batch_reach(self.min_reach, len(active))):
+            self._vetted = active  # the step's propose need not ask again
+            return False
+        return True
 
     @staticmethod
     def _may_draft(active, batched: float) -> bool:

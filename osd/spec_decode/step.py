@@ -178,6 +178,7 @@ class Speculator:
         )
         self.graphs: StepGraphs | None = None  # CUDA graphs of the forwards (use_graphs)
         self._fused_columns: dict = {}  # fused graph key -> its read-back column names
+        self._empty: dict = {}  # batch size -> the proposal of a step without drafts
 
     @property
     def stats(self) -> SpecStats:
@@ -244,6 +245,9 @@ class Speculator:
             clock += [clock[0], t1, t1]  # the replay counts as "verify"
             back = Readback.fetch(packed, names)
             self.drafter._pending_max = max(back.accepted) + 1
+        elif self._idle(active, k):
+            prop, logits, back = self._plain_step(active, params, sampling, clock)
+            path = hidden = None
         else:
             prop, logits, hidden, path, back = self._step_parts(active, params, sampling, k, clock)
         clock.append(time.perf_counter())
@@ -293,6 +297,47 @@ class Speculator:
                 r.append(t, self.engine.max_seq_len)
             emitted.append(len(r.generated) - before)
         return emitted
+
+    def _idle(self, active, k: int) -> bool:
+        """Whether the drafter drafts nothing for any row this step and keeps no state of
+        its own to catch up (prompt lookup alone, whose rows can clear no bar): the step is
+        then a plain decode step (:meth:`_plain_step`)."""
+        idle = getattr(self.drafter, "idle", None)
+        return idle is not None and idle(active, k)
+
+    def _plain_step(self, active, params: BatchParams, sampling: dict, clock: list):
+        """One token per row, no drafts: the target's forward over the roots, the sampler
+        (the same kernels and Philox keys as a step through the verify path with nothing
+        drafted, so a row samples the same token either way) and the chain commit of one
+        token, without the proposal tensors, columns and drafter bookkeeping of
+        :meth:`_step_parts`. Returns ``(proposal, logits, read-back)``."""
+        B = len(active)
+        prop = self._empty_proposal(B)
+        clock.append(time.perf_counter())
+        logits, _ = self.verify(prop)  # [B, 1, V]
+        clock.append(time.perf_counter())
+        scored = self._penalized(active, logits, prop) if wants_penalties(active) else logits
+        out, n, _, bad = self.sample(scored, prop, sampling)
+        if bad is None or scored is not logits:
+            bad = nonfinite_rows(logits)
+        clock.append(time.perf_counter())
+        self.cache.commit(self.engine._ones[:B], 1)
+        tokens = out[:, 0]
+        self.next_tokens[:B] = tokens
+        columns = self.device_columns(prop, logits, params)
+        if logits.device.type == "cpu":
+            back = Readback.direct(n, bad, columns, out)
+        else:
+            back = Readback.fetch(*pack_readback(n, logits, columns, out, bad))
+        return prop, logits, back
+
+    def _empty_proposal(self, B: int) -> ChainProposal:
+        """The proposal of a step without drafts: ``tokens [B, 0]``."""
+        empty = self._empty.get(B)
+        if empty is None:
+            tokens = torch.empty(B, 0, dtype=torch.int64, device=self.cache.lens.device)
+            empty = self._empty[B] = ChainProposal(tokens, None, None, None, 0)
+        return empty
 
     def _step_parts(self, active, params: BatchParams, sampling: dict, k: int, clock: list):
         """The step as separate stages (each forward replayed from its own graph when
@@ -358,7 +403,9 @@ class Speculator:
             inputs, mask, depths = prop.tokens, prop.mask, prop.depths
         else:
             B = prop.tokens.shape[0]
-            inputs = torch.cat([self.next_tokens[:B, None], prop.tokens], 1)
+            inputs = self.next_tokens[:B, None]
+            if prop.tokens.shape[1]:
+                inputs = torch.cat([inputs, prop.tokens], 1)
             mask = depths = None
         model = self.engine.model
         if self.drafter.needs_hidden:
