@@ -391,9 +391,12 @@ def learning_beside(spec: SpecConfig, alone: SpecConfig) -> SpecConfig:
     ``spec`` with ``auto_k``, so each step's chain length follows the goodput measured
     while serving, and its arm 0 is ``alone``'s lookup (the model idle, catching up).
     While the draft's chain does not pay, the steps are prompt lookup's, as long as
-    ``alone``'s (an all-lookup step drafts up to ``max(num_draft_tokens, lookup.tokens)``,
-    raised to ``alone.num_draft_tokens`` where that is longer); as the draft learns, its
-    chain wins steps back. The lookup searches ``alone``'s history when ``spec``'s has
+    ``alone``'s: an all-lookup step drafts up to ``alone.num_draft_tokens`` when that is
+    longer than the chain (the lookup's ``tokens``, whatever ``spec`` had there: a longer
+    lookup chain than the recommendation's verifies more rows a step for the same tokens,
+    which would make the learning engine slower than the recommendation), else up to
+    ``max(num_draft_tokens, lookup.tokens)``; as the draft learns, its chain wins steps
+    back. The lookup searches ``alone``'s history when ``spec``'s has
     none. A ``spec`` with a static tree or ``adaptive`` is returned as it is (``auto_k``
     picks chain lengths)."""
     if spec.tree is not None or spec.adaptive:
@@ -403,7 +406,7 @@ def learning_beside(spec: SpecConfig, alone: SpecConfig) -> SpecConfig:
         if not lk.history:
             lk = dataclasses.replace(lk, history=alone.lookup.history)
         longest = alone.num_draft_tokens if alone.drafter == "ngram" else 0
-        if longest > max(spec.num_draft_tokens, lk.tokens):
+        if longest > spec.num_draft_tokens:
             lk = dataclasses.replace(lk, tokens=longest)
     return dataclasses.replace(spec, auto_k=True, lookup=lk)
 

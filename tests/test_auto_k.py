@@ -195,7 +195,8 @@ def test_learning_beside_a_lookup_recommendation():
     )
     got = learning_beside(spec, alone)
     assert got.auto_k and got.num_draft_tokens == 3
-    assert (got.lookup.history, got.lookup.tokens, got.lookup.tree_below) == (65536, 8, 3)
+    # its all-lookup steps draft as many as lookup alone would, not the float spec's 8
+    assert (got.lookup.history, got.lookup.tokens, got.lookup.tree_below) == (65536, 6, 3)
     tree = osd.SpecConfig(num_draft_tokens=3, tree=[(0,), (1,), (0, 0)])
     assert learning_beside(tree, alone) == tree
     # a chain behind lookup: its all-lookup steps draft as many as lookup alone would
