@@ -25,6 +25,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from osd.chat_template import apply_chat_template  # noqa: E402
+from osd.evaluate import settle_memory  # noqa: E402
 from osd.zoo.workloads import evaluation_set  # noqa: E402
 
 CLIENTS = 8
@@ -56,6 +57,7 @@ def run(rounds: int, prompts_per_workload: int = 4, clients: int = CLIENTS, log=
         "speculative": osd.AsyncEngine.from_pretrained(target, draft, max_batch_size=clients),
         "plain": osd.AsyncEngine.from_pretrained(target, max_batch_size=clients),
     }
+    settle_memory()  # neither engine favoured by being built last
     tok = engines["plain"].tokenizer
     prompts = [
         apply_chat_template(tok, [list(p)])[0]

@@ -65,6 +65,7 @@ import osd
 from bench import llamacpp
 from bench.common import bench_draft, bench_target
 from osd import zoo
+from osd.evaluate import settle_memory
 from osd.chat_template import encode_chat
 from osd.models.gguf.export import write_draft_gguf
 from osd.zoo.workloads import evaluation_set
@@ -137,6 +138,7 @@ def setup(tmp_path_factory):
             target, draft=draft, spec=None if draft else NO_DRAFT_SPEC, **kw
         ),
     }
+    settle_memory()  # no engine favoured by being built last
     tok = engines["osd-plain"].tokenizer
     wanted = [w for w in WORKLOADS.split(",") if w]
     workloads = {

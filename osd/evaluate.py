@@ -31,6 +31,8 @@ import statistics
 import sys
 import time
 
+import torch
+
 import osd
 from osd.chat_template import encode_chat
 from osd.spec import describe
@@ -57,6 +59,17 @@ def _timed(engine, ids, params):
     return time.perf_counter() - t, out, engine.stats
 
 
+def settle_memory(gigabytes: float = 1.0) -> None:
+    """Touch and free ``gigabytes`` of fresh memory. On the 2-core VMs the benchmarks ran
+    on, of identical engines built one after another in a process the last built ran 3-4%
+    faster than the others, until about a gigabyte of other memory had been touched since,
+    or a few minutes had passed (``scripts/build_order.py``); a side-by-side comparison
+    calls this after building its engines, so that none is favoured by being built last.
+    About 0.3 s a gigabyte."""
+    ballast = torch.ones(int(gigabytes * 2**30), dtype=torch.uint8)  # every page written
+    del ballast
+
+
 def evaluate(
     target,
     draft=None,
@@ -79,6 +92,7 @@ def evaluate(
     kw = dict(max_batch_size=1, **(engine_kwargs or {}))
     plain = osd.Engine.from_pretrained(target, **kw)
     fast = osd.Engine.from_pretrained(target, draft=draft, spec=spec, **kw)
+    settle_memory()
     sampling = dict(sampling or {})
     greedy = float(sampling.get("temperature", 0.0)) == 0.0
     k = fast.spec.num_draft_tokens if fast.spec is not None else 0

@@ -19,6 +19,7 @@ import time
 
 import osd
 from osd.chat_template import encode_chat
+from osd.evaluate import settle_memory
 
 
 def _serve(engine, ids, params):
@@ -67,6 +68,7 @@ def online_stream(
         target, draft=draft, online=online or osd.OnlineConfig(), **kw
     )
     static = osd.Engine.from_pretrained(target, draft=draft, **kw)
+    settle_memory()  # neither engine favoured by being built last
     convs = [list(c) for c in conversations]
     prompts = encode(convs) if encode is not None else encode_chat(static.tokenizer, convs)
     params = osd.SamplingParams(max_new_tokens)
