@@ -60,12 +60,12 @@ def _timed(engine, ids, params):
 
 
 def settle_memory(gigabytes: float = 1.0) -> None:
-    """Touch and free ``gigabytes`` of fresh memory. On the 2-core VMs the benchmarks ran
-    on, of identical engines built one after another in a process the last built ran 3-4%
-    faster than the others, until about a gigabyte of other memory had been touched since,
-    or a few minutes had passed (``scripts/build_order.py``); a side-by-side comparison
-    calls this after building its engines, so that none is favoured by being built last.
-    About 0.3 s a gigabyte."""
+    """Touch and free ``gigabytes`` of fresh memory. On the 2-core VM the benchmarks ran
+    on, of identical engines built one after another in a process the last built often
+    ran a few percent faster than the others; a gigabyte touched after building them, or a
+    few minutes' wait, evened them out in most runs of ``scripts/build_order.py``, though
+    not in every comparison. A side-by-side comparison calls this after building its
+    engines to reduce that bias. About 0.3 s a gigabyte."""
     ballast = torch.ones(int(gigabytes * 2**30), dtype=torch.uint8)  # every page written
     del ballast
 

@@ -11,9 +11,10 @@ in a rotated order. Printed per engine, in the order they were built: the wall s
 and the seconds in target forwards, and each as a ratio to the last built engine's.
 
 Identical engines doing identical work in turns should take the same time; on the 2-core
-Intel VM the engine built last ran 3-4% faster than the ones built before it, until about
-a gigabyte of other memory had been touched or a few minutes had passed, which is why
-side-by-side comparisons call ``settle_memory`` after building their engines.
+Intel VM the engine built last often ran a few percent faster than the ones built before
+it, and a gigabyte of other memory touched after building them, or a few minutes' wait,
+evened them out in most runs, which is why side-by-side comparisons call
+``settle_memory`` after building their engines.
 
     .venv/bin/python scripts/build_order.py --engines 2
     .venv/bin/python scripts/build_order.py --engines 2 --ballast 1

@@ -279,23 +279,33 @@ def test_idle_is_whether_propose_drafts_nothing():
 @pytest.mark.parametrize("sampled", [False, True])
 def test_idle_steps_equal_steps_through_the_verify_path(sampled):
     """A step in which prompt lookup drafts nothing runs as a plain step (``Speculator.
-    _plain_step``); it gives the same tokens (seeded samples included), statistics and
-    records as the same step through the propose / verify / commit path."""
+    _plain_step`` when no row's record can clear the bar, ``_plain_tail`` after a proposal
+    that drafts nothing); it gives the same tokens (seeded samples included), statistics
+    and records as the same step through the propose / verify / commit path."""
     target, _ = osd.zoo.default_pair()
     spec = osd.SpecConfig(drafter="ngram", num_draft_tokens=4, lookup=PromptLookup(min_reach=0.2))
     engines = [osd.Engine.from_pretrained(target, max_batch_size=4, spec=spec) for _ in range(2)]
     idle_steps = []
     first = engines[0].speculators[0]
-    real = first._plain_step
+    real, tail = first._plain_step, first._plain_tail
     first._plain_step = lambda *a: idle_steps.append(1) or real(*a)
+    first._plain_tail = lambda *a: idle_steps.append(2) or tail(*a)
     engines[1].speculators[0]._idle = lambda active, k: False
+    engines[1].speculators[0]._nothing_drafted = lambda prop: False
     prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7, 8, 9] * 5, list(range(10, 40)), [3, 4] * 6]
     if sampled:
         params = [osd.SamplingParams(48, temperature=0.8, top_p=0.9, seed=s) for s in range(4)]
     else:
         params = osd.SamplingParams(48, ignore_eos=True)
-    outs = [[o.token_ids for o in e.generate(prompts, params)] for e in engines]
-    assert idle_steps and outs[0] == outs[1]
+    # batch 4 (the bar 0.8: most steps idle), then the last prompt alone (the bar 0.2:
+    # proposals, some of which find nothing to draft)
+    for rows in (slice(0, 4), slice(2, 3)):
+        batch = prompts[rows]
+        p = params[rows] if isinstance(params, list) else params
+        outs = [[o.token_ids for o in e.generate(batch, p)] for e in engines]
+        assert outs[0] == outs[1]
+    assert 1 in idle_steps
+    assert idle_steps.count(2) > idle_steps.count(1)  # some after a proposal
     stats = [e.stats for e in engines]
     for key in ("target_forwards", "drafted", "accepted", "generated_tokens", "lookup_steps"):
         assert stats[0][key] == stats[1][key], key

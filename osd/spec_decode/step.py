@@ -311,9 +311,13 @@ class Speculator:
         drafted, so a row samples the same token either way) and the chain commit of one
         token, without the proposal tensors, columns and drafter bookkeeping of
         :meth:`_step_parts`. Returns ``(proposal, logits, read-back)``."""
+        clock.append(time.perf_counter())
+        return self._plain_tail(active, params, sampling, clock)
+
+    def _plain_tail(self, active, params: BatchParams, sampling: dict, clock: list):
+        """:meth:`_plain_step` after its (empty) proposal."""
         B = len(active)
         prop = self._empty_proposal(B)
-        clock.append(time.perf_counter())
         logits, _ = self.verify(prop)  # [B, 1, V]
         clock.append(time.perf_counter())
         scored = self._penalized(active, logits, prop) if wants_penalties(active) else logits
@@ -331,6 +335,16 @@ class Speculator:
             back = Readback.fetch(*pack_readback(n, logits, columns, out, bad))
         return prop, logits, back
 
+    def _nothing_drafted(self, prop) -> bool:
+        """Whether ``prop`` drafts nothing for any row from a drafter without a model to
+        catch up (prompt lookup alone finding no match worth drafting): the step's verify,
+        sampling and commit are then a plain step's (:meth:`_plain_tail`)."""
+        return (
+            isinstance(prop, ChainProposal)
+            and prop.tokens.shape[1] == 0
+            and not getattr(self.drafter, "has_model", True)
+        )
+
     def _empty_proposal(self, B: int) -> ChainProposal:
         """The proposal of a step without drafts: ``tokens [B, 0]``."""
         empty = self._empty.get(B)
@@ -345,6 +359,9 @@ class Speculator:
         B = len(active)
         prop = self.propose(active, params, sampling, k)
         clock.append(time.perf_counter())
+        if self._nothing_drafted(prop):  # no row matched: a plain step from here
+            prop, logits, back = self._plain_tail(active, params, sampling, clock)
+            return prop, logits, None, None, back
         logits, hidden = self.verify(prop)  # [B, T, V], [B, T, H] / None
         clock.append(time.perf_counter())
         scored = self._penalized(active, logits, prop) if wants_penalties(active) else logits
