@@ -276,7 +276,7 @@ def test_idle_is_whether_propose_drafts_nothing():
     assert seen == {False, True}
 
 
-@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("sampled", [False, True, "mixed"])
 def test_idle_steps_equal_steps_through_the_verify_path(sampled):
     """A step in which prompt lookup drafts nothing runs as a plain step (``Speculator.
     _plain_step`` when no row's record can clear the bar, ``_plain_tail`` after a proposal
@@ -293,7 +293,14 @@ def test_idle_steps_equal_steps_through_the_verify_path(sampled):
     engines[1].speculators[0]._idle = lambda active, k: False
     engines[1].speculators[0]._nothing_drafted = lambda prop: False
     prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7, 8, 9] * 5, list(range(10, 40)), [3, 4] * 6]
-    if sampled:
+    if sampled == "mixed":  # greedy and sampled rows, each with its own settings
+        params = [
+            osd.SamplingParams(48, ignore_eos=True, logprobs=2),
+            osd.SamplingParams(48, temperature=0.8, top_p=0.9, seed=1),
+            osd.SamplingParams(48, temperature=1.2, top_k=5, seed=2),
+            osd.SamplingParams(48, temperature=0.5, seed=3, repetition_penalty=1.3),
+        ]
+    elif sampled:
         params = [osd.SamplingParams(48, temperature=0.8, top_p=0.9, seed=s) for s in range(4)]
     else:
         params = osd.SamplingParams(48, ignore_eos=True)
@@ -302,8 +309,11 @@ def test_idle_steps_equal_steps_through_the_verify_path(sampled):
     for rows in (slice(0, 4), slice(2, 3)):
         batch = prompts[rows]
         p = params[rows] if isinstance(params, list) else params
-        outs = [[o.token_ids for o in e.generate(batch, p)] for e in engines]
-        assert outs[0] == outs[1]
+        outs = [e.generate(batch, p) for e in engines]
+        assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+        assert [o.logprobs for o in outs[0]] == [o.logprobs for o in outs[1]]
+        if sampled == "mixed" and rows.start == 0:
+            assert len(outs[0][0].logprobs) == len(outs[0][0].token_ids)
     assert 1 in idle_steps
     assert idle_steps.count(2) > idle_steps.count(1)  # some after a proposal
     stats = [e.stats for e in engines]
