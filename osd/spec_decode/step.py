@@ -325,14 +325,8 @@ class Speculator:
         if bad is None or scored is not logits:
             bad = nonfinite_rows(logits)
         clock.append(time.perf_counter())
-        self.cache.commit(self.engine._ones[:B], 1)
-        tokens = out[:, 0]
-        self.next_tokens[:B] = tokens
         columns = self.device_columns(prop, logits, params)
-        if logits.device.type == "cpu":
-            back = Readback.direct(n, bad, columns, out)
-        else:
-            back = Readback.fetch(*pack_readback(n, logits, columns, out, bad))
+        back = self.commit(B, prop, logits, out, n, None, None, columns, plain=True, bad=bad)
         return prop, logits, back
 
     def _nothing_drafted(self, prop) -> bool:
@@ -460,7 +454,8 @@ class Speculator:
         :class:`Readback`."""
         cache = self.cache
         lens_before = None if plain else cache.lens[:B].clone()
-        keep = (n + 1).to(torch.int32)
+        # a plain step keeps one token a row: its sampled one (n is 0)
+        keep = self.engine._ones[:B] if plain else (n + 1).to(torch.int32)
         if path is not None:
             cache.commit_tree(path, keep, prop.max_depth + 1)
         else:
@@ -469,7 +464,9 @@ class Speculator:
             back = Readback.direct(n, nonfinite_rows(logits) if bad is None else bad, columns, out)
         else:
             back = Readback.fetch(*pack_readback(n, logits, columns, out, bad))
-        self.next_tokens[:B] = out.gather(1, n[:, None].long())[:, 0]
+        self.next_tokens[:B] = out[:, 0] if plain else out.gather(1, n[:, None].long())[:, 0]
+        if plain and not getattr(self.drafter, "has_model", True):
+            return back  # prompt lookup alone keeps nothing to catch up
         emitted = Emitted(B, out, keep.long(), max(back.accepted) + 1, hidden)
         if plain:
             self.drafter.catch_up(emitted)
