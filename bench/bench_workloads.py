@@ -13,7 +13,10 @@ the plain one. The zero-setup options run too, greedy: prompt lookup alone
 with every other layer skipped). ``OSD_BENCH_WORKLOAD_PROMPTS`` (default 6) sets the
 prompts per workload, ``OSD_BENCH_CHAT_DRAFT`` another draft directory (the EAGLE one;
 ``none``: the zero-setup rows only), ``OSD_BENCH_CHAT_TARGET`` another target (``gemma``:
-Gemma 3 270M, ``osd.zoo.gemma``, asked in question-and-answer transcripts).
+Gemma 3 270M, ``osd.zoo.gemma``, asked in question-and-answer transcripts). Each case's
+rows are also drawn, with the cases before it in the run, to
+``$OSD_BENCH_WORKLOADS_PLOT`` (default ``results/bench_workloads.png``; empty: no plot),
+beside the goals (2x greedy, 1.6x sampled).
 
     .venv/bin/python -m pytest -q -s -p no:cacheprovider bench/bench_workloads.py
 """
@@ -24,13 +27,22 @@ import pytest
 
 import osd
 from bench.common import bench_draft, bench_target, chat_pair_or_skip
-from osd.evaluate import evaluate, table
+from osd.evaluate import evaluate, plot, table
 from osd.spec import draft_serving_defaults
 from osd.zoo.workloads import evaluation_set
 
 NEW_TOKENS = 128
 PROMPTS = int(os.environ.get("OSD_BENCH_WORKLOAD_PROMPTS", "6"))
 MODES = {"greedy": {}, "sampled": dict(temperature=0.7, top_p=0.9)}
+GOALS = {"greedy goal 2x": 2.0, "sampled goal 1.6x": 1.6}
+PLOT = os.environ.get("OSD_BENCH_WORKLOADS_PLOT", os.path.join("results", "bench_workloads.png"))
+NAMES = {
+    "draft": "as served",
+    "draft-model": "draft model",
+    "ngram": "lookup alone",
+    "self": "self-speculation",
+}
+_drawn: dict[str, list[dict]] = {}  # the run's cases so far, for the plot
 # "draft": as from_pretrained builds it (beside a quantized target the chat draft
 # recommends prompt lookup alone); "draft-model": the draft model with its float-target
 # settings (serving.json's "spec")
@@ -81,5 +93,15 @@ def test_workloads(benchmark, pair, drafter, mode):
         + table(rows)
     )
     benchmark.extra_info.update(drafter=drafter, mode=mode, rows=rows)
+    if PLOT:
+        _drawn[f"{NAMES[drafter]}, {mode}"] = rows
+        os.makedirs(os.path.dirname(PLOT) or ".", exist_ok=True)
+        plot(
+            _drawn,
+            PLOT,
+            goals=GOALS,
+            title=f"chat pair, {PROMPTS} prompts per workload, "
+            f"{NEW_TOKENS} new tokens, batch 1 (t/f: tokens per target forward)",
+        )
     if mode == "greedy":
         assert all(r["equal"] for r in rows), "a speculative output differs from plain greedy"

@@ -183,4 +183,72 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["evaluate", "table", "analytic_speedup"]
+def plot(
+    cases: dict[str, list[dict]],
+    path: str,
+    *,
+    goals: dict[str, float] | None = None,
+    title: str | None = None,
+) -> None:
+    """A PNG of the speedup per workload: one group of bars a workload, one bar a case
+    (``cases``: a label, such as ``"greedy"`` or ``"sampled"``, to its :func:`evaluate`
+    rows), each bar labelled with its speedup and tokens per target forward; a dashed line
+    at 1x (plain decoding) and a dotted line per entry of ``goals`` (a label to a
+    speedup)."""
+    # matplotlib loads only when a plot is drawn (it is slow to import), and its Agg
+    # backend must be chosen before pyplot is imported
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # after use("Agg"), see above
+
+    labels = [name for name, rows in cases.items() if rows]
+    workloads: list[str] = []
+    for name in labels:
+        workloads += [r["workload"] for r in cases[name] if r["workload"] not in workloads]
+    if not workloads:
+        raise ValueError("plot needs at least one case with rows")
+    width = 0.8 / len(labels)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(workloads) * max(1, len(labels) / 2), 3.8))
+    top = 1.0
+    for j, name in enumerate(labels):
+        by = {r["workload"]: r for r in cases[name]}
+        xs = [i + (j - (len(labels) - 1) / 2) * width for i, w in enumerate(workloads) if w in by]
+        rows = [by[w] for w in workloads if w in by]
+        bars = ax.bar(xs, [r["speedup"] for r in rows], width * 0.95, label=name)
+        for bar, r in zip(bars, rows):
+            tpf = r.get("tokens_per_forward")
+            note = f"{r['speedup']:.2f}x" + ("" if tpf is None else f"\n{tpf:.2f} t/f")
+            ax.text(
+                bar.get_x() + bar.get_width() / 2,
+                bar.get_height(),
+                note,
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
+            top = max(top, r["speedup"])
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
+    for name, value in (goals or {}).items():
+        ax.axhline(value, color="tab:red", linestyle=":", linewidth=1)
+        ax.text(
+            len(workloads) - 0.5,
+            value,
+            f" {name}",
+            color="tab:red",
+            va="bottom",
+            ha="right",
+            fontsize=7,
+        )
+        top = max(top, value)
+    ax.set_xticks(range(len(workloads)), workloads)
+    ax.set_ylim(0, top * 1.25)
+    ax.set_ylabel("speedup over plain decoding (median)")
+    ax.set_title(title or "speedup per workload (t/f: tokens per target forward)", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+__all__ = ["evaluate", "table", "plot", "analytic_speedup"]

@@ -7,7 +7,7 @@ import os
 import pytest
 
 import osd
-from osd.evaluate import analytic_speedup, evaluate, table
+from osd.evaluate import analytic_speedup, evaluate, plot, table
 from osd.evaluate_online import online_stream
 from osd import zoo
 from osd.zoo import corpus, workloads
@@ -89,6 +89,18 @@ def test_a_base_model_is_evaluated_on_transcripts():
         progress=False,
     )
     assert rows[0]["workload"] == "explain" and rows[0]["equal"] is True
+
+
+def test_plot_draws_every_case_per_workload(tmp_path):
+    rows = [
+        {"workload": w, "speedup": s, "tokens_per_forward": t}
+        for w, s, t in (("explain", 1.4, 1.7), ("code", 0.9, None))
+    ]
+    path = tmp_path / "speedup.png"
+    plot({"greedy": rows, "sampled": rows[:1], "none": []}, str(path), goals={"goal": 2.0})
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="at least one case"):
+        plot({"greedy": []}, str(path))
 
 
 def test_analytic_speedup():

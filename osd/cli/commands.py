@@ -189,7 +189,7 @@ def _draft_eval(args) -> int:
 
     import torch
 
-    from osd.evaluate import evaluate, table
+    from osd.evaluate import evaluate, plot, table
     from osd.zoo.workloads import evaluation_set
 
     if args.threads:
@@ -209,4 +209,13 @@ def _draft_eval(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.plot:
+        mode = "greedy" if not sampling else f"T {args.temperature}, top-p {args.top_p}"
+        plot(
+            {mode: rows},
+            args.plot,
+            title=f"{os.path.basename(args.draft.rstrip('/'))}: "
+            f"speedup per workload (t/f: tokens per target forward)",
+        )
+        print(f"plot written to {args.plot}")
     return 0

@@ -266,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     e.add_argument("--json", default=None, help="also write the rows here")
+    e.add_argument(
+        "--plot", default=None, help="also draw the speedup per workload to this PNG file"
+    )
     e.set_defaults(func=_draft_eval)
     # `osd draft build`: its options, help and run live in osd.draft_build.cli, imported
     # here as every command's own modules are (it loads only argparse and the recipe)
