@@ -53,11 +53,14 @@ class PromptLookup:
 
     Alone (``SpecConfig(drafter="ngram")``) it is the drafter. In front of a draft model
     (``SpecConfig(lookup=PromptLookup())``) it drafts a step when every row has a match
-    (those continuations, up to ``tokens`` or ``num_draft_tokens``, verified as a chain;
-    the draft model does not run and catches up on the next step it drafts); otherwise the
-    draft model drafts, and in a chain the rows that do have a match verify their
-    continuation instead (unless ``adaptive``). Lookup is nearly free and, where text
-    repeats (code, edits, retrieval), long and accurate; the draft model covers the rest.
+    worth drafting (those continuations, up to ``tokens`` or ``num_draft_tokens``, each
+    cut by its request's record as lookup alone cuts it, below; verified as a chain; the
+    draft model does not run and catches up on the next step it drafts); otherwise the
+    draft model drafts, and in a chain the rows that do have lookup drafts verify those
+    instead (unless ``adaptive``). So a row whose lookup drafts would not pay gets the
+    model's chain, not a plain step. ``min_reach=0`` drafts every match whole instead.
+    Lookup is nearly free and, where text repeats (code, edits, retrieval), long and
+    accurate; the draft model covers the rest.
 
     ``tree_below=m`` (in front of a draft model) lets a match draft alone only when it is
     at least ``m`` tokens long. Unless every row has such a match, the draft model drafts a
@@ -68,7 +71,7 @@ class PromptLookup:
     and one verify forward tries both. ``m = ngram_max + 1`` puts every match beside the
     model. A row's drafts depend on its own context only.
 
-    Alone, a row drafts its continuation only as far as its request's record of earlier
+    A row drafts its continuation only as far as its request's record of earlier
     lookup drafts makes each position worth a verify row (``min_reach``: the chance of
     reaching and accepting the last drafted position, :mod:`osd.spec_decode.lookup_lengths`):
     on text that does not repeat most continuations are wrong, and drafting all of them
@@ -85,7 +88,7 @@ class PromptLookup:
     #                  (0: num_draft_tokens)
     tree_below: int = 0  # in front of a model: shorter matches verify beside the model's
     #                      chain in one tree (0: off)
-    min_reach: float | None = None  # alone: draft a continuation only up to the last
+    min_reach: float | None = None  # draft a continuation only up to the last
     # position whose chance of acceptance, by the request's record, is at least this (0:
     # all of it; None: MIN_REACH for the target's device)
 
@@ -396,9 +399,11 @@ def learning_beside(spec: SpecConfig, alone: SpecConfig) -> SpecConfig:
     lookup chain than the recommendation's verifies more rows a step for the same tokens,
     which would make the learning engine slower than the recommendation), else up to
     ``max(num_draft_tokens, lookup.tokens)``; as the draft learns, its chain wins steps
-    back. The lookup searches ``alone``'s history when ``spec``'s has
-    none. A ``spec`` with a static tree or ``adaptive`` is returned as it is (``auto_k``
-    picks chain lengths)."""
+    back. The chain steps draft the model only where lookup drafts nothing (no lookup
+    trees: ``tree_below`` 0), so a chain length is measured against plain steps on the
+    steps lookup leaves, and its steps elsewhere are lookup alone's. The lookup searches
+    ``alone``'s history when ``spec``'s has none. A ``spec`` with a static tree or
+    ``adaptive`` is returned as it is (``auto_k`` picks chain lengths)."""
     if spec.tree is not None or spec.adaptive:
         return spec
     lk = spec.lookup
@@ -408,6 +413,8 @@ def learning_beside(spec: SpecConfig, alone: SpecConfig) -> SpecConfig:
         longest = alone.num_draft_tokens if alone.drafter == "ngram" else 0
         if longest > spec.num_draft_tokens:
             lk = dataclasses.replace(lk, tokens=longest)
+        if alone.drafter == "ngram":
+            lk = dataclasses.replace(lk, tree_below=0)
     return dataclasses.replace(spec, auto_k=True, lookup=lk)
 
 

@@ -168,6 +168,13 @@ def test_auto_k_arm_0_behind_prompt_lookup_is_lookup_alone():
 
     drafter.propose_lookup, drafter.inner.propose = counted_lookup, counted_model
     drafter.inner.resync = counted_resync
+    plain_tail = speculator._plain_tail
+
+    def counted_plain(*args):
+        calls["plain steps"] += 1
+        return plain_tail(*args)
+
+    speculator._plain_tail = counted_plain
     assert drafter.inner.defer
     for p, want in zip(prompts, ref):
         assert eng.generate([p], sp)[0].token_ids == want
@@ -180,6 +187,9 @@ def test_auto_k_arm_0_behind_prompt_lookup_is_lookup_alone():
     got = eng.generate(more, each)
     assert [o.token_ids for o in got] == want
     assert calls["lookup alone"] > calls["lookup alone drafted"] > 0, calls
+    # arm 0's steps where lookup drafted nothing ran as plain steps (the model catching
+    # up after them as after any lookup step)
+    assert calls["plain steps"] == calls["lookup alone"] - calls["lookup alone drafted"], calls
     assert calls["rows fed late"] > 0, calls
     assert "model k=0" not in calls and calls["model k=3"] > 0, calls
     sampled = osd.SamplingParams(40, temperature=0.8, top_p=0.9, seed=3)
@@ -188,7 +198,8 @@ def test_auto_k_arm_0_behind_prompt_lookup_is_lookup_alone():
 
 def test_learning_beside_a_lookup_recommendation():
     """Online beside a target where lookup alone is recommended: the draft's own spec
-    with auto_k, searching the recommendation's history; trees stay as they are."""
+    with auto_k, searching the recommendation's history, its chain steps drafting the
+    model only where lookup drafts nothing (no lookup trees); trees stay as they are."""
     alone = osd.SpecConfig(drafter="ngram", num_draft_tokens=6, lookup_history=65536)
     spec = osd.SpecConfig(
         num_draft_tokens=3, prompt_lookup=True, lookup_tokens=8, lookup_tree_below=3
@@ -196,7 +207,7 @@ def test_learning_beside_a_lookup_recommendation():
     got = learning_beside(spec, alone)
     assert got.auto_k and got.num_draft_tokens == 3
     # its all-lookup steps draft as many as lookup alone would, not the float spec's 8
-    assert (got.lookup.history, got.lookup.tokens, got.lookup.tree_below) == (65536, 6, 3)
+    assert (got.lookup.history, got.lookup.tokens, got.lookup.tree_below) == (65536, 6, 0)
     tree = osd.SpecConfig(num_draft_tokens=3, tree=[(0,), (1,), (0, 0)])
     assert learning_beside(tree, alone) == tree
     # a chain behind lookup: its all-lookup steps draft as many as lookup alone would

@@ -207,7 +207,8 @@ def test_lookup_steps_verify_longer_chains(llama_pair, plain, tree):
     """lookup_tokens: a step whose rows all match verifies up to lookup_tokens drafts (12,
     past k = 3 and past the tree). Asked again, the requests are looked up in the history
     of their first answers, so steps accept up to 13 tokens at once; every output equals
-    the target's, alone and in a batch."""
+    the target's, alone and in a batch. (``min_reach=0``: whole continuations, not cut by
+    the requests' records.)"""
     target, draft = llama_pair
     prompts = [prompts_of([7], seed=86)[0] * 3, prompts_of([9], seed=87)[0] * 2]
     ref = plain.generate(prompts, osd.SamplingParams(40))
@@ -215,7 +216,9 @@ def test_lookup_steps_verify_longer_chains(llama_pair, plain, tree):
         target,
         draft=draft,
         spec=osd.SpecConfig(
-            num_draft_tokens=3, prompt_lookup=True, lookup_tokens=12, lookup_history=1024, tree=tree
+            num_draft_tokens=3,
+            lookup=osd.PromptLookup(tokens=12, history=1024, min_reach=0.0),
+            tree=tree,
         ),
         max_batch_size=2,
         max_seq_len=96,
@@ -260,3 +263,91 @@ def test_draft_cache_catches_up_after_lookup_steps(llama_pair, monkeypatch, limi
         with torch.no_grad():
             want = model.forward_train(torch.tensor([seq]))[0, -1]
         torch.testing.assert_close(root[b], want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_model_drafts_where_the_records_leave_lookup_nothing(llama_pair, plain, batch):
+    """With the requests' records on (``min_reach > 0``, the default), a chain step is
+    lookup's alone when every row's record makes some of its match worth drafting, with
+    those lengths; otherwise the model drafts, and only then (the rows with lookup drafts
+    verifying those instead). A row whose record cuts its match to nothing gets the
+    model's chain, not a plain step. Greedy output equals the target's."""
+    target, draft = llama_pair
+    prompts = [
+        prompts_of([7], seed=95)[0] * 4,
+        list(range(40, 60)),
+        prompts_of([5], seed=96)[0] * 3,
+    ]
+    prompts = prompts[:batch]
+    ref = plain.generate(prompts, osd.SamplingParams(40))
+    eng = osd.Engine.from_pretrained(
+        target,
+        draft=draft,
+        spec=osd.SpecConfig(num_draft_tokens=3, lookup=osd.PromptLookup(tokens=6)),
+        max_batch_size=3,
+        max_seq_len=112,
+    )
+    drafter = eng.speculators[0].drafter
+    assert drafter.lookup.min_reach > 0
+    seen = []
+    worth, model_propose = drafter.lookup.worth_drafting, drafter.inner.propose
+
+    def recorded_worth(*args):
+        conts = worth(*args)
+        seen.append(("lookup", [list(c) for c in conts]))
+        return conts
+
+    def recorded_model(*args, **kw):
+        seen.append(("model", kw["k"]))
+        return model_propose(*args, **kw)
+
+    drafter.lookup.worth_drafting, drafter.inner.propose = recorded_worth, recorded_model
+    verdicts = record_verdicts(eng)
+    outs = eng.generate(prompts, osd.SamplingParams(40))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    steps = [v.proposal for v in verdicts]
+    # pair each lookup decision with what followed it: the model only after an empty row
+    i, lookup_steps, model_steps = 0, 0, 0
+    for prop in steps:
+        kind, conts = seen[i]
+        assert kind == "lookup"
+        if all(conts):  # every row drafts lookup's continuation, as long as its record says
+            assert prop.tokens.shape[1] == max(map(len, conts))
+            assert prop.num_drafted.tolist() == [len(c) for c in conts]
+            lookup_steps += 1
+            i += 1
+        else:
+            assert seen[i + 1] == ("model", 3)
+            rows = prop.num_drafted.tolist() if prop.num_drafted is not None else [3] * batch
+            for b, c in enumerate(conts):
+                if c:  # a row with lookup drafts verifies those, cut to the chain
+                    assert rows[b] == min(len(c), 3)
+                    assert prop.tokens[b, : rows[b]].tolist() == c[: rows[b]]
+            model_steps += 1
+            i += 2
+    assert i == len(seen) and lookup_steps > 0 and model_steps > 0
+    # the records cut lookup's drafts: some step drafted less than a match offered
+    assert any(len(c) < 6 for kind, x in seen if kind == "lookup" for c in x if c)
+
+
+def test_without_records_lookup_drafts_every_match(llama_pair, plain):
+    """``min_reach=0``: lookup in front of the model drafts whole continuations and the
+    model drafts only when some row has no match at all."""
+    target, draft = llama_pair
+    prompts = [prompts_of([7], seed=97)[0] * 4]
+    ref = plain.generate(prompts, osd.SamplingParams(40))
+    eng = osd.Engine.from_pretrained(
+        target,
+        draft=draft,
+        spec=osd.SpecConfig(num_draft_tokens=3, lookup=osd.PromptLookup(tokens=6, min_reach=0.0)),
+        max_batch_size=1,
+        max_seq_len=112,
+    )
+    verdicts = record_verdicts(eng)
+    assert eng.generate(prompts, osd.SamplingParams(40))[0].token_ids == ref[0].token_ids
+    widths = [
+        v.proposal.tokens.shape[1]
+        for v in verdicts
+        if v.proposal.origin is not None and set(v.proposal.origin.tolist()) == {FROM_LOOKUP}
+    ]
+    assert widths and max(widths) == 6

@@ -102,8 +102,17 @@ class NGramDrafter:
         histories = [r.prompt + r.generated for r in active]
         if found is None:
             found = self.matches(histories, k, active)
+        return self.chain(self.worth_drafting(active, histories, found), k, roots.device)
+
+    def worth_drafting(
+        self, active, histories: list[list[int]], found: list[tuple[int, list[int]]]
+    ) -> list[list[int]]:
+        """Each row's drafts from its match ``found`` (:meth:`matches`): as much of the
+        continuation as its request's record makes worth a verify row under the batch's
+        bar (all of it without ``min_reach``), noted on the record as this step's drafts."""
         if self.min_reach <= 0.0:
-            return self.chain([cont for _, cont in found], k, roots.device)
+            return [cont for _, cont in found]
+        batched = batch_reach(self.min_reach, len(active))
         lengths = []
         for r, hist, (n, cont) in zip(active, histories, found):
             record = r.lookup_record
@@ -123,7 +132,7 @@ class NGramDrafter:
             cont = cont[: max(length, min(top, len(cont)))]
             r.lookup_record.propose(n, cont, len(hist))
             conts.append(cont)
-        return self.chain(conts, k, roots.device)
+        return conts
 
     def idle(self, active, k: int) -> bool:
         """Whether :meth:`propose` with chains of ``k`` would draft nothing for any row
@@ -241,10 +250,11 @@ class NGramDrafter:
 
 class LookupDrafter:
     """Prompt lookup in front of a :class:`ModelDrafter`: when every row's context has a
-    match, its continuation (up to ``max(k, lookup_tokens)`` tokens) is the chain (no draft
-    forward); otherwise the model drafts, and in a chain step the rows that have a match
-    still verify their lookup continuation in place of the model's drafts (a one-hot q
-    when sampling). The model's cache catches up on the tokens accepted meanwhile
+    match worth drafting, its continuation (up to ``max(k, lookup_tokens)`` tokens, cut by
+    the request's record when the lookup has ``min_reach``) is the chain (no draft
+    forward); otherwise the model drafts, and in a chain step the rows that have lookup
+    drafts still verify those in place of the model's drafts (a one-hot q when
+    sampling). The model's cache catches up on the tokens accepted meanwhile
     (:meth:`ModelDrafter.queue`); after a model step every row's cache keeps its pre-step
     tokens and queues what was accepted (:meth:`ModelDrafter.set_pending`), whichever
     drafts a row verified.
@@ -306,7 +316,18 @@ class LookupDrafter:
 
     def propose(self, active, roots, params, seed, offset, *, k: int = 0, tree=None, stopper=None):
         width = max(k, self.lookup_tokens)
-        found = self.lookup.matches([r.prompt + r.generated for r in active], width, active)
+        histories = [r.prompt + r.generated for r in active]
+        found = self.lookup.matches(histories, width, active)
+        if self._gated(tree, stopper):
+            return self._propose_gated(
+                active,
+                roots,
+                params,
+                seed,
+                offset,
+                k,
+                self.lookup.worth_drafting(active, histories, found),
+            )
         conts = [cont for _, cont in found]
         self._looked_up = all(n >= max(self.tree_below, 1) for n, _ in found)
         self.lookup_decided = self._looked_up
@@ -328,6 +349,29 @@ class LookupDrafter:
             prop = overlay_lookup(prop, conts)
         return prop
 
+    def _gated(self, tree, stopper) -> bool:
+        """Whether a chain step drafts the model only where lookup, as far as the rows'
+        records make it worth (``min_reach > 0``), drafts nothing: a chain without a
+        lookup tree, a static tree or a stopper."""
+        return (
+            self.lookup.min_reach > 0.0 and not self.tree_below and tree is None and stopper is None
+        )
+
+    def _propose_gated(self, active, roots, params, seed, offset, k, conts) -> ChainProposal:
+        """A chain step whose rows' lookup drafts ``conts`` (already cut by their records):
+        lookup's alone when every row has some, as :meth:`propose_lookup` drafts them;
+        otherwise the model's chain of ``k``, the rows with lookup drafts verifying those
+        instead (cut to ``k``). Where lookup drafts, the step is what prompt lookup alone
+        would make it, so ``auto_k`` measures its chain lengths on the other steps only
+        (``lookup_decided``): the model against a plain step, where it has no lookup
+        draft to compete with."""
+        self._looked_up = self.lookup_decided = all(conts)
+        if self._looked_up:
+            return self.lookup.chain(conts, max(k, self.lookup_tokens), roots.device)
+        self.inner.sync(active)
+        prop = self.inner.propose(active, roots, params, seed, offset, k=k)
+        return overlay_lookup(prop, conts) if any(conts) else prop
+
     def propose_lookup(self, active, roots, params, seed, offset, *, k: int) -> ChainProposal:
         """Prompt lookup alone, the draft model idle (``SpecConfig.auto_k``'s arm 0): each
         row's continuation, up to ``max(k, lookup_tokens)`` drafts, as far as its
@@ -335,9 +379,21 @@ class LookupDrafter:
         without a match drafts nothing. The model catches up on what was accepted."""
         self._looked_up = True
         width = max(k, self.lookup_tokens)
-        found = self.lookup.matches([r.prompt + r.generated for r in active], width, active)
-        self.lookup_decided = all(n >= max(self.tree_below, 1) for n, _ in found)
-        return self.lookup.propose(active, roots, params, seed, offset, k=width, found=found)
+        histories = [r.prompt + r.generated for r in active]
+        found = self.lookup.matches(histories, width, active)
+        conts = self.lookup.worth_drafting(active, histories, found)
+        self.lookup_decided = (
+            all(conts)  # a gated chain step would have drafted these alone
+            if self._gated(None, None)
+            else all(n >= max(self.tree_below, 1) for n, _ in found)
+        )
+        return self.lookup.chain(conts, width, roots.device)
+
+    @property
+    def lookup_only(self) -> bool:
+        """The last proposal was prompt lookup's alone: the model neither drafted nor was
+        fed, and catches up on the step's tokens (:meth:`catch_up`)."""
+        return self._looked_up
 
     def after_verify(self, emitted: Emitted, committed_lens: torch.Tensor, bound: int) -> None:
         if self._looked_up:

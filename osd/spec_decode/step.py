@@ -330,14 +330,18 @@ class Speculator:
         return prop, logits, back
 
     def _nothing_drafted(self, prop) -> bool:
-        """Whether ``prop`` drafts nothing for any row from a drafter without a model to
-        catch up (prompt lookup alone finding no match worth drafting): the step's verify,
-        sampling and commit are then a plain step's (:meth:`_plain_tail`)."""
-        return (
-            isinstance(prop, ChainProposal)
-            and prop.tokens.shape[1] == 0
-            and not getattr(self.drafter, "has_model", True)
-        )
+        """Whether ``prop`` drafts nothing for any row and came from prompt lookup alone
+        (finding no match worth drafting), in front of a model or not: the step's verify,
+        sampling and commit are then a plain step's (:meth:`_plain_tail`, whose commit
+        lets a model behind lookup catch up as after any lookup step)."""
+        if not isinstance(prop, ChainProposal) or prop.tokens.shape[1] != 0:
+            return False
+        d = self.drafter
+        if not getattr(d, "has_model", True):
+            return True
+        # (an EAGLE draft behind lookup is fed the target's features, which only the
+        # verify path returns)
+        return getattr(d, "lookup_only", False) and not d.needs_hidden
 
     def _empty_proposal(self, B: int) -> ChainProposal:
         """The proposal of a step without drafts: ``tokens [B, 0]``."""
