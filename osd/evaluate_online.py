@@ -102,7 +102,11 @@ def online_stream(
                     flush=True,
                 )
         learning.close()  # finish pending updates
-        updates = learning.stats["online"].get("updates_applied")
+        stats = learning.stats
+        updates = stats["online"].get("updates_applied")
+        # the chain lengths' goodput and steps (osd.SpecConfig.auto_k), while the learner
+        # was idle and while it trained
+        arms = {k: stats[k] for k in ("auto_k", "auto_k_learning") if k in stats}
     finally:
         learning.close()
         static.close()
@@ -118,6 +122,7 @@ def online_stream(
         }
     summary["requests"] = len(prompts)
     summary["updates_applied"] = updates
+    summary.update(arms)
     summary["median_tokens"] = statistics.median(r["tokens"] for r in recs["static"])
     return {**recs, "summary": summary}
 
