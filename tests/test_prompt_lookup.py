@@ -351,3 +351,28 @@ def test_without_records_lookup_drafts_every_match(llama_pair, plain):
         if v.proposal.origin is not None and set(v.proposal.origin.tolist()) == {FROM_LOOKUP}
     ]
     assert widths and max(widths) == 6
+
+
+def test_a_stale_row_catches_up_through_its_pending_tokens(llama_pair):
+    """A deferred draft's rows that sat out steps (``defer``): one that missed a few tokens
+    gets them as pending tokens, fed with its root by the next forward; one that missed
+    many (its whole prompt) is prefilled. Either way its root logits equal a cacheless
+    forward over the whole sequence, and a second catch-up continues from there."""
+    model = osd.Engine.from_pretrained(llama_pair[1], max_batch_size=2).model
+    drafter = ModelDrafter(model, max_batch_size=2, capacity=96, defer=True)
+    short, long = prompts_of([6], seed=98)[0], prompts_of([40], seed=99)[0]
+    drafter.prefill([short, long], 0, torch.tensor([3, 4]))  # deferred: rows left empty
+    seqs = [short + [3], long + [4]]
+    assert len(seqs[0]) <= ModelDrafter.PENDING_LIMIT < len(seqs[1])
+    for extra in ([], [[5, 6, 7], [8, 9]]):
+        for b, more in enumerate(extra):
+            seqs[b] += more
+        drafter.resync([0, 1], [list(s) for s in seqs])
+        root = drafter._root(2)
+        drafter._pending_len.zero_()
+        drafter._pending_max = 0
+        for b, seq in enumerate(seqs):
+            with torch.no_grad():
+                want = model.forward_train(torch.tensor([seq]))[0, -1]
+            torch.testing.assert_close(root[b], want, atol=1e-4, rtol=1e-4)
+        assert drafter.cache.lens[:2].tolist() == [len(s) for s in seqs]

@@ -235,11 +235,22 @@ class ModelDrafter:
     def resync(self, rows: list[int], histories: list[list[int]]) -> None:
         """Bring up to date rows that sat out steps without being fed (``defer``): row
         ``rows[i]`` keeps its cached tokens, a prefix of ``histories[i]`` (the request's
-        prompt and output, the root last); the rest but the root is fed, and the root is
-        its one pending token. Each run of neighbouring rows is fed by one ragged prefill
-        that continues the rows (one host read of the rows' lengths in all)."""
+        prompt and output, the root last). A row that missed at most
+        :attr:`PENDING_LIMIT` tokens, the root included (a few steps of prompt lookup),
+        gets them as its pending tokens, fed by the draft's next forward with its root,
+        as if they had been queued step by step; a row that missed more (its prompt, a
+        long stretch) is fed all but the root now, and the root is its one pending token.
+        Each run of neighbouring rows is fed by one ragged prefill that continues the rows
+        (one host read of the rows' lengths in all)."""
         lens = self.cache.lens.tolist()
-        todo = {b: hist[lens[b] : -1] for b, hist in zip(rows, histories)}
+        missed = {b: hist[lens[b] :] for b, hist in zip(rows, histories)}
+        queued = [b for b in rows if len(missed[b]) <= self.PENDING_LIMIT]
+        for b in queued:
+            self._pending[b, : len(missed[b])] = torch.tensor(missed[b], dtype=torch.int64)
+            self._pending_len[b] = len(missed[b])
+            self._pending_max = max(self._pending_max, len(missed[b]))
+        rest = [(b, hist) for b, hist in zip(rows, histories) if b not in queued]
+        todo = {b: hist[lens[b] : -1] for b, hist in rest}
         fed = sorted(b for b, t in todo.items() if t)
         runs: list[list[int]] = []
         for b in fed:
@@ -256,7 +267,7 @@ class ModelDrafter:
             else:
                 self._feed(run, todo, have, longest)
             self.cache.set_bound(max(self.cache.bound, max(lens[b] + len(todo[b]) for b in run)))
-        for b, hist in zip(rows, histories):
+        for b, hist in rest:
             self._pending[b, 0] = hist[-1]
             self._pending_len[b] = 1
         self._pending_max = max(self._pending_max, 1)
