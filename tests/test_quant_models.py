@@ -535,3 +535,36 @@ def test_bad_uses_fail_clearly(tmp_path, q41):
     with pytest.raises(ValueError, match="IQ4_XS rows hold whole blocks of 256"):
         QuantLinear.from_gguf_blocks(torch.zeros(8, dtype=torch.uint8), "IQ4_XS", (1, 32))
     assert not isinstance(layer, nn.Linear)
+
+
+def test_served_draft_copies_compute_with_int8_activations_and_learn_so():
+    """A draft served quantized (``quantize_draft``) computes with int8 activations where
+    the CPU has VNNI, as a quantized target does (its layers regrouped; it shares none of
+    the target's), and the learner's updates are published regrouped alike: each layer
+    then holds exactly the learner's weights quantized and regrouped."""
+    from osd.models.quant import own_quant_layers, quantized_state, serving_drafts
+    from osd_kernels import use_vnni
+    from osd_kernels.quant_x16 import X16_TYPES
+
+    draft = load_model(osd.zoo.default_pair()[1])
+    (served,) = serving_drafts([draft], "Q8_0", torch.device("cpu"), learning=True)
+    layers = own_quant_layers(served)
+    assert layers and all((q.ggml_type in X16_TYPES) == use_vnni() for q in layers.values())
+    gen = torch.Generator().manual_seed(5)
+    state = {
+        k: v + 0.01 * torch.randn(v.shape, generator=gen) if k.endswith(".weight") else v
+        for k, v in draft.state_dict().items()
+    }
+    published = quantized_state(state, layers)
+    with torch.no_grad():
+        for name, p in served.state_dict().items():
+            if name in published:
+                p.copy_(published[name])
+    x = torch.randn(3, draft.config.hidden_size, generator=gen)
+    for name in ("layers.0.wqkv", "lm_head"):
+        want = quantize_weight(state[f"{name}.weight"], "Q8_0")
+        if use_vnni():
+            want.use_int8_activations()
+        got = layers[name]
+        assert torch.equal(got.qweight, want.qweight) and got.ggml_type == want.ggml_type
+        torch.testing.assert_close(got(x), want(x), atol=0, rtol=0)

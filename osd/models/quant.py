@@ -45,6 +45,7 @@ from osd.models.gguf.blocks import (
     type_name,
 )
 from osd.models.gguf.convert import ARCHITECTURES, unpermute_rope_rows
+from osd_kernels import use_vnni
 from osd_kernels.quant_linear import (
     BLOCK,
     STORED_TYPES,
@@ -454,7 +455,13 @@ def serving_drafts(drafts: list, fmt: str | None, device: torch.device, learning
         shared = list(getattr(d, "shared_parameters", list)()) + list(
             getattr(d, "shared_modules", list)()
         )
-        copies.append(quantize_linears(copy.deepcopy(d, memo={id(t): t for t in shared}), fmt))
+        q = quantize_linears(copy.deepcopy(d, memo={id(t): t for t in shared}), fmt)
+        if not shared and use_vnni():
+            # int8 activations, as a quantized target computes on such a CPU: the draft's
+            # forwards of few rows and its prompt prefills multiply in integers (its
+            # numerics change its drafts only, never the output)
+            use_int8_activations(q)
+        copies.append(q)
     return copies
 
 
@@ -467,6 +474,8 @@ def quantized_state(
     out = dict(state)
     for name, layer in layers.items():
         q = quantize_weight(out.pop(f"{name}.weight"), layer.fmt)
+        if layer.ggml_type in X16_TYPES:  # regrouped for int8 activations, as the layer is
+            q.use_int8_activations()
         for buf in ("qweight", "scales", "mins"):
             t = getattr(q, buf)
             if t is not None:
