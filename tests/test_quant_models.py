@@ -18,7 +18,16 @@ from osd.loader import LEARNING_CHAIN
 from osd.models.eagle import EagleLM, save_eagle
 from osd.models.gguf import BLOCK_LAYOUT, write_gguf
 from osd.models.loading import load_model
-from osd.models.quant import QuantLinear, quantize_linears, quantize_weight
+from osd.models.quant import (
+    QuantLinear,
+    own_quant_layers,
+    quantize_linears,
+    quantize_weight,
+    quantized_state,
+    serving_drafts,
+)
+from osd_kernels import use_vnni
+from osd_kernels.quant_x16 import X16_TYPES
 from tests.test_gguf import T, VOCAB, tiny_hf_model, to_gguf
 from tests.test_gguf_blocks import random_blocks
 from tests.test_speculative import prompts_of
@@ -542,10 +551,6 @@ def test_served_draft_copies_compute_with_int8_activations_and_learn_so():
     the CPU has VNNI, as a quantized target does (its layers regrouped; it shares none of
     the target's), and the learner's updates are published regrouped alike: each layer
     then holds exactly the learner's weights quantized and regrouped."""
-    from osd.models.quant import own_quant_layers, quantized_state, serving_drafts
-    from osd_kernels import use_vnni
-    from osd_kernels.quant_x16 import X16_TYPES
-
     draft = load_model(osd.zoo.default_pair()[1])
     (served,) = serving_drafts([draft], "Q8_0", torch.device("cpu"), learning=True)
     layers = own_quant_layers(served)
