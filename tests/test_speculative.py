@@ -304,9 +304,9 @@ def _engine_modes():
         ),
         slow_case(dict(num_draft_tokens=3, auto_k=True), dict(temperature=0.8, top_k=6, top_p=1.0)),
         # what a draft learning online beside a quantized target serves: lookup alone as
-        # chain length 0, the model deferred
+        # chain length 0, the model deferred, its chains where lookup drafts nothing
         slow_case(
-            dict(num_draft_tokens=3, prompt_lookup=True, lookup_tree_below=3, auto_k=True),
+            dict(num_draft_tokens=3, prompt_lookup=True, lookup_tokens=6, auto_k=True),
             dict(temperature=0.8, top_k=6, top_p=0.9),
         ),
         slow_case(
